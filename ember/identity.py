@@ -1,0 +1,86 @@
+"""Archive identity (what was captured) and compatibility key (where it can be LOADed).
+
+Used by the operator (to name GraphArchives and SAVE Jobs), by SAVE (to stamp the manifest),
+by the sidecar (to verify a fetched manifest) and by LOAD (to refuse a foreign archive).
+The identity hash is the sha256 of a canonical JSON encoding, so every component that builds
+the same identity gets the same hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def canonical_json(value: Any) -> bytes:
+    """Canonical JSON: sorted keys, no whitespace, UTF-8. Stable across Python versions."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class Parallelism(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    tensor: int = Field(1, ge=1)
+    expert: int = Field(1, ge=1)
+    data: int = Field(1, ge=1)
+
+
+class ArchiveIdentity(BaseModel):
+    """Everything that decides which graphs a SAVE captures. Equal identity → shareable archive."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    model: str
+    revision: str = "main"
+    engine: str
+    engine_version: str
+    capture_sizes: tuple[int, ...]
+    graph_mode: str = "full"
+    compile: dict[str, str] = Field(default_factory=dict)
+    dtype: str = "bfloat16"
+    max_num_tokens: int = 8192
+    max_batch: int = 512
+    parallelism: Parallelism = Parallelism()
+    gpu_product: str = ""
+
+    def canonical(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def hash(self) -> str:
+        return hashlib.sha256(canonical_json(self.canonical())).hexdigest()
+
+    def short(self) -> str:
+        """Short hash for Kubernetes object names (DNS-1123 safe)."""
+        return self.hash()[:16]
+
+
+class CompatKey(BaseModel):
+    """The software and hardware an archive was saved on. LOAD checks it before any graph."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    gpu_name: str
+    compute_capability: str
+    driver: str
+    cuda: str
+    torch: str = ""
+    triton: str = ""
+    engine: str = ""
+    env: dict[str, str] = Field(default_factory=dict)
+
+    def mismatches(self, other: CompatKey) -> list[str]:
+        """Human-readable differences (empty when compatible)."""
+        mine, theirs = self.model_dump(), other.model_dump()
+        return [f"{k}: archive={mine[k]!r} here={theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
+
+
+# Environment variables that change which kernels run or how memory is laid out.
+COMPAT_ENV_VARS = (
+    "CUDA_MODULE_LOADING",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "NCCL_CUMEM_ENABLE",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "TORCHINDUCTOR_MAX_AUTOTUNE",
+)

@@ -1,0 +1,1 @@
+extern "C" int ember_placeholder() { return 0; }
