@@ -17,6 +17,8 @@ import ember
 
 app = typer.Typer(help="ember: restore saved CUDA graphs instead of capturing them.", no_args_is_help=True)
 console = Console()
+bench = typer.Typer(help="Benchmarks (run the GPU ones on a GPU machine).", no_args_is_help=True)
+app.add_typer(bench, name="bench")
 
 
 @app.command()
