@@ -1,0 +1,39 @@
+# syntax=docker/dockerfile:1
+# One image for the control-plane side: `ember-operator` and `ember-sidecar` are its entry points
+# (the chart picks one per container). The native library ships inside the wheel and is copied
+# to /opt/ember/lib so an init container can put it on a shared volume for the engine's
+# LD_PRELOAD. An optional `engine` target layers ember onto an engine image (torch inside).
+
+ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ cmake ninja-build \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY ember ember
+COPY operator operator
+COPY sidecar sidecar
+COPY native native
+# CUDA headers come from the nvidia-cuda-runtime build requirement: no toolkit, no libcuda.
+RUN python -m pip wheel --no-cache-dir --wheel-dir /wheels '.[operator,sidecar]'
+
+FROM ${PYTHON_IMAGE} AS runtime
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    python -m pip install --no-cache-dir /wheels/*.whl \
+ && mkdir -p /opt/ember/lib \
+ && cp "$(python -c 'import ember.native as n; print(n.find_library())')" /opt/ember/lib/libember.so
+# Non-root; the operator and sidecar need no writable root filesystem.
+RUN useradd --uid 65532 --no-create-home --shell /usr/sbin/nologin ember
+USER 65532:65532
+ENV PYTHONUNBUFFERED=1
+CMD ["ember-operator"]
+
+# Engine image for SAVE Jobs and serving pods: ember on top of a torch image.
+ARG ENGINE_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime
+FROM ${ENGINE_IMAGE} AS engine
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    python -m pip install --no-cache-dir /wheels/ember-*.whl transformers
+COPY --from=runtime /opt/ember/lib/libember.so /opt/ember/lib/libember.so
+CMD ["ember", "doctor"]
