@@ -4,7 +4,9 @@
 # to /opt/ember/lib so an init container can put it on a shared volume for the engine's
 # LD_PRELOAD. An optional `engine` target layers ember onto an engine image (torch inside).
 
+# Build arguments used in FROM lines must come before the first FROM.
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+ARG ENGINE_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime
 
 FROM ${PYTHON_IMAGE} AS build
 RUN apt-get update \
@@ -31,7 +33,6 @@ ENV PYTHONUNBUFFERED=1
 CMD ["ember-operator"]
 
 # Engine image for SAVE Jobs and serving pods: ember on top of a torch image.
-ARG ENGINE_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime
 FROM ${ENGINE_IMAGE} AS engine
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     python -m pip install --no-cache-dir /wheels/ember-*.whl transformers
