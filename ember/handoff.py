@@ -1,0 +1,295 @@
+"""The sidecar ↔ engine handoff: a verified archive and a few small JSON files in a shared volume.
+
+Both sides of the protocol live here. The sidecar (``ember_sidecar``) fetches and verifies the
+archive, then publishes it; the engine process (``ember.runtime``, ``ember.serve`` or a vLLM
+plugin) waits for it, LOADs or captures natively, and reports each stage back. No sockets, no
+daemons: files in ``EMBER_RUN_DIR`` (default ``/var/run/ember``, an emptyDir shared by the engine
+and sidecar containers, which outlives container restarts but not the pod)::
+
+    <run_dir>/status.json                  written by the sidecar (atomic replace)
+    <run_dir>/archives/<identity-hash>/    the verified archive: manifest + blobs/<sha256>
+    <run_dir>/reports/<ns>-<pid>-<stage>.json   one file per engine report (atomic, never rewritten)
+    <run_dir>/load-attempt.json            crash-safety marker, present while the engine LOADs
+
+``status.json`` states: ``unclaimed`` (warm pod, no claim yet), ``fetching`` (claim observed),
+``ready`` (archive verified and in place: LOAD it), ``fallback`` (capture natively; ``reason``
+says why). ``ready`` and ``fallback`` are final for a given claim.
+
+Engine side, the whole workflow::
+
+    from ember import handoff
+
+    result = handoff.wait_for_archive(deadline=30.0)    # blocks; never raises on protocol trouble
+    if result.archive_dir is not None:
+        with handoff.load_attempt(result):               # marker: a crash here → next start falls back
+            ok = my_runtime.load(result.archive_dir)      # compat check + LOAD (report each stage)
+    ...
+    handoff.report("ready", seconds, "ok")               # sidecar's /readyz turns true
+
+If the engine dies inside ``load_attempt`` (segfault, OOM kill), the marker stays behind; the next
+``wait_for_archive`` in this pod returns a fallback with reason ``engine-crashed-during-load``
+instead of trying again, so a bad archive can never cause a crash loop.
+
+What this module deliberately does not do: fetch, verify or interpret archives (the sidecar and
+``ember.archive`` do), check the compatibility key (the engine runtime does, with the real GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_RUN_DIR = "/var/run/ember"
+STATUS_FILE = "status.json"
+MARKER_FILE = "load-attempt.json"
+REPORTS_DIR = "reports"
+ARCHIVES_DIR = "archives"
+
+# Sidecar states.
+UNCLAIMED, FETCHING, READY, FALLBACK = "unclaimed", "fetching", "ready", "fallback"
+FINAL_STATES = frozenset({READY, FALLBACK})
+
+# Stages the engine reports (the sidecar turns them into metrics): "handoff" is reported by
+# wait_for_archive itself; "compat", "load", "capture" (native), "first_token", "standby" (warm pod
+# with weights loaded, waiting for a claim) and "ready" (taking requests) by the engine.
+ENGINE_STAGES = ("handoff", "compat", "load", "capture", "first_token", "standby", "ready")
+
+# Fallback reasons named by the engine side.
+REASON_CRASHED = "engine-crashed-during-load"
+REASON_TIMEOUT = "handoff-timeout"
+REASON_NO_SIDECAR = "no-sidecar"
+
+
+def run_dir_from_env(run_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The run directory: the argument, else ``EMBER_RUN_DIR``, else ``/var/run/ember``."""
+    return Path(run_dir or os.environ.get("EMBER_RUN_DIR") or DEFAULT_RUN_DIR)
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON so readers see the old file or the new one, never a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or None when absent or unreadable (treated as absent)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine side
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HandoffResult:
+    """What the engine gets: an archive to LOAD, or None and the reason to capture natively."""
+
+    archive_dir: Path | None
+    reason: str = ""
+    identity: str = ""
+    waited_s: float = 0.0
+    run_dir: Path = field(default_factory=run_dir_from_env)
+
+    @property
+    def restored(self) -> bool:
+        """True when there is a verified archive to LOAD."""
+        return self.archive_dir is not None
+
+    @property
+    def manifest_path(self) -> Path | None:
+        return None if self.archive_dir is None else self.archive_dir / "manifest"
+
+
+def wait_for_archive(
+    run_dir: str | os.PathLike[str] | None = None,
+    deadline: float | None = 30.0,
+    *,
+    claim_timeout: float | None = None,
+    poll_s: float = 0.02,
+    report_handoff: bool = True,
+) -> HandoffResult:
+    """Block until the sidecar hands over a verified archive or says to capture natively.
+
+    ``deadline``: seconds to wait for the archive, counted from the claim (the sidecar's
+    ``claimed_at``) or from this call, whichever is later; None waits forever. While the sidecar
+    says ``unclaimed`` (a warm pod) the wait is for the claim itself, bounded by ``claim_timeout``
+    (None = wait for a claim forever, the right thing for a warm pod). With no status file at all
+    (no sidecar) the deadline counts from this call. Never raises for protocol problems: every
+    outcome is a HandoffResult; ``archive_dir`` is None exactly when the engine must capture.
+    """
+    root = run_dir_from_env(run_dir)
+    start_wall, start = time.time(), time.monotonic()
+    marker = read_json(root / MARKER_FILE)
+    if marker is not None:
+        reason = f"{REASON_CRASHED}: a previous engine died while loading {marker.get('identity', '?')}"
+        report("load", 0.0, "fallback", reason, run_dir=root)
+        return HandoffResult(None, reason, str(marker.get("identity", "")), 0.0, root)
+
+    while True:
+        status = read_json(root / STATUS_FILE)
+        now_wall = time.time()
+        if status is not None and status.get("state") in FINAL_STATES:
+            return _result_from_status(root, status, time.monotonic() - start, report_handoff)
+        if status is not None and status.get("state") == UNCLAIMED:
+            if claim_timeout is not None and time.monotonic() - start > claim_timeout:
+                return HandoffResult(None, f"{REASON_TIMEOUT}: no claim within {claim_timeout:g}s",
+                                     "", time.monotonic() - start, root)
+        elif deadline is not None:
+            claimed_at = float(status.get("claimed_at") or 0.0) if status else 0.0
+            since = now_wall - max(start_wall, claimed_at)
+            if since > deadline:
+                why = "no sidecar status" if status is None else f"sidecar still {status.get('state')!r}"
+                reason = f"{REASON_TIMEOUT}: {why} after {deadline:g}s"
+                report("handoff", time.monotonic() - start, "fallback", reason, run_dir=root)
+                return HandoffResult(None, reason, str((status or {}).get("identity", "")),
+                                     time.monotonic() - start, root)
+        time.sleep(poll_s)
+
+
+def _result_from_status(
+    root: Path, status: dict[str, Any], waited: float, report_handoff: bool
+) -> HandoffResult:
+    identity = str(status.get("identity", ""))
+    if status["state"] == FALLBACK:
+        return HandoffResult(None, str(status.get("reason") or "fallback"), identity, waited, root)
+    archive_dir = Path(str(status.get("archive_dir", "")))
+    if not archive_dir.is_absolute():
+        archive_dir = root / archive_dir
+    if not (archive_dir / "manifest").is_file():
+        reason = f"archive-missing: {archive_dir} has no manifest"
+        report("handoff", waited, "fallback", reason, run_dir=root)
+        return HandoffResult(None, reason, identity, waited, root)
+    if report_handoff:
+        # Time from the sidecar publishing the archive to the engine picking it up.
+        published = float(status.get("updated_at") or time.time())
+        report("handoff", max(0.0, time.time() - published), "ok", run_dir=root)
+    return HandoffResult(archive_dir, "", identity, waited, root)
+
+
+def report(
+    stage: str,
+    seconds: float,
+    result: str = "ok",
+    reason: str = "",
+    *,
+    run_dir: str | os.PathLike[str] | None = None,
+    **extra: Any,
+) -> Path | None:
+    """Tell the sidecar how a stage went: ``result`` is ``ok``, ``fallback`` or ``failed``.
+
+    ``stage`` is one of ENGINE_STAGES (others are accepted and recorded but not graphed).
+    ``compat``/``load`` with result ``fallback`` make the sidecar record a fallback with ``reason``;
+    ``ready`` makes its readiness probe pass. Never raises: a report that cannot be written is
+    dropped (returns None), because reporting must not take serving down.
+    """
+    root = run_dir_from_env(run_dir)
+    entry = {"stage": stage, "seconds": float(seconds), "result": result, "reason": reason,
+             "at": time.time(), "pid": os.getpid(), **extra}
+    path = root / REPORTS_DIR / f"{time.time_ns():020d}-{os.getpid()}-{stage}.json"
+    try:
+        write_json_atomic(path, entry)
+    except OSError:
+        return None
+    return path
+
+
+@contextlib.contextmanager
+def load_attempt(result: HandoffResult) -> Iterator[None]:
+    """Mark a LOAD in progress; a process death inside leaves the marker, so the next start falls back.
+
+    Normal exit or a Python exception (which the caller handles by capturing) clears the marker.
+    """
+    path = result.run_dir / MARKER_FILE
+    write_json_atomic(path, {"identity": result.identity, "pid": os.getpid(), "started_at": time.time(),
+                             "archive_dir": str(result.archive_dir)})
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+# ---------------------------------------------------------------------------------------------
+# Sidecar side
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HandoffWriter:
+    """The sidecar's half: publish state and collect the engine's reports, in one run directory."""
+
+    run_dir: Path
+    _seen: set[str] = field(default_factory=set)
+    _claimed_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir)
+        (self.run_dir / REPORTS_DIR).mkdir(parents=True, exist_ok=True)
+
+    def archive_dir(self, identity: str) -> Path:
+        return self.run_dir / ARCHIVES_DIR / identity
+
+    def status(self) -> dict[str, Any] | None:
+        return read_json(self.run_dir / STATUS_FILE)
+
+    def _write(self, state: str, **fields: Any) -> None:
+        data = {"state": state, "updated_at": time.time(), "claimed_at": self._claimed_at, **fields}
+        write_json_atomic(self.run_dir / STATUS_FILE, data)
+
+    def unclaimed(self) -> None:
+        """Warm pod: no claim yet (engine keeps waiting without a deadline)."""
+        self._write(UNCLAIMED)
+
+    def fetching(self, identity: str, archive_uri: str) -> None:
+        """Claim observed: the engine's deadline starts now."""
+        self._claimed_at = time.time()
+        self._write(FETCHING, identity=identity, archive=archive_uri)
+
+    def ready(self, identity: str, archive_dir: Path, archive_uri: str = "") -> None:
+        """The verified archive is in place: the engine LOADs it."""
+        self._write(READY, identity=identity, archive_dir=str(archive_dir), archive=archive_uri)
+
+    def fallback(self, reason: str, identity: str = "", archive_uri: str = "") -> None:
+        """Capture natively; ``reason`` is short and machine-friendly (e.g. ``digest-mismatch: ...``)."""
+        self._write(FALLBACK, reason=reason, identity=identity, archive=archive_uri)
+
+    def load_marker(self) -> dict[str, Any] | None:
+        """The crash-safety marker, if an engine is loading now or died while loading."""
+        return read_json(self.run_dir / MARKER_FILE)
+
+    def new_reports(self) -> list[dict[str, Any]]:
+        """Engine reports not returned before, oldest first."""
+        try:
+            names = sorted(n for n in os.listdir(self.run_dir / REPORTS_DIR) if n.endswith(".json"))
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            if name in self._seen:
+                continue
+            entry = read_json(self.run_dir / REPORTS_DIR / name)
+            if entry is None:
+                continue
+            self._seen.add(name)
+            out.append(entry)
+        return out
