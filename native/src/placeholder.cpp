@@ -1,1 +1,0 @@
-extern "C" int ember_placeholder() { return 0; }
