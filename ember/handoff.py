@@ -7,7 +7,9 @@ daemons: files in ``EMBER_RUN_DIR`` (default ``/var/run/ember``, an emptyDir sha
 and sidecar containers, which outlives container restarts but not the pod)::
 
     <run_dir>/status.json                  written by the sidecar (atomic replace)
-    <run_dir>/archives/<identity-hash>/    the verified archive: manifest + blobs/<sha256>
+    <run_dir>/store/                       a local store (same layout as ember.store), the cache:
+        blobs/<sha256>                     verified blobs (as stored: zstd), shared by archives
+        archives/<identity-hash>/manifest  written last, after every blob is verified
     <run_dir>/reports/<ns>-<pid>-<stage>.json   one file per engine report (atomic, never rewritten)
     <run_dir>/load-attempt.json            crash-safety marker, present while the engine LOADs
 
@@ -50,7 +52,7 @@ DEFAULT_RUN_DIR = "/var/run/ember"
 STATUS_FILE = "status.json"
 MARKER_FILE = "load-attempt.json"
 REPORTS_DIR = "reports"
-ARCHIVES_DIR = "archives"
+CACHE_DIR = "store"
 
 # Sidecar states.
 UNCLAIMED, FETCHING, READY, FALLBACK = "unclaimed", "fetching", "ready", "fallback"
@@ -118,6 +120,15 @@ class HandoffResult:
     @property
     def manifest_path(self) -> Path | None:
         return None if self.archive_dir is None else self.archive_dir / "manifest"
+
+    @property
+    def store_uri(self) -> str:
+        """The verified cache as a store URI: ``ember.store.open_store(result.store_uri)``."""
+        return (self.run_dir / CACHE_DIR).absolute().as_uri()
+
+    def blob_path(self, digest: str) -> Path:
+        """Where a verified blob of the archive lies (stored bytes, as named in the manifest)."""
+        return self.run_dir / CACHE_DIR / "blobs" / digest
 
 
 def wait_for_archive(
@@ -246,8 +257,13 @@ class HandoffWriter:
         self.run_dir = Path(self.run_dir)
         (self.run_dir / REPORTS_DIR).mkdir(parents=True, exist_ok=True)
 
+    @property
+    def cache_dir(self) -> Path:
+        """The local store holding verified archives (``<run_dir>/store``)."""
+        return self.run_dir / CACHE_DIR
+
     def archive_dir(self, identity: str) -> Path:
-        return self.run_dir / ARCHIVES_DIR / identity
+        return self.cache_dir / "archives" / identity
 
     def status(self) -> dict[str, Any] | None:
         return read_json(self.run_dir / STATUS_FILE)
