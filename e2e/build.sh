@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# Build the local control plane and MinIO from Go module sources (idempotent).
+#
+#   e2e/build.sh [kubernetes|etcd|kwok|helm|minio ...]   (default: all)
+#   e2e/build.sh --check      exit 1 (naming them) if pinned binaries are missing
+#
+# Versions come from e2e/versions.env. Binaries land in e2e/.work/bin/<component>-<version>/ and
+# are reused when present; module and build caches live in e2e/.work/{gomodcache,gocache}.
+# Each build's wall time is appended to e2e/.work/build-times.log.
+set -euo pipefail
+
+E2E="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+WORK="${EMBER_E2E_WORK:-$E2E/.work}"
+# shellcheck source=versions.env
+source "$E2E/versions.env"
+
+export GOMODCACHE="$WORK/gomodcache"
+export GOCACHE="$WORK/gocache"
+export GOPATH="$WORK/gopath"
+export CGO_ENABLED=0
+export GOFLAGS="-trimpath -buildvcs=false"
+# The builds share 2 cores with everything else: stay polite unless told otherwise.
+NICE="${EMBER_BUILD_NICE:-10}"
+
+# ensure_sum DIR: a wrapper module without go.sum gets one (first build after a version bump).
+ensure_sum() {
+  [[ -s "$1/go.sum" ]] && return 0
+  log "$(basename "$1"): go mod tidy (no go.sum yet)"
+  (cd "$1" && nice -n "$NICE" go mod tidy)
+}
+
+log() { printf '[build %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+bin_dir() { echo "$WORK/bin/$1-$2"; }
+
+# timed NAME VERSION CMD...: runs CMD, records the wall time.
+timed() {
+  local name="$1" version="$2"; shift 2
+  local t0 t1
+  t0=$(date +%s)
+  nice -n "$NICE" "$@"
+  t1=$(date +%s)
+  printf '%s %s %s %ss\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$name" "$version" "$((t1 - t0))" \
+    >> "$WORK/build-times.log"
+  log "$name $version built in $((t1 - t0))s"
+}
+
+build_kubernetes() {
+  local v="$KUBERNETES_VERSION" out minor
+  out="$(bin_dir kubernetes "$v")"
+  if [[ -x "$out/kube-apiserver" && -x "$out/kube-controller-manager" && -x "$out/kube-scheduler" \
+        && -x "$out/kubectl" ]]; then
+    return 0
+  fi
+  minor="${v#v1.}"; minor="${minor%%.*}"
+  local pkg=k8s.io/component-base/version cpkg=k8s.io/client-go/pkg/version
+  local stamp="-X $pkg.gitVersion=$v -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+  stamp+=" -X $cpkg.gitVersion=$v -X $cpkg.gitMajor=1 -X $cpkg.gitMinor=$minor -X $cpkg.gitTreeState=clean"
+  log "kubernetes $v: building kube-apiserver, kube-controller-manager, kube-scheduler, kubectl"
+  ensure_sum "$E2E/go/kubernetes"
+  mkdir -p "$out.tmp"
+  # One invocation so the four commands share compiled packages; -s -w drops debug info.
+  (cd "$E2E/go/kubernetes" &&
+    timed kubernetes "$v" go build -ldflags "-s -w $stamp" -o "$out.tmp/" \
+      k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+      k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl)
+  rm -rf "$out" && mv "$out.tmp" "$out"
+}
+
+build_etcd() {
+  local v="$ETCD_VERSION" out
+  out="$(bin_dir etcd "$v")"
+  [[ -x "$out/etcd" ]] && return 0
+  log "etcd $v: building"
+  ensure_sum "$E2E/go/etcd"
+  mkdir -p "$out.tmp"
+  (cd "$E2E/go/etcd" &&
+    timed etcd "$v" go build -ldflags "-s -w" -o "$out.tmp/etcd" go.etcd.io/etcd/server/v3)
+  rm -rf "$out" && mv "$out.tmp" "$out"
+}
+
+# go_install NAME VERSION PACKAGE BINARY: `go install pkg@version` into the versioned bin folder.
+go_install() {
+  local name="$1" v="$2" pkg="$3" binary="$4" out
+  out="$(bin_dir "$name" "$v")"
+  [[ -x "$out/$binary" ]] && return 0
+  log "$name $v: building $pkg"
+  mkdir -p "$out.tmp"
+  (cd "$WORK" && GOBIN="$out.tmp" timed "$name" "$v" go install -ldflags "-s -w" "$pkg@$v")
+  rm -rf "$out" && mv "$out.tmp" "$out"
+}
+
+build_kwok() { go_install kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok kwok; }
+build_helm() { go_install helm "$HELM_VERSION" helm.sh/helm/v4/cmd/helm helm; }
+build_minio() { go_install minio "$MINIO_VERSION" github.com/minio/minio minio; }
+
+# check: exit 1 and name what is missing when a pinned binary is not built yet.
+check() {
+  local missing=() f
+  for f in "$(bin_dir kubernetes "$KUBERNETES_VERSION")"/{kube-apiserver,kube-controller-manager,kube-scheduler,kubectl} \
+           "$(bin_dir etcd "$ETCD_VERSION")/etcd" "$(bin_dir kwok "$KWOK_VERSION")/kwok" \
+           "$(bin_dir minio "$MINIO_VERSION")/minio" "$(bin_dir helm "$HELM_VERSION")/helm"; do
+    [[ -x "$f" ]] || missing+=("${f#"$WORK"/}")
+  done
+  ((${#missing[@]} == 0)) && return 0
+  echo "not built: ${missing[*]}" >&2
+  return 1
+}
+
+main() {
+  if [[ "${1:-}" == "--check" ]]; then check; return; fi
+  command -v go >/dev/null || { echo "go not found: install Go >= 1.25 (https://go.dev/dl)" >&2; exit 1; }
+  mkdir -p "$WORK/bin"
+  local components=("$@")
+  ((${#components[@]})) || components=(etcd kwok kubernetes minio helm)
+  local c
+  for c in "${components[@]}"; do
+    case "$c" in
+      kubernetes|etcd|kwok|helm|minio) "build_$c" ;;
+      *) echo "unknown component: $c" >&2; exit 2 ;;
+    esac
+  done
+}
+
+main "$@"
