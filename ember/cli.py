@@ -102,3 +102,5 @@ def doctor(
             table.add_row(key, str(value))
         console.print(table)
     raise typer.Exit(0 if report["healthy"] else 1)
+bench.command("fetch")(importlib.import_module("ember.bench_fetch").bench_fetch)
+bench.command("cb")(importlib.import_module("ember.bench_cb").bench_cb)

@@ -1,0 +1,248 @@
+"""Fetch an archive from its store into the pod's cache and verify it (digests and identity).
+
+The cache is a local store inside the run directory (`<run_dir>/store`, see ember.handoff), so
+blobs shared by several archives (kernel images of one engine version) are fetched once, and a
+cached archive is never fetched again during the pod's lifetime. Like every store, the cache's
+manifest is written last: a manifest in the cache means every blob it names is there, verified.
+
+Failures become `FetchFailed(reason)` with a reason of the form `<class>: <detail>` (the class is
+the metric label): store-unavailable, store-error, archive-missing, manifest-invalid,
+identity-mismatch, digest-mismatch, blob-missing, size-mismatch, fetch-timeout. Cancellation
+(pod deleted, SIGTERM) raises `Cancelled`; partial files are removed by `clean_partials`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ember.archive import manifest as manifest_mod
+from ember.archive.manifest import Manifest, ManifestError
+from ember.store import (
+    BlobCorrupt,
+    BlobMissing,
+    LocalStore,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    open_manifest_uri,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class FetchFailed(Exception):
+    """The archive cannot be used; `reason` goes to the handoff, the event and the metric."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Cancelled(Exception):
+    """The fetch was cancelled (pod deleted or sidecar stopping)."""
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A verified archive in the cache, and what getting it cost."""
+
+    identity: str
+    archive_dir: Path
+    manifest: Manifest
+    fetch_s: float
+    verify_s: float
+    bytes_fetched: int
+    cached: bool
+
+
+def verify_manifest(data: bytes, identity: str) -> Manifest:
+    """Parse the manifest and check it is the archive claimed (raises FetchFailed)."""
+    try:
+        m = manifest_mod.loads(data)
+    except ManifestError as exc:
+        raise FetchFailed(f"manifest-invalid: {exc}") from exc
+    if m.identity_hash != identity:
+        raise FetchFailed(
+            f"identity-mismatch: manifest is {m.identity_hash[:16]}…, claim is {identity[:16]}…"
+        )
+    actual = m.identity.hash()
+    if actual != identity:
+        raise FetchFailed(
+            f"identity-mismatch: manifest identity hashes to {actual[:16]}…, not {identity[:16]}…"
+        )
+    return m
+
+
+class ArchiveCache:
+    """Fetches archives into `<run_dir>/store` and keeps them for the pod's lifetime."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        store_options: dict[str, Any] | None = None,
+        retry_s: float = 30.0,
+        timeout_s: float = 600.0,
+        max_workers: int = 4,
+    ) -> None:
+        self.root = Path(root)
+        self.local = LocalStore(self.root)
+        self.store_options = store_options or {}
+        self.retry_s = retry_s
+        self.timeout_s = timeout_s
+        self.max_workers = max_workers
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def lock(self, identity: str) -> threading.Lock:
+        """One fetch per identity at a time (a claim waits for a prefetch of the same archive)."""
+        with self._locks_guard:
+            return self._locks.setdefault(identity, threading.Lock())
+
+    def archive_dir(self, identity: str) -> Path:
+        return self.root / "archives" / identity
+
+    def blob_path(self, digest: str) -> Path:
+        return self.root / "blobs" / digest
+
+    def cached(self, identity: str) -> Manifest | None:
+        """The cached manifest when the archive is complete in the cache, else None."""
+        data = self.local.get_manifest(identity)
+        if data is None:
+            return None
+        try:
+            m = verify_manifest(data, identity)
+        except FetchFailed:
+            return None
+        for b in m.blobs:
+            p = self.blob_path(b.sha256)
+            if not p.is_file() or p.stat().st_size != b.compressed_size:
+                return None
+        return m
+
+    def fetch(self, archive_uri: str, identity: str, cancel: threading.Event | None = None) -> Fetched:
+        """Get the archive named by the manifest URI into the cache, verified. Thread-safe."""
+        cancel = cancel or threading.Event()
+        with self.lock(identity):
+            t0 = time.monotonic()
+            m = self.cached(identity)
+            if m is not None:
+                return Fetched(identity, self.archive_dir(identity), m, 0.0, time.monotonic() - t0, 0, True)
+            return self._fetch(archive_uri, identity, cancel)
+
+    def _fetch(self, archive_uri: str, identity: str, cancel: threading.Event) -> Fetched:
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        try:
+            store, uri_identity = open_manifest_uri(archive_uri, **self._options_for(archive_uri))
+        except StoreError as exc:
+            raise FetchFailed(f"store-error: {exc}") from exc
+        if uri_identity != identity:
+            raise FetchFailed(f"identity-mismatch: {archive_uri} names {uri_identity[:16]}…")
+        data = self._retry(lambda: store.get_manifest(identity), cancel, deadline)
+        if data is None:
+            raise FetchFailed(f"archive-missing: no manifest at {archive_uri}")
+        v0 = time.monotonic()
+        m = verify_manifest(data, identity)
+        verify_s = time.monotonic() - v0
+
+        wanted = [b for b in dict((b.sha256, b) for b in m.blobs).values()
+                  if not (self.blob_path(b.sha256).is_file()
+                          and self.blob_path(b.sha256).stat().st_size == b.compressed_size)]
+        self._fetch_blobs(store, [b.sha256 for b in wanted], cancel, deadline)
+        fetch_s = time.monotonic() - t0 - verify_s
+
+        v1 = time.monotonic()
+        for b in m.blobs:
+            p = self.blob_path(b.sha256)
+            size = p.stat().st_size if p.is_file() else -1
+            if size != b.compressed_size:
+                raise FetchFailed(f"size-mismatch: blob {b.name} ({b.sha256[:16]}…) is {size} bytes, "
+                                  f"manifest says {b.compressed_size}")
+        self.local.put_manifest(identity, data)  # last: the cached archive now exists
+        verify_s += time.monotonic() - v1
+        moved = sum(b.compressed_size for b in wanted) + len(data)
+        return Fetched(identity, self.archive_dir(identity), m, fetch_s, verify_s, moved, False)
+
+    def _options_for(self, uri: str) -> dict[str, Any]:
+        return self.store_options if uri.startswith("s3://") else {}
+
+    def _retry(self, fn: Callable[[], T], cancel: threading.Event, deadline: float) -> T:
+        """Call fn, retrying StoreUnavailable with backoff for retry_s (on top of botocore's)."""
+        give_up = min(deadline, time.monotonic() + self.retry_s)
+        delay = 0.25
+        while True:
+            if cancel.is_set():
+                raise Cancelled()
+            try:
+                return fn()
+            except BlobCorrupt as exc:
+                raise FetchFailed(f"digest-mismatch: {exc}") from exc
+            except BlobMissing as exc:
+                raise FetchFailed(f"blob-missing: {exc}") from exc
+            except StoreUnavailable as exc:
+                if time.monotonic() + delay > give_up:
+                    raise FetchFailed(f"store-unavailable: {exc}") from exc
+                log.warning("Store unavailable, retrying in %.2fs: %s", delay, exc)
+                if cancel.wait(delay):
+                    raise Cancelled() from None
+                delay = min(delay * 2, 5.0)
+            except StoreError as exc:
+                raise FetchFailed(f"store-error: {exc}") from exc
+
+    def _fetch_blobs(
+        self, store: Store, digests: list[str], cancel: threading.Event, deadline: float
+    ) -> None:
+        def one(digest: str) -> None:
+            if cancel.is_set():
+                raise Cancelled()
+            if time.monotonic() > deadline:
+                raise FetchFailed(f"fetch-timeout: archive not fetched within {self.timeout_s:g}s")
+            self._retry(lambda: store.fetch_blob(digest, self.blob_path(digest)), cancel, deadline)
+
+        if not digests:
+            return
+        if len(digests) == 1 or self.max_workers <= 1:
+            for d in digests:
+                one(d)
+            return
+        # Small blobs in parallel; each large one is itself split into parallel ranged GETs.
+        pool = ThreadPoolExecutor(max_workers=min(self.max_workers, len(digests)),
+                                  thread_name_prefix="ember-fetch")
+        futures = [pool.submit(one, d) for d in digests]
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+            for f in futures:
+                exc = f.exception() if f.done() and not f.cancelled() else None
+                if exc is not None:
+                    raise exc
+        finally:
+            for f in futures:
+                f.cancel()
+            # On cancel, do not wait for a download in flight: its partial file is cleaned up.
+            pool.shutdown(wait=not cancel.is_set(), cancel_futures=True)
+
+    def clean_partials(self) -> int:
+        """Remove partial downloads (temporary files) left in the cache. Returns how many."""
+        n = 0
+        for sub in ("blobs", "archives"):
+            d = self.root / sub
+            if not d.is_dir():
+                continue
+            # Final names are digests and "manifest"; every temporary file (ours, LocalStore's,
+            # s3transfer's renamed-on-completion file) starts with a dot.
+            for p in d.rglob(".*"):
+                if p.is_file():
+                    with contextlib.suppress(OSError):
+                        p.unlink()
+                        n += 1
+        return n

@@ -1,0 +1,282 @@
+"""The restore state machine: claim → fetch → verify → handoff → engine reports → result.
+
+`Restorer` is driven from outside (the pod watch or standalone start-up calls `on_annotations`,
+`claim`, `stop`; a poller calls `poll_engine`) and talks to the world through the cache, the
+handoff writer, the metrics and a Reporter. Every failure becomes a fallback: the handoff says
+`fallback` (the engine captures natively), the pod gets `ember.dev/restore=fallback: <reason>`,
+a Warning event goes to the pod and its ModelDeployment, and `ember_restores_total` counts it.
+Nothing here raises to the caller or exits the process.
+
+Readiness (served at /readyz): Ready when the engine has reported `ready` (it takes requests).
+Before any claim, a warm pod is Ready (= claimable by the pool) once the engine reported
+`standby` (weights loaded, waiting for the archive), or at once with
+EMBER_WARM_READY_WITHOUT_ENGINE=1. After a claim and before the engine's `ready`, not Ready, so a
+Service never routes requests to a pod that is still restoring.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ember.handoff import HandoffWriter
+from ember_sidecar.claims import Claim, ClaimError, parse_claim, parse_prefetch, reason_class
+from ember_sidecar.fetching import ArchiveCache, Cancelled, FetchFailed
+from ember_sidecar.metrics import STAGES, Metrics
+from ember_sidecar.reporting import Reporter
+
+log = logging.getLogger(__name__)
+
+RESTORED = "restored"
+FALLBACK_PREFIX = "fallback: "
+
+
+@dataclass
+class ClaimState:
+    """What happened to the current claim (one at a time)."""
+
+    claim: Claim
+    observed_at: float
+    handed_off_at: float | None = None
+    result: str | None = None  # "restored" | "fallback: <reason>"
+    engine_load_seen: bool = False
+
+
+class Restorer:
+    """One pod's restore logic. Thread-safe; every public method returns quickly or is a worker."""
+
+    def __init__(
+        self,
+        cache: ArchiveCache,
+        writer: HandoffWriter,
+        metrics: Metrics,
+        reporter: Reporter,
+        *,
+        engine_timeout_s: float = 600.0,
+        warm_ready_without_engine: bool = False,
+    ) -> None:
+        self.cache, self.writer, self.metrics, self.reporter = cache, writer, metrics, reporter
+        self.engine_timeout_s = engine_timeout_s
+        self.warm_ready_without_engine = warm_ready_without_engine
+        self.lock = threading.RLock()
+        self.current: ClaimState | None = None
+        self.engine_standby = False
+        self.engine_ready = False
+        self.stopping = threading.Event()
+        self._claim_cancel = threading.Event()
+        self._prefetch_cancel = threading.Event()
+        self._workers: list[threading.Thread] = []
+        self._prefetched: set[str] = set()
+        self._bad_claims: set[str] = set()
+        if writer.status() is None:
+            writer.unclaimed()
+
+    # ---- inputs -------------------------------------------------------------------------------
+
+    def on_annotations(self, annotations: dict[str, str] | None, observed_at: float | None = None) -> None:
+        """A (new version of the) pod was seen: start a restore for a new claim, or prefetch."""
+        observed_at = observed_at or time.time()
+        try:
+            claim = parse_claim(annotations)
+        except ClaimError as exc:
+            key = str(exc)
+            with self.lock:
+                if key in self._bad_claims:
+                    return
+                self._bad_claims.add(key)
+            reason = str(exc) if str(exc).startswith("identity-mismatch") else f"claim-invalid: {exc}"
+            self._fallback(None, reason, identity=(annotations or {}).get("ember.dev/identity", ""))
+            return
+        if claim is not None:
+            self.claim(claim, observed_at)
+            return
+        for uri in parse_prefetch(annotations):
+            self.prefetch(uri)
+
+    def claim(self, claim: Claim, observed_at: float | None = None) -> bool:
+        """Start restoring `claim` unless it is the claim already handled. True when started."""
+        observed_at = observed_at or time.time()
+        with self.lock:
+            if self.stopping.is_set() or (self.current is not None and self.current.claim.key == claim.key):
+                return False
+            if self.current is not None:
+                log.info("Claim changed from %s to %s", self.current.claim.identity[:16], claim.identity[:16])
+                self._claim_cancel.set()
+                self._claim_cancel = threading.Event()
+            self._prefetch_cancel.set()  # a claim's fetch gets the bandwidth
+            state = ClaimState(claim, observed_at)
+            self.current = state
+            self.engine_ready = False
+            cancel = self._claim_cancel
+        log.info("Claim observed: archive %s identity %s", claim.archive_uri, claim.identity[:16])
+        self.writer.fetching(claim.identity, claim.archive_uri)
+        self._start(self._restore, state, cancel, name="ember-restore")
+        return True
+
+    def prefetch(self, archive_uri: str) -> None:
+        """Warm pod: cache an archive before any claim (failures are only logged and counted)."""
+        with self.lock:
+            if archive_uri in self._prefetched or self.current is not None or self.stopping.is_set():
+                return
+            self._prefetched.add(archive_uri)
+            cancel = self._prefetch_cancel
+        self._start(self._prefetch, archive_uri, cancel, name="ember-prefetch")
+
+    def stop(self, wait_s: float = 2.0) -> int:
+        """Cancel fetches, wait a little for workers, remove partial files. Returns files removed."""
+        self.stopping.set()
+        self._claim_cancel.set()
+        self._prefetch_cancel.set()
+        deadline = time.monotonic() + wait_s
+        for t in list(self._workers):
+            t.join(max(0.0, deadline - time.monotonic()))
+        return self.cache.clean_partials()
+
+    # ---- workers ------------------------------------------------------------------------------
+
+    def _start(self, fn: Any, *args: Any, name: str) -> None:
+        t = threading.Thread(target=fn, args=args, name=name, daemon=True)
+        self._workers = [w for w in self._workers if w.is_alive()] + [t]
+        t.start()
+
+    def _restore(self, state: ClaimState, cancel: threading.Event) -> None:
+        claim = state.claim
+        started = time.time()
+        since = claim.claimed_at if claim.claimed_at and claim.claimed_at <= state.observed_at else None
+        self.metrics.observe("claim_to_fetch", started - (since or state.observed_at))
+        try:
+            fetched = self.cache.fetch(claim.archive_uri, claim.identity, cancel)
+        except Cancelled:
+            log.info("Restore of %s cancelled", claim.identity[:16])
+            return
+        except FetchFailed as exc:
+            self._fallback(state, exc.reason)
+            return
+        except Exception as exc:  # a bug must still end in a fallback, not a dead sidecar
+            log.exception("Restore of %s failed unexpectedly", claim.identity[:16])
+            self._fallback(state, f"sidecar-error: {type(exc).__name__}: {exc}")
+            return
+        if cancel.is_set():
+            return
+        self.metrics.observe("fetch", fetched.fetch_s)
+        self.metrics.observe("verify", fetched.verify_s)
+        with self.lock:
+            if self.current is not state:
+                return
+            self.writer.ready(claim.identity, fetched.archive_dir, claim.archive_uri)
+            state.handed_off_at = time.time()
+        log.info(
+            "Archive %s handed off (%s, %.1f MB, fetch %.3fs, verify %.3fs, claim→handoff %.3fs)",
+            claim.identity[:16], "cached" if fetched.cached else "fetched", fetched.bytes_fetched / 1e6,
+            fetched.fetch_s, fetched.verify_s, state.handed_off_at - state.observed_at,
+        )
+
+    def _prefetch(self, archive_uri: str, cancel: threading.Event) -> None:
+        from ember_sidecar.claims import manifest_identity
+
+        identity = manifest_identity(archive_uri) or ""
+        try:
+            fetched = self.cache.fetch(archive_uri, identity, cancel)
+        except Cancelled:
+            return
+        except FetchFailed as exc:
+            self.metrics.prefetches.labels(result="failed").inc()
+            log.warning("Prefetch of %s failed: %s", archive_uri, exc.reason)
+            with self.lock:
+                self._prefetched.discard(archive_uri)  # a later pod update may retry it
+            return
+        self.metrics.prefetches.labels(result="ok").inc()
+        log.info("Prefetched %s (%.1f MB in %.3fs)",
+                 archive_uri, fetched.bytes_fetched / 1e6, fetched.fetch_s)
+
+    # ---- results ------------------------------------------------------------------------------
+
+    def _fallback(self, state: ClaimState | None, reason: str, identity: str = "") -> None:
+        """Record a fallback once per claim: handoff, annotation, events, metric."""
+        with self.lock:
+            if state is not None:
+                if self.current is not state or (state.result or "").startswith(FALLBACK_PREFIX):
+                    return
+                state.result = FALLBACK_PREFIX + reason
+                identity = state.claim.identity
+                archive = state.claim.archive_uri
+            else:
+                archive = ""
+            self.metrics.fallback(reason_class(reason))
+            # Before handoff this tells the waiting engine to capture; after it, an engine that
+            # restarts (e.g. after a compat mismatch or divergence) captures instead of re-LOADing.
+            self.writer.fallback(reason, identity=identity, archive_uri=archive)
+        log.warning("Restore fell back to native capture: %s", reason)
+        self.reporter.result(FALLBACK_PREFIX + reason)
+        self.reporter.event("Warning", "RestoreFallback",
+                            f"archive {identity[:16] or '?'}: falling back to native capture: {reason}",
+                            deployment=True)
+
+    def _restored(self, state: ClaimState, load_s: float) -> None:
+        with self.lock:
+            if state.result is not None:
+                return
+            state.result = RESTORED
+        self.metrics.restored()
+        self.reporter.result(RESTORED)
+        self.reporter.event("Normal", "Restored",
+                            f"archive {state.claim.identity[:16]} restored; LOAD {load_s:.3f}s")
+
+    def poll_engine(self) -> None:
+        """Turn new engine reports into metrics, results and readiness; enforce the engine timeout."""
+        for entry in self.writer.new_reports():
+            stage = str(entry.get("stage", ""))
+            result = str(entry.get("result", "ok"))
+            seconds = float(entry.get("seconds") or 0.0)
+            reason = str(entry.get("reason") or "")
+            if stage in STAGES:
+                self.metrics.observe(stage, seconds)
+            with self.lock:
+                state = self.current
+            if stage == "standby":
+                self.engine_standby = True
+            elif stage == "ready" and result == "ok":
+                self.engine_ready = True
+            if result in ("fallback", "failed") and stage not in ("standby", "ready"):
+                self._fallback(state, reason or f"{stage}-failed")
+            elif stage == "load" and result == "ok" and state is not None:
+                state.engine_load_seen = True
+                self._restored(state, seconds)
+        with self.lock:
+            state = self.current
+        if (state is not None and state.handed_off_at is not None and state.result is None
+                and time.time() - state.handed_off_at > self.engine_timeout_s):
+            self._fallback(state, f"engine-timeout: no LOAD result {self.engine_timeout_s:g}s after handoff")
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, why) for /readyz."""
+        if self.stopping.is_set():
+            return False, "stopping"
+        if self.engine_ready:
+            return True, "engine ready"
+        with self.lock:
+            claimed = self.current is not None
+        if not claimed:
+            if self.engine_standby:
+                return True, "warm: engine on standby, claimable"
+            if self.warm_ready_without_engine:
+                return True, "warm: claimable"
+            return False, "warm: engine not on standby yet"
+        return False, "claimed: restore in progress"
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-able view for logs and the /status endpoint."""
+        with self.lock:
+            s = self.current
+            return {
+                "claim": None if s is None else {"archive": s.claim.archive_uri,
+                                                 "identity": s.claim.identity},
+                "handed_off": None if s is None else s.handed_off_at,
+                "result": None if s is None else s.result,
+                "engine_standby": self.engine_standby,
+                "engine_ready": self.engine_ready,
+                "ready": self.readiness()[0],
+            }

@@ -1,0 +1,63 @@
+"""Claim and prefetch annotation parsing, and fallback reason classes (pure)."""
+
+from __future__ import annotations
+
+import pytest
+from ember_sidecar.claims import ClaimError, parse_claim, parse_prefetch, reason_class
+
+H = "ab" * 32
+URI = f"s3://bucket/prefix/archives/{H}/manifest"
+
+
+def test_unclaimed_pod_has_no_claim() -> None:
+    assert parse_claim({}) is None
+    assert parse_claim(None) is None
+    assert parse_claim({"ember.dev/pool": "warm"}) is None
+
+
+def test_full_claim() -> None:
+    c = parse_claim({"ember.dev/archive": URI, "ember.dev/identity": H, "ember.dev/rank": "1",
+                     "ember.dev/world": "4", "ember.dev/claimed-at": "1700000000.5"})
+    assert c is not None
+    assert (c.archive_uri, c.identity, c.rank, c.world, c.claimed_at) == (URI, H, 1, 4, 1700000000.5)
+    assert c.key == parse_claim({"ember.dev/archive": URI, "ember.dev/identity": H,
+                                 "ember.dev/rank": "1", "ember.dev/world": "4"}).key
+
+
+@pytest.mark.parametrize(
+    ("annotations", "message"),
+    [
+        ({"ember.dev/identity": H}, "no ember.dev/archive"),
+        ({"ember.dev/archive": URI}, "no ember.dev/identity"),
+        ({"ember.dev/archive": URI, "ember.dev/identity": "XYZ"}, "not an identity hash"),
+        ({"ember.dev/archive": "s3://b/whatever", "ember.dev/identity": H}, "not a manifest URI"),
+        ({"ember.dev/archive": URI, "ember.dev/identity": "cd" * 32}, "identity-mismatch"),
+        ({"ember.dev/archive": URI, "ember.dev/identity": H, "ember.dev/rank": "x"}, "not an integer"),
+        ({"ember.dev/archive": URI, "ember.dev/identity": H, "ember.dev/rank": "2",
+          "ember.dev/world": "2"}, "not a valid rank layout"),
+    ],
+)
+def test_bad_claims_raise_with_reason(annotations: dict[str, str], message: str) -> None:
+    with pytest.raises(ClaimError, match=message):
+        parse_claim(annotations)
+
+
+def test_bad_claimed_at_is_ignored() -> None:
+    c = parse_claim({"ember.dev/archive": URI, "ember.dev/identity": H, "ember.dev/claimed-at": "soon"})
+    assert c is not None and c.claimed_at is None
+
+
+def test_prefetch_lists() -> None:
+    other = f"file:///x/archives/{'cd' * 32}/manifest"
+    assert parse_prefetch({"ember.dev/prefetch": f"{URI}, {other}\n{URI}"}) == [URI, other]
+    assert parse_prefetch({"ember.dev/prefetch": f'["{URI}", 3, "junk"]'}) == [URI]
+    assert parse_prefetch({"ember.dev/prefetch": "[broken"}) == []
+    assert parse_prefetch({}) == []
+
+
+def test_reason_class_is_bounded() -> None:
+    assert reason_class("digest-mismatch: blob 1234 is corrupt") == "digest-mismatch"
+    assert reason_class("store-unavailable: cannot reach http://x") == "store-unavailable"
+    assert reason_class("Weird Thing!!") == "weird-thing"
+    assert reason_class("") == "unknown"
+    assert len(reason_class("x" * 500)) <= 48
