@@ -1,0 +1,119 @@
+"""Synthetic GraphSets shaped like an LLM decode capture, for tests and the parse benchmark.
+
+Deterministic for a seed. Every node type the archive supports appears (kernel nodes in both
+argument forms with launch attributes, memset, memcpy, event record/wait, empty, a child graph),
+edges carry programmatic edge data, and graphs fall into `groups` topology groups whose members
+differ the way real capture sizes do (grid and argument bytes). Also fakes the kernel images
+the graphs refer to. No CUDA.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import struct
+
+from ember.archive.graphs import (
+    Edge,
+    EventParams,
+    FunctionAttrs,
+    Graph,
+    GraphSet,
+    KernelParams,
+    KernelRef,
+    MemcpyParams,
+    MemsetParams,
+    Node,
+    NodeType,
+)
+
+CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+PRIORITY = 8  # CU_LAUNCH_ATTRIBUTE_PRIORITY
+_ATTR_VALUE = 64  # sizeof(CUlaunchAttributeValue)
+_BASE = 0x7F00_0000_0000
+
+
+def fake_image(n: int, size: int = 4096) -> bytes:
+    """A deterministic fake ELF cubin (magic + filler)."""
+    body = hashlib.sha256(f"image{n}".encode()).digest() * (size // 32)
+    return b"\x7fELF" + body[: size - 4]
+
+
+def image_hash(image: bytes) -> str:
+    return hashlib.sha256(image).hexdigest()
+
+
+def synthetic_images(count: int = 3) -> dict[str, bytes]:
+    """Content hash → image bytes for the images `synthetic_graphset` refers to."""
+    return {image_hash(img): img for img in (fake_image(n) for n in range(count))}
+
+
+def _attr(value: bytes) -> bytes:
+    return value.ljust(_ATTR_VALUE, b"\0")
+
+
+def synthetic_graphset(
+    graphs: int = 8, nodes: int = 120, groups: int = 2, seed: int = 0, layers: int = 32
+) -> GraphSet:
+    """`graphs` graphs keyed (1,), (2,), ... of about `nodes` nodes each in `groups` groups."""
+    rng = random.Random(seed)
+    images = list(synthetic_images())
+    n_kernels = 48
+    kernels = [KernelRef(images[k % len(images)], f"_Z6kernel{k}Pfi") for k in range(n_kernels)]
+    fattrs = [
+        FunctionAttrs(max_dynamic_shared=(k % 4) * 16384,
+                      required_cluster=(2, 1, 1) if k % 11 == 0 else (0, 0, 0))
+        for k in range(n_kernels)
+    ]
+    cluster = {CLUSTER_DIMENSION: _attr(struct.pack("<3I", 2, 1, 1))}
+    prio = {PRIORITY: _attr(struct.pack("<i", 1))}
+    groups = max(1, min(groups, graphs))
+    # Per group: a fixed node plan (kernel ids, argument form, attributes); per layer weights.
+    header_nodes = 6  # memset, memcpy, event record, event wait, empty, child graph
+    body = max(1, nodes - header_nodes)
+    per_layer = max(1, body // layers)
+    plans = []
+    for g in range(groups):
+        plan = []
+        for j in range(per_layer * layers + g):  # +g: groups differ in node count
+            k = rng.randrange(n_kernels)
+            gemm = j % per_layer in (0, 2) and per_layer > 2
+            plan.append((k, gemm, cluster if gemm and k % 2 == 0 else (prio if j % 97 == 0 else {})))
+        plans.append(plan)
+    weights = [_BASE + 0x1_0000_0000 + i * 0x10_0000 for i in range(per_layer * layers + groups)]
+    out = []
+    for i in range(graphs):
+        batch = i + 1
+        g = i * groups // graphs
+        act = _BASE + 0x4000_0000 + g * 0x100_0000  # activations: shared within a group
+        nodes_: list[Node] = [
+            Node(NodeType.MEMSET, MemsetParams(act, 0, 0, 4, 256 * batch, 1)),
+            Node(NodeType.MEMCPY, MemcpyParams(act + 0x1000, _BASE + 0x2000, 8 * batch)),
+            Node(NodeType.EVENT_RECORD, EventParams(0)),
+            Node(NodeType.WAIT_EVENT, EventParams(0)),
+            Node(NodeType.EMPTY),
+        ]
+        child = Graph((), [
+            Node(NodeType.KERNEL, KernelParams(1, (batch, 1, 1), (128, 1, 1), 0,
+                                               args=struct.pack("<Qi", act, batch),
+                                               arg_offsets=(0, 8), arg_sizes=(8, 4))),
+            Node(NodeType.MEMSET, MemsetParams(act + 0x2000, 512, 7, 1, 64, 2 + g % 2)),
+        ], [Edge(0, 1)])
+        nodes_.append(Node(NodeType.GRAPH, child))
+        for j, (k, gemm, attrs) in enumerate(plans[g]):
+            w = weights[j]
+            if gemm:
+                extra = struct.pack("<QQQi", w, act, act + 0x8000, batch).ljust(1720, b"\x11")
+                p = KernelParams(k, (max(1, batch // 64), 132, 1), (384, 1, 1), 200704, extra=extra,
+                                 attrs=dict(attrs))
+            else:
+                scalar = batch if j % 3 else 4096  # some kernels do not see the batch size
+                args = struct.pack("<QQQif", w, act, act + 0x8000, scalar, 1e-5)
+                p = KernelParams(k, (scalar, 1, 1), (256, 1, 1), 0, args=args, arg_offsets=(0, 8, 16, 24, 28),
+                                 arg_sizes=(8, 8, 8, 4, 4), attrs=dict(attrs))
+            nodes_.append(Node(NodeType.KERNEL, p))
+        n = len(nodes_)
+        edges = [Edge(a, a + 1, 0, 0, 1 if (a % 50 == 49) else 0) for a in range(n - 1)]
+        edges.append(Edge(0, 5))  # the child graph also waits on the memset
+        out.append(Graph((batch,), nodes_, edges))
+    return GraphSet(out, kernels, fattrs)

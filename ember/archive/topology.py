@@ -1,0 +1,103 @@
+"""Topology signatures: which graphs can share one instantiated template.
+
+LOAD instantiates one template per group and switches between the group's graphs with
+`cuGraphExecUpdate`. That update fails (or, worse, silently keeps stale state) unless the graphs
+agree on everything it cannot change (../shared/brief/cuda-interposition.md §4, §9):
+
+- the node count, node types and their order;
+- every edge, in order, WITH its edge data (from/to port, dependency type: programmatic edges);
+- per kernel node: its launch attributes (cluster dimension, cooperative, scheduling policy,
+  priority, mem-sync domain, device-updatable, ...): an exec cannot take new attributes, so ALL
+  attribute ids and values are part of the key;
+- per kernel node: the function-level cluster requirements (required / non-portable cluster
+  size), since a function swap may not change them;
+- per memset node: the element size and whether it is 1-D or 2-D;
+- child graphs, recursively (their whole signature).
+
+What may differ inside a group: grid, block, shared memory, argument bytes, the kernel function
+(same context), memset/memcpy addresses, sizes and values, event identities.
+
+Used by SAVE (grouping before writing the graph table), by the format (group index per graph)
+and by LOAD (template choice). Pure Python, no CUDA.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ember.archive.graphs import FunctionAttrs, Graph, KernelParams, MemsetParams, NodeType
+
+SIGNATURE_VERSION = 1
+_NO_FATTR = FunctionAttrs()
+
+
+@dataclass(frozen=True)
+class TopologyGroup:
+    """Graphs (indices into the list grouped) that share one exec template."""
+
+    index: int
+    signature: str  # hex sha256
+    members: tuple[int, ...]  # in input order; members[0] is the template
+
+    @property
+    def template(self) -> int:
+        return self.members[0]
+
+
+def _feed(h: hashlib._Hash, graph: Graph, fattrs: Sequence[FunctionAttrs], depth: int) -> None:
+    if depth > 16:
+        raise ValueError(f"graph {graph.key}: child graphs nested deeper than 16 levels")
+    h.update(struct.pack("<BII", 0xA0, len(graph.nodes), len(graph.edges)))
+    for node in graph.nodes:
+        h.update(struct.pack("<B", int(node.type)))
+        p = node.params
+        if node.type == NodeType.KERNEL and isinstance(p, KernelParams):
+            fa = fattrs[p.kernel] if 0 <= p.kernel < len(fattrs) else _NO_FATTR
+            h.update(struct.pack("<3Ii", *fa.required_cluster, fa.non_portable_cluster))
+            h.update(struct.pack("<I", len(p.attrs)))
+            for attr_id in sorted(p.attrs):
+                value = p.attrs[attr_id]
+                h.update(struct.pack("<II", attr_id, len(value)))
+                h.update(value)
+        elif node.type == NodeType.MEMSET and isinstance(p, MemsetParams):
+            h.update(struct.pack("<IB", p.element_size, 1 if p.height > 1 else 0))
+        elif node.type == NodeType.GRAPH and isinstance(p, Graph):
+            _feed(h, p, fattrs, depth + 1)
+    for e in graph.edges:
+        h.update(struct.pack("<IIBBB", e.src, e.dst, e.from_port, e.to_port, e.type))
+
+
+def signature(graph: Graph, function_attrs: Sequence[FunctionAttrs] = ()) -> str:
+    """Hex sha256 over everything exec update cannot change (see module docstring).
+
+    `function_attrs` is `GraphSet.function_attrs` (indexed by KernelParams.kernel); when empty,
+    function-level cluster requirements count as unset.
+    """
+    h = hashlib.sha256(struct.pack("<4sI", b"EMTS", SIGNATURE_VERSION))
+    _feed(h, graph, function_attrs, 0)
+    return h.hexdigest()
+
+
+def group_graphs(
+    graphs: Sequence[Graph], function_attrs: Sequence[FunctionAttrs] = ()
+) -> list[TopologyGroup]:
+    """Group graphs by signature. Groups are ordered by their first member's position, members
+    keep input order, so the result is stable for a given input order."""
+    by_sig: dict[str, list[int]] = {}
+    for i, g in enumerate(graphs):
+        by_sig.setdefault(signature(g, function_attrs), []).append(i)
+    return [TopologyGroup(n, sig, tuple(m)) for n, (sig, m) in enumerate(by_sig.items())]
+
+
+def group_index(groups: Sequence[TopologyGroup], count: int) -> list[int]:
+    """Per graph (0..count-1), the index of its group."""
+    out = [-1] * count
+    for g in groups:
+        for m in g.members:
+            out[m] = g.index
+    if -1 in out:
+        raise ValueError(f"graph {out.index(-1)} is in no topology group")
+    return out
