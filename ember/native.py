@@ -1,14 +1,17 @@
-"""Locating and loading libember, the native interposer (built from native/).
+"""Locating and loading libember, the native interposer (built from native/), and its control API.
 
-The library is LD_PRELOADed into engine processes; Python reaches its control API with ctypes.
+The library is LD_PRELOADed into engine processes; Python reaches its control API with ctypes
+through `Interposer` (see docs/native.md).
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 LIB_NAME = "libember.so"
 _HERE = Path(__file__).resolve().parent
@@ -23,7 +26,7 @@ def candidate_paths() -> list[Path]:
     # Editable installs put built files under site-packages/ember/lib.
     paths += [Path(p) / "ember" / "lib" / LIB_NAME for p in sys.path if p]
     root = _HERE.parent
-    paths += sorted(root.glob(f"build/*/{LIB_NAME}")) + [root / "native" / "build" / LIB_NAME]
+    paths += [*sorted(root.glob(f"build/*/{LIB_NAME}")), root / "native" / "build" / LIB_NAME]
     return paths
 
 
@@ -40,3 +43,203 @@ def load_library(path: Path | None = None) -> ctypes.CDLL:
             f"Looked in: {', '.join(str(p) for p in candidate_paths()[:4])}"
         )
     return ctypes.CDLL(str(path))
+
+
+# ---- the control API (native/include/ember.h) ----
+
+MODES = ("off", "save", "load")
+_STATUS = {
+    -1: "invalid argument",
+    -2: "not allowed in this mode",
+    -3: "wrong order",
+    -4: "diverged from SAVE",
+    -5: "not found",
+    -6: "buffer too small",
+    -7: "region not reserved",
+    -8: "driver error",
+    -9: "no CUDA driver",
+    -10: "malformed input",
+}
+EMBER_ERANGE = -6
+EMBER_EDIVERGED = -4
+
+
+class EmberError(RuntimeError):
+    """A control call failed; `code` is the negative ember_status, the message says why."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class EmberDivergence(EmberError):
+    """The LOAD run's allocations differ from SAVE's: fall back to native capture."""
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    c = ctypes
+    u64p, szp = c.POINTER(c.c_uint64), c.POINTER(c.c_size_t)
+    sigs: dict[str, list[Any]] = {
+        "ember_abi_version": [],
+        "ember_get_mode": [],
+        "ember_set_mode": [c.c_int],
+        "ember_region": [u64p, u64p, u64p],
+        "ember_arm": [],
+        "ember_capture_begin": [],
+        "ember_capture_end": [],
+        "ember_export_alloc_log": [c.c_char_p, c.c_size_t, szp],
+        "ember_import_alloc_log": [c.c_char_p, c.c_size_t],
+        "ember_replay_window": [],
+        "ember_divergence": [c.c_char_p, c.c_size_t],
+        "ember_last_error": [c.c_char_p, c.c_size_t],
+        "ember_catalog_json": [c.c_char_p, c.c_size_t, szp],
+        "ember_lookup": [c.c_uint64, c.c_uint64, c.c_char_p, c.c_size_t, c.c_char_p, c.c_size_t],
+        "ember_image_bytes": [c.c_char_p, c.c_void_p, c.c_size_t, szp],
+        "ember_preload": [
+            c.c_size_t, c.POINTER(c.c_char_p), c.POINTER(c.c_void_p), szp, c.POINTER(c.c_char_p),
+        ],
+        "ember_function": [c.c_char_p, c.c_char_p, u64p],
+        "ember_stats_json": [c.c_char_p, c.c_size_t, szp],
+        "ember_image_size": [c.c_void_p, c.c_size_t, c.POINTER(c.c_int), szp],
+        "ember_hash_hex": [c.c_void_p, c.c_size_t, c.c_char_p, c.c_size_t],
+    }
+    for name, args in sigs.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = c.c_int
+
+
+IMAGE_KINDS = {1: "wrapper", 2: "fatbin", 3: "elf", 4: "ptx"}
+
+
+class Interposer:
+    """Python face of libember's control API (ctypes). Get one with `Interposer.attach()`."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        _declare(lib)
+        self._lib = lib
+
+    @classmethod
+    def attach(cls, path: Path | None = None) -> Interposer:
+        """The library already in this process (LD_PRELOAD), else load it (then only the control
+        API and calls made through it are interposed: preload it for a real run)."""
+        if path is None:
+            try:
+                main = ctypes.CDLL(None)
+                main.ember_abi_version  # noqa: B018 - present when LD_PRELOADed
+                return cls(main)
+            except AttributeError:
+                pass
+        return cls(load_library(path))
+
+    # -- helpers --
+    def _error(self) -> str:
+        buf = ctypes.create_string_buffer(4096)
+        self._lib.ember_last_error(buf, len(buf))
+        return buf.value.decode(errors="replace")
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc == 0:
+            return
+        message = f"{what}: {self._error() or _STATUS.get(rc, f'status {rc}')}"
+        if rc == EMBER_EDIVERGED:
+            raise EmberDivergence(rc, message)
+        raise EmberError(rc, message)
+
+    def _bytes(self, fn: Any, *args: Any, what: str) -> bytes:
+        needed = ctypes.c_size_t(0)
+        cap = 1 << 16
+        while True:
+            buf = ctypes.create_string_buffer(cap)
+            rc = fn(*args, buf, cap, ctypes.byref(needed))
+            if rc == EMBER_ERANGE and needed.value > cap:
+                cap = needed.value
+                continue
+            self._check(rc, what)
+            return buf.raw[: needed.value]
+
+    # -- mode and region --
+    @property
+    def mode(self) -> str:
+        return MODES[self._lib.ember_get_mode()]
+
+    def set_mode(self, mode: str) -> None:
+        """Allowed only before the region is armed."""
+        self._check(self._lib.ember_set_mode(MODES.index(mode)), "set_mode")
+
+    def region(self) -> tuple[int, int]:
+        """(base, size) of the armed region; (0, 0) when not armed."""
+        base, size, heap = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+        self._lib.ember_region(ctypes.byref(base), ctypes.byref(size), ctypes.byref(heap))
+        return base.value, size.value
+
+    def arm(self) -> None:
+        self._check(self._lib.ember_arm(), "arm")
+
+    # -- capture window --
+    def capture_begin(self) -> None:
+        self._check(self._lib.ember_capture_begin(), "capture_begin")
+
+    def capture_end(self) -> None:
+        self._check(self._lib.ember_capture_end(), "capture_end")
+
+    def export_alloc_log(self) -> bytes:
+        return self._bytes(self._lib.ember_export_alloc_log, what="export_alloc_log")
+
+    def import_alloc_log(self, data: bytes) -> None:
+        self._check(self._lib.ember_import_alloc_log(data, len(data)), "import_alloc_log")
+
+    def replay_window(self) -> None:
+        """Re-creates the capture window's allocations; raises EmberDivergence on a mismatch."""
+        self._check(self._lib.ember_replay_window(), "replay_window")
+
+    def divergence(self) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        return buf.value.decode(errors="replace") if self._lib.ember_divergence(buf, len(buf)) else None
+
+    # -- kernel catalog --
+    def catalog(self) -> list[dict[str, Any]]:
+        return json.loads(self._bytes(self._lib.ember_catalog_json, what="catalog"))
+
+    def lookup(self, func: int, kern: int) -> tuple[str, str] | None:
+        """(image hash, kernel name) of a graph node's CUfunction / CUkernel; None if unknown."""
+        h, n = ctypes.create_string_buffer(64), ctypes.create_string_buffer(4096)
+        rc = self._lib.ember_lookup(func or 0, kern or 0, h, len(h), n, len(n))
+        if rc == -5:
+            return None
+        self._check(rc, "lookup")
+        return h.value.decode(), n.value.decode()
+
+    def image_bytes(self, hash: str) -> bytes:
+        return self._bytes(self._lib.ember_image_bytes, hash.encode(), what="image_bytes")
+
+    def preload(self, images: list[tuple[str, bytes, dict[str, Any]]]) -> None:
+        """Starts loading the images (in this order) on worker threads."""
+        n = len(images)
+        hashes = (ctypes.c_char_p * n)(*[h.encode() for h, _, _ in images])
+        bufs = [ctypes.create_string_buffer(data, len(data)) for _, data, _ in images]
+        ptrs = (ctypes.c_void_p * n)(*[ctypes.addressof(b) for b in bufs])
+        sizes = (ctypes.c_size_t * n)(*[len(data) for _, data, _ in images])
+        opts = (ctypes.c_char_p * n)(*[json.dumps(o or {}).encode() for _, _, o in images])
+        self._check(self._lib.ember_preload(n, hashes, ptrs, sizes, opts), "preload")
+
+    def function(self, hash: str, name: str) -> int:
+        """A CUfunction for the current context (waits only for this image's preload)."""
+        out = ctypes.c_uint64()
+        self._check(self._lib.ember_function(hash.encode(), name.encode(), ctypes.byref(out)), "function")
+        return out.value
+
+    def stats(self) -> dict[str, Any]:
+        return json.loads(self._bytes(self._lib.ember_stats_json, what="stats"))
+
+    # -- helpers exposed for tests and tools --
+    def image_size(self, address: int, limit: int = 0) -> tuple[str, int]:
+        kind, size = ctypes.c_int(), ctypes.c_size_t()
+        self._check(self._lib.ember_image_size(address, limit, ctypes.byref(kind), ctypes.byref(size)),
+                    "image_size")
+        return IMAGE_KINDS.get(kind.value, "unknown"), size.value
+
+    def hash(self, data: bytes) -> str:
+        out = ctypes.create_string_buffer(64)
+        self._check(self._lib.ember_hash_hex(data, len(data), out, len(out)), "hash")
+        return out.value.decode()

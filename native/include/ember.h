@@ -1,0 +1,63 @@
+/* ember's control API: the C ABI of libember.so, used from Python through ctypes
+ * (ember/native.py, class Interposer). All functions return 0 on success or a negative
+ * ember_status; a message for the last error is available from ember_last_error(). */
+#ifndef EMBER_H
+#define EMBER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum ember_status {
+  EMBER_OK = 0,
+  EMBER_EINVAL = -1,     /* bad argument */
+  EMBER_EMODE = -2,      /* not allowed in the current mode */
+  EMBER_ESTATE = -3,     /* wrong order (e.g. replay before import, arm twice) */
+  EMBER_EDIVERGED = -4,  /* the allocation sequence differs from SAVE's */
+  EMBER_ENOTFOUND = -5,  /* unknown image, kernel or pointer */
+  EMBER_ERANGE = -6,     /* buffer too small: *needed says how much */
+  EMBER_EREGION = -7,    /* the region could not be reserved where asked */
+  EMBER_EDRIVER = -8,    /* a driver call failed (its CUresult is in the message) */
+  EMBER_ENODRIVER = -9,  /* no CUDA driver in this process */
+  EMBER_EFORMAT = -10,   /* malformed input (log, image) */
+};
+
+int ember_abi_version(void);
+/* 0 off, 1 save, 2 load. Setting is allowed only before the region is armed. */
+int ember_get_mode(void);
+int ember_set_mode(int mode);
+int ember_region(uint64_t* base, uint64_t* size, uint64_t* heap_size);
+int ember_arm(void);
+int ember_capture_begin(void);
+int ember_capture_end(void);
+/* Byte outputs: copy up to cap bytes into buf, always set *needed. EMBER_ERANGE if cap is short. */
+int ember_export_alloc_log(char* buf, size_t cap, size_t* needed);
+int ember_import_alloc_log(const char* data, size_t len);
+int ember_replay_window(void);
+/* 1 when diverged (message copied), 0 when not. */
+int ember_divergence(char* buf, size_t cap);
+int ember_last_error(char* buf, size_t cap);
+int ember_catalog_json(char* buf, size_t cap, size_t* needed);
+/* (image hash, kernel name) of a CUfunction / CUkernel found in a graph node; either may be 0. */
+int ember_lookup(uint64_t func, uint64_t kern, char* hash, size_t hash_cap, char* name,
+                 size_t name_cap);
+int ember_image_bytes(const char* hash, void* buf, size_t cap, size_t* needed);
+/* Images in execution order: loaded on worker threads; options_json: {"jit": {opt: value},
+ * "library": {opt: value}} with integer keys and values (may be NULL). */
+int ember_preload(size_t n, const char* const* hashes, const void* const* data, const size_t* sizes,
+                  const char* const* options_json);
+int ember_function(const char* hash, const char* name, uint64_t* func);
+int ember_stats_json(char* buf, size_t cap, size_t* needed);
+/* Sizes an in-memory image by its magic without reading past readable memory or `limit`
+ * bytes (0 = no limit). kind: 1 wrapper, 2 fatbin, 3 elf, 4 ptx. */
+int ember_image_size(const void* image, size_t limit, int* kind, size_t* size);
+/* The content hash ember keys images by (64-bit, hex). */
+int ember_hash_hex(const void* data, size_t len, char* out, size_t cap);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
