@@ -1,0 +1,514 @@
+"""The `ember.dev/v1alpha1` API: typed models for ModelDeployment and GraphArchive.
+
+This module is the ONE schema source. `crdgen` turns these models into the CRD YAML under
+`crds/` and `charts/ember/crds/` (descriptions become `kubectl explain` text, `cel(...)` rules
+become `x-kubernetes-validations`); the reconcilers parse objects into these models. Field names
+are camelCase on the wire (Kubernetes convention) and snake_case in Python.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from ember.identity import ArchiveIdentity, Parallelism
+
+# ------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def cel(*rules: tuple[str, str], **extra: Any) -> dict[str, Any]:
+    """JSON-schema extras carrying CEL rules: each rule is (expression, message)."""
+    out: dict[str, Any] = dict(extra)
+    out["x-kubernetes-validations"] = [{"rule": r, "message": m} for r, m in rules]
+    return out
+
+
+class ApiModel(BaseModel):
+    """Wire models: camelCase aliases, unknown fields refused (the apiserver prunes them anyway)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    def wire(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+MAX_NAME = 40  # ModelDeployment names prefix pod, HPA and label values (63-char limits)
+
+
+# ------------------------------------------------------------------------------------------------
+# ModelDeployment spec
+
+
+class EngineKind(StrEnum):
+    transformers = "transformers"
+    vllm = "vllm"
+
+
+class GraphMode(StrEnum):
+    full = "full"
+    piecewise = "piecewise"
+    full_decode_only = "full-decode-only"
+    full_and_piecewise = "full-and-piecewise"
+
+
+class CapturePreset(StrEnum):
+    default = "default"
+    small = "small"
+    powers_of_two = "powers-of-two"
+
+
+class ModelRef(ApiModel):
+    """Which weights to serve."""
+
+    name: str = Field(
+        description="Model name as the engine loads it, e.g. a Hugging Face id (Qwen/Qwen3-0.6B).",
+        min_length=1, max_length=253,
+    )
+    revision: str = Field(
+        "main", description="Weights revision (branch, tag or commit); part of the archive identity.",
+        min_length=1, max_length=128,
+    )
+    dtype: str = Field(
+        "bfloat16", description="Weights and activation dtype; part of the archive identity.",
+        max_length=32,
+    )
+
+
+class EngineSpec(ApiModel):
+    """The serving engine that runs in the pod's main container and in the SAVE Job."""
+
+    kind: EngineKind = Field(description="Engine family: transformers or vllm.")
+    version: str = Field(
+        description="Engine version (e.g. 0.11.0); part of the archive identity.", min_length=1,
+        max_length=64,
+    )
+    image: str = Field(
+        description="Engine container image with ember installed (serves, and runs `ember save --job`).",
+        min_length=1, max_length=512,
+    )
+    args: list[str] = Field(
+        default_factory=list, max_length=64,
+        description="Extra engine arguments, delivered with the claim (annotation ember.dev/engine-args).",
+    )
+
+
+_SIZES_RULES = cel(
+    (
+        "!has(self.sizes) || !has(self.preset)",
+        "capture: set either sizes or preset, not both",
+    ),
+    (
+        "!has(self.sizes) || self.sizes.all(s, s > 0 && s <= self.maxBatch)",
+        "capture.sizes must be positive and at most capture.maxBatch",
+    ),
+    ("!has(self.sizes) || self.sizes.isSorted()", "capture.sizes must be sorted ascending"),
+    (
+        "self.maxNumTokens >= self.maxBatch",
+        "capture.maxNumTokens (token budget) must be at least capture.maxBatch",
+    ),
+)
+
+
+class CaptureSpec(ApiModel):
+    """Which CUDA graphs are captured (and saved, and restored). All of it is archive identity."""
+
+    model_config = ConfigDict(json_schema_extra=_SIZES_RULES)
+    sizes: list[int] | None = Field(
+        None, min_length=1, max_length=512,
+        description="Batch sizes to capture, sorted ascending, unique, each ≤ maxBatch. Excludes preset.",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    preset: CapturePreset | None = Field(
+        None,
+        description="Named size list instead of sizes: default (vLLM's list up to maxBatch), small "
+        "(1,2,4,8), powers-of-two (1,2,4,… up to maxBatch). Neither set means default.",
+    )
+    graph_mode: GraphMode = Field(GraphMode.full, description="CUDA graph mode (vLLM cudagraph_mode).")
+    compile: dict[str, str] = Field(
+        default_factory=dict,
+        description="Compile settings that change the captured kernels (e.g. level, backend, mode).",
+    )
+    max_num_tokens: int = Field(
+        8192, ge=1, le=1 << 20, description="Token budget per engine step (chunked prefill bound)."
+    )
+    max_batch: int = Field(512, ge=1, le=8192, description="Largest batch a graph is captured for.")
+
+    def resolved_sizes(self) -> tuple[int, ...]:
+        if self.sizes:
+            return tuple(self.sizes)
+        preset = self.preset or CapturePreset.default
+        cap = self.max_batch
+        if preset is CapturePreset.small:
+            return tuple(s for s in (1, 2, 4, 8) if s <= cap)
+        if preset is CapturePreset.powers_of_two:
+            out, s = [], 1
+            while s <= cap:
+                out.append(s)
+                s *= 2
+            return tuple(out)
+        sizes = [1, 2, 4, *range(8, 256, 8), *range(256, cap + 1, 16)]
+        return tuple(s for s in sizes if s <= cap)
+
+
+class ParallelismSpec(ApiModel):
+    """Parallel degrees inside one replica. The expert groups are formed over tensor × data ranks."""
+
+    tensor: int = Field(1, ge=1, le=64, description="Tensor-parallel degree.")
+    expert: int = Field(1, ge=1, le=512, description="Expert-parallel degree (divides tensor × data).")
+    data: int = Field(1, ge=1, le=64, description="Data-parallel degree inside one replica.")
+
+
+class GpuSpec(ApiModel):
+    """GPUs each replica runs on."""
+
+    product: str = Field(
+        description="GPU product as labelled by NVIDIA GPU feature discovery (node label "
+        "nvidia.com/gpu.product), e.g. NVIDIA-H100-80GB-HBM3. Part of the archive identity.",
+        min_length=1, max_length=63, pattern=r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$",
+    )
+    count: int = Field(1, ge=1, le=64, description="GPUs per replica; must equal tensor × data.")
+
+
+class S3Store(ApiModel):
+    """An S3 (or S3-compatible) bucket."""
+
+    bucket: str = Field(min_length=3, max_length=63, description="Bucket name.")
+    prefix: str = Field("ember", max_length=512, description="Key prefix under which archives live.")
+    endpoint: str | None = Field(
+        None, max_length=512, pattern=r"^https?://",
+        description="Endpoint URL for S3-compatible stores (MinIO); AWS when unset.",
+    )
+    region: str | None = Field(None, max_length=64, description="Region name.")
+    credentials_secret: str | None = Field(
+        None, max_length=253,
+        description="Secret in the same namespace with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; "
+        "the standard boto3 credential chain when unset.",
+    )
+
+
+class LocalStore(ApiModel):
+    """A directory (on a PersistentVolumeClaim in a cluster, or a plain path for development)."""
+
+    path: str = Field(min_length=1, max_length=512, pattern=r"^/", description="Absolute directory path.")
+    persistent_volume_claim: str | None = Field(
+        None, max_length=253,
+        description="PVC mounted at path in SAVE Jobs and serving pods; no volume when unset.",
+    )
+
+
+class StoreSpec(ApiModel):
+    """Where archives are stored. Exactly one of s3 and local."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel((
+            "has(self.s3) != has(self.local)", "store: set exactly one of s3 and local",
+        ))
+    )
+    s3: S3Store | None = Field(None, description="S3 store.")
+    local: LocalStore | None = Field(None, description="Local directory store.")
+
+    def uri(self) -> str:
+        if self.s3 is not None:
+            prefix = self.s3.prefix.strip("/")
+            return f"s3://{self.s3.bucket}/{prefix}" if prefix else f"s3://{self.s3.bucket}"
+        if self.local is None:
+            raise ValueError("store: set exactly one of s3 and local")
+        return "file://" + self.local.path.rstrip("/")
+
+    @classmethod
+    def from_uri(cls, uri: str, endpoint: str = "") -> StoreSpec:
+        """The operator's default store (a URI) as a spec: s3://bucket/prefix or file:///path."""
+        if uri.startswith("s3://"):
+            bucket, _, prefix = uri[len("s3://"):].partition("/")
+            return cls(s3=S3Store(bucket=bucket, prefix=prefix, endpoint=endpoint or None))
+        if uri.startswith("file://"):
+            return cls(local=LocalStore(path=uri[len("file://"):]))
+        if uri.startswith("/"):
+            return cls(local=LocalStore(path=uri))
+        raise ValueError(f"store URI must be s3://bucket/prefix or file:///path, got {uri!r}")
+
+    @property
+    def credentials_secret(self) -> str | None:
+        return self.s3.credentials_secret if self.s3 else None
+
+
+class WarmPoolSpec(ApiModel):
+    """Pre-warmed pods kept per (GPU product, GPU count, engine, store) in this namespace."""
+
+    size: int = Field(0, ge=0, le=256, description="Warm pods to keep ready for claims (pool size is "
+                      "the largest size asked by the deployments sharing the pool).")
+
+
+class MetricTarget(ApiModel):
+    """One HPA metric target."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            (
+                "has(self.averageValue) != has(self.averageUtilization)",
+                "autoscaling target: set exactly one of averageValue and averageUtilization",
+            ),
+            (
+                "!has(self.averageUtilization) || self.type == 'Resource'",
+                "autoscaling target: averageUtilization applies to Resource metrics only",
+            ),
+        )
+    )
+    type: Literal["Resource", "Pods"] = Field(
+        description="Resource (cpu, memory) or Pods (a per-pod metric)."
+    )
+    name: str = Field(min_length=1, max_length=253, description="Metric or resource name.")
+    average_value: str | None = Field(
+        None, max_length=64, description="Target average value per pod (a quantity, e.g. 8 or 500m)."
+    )
+    average_utilization: int | None = Field(
+        None, ge=1, le=1000, description="Target average utilization in percent of requests."
+    )
+
+
+class AutoscalingSpec(ApiModel):
+    """When set, the operator keeps an autoscaling/v2 HPA pointed at this ModelDeployment's /scale."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel((
+            "self.minReplicas <= self.maxReplicas",
+            "autoscaling.minReplicas must be at most autoscaling.maxReplicas",
+        ))
+    )
+    min_replicas: int = Field(1, ge=1, le=10000, description="Lower bound for the HPA.")
+    max_replicas: int = Field(ge=1, le=10000, description="Upper bound for the HPA.")
+    targets: list[MetricTarget] = Field(
+        default_factory=list, max_length=8,
+        description="Metric targets; none means the HPA only enforces the bounds.",
+    )
+
+
+class SaveOptions(ApiModel):
+    """SAVE Job options of a ModelDeployment (the first deployment of an identity sets them)."""
+
+    pod_annotations: dict[str, str] = Field(
+        default_factory=dict, description="Extra annotations on the SAVE pod (e.g. for a mesh or autoscaler)."
+    )
+    timeout_seconds: int | None = Field(
+        None, ge=60, le=86400,
+        description="activeDeadlineSeconds of the SAVE Job (operator default when unset).",
+    )
+
+
+_MD_SPEC_RULES = cel(
+    (
+        "self.gpu.count == self.parallelism.tensor * self.parallelism.data",
+        "gpu.count must equal parallelism.tensor × parallelism.data",
+    ),
+    (
+        "(self.parallelism.tensor * self.parallelism.data) % self.parallelism.expert == 0",
+        "parallelism.expert must divide parallelism.tensor × parallelism.data",
+    ),
+)
+
+
+class ModelDeploymentSpec(ApiModel):
+    """Desired state of a ModelDeployment."""
+
+    model_config = ConfigDict(json_schema_extra=_MD_SPEC_RULES)
+    model: ModelRef = Field(description="The model to serve.")
+    engine: EngineSpec = Field(description="The serving engine.")
+    capture: CaptureSpec = Field(default_factory=CaptureSpec, description="CUDA graph capture settings.")
+    parallelism: ParallelismSpec = Field(
+        default_factory=ParallelismSpec, description="Parallel degrees per replica (an edit re-SAVEs)."
+    )
+    gpu: GpuSpec = Field(description="GPU product and count per replica.")
+    replicas: int = Field(1, ge=0, le=10000, description="Serving replicas (the /scale subresource).")
+    warm_pool: WarmPoolSpec = Field(default_factory=WarmPoolSpec, description="Warm pool.")
+    store: StoreSpec | None = Field(
+        None, description="Archive store; the operator's default store (chart value) when unset."
+    )
+    autoscaling: AutoscalingSpec | None = Field(None, description="HPA bounds and targets.")
+    save: SaveOptions = Field(default_factory=SaveOptions, description="SAVE Job options.")
+
+    def identity(self) -> ArchiveIdentity:
+        """The archive identity: what a SAVE of this spec captures (hash names the GraphArchive)."""
+        return ArchiveIdentity(
+            model=self.model.name,
+            revision=self.model.revision,
+            engine=self.engine.kind.value,
+            engine_version=self.engine.version,
+            capture_sizes=self.capture.resolved_sizes(),
+            graph_mode=self.capture.graph_mode.value,
+            compile=dict(sorted(self.capture.compile.items())),
+            dtype=self.model.dtype,
+            max_num_tokens=self.capture.max_num_tokens,
+            max_batch=self.capture.max_batch,
+            parallelism=Parallelism(
+                tensor=self.parallelism.tensor, expert=self.parallelism.expert, data=self.parallelism.data
+            ),
+            gpu_product=self.gpu.product,
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# Status (shared)
+
+
+class ConditionStatus(StrEnum):
+    true = "True"
+    false = "False"
+    unknown = "Unknown"
+
+
+class Condition(ApiModel):
+    """A Kubernetes-style condition."""
+
+    type: str = Field(description="Condition type (PascalCase).", max_length=316)
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str = Field("", max_length=1024, description="One-word CamelCase reason.")
+    message: str = Field("", max_length=32768, description="Human-readable details.")
+    observed_generation: int | None = Field(None, ge=0, description="Generation the condition is about.")
+    last_transition_time: str | None = Field(None, description="When status last changed (RFC 3339).")
+
+
+_CONDITIONS_EXTRA = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+
+
+class MDPhase(StrEnum):
+    pending = "Pending"
+    saving = "Saving"
+    deploying = "Deploying"
+    ready = "Ready"
+    scaling = "Scaling"
+    reconfiguring = "Reconfiguring"
+    degraded = "Degraded"
+
+
+class ArchiveRef(ApiModel):
+    """The archive the deployment's new pods restore from."""
+
+    name: str = Field(description="GraphArchive name.")
+    identity_hash: str = Field(description="Archive identity hash.")
+    uri: str | None = Field(None, description="Manifest URI (set once the archive is available).")
+    phase: str | None = Field(None, description="The GraphArchive's phase.")
+
+
+class ModelDeploymentStatus(ApiModel):
+    """Observed state of a ModelDeployment. `phase` summarizes the conditions."""
+
+    phase: MDPhase | None = Field(None, description="Summary: Pending, Saving, Deploying, Ready, "
+                                  "Scaling, Reconfiguring or Degraded.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="ArchiveReady, Available, Progressing.",
+        json_schema_extra=_CONDITIONS_EXTRA,
+    )
+    observed_generation: int | None = Field(None, description="Generation last reconciled.")
+    replicas: int = Field(0, description="Serving pods (all revisions).")
+    ready_replicas: int = Field(0, description="Ready serving pods.")
+    updated_replicas: int = Field(0, description="Serving pods of the current revision.")
+    restored_replicas: int = Field(0, description="Pods whose sidecar reported ember.dev/restore=restored.")
+    selector: str | None = Field(None, description="Label selector of the serving pods (for HPA).")
+    revision: str | None = Field(None, description="Current pod revision hash.")
+    archive: ArchiveRef | None = Field(None, description="The archive in use.")
+    last_restore_time: str | None = Field(None, description="Most recent successful restore (RFC 3339).")
+    fallback_count: int = Field(0, description="Pods that fell back to native capture.")
+    warm_claims: int = Field(0, description="Warm pods claimed by this deployment (lifetime count).")
+
+
+# ------------------------------------------------------------------------------------------------
+# GraphArchive
+
+
+class IdentitySpec(ApiModel):
+    """The archive identity (mirror of ember.identity.ArchiveIdentity, camelCase)."""
+
+    model: str = Field(description="Model name.")
+    revision: str = Field("main", description="Weights revision.")
+    engine: str = Field(description="Engine kind.")
+    engine_version: str = Field(description="Engine version.")
+    capture_sizes: list[int] = Field(description="Captured batch sizes.")
+    graph_mode: str = Field("full", description="CUDA graph mode.")
+    compile: dict[str, str] = Field(default_factory=dict, description="Compile settings.")
+    dtype: str = Field("bfloat16", description="dtype.")
+    max_num_tokens: int = Field(8192, description="Token budget.")
+    max_batch: int = Field(512, description="Largest captured batch.")
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Parallel degrees.")
+    gpu_product: str = Field("", description="GPU product the archive is saved on.")
+
+    @classmethod
+    def of(cls, ident: ArchiveIdentity) -> IdentitySpec:
+        return cls.model_validate(ident.model_dump(mode="json"))
+
+    def to_identity(self) -> ArchiveIdentity:
+        data = self.model_dump(mode="json")
+        data["capture_sizes"] = tuple(data["capture_sizes"])
+        return ArchiveIdentity.model_validate(data)
+
+
+class SaveSpec(ApiModel):
+    """How the SAVE Job runs."""
+
+    image: str = Field(description="Engine image that runs `ember save --job`.")
+    args: list[str] = Field(default_factory=list, description="Engine arguments for the SAVE run.")
+    pod_annotations: dict[str, str] = Field(
+        default_factory=dict, description="Extra annotations on the SAVE pod."
+    )
+    timeout_seconds: int | None = Field(
+        None, ge=60, description="activeDeadlineSeconds of the SAVE Job (operator default when unset)."
+    )
+
+
+class GraphArchiveSpec(ApiModel):
+    """One archive identity; shared by every ModelDeployment of the namespace with that identity."""
+
+    identity_hash: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="sha256 of the canonical identity JSON.",
+        json_schema_extra=cel(("self == oldSelf", "identityHash is immutable")),
+    )
+    identity: IdentitySpec = Field(description="What the archive captures.")
+    store: StoreSpec = Field(description="Where the archive is (or will be) stored.")
+    save: SaveSpec = Field(description="SAVE Job settings.")
+
+
+class GAPhase(StrEnum):
+    pending = "Pending"
+    saving = "Saving"
+    available = "Available"
+    failed = "Failed"
+
+
+class CompatKeySummary(ApiModel):
+    """Where the archive can be LOADed (from the manifest)."""
+
+    gpu_name: str | None = None
+    compute_capability: str | None = None
+    driver: str | None = None
+    cuda: str | None = None
+    torch: str | None = None
+    engine: str | None = None
+
+
+class GraphArchiveStatus(ApiModel):
+    """Observed state of a GraphArchive."""
+
+    phase: GAPhase | None = Field(None, description="Pending, Saving, Available or Failed.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Saved (the manifest exists in the store).",
+        json_schema_extra=_CONDITIONS_EXTRA,
+    )
+    observed_generation: int | None = Field(None, description="Generation last reconciled.")
+    uri: str | None = Field(None, description="Manifest URI in the store.")
+    bytes: int | None = Field(None, description="Stored bytes of the archive's blobs.")
+    digest: str | None = Field(None, description="sha256 of the manifest.")
+    graphs: int | None = Field(None, description="Graphs in the archive.")
+    compat_key: CompatKeySummary | None = Field(None, description="Compatibility key.")
+    save_job: str | None = Field(None, description="Name of the current SAVE Job.")
+    attempt: int = Field(0, description="SAVE attempt number (0 first).")
+    durations: dict[str, float] = Field(default_factory=dict, description="SAVE stage durations, seconds.")
+    failure_reason: str | None = Field(None, description="Why the last SAVE failed.")
+    next_retry_time: str | None = Field(None, description="When the next SAVE attempt may start.")
+    save_started_time: str | None = Field(None, description="When the current SAVE Job was created.")
+    completion_time: str | None = Field(None, description="When the archive became available.")
+    unreferenced_since: str | None = Field(
+        None, description="When the last ModelDeployment or pod stopped using it (GC clock)."
+    )

@@ -1,0 +1,211 @@
+"""Pure planning for a GraphArchive: store probe + SAVE Jobs in, Job to create and status out.
+
+Order of checks (each failing one is a reason on the `Saved` condition plus a retry time):
+1. the credentials Secret exists (CredentialsSecretMissing);
+2. the store answers (StoreUnreachable);
+3. the manifest is in the store → Available, no Job at all (another namespace, an earlier
+   operator, or this archive's own SAVE put it there);
+4. otherwise the SAVE Job of the current attempt: created when missing (name from the identity
+   hash and the attempt, so a restarted operator never creates a second), Saving while it runs,
+   Failed with the pod's termination message when it fails, a new attempt after the backoff.
+A succeeded Job whose manifest does not show up within the grace period is a failure too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from ember_operator import conditions, naming
+from ember_operator.api import CompatKeySummary, GAPhase, GraphArchiveSpec, GraphArchiveStatus
+from ember_operator.conditions import Event, parse_time, rfc3339
+from ember_operator.jobs import SaveResult, job_failure, job_state
+
+SAVED = "Saved"
+
+
+@dataclass(frozen=True)
+class ManifestInfo:
+    uri: str
+    digest: str
+    bytes: int
+    graphs: int | None = None
+    compat: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StoreProbe:
+    """What the store said (None fields: not asked)."""
+
+    secret_missing: bool = False
+    unreachable: str = ""  # error text when the store could not be used
+    manifest: ManifestInfo | None = None
+
+
+@dataclass(frozen=True)
+class Backoff:
+    base_s: float = 10.0
+    max_s: float = 600.0
+    grace_s: float = 30.0
+    retention_s: float = 86400.0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.max_s, self.base_s * (2 ** max(0, attempt)))
+
+
+@dataclass
+class ArchiveObserved:
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: GraphArchiveSpec
+    status: GraphArchiveStatus
+    probe: StoreProbe
+    now: datetime
+    jobs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    result: SaveResult | None = None  # termination message of the current attempt's pod
+    references: int = 1
+
+
+@dataclass
+class ArchivePlan:
+    status: GraphArchiveStatus
+    events: list[Event] = field(default_factory=list)
+    create_job_attempt: int | None = None
+    delete: bool = False
+    requeue_after: float | None = None
+    saved_now: bool = False  # the archive became Available in this pass
+    save_failed_now: bool = False
+
+
+def plan_archive(obs: ArchiveObserved, backoff: Backoff) -> ArchivePlan:
+    st = obs.status.model_copy(deep=True)
+    plan = ArchivePlan(status=st)
+    now = obs.now
+    st.observed_generation = obs.generation
+
+    # GC clock: an archive nobody uses is deleted after the retention period.
+    if obs.references > 0:
+        st.unreferenced_since = None
+    else:
+        since = parse_time(st.unreferenced_since) or now
+        st.unreferenced_since = rfc3339(since)
+        if backoff.retention_s > 0 and (now - since).total_seconds() >= backoff.retention_s:
+            plan.delete = True
+            plan.events.append(Event("Normal", "GarbageCollected",
+                                     f"unreferenced for {backoff.retention_s:.0f}s; deleting"))
+            return plan
+
+    def set_saved(ok: bool | None, reason: str, message: str) -> None:
+        st.conditions = conditions.put(st.conditions, SAVED, ok, reason, message, obs.generation, now)
+
+    def retry_in(delay: float, attempt_for_next: int | None = None) -> None:
+        retry_at = parse_time(st.next_retry_time)
+        if retry_at is None or retry_at < now:
+            retry_at = now + timedelta(seconds=delay)
+            st.next_retry_time = rfc3339(retry_at)
+        plan.requeue_after = max(1.0, (retry_at - now).total_seconds())
+
+    old_conditions = list(obs.status.conditions)
+    old_phase = obs.status.phase
+    probe = obs.probe
+    manifest = probe.manifest
+
+    if manifest is not None:
+        if st.phase is not GAPhase.available:
+            plan.saved_now = True
+            st.completion_time = rfc3339(now)
+        st.phase = GAPhase.available
+        st.uri, st.digest, st.bytes = manifest.uri, manifest.digest, manifest.bytes
+        st.graphs = manifest.graphs
+        st.compat_key = CompatKeySummary.model_validate(manifest.compat) if manifest.compat else st.compat_key
+        st.failure_reason = None
+        st.next_retry_time = None
+        set_saved(True, "ManifestFound", f"archive at {manifest.uri}")
+    elif probe.secret_missing:
+        secret = obs.spec.store.credentials_secret
+        st.phase = GAPhase.pending
+        st.failure_reason = f"credentials Secret {secret!r} not found in {obs.namespace}"
+        retry_in(backoff.base_s)
+        set_saved(False, "CredentialsSecretMissing", st.failure_reason)
+    elif probe.unreachable:
+        st.phase = GAPhase.pending
+        st.failure_reason = f"store {obs.spec.store.uri()} unreachable: {probe.unreachable}"[:1024]
+        retry_in(backoff.base_s)
+        set_saved(False, "StoreUnreachable", st.failure_reason)
+    else:
+        _plan_save(obs, plan, backoff, set_saved, retry_in)
+
+    plan.events = conditions.transitions(old_conditions, st.conditions)
+    if old_phase != st.phase and st.phase is not None:
+        plan.events.append(Event("Normal" if st.phase is not GAPhase.failed else "Warning", "Phase",
+                                 f"phase {old_phase.value if old_phase else 'None'} → {st.phase.value}"))
+    return plan
+
+
+def _plan_save(obs: ArchiveObserved, plan: ArchivePlan, backoff: Backoff, set_saved: Any, retry_in: Any) -> None:
+    st = plan.status
+    now = obs.now
+    attempt = st.attempt
+    job_name = naming.save_job_name(obs.spec.identity_hash, attempt)
+    job = obs.jobs.get(job_name)
+
+    if job is None:
+        if st.phase is GAPhase.failed and st.save_job == job_name:
+            # The failed Job was removed by hand: treat as failed, retry on schedule.
+            state = "Failed"
+        else:
+            plan.create_job_attempt = attempt
+            st.phase = GAPhase.saving
+            st.save_job = job_name
+            st.save_started_time = rfc3339(now)
+            st.failure_reason = None
+            st.next_retry_time = None
+            set_saved(False, "SaveRunning", f"SAVE Job {job_name} (attempt {attempt}) created")
+            return
+    else:
+        state = job_state(job)
+        st.save_job = job_name
+
+    if state == "Active":
+        st.phase = GAPhase.saving
+        set_saved(False, "SaveRunning", f"SAVE Job {job_name} (attempt {attempt}) running")
+        return
+
+    if state == "Succeeded":
+        done = parse_time(((job or {}).get("status") or {}).get("completionTime")) or now
+        if (now - done).total_seconds() < backoff.grace_s:
+            st.phase = GAPhase.saving
+            set_saved(False, "Verifying", f"SAVE Job {job_name} succeeded; waiting for its manifest")
+            plan.requeue_after = 1.0
+            if obs.result is not None:
+                st.durations = obs.result.durations or st.durations
+            return
+        reason = f"SAVE Job {job_name} succeeded but no manifest appeared in {obs.spec.store.uri()}"
+        kind = "ManifestMissing"
+    else:
+        detail = (obs.result.reason if obs.result is not None else "") or job_failure(job or {}) or "failed"
+        reason = f"SAVE Job {job_name} failed: {detail}"
+        kind = "SaveFailed"
+
+    # Failed attempt: wait out the backoff, then start the next attempt.
+    if st.phase is not GAPhase.failed or st.failure_reason != reason[:1024]:
+        plan.save_failed_now = st.phase is not GAPhase.failed
+        st.phase = GAPhase.failed
+        st.failure_reason = reason[:1024]
+        st.next_retry_time = None
+    retry_in(backoff.delay(attempt))
+    retry_at = parse_time(st.next_retry_time)
+    if retry_at is not None and now >= retry_at:
+        st.attempt = attempt + 1
+        st.next_retry_time = None
+        plan.create_job_attempt = st.attempt
+        st.save_job = naming.save_job_name(obs.spec.identity_hash, st.attempt)
+        st.save_started_time = rfc3339(now)
+        st.phase = GAPhase.saving
+        set_saved(False, "SaveRunning", f"retrying: SAVE Job {st.save_job} (attempt {st.attempt}) created")
+        plan.requeue_after = None
+        return
+    set_saved(False, kind, f"{reason}; retrying at {st.next_retry_time}")

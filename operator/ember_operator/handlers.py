@@ -1,0 +1,171 @@
+"""kopf handlers: the only module that imports kopf. Each handler is a line or two over `Runner`.
+
+ModelDeployment and GraphArchive: create, update, resume and a timer all reach the same
+idempotent reconcile. Watch events of pods (label `ember.dev/deployment`), SAVE Jobs (label
+`ember.dev/archive`) and GraphArchives poke the owning object, so status follows the cluster
+within a watch round-trip instead of a timer tick. Deleting a ModelDeployment runs the cleanup
+behind the `ember.dev/cleanup` finalizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import kopf
+
+from ember_operator import GROUP, VERSION, metrics, naming
+from ember_operator.kube import Kube, KubeError
+from ember_operator.reconcilers import Reconciler
+from ember_operator.settings import Settings
+
+log = logging.getLogger("ember_operator")
+MD = (GROUP, VERSION, "modeldeployments")
+GA = (GROUP, VERSION, "grapharchives")
+
+
+class Runner:
+    """Serializes reconciles per object and coalesces pokes that arrive while one runs."""
+
+    def __init__(self, fn: Callable[[str, str], Any]) -> None:
+        self.fn = fn
+        self.locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self.dirty: set[tuple[str, str]] = set()
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
+
+    async def run(self, ns: str, name: str) -> Any:
+        key = (ns, name)
+        lock = self.locks.setdefault(key, asyncio.Lock())
+        self.dirty.add(key)
+        async with lock:
+            if key not in self.dirty:
+                return None  # a run that started after our poke already covered it
+            self.dirty.discard(key)
+            return await asyncio.get_running_loop().run_in_executor(None, self.fn, ns, name)
+
+    def poke(self, ns: str, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._safe(ns, name))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def poke_later(self, ns: str, name: str, delay: float) -> None:
+        key = (ns, name)
+        if key in self.timers:
+            self.timers[key].cancel()
+        loop = asyncio.get_running_loop()
+        self.timers[key] = loop.call_later(delay, lambda: (self.timers.pop(key, None), self.poke(ns, name)))
+
+    async def _safe(self, ns: str, name: str) -> None:
+        try:
+            result = await self.run(ns, name)
+        except KubeError as exc:
+            log.warning("Reconcile of %s/%s failed (retrying in 2s): %s", ns, name, exc)
+            self.poke_later(ns, name, 2.0)
+            return
+        except Exception:
+            log.exception("Reconcile of %s/%s failed (retrying in 5s)", ns, name)
+            self.poke_later(ns, name, 5.0)
+            return
+        if isinstance(result, int | float) and result > 0:
+            self.poke_later(ns, name, float(result))
+
+
+def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | None = None) -> Reconciler:
+    """Register every handler on `registry`; returns the reconciler they share."""
+    rec = Reconciler(kube or Kube(pool_size=max(32, settings.claim_concurrency * 2)), settings)
+    deployments = Runner(rec.reconcile_deployment)
+    archives = Runner(rec.reconcile_archive)
+    interval = settings.resync_seconds
+
+    async def _reconcile_md(namespace: str, name: str) -> None:
+        try:
+            await deployments.run(namespace, name)
+        except KubeError as exc:
+            raise kopf.TemporaryError(str(exc), delay=2) from exc
+
+    async def _reconcile_ga(namespace: str, name: str) -> None:
+        try:
+            delay = await archives.run(namespace, name)
+        except KubeError as exc:
+            raise kopf.TemporaryError(str(exc), delay=2) from exc
+        if isinstance(delay, int | float) and delay > 0:
+            archives.poke_later(namespace, name, float(delay))
+
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(max_workers=32, thread_name_prefix="ember-reconcile")
+        )
+        metrics.serve(rec.settings.metrics_port)
+        log.info("Operator started: metrics on :%s, default store %r", rec.settings.metrics_port,
+                 rec.settings.default_store)
+
+    @kopf.on.create(*MD, registry=registry)
+    @kopf.on.update(*MD, registry=registry)
+    @kopf.on.resume(*MD, registry=registry)
+    async def md_changed(namespace: str, name: str, **_: Any) -> None:
+        await _reconcile_md(namespace, name)
+
+    @kopf.timer(*MD, interval=interval, initial_delay=interval, registry=registry)
+    async def md_timer(namespace: str, name: str, **_: Any) -> None:
+        await _reconcile_md(namespace, name)
+
+    @kopf.on.delete(*MD, registry=registry)
+    async def md_deleted(namespace: str, name: str, **_: Any) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, rec.cleanup_deployment, namespace, name)
+
+    @kopf.on.create(*GA, registry=registry)
+    @kopf.on.update(*GA, registry=registry)
+    @kopf.on.resume(*GA, registry=registry)
+    async def ga_changed(namespace: str, name: str, **_: Any) -> None:
+        await _reconcile_ga(namespace, name)
+
+    @kopf.timer(*GA, interval=interval, initial_delay=interval, registry=registry)
+    async def ga_timer(namespace: str, name: str, **_: Any) -> None:
+        await _reconcile_ga(namespace, name)
+
+    @kopf.on.event(*GA, registry=registry)
+    async def ga_event(namespace: str, labels: dict[str, str], type: str | None, **_: Any) -> None:
+        # Status changes of an archive move the deployments that use it.
+        short = labels.get(naming.IDENTITY)
+        if short and type in ("MODIFIED", "ADDED", None):
+            users = await asyncio.get_running_loop().run_in_executor(None, rec.deployments_using, namespace, short)
+            for md in users:
+                deployments.poke(namespace, md)
+
+    @kopf.on.event("batch", "v1", "jobs", labels={naming.ARCHIVE_LABEL: kopf.PRESENT}, registry=registry)
+    async def job_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
+        archives.poke(namespace, labels[naming.ARCHIVE_LABEL])
+
+    @kopf.on.event("", "v1", "pods", labels={naming.MANAGED_BY: naming.OPERATOR_NAME}, registry=registry)
+    async def pod_event(namespace: str, labels: dict[str, str], type: str | None, **_: Any) -> None:
+        md = labels.get(naming.DEPLOYMENT)
+        if md:
+            deployments.poke(namespace, md)
+        elif labels.get(naming.POOL) == naming.POOL_WARM and type == "DELETED":
+            await asyncio.get_running_loop().run_in_executor(None, rec.reconcile_pools, namespace)
+
+    return rec
+
+
+def configure(settings: kopf.OperatorSettings, ours: Settings) -> kopf.OperatorSettings:
+    """kopf settings: our finalizer and annotation prefixes, quick batching, peering."""
+    settings.persistence.finalizer = naming.FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.ember.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="kopf.ember.dev", key="last-handled-configuration",
+    )
+    settings.posting.level = logging.WARNING  # our own events are posted by the reconcilers
+    settings.queueing.batch_window = ours.batch_window_seconds
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.peering.name = ours.peering_name
+    settings.peering.priority = ours.priority
+    settings.peering.standalone = ours.standalone
+    settings.peering.mandatory = False
+    settings.execution.max_workers = 32
+    return settings

@@ -1,0 +1,51 @@
+"""Pure builder of the autoscaling/v2 HorizontalPodAutoscaler for a ModelDeployment's /scale."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ember_operator import API_VERSION, naming
+from ember_operator.api import AutoscalingSpec, MetricTarget
+
+
+def _metric(t: MetricTarget) -> dict[str, Any]:
+    target: dict[str, Any]
+    if t.average_utilization is not None:
+        target = {"type": "Utilization", "averageUtilization": t.average_utilization}
+    else:
+        target = {"type": "AverageValue", "averageValue": t.average_value}
+    if t.type == "Resource":
+        return {"type": "Resource", "resource": {"name": t.name, "target": target}}
+    return {"type": "Pods", "pods": {"metric": {"name": t.name}, "target": target}}
+
+
+def hpa(*, md_name: str, md_uid: str, namespace: str, spec: AutoscalingSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {
+            "name": naming.hpa_name(md_name),
+            "namespace": namespace,
+            "labels": {naming.MANAGED_BY: naming.OPERATOR_NAME, naming.DEPLOYMENT: md_name},
+            "ownerReferences": [{
+                "apiVersion": API_VERSION, "kind": "ModelDeployment", "name": md_name, "uid": md_uid,
+                "controller": True, "blockOwnerDeletion": True,
+            }],
+        },
+        "spec": {
+            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": "ModelDeployment", "name": md_name},
+            "minReplicas": spec.min_replicas,
+            "maxReplicas": spec.max_replicas,
+            "metrics": [_metric(t) for t in spec.targets],
+        },
+    }
+
+
+def needs_update(observed: dict[str, Any] | None, desired: dict[str, Any]) -> bool:
+    if observed is None:
+        return True
+    spec = observed.get("spec") or {}
+    want = desired["spec"]
+    return any(spec.get(k) != want[k] for k in ("scaleTargetRef", "minReplicas", "maxReplicas")) or (
+        (spec.get("metrics") or []) != want["metrics"]
+    )

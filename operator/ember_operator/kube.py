@@ -1,0 +1,139 @@
+"""The one place that talks to the Kubernetes API: a thin JSON-over-REST client.
+
+Built on the official client's configuration and connection pool (kubeconfig, in-cluster service
+account, exec plugins, token refresh) but exchanging plain dicts, so reconcilers work with the
+same shapes as kopf bodies and the planning code. Thread-safe; used from kopf's executor threads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import urllib.parse
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+log = logging.getLogger(__name__)
+
+MERGE = "application/merge-patch+json"
+
+
+class KubeError(Exception):
+    def __init__(self, status: int, reason: str, body: str = "") -> None:
+        self.status = status
+        self.reason = reason
+        self.body = body
+        try:
+            self.message = json.loads(body).get("message", reason)
+        except (ValueError, AttributeError):
+            self.message = body or reason
+        super().__init__(f"{status} {reason}: {self.message}")
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404
+
+    @property
+    def conflict(self) -> bool:
+        return self.status == 409
+
+
+def load_configuration(pool_size: int = 32) -> client.Configuration:
+    cfg = client.Configuration()
+    try:
+        config.load_incluster_config(client_configuration=cfg)
+    except config.ConfigException:
+        config.load_kube_config(client_configuration=cfg)
+    cfg.connection_pool_maxsize = pool_size
+    return cfg
+
+
+class Kube:
+    def __init__(self, configuration: client.Configuration | None = None, pool_size: int = 32) -> None:
+        self.api = client.ApiClient(configuration or load_configuration(pool_size))
+
+    def request(
+        self, method: str, path: str, *, query: dict[str, Any] | None = None, body: Any = None,
+        content_type: str = "application/json", timeout: float = 30.0,
+    ) -> dict[str, Any]:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        if query:
+            path = f"{path}?{urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})}"
+        _, url, headers, _, _ = self.api.param_serialize(
+            method=method, resource_path=path, header_params=headers, auth_settings=["BearerToken"],
+        )
+        payload = json.dumps(body) if body is not None else None
+        try:
+            resp = self.api.call_api(method, url, header_params=headers, body=payload, _request_timeout=timeout)
+            data = resp.read()
+        except ApiException as exc:
+            raise KubeError(exc.status or 0, exc.reason or "", exc.body or "") from None
+        if resp.status >= 400:
+            raise KubeError(resp.status, resp.reason or "", data.decode(errors="replace") if data else "")
+        return json.loads(data) if data else {}
+
+    # ---- conveniences
+    def get(self, path: str) -> dict[str, Any] | None:
+        try:
+            return self.request("GET", path)
+        except KubeError as exc:
+            if exc.not_found:
+                return None
+            raise
+
+    def list(self, path: str, label_selector: str | None = None) -> list[dict[str, Any]]:
+        return self.request("GET", path, query={"labelSelector": label_selector}).get("items") or []
+
+    def create(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """POST; None when it already exists (deterministic names make creation idempotent)."""
+        try:
+            return self.request("POST", path, body=body)
+        except KubeError as exc:
+            if exc.conflict and "already exists" in exc.message:
+                return None
+            raise
+
+    def patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.request("PATCH", path, body=body, content_type=MERGE)
+
+    def delete(self, path: str, *, propagation: str = "Background") -> bool:
+        try:
+            self.request("DELETE", path, body={"propagationPolicy": propagation})
+            return True
+        except KubeError as exc:
+            if exc.not_found:
+                return False
+            raise
+
+
+# ---- paths
+def md_path(ns: str, name: str = "") -> str:
+    base = f"/apis/ember.dev/v1alpha1/namespaces/{ns}/modeldeployments"
+    return f"{base}/{name}" if name else base
+
+
+def ga_path(ns: str, name: str = "") -> str:
+    base = f"/apis/ember.dev/v1alpha1/namespaces/{ns}/grapharchives"
+    return f"{base}/{name}" if name else base
+
+
+def pods_path(ns: str, name: str = "") -> str:
+    return f"/api/v1/namespaces/{ns}/pods" + (f"/{name}" if name else "")
+
+
+def jobs_path(ns: str, name: str = "") -> str:
+    return f"/apis/batch/v1/namespaces/{ns}/jobs" + (f"/{name}" if name else "")
+
+
+def hpa_path(ns: str, name: str = "") -> str:
+    return f"/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers" + (f"/{name}" if name else "")
+
+
+def secret_path(ns: str, name: str) -> str:
+    return f"/api/v1/namespaces/{ns}/secrets/{name}"
+
+
+def events_path(ns: str) -> str:
+    return f"/apis/events.k8s.io/v1/namespaces/{ns}/events"

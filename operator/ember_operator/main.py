@@ -1,0 +1,34 @@
+"""`ember-operator`: the operator's one entry point (wires settings, handlers and kopf together)."""
+
+from __future__ import annotations
+
+import logging
+
+import kopf
+
+from ember_operator.handlers import configure, register
+from ember_operator.settings import Settings
+
+
+def main() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    ours = Settings.from_env()
+    registry = kopf.OperatorRegistry()
+    register(registry, ours)
+    namespaces = ours.namespace_list()
+    kopf.run(
+        registry=registry,
+        settings=configure(kopf.OperatorSettings(), ours),
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        standalone=ours.standalone,
+        priority=ours.priority,
+        peering_name=ours.peering_name,
+        liveness_endpoint=ours.liveness_endpoint or None,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,371 @@
+"""Reconcilers: read what is there, call the pure planners, apply the plan, record status and events.
+
+One idempotent, level-based function per kind (`reconcile_deployment`, `reconcile_archive`,
+`reconcile_pools`), reached from kopf's create/update/resume handlers, a timer and watch events of
+the objects they own (see `handlers`). All API traffic goes through `kube.Kube`.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import logging
+import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from ember_operator import API_VERSION, metrics, naming
+from ember_operator.api import (
+    GAPhase,
+    GraphArchiveSpec,
+    GraphArchiveStatus,
+    ModelDeploymentSpec,
+    ModelDeploymentStatus,
+)
+from ember_operator.archive_planning import (
+    ArchiveObserved,
+    Backoff,
+    ManifestInfo,
+    StoreProbe,
+    plan_archive,
+)
+from ember_operator.conditions import Event, parse_time
+from ember_operator.jobs import read_termination, save_job
+from ember_operator.kube import (
+    Kube,
+    KubeError,
+    events_path,
+    ga_path,
+    hpa_path,
+    jobs_path,
+    md_path,
+    pods_path,
+    secret_path,
+)
+from ember_operator.planning import Context, Observed, plan_deployment, template_of
+from ember_operator.pods import Claim, PodTemplate, StoreAccess, serving_pod
+from ember_operator.pools import plan_pools
+from ember_operator.settings import Settings
+from ember_operator.views import ArchiveView, PodView
+
+log = logging.getLogger("ember_operator")
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, settings: Settings, clock: Callable[[], datetime] = _now) -> None:
+        self.kube = kube
+        self.settings = settings
+        self.clock = clock
+        self.ctx = Context(
+            sidecar_image=settings.sidecar_image, default_store=settings.default_store,
+            default_s3_endpoint=settings.default_s3_endpoint, pod_service_account=settings.pod_service_account,
+        )
+        self.backoff = Backoff(
+            base_s=settings.save_backoff_seconds, max_s=settings.save_backoff_max_seconds,
+            grace_s=settings.manifest_grace_seconds, retention_s=settings.archive_retention_seconds,
+        )
+        self.pool = ThreadPoolExecutor(max(1, settings.claim_concurrency), thread_name_prefix="ember-api")
+        self.instance = socket.gethostname()
+
+    # ------------------------------------------------------------------ helpers
+    def _parallel(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+        if len(items) <= 1:
+            return [fn(i) for i in items]
+        return list(self.pool.map(fn, items))
+
+    def post_events(self, obj: dict[str, Any], events: list[Event]) -> None:
+        meta = obj.get("metadata") or {}
+        ns = meta.get("namespace", "default")
+        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        for ev in events:
+            body = {
+                "apiVersion": "events.k8s.io/v1",
+                "kind": "Event",
+                "metadata": {"generateName": f"{meta.get('name', 'ember')}.", "namespace": ns},
+                "eventTime": stamp,
+                "reportingController": "ember.dev/operator",
+                "reportingInstance": self.instance[:128],
+                "action": ev.reason[:128] or "Reconcile",
+                "reason": ev.reason[:128] or "Reconcile",
+                "note": ev.message[:1024],
+                "type": ev.type,
+                "regarding": {
+                    "apiVersion": obj.get("apiVersion", API_VERSION), "kind": obj.get("kind", ""),
+                    "name": meta.get("name", ""), "namespace": ns, "uid": meta.get("uid", ""),
+                },
+            }
+            try:
+                self.kube.create(events_path(ns), body)
+            except KubeError as exc:  # events are best effort
+                log.warning("Posting event failed: %s", exc)
+            log.info("%s %s/%s: %s %s", obj.get("kind"), ns, meta.get("name"), ev.reason, ev.message)
+
+    def _patch_status(self, path: str, old: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+        if (old or {}) == new:
+            return False
+        try:
+            self.kube.patch(path + "/status", {"status": new})
+        except KubeError as exc:
+            if exc.not_found:
+                return False
+            raise
+        return True
+
+    # ------------------------------------------------------------------ ModelDeployment
+    def reconcile_deployment(self, namespace: str, name: str) -> None:
+        started = time.perf_counter()
+        try:
+            self._reconcile_deployment(namespace, name, started)
+        except Exception:
+            metrics.RECONCILE_ERRORS.labels("ModelDeployment").inc()
+            raise
+        finally:
+            metrics.RECONCILE_SECONDS.labels("ModelDeployment").observe(time.perf_counter() - started)
+
+    def _reconcile_deployment(self, ns: str, name: str, started: float) -> None:
+        md = self.kube.get(md_path(ns, name))
+        if md is None or (md.get("metadata") or {}).get("deletionTimestamp"):
+            return
+        meta = md["metadata"]
+        try:
+            spec = ModelDeploymentSpec.model_validate(md.get("spec") or {})
+            status = ModelDeploymentStatus.model_validate(md.get("status") or {})
+            template = template_of(ns, spec, self.ctx)
+        except (ValidationError, ValueError) as exc:
+            log.error("ModelDeployment %s/%s has an invalid spec: %s", ns, name, exc)
+            self.post_events(md, [Event("Warning", "InvalidSpec", str(exc)[:1024])])
+            return
+        ident_hash = spec.identity().hash()
+        ga = self.kube.get(ga_path(ns, naming.archive_name(ident_hash)))
+        pods = self.kube.list(pods_path(ns), naming.selector(name))
+        warm = self.kube.list(pods_path(ns), f"{naming.POOL}={naming.POOL_WARM},{naming.POOL_KEY}={template.pool_key}")
+        hpa = self.kube.get(hpa_path(ns, naming.hpa_name(name)))
+        obs = Observed(
+            name=name, namespace=ns, uid=meta["uid"], generation=int(meta.get("generation") or 0),
+            spec=spec, status=status, now=self.clock(), labels=dict(meta.get("labels") or {}),
+            archive=ArchiveView.of(ga) if ga else None,
+            pods=[PodView.of(p) for p in pods], warm=[PodView.of(p) for p in warm], hpa=hpa,
+        )
+        plan = plan_deployment(obs, self.ctx)
+
+        if plan.labels:
+            self.kube.patch(md_path(ns, name), {"metadata": {"labels": plan.labels}})
+        if plan.archive_create is not None:
+            self.kube.create(ga_path(ns), plan.archive_create)
+
+        # Claims first (they are the fast path), then cold pods for what could not be claimed.
+        claimed, lost = self._claim(ns, plan.claims, started)
+        plan.status.warm_claims -= lost
+        creates = list(plan.creates)
+        if lost:
+            claim_ann = (plan.creates[0]["metadata"]["annotations"] if plan.creates else
+                         plan.claims[0][1]["metadata"]["annotations"])
+            claim = Claim(
+                deployment=name, deployment_uid=meta["uid"], identity_hash=ident_hash,
+                identity_json=claim_ann[naming.IDENTITY_SPEC], revision=plan.status.revision or "",
+                archive_uri=claim_ann[naming.ARCHIVE], engine_args=tuple(spec.engine.args),
+                claimed_at=claim_ann.get(naming.CLAIMED_AT, ""),
+            )
+            taken = {p.name for p in obs.pods} | {c["metadata"]["name"] for c in creates}
+            index = 0
+            while len(creates) < len(plan.creates) + lost:
+                candidate = naming.serving_pod_name(name, claim.revision, index)
+                index += 1
+                if candidate not in taken:
+                    creates.append(serving_pod(template, claim, candidate))
+        self._parallel(lambda body: self.kube.create(pods_path(ns), body), creates)
+        if creates:
+            metrics.COLD_PODS_TOTAL.inc(len(creates))
+        self._parallel(lambda pod: self.kube.delete(pods_path(ns, pod)), plan.deletes)
+
+        if plan.hpa_apply is not None:
+            if hpa is None:
+                self.kube.create(hpa_path(ns), plan.hpa_apply)
+            else:
+                self.kube.patch(hpa_path(ns, naming.hpa_name(name)), {"spec": plan.hpa_apply["spec"]})
+        elif plan.hpa_delete:
+            self.kube.delete(hpa_path(ns, naming.hpa_name(name)))
+
+        metrics.RESTORE_FALLBACKS.labels(ns, name).set(plan.status.fallback_count)
+        self._patch_status(md_path(ns, name), md.get("status"), plan.status.wire())
+        self.post_events(md, plan.events)
+        if claimed or spec.warm_pool.size or obs.warm:
+            self.reconcile_pools(ns)
+
+    def _claim(self, ns: str, claims: list[tuple[str, dict[str, Any]]], started: float) -> tuple[int, int]:
+        def one(item: tuple[str, dict[str, Any]]) -> bool:
+            pod, patch = item
+            try:
+                self.kube.patch(pods_path(ns, pod), patch)
+            except KubeError as exc:
+                if exc.conflict or exc.not_found:
+                    metrics.CLAIMS_TOTAL.labels("lost").inc()
+                    return False
+                raise
+            metrics.CLAIM_SECONDS.observe(time.perf_counter() - started)
+            metrics.CLAIMS_TOTAL.labels("claimed").inc()
+            return True
+
+        results = self._parallel(one, claims)
+        won = sum(results)
+        return won, len(results) - won
+
+    def cleanup_deployment(self, ns: str, name: str) -> None:
+        """Finalizer: the deployment's pods and HPA go with it (owner references would too, later)."""
+        self.kube.delete(hpa_path(ns, naming.hpa_name(name)))
+        pods = self.kube.list(pods_path(ns), f"{naming.DEPLOYMENT}={name}")
+        self._parallel(lambda p: self.kube.delete(pods_path(ns, p["metadata"]["name"])), pods)
+        log.info("ModelDeployment %s/%s deleted: removed %d pod(s) and its HPA", ns, name, len(pods))
+        self.reconcile_pools(ns)
+
+    def deployments_using(self, ns: str, identity_short: str) -> list[str]:
+        mds = self.kube.list(md_path(ns), f"{naming.IDENTITY}={identity_short}")
+        return [m["metadata"]["name"] for m in mds]
+
+    # ------------------------------------------------------------------ warm pools
+    def reconcile_pools(self, ns: str) -> None:
+        started = time.perf_counter()
+        wanted: list[tuple[PodTemplate, int]] = []
+        for md in self.kube.list(md_path(ns)):
+            if (md.get("metadata") or {}).get("deletionTimestamp"):
+                continue
+            try:
+                spec = ModelDeploymentSpec.model_validate(md.get("spec") or {})
+                wanted.append((template_of(ns, spec, self.ctx), spec.warm_pool.size))
+            except (ValidationError, ValueError):
+                continue
+        warm = [PodView.of(p) for p in self.kube.list(pods_path(ns), f"{naming.POOL}={naming.POOL_WARM}")]
+        plan = plan_pools(wanted, warm)
+        self._parallel(lambda body: self.kube.create(pods_path(ns), body), plan.creates)
+        self._parallel(lambda pod: self.kube.delete(pods_path(ns, pod)), plan.deletes)
+        for key, size in plan.sizes.items():
+            metrics.WARM_PODS.labels(ns, key).set(size)
+        metrics.RECONCILE_SECONDS.labels("WarmPool").observe(time.perf_counter() - started)
+
+    # ------------------------------------------------------------------ GraphArchive
+    def reconcile_archive(self, namespace: str, name: str) -> float | None:
+        """Returns seconds until the archive wants another look (retry, verification), or None."""
+        started = time.perf_counter()
+        try:
+            return self._reconcile_archive(namespace, name)
+        except Exception:
+            metrics.RECONCILE_ERRORS.labels("GraphArchive").inc()
+            raise
+        finally:
+            metrics.RECONCILE_SECONDS.labels("GraphArchive").observe(time.perf_counter() - started)
+
+    def _reconcile_archive(self, ns: str, name: str) -> float | None:
+        ga = self.kube.get(ga_path(ns, name))
+        if ga is None or (ga.get("metadata") or {}).get("deletionTimestamp"):
+            return None
+        meta = ga["metadata"]
+        try:
+            spec = GraphArchiveSpec.model_validate(ga.get("spec") or {})
+            status = GraphArchiveStatus.model_validate(ga.get("status") or {})
+        except ValidationError as exc:
+            log.error("GraphArchive %s/%s is invalid: %s", ns, name, exc)
+            return None
+        short = spec.identity_hash[:16]
+        refs = len(self.deployments_using(ns, short)) + len(
+            self.kube.list(pods_path(ns), f"{naming.IDENTITY}={short}")
+        )
+        probe = self.probe(ns, spec, status)
+        jobs = {j["metadata"]["name"]: j for j in self.kube.list(jobs_path(ns), f"{naming.ARCHIVE_LABEL}={name}")}
+        current = naming.save_job_name(spec.identity_hash, status.attempt)
+        result = None
+        if current in jobs:
+            for pod in self.kube.list(pods_path(ns), f"job-name={current}"):
+                result = read_termination(pod) or result
+        obs = ArchiveObserved(
+            name=name, namespace=ns, uid=meta["uid"], generation=int(meta.get("generation") or 0),
+            spec=spec, status=status, probe=probe, now=self.clock(), jobs=jobs, result=result,
+            references=refs,
+        )
+        plan = plan_archive(obs, self.backoff)
+        if plan.delete:
+            self.post_events(ga, plan.events)
+            self.kube.delete(ga_path(ns, name))
+            return None
+        if plan.create_job_attempt is not None:
+            job_name = naming.save_job_name(spec.identity_hash, plan.create_job_attempt)
+            body = save_job(
+                name=job_name, namespace=ns, archive_name=name, archive_uid=meta["uid"], spec=spec,
+                store=StoreAccess.of(spec.store), sidecar_image=self.settings.sidecar_image,
+                timeout_seconds=self.settings.save_timeout_seconds, attempt=plan.create_job_attempt,
+            )
+            created = self.kube.create(jobs_path(ns), body)
+            log.info("GraphArchive %s/%s: SAVE Job %s %s", ns, name, job_name,
+                     "created" if created else "already existed")
+        started_at = parse_time(status.save_started_time)
+        if plan.saved_now:
+            metrics.SAVES_TOTAL.labels("succeeded").inc()
+            if started_at is not None and status.save_job:
+                metrics.SAVE_SECONDS.observe((obs.now - started_at).total_seconds())
+        if plan.save_failed_now:
+            metrics.SAVES_TOTAL.labels("failed").inc()
+        self._patch_status(ga_path(ns, name), ga.get("status"), plan.status.wire())
+        self.post_events(ga, plan.events)
+        return plan.requeue_after
+
+    def probe(self, ns: str, spec: GraphArchiveSpec, status: GraphArchiveStatus) -> StoreProbe:
+        """Ask the store whether the manifest exists (skipped once Available)."""
+        if status.phase is GAPhase.available and status.uri:
+            return StoreProbe(manifest=ManifestInfo(
+                uri=status.uri, digest=status.digest or "", bytes=status.bytes or 0, graphs=status.graphs,
+                compat=status.compat_key.wire() if status.compat_key else {},
+            ))
+        access = StoreAccess.of(spec.store)
+        opts = access.open_options()
+        secret_name = spec.store.credentials_secret
+        if secret_name:
+            secret = self.kube.get(secret_path(ns, secret_name))
+            if secret is None:
+                return StoreProbe(secret_missing=True)
+            data = secret.get("data") or {}
+            with contextlib.suppress(ValueError, KeyError):
+                opts["access_key"] = base64.b64decode(data["AWS_ACCESS_KEY_ID"]).decode()
+                opts["secret_key"] = base64.b64decode(data["AWS_SECRET_ACCESS_KEY"]).decode()
+        return probe_store(access.uri, spec.identity_hash, opts, self.settings.store_probe_timeout_seconds)
+
+
+def probe_store(uri: str, identity_hash: str, opts: dict[str, Any], timeout_s: float) -> StoreProbe:
+    from ember.archive.manifest import ManifestError, loads
+    from ember.store import StoreError, StoreUnavailable, open_store
+
+    if uri.startswith("s3://"):
+        opts = {**opts, "connect_timeout": timeout_s, "read_timeout": timeout_s, "max_attempts": 2}
+    try:
+        store = open_store(uri, **opts)
+        data = store.get_manifest(identity_hash)
+    except StoreUnavailable as exc:
+        return StoreProbe(unreachable=str(exc)[:512])
+    except StoreError as exc:
+        return StoreProbe(unreachable=f"{type(exc).__name__}: {exc}"[:512])
+    if data is None:
+        return StoreProbe()
+    info: dict[str, Any] = {"bytes": len(data), "graphs": None, "compat": {}}
+    try:
+        manifest = loads(data)
+        info["bytes"] = manifest.total_bytes
+        info["graphs"] = manifest.graphs.count
+        compat = manifest.compat.model_dump()
+        info["compat"] = {
+            "gpuName": compat.get("gpu_name"), "computeCapability": compat.get("compute_capability"),
+            "driver": compat.get("driver"), "cuda": compat.get("cuda"), "torch": compat.get("torch"),
+            "engine": compat.get("engine"),
+        }
+    except ManifestError as exc:
+        log.warning("Manifest of %s in %s is not readable by this operator: %s", identity_hash, uri, exc)
+    return StoreProbe(manifest=ManifestInfo(
+        uri=store.manifest_uri(identity_hash), digest=hashlib.sha256(data).hexdigest(), **info,
+    ))

@@ -1,0 +1,66 @@
+"""The operator's one typed settings object, read from `EMBER_OPERATOR_*` environment variables.
+
+`Settings.from_env()` is called once by `main`; everything else receives the object.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError
+
+PREFIX = "EMBER_OPERATOR_"
+
+
+class Settings(BaseModel):
+    """Each field is read from EMBER_OPERATOR_<FIELD NAME IN UPPER CASE>."""
+
+    sidecar_image: str = Field(
+        "ghcr.io/ember-dev/ember:0.1.0",
+        description="Image with ember-sidecar and /opt/ember/lib/libember.so (init + sidecar containers).",
+    )
+    default_store: str = Field(
+        "", description="Store URI for ModelDeployments without spec.store (file:///… or s3://…)."
+    )
+    default_s3_endpoint: str = Field("", description="S3 endpoint for the default store.")
+    pod_service_account: str = Field(
+        "",
+        description="ServiceAccount of serving pods (the sidecar patches its own pod); "
+        "the namespace's default when empty.",
+    )
+    metrics_port: int = Field(8080, description="Prometheus metrics port (0 disables).")
+    liveness_endpoint: str = Field("", description="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz.")
+    namespaces: str = Field("", description="Comma-separated namespaces to watch; all when empty.")
+    peering_name: str = Field("ember", description="kopf peering name (leader election between replicas).")
+    standalone: bool = Field(False, description="Skip peering (one replica, development).")
+    priority: int = Field(0, description="kopf peering priority of this replica.")
+    resync_seconds: float = Field(30.0, description="Timer interval: every object is reconciled this often.")
+    save_backoff_seconds: float = Field(10.0, description="First SAVE retry delay; doubles per attempt.")
+    save_backoff_max_seconds: float = Field(600.0, description="Largest SAVE retry delay.")
+    save_timeout_seconds: int = Field(3600, description="activeDeadlineSeconds of SAVE Jobs.")
+    manifest_grace_seconds: float = Field(
+        30.0, description="After a SAVE Job succeeds, how long to wait for its manifest to appear."
+    )
+    store_probe_timeout_seconds: float = Field(3.0, description="Connect/read timeout of store probes.")
+    archive_retention_seconds: float = Field(
+        86400.0, description="Unreferenced GraphArchives are deleted after this long (0 keeps them)."
+    )
+    claim_concurrency: int = Field(16, description="Parallel API calls when claiming or creating pods.")
+    batch_window_seconds: float = Field(0.02, description="kopf batching window for watch events.")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        raw: dict[str, Any] = {}
+        for name in cls.model_fields:
+            key = PREFIX + name.upper()
+            if key in env:
+                raw[name] = env[key]
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise SystemExit(f"invalid {PREFIX}* setting: {exc}") from exc
+
+    def namespace_list(self) -> list[str]:
+        return [n.strip() for n in self.namespaces.split(",") if n.strip()]

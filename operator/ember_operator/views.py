@@ -1,0 +1,95 @@
+"""Small read-only views of observed objects (pods, archives) that planning code consumes.
+
+Planning takes these instead of raw API dicts so its tests can build observations in one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ember_operator import naming
+
+
+@dataclass(frozen=True)
+class PodView:
+    name: str
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    resource_version: str = ""
+    phase: str = "Pending"
+    ready: bool = False
+    deleting: bool = False
+    created: str = ""
+
+    @classmethod
+    def of(cls, pod: dict[str, Any]) -> PodView:
+        meta = pod.get("metadata") or {}
+        status = pod.get("status") or {}
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+        )
+        return cls(
+            name=meta.get("name", ""),
+            labels=dict(meta.get("labels") or {}),
+            annotations=dict(meta.get("annotations") or {}),
+            resource_version=str(meta.get("resourceVersion", "")),
+            phase=status.get("phase") or "Pending",
+            ready=ready,
+            deleting=bool(meta.get("deletionTimestamp")),
+            created=str(meta.get("creationTimestamp") or ""),
+        )
+
+    @property
+    def revision(self) -> str:
+        return self.labels.get(naming.REVISION, "")
+
+    @property
+    def restore(self) -> str:
+        return self.annotations.get(naming.RESTORE, "")
+
+    @property
+    def restored(self) -> bool:
+        return self.restore == "restored"
+
+    @property
+    def fell_back(self) -> bool:
+        return self.restore.startswith("fallback")
+
+    @property
+    def failed(self) -> bool:
+        return self.phase in ("Failed", "Succeeded")
+
+
+@dataclass(frozen=True)
+class ArchiveView:
+    """What a ModelDeployment needs to know about its GraphArchive."""
+
+    name: str
+    phase: str = "Pending"
+    uri: str = ""
+    reason: str = ""
+    message: str = ""
+    next_retry_time: str = ""
+
+    @classmethod
+    def of(cls, ga: dict[str, Any]) -> ArchiveView:
+        status = ga.get("status") or {}
+        saved = next((c for c in status.get("conditions") or [] if c.get("type") == "Saved"), {})
+        return cls(
+            name=(ga.get("metadata") or {}).get("name", ""),
+            phase=status.get("phase") or "Pending",
+            uri=status.get("uri") or "",
+            reason=saved.get("reason", ""),
+            message=saved.get("message", "") or status.get("failureReason") or "",
+            next_retry_time=status.get("nextRetryTime") or "",
+        )
+
+    @property
+    def available(self) -> bool:
+        return self.phase == "Available" and bool(self.uri)
+
+    @property
+    def failing(self) -> bool:
+        """The archive cannot be had now (retrying): deployments serve with native capture."""
+        return self.phase == "Failed" or self.reason in ("CredentialsSecretMissing", "StoreUnreachable")
