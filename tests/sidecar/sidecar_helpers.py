@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,3 +38,80 @@ def wait_for(pred: Callable[[], Any], timeout: float = 10.0, what: str = "condit
             return got
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+class ThrottledProxy:
+    """A TCP proxy to a real server (MinIO) that can be slowed down or cut off.
+
+    Not a mock: requests reach the real server; the proxy only limits bandwidth (to make a fetch
+    last long enough to interrupt) and can refuse connections (an S3 outage).
+    """
+
+    def __init__(self, target_host: str, target_port: int, bytes_per_s: float | None = None) -> None:
+        import socket
+
+        self.target = (target_host, target_port)
+        self.bytes_per_s = bytes_per_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.down = False
+        self._conns: list[Any] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.down:
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            self._conns += [client, upstream]
+            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
+
+    def _pipe(self, src: Any, dst: Any, throttle: bool) -> None:
+        try:
+            while not self.down:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if throttle and self.bytes_per_s:
+                    time.sleep(len(data) / self.bytes_per_s)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.close()
+
+    def cut(self) -> None:
+        """Simulate an outage: drop open connections and refuse new ones."""
+        import socket
+
+        self.down = True
+        for c in self._conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+                c.close()
+        self._conns.clear()
+
+    def close(self) -> None:
+        self._closed = True
+        self.cut()
+        with contextlib.suppress(OSError):
+            self.listener.close()

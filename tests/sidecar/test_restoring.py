@@ -12,11 +12,11 @@ from ember_sidecar.claims import Claim
 from ember_sidecar.fetching import ArchiveCache
 from ember_sidecar.metrics import Metrics
 from ember_sidecar.restoring import Restorer
+from sidecar_helpers import RecordingReporter, sample, wait_for
 
 from ember import handoff
 from ember.bench_fetch import sample_identity, write_blob_archive
 from ember.store import LocalStore
-from tests.sidecar.helpers import RecordingReporter, sample, wait_for
 
 SIZES = [4096, 200_000, 50_000, 1_000_000]
 

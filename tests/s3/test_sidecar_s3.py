@@ -1,0 +1,92 @@
+"""The sidecar's fetch path against the real local MinIO (no Kubernetes): parallel ranged reads of
+a large blob, shared blobs fetched once, an outage mid-way through the archive."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+from ember_sidecar.claims import Claim
+from ember_sidecar.fetching import ArchiveCache, FetchFailed
+from ember_sidecar.metrics import Metrics
+from ember_sidecar.restoring import Restorer
+from ember_sidecar.settings import Settings
+from fixtures_cluster import LocalMinio
+
+from ember import handoff
+from ember.bench_fetch import sample_identity, write_blob_archive
+from ember.store import open_store
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
+from sidecar_helpers import RecordingReporter, ThrottledProxy, sample
+
+pytestmark = pytest.mark.s3
+
+
+def _store(minio: LocalMinio, monkeypatch: pytest.MonkeyPatch, endpoint: str | None = None):
+    for k, v in minio.env.items():
+        monkeypatch.setenv(k, v)
+    settings = Settings.from_env(s3_endpoint=endpoint or minio.endpoint, s3_max_attempts=2,
+                                 s3_connect_timeout=1, s3_read_timeout=5, fetch_retry_s=1.5)
+    return settings
+
+
+def test_large_blob_ranged_fetch_and_shared_blobs(minio: LocalMinio, monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: Path) -> None:
+    settings = _store(minio, monkeypatch)
+    prefix = f"s3://{minio.bucket}/sidecar-s3-{uuid.uuid4().hex[:8]}"
+    store = open_store(prefix, **settings.store_options())
+    # 40 MB > the 16 MB multipart threshold: fetched as parallel ranged GETs.
+    a = write_blob_archive(store, [65_536, 40_000_000, 1_000_000], identity=sample_identity("a"))
+    b = write_blob_archive(store, [65_536, 40_000_000, 3_000], identity=sample_identity("b"))  # same seed
+    shared = {x.sha256 for x in a.blobs} & {x.sha256 for x in b.blobs}
+    assert len(shared) == 2
+
+    writer = handoff.HandoffWriter(tmp_path / "run")
+    cache = ArchiveCache(writer.cache_dir, store_options=settings.store_options(), retry_s=1.5)
+    fa = cache.fetch(store.manifest_uri(a.identity_hash), a.identity_hash)
+    assert not fa.cached and fa.bytes_fetched >= 41_000_000
+    fb = cache.fetch(store.manifest_uri(b.identity_hash), b.identity_hash)
+    assert fb.bytes_fetched < 100_000, "blobs shared with the cached archive are not fetched again"
+    for m in (a, b):
+        for blob in m.blobs:
+            assert cache.blob_path(blob.sha256).read_bytes() == store.get_blob_bytes(blob.sha256)
+    assert cache.fetch(store.manifest_uri(a.identity_hash), a.identity_hash).cached
+
+
+def test_outage_during_fetch_falls_back(minio: LocalMinio, monkeypatch: pytest.MonkeyPatch,
+                                        tmp_path: Path) -> None:
+    host, port = minio.endpoint.removeprefix("http://").split(":")
+    proxy = ThrottledProxy(host, int(port), bytes_per_s=3_000_000)
+    try:
+        settings = _store(minio, monkeypatch, endpoint=proxy.endpoint)
+        store = open_store(f"s3://{minio.bucket}/sidecar-s3-{uuid.uuid4().hex[:8]}",
+                           endpoint=minio.endpoint)
+        m = write_blob_archive(store, [65_536, 30_000_000])
+        writer = handoff.HandoffWriter(tmp_path / "run")
+        cache = ArchiveCache(writer.cache_dir, store_options=settings.store_options(), retry_s=1.5)
+        reporter = RecordingReporter()
+        r = Restorer(cache, writer, Metrics(), reporter)
+        threading.Timer(1.0, proxy.cut).start()  # MinIO goes away a second into the download
+        r.claim(Claim(store.manifest_uri(m.identity_hash), m.identity_hash))
+        res = handoff.wait_for_archive(writer.run_dir, deadline=120)
+        assert not res.restored and res.reason.startswith("store-unavailable"), res.reason
+        assert sample(r.metrics, "ember_restores_total", result="fallback", reason="store-unavailable") == 1
+        r.stop()
+        assert not any(p.name.startswith(".") for p in (writer.cache_dir / "blobs").iterdir())
+    finally:
+        proxy.close()
+
+
+def test_missing_blob_is_a_fallback_reason(minio: LocalMinio, monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    settings = _store(minio, monkeypatch)
+    store = open_store(f"s3://{minio.bucket}/sidecar-s3-{uuid.uuid4().hex[:8]}", **settings.store_options())
+    m = write_blob_archive(store, [1000, 2000])
+    store.delete_blob(m.blobs[1].sha256)
+    cache = ArchiveCache(tmp_path / "cache", store_options=settings.store_options(), retry_s=1.0)
+    with pytest.raises(FetchFailed, match=r"^blob-missing"):
+        cache.fetch(store.manifest_uri(m.identity_hash), m.identity_hash)
