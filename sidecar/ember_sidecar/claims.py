@@ -1,13 +1,15 @@
 """Parsing the operator's pod annotations into a Claim (pure; no Kubernetes client here).
 
 Annotations (all under ember.dev/): `archive` = store URI of the manifest, `identity` = identity
-hash, optional `rank`/`world` (multi-GPU), optional `claimed-at` (epoch seconds, set by the
-operator when it patches the claim, so claim→fetch can be measured from the operator's clock),
+hash, optional `rank`/`world` (multi-GPU), optional `claimed-at` (epoch seconds or RFC 3339 with
+fractional seconds, set by the operator in the claim patch, so claim→fetch is measured from the
+operator's clock),
 and `prefetch` on warm pods (manifest URIs, comma/whitespace separated or a JSON list).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ WORLD = PREFIX + "world"
 CLAIMED_AT = PREFIX + "claimed-at"
 PREFETCH = PREFIX + "prefetch"
 RESTORE = PREFIX + "restore"
+RESTORE_TIME = PREFIX + "restore-time"
 DEPLOYMENT_LABEL = PREFIX + "deployment"
 POOL_LABEL = PREFIX + "pool"
 
@@ -88,13 +91,31 @@ def parse_claim(annotations: dict[str, str] | None) -> Claim | None:
     rank, world = _int(annotations, RANK, 0), _int(annotations, WORLD, 1)
     if world < 1 or not 0 <= rank < world:
         raise ClaimError(f"rank {rank} / world {world} is not a valid rank layout")
-    claimed_at: float | None = None
-    if raw := annotations.get(CLAIMED_AT):
-        try:
-            claimed_at = float(raw)
-        except ValueError:
-            claimed_at = None  # informative only: a bad timestamp must not fail a restore
-    return Claim(archive, identity, rank, world, claimed_at)
+    return Claim(archive, identity, rank, world, parse_claimed_at(annotations.get(CLAIMED_AT)))
+
+
+def parse_claimed_at(raw: str | None) -> float | None:
+    """Epoch seconds of the operator's claim stamp: a float, or RFC 3339 WITH fractional seconds.
+
+    A whole-second RFC 3339 stamp is too coarse to time a sub-second stage, so it is ignored
+    (claim→fetch is then measured from the watch event). Informative only: never fails a claim.
+    """
+    raw = (raw or "").strip()
+    if not raw:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        pass
+    if "." not in raw:
+        return None
+    try:
+        stamp = dt.datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=dt.UTC)
+    return stamp.timestamp()
 
 
 def parse_prefetch(annotations: dict[str, str] | None) -> list[str]:

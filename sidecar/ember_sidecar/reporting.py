@@ -12,7 +12,7 @@ import datetime as dt
 import logging
 from typing import Any, Protocol
 
-from ember_sidecar.claims import DEPLOYMENT_LABEL, RESTORE
+from ember_sidecar.claims import DEPLOYMENT_LABEL, RESTORE, RESTORE_TIME
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,8 @@ class KubeReporter:
         self.deployment = (meta.get("labels") or {}).get(DEPLOYMENT_LABEL, "") or self.deployment
 
     def result(self, value: str) -> None:
-        body = {"metadata": {"annotations": {RESTORE: value[:MAX_ANNOTATION]}}}
+        body = {"metadata": {"annotations": {RESTORE: value[:MAX_ANNOTATION],
+                                             RESTORE_TIME: _now()}}}
         try:
             self.core.patch_namespaced_pod(self.pod_name, self.namespace, body)
         except Exception as exc:  # never let reporting take the sidecar down

@@ -37,7 +37,7 @@ class Settings(BaseModel):
     pod_name: str = Field("", description="EMBER_POD_NAME | POD_NAME: this pod (downward API)")
     namespace: str = Field("default", description="EMBER_POD_NAMESPACE | POD_NAMESPACE")
     run_dir: Path = Field(Path(DEFAULT_RUN_DIR), description="EMBER_RUN_DIR: the shared emptyDir")
-    port: int = Field(9090, ge=0, le=65535, description="EMBER_SIDECAR_PORT: /readyz /livez /metrics")
+    port: int = Field(9400, ge=0, le=65535, description="EMBER_SIDECAR_PORT: /readyz /livez /metrics")
     host: str = Field("0.0.0.0", description="EMBER_SIDECAR_HOST: address the HTTP server binds")
     standalone: bool = Field(False, description="EMBER_STANDALONE: no Kubernetes; claim from the flags")
     archive: str = Field("", description="EMBER_ARCHIVE: manifest URI (standalone)")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from ember_sidecar.claims import ClaimError, parse_claim, parse_prefetch, reason_class
+from ember_sidecar.claims import ClaimError, parse_claim, parse_claimed_at, parse_prefetch, reason_class
 
 H = "ab" * 32
 URI = f"s3://bucket/prefix/archives/{H}/manifest"
@@ -61,3 +61,10 @@ def test_reason_class_is_bounded() -> None:
     assert reason_class("Weird Thing!!") == "weird-thing"
     assert reason_class("") == "unknown"
     assert len(reason_class("x" * 500)) <= 48
+
+
+def test_claimed_at_formats() -> None:
+    assert parse_claimed_at("1700000000.25") == 1700000000.25
+    assert parse_claimed_at("2023-11-14T22:13:20.5Z") == 1700000000.5
+    assert parse_claimed_at("2023-11-14T22:13:20Z") is None  # whole seconds: too coarse to time
+    assert parse_claimed_at("soon") is None and parse_claimed_at(None) is None
