@@ -104,3 +104,6 @@ def doctor(
     raise typer.Exit(0 if report["healthy"] else 1)
 bench.command("fetch")(importlib.import_module("ember.bench_fetch").bench_fetch)
 bench.command("cb")(importlib.import_module("ember.bench_cb").bench_cb)
+app.command("inspect")(importlib.import_module("ember.archive.commands").inspect)
+app.command("verify")(importlib.import_module("ember.archive.commands").verify)
+bench.command("parse")(importlib.import_module("ember.archive.commands").bench_parse)

@@ -102,11 +102,12 @@ class Store(ABC):
         """Store bytes or a file's content under its sha256; skip when present. Returns the digest."""
 
     @abstractmethod
-    def get_blob_bytes(self, digest: str) -> bytes:
-        """The blob's bytes, verified against the digest."""
+    def get_blob_bytes(self, digest: str, size: int | None = None) -> bytes:
+        """The blob's bytes, verified against the digest (and `size`, when given: a short read
+        is reported as truncation rather than as a digest mismatch)."""
 
     @abstractmethod
-    def fetch_blob(self, digest: str, dest: str | os.PathLike[str]) -> Path:
+    def fetch_blob(self, digest: str, dest: str | os.PathLike[str], size: int | None = None) -> Path:
         """Download the blob to `dest` (atomically, verified). Returns the path."""
 
     @abstractmethod
@@ -142,7 +143,11 @@ class Store(ABC):
 
     # ---- shared helpers ----
     def fetch_blobs(
-        self, digests: Iterable[str], dest_dir: str | os.PathLike[str], max_workers: int = 4
+        self,
+        digests: Iterable[str],
+        dest_dir: str | os.PathLike[str],
+        max_workers: int = 4,
+        sizes: dict[str, int] | None = None,
     ) -> dict[str, Path]:
         """Fetch several blobs concurrently into `dest_dir/<digest>`, each verified.
 
@@ -151,12 +156,13 @@ class Store(ABC):
         dest_dir = Path(dest_dir)
         dest_dir.mkdir(parents=True, exist_ok=True)
         wanted = list(dict.fromkeys(check_digest(d) for d in digests))
+        sizes = sizes or {}
 
         def one(digest: str) -> Path:
             path = dest_dir / digest
             if path.exists() and sha256_file(path) == digest:
                 return path
-            return self.fetch_blob(digest, path)
+            return self.fetch_blob(digest, path, sizes.get(digest))
 
         if len(wanted) <= 1 or max_workers <= 1:
             return {d: one(d) for d in wanted}
@@ -200,6 +206,10 @@ class LocalStore(Store):
 
     def _blob(self, digest: str) -> Path:
         return self.root / "blobs" / check_digest(digest)
+
+    def blob_path(self, digest: str) -> Path:
+        """Where the blob lives (or would live) on disk: readers may mmap it."""
+        return self._blob(digest)
 
     def _manifest(self, identity_hash: str) -> Path:
         return self.root / "archives" / _check_identity(identity_hash) / "manifest"
@@ -246,16 +256,18 @@ class LocalStore(Store):
         except OSError as exc:
             raise StoreUnavailable(f"cannot read blob {digest} from {self.root}: {exc}") from exc
 
-    def get_blob_bytes(self, digest: str) -> bytes:
+    def get_blob_bytes(self, digest: str, size: int | None = None) -> bytes:
         data = self._read(digest)
-        _verify_bytes(data, digest, self.uri)
+        _verify_bytes(data, digest, self.uri, size)
         return data
 
-    def fetch_blob(self, digest: str, dest: str | os.PathLike[str]) -> Path:
+    def fetch_blob(self, digest: str, dest: str | os.PathLike[str], size: int | None = None) -> Path:
         dest = Path(dest)
         src = self._blob(digest)
         if not src.is_file():
             raise BlobMissing(f"blob {digest} not found in {self.uri}")
+        if size is not None and (have := src.stat().st_size) != size:
+            raise BlobCorrupt(_size_msg(digest, have, size, self.uri))
         h = hashlib.sha256()
 
         def chunks() -> Iterator[bytes]:
@@ -336,7 +348,14 @@ def _corrupt_msg(digest: str, got: str, where: str) -> str:
     return f"blob {digest} from {where} is corrupt: its bytes hash to {got} (truncated or altered)"
 
 
-def _verify_bytes(data: bytes, digest: str, where: str) -> None:
+def _size_msg(digest: str, have: int, want: int, where: str) -> str:
+    what = "truncated" if have < want else "too long"
+    return f"blob {digest} from {where} is {what}: {have} bytes, expected {want}"
+
+
+def _verify_bytes(data: bytes, digest: str, where: str, size: int | None = None) -> None:
+    if size is not None and len(data) != size:
+        raise BlobCorrupt(_size_msg(digest, len(data), size, where))
     got = sha256_bytes(data)
     if got != digest:
         raise BlobCorrupt(_corrupt_msg(digest, got, where))
@@ -490,15 +509,15 @@ class S3Store(Store):
             ExtraArgs={"Metadata": {"sha256": digest}}, Config=self.transfer,
         )
 
-    def get_blob_bytes(self, digest: str) -> bytes:
+    def get_blob_bytes(self, digest: str, size: int | None = None) -> bytes:
         buf = io.BytesIO()
         self._call(f"download blob {digest}", self.client.download_fileobj, self.bucket,
                    self._blob_key(digest), buf, Config=self.transfer)
         data = buf.getvalue()
-        _verify_bytes(data, digest, self.uri)
+        _verify_bytes(data, digest, self.uri, size)
         return data
 
-    def fetch_blob(self, digest: str, dest: str | os.PathLike[str]) -> Path:
+    def fetch_blob(self, digest: str, dest: str | os.PathLike[str], size: int | None = None) -> Path:
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
@@ -507,6 +526,8 @@ class S3Store(Store):
             # Objects above multipart_threshold come down as parallel ranged GETs.
             self._call(f"download blob {digest}", self.client.download_file, self.bucket,
                        self._blob_key(digest), tmp, Config=self.transfer)
+            if size is not None and (have := os.path.getsize(tmp)) != size:
+                raise BlobCorrupt(_size_msg(digest, have, size, self.uri))
             got = sha256_file(tmp)
             if got != digest:
                 raise BlobCorrupt(_corrupt_msg(digest, got, self.uri))

@@ -28,6 +28,7 @@ MANIFEST_VERSION = f"{MANIFEST_MAJOR}.{MANIFEST_MINOR}"
 MANIFEST_KIND = "ember.dev/graph-archive"
 
 _HEX64 = r"^[0-9a-f]{64}$"
+_NUMBER_LIST = re.compile(r"\[\s*((?:-?\d+,\s*)*-?\d+)\s*\]")
 
 
 class ManifestError(ValueError):
@@ -119,7 +120,10 @@ class Manifest(_Model):
         return sum(b.size for b in self.blobs)
 
     def to_json(self) -> bytes:
-        return (self.model_dump_json(indent=1) + "\n").encode()
+        """Indented JSON with lists of numbers kept on one line (graph keys stay readable)."""
+        text = json.dumps(self.model_dump(mode="json"), indent=1, ensure_ascii=False)
+        text = _NUMBER_LIST.sub(lambda m: "[" + ", ".join(m.group(1).split()).replace(",,", ",") + "]", text)
+        return (text + "\n").encode()
 
 
 def parse_version(text: str) -> tuple[int, int]:

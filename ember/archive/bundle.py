@@ -1,0 +1,504 @@
+"""Write, read, mirror and verify whole archives (blobs + manifest) in a Store.
+
+- SAVE calls `write_archive(store, graphset, identity, compat, kernel_images=..., ...)`: graph
+  table, kernel images, allocation log and RNG state become content-addressed blobs, uploaded in
+  parallel; the manifest goes in LAST. Returns what the SAVE Job's termination summary needs.
+- The sidecar calls `fetch_archive(src, identity_hash, cache_dir, expected_identity=...)`: every
+  blob copied into a local store (digest-verified), manifest last; the engine opens that copy.
+- LOAD calls `open_archive(store_or_uri, identity_hash, expected_identity=...)` and reads
+  `archive.graph_table`, `archive.kernel_image(hash)`, `archive.alloc_log`, `archive.rng_state`,
+  `archive.manifest.engine` (each blob fetched, digest- and size-checked, decompressed on first use).
+- `ember verify` and the sidecar call `verify_archive(...)` → a list of problems (empty = good).
+
+Every failure is an `ArchiveError` subclass with a message naming the archive and blob:
+`ArchiveMissing`, `ArchiveCorrupt` (truncated, bit flip, undecodable), `ArchiveVersionError`,
+`ArchiveIdentityMismatch`. Store outages stay `ember.store.StoreUnavailable`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import zstandard as zstd
+
+from ember.archive import format as fmt
+from ember.archive.graphs import GraphSet, NodeType
+from ember.archive.manifest import (
+    BlobEntry,
+    GraphsSummary,
+    KernelImage,
+    Manifest,
+    ManifestError,
+    ManifestVersionError,
+    TopologyGroupSummary,
+)
+from ember.archive.manifest import loads as load_manifest
+from ember.archive.topology import TopologyGroup, group_graphs
+from ember.identity import ArchiveIdentity, CompatKey
+from ember.store import BlobCorrupt, BlobMissing, LocalStore, Store, StoreError, open_store, sha256_bytes
+
+GRAPH_TABLE = "graphs"
+ALLOC_LOG = "alloc-log"
+RNG_STATE = "rng-state"
+IMAGE_PREFIX = "image/"
+DEFAULT_LEVEL = 3
+
+
+class ArchiveError(Exception):
+    """The archive cannot be used; the message says which archive, which blob and why."""
+
+
+class ArchiveMissing(ArchiveError):
+    """No manifest for that identity (never saved, still saving, or deleted), or a blob is gone."""
+
+
+class ArchiveCorrupt(ArchiveError):
+    """A blob is truncated, altered (digest mismatch) or does not decode."""
+
+
+class ArchiveVersionError(ArchiveError):
+    """The manifest or graph table was written by a format major version this ember cannot read."""
+
+
+class ArchiveIdentityMismatch(ArchiveError):
+    """The manifest describes another identity than the one asked for."""
+
+
+def image_kind(image: bytes) -> str:
+    """cubin | fatbin | fatbin-wrapper | ptx | unknown, from the magic number."""
+    head = image[:8]
+    if head.startswith(b"\x7fELF"):
+        return "cubin"
+    if head[:4] == (0xBA55ED50).to_bytes(4, "little"):
+        return "fatbin"
+    if head[:4] == (0x466243B1).to_bytes(4, "little"):
+        return "fatbin-wrapper"
+    text = image[:256].lstrip()
+    if text.startswith((b"//", b".version", b".target")) or b".version" in image[:4096]:
+        return "ptx"
+    return "unknown"
+
+
+def _load_bytes(data: bytes | str | os.PathLike[str]) -> bytes:
+    return data if isinstance(data, bytes) else Path(data).read_bytes()
+
+
+@dataclass
+class SaveResult:
+    manifest: Manifest
+    manifest_digest: str  # sha256 of the manifest bytes as stored
+    manifest_uri: str
+    bytes: int  # stored bytes of the archive: blobs + manifest
+    uploaded_bytes: int  # bytes actually sent (blobs already in the store are skipped)
+    durations: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """The SAVE Job's termination-log summary (team contract)."""
+        return {
+            "manifest_digest": self.manifest_digest,
+            "manifest_uri": self.manifest_uri,
+            "bytes": self.bytes,
+            "graphs": self.manifest.graphs.count,
+            "durations": {k: round(v, 3) for k, v in self.durations.items()},
+        }
+
+
+def summarize_graphs(gs: GraphSet, groups: list[TopologyGroup], table: fmt.GraphTable) -> GraphsSummary:
+    keys = [list(g.key) for g in gs.graphs]
+    return GraphsSummary(
+        table=GRAPH_TABLE,
+        table_version=fmt.VERSION,
+        count=len(gs.graphs),
+        keys=keys,
+        nodes=table.node_total,
+        node_types=table.node_type_counts(),
+        kernels=len(gs.kernels),
+        groups=[
+            TopologyGroupSummary(
+                signature=g.signature,
+                keys=[keys[m] for m in g.members],
+                template=keys[g.template],
+                nodes=len(gs.graphs[g.template].nodes),
+                edges=len(gs.graphs[g.template].edges),
+            )
+            for g in groups
+        ],
+    )
+
+
+def write_archive(
+    store: Store | str,
+    graphset: GraphSet,
+    identity: ArchiveIdentity,
+    compat: CompatKey,
+    *,
+    kernel_images: Mapping[str, bytes | str | os.PathLike[str]],
+    engine: Mapping[str, Any] | None = None,
+    alloc_log: bytes | None = None,
+    rng_state: bytes | None = None,
+    groups: list[TopologyGroup] | None = None,
+    level: int = DEFAULT_LEVEL,
+    max_workers: int = 8,
+) -> SaveResult:
+    """Encode, compress and upload an archive; the manifest is written last.
+
+    `kernel_images` maps the content hash used in `KernelRef.image` to the image bytes (or a
+    file). Every image a kernel refers to must be present; extra images are stored too.
+    Raises `fmt.UnsupportedNode` for graphs that cannot be archived and ArchiveError for a
+    missing image.
+    """
+    store = open_store(store) if isinstance(store, str) else store
+    t0 = time.perf_counter()
+    durations: dict[str, float] = {}
+    if groups is None:
+        groups = group_graphs(graphset.graphs, graphset.function_attrs)
+    table_bytes = fmt.encode(graphset, groups, level=level)
+    table = fmt.GraphTable(table_bytes)
+    durations["encode"] = time.perf_counter() - t0
+
+    used: dict[str, int] = {}
+    for k in graphset.kernels:
+        used[k.image] = used.get(k.image, 0) + 1
+    missing = sorted(set(used) - set(kernel_images))
+    if missing:
+        names = [k.name for k in graphset.kernels if k.image == missing[0]][:3]
+        raise ArchiveError(
+            f"{len(missing)} kernel image(s) used by the graphs were not provided, e.g. {missing[0]} "
+            f"(kernels {', '.join(names)}): the native library did not record their load"
+        )
+
+    # (name, stored bytes, raw size, codec, raw sha256)
+    t = time.perf_counter()
+    comp = zstd.ZstdCompressor(level=level)
+    pending: list[tuple[str, bytes, int, str, str | None]] = [
+        (GRAPH_TABLE, table_bytes, len(table_bytes), "none", None)
+    ]
+    images: list[KernelImage] = []
+
+    def pack(name: str, raw: bytes) -> tuple[str, bytes, int, str, str | None]:
+        return (name, comp.compress(raw), len(raw), "zstd", sha256_bytes(raw))
+
+    for content_hash in sorted(kernel_images):
+        raw = _load_bytes(kernel_images[content_hash])
+        name = IMAGE_PREFIX + content_hash
+        pending.append(pack(name, raw))
+        images.append(KernelImage(content_hash=content_hash, blob=name, size=len(raw), kind=image_kind(raw),
+                                  kernels=used.get(content_hash, 0)))
+    if alloc_log is not None:
+        pending.append(pack(ALLOC_LOG, alloc_log))
+    if rng_state is not None:
+        pending.append(pack(RNG_STATE, rng_state))
+    durations["compress"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    uploaded = 0
+
+    def upload(item: tuple[str, bytes, int, str, str | None]) -> tuple[BlobEntry, int]:
+        name, data, size, codec, raw_sha = item
+        present = store.has_blob(sha256_bytes(data))
+        digest = store.put_blob(data)
+        return BlobEntry(name=name, sha256=digest, size=size, compressed_size=len(data), codec=codec,
+                         raw_sha256=raw_sha), 0 if present else len(data)
+
+    with ThreadPoolExecutor(max(1, min(max_workers, len(pending)))) as pool:
+        results = list(pool.map(upload, pending))
+    blobs = [b for b, _ in results]
+    uploaded = sum(n for _, n in results)
+    durations["upload"] = time.perf_counter() - t
+
+    manifest = Manifest(
+        identity=identity,
+        identity_hash=identity.hash(),
+        compat=compat,
+        graphs=summarize_graphs(graphset, groups, table),
+        kernel_images=images,
+        engine=dict(engine or {}),
+        alloc_log=ALLOC_LOG if alloc_log is not None else None,
+        rng_state=RNG_STATE if rng_state is not None else None,
+        blobs=blobs,
+    )
+    data = manifest.to_json()
+    store.put_manifest(manifest.identity_hash, data)
+    durations["total"] = time.perf_counter() - t0
+    return SaveResult(
+        manifest=manifest,
+        manifest_digest=sha256_bytes(data),
+        manifest_uri=store.manifest_uri(manifest.identity_hash),
+        bytes=manifest.total_bytes + len(data),
+        uploaded_bytes=uploaded + len(data),
+        durations=durations,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+
+def _as_store(store: Store | str | os.PathLike[str]) -> Store:
+    if isinstance(store, Store):
+        return store
+    return open_store(os.fspath(store))
+
+
+def _expected_hash(expected: ArchiveIdentity | str | None) -> str | None:
+    if expected is None:
+        return None
+    return expected.hash() if isinstance(expected, ArchiveIdentity) else expected
+
+
+def load_manifest_from(store: Store, identity_hash: str | None = None) -> tuple[Manifest, str]:
+    """Fetch and parse a manifest. With no identity hash, the store must hold exactly one archive."""
+    if identity_hash is None:
+        found = store.list_archives()
+        if len(found) != 1:
+            raise ArchiveMissing(
+                f"{store.uri} holds {len(found)} archives; name one by identity hash"
+                + (f" ({', '.join(h[:12] for h in found[:5])}…)" if found else "")
+            )
+        identity_hash = found[0]
+    data = store.get_manifest(identity_hash)
+    if data is None:
+        raise ArchiveMissing(
+            f"no archive {identity_hash} in {store.uri}: it was never saved, its SAVE has not "
+            "finished, or it was deleted"
+        )
+    try:
+        manifest = load_manifest(data)
+    except ManifestVersionError as exc:
+        raise ArchiveVersionError(f"archive {identity_hash}: {exc}") from exc
+    except ManifestError as exc:
+        raise ArchiveCorrupt(f"archive {identity_hash}: {exc}") from exc
+    return manifest, identity_hash
+
+
+def check_identity(manifest: Manifest, identity_hash: str, expected: ArchiveIdentity | str | None) -> None:
+    actual = manifest.identity.hash()
+    if manifest.identity_hash != actual:
+        raise ArchiveCorrupt(
+            f"archive {identity_hash}: manifest identity hashes to {actual}, "
+            f"but records {manifest.identity_hash}"
+        )
+    if actual != identity_hash:
+        raise ArchiveIdentityMismatch(
+            f"archive stored under {identity_hash} holds identity {actual} "
+            f"({manifest.identity.model} / {manifest.identity.engine})"
+        )
+    want = _expected_hash(expected)
+    if want is not None and want != actual:
+        raise ArchiveIdentityMismatch(
+            f"archive {identity_hash} has identity {actual}, expected {want}: the claim points at "
+            "another deployment's archive"
+        )
+
+
+class Archive:
+    """An archive opened from a store: the manifest now, blobs on first use (verified)."""
+
+    def __init__(self, store: Store, manifest: Manifest, identity_hash: str) -> None:
+        self.store = store
+        self.manifest = manifest
+        self.identity_hash = identity_hash
+        self._blobs: dict[str, bytes] = {}
+
+    @property
+    def manifest_uri(self) -> str:
+        return self.store.manifest_uri(self.identity_hash)
+
+    def blob_bytes(self, name: str) -> bytes:
+        """The blob's uncompressed bytes, after checking size and digests."""
+        data = self._blobs.get(name)
+        if data is None:
+            data = self._blobs[name] = self._read(self.manifest.blob(name))
+        return data
+
+    def _read(self, entry: BlobEntry) -> bytes:
+        what = f"archive {self.identity_hash[:12]} blob {entry.name!r} ({entry.sha256[:12]})"
+        try:
+            stored = self.store.get_blob_bytes(entry.sha256, size=entry.compressed_size)
+        except BlobMissing as exc:
+            raise ArchiveMissing(f"{what} is missing from {self.store.uri}: {exc}") from exc
+        except BlobCorrupt as exc:
+            raise ArchiveCorrupt(f"{what}: {exc}") from exc
+        if entry.codec == "none":
+            raw = stored
+        else:
+            try:
+                raw = zstd.ZstdDecompressor().decompress(stored, max_output_size=entry.size)
+            except zstd.ZstdError as exc:
+                raise ArchiveCorrupt(f"{what} does not decompress: {exc}") from exc
+        if len(raw) != entry.size:
+            raise ArchiveCorrupt(f"{what} decompresses to {len(raw)} bytes, manifest says {entry.size}")
+        if entry.raw_sha256 is not None and hashlib.sha256(raw).hexdigest() != entry.raw_sha256:
+            raise ArchiveCorrupt(f"{what}: uncompressed bytes do not match their digest")
+        return raw
+
+    @cached_property
+    def graph_table(self) -> fmt.GraphTable:
+        raw = self.blob_bytes(self.manifest.graphs.table)
+        try:
+            return fmt.GraphTable(raw)
+        except fmt.FormatVersionError as exc:
+            raise ArchiveVersionError(f"archive {self.identity_hash[:12]}: {exc}") from exc
+        except fmt.FormatError as exc:
+            raise ArchiveCorrupt(f"archive {self.identity_hash[:12]} graph table: {exc}") from exc
+
+    def kernel_image(self, content_hash: str) -> bytes:
+        for img in self.manifest.kernel_images:
+            if img.content_hash == content_hash:
+                return self.blob_bytes(img.blob)
+        raise ArchiveMissing(f"archive {self.identity_hash[:12]} has no kernel image {content_hash}")
+
+    @property
+    def alloc_log(self) -> bytes | None:
+        return self.blob_bytes(self.manifest.alloc_log) if self.manifest.alloc_log else None
+
+    @property
+    def rng_state(self) -> bytes | None:
+        return self.blob_bytes(self.manifest.rng_state) if self.manifest.rng_state else None
+
+    def load_all(self, max_workers: int = 4) -> None:
+        """Fetch, verify and decompress every blob now (in parallel)."""
+        names = [b.name for b in self.manifest.blobs if b.name not in self._blobs]
+        with ThreadPoolExecutor(max(1, min(max_workers, len(names) or 1))) as pool:
+            for name, data in zip(names, pool.map(lambda n: self._read(self.manifest.blob(n)), names),
+                                  strict=True):
+                self._blobs[name] = data
+
+
+def open_archive(
+    store: Store | str | os.PathLike[str],
+    identity_hash: str | None = None,
+    *,
+    expected_identity: ArchiveIdentity | str | None = None,
+) -> Archive:
+    """Open an archive: manifest fetched, version and identity checked; blobs read lazily."""
+    st = _as_store(store)
+    manifest, identity_hash = load_manifest_from(st, identity_hash)
+    check_identity(manifest, identity_hash, expected_identity)
+    return Archive(st, manifest, identity_hash)
+
+
+def read_archive(
+    store: Store | str | os.PathLike[str],
+    identity_hash: str | None = None,
+    *,
+    expected_identity: ArchiveIdentity | str | None = None,
+    max_workers: int = 4,
+) -> Archive:
+    """Open an archive and read every blob now: digests checked, decompressed, table decoded."""
+    archive = open_archive(store, identity_hash, expected_identity=expected_identity)
+    archive.load_all(max_workers)
+    _ = archive.graph_table
+    return archive
+
+
+def fetch_archive(
+    src: Store | str,
+    identity_hash: str,
+    dest: Store | str | os.PathLike[str],
+    *,
+    expected_identity: ArchiveIdentity | str | None = None,
+    max_workers: int = 8,
+) -> Archive:
+    """Copy an archive into a local store (the sidecar's cache), every blob digest-verified,
+    manifest written last. Returns the archive opened from the local copy."""
+    src_store = _as_store(src)
+    dest_store = _as_store(dest)
+    if not isinstance(dest_store, LocalStore):
+        raise StoreError(f"fetch_archive copies into a local store, not {dest_store.uri}")
+    manifest, identity_hash = load_manifest_from(src_store, identity_hash)
+    check_identity(manifest, identity_hash, expected_identity)
+    missing = [b for b in manifest.blobs if not dest_store.has_blob(b.sha256)]
+    sizes = {b.sha256: b.compressed_size for b in missing}
+    names = {b.sha256: b.name for b in missing}
+    dest_dir = dest_store.blob_path(manifest.blobs[0].sha256).parent if manifest.blobs else None
+
+    def one(digest: str) -> None:
+        try:
+            src_store.fetch_blob(digest, dest_store.blob_path(digest), sizes[digest])
+        except BlobMissing as exc:
+            raise ArchiveMissing(f"archive {identity_hash[:12]} blob {names[digest]!r}: {exc}") from exc
+        except BlobCorrupt as exc:
+            raise ArchiveCorrupt(f"archive {identity_hash[:12]} blob {names[digest]!r}: {exc}") from exc
+
+    if dest_dir is not None:
+        dest_dir.mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(max(1, min(max_workers, len(missing) or 1))) as pool:
+        list(pool.map(one, list(sizes)))
+    dest_store.put_manifest(identity_hash, manifest.to_json())
+    return Archive(dest_store, manifest, identity_hash)
+
+
+# ----------------------------------------------------------------------------------------------
+# Verification
+
+
+def verify_archive(
+    store: Store | str | os.PathLike[str],
+    identity_hash: str | None = None,
+    expected_identity: ArchiveIdentity | str | None = None,
+) -> list[str]:
+    """Every problem found, as sentences (empty list = the archive is intact and decodable).
+
+    Checks without a GPU: manifest version and fields, identity hash (stored, recorded, expected),
+    every blob present with the right size and digest, decompressible to the recorded size and
+    raw digest, the graph table decodable with every reference in range, its graphs matching the
+    manifest summary, and every kernel's image in the archive. Store outages raise
+    `ember.store.StoreUnavailable` (not an archive problem).
+    """
+    st = _as_store(store)
+    try:
+        archive = open_archive(st, identity_hash, expected_identity=expected_identity)
+    except ArchiveError as exc:
+        return [str(exc)]
+    problems: list[str] = []
+    for entry in archive.manifest.blobs:
+        try:
+            archive.blob_bytes(entry.name)
+        except ArchiveError as exc:
+            problems.append(str(exc))
+    m = archive.manifest
+    names = [b.name for b in m.blobs]
+    if len(set(names)) != len(names):
+        problems.append("manifest lists a blob name twice")
+    for ref in [m.graphs.table, m.alloc_log, m.rng_state, *(i.blob for i in m.kernel_images)]:
+        if ref is not None and ref not in names:
+            problems.append(f"manifest refers to blob {ref!r} but does not list it")
+    if m.graphs.table in names and not any(m.graphs.table in p for p in problems):
+        try:
+            table = archive.graph_table
+            table.validate()
+            problems += _compare_summary(m, table)
+        except ArchiveError as exc:
+            problems.append(str(exc))
+        except fmt.FormatError as exc:
+            problems.append(f"graph table: {exc}")
+    return problems
+
+
+def _compare_summary(m: Manifest, table: fmt.GraphTable) -> list[str]:
+    problems = []
+    if [list(k) for k in table.keys] != m.graphs.keys:
+        problems.append("graph keys in the graph table differ from the manifest's")
+    sigs = [g.signature for g in table.groups]
+    if sigs != [g.signature for g in m.graphs.groups]:
+        problems.append("topology groups in the graph table differ from the manifest's")
+    have = {i.content_hash for i in m.kernel_images}
+    lost = sorted({k.image for k in table.kernels} - have)
+    if lost:
+        problems.append(f"{len(lost)} kernel image(s) the graphs use are not in the archive, e.g. {lost[0]}")
+    if table.node_type_counts() != m.graphs.node_types:
+        problems.append("node-type counts in the graph table differ from the manifest's")
+    return problems
+
+
+def node_type_names() -> list[str]:
+    return [t.name for t in NodeType]
