@@ -101,9 +101,10 @@ def plan_archive(obs: ArchiveObserved, backoff: Backoff) -> ArchivePlan:
     def set_saved(ok: bool | None, reason: str, message: str) -> None:
         st.conditions = conditions.put(st.conditions, SAVED, ok, reason, message, obs.generation, now)
 
-    def retry_in(delay: float, attempt_for_next: int | None = None) -> None:
+    def retry_in(delay: float, renew: bool = True) -> None:
+        """Schedule the next try; `renew` moves a retry time that has passed (probe failures)."""
         retry_at = parse_time(st.next_retry_time)
-        if retry_at is None or retry_at < now:
+        if retry_at is None or (renew and retry_at < now):
             retry_at = now + timedelta(seconds=delay)
             st.next_retry_time = rfc3339(retry_at)
         plan.requeue_after = max(1.0, (retry_at - now).total_seconds())
@@ -145,7 +146,9 @@ def plan_archive(obs: ArchiveObserved, backoff: Backoff) -> ArchivePlan:
     return plan
 
 
-def _plan_save(obs: ArchiveObserved, plan: ArchivePlan, backoff: Backoff, set_saved: Any, retry_in: Any) -> None:
+def _plan_save(
+    obs: ArchiveObserved, plan: ArchivePlan, backoff: Backoff, set_saved: Any, retry_in: Any,
+) -> None:
     st = plan.status
     now = obs.now
     attempt = st.attempt
@@ -191,12 +194,12 @@ def _plan_save(obs: ArchiveObserved, plan: ArchivePlan, backoff: Backoff, set_sa
         kind = "SaveFailed"
 
     # Failed attempt: wait out the backoff, then start the next attempt.
-    if st.phase is not GAPhase.failed or st.failure_reason != reason[:1024]:
-        plan.save_failed_now = st.phase is not GAPhase.failed
+    if st.phase is not GAPhase.failed:
+        plan.save_failed_now = True
         st.phase = GAPhase.failed
-        st.failure_reason = reason[:1024]
         st.next_retry_time = None
-    retry_in(backoff.delay(attempt))
+    st.failure_reason = reason[:1024]
+    retry_in(backoff.delay(attempt), renew=False)
     retry_at = parse_time(st.next_retry_time)
     if retry_at is not None and now >= retry_at:
         st.attempt = attempt + 1

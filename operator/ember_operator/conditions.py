@@ -51,7 +51,9 @@ def put(
     generation: int | None, now: datetime,
 ) -> list[Condition]:
     """A copy of `conditions` with `type_` set; lastTransitionTime moves only on a status change."""
-    new_status = {True: ConditionStatus.true, False: ConditionStatus.false, None: ConditionStatus.unknown}[status]
+    new_status = {
+        True: ConditionStatus.true, False: ConditionStatus.false, None: ConditionStatus.unknown,
+    }[status]
     old = get(conditions, type_)
     since = old.last_transition_time if old is not None and old.status is new_status else rfc3339(now)
     cond = Condition(

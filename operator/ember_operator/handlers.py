@@ -133,7 +133,8 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | N
         # Status changes of an archive move the deployments that use it.
         short = labels.get(naming.IDENTITY)
         if short and type in ("MODIFIED", "ADDED", None):
-            users = await asyncio.get_running_loop().run_in_executor(None, rec.deployments_using, namespace, short)
+            loop = asyncio.get_running_loop()
+            users = await loop.run_in_executor(None, rec.deployments_using, namespace, short)
             for md in users:
                 deployments.poke(namespace, md)
 

@@ -66,7 +66,9 @@ class Kube:
         )
         payload = json.dumps(body) if body is not None else None
         try:
-            resp = self.api.call_api(method, url, header_params=headers, body=payload, _request_timeout=timeout)
+            resp = self.api.call_api(
+                method, url, header_params=headers, body=payload, _request_timeout=timeout,
+            )
             data = resp.read()
         except ApiException as exc:
             raise KubeError(exc.status or 0, exc.reason or "", exc.body or "") from None

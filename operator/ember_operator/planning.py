@@ -87,7 +87,9 @@ def store_of(spec: ModelDeploymentSpec, ctx: Context) -> StoreSpec:
     if spec.store is not None:
         return spec.store
     if not ctx.default_store:
-        raise ValueError("spec.store is unset and the operator has no default store (EMBER_OPERATOR_DEFAULT_STORE)")
+        raise ValueError(
+            "spec.store is unset and the operator has no default store (EMBER_OPERATOR_DEFAULT_STORE)"
+        )
     return StoreSpec.from_uri(ctx.default_store, ctx.default_s3_endpoint)
 
 
@@ -158,7 +160,8 @@ def _archive_condition(archive: ArchiveView | None) -> tuple[bool | None, str, s
     if archive.available:
         return True, "ArchiveAvailable", f"restoring from {archive.uri}"
     if archive.failing:
-        reason = archive.reason if archive.reason in ("CredentialsSecretMissing", "StoreUnreachable") else "SaveFailed"
+        store_reasons = ("CredentialsSecretMissing", "StoreUnreachable")
+        reason = archive.reason if archive.reason in store_reasons else "SaveFailed"
         retry = f"; retrying at {archive.next_retry_time}" if archive.next_retry_time else ""
         return False, reason, f"{archive.message or archive.phase}; serving with native capture{retry}"
     if archive.phase == "Saving":
@@ -270,7 +273,8 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
         prog = (True, MDPhase.pending.value, "waiting for the GraphArchive")
     elif not can_deploy and old_left:
         prog = (True, MDPhase.reconfiguring.value,
-                f"new identity {ident.short()}: SAVE running; {old_left} pod(s) keep serving the previous one")
+                f"new identity {ident.short()}: SAVE running; "
+                f"{old_left} pod(s) keep serving the previous one")
     elif not can_deploy:
         prog = (True, MDPhase.saving.value, f"waiting for the SAVE of {ga_name}")
     elif old_left:

@@ -68,7 +68,8 @@ class Reconciler:
         self.clock = clock
         self.ctx = Context(
             sidecar_image=settings.sidecar_image, default_store=settings.default_store,
-            default_s3_endpoint=settings.default_s3_endpoint, pod_service_account=settings.pod_service_account,
+            default_s3_endpoint=settings.default_s3_endpoint,
+            pod_service_account=settings.pod_service_account,
         )
         self.backoff = Backoff(
             base_s=settings.save_backoff_seconds, max_s=settings.save_backoff_max_seconds,
@@ -148,7 +149,8 @@ class Reconciler:
         ident_hash = spec.identity().hash()
         ga = self.kube.get(ga_path(ns, naming.archive_name(ident_hash)))
         pods = self.kube.list(pods_path(ns), naming.selector(name))
-        warm = self.kube.list(pods_path(ns), f"{naming.POOL}={naming.POOL_WARM},{naming.POOL_KEY}={template.pool_key}")
+        warm_selector = f"{naming.POOL}={naming.POOL_WARM},{naming.POOL_KEY}={template.pool_key}"
+        warm = self.kube.list(pods_path(ns), warm_selector)
         hpa = self.kube.get(hpa_path(ns, naming.hpa_name(name)))
         obs = Observed(
             name=name, namespace=ns, uid=meta["uid"], generation=int(meta.get("generation") or 0),
@@ -280,7 +282,8 @@ class Reconciler:
             self.kube.list(pods_path(ns), f"{naming.IDENTITY}={short}")
         )
         probe = self.probe(ns, spec, status)
-        jobs = {j["metadata"]["name"]: j for j in self.kube.list(jobs_path(ns), f"{naming.ARCHIVE_LABEL}={name}")}
+        listed = self.kube.list(jobs_path(ns), f"{naming.ARCHIVE_LABEL}={name}")
+        jobs = {j["metadata"]["name"]: j for j in listed}
         current = naming.save_job_name(spec.identity_hash, status.attempt)
         result = None
         if current in jobs:

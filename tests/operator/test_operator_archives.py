@@ -1,0 +1,108 @@
+"""GraphArchive planning: store probe outcomes, one SAVE Job per attempt, backoff, verify, GC."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from ember_operator import naming
+from ember_operator.api import GAPhase, GraphArchiveSpec, GraphArchiveStatus
+from ember_operator.archive_planning import (
+    ArchiveObserved,
+    Backoff,
+    ManifestInfo,
+    StoreProbe,
+    plan_archive,
+)
+from ember_operator.jobs import SaveResult
+from ember_operator.planning import archive_object
+from operator_helpers import CTX, NOW, md_spec
+
+SPEC = GraphArchiveSpec.model_validate(archive_object("ga-x", "default", md_spec(), CTX)["spec"])
+HASH = SPEC.identity_hash
+BACKOFF = Backoff(base_s=10, max_s=600, grace_s=30, retention_s=3600)
+
+
+def _obs(
+    status: GraphArchiveStatus | None = None, probe: StoreProbe | None = None, **over,
+) -> ArchiveObserved:
+    fields = dict(name="ga-x", namespace="default", uid="u", generation=1, spec=SPEC,
+                  status=status or GraphArchiveStatus(), probe=probe or StoreProbe(), now=NOW)
+    fields.update(over)
+    return ArchiveObserved(**fields)
+
+
+def _job(attempt: int, state: str, done=NOW) -> dict:
+    conds = {"Active": [], "Succeeded": [{"type": "Complete", "status": "True"}],
+             "Failed": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}[state]
+    return {naming.save_job_name(HASH, attempt): {"status": {
+        "conditions": conds, "completionTime": done.strftime("%Y-%m-%dT%H:%M:%SZ")}}}
+
+
+def _saved(plan) -> tuple[str, str]:
+    c = next(c for c in plan.status.conditions if c.type == "Saved")
+    return c.status.value, c.reason
+
+
+def test_manifest_in_store_means_available_without_a_job() -> None:
+    info = ManifestInfo(uri="s3://ember/ember/archives/x/manifest", digest="d" * 64, bytes=10, graphs=4)
+    plan = plan_archive(_obs(probe=StoreProbe(manifest=info)), BACKOFF)
+    assert plan.status.phase is GAPhase.available and plan.create_job_attempt is None
+    assert plan.status.uri == info.uri and plan.status.bytes == 10 and plan.status.graphs == 4
+    assert _saved(plan) == ("True", "ManifestFound") and plan.saved_now
+
+
+def test_first_pass_creates_attempt_zero() -> None:
+    plan = plan_archive(_obs(), BACKOFF)
+    assert plan.create_job_attempt == 0
+    assert plan.status.phase is GAPhase.saving
+    assert plan.status.save_job == naming.save_job_name(HASH, 0)
+    # Restarted operator with the Job already there: no second Job.
+    again = plan_archive(_obs(status=plan.status, jobs=_job(0, "Active")), BACKOFF)
+    assert again.create_job_attempt is None and again.status.phase is GAPhase.saving
+
+
+def test_missing_secret_and_unreachable_store_retry_without_a_job() -> None:
+    p1 = plan_archive(_obs(probe=StoreProbe(secret_missing=True)), BACKOFF)
+    assert p1.create_job_attempt is None and _saved(p1) == ("False", "CredentialsSecretMissing")
+    assert p1.status.next_retry_time and p1.requeue_after == 10
+    assert "'s3'" in (p1.status.failure_reason or "")
+    p2 = plan_archive(_obs(probe=StoreProbe(unreachable="connect timeout")), BACKOFF)
+    assert p2.create_job_attempt is None and _saved(p2) == ("False", "StoreUnreachable")
+    assert "connect timeout" in (p2.status.failure_reason or "")
+
+
+def test_failed_save_backs_off_then_retries_as_a_new_attempt() -> None:
+    st = plan_archive(_obs(), BACKOFF).status
+    failed = plan_archive(_obs(status=st, jobs=_job(0, "Failed"),
+                               result=SaveResult(succeeded=False, message="CUDA out of memory")), BACKOFF)
+    assert failed.status.phase is GAPhase.failed and failed.save_failed_now
+    assert "CUDA out of memory" in (failed.status.failure_reason or "")
+    assert _saved(failed)[1] == "SaveFailed" and failed.create_job_attempt is None
+    assert failed.requeue_after == 10
+    later = plan_archive(_obs(status=failed.status, jobs=_job(0, "Failed"),
+                              now=NOW + timedelta(seconds=11)), BACKOFF)
+    assert later.create_job_attempt == 1 and later.status.attempt == 1
+    assert later.status.save_job == naming.save_job_name(HASH, 1)
+    assert later.status.phase is GAPhase.saving
+
+
+def test_backoff_doubles_and_caps() -> None:
+    assert [BACKOFF.delay(a) for a in range(8)] == [10, 20, 40, 80, 160, 320, 600, 600]
+
+
+def test_succeeded_job_waits_for_the_manifest_then_fails() -> None:
+    st = plan_archive(_obs(), BACKOFF).status
+    verifying = plan_archive(_obs(status=st, jobs=_job(0, "Succeeded", done=NOW)), BACKOFF)
+    assert verifying.status.phase is GAPhase.saving and _saved(verifying)[1] == "Verifying"
+    old = NOW - timedelta(seconds=60)
+    missing = plan_archive(_obs(status=st, jobs=_job(0, "Succeeded", done=old)), BACKOFF)
+    assert missing.status.phase is GAPhase.failed and _saved(missing)[1] == "ManifestMissing"
+
+
+def test_unreferenced_archive_is_collected_after_retention() -> None:
+    p1 = plan_archive(_obs(references=0), BACKOFF)
+    assert not p1.delete and p1.status.unreferenced_since
+    p2 = plan_archive(_obs(status=p1.status, references=0, now=NOW + timedelta(hours=2)), BACKOFF)
+    assert p2.delete
+    p3 = plan_archive(_obs(status=p1.status, references=1, now=NOW + timedelta(hours=2)), BACKOFF)
+    assert not p3.delete and p3.status.unreferenced_since is None

@@ -1,0 +1,142 @@
+"""Pod, SAVE Job and HPA builders: the manifests carry the protocol and the security posture."""
+
+from __future__ import annotations
+
+import json
+
+from ember_operator import naming
+from ember_operator.api import AutoscalingSpec, GraphArchiveSpec
+from ember_operator.hpas import hpa
+from ember_operator.jobs import job_state, read_termination, save_job
+from ember_operator.planning import archive_object, template_of
+from ember_operator.pods import Claim, StoreAccess, claim_patch, serving_pod, warm_pod
+from operator_helpers import CTX, md_spec
+
+from ember.identity import canonical_json
+
+
+def _claim() -> Claim:
+    ident = md_spec().identity()
+    return Claim(deployment="qwen", deployment_uid="u", identity_hash=ident.hash(),
+                 identity_json=canonical_json(ident.canonical()).decode(), revision="abc123",
+                 archive_uri="s3://ember/ember/archives/x/manifest", engine_args=("--x", "1"))
+
+
+def test_serving_pod_has_native_sidecar_lib_and_protocol() -> None:
+    t = template_of("default", md_spec(), CTX)
+    pod = serving_pod(t, _claim(), "qwen-abc-0")
+    spec = pod["spec"]
+    inits = {c["name"]: c for c in spec["initContainers"]}
+    assert [c["name"] for c in spec["initContainers"]] == ["ember-lib", "ember-sidecar"]
+    assert inits["ember-sidecar"]["restartPolicy"] == "Always"
+    assert "restartPolicy" not in inits["ember-lib"]
+    engine = spec["containers"][0]
+    env = {e["name"]: e for e in engine["env"]}
+    assert env["LD_PRELOAD"]["value"] == "/opt/ember/lib/libember.so"
+    assert env["EMBER_RUN_DIR"]["value"] == "/var/run/ember"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    mounts = {m["mountPath"] for m in engine["volumeMounts"]}
+    assert {"/opt/ember/lib", "/var/run/ember", "/etc/ember/podinfo"} <= mounts
+    side_env = {e["name"]: e.get("value") for e in inits["ember-sidecar"]["env"]}
+    assert side_env["EMBER_STORE"] == "s3://ember/ember"
+    assert side_env["EMBER_S3_ENDPOINT"] == "http://127.0.0.1:19000"
+    assert inits["ember-sidecar"]["envFrom"] == [{"secretRef": {"name": "s3", "optional": True}}]
+    meta = pod["metadata"]
+    assert meta["labels"][naming.POOL] == "serving" and meta["labels"][naming.DEPLOYMENT] == "qwen"
+    assert meta["annotations"][naming.ARCHIVE].endswith("/manifest")
+    assert json.loads(meta["annotations"][naming.ENGINE_ARGS]) == ["--x", "1"]
+    assert meta["ownerReferences"][0]["kind"] == "ModelDeployment"
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+
+def test_pods_are_restricted() -> None:
+    t = template_of("default", md_spec(), CTX)
+    spec = warm_pod(t)["spec"]
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    for c in spec["initContainers"] + spec["containers"]:
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+    sidecar = next(c for c in spec["initContainers"] if c["name"] == "ember-sidecar")
+    assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
+    assert not any("hostPath" in v for v in spec["volumes"])
+
+
+def test_warm_pod_is_unclaimed_and_claim_patch_is_conditional() -> None:
+    t = template_of("default", md_spec(), CTX)
+    pod = warm_pod(t)
+    assert pod["metadata"]["labels"][naming.POOL] == "warm"
+    assert naming.DEPLOYMENT not in pod["metadata"]["labels"]
+    assert pod["metadata"]["generateName"].startswith("ember-warm-")
+    patch = claim_patch(_claim(), "42")
+    assert patch["metadata"]["resourceVersion"] == "42"
+    assert patch["metadata"]["labels"][naming.POOL] == "serving"
+    assert patch["metadata"]["annotations"][naming.IDENTITY] == _claim().identity_hash
+
+
+def test_pool_key_depends_on_gpu_engine_and_store_not_model() -> None:
+    a = template_of("default", md_spec(), CTX).pool_key
+    b = template_of("default", md_spec(model={"name": "other/model"}), CTX).pool_key
+    c = template_of("default", md_spec(gpu={"product": "NVIDIA-H200"}), CTX).pool_key
+    assert a == b and a != c
+
+
+def test_save_job_runs_on_one_gpu_of_the_product() -> None:
+    spec = md_spec(parallelism={"data": 2}, gpu={"product": "NVIDIA-H100-80GB-HBM3", "count": 2})
+    ga = archive_object("ga-x", "default", spec, CTX)
+    ga_spec = GraphArchiveSpec.model_validate(ga["spec"])
+    ident = spec.identity()
+    name = naming.save_job_name(ident.hash(), 0)
+    job = save_job(name=name, namespace="default", archive_name="ga-x", archive_uid="u", spec=ga_spec,
+                   store=StoreAccess.of(ga_spec.store), sidecar_image="ember:test", timeout_seconds=600,
+                   attempt=0)
+    assert job["metadata"]["name"] == f"ember-save-{ident.hash()[:16]}-0"
+    pod = job["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["command"] == ["ember", "save", "--job"]
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["EMBER_IDENTITY"] == canonical_json(ident.canonical()).decode()
+    assert env["EMBER_STORE"] == "s3://ember/ember"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert c["envFrom"] == [{"secretRef": {"name": "s3", "optional": False}}]
+    assert job["spec"]["backoffLimit"] == 0 and pod["restartPolicy"] == "Never"
+
+
+def test_termination_message_is_parsed() -> None:
+    summary = {"manifest_digest": "ab" * 32, "bytes": 1234, "graphs": 4, "durations": {"capture": 1.5}}
+    pod = {"status": {"containerStatuses": [{"name": "save", "state": {"terminated": {
+        "exitCode": 0, "message": json.dumps(summary)}}}]}}
+    result = read_termination(pod)
+    assert result is not None and result.succeeded and result.bytes == 1234 and result.graphs == 4
+    assert result.durations == {"capture": 1.5}
+    failed = {"status": {"containerStatuses": [{"name": "save", "state": {"terminated": {
+        "exitCode": 3, "message": "loading model\nCUDA out of memory"}}}]}}
+    r2 = read_termination(failed)
+    assert r2 is not None and not r2.succeeded and r2.reason == "CUDA out of memory"
+    running = {"status": {"containerStatuses": [{"name": "save", "state": {"running": {}}}]}}
+    assert read_termination(running) is None
+
+
+def test_job_state_from_conditions() -> None:
+    assert job_state({}) == "Active"
+    assert job_state({"status": {"conditions": [{"type": "Complete", "status": "True"}]}}) == "Succeeded"
+    assert job_state({"status": {"conditions": [{"type": "Failed", "status": "True"}]}}) == "Failed"
+
+
+def test_hpa_targets_the_scale_subresource() -> None:
+    spec = AutoscalingSpec.model_validate({"minReplicas": 2, "maxReplicas": 9, "targets": [
+        {"type": "Resource", "name": "cpu", "averageUtilization": 70},
+        {"type": "Pods", "name": "vllm_num_requests_running", "averageValue": "8"},
+    ]})
+    h = hpa(md_name="qwen", md_uid="u", namespace="default", spec=spec)
+    assert h["spec"]["scaleTargetRef"] == {"apiVersion": "ember.dev/v1alpha1", "kind": "ModelDeployment",
+                                           "name": "qwen"}
+    assert h["spec"]["minReplicas"] == 2 and h["spec"]["maxReplicas"] == 9
+    assert h["spec"]["metrics"][0]["resource"]["target"] == {"type": "Utilization", "averageUtilization": 70}
+    assert h["spec"]["metrics"][1]["pods"]["metric"] == {"name": "vllm_num_requests_running"}

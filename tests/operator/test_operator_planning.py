@@ -1,0 +1,209 @@
+"""ModelDeployment planning: phases, claims before cold pods, rolling moves, native fallback, HPA."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from ember_operator import naming
+from ember_operator.api import MDPhase
+from ember_operator.planning import Plan, plan_deployment, revision_of, template_of
+from ember_operator.views import ArchiveView, PodView
+from operator_helpers import CTX, NOW, md_spec, observed
+
+URI = "s3://ember/ember/archives/abc/manifest"
+AVAILABLE = ArchiveView(name="ga-x", phase="Available", uri=URI, reason="ManifestFound")
+SAVING = ArchiveView(name="ga-x", phase="Saving", reason="SaveRunning")
+FAILED = ArchiveView(name="ga-x", phase="Failed", reason="SaveFailed", message="SAVE Job failed: OOM",
+                     next_retry_time="2026-11-22T02:01:00Z")
+
+
+def _revision(spec: Any = None) -> str:
+    spec = spec or md_spec()
+    return revision_of(spec.identity().hash(), template_of("default", spec, CTX), spec)
+
+
+def _pod(name: str, revision: str, ready: bool = True, restore: str = "") -> PodView:
+    return PodView(name=name, labels={naming.REVISION: revision, naming.DEPLOYMENT: "qwen",
+                                      naming.POOL: "serving"},
+                   annotations={naming.RESTORE: restore} if restore else {}, ready=ready, phase="Running",
+                   created=name)
+
+
+def _warm(name: str, ready: bool = True) -> PodView:
+    return PodView(name=name, labels={naming.POOL: "warm"}, resource_version="7", ready=ready,
+                   phase="Running" if ready else "Pending", created=name)
+
+
+def _cond(plan: Plan, type_: str) -> Any:
+    return next(c for c in plan.status.conditions if c.type == type_)
+
+
+def test_first_reconcile_creates_the_archive_and_waits() -> None:
+    plan = plan_deployment(observed(), CTX)
+    assert plan.archive_create is not None
+    assert plan.archive_create["metadata"]["name"] == naming.archive_name(md_spec().identity().hash())
+    assert plan.archive_create["spec"]["identityHash"] == md_spec().identity().hash()
+    assert not plan.creates and not plan.claims
+    assert plan.status.phase is MDPhase.pending
+    assert plan.status.observed_generation == 1
+    assert all(c.observed_generation == 1 for c in plan.status.conditions)
+    assert plan.labels == {naming.IDENTITY: md_spec().identity().short()}
+    assert plan.status.selector == "ember.dev/deployment=qwen,ember.dev/pool=serving"
+
+
+def test_saving_waits_without_pods() -> None:
+    plan = plan_deployment(observed(archive=SAVING), CTX)
+    assert plan.archive_create is None and not plan.creates
+    assert plan.status.phase is MDPhase.saving
+    assert _cond(plan, "ArchiveReady").reason == "Saving"
+
+
+def test_available_archive_creates_restoring_pods() -> None:
+    plan = plan_deployment(observed(archive=AVAILABLE), CTX)
+    assert len(plan.creates) == 2
+    names = [p["metadata"]["name"] for p in plan.creates]
+    assert names == [naming.serving_pod_name("qwen", _revision(), i) for i in (0, 1)]
+    assert all(p["metadata"]["annotations"][naming.ARCHIVE] == URI for p in plan.creates)
+    assert plan.status.phase is MDPhase.deploying
+    assert plan.status.archive is not None and plan.status.archive.uri == URI
+    assert _cond(plan, "ArchiveReady").status.value == "True"
+
+
+def test_warm_pods_are_claimed_before_cold_ones_ready_first() -> None:
+    spec = md_spec(replicas=3)
+    warm = [_warm("w-a", ready=False), _warm("w-b"), _warm("w-c")]
+    plan = plan_deployment(observed(spec, archive=AVAILABLE, warm=warm), CTX)
+    assert [name for name, _ in plan.claims] == ["w-b", "w-c", "w-a"]
+    assert not plan.creates
+    spec5 = md_spec(replicas=5)
+    plan5 = plan_deployment(observed(spec5, archive=AVAILABLE, warm=warm), CTX)
+    assert len(plan5.claims) == 3 and len(plan5.creates) == 2
+    assert plan5.status.warm_claims == 3 and plan5.status.replicas == 5
+
+
+def test_steady_state_is_a_no_op_and_ready() -> None:
+    rev = _revision()
+    pods = [_pod("a", rev, restore="restored"), _pod("b", rev, restore="restored")]
+    plan = plan_deployment(observed(archive=AVAILABLE, pods=pods), CTX)
+    assert not plan.creates and not plan.claims and not plan.deletes
+    assert plan.status.phase is MDPhase.ready
+    assert plan.status.ready_replicas == 2 and plan.status.restored_replicas == 2
+    assert _cond(plan, "Progressing").status.value == "False"
+    # Idempotent: planning again from the resulting status changes nothing and emits no events.
+    again = plan_deployment(observed(archive=AVAILABLE, pods=pods, status=plan.status), CTX)
+    assert again.status == plan.status and again.events == []
+
+
+def test_scale_down_deletes_not_ready_first() -> None:
+    rev = _revision()
+    spec = md_spec(replicas=1)
+    pods = [_pod("a", rev), _pod("b", rev, ready=False), _pod("c", rev)]
+    plan = plan_deployment(observed(spec, archive=AVAILABLE, pods=pods), CTX)
+    assert plan.deletes[0] == "b" and len(plan.deletes) == 2
+
+
+def test_scale_up_is_phase_scaling() -> None:
+    rev = _revision()
+    spec = md_spec(replicas=4)
+    pods = [_pod("a", rev), _pod("b", rev)]
+    plan = plan_deployment(observed(spec, archive=AVAILABLE, pods=pods), CTX)
+    assert len(plan.creates) == 2
+    assert plan.status.phase is MDPhase.scaling
+
+
+def test_failed_archive_serves_natively_and_says_so() -> None:
+    plan = plan_deployment(observed(archive=FAILED), CTX)
+    assert len(plan.creates) == 2
+    assert all(p["metadata"]["annotations"][naming.ARCHIVE] == "" for p in plan.creates)
+    cond = _cond(plan, "ArchiveReady")
+    assert cond.status.value == "False" and cond.reason == "SaveFailed"
+    assert "native capture" in cond.message and "retrying at" in cond.message
+    assert any(e.type == "Warning" and e.reason == "SaveFailed" for e in plan.events)
+    rev = _revision()
+    serving = plan_deployment(observed(archive=FAILED, pods=[_pod("a", rev), _pod("b", rev)]), CTX)
+    assert serving.status.phase is MDPhase.degraded
+
+
+def test_missing_secret_and_unreachable_store_serve_natively() -> None:
+    for reason in ("CredentialsSecretMissing", "StoreUnreachable"):
+        archive = ArchiveView(name="ga-x", phase="Pending", reason=reason, message="boom")
+        plan = plan_deployment(observed(archive=archive), CTX)
+        assert len(plan.creates) == 2, reason
+        assert _cond(plan, "ArchiveReady").reason == reason
+
+
+def test_retry_of_a_failed_save_does_not_stop_native_serving() -> None:
+    rev = _revision()
+    spec = md_spec(replicas=3)
+    plan = plan_deployment(observed(spec, archive=SAVING, pods=[_pod("a", rev), _pod("b", rev)]), CTX)
+    assert len(plan.creates) == 1 and not plan.deletes
+
+
+def test_parallelism_edit_reconfigures_then_rolls() -> None:
+    old_rev = _revision()
+    new_spec = md_spec(parallelism={"data": 2}, gpu={"product": "NVIDIA-H100-80GB-HBM3", "count": 2})
+    new_rev = _revision(new_spec)
+    assert new_rev != old_rev
+    old_pods = [_pod("a", old_rev), _pod("b", old_rev)]
+    # New identity → new archive; old pods keep serving meanwhile.
+    first = plan_deployment(observed(new_spec, pods=old_pods, generation=2), CTX)
+    assert first.archive_create is not None and not first.deletes
+    saving = plan_deployment(observed(new_spec, archive=SAVING, pods=old_pods, generation=2), CTX)
+    assert saving.status.phase is MDPhase.reconfiguring and not saving.creates and not saving.deletes
+    assert "SAVE running" in _cond(saving, "Progressing").message
+    # Archive ready: new pods created, old kept until new ones are ready.
+    rolling = plan_deployment(observed(new_spec, archive=AVAILABLE, pods=old_pods, generation=2), CTX)
+    assert len(rolling.creates) == 2 and not rolling.deletes
+    assert rolling.status.phase is MDPhase.reconfiguring
+    assert rolling.creates[0]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    half = [*old_pods, _pod("c", new_rev), _pod("d", new_rev, ready=False)]
+    step = plan_deployment(observed(new_spec, archive=AVAILABLE, pods=half, generation=2), CTX)
+    assert len(step.deletes) == 1
+    done = [*old_pods, _pod("c", new_rev), _pod("d", new_rev)]
+    final = plan_deployment(observed(new_spec, archive=AVAILABLE, pods=done, generation=2), CTX)
+    assert sorted(final.deletes) == ["a", "b"]
+
+
+def test_fallback_pods_are_counted_and_degrade() -> None:
+    rev = _revision()
+    pods = [_pod("a", rev, restore="restored"), _pod("b", rev, restore="fallback: compat mismatch")]
+    plan = plan_deployment(observed(archive=AVAILABLE, pods=pods), CTX)
+    assert plan.status.fallback_count == 1 and plan.status.restored_replicas == 1
+    assert plan.status.phase is MDPhase.degraded
+    assert _cond(plan, "Available").reason == "PartialFallback"
+
+
+def test_dead_pods_are_replaced() -> None:
+    rev = _revision()
+    pods = [_pod("a", rev), replace(_pod("b", rev, ready=False), phase="Failed")]
+    plan = plan_deployment(observed(archive=AVAILABLE, pods=pods), CTX)
+    assert plan.deletes == ["b"] and len(plan.creates) == 1
+
+
+def test_autoscaling_creates_and_removes_the_hpa() -> None:
+    spec = md_spec(autoscaling={"minReplicas": 1, "maxReplicas": 4})
+    plan = plan_deployment(observed(spec, archive=AVAILABLE), CTX)
+    assert plan.hpa_apply is not None and plan.hpa_apply["spec"]["maxReplicas"] == 4
+    same = plan_deployment(observed(spec, archive=AVAILABLE, hpa=plan.hpa_apply), CTX)
+    assert same.hpa_apply is None
+    gone = plan_deployment(observed(archive=AVAILABLE, hpa=plan.hpa_apply), CTX)
+    assert gone.hpa_delete
+
+
+def test_conditions_keep_transition_time_and_emit_events_on_change() -> None:
+    p1 = plan_deployment(observed(archive=SAVING), CTX)
+    p2 = plan_deployment(observed(archive=SAVING, status=p1.status, now=NOW.replace(minute=5)), CTX)
+    t1 = {c.type: c.last_transition_time for c in p1.status.conditions}
+    t2 = {c.type: c.last_transition_time for c in p2.status.conditions}
+    assert t1 == t2 and p2.events == []
+    p3 = plan_deployment(observed(archive=AVAILABLE, status=p2.status, now=NOW.replace(minute=6)), CTX)
+    reasons = {e.reason for e in p3.events}
+    assert "ArchiveAvailable" in reasons and "Phase" in reasons
+
+
+def test_scale_to_zero() -> None:
+    rev = _revision()
+    plan = plan_deployment(observed(md_spec(replicas=0), archive=AVAILABLE, pods=[_pod("a", rev)]), CTX)
+    assert plan.deletes == ["a"] and plan.status.replicas == 0
+    assert _cond(plan, "Available").reason == "ScaledToZero"

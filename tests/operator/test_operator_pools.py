@@ -1,0 +1,36 @@
+"""Warm pool planning and settings."""
+
+from __future__ import annotations
+
+from ember_operator import naming
+from ember_operator.planning import template_of
+from ember_operator.pools import plan_pools
+from ember_operator.settings import Settings
+from ember_operator.views import PodView
+from operator_helpers import CTX, md_spec
+
+
+def _warm(name: str, key: str, ready: bool = True) -> PodView:
+    return PodView(name=name, labels={naming.POOL: "warm", naming.POOL_KEY: key}, ready=ready,
+                   phase="Running", created=name)
+
+
+def test_pool_size_is_the_largest_ask_of_a_template() -> None:
+    t = template_of("default", md_spec(), CTX)
+    t_same = template_of("default", md_spec(model={"name": "other"}), CTX)
+    plan = plan_pools([(t, 2), (t_same, 3)], [_warm("a", t.pool_key)])
+    assert len(plan.creates) == 2 and plan.sizes[t.pool_key] == 3
+    assert plan.creates[0]["metadata"]["labels"][naming.POOL_KEY] == t.pool_key
+
+
+def test_pool_shrinks_not_ready_first_and_drains_orphans() -> None:
+    t = template_of("default", md_spec(), CTX)
+    warm = [_warm("a", t.pool_key), _warm("b", t.pool_key, ready=False), _warm("z", "orphan")]
+    plan = plan_pools([(t, 1)], warm)
+    assert sorted(plan.deletes) == ["b", "z"] and not plan.creates
+
+
+def test_settings_from_env() -> None:
+    s = Settings.from_env({"EMBER_OPERATOR_METRICS_PORT": "9100", "EMBER_OPERATOR_NAMESPACES": "a, b",
+                           "EMBER_OPERATOR_STANDALONE": "true"})
+    assert s.metrics_port == 9100 and s.namespace_list() == ["a", "b"] and s.standalone
