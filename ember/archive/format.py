@@ -375,7 +375,7 @@ def encode(
 
     # Compress chunks: templates alone, group members against their template's raw chunk.
     template_row = {grp.index: grp.template for grp in groups}
-    plain = zstd.ZstdCompressor(level=level)
+    plain = zstd.ZstdCompressor(level=level, write_checksum=True)
     dicts: dict[int, zstd.ZstdCompressor] = {}
     frames: list[bytes] = []
     offset = 0
@@ -388,7 +388,7 @@ def encode(
             comp = dicts.get(dict_row)
             if comp is None:
                 d = zstd.ZstdCompressionDict(enc.chunks[dict_row], dict_type=zstd.DICT_TYPE_RAWCONTENT)
-                comp = dicts[dict_row] = zstd.ZstdCompressor(level=level, dict_data=d)
+                comp = dicts[dict_row] = zstd.ZstdCompressor(level=level, dict_data=d, write_checksum=True)
             frame = comp.compress(raw)
         else:
             frame = plain.compress(raw)
@@ -708,26 +708,37 @@ class GraphTable:
         """Node indices of graph i whose params differ from graph j's (same topology group).
 
         Kernel rows are compared field by field plus the argument-bytes hash; memset/memcpy rows
-        by value. What LOAD must set after `cuGraphExecUpdate` skips, or after a template switch.
+        by value; event nodes by event index; a child-graph node counts as changed when any node
+        of its child differs. What LOAD must set after a template switch by exec update.
         """
         if self.group_of(i) != self.group_of(j) or self.group_of(i) < 0:
             raise ValueError(f"graphs {i} and {j} are not in one topology group")
-        a, b = self.chunk(i), self.chunk(j)
-        types = self.node_types(i)
-        diff = np.zeros(len(types), dtype=bool)
-        for t, ta, tb in ((NodeType.KERNEL, a.kpar, b.kpar), (NodeType.MEMSET, a.mset, b.mset),
-                          (NodeType.MEMCPY, a.mcpy, b.mcpy)):
-            sel = types == t
-            if not sel.any():
+        return self._changed_rows(self._row(i), self._row(j), 0)
+
+    def _changed_rows(self, ra: int, rb: int, depth: int) -> np.ndarray:
+        if depth > 16:
+            raise FormatError("child graphs nested deeper than 16 levels (a cycle?)")
+        a, b = self.chunk_of_row(ra), self.chunk_of_row(rb)
+        pos = self._positions(ra)
+        if len(a.refs) != len(b.refs) or self.rows[ra]["ntyp_off"] != self.rows[rb]["ntyp_off"]:
+            raise ValueError(f"graph rows {ra} and {rb} do not share a topology")
+        diff = np.zeros(len(a.refs), dtype=bool)
+        for t, ta, tb in ((_KERNEL, a.kpar, b.kpar), (_MEMSET, a.mset, b.mset), (_MEMCPY, a.mcpy, b.mcpy)):
+            p = pos.get(t)
+            if p is None or not len(p):
                 continue
-            ra, rb = ta[a.refs[sel]], tb[b.refs[sel]]
-            names = [n for n in ta.dtype.names if n not in ("args_off", "reserved")]
-            d = np.zeros(len(ra), dtype=bool)
-            for n in names:
-                d |= ra[n] != rb[n]
-            diff[np.nonzero(sel)[0]] = d
-        ev = (types == NodeType.WAIT_EVENT) | (types == NodeType.EVENT_RECORD)
-        diff |= ev & (a.refs != b.refs)
+            xa, xb = ta[a.refs[p]], tb[b.refs[p]]
+            d = np.zeros(len(p), dtype=bool)
+            for n in ta.dtype.names:
+                if n not in ("args_off", "reserved"):
+                    d |= xa[n] != xb[n]
+            diff[p] = d
+        for t in (int(NodeType.WAIT_EVENT), int(NodeType.EVENT_RECORD)):
+            p = pos.get(t)
+            if p is not None:
+                diff[p] = a.refs[p] != b.refs[p]
+        for n in pos.get(_GRAPH, ()):
+            diff[n] = len(self._changed_rows(int(a.refs[n]), int(b.refs[n]), depth + 1)) > 0
         return np.nonzero(diff)[0]
 
     # ---- materialisation into graphs.Graph ----
