@@ -1,0 +1,397 @@
+/* A tiny stand-in for libcuda.so.1 used by ember's CPU tests. It records which entry point (the
+ * exact ABI variant) was called, and simulates the VMM API with mmap: a reservation is a
+ * PROT_NONE mapping (the address hint is only a hint, as on a real driver), cuMemMap keeps the
+ * range inaccessible until cuMemSetAccess makes it read-write. Modules and libraries "contain"
+ * the kernels named by `.entry NAME` lines of PTX text, or kernel_a/kernel_b for binaries.
+ * Built with -Wl,-Bsymbolic so its own references never reach the interposer (as libcuda's). */
+#define _GNU_SOURCE
+#include <cuda.h>
+#undef cuGetProcAddress
+#undef cuMemAlloc
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+/* ---- call log ---- */
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static char calls[65536];
+static size_t calls_len;
+static void note(const char* name) {
+  pthread_mutex_lock(&mu);
+  size_t n = strlen(name);
+  if (calls_len + n + 2 < sizeof calls) {
+    memcpy(calls + calls_len, name, n);
+    calls_len += n;
+    calls[calls_len++] = '\n';
+    calls[calls_len] = 0;
+  }
+  pthread_mutex_unlock(&mu);
+}
+EXPORT const char* standin_calls(void) { return calls; }
+EXPORT void standin_reset(void) {
+  pthread_mutex_lock(&mu);
+  calls_len = 0;
+  calls[0] = 0;
+  pthread_mutex_unlock(&mu);
+}
+static int capturing;
+EXPORT void standin_set_capturing(int on) { capturing = on; }
+static uint64_t phys_limit = 0, phys_used = 0;
+EXPORT void standin_set_phys_limit(uint64_t bytes) { phys_limit = bytes; }
+
+#define GRAN (2ull << 20)
+
+/* ---- context ---- */
+static int inited;
+EXPORT CUresult cuInit(unsigned flags) { note("cuInit"); inited = 1; return CUDA_SUCCESS; }
+EXPORT CUresult cuGetErrorString(CUresult e, const char** s) { *s = "stand-in error"; return CUDA_SUCCESS; }
+EXPORT CUresult cuCtxGetCurrent(CUcontext* c) { *c = inited ? (CUcontext)0x1 : NULL; return CUDA_SUCCESS; }
+EXPORT CUresult cuCtxSetCurrent(CUcontext c) { return CUDA_SUCCESS; }
+EXPORT CUresult cuCtxGetDevice(CUdevice* d) {
+  if (!inited || getenv("STANDIN_NO_CTX")) return CUDA_ERROR_INVALID_CONTEXT;
+  *d = 0;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDeviceTotalMem_v2(size_t* b, CUdevice d) { *b = 1ull << 30; return CUDA_SUCCESS; }
+EXPORT CUresult cuMemGetAllocationGranularity(size_t* g, const CUmemAllocationProp* p,
+                                              CUmemAllocationGranularity_flags f) {
+  *g = GRAN;
+  return CUDA_SUCCESS;
+}
+
+/* ---- VMM with mmap ---- */
+struct range { uint64_t a, n; int used; };
+static struct range resv[256], maps[4096];
+static struct range* find_in(struct range* t, int cap, uint64_t p) {
+  for (int i = 0; i < cap; i++)
+    if (t[i].used && p >= t[i].a && p < t[i].a + t[i].n) return &t[i];
+  return NULL;
+}
+static struct range* slot(struct range* t, int cap) {
+  for (int i = 0; i < cap; i++)
+    if (!t[i].used) return &t[i];
+  return NULL;
+}
+
+EXPORT CUresult cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t align, CUdeviceptr addr,
+                                    unsigned long long flags) {
+  note("cuMemAddressReserve");
+  if (size == 0 || size % GRAN || addr % GRAN) return CUDA_ERROR_INVALID_VALUE;
+  void* p = MAP_FAILED;
+  if (addr) p = mmap((void*)addr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
+  if (p == MAP_FAILED) p = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  struct range* r = slot(resv, 256);
+  r->a = (uint64_t)p; r->n = size; r->used = 1;
+  *ptr = (CUdeviceptr)p;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  note("cuMemAddressFree");
+  struct range* r = find_in(resv, 256, ptr);
+  if (!r || r->a != ptr || r->n != size) return CUDA_ERROR_INVALID_VALUE;
+  munmap((void*)ptr, size);
+  r->used = 0;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle* h, size_t size, const CUmemAllocationProp* p,
+                            unsigned long long f) {
+  note("cuMemCreate");
+  if (size % GRAN) return CUDA_ERROR_INVALID_VALUE;
+  if (phys_limit && phys_used + size > phys_limit) return CUDA_ERROR_OUT_OF_MEMORY;
+  phys_used += size;
+  *h = (CUmemGenericAllocationHandle)size;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) { note("cuMemRelease"); return CUDA_SUCCESS; }
+EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t off, CUmemGenericAllocationHandle h,
+                         unsigned long long f) {
+  note("cuMemMap");
+  struct range* r = find_in(resv, 256, ptr);
+  if (!r || ptr + size > r->a + r->n || size > (size_t)h) return CUDA_ERROR_INVALID_VALUE;
+  for (int i = 0; i < 4096; i++)
+    if (maps[i].used && ptr < maps[i].a + maps[i].n && maps[i].a < ptr + size) return CUDA_ERROR_INVALID_VALUE;
+  struct range* m = slot(maps, 4096);
+  m->a = ptr; m->n = size; m->used = 1;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* d, size_t count) {
+  note("cuMemSetAccess");
+  for (uint64_t p = ptr; p < ptr + size;) {
+    struct range* m = find_in(maps, 4096, p);
+    if (!m) return CUDA_ERROR_INVALID_VALUE;
+    p = m->a + m->n;
+  }
+  return mprotect((void*)ptr, size, PROT_READ | PROT_WRITE) == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  note("cuMemUnmap");
+  struct range* m = find_in(maps, 4096, ptr);
+  if (!m || m->a != ptr || m->n != size) return CUDA_ERROR_INVALID_VALUE;
+  mprotect((void*)ptr, size, PROT_NONE);
+  madvise((void*)ptr, size, MADV_DONTNEED);
+  m->used = 0;
+  return CUDA_SUCCESS;
+}
+
+/* ---- classic allocations (native: anywhere, like a driver) ---- */
+static struct range allocs[4096];
+static CUresult native_alloc(CUdeviceptr* p, size_t n) {
+  if (!inited) return CUDA_ERROR_NOT_INITIALIZED;
+  void* m = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  struct range* r = slot(allocs, 4096);
+  r->a = (uint64_t)m; r->n = n; r->used = 1;
+  *p = (CUdeviceptr)m;
+  return CUDA_SUCCESS;
+}
+static CUresult native_free(CUdeviceptr p) {
+  struct range* r = find_in(allocs, 4096, p);
+  if (!r || r->a != p) return CUDA_ERROR_INVALID_VALUE;
+  munmap((void*)p, r->n);
+  r->used = 0;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemAlloc(unsigned int* p, unsigned int n) { note("cuMemAlloc"); return CUDA_ERROR_NOT_SUPPORTED; }
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) { note("cuMemAlloc_v2"); return native_alloc(p, n); }
+EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr* p, size_t* pitch, size_t w, size_t h, unsigned e) {
+  note("cuMemAllocPitch_v2");
+  *pitch = (w + 511) / 512 * 512;
+  return native_alloc(p, *pitch * h);
+}
+EXPORT CUresult cuMemFree_v2(CUdeviceptr p) { note("cuMemFree_v2"); return native_free(p); }
+#define ASYNC(name)                                                                   \
+  EXPORT CUresult name(CUdeviceptr* p, size_t n, CUstream s) { note(#name); return native_alloc(p, n); }
+ASYNC(cuMemAllocAsync)
+ASYNC(cuMemAllocAsync_ptsz)
+#define POOL(name)                                                                                \
+  EXPORT CUresult name(CUdeviceptr* p, size_t n, CUmemoryPool pool, CUstream s) { note(#name); return native_alloc(p, n); }
+POOL(cuMemAllocFromPoolAsync)
+POOL(cuMemAllocFromPoolAsync_ptsz)
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { note("cuMemFreeAsync"); return native_free(p); }
+EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { note("cuMemFreeAsync_ptsz"); return native_free(p); }
+EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr* b, size_t* n, CUdeviceptr p) {
+  note("cuMemGetAddressRange_v2");
+  struct range* r = find_in(allocs, 4096, p);
+  if (!r) return CUDA_ERROR_NOT_FOUND;
+  if (b) *b = r->a;
+  if (n) *n = r->n;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuStreamSynchronize(CUstream s) { note("cuStreamSynchronize"); return CUDA_SUCCESS; }
+EXPORT CUresult cuStreamSynchronize_ptsz(CUstream s) { note("cuStreamSynchronize_ptsz"); return CUDA_SUCCESS; }
+EXPORT CUresult cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus* st) {
+  *st = capturing ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                               unsigned bz, unsigned smem, CUstream s, void** params, void** extra) {
+  note("cuLaunchKernel");
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                                    unsigned bz, unsigned smem, CUstream s, void** params, void** extra) {
+  note("cuLaunchKernel_ptsz");
+  return CUDA_SUCCESS;
+}
+
+/* ---- modules, libraries, functions, kernels ---- */
+struct mod;
+struct fn { struct mod* mod; char name[128]; int loaded; int attr[64]; };
+struct mod { struct fn fns[16]; int n; struct mod* lib_of; int is_lib; };
+static void parse_kernels(struct mod* m, const char* image) {
+  const char* p = image;
+  m->n = 0;
+  if (image && image[0] != 0x7f && ((unsigned char)image[0] < 0x80) && strstr(image, ".entry ")) {
+    while ((p = strstr(p, ".entry ")) && m->n < 16) {
+      p += 7;
+      int k = 0;
+      while (p[k] && p[k] != ' ' && p[k] != '(' && p[k] != '\n' && k < 127) k++;
+      memcpy(m->fns[m->n].name, p, k);
+      m->fns[m->n].name[k] = 0;
+      m->fns[m->n].mod = m;
+      m->n++;
+    }
+  } else {
+    strcpy(m->fns[0].name, "kernel_a");
+    strcpy(m->fns[1].name, "kernel_b");
+    m->fns[0].mod = m->fns[1].mod = m;
+    m->n = 2;
+  }
+}
+static struct mod* all_mods[1024];
+static int n_mods;
+/* Handles are checked as a driver does: an unknown one is CUDA_ERROR_INVALID_HANDLE. */
+static int valid_fn(const void* f) {
+  for (int i = 0; i < n_mods; i++)
+    if ((const char*)f >= (const char*)all_mods[i]->fns && (const char*)f < (const char*)(all_mods[i]->fns + 16)) return 1;
+  return 0;
+}
+static struct mod* new_mod(const void* image, int is_lib) {
+  struct mod* m = calloc(1, sizeof *m);
+  if (n_mods < 1024) all_mods[n_mods++] = m;
+  parse_kernels(m, image);
+  m->is_lib = is_lib;
+  return m;
+}
+EXPORT CUresult cuModuleLoadData(CUmodule* m, const void* image) {
+  note("cuModuleLoadData");
+  if (!image) return CUDA_ERROR_INVALID_VALUE;
+  *m = (CUmodule)new_mod(image, 0);
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuModuleLoadDataEx(CUmodule* m, const void* image, unsigned n, CUjit_option* o, void** v) {
+  note("cuModuleLoadDataEx");
+  *m = (CUmodule)new_mod(image, 0);
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuModuleLoadFatBinary(CUmodule* m, const void* image) {
+  note("cuModuleLoadFatBinary");
+  *m = (CUmodule)new_mod(image, 0);
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuModuleLoad(CUmodule* m, const char* fname) {
+  note("cuModuleLoad");
+  *m = (CUmodule)new_mod(NULL, 0);
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuLibraryLoadData(CUlibrary* l, const void* code, CUjit_option* jo, void** jv, unsigned nj,
+                                  CUlibraryOption* lo, void** lv, unsigned nl) {
+  note("cuLibraryLoadData");
+  if (!code) return CUDA_ERROR_INVALID_VALUE;
+  /* A fatbin wrapper: the kernels come from its data. */
+  if (*(const uint32_t*)code == 0x466243B1u) code = (const void*)((const uint64_t*)code)[1];
+  *l = (CUlibrary)new_mod(code, 1);
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuLibraryLoadFromFile(CUlibrary* l, const char* f, CUjit_option* jo, void** jv, unsigned nj,
+                                      CUlibraryOption* lo, void** lv, unsigned nl) {
+  note("cuLibraryLoadFromFile");
+  *l = (CUlibrary)new_mod(NULL, 1);
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuModuleUnload(CUmodule m) { note("cuModuleUnload"); return CUDA_SUCCESS; }
+EXPORT CUresult cuLibraryUnload(CUlibrary l) { note("cuLibraryUnload"); return CUDA_SUCCESS; }
+EXPORT CUresult cuModuleGetFunctionCount(unsigned* n, CUmodule m) { *n = ((struct mod*)m)->n; return CUDA_SUCCESS; }
+EXPORT CUresult cuModuleEnumerateFunctions(CUfunction* f, unsigned n, CUmodule m) {
+  struct mod* md = (struct mod*)m;
+  for (unsigned i = 0; i < n && i < (unsigned)md->n; i++) f[i] = (CUfunction)&md->fns[i];
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuLibraryGetKernelCount(unsigned* n, CUlibrary l) { *n = ((struct mod*)l)->n; return CUDA_SUCCESS; }
+EXPORT CUresult cuLibraryEnumerateKernels(CUkernel* k, unsigned n, CUlibrary l) {
+  return cuModuleEnumerateFunctions((CUfunction*)k, n, (CUmodule)l);
+}
+EXPORT CUresult cuFuncGetName(const char** name, CUfunction f) {
+  if (!valid_fn(f)) return CUDA_ERROR_INVALID_HANDLE; *name = ((struct fn*)f)->name; return CUDA_SUCCESS; }
+EXPORT CUresult cuKernelGetName(const char** name, CUkernel k) {
+  if (!valid_fn(k)) return CUDA_ERROR_INVALID_HANDLE; *name = ((struct fn*)k)->name; return CUDA_SUCCESS; }
+/* A library's CUkernel and its CUfunction in "the" context are the same object here; its
+ * module is the library object itself. */
+EXPORT CUresult cuFuncGetModule(CUmodule* m, CUfunction f) {
+  if (!valid_fn(f)) return CUDA_ERROR_INVALID_HANDLE; *m = (CUmodule)((struct fn*)f)->mod; return CUDA_SUCCESS; }
+EXPORT CUresult cuKernelGetLibrary(CUlibrary* l, CUkernel k) {
+  if (!valid_fn(k)) return CUDA_ERROR_INVALID_HANDLE;
+  struct mod* m = ((struct fn*)k)->mod;
+  if (!m->is_lib) return CUDA_ERROR_INVALID_HANDLE;
+  *l = (CUlibrary)m;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuLibraryGetModule(CUmodule* m, CUlibrary l) { *m = (CUmodule)l; return CUDA_SUCCESS; }
+static CUresult get_fn(struct mod* m, const char* name, struct fn** out) {
+  for (int i = 0; i < m->n; i++)
+    if (!strcmp(m->fns[i].name, name)) { *out = &m->fns[i]; return CUDA_SUCCESS; }
+  return CUDA_ERROR_NOT_FOUND;
+}
+EXPORT CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
+  note("cuModuleGetFunction");
+  return get_fn((struct mod*)m, name, (struct fn**)f);
+}
+EXPORT CUresult cuLibraryGetKernel(CUkernel* k, CUlibrary l, const char* name) {
+  note("cuLibraryGetKernel");
+  return get_fn((struct mod*)l, name, (struct fn**)k);
+}
+EXPORT CUresult cuKernelGetFunction(CUfunction* f, CUkernel k) { *f = (CUfunction)k; return CUDA_SUCCESS; }
+EXPORT CUresult cuFuncIsLoaded(CUfunctionLoadingState* s, CUfunction f) {
+  *s = ((struct fn*)f)->loaded ? CU_FUNCTION_LOADING_STATE_LOADED : CU_FUNCTION_LOADING_STATE_UNLOADED;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuFuncLoad(CUfunction f) { note("cuFuncLoad"); ((struct fn*)f)->loaded = 1; return CUDA_SUCCESS; }
+EXPORT CUresult cuFuncSetAttribute(CUfunction f, CUfunction_attribute a, int v) {
+  note("cuFuncSetAttribute");
+  ((struct fn*)f)->attr[a & 63] = v;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuKernelSetAttribute(CUfunction_attribute a, int v, CUkernel k, CUdevice d) {
+  note("cuKernelSetAttribute");
+  ((struct fn*)k)->attr[a & 63] = v;
+  return CUDA_SUCCESS;
+}
+
+/* ---- cuGetProcAddress: (base, version, per-thread flag) -> variant, as the driver does ---- */
+struct variant { const char* base; const char* sym; int ver; int pt; void* fn; };
+#define V(base, sym, ver, pt) {base, #sym, ver, pt, (void*)&sym}
+EXPORT CUresult cuGetProcAddress_v2(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
+EXPORT CUresult cuGetProcAddress(const char*, void**, int, cuuint64_t);
+static const struct variant table[] = {
+  V("cuMemAlloc", cuMemAlloc, 2000, 0), V("cuMemAlloc", cuMemAlloc_v2, 3020, 0),
+  V("cuMemAllocPitch", cuMemAllocPitch_v2, 3020, 0), V("cuMemFree", cuMemFree_v2, 3020, 0),
+  V("cuMemAllocAsync", cuMemAllocAsync, 11020, 0), V("cuMemAllocAsync", cuMemAllocAsync_ptsz, 11020, 1),
+  V("cuMemAllocFromPoolAsync", cuMemAllocFromPoolAsync, 11020, 0),
+  V("cuMemAllocFromPoolAsync", cuMemAllocFromPoolAsync_ptsz, 11020, 1),
+  V("cuMemFreeAsync", cuMemFreeAsync, 11020, 0), V("cuMemFreeAsync", cuMemFreeAsync_ptsz, 11020, 1),
+  V("cuMemAddressReserve", cuMemAddressReserve, 10020, 0), V("cuMemAddressFree", cuMemAddressFree, 10020, 0),
+  V("cuMemGetAddressRange", cuMemGetAddressRange_v2, 3020, 0), V("cuMemMap", cuMemMap, 10020, 0),
+  V("cuMemUnmap", cuMemUnmap, 10020, 0), V("cuMemCreate", cuMemCreate, 10020, 0),
+  V("cuMemSetAccess", cuMemSetAccess, 10020, 0), V("cuMemRelease", cuMemRelease, 10020, 0),
+  V("cuStreamSynchronize", cuStreamSynchronize, 2000, 0), V("cuStreamSynchronize", cuStreamSynchronize_ptsz, 7000, 1),
+  V("cuLaunchKernel", cuLaunchKernel, 4000, 0), V("cuLaunchKernel", cuLaunchKernel_ptsz, 7000, 1),
+  V("cuModuleLoadData", cuModuleLoadData, 2000, 0), V("cuModuleLoadDataEx", cuModuleLoadDataEx, 2010, 0),
+  V("cuLibraryLoadData", cuLibraryLoadData, 12000, 0), V("cuInit", cuInit, 2000, 0),
+  V("cuCtxGetDevice", cuCtxGetDevice, 2000, 0),
+  V("cuGetProcAddress", cuGetProcAddress, 11030, 0), V("cuGetProcAddress", cuGetProcAddress_v2, 12000, 0),
+};
+static CUresult lookup(const char* symbol, void** pfn, int version, cuuint64_t flags) {
+  int want_pt = 0;
+  const struct variant* best = NULL;
+  if (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM)
+    for (size_t i = 0; i < sizeof table / sizeof *table; i++)
+      if (table[i].pt && !strcmp(table[i].base, symbol)) want_pt = 1;
+  for (size_t i = 0; i < sizeof table / sizeof *table; i++) {
+    const struct variant* v = &table[i];
+    if (v->pt != want_pt || strcmp(v->base, symbol) || v->ver > version) continue;
+    if (!best || v->ver > best->ver) best = v;
+  }
+  if (!best) { *pfn = NULL; return CUDA_ERROR_NOT_FOUND; }
+  *pfn = best->fn;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGetProcAddress_v2(const char* symbol, void** pfn, int version, cuuint64_t flags,
+                                    CUdriverProcAddressQueryResult* status) {
+  char buf[160];
+  snprintf(buf, sizeof buf, "cuGetProcAddress_v2(%s,%d,%llu)", symbol ? symbol : "", version, (unsigned long long)flags);
+  note(buf);
+  if (!symbol || !pfn) return CUDA_ERROR_INVALID_VALUE;
+  CUresult rc = lookup(symbol, pfn, version, flags);
+  if (status) *status = rc == CUDA_SUCCESS ? CU_GET_PROC_ADDRESS_SUCCESS : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+  return rc;
+}
+EXPORT CUresult cuGetProcAddress(const char* symbol, void** pfn, int version, cuuint64_t flags) {
+  note("cuGetProcAddress");
+  if (!symbol || !pfn) return CUDA_ERROR_INVALID_VALUE;
+  return lookup(symbol, pfn, version, flags);
+}
+
+/* The stand-in's own address of an entry point, by exact symbol name (tests compare pointers). */
+EXPORT void* standin_sym(const char* name) {
+  for (size_t i = 0; i < sizeof table / sizeof *table; i++)
+    if (!strcmp(table[i].sym, name)) return table[i].fn;
+  return NULL;
+}
