@@ -1,9 +1,9 @@
 """`ember bench fetch`: claim observed → archive handed off, vs a plain boto3 download of the same bytes.
 
 Runs against a real S3 endpoint (the loopback MinIO of `e2e/cluster.sh up`, found through its env
-file, or --endpoint/--bucket and AWS_* credentials). Writes an archive of about --mb MB (random,
-incompressible blobs shaped like a real archive: one graph table, several kernel images, one
-large allocation log), then, --repeat times, with a cold cache each time:
+file, or --endpoint/--bucket and AWS_* credentials). Writes an archive of about --mb MB (written
+by the archive writer: a synthetic graph table, kernel images padded with random, incompressible
+bytes, a large allocation log), then, --repeat times, with a cold cache each time:
 
 - sidecar: `Restorer.claim` (the sidecar's own code path: manifest, identity check, parallel
   ranged blob GETs through the store's transfer manager, digest and size verification, cache
@@ -17,6 +17,7 @@ Figures go to benchmarks/results/sidecar-local.{json,md}. Goal: sidecar ≤ 1.1x
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -75,6 +76,30 @@ def write_blob_archive(
     return m
 
 
+def write_bundle_archive(store: Store, total_mb: float, identity: ArchiveIdentity | None = None,
+                         seed: int = 0) -> Manifest:
+    """A real archive through the archive writer (`ember.archive.bundle.write_archive`): a
+    synthetic graph set, its kernel images, plus random (incompressible) extra images and an
+    allocation log bringing the stored size to about `total_mb` MB."""
+    import random
+
+    from ember.archive.bundle import write_archive
+    from ember.archive.synthetic import synthetic_graphset, synthetic_images
+
+    rng = random.Random(seed)
+    images: dict[str, bytes] = dict(synthetic_images())
+    sizes = archive_shape(total_mb)
+    for size in sizes[1:-1]:
+        img = b"\x7fELF" + rng.randbytes(size - 4)
+        images[hashlib.sha256(img).hexdigest()] = img
+    compat = CompatKey(gpu_name="NVIDIA H100 80GB HBM3", compute_capability="9.0", driver="580", cuda="13.0")
+    graphset = synthetic_graphset(graphs=16, nodes=200, seed=seed)
+    saved = write_archive(store, graphset, identity or sample_identity(), compat, kernel_images=images,
+                          alloc_log=rng.randbytes(sizes[-1]),
+                          engine={"kv_cache_bytes": 1 << 30})
+    return saved.manifest
+
+
 def archive_shape(total_mb: float) -> list[int]:
     """Blob sizes of a realistic archive of about `total_mb` MB: table, kernel images, alloc log."""
     total = int(total_mb * 1e6)
@@ -115,7 +140,7 @@ def run_bench(endpoint: str, bucket: str, mb: float, repeat: int, workdir: Path)
     settings = Settings.from_env(s3_endpoint=endpoint)
     store = open_store(store_uri, **settings.store_options())
     identity = sample_identity(f"bench-{prefix}")
-    manifest = write_blob_archive(store, archive_shape(mb), identity)
+    manifest = write_bundle_archive(store, mb, identity)
     total = manifest.total_bytes
     archive_uri = store.manifest_uri(manifest.identity_hash)
     client = boto3.client("s3", endpoint_url=endpoint, config=Config(s3={"addressing_style": "path"}))

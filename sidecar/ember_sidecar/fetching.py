@@ -158,7 +158,7 @@ class ArchiveCache:
         wanted = [b for b in dict((b.sha256, b) for b in m.blobs).values()
                   if not (self.blob_path(b.sha256).is_file()
                           and self.blob_path(b.sha256).stat().st_size == b.compressed_size)]
-        self._fetch_blobs(store, [b.sha256 for b in wanted], cancel, deadline)
+        self._fetch_blobs(store, {b.sha256: b.compressed_size for b in wanted}, cancel, deadline)
         fetch_s = time.monotonic() - t0 - verify_s
 
         v1 = time.monotonic()
@@ -186,7 +186,8 @@ class ArchiveCache:
             try:
                 return fn()
             except BlobCorrupt as exc:
-                raise FetchFailed(f"digest-mismatch: {exc}") from exc
+                kind = "size-mismatch" if "bytes, expected" in str(exc) else "digest-mismatch"
+                raise FetchFailed(f"{kind}: {exc}") from exc
             except BlobMissing as exc:
                 raise FetchFailed(f"blob-missing: {exc}") from exc
             except StoreUnavailable as exc:
@@ -200,14 +201,16 @@ class ArchiveCache:
                 raise FetchFailed(f"store-error: {exc}") from exc
 
     def _fetch_blobs(
-        self, store: Store, digests: list[str], cancel: threading.Event, deadline: float
+        self, store: Store, sizes: dict[str, int], cancel: threading.Event, deadline: float
     ) -> None:
+        digests = list(sizes)
         def one(digest: str) -> None:
             if cancel.is_set():
                 raise Cancelled()
             if time.monotonic() > deadline:
                 raise FetchFailed(f"fetch-timeout: archive not fetched within {self.timeout_s:g}s")
-            self._retry(lambda: store.fetch_blob(digest, self.blob_path(digest)), cancel, deadline)
+            path = self.blob_path(digest)
+            self._retry(lambda: store.fetch_blob(digest, path, sizes[digest]), cancel, deadline)
 
         if not digests:
             return

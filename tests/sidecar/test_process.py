@@ -69,7 +69,7 @@ def test_standalone_restore_probes_metrics_and_sigterm(tmp_path: Path) -> None:
 def test_standalone_corrupt_archive_falls_back_and_keeps_running(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "store")
     m = write_blob_archive(store, [4096, 300_000])
-    (store.root / "blobs" / m.blobs[1].sha256).write_bytes(b"garbage")
+    (store.root / "blobs" / m.blobs[1].sha256).write_bytes(b"\0" * m.blobs[1].compressed_size)
     run_dir = tmp_path / "run"
     proc = start(run_dir, "--standalone", "--archive", store.manifest_uri(m.identity_hash))
     try:

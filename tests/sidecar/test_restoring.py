@@ -228,3 +228,29 @@ def test_stop_removes_partial_files(tmp_path: Path) -> None:
     assert r.stop() == 2
     assert [p.name for p in blobs.iterdir()] == ["ef" * 32]
     assert r.readiness() == (False, "stopping")
+
+
+def test_truncated_blob_is_a_size_mismatch(store: LocalStore, tmp_path: Path) -> None:
+    m = write_blob_archive(store, SIZES)
+    victim = store.root / "blobs" / m.blobs[1].sha256
+    victim.write_bytes(victim.read_bytes()[:-10])
+    r, _, run_dir = make(tmp_path)
+    r.claim(claim_for(store, m.identity_hash))
+    res = handoff.wait_for_archive(run_dir, deadline=10)
+    assert not res.restored and res.reason.startswith("size-mismatch") and "truncated" in res.reason
+
+
+def test_bundle_archive_handed_off_and_opened_from_cache(store: LocalStore, tmp_path: Path) -> None:
+    from ember.archive.bundle import open_archive, verify_archive
+    from ember.bench_fetch import write_bundle_archive
+
+    m = write_bundle_archive(store, 2.0)
+    r, _, run_dir = make(tmp_path)
+    r.claim(claim_for(store, m.identity_hash))
+    res = handoff.wait_for_archive(run_dir, deadline=20)
+    assert res.restored
+    # What the engine does with the handoff: open the cache as a store, by identity.
+    assert verify_archive(res.store_uri, res.identity, expected_identity=m.identity) == []
+    archive = open_archive(res.store_uri, res.identity)
+    assert archive.graph_table.keys == open_archive(store, m.identity_hash).graph_table.keys
+    assert archive.manifest.engine == {"kv_cache_bytes": 1 << 30}
