@@ -32,7 +32,8 @@ from ember.store import (
     Store,
     StoreError,
     StoreUnavailable,
-    open_manifest_uri,
+    open_store,
+    split_manifest_uri,
 )
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class ArchiveCache:
         self.timeout_s = timeout_s
         self.max_workers = max_workers
         self._locks: dict[str, threading.Lock] = {}
+        self._stores: dict[str, Store] = {}
         self._locks_guard = threading.Lock()
 
     def lock(self, identity: str) -> threading.Lock:
@@ -143,7 +145,8 @@ class ArchiveCache:
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         try:
-            store, uri_identity = open_manifest_uri(archive_uri, **self._options_for(archive_uri))
+            store_uri, uri_identity = split_manifest_uri(archive_uri)
+            store = self.open(store_uri)
         except StoreError as exc:
             raise FetchFailed(f"store-error: {exc}") from exc
         if uri_identity != identity:
@@ -173,8 +176,22 @@ class ArchiveCache:
         moved = sum(b.compressed_size for b in wanted) + len(data)
         return Fetched(identity, self.archive_dir(identity), m, fetch_s, verify_s, moved, False)
 
-    def _options_for(self, uri: str) -> dict[str, Any]:
-        return self.store_options if uri.startswith("s3://") else {}
+    def open(self, store_uri: str) -> Store:
+        """The store at `store_uri`, opened once per process (a boto3 client costs ~100 ms to make,
+        and keeps its connection pool warm between fetches)."""
+        with self._locks_guard:
+            store = self._stores.get(store_uri)
+            if store is None:
+                opts = self.store_options if store_uri.startswith("s3://") else {}
+                store = self._stores[store_uri] = open_store(store_uri, **opts)
+            return store
+
+    def warm(self, store_uri: str) -> None:
+        """Open the pool's store before any claim (never raises: a claim retries and reports)."""
+        try:
+            self.open(store_uri)
+        except StoreError as exc:
+            log.warning("Could not open store %s ahead of a claim: %s", store_uri, exc)
 
     def _retry(self, fn: Callable[[], T], cancel: threading.Event, deadline: float) -> T:
         """Call fn, retrying StoreUnavailable with backoff for retry_s (on top of botocore's)."""

@@ -52,6 +52,8 @@ def run(settings: Settings, stop: threading.Event | None = None) -> int:
     cache = ArchiveCache(writer.cache_dir, store_options=settings.store_options(),
                          retry_s=settings.fetch_retry_s, timeout_s=settings.fetch_timeout_s)
     cache.clean_partials()  # a previous sidecar container may have died mid-fetch
+    if settings.store:
+        cache.warm(settings.store)  # the pool's store (EMBER_STORE): client ready before a claim
     metrics = Metrics()
     reporter: Reporter
     api_client: Any = None

@@ -70,17 +70,14 @@ class PodWatcher:
                 w = watch.Watch()
                 for ev in w.stream(self.core.list_namespaced_pod, self.namespace, field_selector=selector,
                                    resource_version=rv, timeout_seconds=self.timeout_s,
-                                   allow_watch_bookmarks=True, _request_timeout=self.timeout_s + 10):
+                                   allow_watch_bookmarks=True, _request_timeout=self.timeout_s + 10,
+                                   deserialize=False):  # plain dicts: no model objects per event
                     if self.stop.is_set():
                         w.stop()
                         return
-                    obj = ev["raw_object"]
+                    obj = ev.get("object") or {}
                     rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
-                    if ev["type"] == "ERROR":
-                        if obj.get("code") == 410:
-                            rv = None  # too old: relist
-                        break
-                    if ev["type"] == "BOOKMARK":
+                    if ev.get("type") == "BOOKMARK":
                         continue
                     if self._handle(obj, ev["type"]):
                         return
