@@ -591,7 +591,11 @@ class S3Store(Store):
         return True
 
     def check(self) -> None:
-        self._call("check store", self.client.head_bucket, Bucket=self.bucket)
+        try:
+            self._call("check store", self.client.head_bucket, Bucket=self.bucket)
+        except BlobMissing:  # HEAD has no error body: a bare 404 means the bucket is missing
+            msg = f"check store: bucket {self.bucket!r} does not exist at {self.uri}"
+            raise StoreUnavailable(msg) from None
 
 
 # ----------------------------------------------------------------------------------------------
