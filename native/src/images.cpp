@@ -42,6 +42,33 @@ bool safe_read(const void* p, void* out, size_t len) {
   return true;
 }
 
+// Every page of [p, p+n) readable? One byte per page, up to 1024 pages per system call.
+bool readable_range(const void* p, size_t n) {
+  if (n == 0) return true;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t last = start + n - 1;
+  if (last < start) return false;
+  constexpr size_t kBatch = 1024;
+  iovec local[kBatch], remote[kBatch];
+  unsigned char sink[kBatch];
+  size_t k = 0;
+  auto flush = [&]() {
+    const ssize_t got = k ? process_vm_readv(getpid(), local, k, remote, k, 0) : 0;
+    const bool ok = got == static_cast<ssize_t>(k);
+    k = 0;
+    return ok;
+  };
+  for (uintptr_t a = start;;) {
+    local[k] = {&sink[k], 1};
+    remote[k] = {reinterpret_cast<void*>(a), 1};
+    if (++k == kBatch && !flush()) return false;
+    const uintptr_t next = (a | 4095u) + 1;
+    if (next == 0 || next > last) break;
+    a = next;
+  }
+  return flush();
+}
+
 namespace {
 
 bool within(size_t limit, uint64_t end) { return limit == 0 || end <= limit; }
@@ -73,9 +100,8 @@ void size_fatbin(const uint8_t* p, size_t limit, ImageSpan* out) {
       out->error = "fatbin extends past the end of the buffer";
       return;
     }
-    // The whole body must be readable: probe its last byte (copy_image reads it all later).
-    uint8_t last;
-    if (end > total && !safe_read(p + end - 1, &last, 1)) {
+    // The whole body must be readable (every page of it).
+    if (!readable_range(p + total, end - total)) {
       out->error = "fatbin body is not readable";
       return;
     }
@@ -144,8 +170,7 @@ void size_elf(const uint8_t* p, size_t limit, ImageSpan* out) {
     out->error = "ELF extends past the end of the buffer";
     return;
   }
-  uint8_t last;
-  if (!safe_read(p + end - 1, &last, 1)) {
+  if (!readable_range(p, end)) {
     out->error = "ELF body is not readable";
     return;
   }

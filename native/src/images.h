@@ -17,6 +17,8 @@ constexpr size_t kMaxImage = size_t{4} << 30;  // refuse images larger than 4 Gi
 
 // Copies len bytes from p into out; false (no fault) if any byte is unreadable.
 bool safe_read(const void* p, void* out, size_t len);
+// True when every page of [p, p+n) can be read.
+bool readable_range(const void* p, size_t n);
 
 struct ImageSpan {
   ImageKind kind = ImageKind::Unknown;  // kind of the bytes at `data` (never Wrapper)
