@@ -108,3 +108,7 @@ app.command("inspect")(importlib.import_module("ember.archive.commands").inspect
 app.command("verify")(importlib.import_module("ember.archive.commands").verify)
 bench.command("parse")(importlib.import_module("ember.archive.commands").bench_parse)
 app.command("serve")(importlib.import_module("ember.serve").serve)
+app.command("save")(importlib.import_module("ember.runtime.commands").save)
+app.command("load")(importlib.import_module("ember.runtime.commands").load)
+bench.command("graphs")(importlib.import_module("ember.bench_graphs").bench_graphs)
+bench.command("claims")(importlib.import_module("ember.bench_claims").bench_claims)

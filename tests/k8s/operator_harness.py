@@ -1,0 +1,222 @@
+"""Helpers for the operator's k8s tests: CRDs, the operator as a subprocess, archives in MinIO.
+
+The operator runs as a LOCAL PROCESS (`python -m ember_operator.main`) against the local control
+plane, watching one test namespace (so tests do not see each other's objects). Pods it creates
+are run by kwok on fake GPU nodes; SAVE Job pods are completed by kwok (exit code and termination
+message come from the `kwok.ember.dev/*` pod annotations, set through spec.save.podAnnotations).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ember_operator.api import ModelDeploymentSpec
+from fixtures_cluster import REPO, LocalCluster, LocalMinio, wait_until
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from ember.archive.bundle import write_archive
+from ember.bench_claims import fake_gpu_nodes, kubectl_apply
+from ember.archive.synthetic import synthetic_graphset, synthetic_images
+from ember.identity import ArchiveIdentity, CompatKey
+from ember.store import open_store
+
+GROUP, VERSION = "ember.dev", "v1alpha1"
+CRD_FILES = sorted((REPO / "crds").glob("*.yaml"))
+PRODUCT = "NVIDIA-H100-80GB-HBM3"  # the cluster's own fake H100 nodes (16 GPUs)
+TEST_PRODUCT = "NVIDIA-EMBER-TEST"  # this suite's own kwok nodes, roomy enough for scale tests
+COMPAT = CompatKey(gpu_name="NVIDIA H100 80GB HBM3", compute_capability="9.0", driver="580.0", cuda="13.0")
+
+
+def install_crds(k8s: LocalCluster) -> None:
+    """CRDs from crds/ (server-side apply) plus this suite's kwok GPU nodes; waits for Established."""
+    kubectl_apply(str(k8s.kubeconfig), fake_gpu_nodes("ember-optest-gpu", TEST_PRODUCT, count=1, gpus=256))
+    for path in CRD_FILES:
+        k8s.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
+    names = [f"modeldeployments.{GROUP}", f"grapharchives.{GROUP}"]
+    for name in names:
+        k8s.kubectl("wait", "--for", "condition=established", f"crd/{name}", "--timeout=60s")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class OperatorProcess:
+    kubeconfig: Path
+    namespace: str
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    metrics_port: int = 0
+
+    def start(self) -> OperatorProcess:
+        self.metrics_port = free_port()
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "PYTHONUNBUFFERED": "1",
+            "EMBER_OPERATOR_NAMESPACES": self.namespace,
+            "EMBER_OPERATOR_STANDALONE": "true",
+            "EMBER_OPERATOR_METRICS_PORT": str(self.metrics_port),
+            "EMBER_OPERATOR_SIDECAR_IMAGE": "registry.invalid/ember/ember:test",
+            "EMBER_OPERATOR_RESYNC_SECONDS": "5",
+            "EMBER_OPERATOR_SAVE_BACKOFF_SECONDS": "2",
+            "EMBER_OPERATOR_MANIFEST_GRACE_SECONDS": "20",
+            "EMBER_OPERATOR_STORE_PROBE_TIMEOUT_SECONDS": "1",
+            **self.env,
+        }
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ember_operator.main"], env=env, stdout=log, stderr=subprocess.STDOUT,
+            cwd=str(REPO),
+        )
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, no finalizers released, exactly like a node loss."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class Api:
+    """Thin typed access to the objects the tests look at."""
+
+    def __init__(self, k8s: LocalCluster, namespace: str) -> None:
+        self.k8s = k8s
+        self.ns = namespace
+        self.custom = client.CustomObjectsApi(k8s.api_client)
+        self.core = client.CoreV1Api(k8s.api_client)
+        self.batch = client.BatchV1Api(k8s.api_client)
+        self.hpa = client.AutoscalingV2Api(k8s.api_client)
+
+    def create_md(self, name: str, spec: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ModelDeployment",
+                "metadata": {"name": name}, "spec": spec}
+        kwargs = {"dry_run": "All"} if dry_run else {}
+        return self.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, "modeldeployments", body,
+                                                           **kwargs)
+
+    def md(self, name: str) -> dict[str, Any]:
+        return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, "modeldeployments", name)
+
+    def patch_md(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        return self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.ns, "modeldeployments", name,
+                                                          patch)
+
+    def delete_md(self, name: str) -> None:
+        self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.ns, "modeldeployments", name)
+
+    def archives(self) -> list[dict[str, Any]]:
+        return self.custom.list_namespaced_custom_object(GROUP, VERSION, self.ns, "grapharchives")["items"]
+
+    def archive(self, name: str) -> dict[str, Any] | None:
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, "grapharchives", name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def jobs(self) -> list[Any]:
+        return self.batch.list_namespaced_job(self.ns, label_selector="ember.dev/archive").items
+
+    def pods(self, selector: str) -> list[Any]:
+        return [p for p in self.core.list_namespaced_pod(self.ns, label_selector=selector).items
+                if p.metadata.deletion_timestamp is None]
+
+    def serving(self, md: str) -> list[Any]:
+        return self.pods(f"ember.dev/deployment={md},ember.dev/pool=serving")
+
+    def warm(self) -> list[Any]:
+        return self.pods("ember.dev/pool=warm")
+
+    def events_for(self, name: str) -> list[Any]:
+        ev = client.EventsV1Api(self.k8s.api_client).list_namespaced_event(self.ns)
+        return [e for e in ev.items if e.regarding and e.regarding.name == name]
+
+    def create_secret(self, name: str, minio: LocalMinio) -> None:
+        data = {"AWS_ACCESS_KEY_ID": minio.access_key, "AWS_SECRET_ACCESS_KEY": minio.secret_key}
+        self.core.create_namespaced_secret(self.ns, client.V1Secret(
+            metadata=client.V1ObjectMeta(name=name),
+            data={k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
+        ))
+
+    def condition(self, name: str, type_: str) -> dict[str, Any]:
+        for cond in (self.md(name).get("status") or {}).get("conditions") or []:
+            if cond["type"] == type_:
+                return cond
+        return {}
+
+
+def md_spec(minio: LocalMinio, prefix: str, product: str = TEST_PRODUCT, **over: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"name": "Qwen/Qwen3-0.6B"},
+        "engine": {"kind": "transformers", "version": "4.57.0", "image": "registry.invalid/ember/engine:test"},
+        "capture": {"sizes": [1, 2, 4, 8], "maxBatch": 8, "maxNumTokens": 2048},
+        "gpu": {"product": product},
+        "replicas": 2,
+        "store": {"s3": {"bucket": minio.bucket, "prefix": prefix, "endpoint": minio.endpoint,
+                         "region": minio.region, "credentialsSecret": "ember-s3"}},
+    }
+    spec.update(over)
+    return spec
+
+
+def identity_of(spec: dict[str, Any]) -> ArchiveIdentity:
+    return ModelDeploymentSpec.model_validate(spec).identity()
+
+
+def write_test_archive(minio: LocalMinio, prefix: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """Write a small real archive the way the SAVE Job would (blobs, then the manifest last)."""
+    store = open_store(f"s3://{minio.bucket}/{prefix}", endpoint=minio.endpoint, region=minio.region,
+                       access_key=minio.access_key, secret_key=minio.secret_key)
+    result = write_archive(store, synthetic_graphset(graphs=4, nodes=30, groups=1), identity_of(spec), COMPAT,
+                           kernel_images=synthetic_images())
+    return result.summary()
+
+
+def wait_for(predicate: Callable[[], Any], what: str, op: OperatorProcess | None = None,
+             timeout: float = 60.0, interval: float = 0.25) -> Any:
+    try:
+        return wait_until(predicate, timeout=timeout, interval=interval, what=what)
+    except BaseException:
+        if op is not None:
+            print("---- operator log ----\n" + op.log_tail(120))
+        raise
+
+
+def phase(api: Api, name: str) -> str:
+    return ((api.md(name).get("status") or {}).get("phase")) or ""
+
+
+def now() -> float:
+    return time.monotonic()

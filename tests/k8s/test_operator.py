@@ -1,0 +1,242 @@
+"""The operator against the real local control plane (kwok GPU nodes) and MinIO.
+
+Covers the issue's k8s tier: every phase of the example deployment, the SAVE Job's GPU request
+and placement, serving pods with the native sidecar after the archive lands in MinIO, one
+archive and one Job for two deployments of one identity, /scale (kubectl scale and an HPA),
+warm pods claimed first, and a SIGKILLed operator converging without duplicates.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fixtures_cluster import LocalCluster, LocalMinio
+from kubernetes import watch
+from operator_harness import (
+    GROUP,
+    PRODUCT,
+    TEST_PRODUCT,
+    VERSION,
+    Api,
+    OperatorProcess,
+    identity_of,
+    install_crds,
+    md_spec,
+    phase,
+    wait_for,
+    write_test_archive,
+)
+
+pytestmark = [pytest.mark.k8s, pytest.mark.s3, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def crds(k8s: LocalCluster) -> None:
+    install_crds(k8s)
+
+
+@pytest.fixture
+def env(k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path) -> Iterator[tuple[Api, OperatorProcess, str]]:
+    ns = k8s.create_namespace("op")
+    api = Api(k8s, ns)
+    api.create_secret("ember-s3", minio)
+    op = OperatorProcess(kubeconfig=k8s.kubeconfig, namespace=ns, log_path=tmp_path / "operator.log").start()
+    prefix = f"op-{uuid.uuid4().hex[:8]}"
+    yield api, op, prefix
+    op.stop()
+    k8s.delete_namespace(ns)
+
+
+def _record_phases(api: Api, name: str, stop: threading.Event) -> list[str]:
+    phases: list[str] = []
+
+    def run() -> None:
+        w = watch.Watch()
+        for event in w.stream(api.custom.list_namespaced_custom_object, GROUP, VERSION, api.ns,
+                              "modeldeployments", field_selector=f"metadata.name={name}", timeout_seconds=120):
+            p = (event["object"].get("status") or {}).get("phase")
+            if p and (not phases or phases[-1] != p):
+                phases.append(p)
+            if stop.is_set():
+                w.stop()
+
+    threading.Thread(target=run, daemon=True).start()
+    return phases
+
+
+def test_example_goes_through_every_phase(env: Any, minio: LocalMinio) -> None:
+    api, op, prefix = env
+    spec = md_spec(minio, prefix, product=PRODUCT,
+                   save={"podAnnotations": {"pod-complete.stage.kwok.x-k8s.io/delay": "4s"}})
+    stop = threading.Event()
+    phases = _record_phases(api, "qwen", stop)
+    api.create_md("qwen", spec)
+    ident = identity_of(spec)
+
+    job = wait_for(lambda: next(iter(api.jobs()), None), "the SAVE Job", op)
+    assert job.metadata.name == f"ember-save-{ident.hash()[:16]}-0"
+    pod_spec = job.spec.template.spec
+    container = pod_spec.containers[0]
+    assert container.resources.limits == {"nvidia.com/gpu": "1"}
+    assert pod_spec.node_selector == {"nvidia.com/gpu.product": PRODUCT}
+    assert any(t.key == "nvidia.com/gpu" for t in pod_spec.tolerations)
+    job_env = {e.name: e.value for e in container.env}
+    assert json.loads(job_env["EMBER_IDENTITY"]) == ident.canonical()
+    assert job_env["EMBER_STORE"] == f"s3://{minio.bucket}/{prefix}"
+    wait_for(lambda: phase(api, "qwen") == "Saving", "phase Saving", op)
+    assert api.serving("qwen") == []
+
+    # The SAVE "runs": the test writes the archive as `ember save --job` would; kwok completes the pod.
+    write_test_archive(minio, prefix, spec)
+    ga = wait_for(lambda: (a := api.archive(f"ga-{ident.hash()[:16]}")) and
+                  (a.get("status") or {}).get("phase") == "Available" and a, "GraphArchive Available", op)
+    assert ga["status"]["uri"].endswith(f"/archives/{ident.hash()}/manifest")
+    assert ga["status"]["bytes"] > 0 and ga["status"]["graphs"] == 4
+
+    pods = wait_for(lambda: len(p := api.serving("qwen")) == 2 and p, "two serving pods", op)
+    for pod in pods:
+        inits = {c.name: c for c in pod.spec.init_containers}
+        assert inits["ember-sidecar"].restart_policy == "Always"
+        assert "ember-lib" in inits
+        engine = pod.spec.containers[0]
+        env_vars = {e.name: e.value for e in engine.env}
+        assert env_vars["LD_PRELOAD"] == "/opt/ember/lib/libember.so"
+        assert env_vars["EMBER_RUN_DIR"] == "/var/run/ember"
+        assert {v.name for v in pod.spec.volumes} >= {"ember-lib", "ember-run", "ember-podinfo"}
+        assert pod.metadata.annotations["ember.dev/archive"] == ga["status"]["uri"]
+        assert pod.metadata.annotations["ember.dev/identity"] == ident.hash()
+        assert pod.spec.security_context.run_as_non_root is True
+    wait_for(lambda: phase(api, "qwen") == "Ready", "phase Ready", op)
+    stop.set()
+    md = api.md("qwen")
+    assert md["status"]["observedGeneration"] == md["metadata"]["generation"]
+    assert md["status"]["readyReplicas"] == 2
+    assert all(c["observedGeneration"] == md["metadata"]["generation"] for c in md["status"]["conditions"])
+    assert {"ArchiveReady", "Available", "Progressing"} == {c["type"] for c in md["status"]["conditions"]}
+    for expected in ("Pending", "Saving", "Deploying", "Ready"):
+        assert expected in phases, f"phase {expected} never seen in {phases}"
+    assert phases.index("Saving") < phases.index("Deploying") < phases.index("Ready")
+    reasons = {e.reason for e in api.events_for("qwen")}
+    assert {"Phase", "ArchiveAvailable"} <= reasons
+
+
+def test_same_identity_shares_one_archive_and_one_job(env: Any, minio: LocalMinio) -> None:
+    api, op, prefix = env
+    spec = md_spec(minio, prefix, save={"podAnnotations": {"pod-complete.stage.kwok.x-k8s.io/delay": "600s"}})
+    api.create_md("a", spec)
+    api.create_md("b", {**spec, "replicas": 1})
+    wait_for(lambda: phase(api, "a") == "Saving" and phase(api, "b") == "Saving", "both Saving", op)
+    assert len(api.archives()) == 1
+    assert len(api.jobs()) == 1
+    write_test_archive(minio, prefix, spec)
+    wait_for(lambda: len(api.serving("a")) == 2 and len(api.serving("b")) == 1, "pods of both", op, timeout=60)
+    assert len(api.archives()) == 1 and len(api.jobs()) == 1
+
+
+def test_scale_hpa_and_warm_claims(env: Any, minio: LocalMinio) -> None:
+    api, op, prefix = env
+    spec = md_spec(minio, prefix, replicas=1, warmPool={"size": 2})
+    write_test_archive(minio, prefix, spec)  # archive already in the store: no SAVE Job at all
+    api.create_md("qwen", spec)
+    wait_for(lambda: phase(api, "qwen") == "Ready", "Ready", op)
+    assert api.jobs() == []
+    warm = wait_for(lambda: len(w := api.warm()) == 2 and all(
+        any(c.type == "Ready" and c.status == "True" for c in (p.status.conditions or [])) for p in w) and w,
+        "two ready warm pods", op)
+    warm_names = {p.metadata.name for p in warm}
+
+    api.k8s.kubectl("scale", "-n", api.ns, "md/qwen", "--replicas=4")
+    pods = wait_for(lambda: len(p := api.serving("qwen")) == 4 and p, "4 serving pods", op)
+    names = {p.metadata.name for p in pods}
+    assert warm_names <= names, "warm pods were not claimed first"
+    claimed = [p for p in pods if p.metadata.name in warm_names]
+    for pod in claimed:
+        assert pod.metadata.labels["ember.dev/pool"] == "serving"
+        assert pod.metadata.annotations["ember.dev/archive"].endswith("/manifest")
+        assert pod.metadata.owner_references[0].kind == "ModelDeployment"
+    # The pool is replenished.
+    wait_for(lambda: len(api.warm()) == 2, "warm pool replenished", op)
+    md = wait_for(lambda: (m := api.md("qwen"))["status"].get("readyReplicas") == 4 and m, "4 ready", op)
+    assert md["status"]["warmClaims"] >= 2
+    scale = api.custom.get_namespaced_custom_object_scale(GROUP, VERSION, api.ns, "modeldeployments", "qwen")
+    assert scale["spec"]["replicas"] == 4 and scale["status"]["replicas"] == 4
+    assert scale["status"]["selector"] == "ember.dev/deployment=qwen,ember.dev/pool=serving"
+
+    # Scale down through the scale subresource.
+    api.custom.patch_namespaced_custom_object_scale(GROUP, VERSION, api.ns, "modeldeployments", "qwen",
+                                                    {"spec": {"replicas": 2}})
+    wait_for(lambda: len(api.serving("qwen")) == 2, "2 serving pods", op)
+
+    # An HPA (created by the operator from spec.autoscaling) moves the pods through /scale.
+    api.patch_md("qwen", {"spec": {"autoscaling": {"minReplicas": 5, "maxReplicas": 6}}})
+    hpa = wait_for(lambda: next(iter(api.hpa.list_namespaced_horizontal_pod_autoscaler(api.ns).items), None),
+                   "the HPA", op)
+    assert hpa.spec.scale_target_ref.kind == "ModelDeployment" and hpa.spec.min_replicas == 5
+    wait_for(lambda: api.md("qwen")["spec"]["replicas"] == 5, "HPA scaled spec.replicas to 5", op, timeout=90)
+    wait_for(lambda: len(api.serving("qwen")) == 5, "5 serving pods", op)
+    # Removing the block removes the HPA.
+    api.patch_md("qwen", {"spec": {"autoscaling": None}})
+    wait_for(lambda: not api.hpa.list_namespaced_horizontal_pod_autoscaler(api.ns).items, "HPA deleted", op)
+
+    # Deleting the deployment cleans up its pods (finalizer).
+    api.delete_md("qwen")
+    wait_for(lambda: not api.serving("qwen"), "pods cleaned up", op)
+
+
+def test_parallelism_edit_resaves_and_rolls(env: Any, minio: LocalMinio) -> None:
+    api, op, prefix = env
+    spec = md_spec(minio, prefix)
+    write_test_archive(minio, prefix, spec)
+    api.create_md("moe", spec)
+    wait_for(lambda: phase(api, "moe") == "Ready", "Ready", op)
+    old = {p.metadata.name for p in api.serving("moe")}
+    new_spec = {**spec, "parallelism": {"data": 2, "expert": 2},
+                "gpu": {"product": TEST_PRODUCT, "count": 2},
+                "save": {"podAnnotations": {"pod-complete.stage.kwok.x-k8s.io/delay": "600s"}}}
+    api.patch_md("moe", {"spec": {"parallelism": new_spec["parallelism"], "gpu": new_spec["gpu"],
+                                  "save": new_spec["save"]}})
+    wait_for(lambda: phase(api, "moe") == "Reconfiguring", "Reconfiguring", op)
+    new_ident = identity_of(new_spec)
+    job = wait_for(lambda: next((j for j in api.jobs() if new_ident.hash()[:16] in j.metadata.name), None),
+                   "SAVE Job of the new identity", op)
+    assert job.spec.template.spec.containers[0].resources.limits == {"nvidia.com/gpu": "1"}
+    assert {p.metadata.name for p in api.serving("moe")} == old, "old pods must keep serving during SAVE"
+    assert "SAVE running" in api.condition("moe", "Progressing")["message"]
+    write_test_archive(minio, prefix, new_spec)
+    wait_for(lambda: phase(api, "moe") == "Ready" and not (old & {p.metadata.name for p in api.serving("moe")}),
+             "pods moved to the new identity", op, timeout=90)
+    pods = api.serving("moe")
+    assert len(pods) == 2
+    for pod in pods:
+        assert pod.metadata.annotations["ember.dev/identity"] == new_ident.hash()
+        assert pod.spec.containers[0].resources.limits["nvidia.com/gpu"] == "2"
+
+
+def test_sigkill_during_reconcile_converges_without_duplicates(env: Any, minio: LocalMinio) -> None:
+    api, op, prefix = env
+    spec = md_spec(minio, prefix, replicas=30,
+                   save={"podAnnotations": {"pod-complete.stage.kwok.x-k8s.io/delay": "600s"}})
+    api.create_md("big", spec)
+    wait_for(lambda: api.jobs(), "SAVE Job", op)
+    op.kill()
+    op.start()  # restarted: finds the Job by its deterministic name
+    wait_for(lambda: phase(api, "big") == "Saving", "Saving after restart", op)
+    assert len(api.jobs()) == 1
+    write_test_archive(minio, prefix, spec)
+    # Kill while pods are being created.
+    wait_for(lambda: len(api.serving("big")) > 0, "first pods", op, interval=0.02)
+    op.kill()
+    partial = len(api.serving("big"))
+    op.start()
+    wait_for(lambda: len(api.serving("big")) == 30 and phase(api, "big") == "Ready", "30 pods, Ready", op,
+             timeout=120)
+    names = [p.metadata.name for p in api.serving("big")]
+    assert len(names) == len(set(names)) == 30
+    assert len(api.jobs()) == 1 and len(api.archives()) == 1
+    print(f"killed with {partial}/30 pods created; converged to 30")
