@@ -498,16 +498,19 @@ class S3Store(Store):
         path = Path(data)
         digest = sha256_file(path)
         if not self.has_blob(digest):
-            with open(path, "rb") as f:
-                self._upload(f, digest)
+            self._upload(path, digest)  # a path lets the transfer manager read parts in parallel
         return digest
 
-    def _upload(self, fileobj: BinaryIO, digest: str) -> None:
+    def _upload(self, source: BinaryIO | Path, digest: str) -> None:
         # One PUT (or CompleteMultipartUpload) makes the object visible whole: no temp key needed.
-        self._call(
-            f"upload blob {digest}", self.client.upload_fileobj, fileobj, self.bucket, self._blob_key(digest),
-            ExtraArgs={"Metadata": {"sha256": digest}}, Config=self.transfer,
-        )
+        extra = {"Metadata": {"sha256": digest}}
+        key = self._blob_key(digest)
+        if isinstance(source, Path):
+            self._call(f"upload blob {digest}", self.client.upload_file, str(source), self.bucket, key,
+                       ExtraArgs=extra, Config=self.transfer)
+        else:
+            self._call(f"upload blob {digest}", self.client.upload_fileobj, source, self.bucket, key,
+                       ExtraArgs=extra, Config=self.transfer)
 
     def get_blob_bytes(self, digest: str, size: int | None = None) -> bytes:
         buf = io.BytesIO()
