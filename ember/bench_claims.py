@@ -128,7 +128,8 @@ class _Bench:
         kubectl_apply(self.kubeconfig, fake_gpu_nodes("ember-bench-gpu", BENCH_PRODUCT))
         self.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=self.ns)))
         deadline = time.monotonic() + 60
-        while not self.core.list_namespaced_service_account(self.ns, field_selector="metadata.name=default").items:
+        sa = "metadata.name=default"
+        while not self.core.list_namespaced_service_account(self.ns, field_selector=sa).items:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no default service account in {self.ns}")
             time.sleep(0.2)
@@ -156,7 +157,8 @@ class _Bench:
     def spec(self, model: str, replicas: int, warm: int) -> dict[str, Any]:
         return {
             "model": {"name": model},
-            "engine": {"kind": "transformers", "version": "4.57.0", "image": "registry.invalid/ember/engine:bench"},
+            "engine": {"kind": "transformers", "version": "4.57.0",
+                       "image": "registry.invalid/ember/engine:bench"},
             "capture": {"sizes": [1, 2, 4, 8], "maxBatch": 8, "maxNumTokens": 2048},
             "gpu": {"product": BENCH_PRODUCT},
             "replicas": replicas,
@@ -164,11 +166,12 @@ class _Bench:
         }
 
     def write_archive(self, spec: dict[str, Any]) -> None:
+        from ember_operator.api import ModelDeploymentSpec
+
         from ember.archive.bundle import write_archive
         from ember.archive.synthetic import synthetic_graphset, synthetic_images
         from ember.identity import CompatKey
         from ember.store import LocalStore
-        from ember_operator.api import ModelDeploymentSpec
 
         ident = ModelDeploymentSpec.model_validate(spec).identity()
         compat = CompatKey(gpu_name="bench", compute_capability="9.0", driver="0", cuda="13.0")
@@ -178,7 +181,8 @@ class _Bench:
     def create_md(self, name: str, spec: dict[str, Any]) -> None:
         body = {"apiVersion": "ember.dev/v1alpha1", "kind": "ModelDeployment",
                 "metadata": {"name": name}, "spec": spec}
-        self.custom.create_namespaced_custom_object("ember.dev", "v1alpha1", self.ns, "modeldeployments", body)
+        self.custom.create_namespaced_custom_object(
+            "ember.dev", "v1alpha1", self.ns, "modeldeployments", body)
 
     def pods(self, selector: str) -> list[Any]:
         return [p for p in self.core.list_namespaced_pod(self.ns, label_selector=selector).items
@@ -203,9 +207,9 @@ class _Bench:
 
         def warm_ready() -> bool:
             pods = self.pods("ember.dev/pool=warm")
-            return len(pods) >= replicas and sum(
-                any(c.type == "Ready" and c.status == "True" for c in (p.status.conditions or [])) for p in pods
-            ) >= replicas
+            ready = sum(any(c.type == "Ready" and c.status == "True" for c in (p.status.conditions or []))
+                        for p in pods)
+            return len(pods) >= replicas and ready >= replicas
 
         t = time.monotonic()
         self.wait(warm_ready, f"{replicas} ready warm pods", 300)
@@ -223,7 +227,8 @@ class _Bench:
                                   timeout_seconds=300):
                 pod = event["object"]
                 labels = pod.metadata.labels or {}
-                if labels.get("ember.dev/deployment") == "claims" and labels.get("ember.dev/pool") == "serving":
+                ours = labels.get("ember.dev/deployment") == "claims"
+                if ours and labels.get("ember.dev/pool") == "serving":
                     seen.setdefault(pod.metadata.name, time.monotonic())
                 if len(seen) >= replicas or done.is_set():
                     w.stop()
@@ -325,7 +330,8 @@ def _markdown(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|",
     ]
     if tp:
-        lines.append(f"| {tp['deployments']} | {tp['all_ready_s']} | {tp['deployments_per_s']} | {tp['reconciles']} | "
+        lines.append(f"| {tp['deployments']} | {tp['all_ready_s']} | {tp['deployments_per_s']} | "
+                     f"{tp['reconciles']} | "
                      f"{tp['reconciles_per_s']} | {tp['mean_reconcile_ms']} |")
     lines += ["", "Command: `ember bench claims` (see docs/operator.md).", ""]
     return "\n".join(lines)
@@ -333,17 +339,20 @@ def _markdown(result: dict[str, Any]) -> str:
 
 def bench_claims(
     replicas: Annotated[int, typer.Option(help="Warm pool size and scale-up target.")] = 100,
-    deployments: Annotated[int, typer.Option(help="ModelDeployments for the throughput run (0 skips).")] = 200,
-    kubeconfig: Annotated[str, typer.Option(help="Cluster (default: $KUBECONFIG or e2e/.work/kubeconfig).")] = "",
-    out: Annotated[Path, typer.Option(help="Output path without extension.")] = REPO / "benchmarks" / "results"
-    / "operator-local",
+    deployments: Annotated[int, typer.Option(help="ModelDeployments for the throughput run (0 skips).")]
+    = 200,
+    kubeconfig: Annotated[str, typer.Option(help="Cluster (default: $KUBECONFIG or e2e/.work/kubeconfig).")]
+    = "",
+    out: Annotated[Path, typer.Option(help="Output path without extension.")]
+    = REPO / "benchmarks" / "results" / "operator-local",
 ) -> None:
     """Warm-pool claim latency (p50/p99) and reconcile throughput on the local control plane."""
     kubeconfig = kubeconfig or os.environ.get("KUBECONFIG") or str(REPO / "e2e" / ".work" / "kubeconfig")
     workdir = Path(tempfile.mkdtemp(prefix="ember-bench-claims-"))
     bench = _Bench(kubeconfig, workdir)
     result: dict[str, Any] = {
-        "host": platform.node(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "host": platform.node(), "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "namespace": bench.ns,
     }
     with contextlib.suppress(Exception):

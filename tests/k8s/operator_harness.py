@@ -26,8 +26,8 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from ember.archive.bundle import write_archive
-from ember.bench_claims import fake_gpu_nodes, kubectl_apply
 from ember.archive.synthetic import synthetic_graphset, synthetic_images
+from ember.bench_claims import fake_gpu_nodes, kubectl_apply
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import open_store
 
@@ -180,7 +180,8 @@ class Api:
 def md_spec(minio: LocalMinio, prefix: str, product: str = TEST_PRODUCT, **over: Any) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "model": {"name": "Qwen/Qwen3-0.6B"},
-        "engine": {"kind": "transformers", "version": "4.57.0", "image": "registry.invalid/ember/engine:test"},
+        "engine": {"kind": "transformers", "version": "4.57.0",
+                   "image": "registry.invalid/ember/engine:test"},
         "capture": {"sizes": [1, 2, 4, 8], "maxBatch": 8, "maxNumTokens": 2048},
         "gpu": {"product": product},
         "replicas": 2,

@@ -42,7 +42,9 @@ def crds(k8s: LocalCluster) -> None:
 
 
 @pytest.fixture
-def env(k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path) -> Iterator[tuple[Api, OperatorProcess, str]]:
+def env(
+    k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path,
+) -> Iterator[tuple[Api, OperatorProcess, str]]:
     ns = k8s.create_namespace("op")
     api = Api(k8s, ns)
     api.create_secret("ember-s3", minio)
@@ -59,7 +61,8 @@ def _record_phases(api: Api, name: str, stop: threading.Event) -> list[str]:
     def run() -> None:
         w = watch.Watch()
         for event in w.stream(api.custom.list_namespaced_custom_object, GROUP, VERSION, api.ns,
-                              "modeldeployments", field_selector=f"metadata.name={name}", timeout_seconds=120):
+                              "modeldeployments", field_selector=f"metadata.name={name}",
+                              timeout_seconds=120):
             p = (event["object"].get("status") or {}).get("phase")
             if p and (not phases or phases[-1] != p):
                 phases.append(p)
@@ -135,7 +138,7 @@ def test_same_identity_shares_one_archive_and_one_job(env: Any, minio: LocalMini
     assert len(api.archives()) == 1
     assert len(api.jobs()) == 1
     write_test_archive(minio, prefix, spec)
-    wait_for(lambda: len(api.serving("a")) == 2 and len(api.serving("b")) == 1, "pods of both", op, timeout=60)
+    wait_for(lambda: len(api.serving("a")) == 2 and len(api.serving("b")) == 1, "pods of both", op)
     assert len(api.archives()) == 1 and len(api.jobs()) == 1
 
 
@@ -209,7 +212,8 @@ def test_parallelism_edit_resaves_and_rolls(env: Any, minio: LocalMinio) -> None
     assert {p.metadata.name for p in api.serving("moe")} == old, "old pods must keep serving during SAVE"
     assert "SAVE running" in api.condition("moe", "Progressing")["message"]
     write_test_archive(minio, prefix, new_spec)
-    wait_for(lambda: phase(api, "moe") == "Ready" and not (old & {p.metadata.name for p in api.serving("moe")}),
+    wait_for(lambda: phase(api, "moe") == "Ready"
+             and not (old & {p.metadata.name for p in api.serving("moe")}),
              "pods moved to the new identity", op, timeout=90)
     pods = api.serving("moe")
     assert len(pods) == 2

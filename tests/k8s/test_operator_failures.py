@@ -22,7 +22,9 @@ def crds(k8s: LocalCluster) -> None:
 
 
 @pytest.fixture
-def env(k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path) -> Iterator[tuple[Api, OperatorProcess, str]]:
+def env(
+    k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path,
+) -> Iterator[tuple[Api, OperatorProcess, str]]:
     ns = k8s.create_namespace("opf")
     api = Api(k8s, ns)
     api.create_secret("ember-s3", minio)
@@ -139,8 +141,9 @@ def test_failed_save_serves_natively_and_retries(env: Any, minio: LocalMinio) ->
     wait_for(lambda: _native(api, "badsave", 2), "2 native pods", op)
     ga = api.archive(f"ga-{ident.hash()[:16]}")
     assert ga is not None
-    assert "out of memory" in (ga["status"].get("failureReason") or api.condition("badsave", "ArchiveReady")["message"])
+    reason = ga["status"].get("failureReason") or api.condition("badsave", "ArchiveReady")["message"]
+    assert "out of memory" in reason
     # Backoff (2 s in tests) then a new attempt with its own deterministic name.
-    wait_for(lambda: any(j.metadata.name.endswith("-1") for j in api.jobs()), "retry attempt 1", op, timeout=60)
+    wait_for(lambda: any(j.metadata.name.endswith("-1") for j in api.jobs()), "retry attempt 1", op)
     reasons = {e.reason for e in api.events_for("badsave")}
     assert "SaveFailed" in reasons
