@@ -80,24 +80,34 @@ def _serve_workload(engine: Any, vocab: int, mbt: int) -> tuple[list[list[list[i
     return out, time.perf_counter() - t
 
 
-def _edge_stats(graphs: dict[tuple[int, ...], Any]) -> dict[str, Any]:
-    """Nodes, edges and edges with non-default edge data (programmatic dependent launch)."""
+def edge_data_per_key(graphs: dict[tuple[int, ...], Any]) -> dict[str, int]:
+    """Per graph key: edges with non-default edge data (programmatic dependent launch).
+
+    Values are torch CUDAGraphs (raw_cuda_graph) or CUgraph handles (a rebuilt graph)."""
     from cuda.bindings import driver as cu
 
-    nodes = edges = nondefault = with_pdl = 0
-    for g in graphs.values():
-        handle = cu.CUgraph(g.raw_cuda_graph())
-        _, _, n = cu.cuGraphGetNodes(handle, 0)
-        nodes += n
+    out = {}
+    for key, g in graphs.items():
+        handle = cu.CUgraph(g.raw_cuda_graph()) if hasattr(g, "raw_cuda_graph") else g
         r = cu.cuGraphGetEdges(handle, 0)
         ne = r[-1]
-        edges += ne
+        nd = 0
         if ne:
             r = cu.cuGraphGetEdges(handle, ne)
-            nd = sum(1 for d in r[3] if int(d.type) != 0 or int(d.from_port) != 0)
-            nondefault += nd
-            with_pdl += nd > 0
-    return {"nodes": nodes, "edges": edges, "nondefault_edges": nondefault, "graphs_with_edge_data": with_pdl}
+            nd = sum(1 for d in r[3] if int(d.type) != 0 or int(d.from_port) != 0 or int(d.to_port) != 0)
+        out[",".join(map(str, key))] = nd
+    return out
+
+
+def _edge_stats(graphs: dict[tuple[int, ...], Any]) -> dict[str, Any]:
+    per_key = edge_data_per_key(graphs)
+    return {
+        "nondefault_edges": sum(per_key.values()),
+        "graphs_with_edge_data": sum(v > 0 for v in per_key.values()),
+    }
+
+
+REF_PROMPT = [7, 99, 1234, 5, 42, 3000, 17, 8]
 
 
 def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
@@ -105,11 +115,14 @@ def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
     t_process = float(opts.get("t_process", time.perf_counter()))
     import torch
 
-    from ember.runtime import cb_engine
-    from ember.runtime.cb import CBAdapter, cb_config_for, new_manager
-    from ember.runtime.cb_keys import CBSizing
+    from ember import serve
+    from ember.runtime import cb_engine, cb_runtime
+    from ember.runtime.cb_engine import StartInfo
 
     result: dict[str, Any] = {"phase": phase, "device": _device_name(), "model": opts["model"]}
+    mode = {"save": "save", "load": "load", "claim-restored": "load"}.get(phase)
+    ip = cb_runtime.session(mode) if mode else None  # armed before the model: same allocation order
+    result["libember"] = ip is not None
     t = time.perf_counter()
     model = cb_engine.build_model(
         opts["model"], opts.get("model_config"), layers=opts.get("layers"), seed=opts.get("seed", 0)
@@ -119,47 +132,82 @@ def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
     sizing_kwargs = dict(cb_engine.DEFAULT_SERVE_SIZING, **opts.get("sizing", {}))
     engine = cb_engine.CBEngine(model, max_new_tokens=16)
     vocab, mbt = engine.vocab_size, sizing_kwargs["max_batch_tokens"]
+    t0 = time.perf_counter()
 
-    if phase in ("native", "claim-native"):
-        t0 = time.perf_counter()
+    if phase == "native":
         info = engine.start_native(**sizing_kwargs)
         result["first_token"], result["start_to_first_token_s"] = _first_token(engine, t0)
-        result["startup"] = info.seconds
-        result["startup_graphs"] = info.graphs
-        result["sizing"] = info.sizing
+        result.update(startup=info.seconds, startup_graphs=info.graphs, sizing=info.sizing)
     elif phase == "save":
-        t0 = time.perf_counter()
-        manager = new_manager(model, engine.gen_config, cb_config_for(None, **sizing_kwargs))
-        adapter = CBAdapter(manager)
-        keys = adapter.expected_keys()
-        result["keys"] = len(keys)
-        t1 = time.perf_counter()
-        graphs = adapter.capture_all(max_graphs=int(opts.get("max_graphs", 512)))
-        torch.cuda.synchronize()
-        result["capture_all_s"] = time.perf_counter() - t1
+        summary = cb_runtime.save_engine(
+            model,
+            engine.gen_config,
+            sizing_kwargs,
+            opts.get("store"),
+            opts["model"],
+            ip,
+            max_graphs=int(opts.get("max_graphs", 512)),
+        )
+        manager, adapter, graphs = summary.pop("engine")
+        result["keys"] = len(graphs)
+        result["capture_all_s"] = summary["durations"]["capture_s"]
         result["capture_s_per_graph"] = [round(s, 4) for _, s in adapter.captures.events]
         result["sizing"] = adapter.sizing.to_json()
-        result["engine_facts"] = adapter.engine_facts()
-        result["graph_stats"] = _edge_stats(graphs)
-        result["archive"] = _save_archive(adapter, graphs, opts)
+        result["graph_stats"] = {**_edge_stats(graphs), **summary.get("graph_stats", {})}
+        result["edge_data"] = edge_data_per_key(graphs)
+        result["archive"] = summary
         # Serve from the complete set in this process: proves the enumeration covers the scheduler.
         engine.manager, engine.adapter = manager, adapter
-        from ember.runtime.cb_engine import StartInfo
-
         manager.warmed_up = True
         engine._start(StartInfo("captured-all", {"capture_all": result["capture_all_s"]}, len(graphs)))
         result["first_token"], _ = _first_token(engine, t0)
-    elif phase in ("load", "claim-restored"):
-        t0 = time.perf_counter()
-        sizing = CBSizing.from_json(opts["archive_sizing"]) if "archive_sizing" in opts else None
-        info = _start_restored(engine, opts, sizing)
+    elif phase == "load":
+        archive_dir = Path(opts["store_dir"]) / "archives" / opts["identity"]
+        info = cb_runtime.restore_into(engine, archive_dir, ip)
         result["first_token"], result["start_to_first_token_s"] = _first_token(engine, t0)
-        result["startup"] = info.seconds
-        result["startup_graphs"] = info.graphs
-        result["sizing"] = info.sizing
+        result.update(startup=info.seconds, startup_graphs=info.graphs, sizing=info.sizing)
+        if engine.library is not None:
+            result["library_timings"] = dict(vars(engine.library.timings))
+            lib = engine.library
+            result["edge_data"] = edge_data_per_key({k: lib.graph(lib.key_index(k)) for k in lib.keys})
+    elif phase in ("claim-restored", "claim-native"):
+        # A warm pod: weights loaded; the claim reaches a real standalone sidecar, which fetches and
+        # verifies the archive from the store into the run dir; the engine LOADs (or captures).
+        run_dir = Path(opts["work_dir"]) / f"run-{phase}"
+        sidecar = None
+        if phase == "claim-restored":
+            sidecar = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "ember_sidecar.main",
+                    "--standalone",
+                    "--store",
+                    opts["store"],
+                    "--identity",
+                    opts["identity"],
+                    "--run-dir",
+                    str(run_dir),
+                    "--port",
+                    "0",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("EMBER_")},
+            )
+        try:
+            starters = serve.cb_starters(engine, sizing_kwargs)
+            out = serve.run_startup(starters, run_dir=run_dir, use_handoff=sidecar is not None, deadline=60)
+        finally:
+            if sidecar is not None:
+                sidecar.terminate()
+        result.update(mode=out.mode, reason=out.reason, stages=out.stages, startup_graphs=out.graphs)
+        result["claim_to_first_token_s"] = out.stages["first_token"]
+        result["first_token"] = engine.generate(FIRST_PROMPT, max_new_tokens=1)
     else:
         raise ValueError(f"unknown phase {phase!r}")
 
+    result["reference"] = engine.generate(REF_PROMPT, max_new_tokens=8)
     result["tokens"], result["workload_s"] = _serve_workload(engine, vocab, mbt)
     result["captures_while_serving"] = engine.captures_while_serving
     if engine.adapter is not None:
@@ -168,28 +216,10 @@ def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
         result["captured_keys"] = len(seen)
         result["captured_keys_not_enumerated"] = [list(k) for k in seen if k not in expected]
     result["serving_capture_keys"] = [list(k) for k in engine.serving_capture_keys()][:20]
-    result["process_to_first_token_s"] = (
-        None
-        if "start_to_first_token_s" not in result
-        else (result["start_to_first_token_s"] + (t0 - t_process))
-    )
+    if "start_to_first_token_s" in result:
+        result["process_to_first_token_s"] = result["start_to_first_token_s"] + (t0 - t_process)
     engine.stop()
     return result
-
-
-def _save_archive(adapter: Any, graphs: dict[tuple[int, ...], Any], opts: dict[str, Any]) -> dict[str, Any]:
-    """Hand the graphs to the runtime's SAVE (when it is there); returns what it reported."""
-    try:
-        from ember.runtime import cb_runtime
-    except ImportError as exc:
-        return {"saved": False, "reason": f"graph runtime SAVE not available: {exc}"}
-    return cb_runtime.save(adapter, graphs, opts)
-
-
-def _start_restored(engine: Any, opts: dict[str, Any], sizing: Any) -> Any:
-    from ember.runtime import cb_runtime
-
-    return cb_runtime.start_restored(engine, opts["archive"], sizing)
 
 
 def _child_main(argv: list[str]) -> None:
@@ -214,6 +244,20 @@ def _child_main(argv: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------
 # Orchestration and report
 # ---------------------------------------------------------------------------------------------
+
+
+def _phase_env(phase: str) -> dict[str, str] | None:
+    """SAVE and LOAD phases run under libember (when it is built); native phases without it."""
+    mode = {"save": "save", "load": "load", "claim-restored": "load"}.get(phase)
+    if mode is None:
+        return None
+    try:
+        from ember.runtime.session import preload_env
+
+        env = preload_env(mode, {})
+    except (FileNotFoundError, ImportError):
+        return None
+    return {k: env[k] for k in ("LD_PRELOAD", "EMBER_MODE", "EMBER_ARM", "EMBER_LIB")}
 
 
 def run_child(
@@ -258,6 +302,11 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     s["tokens_identical_save_vs_native"] = (
         None if ref is None or "tokens" not in save else save["tokens"] == ref
     )
+    s["tokens_identical_claim_restored_vs_native"] = (
+        None if ref is None or "tokens" not in cr else cr["tokens"] == ref
+    )
+    s["claim_restored_mode"] = cr.get("mode")
+    s["claim_restored_reason"] = cr.get("reason")
     s["tokens_identical_restored_vs_native"] = (
         None if ref is None or "tokens" not in load else load["tokens"] == ref
     )
@@ -340,21 +389,25 @@ def bench_cb(
     timeout: Annotated[float, typer.Option(help="Seconds per phase.")] = 600.0,
 ) -> None:
     """Engine start → first token, restored vs native; graphs captured while serving (GPU machine)."""
+    work_dir = work_dir.absolute()
     work_dir.mkdir(parents=True, exist_ok=True)
+    store_dir = work_dir / "store"
     opts: dict[str, Any] = {
         "model": model,
         "model_config": str(model_config) if model_config else None,
         "layers": layers,
-        "archive": str(work_dir / "store"),
+        "store": store_dir.as_uri(),
+        "store_dir": str(store_dir),
+        "work_dir": str(work_dir),
     }
     results: dict[str, dict[str, Any]] = {}
     for phase in [p.strip() for p in phases.split(",") if p.strip()]:
         if phase not in PHASES:
             raise typer.BadParameter(f"unknown phase {phase!r}")
         typer.echo(f"phase {phase} ...")
-        results[phase] = run_child(phase, opts, work_dir, timeout)
-        if phase == "save" and isinstance(results[phase].get("archive"), dict):
-            opts.update({k: v for k, v in results[phase]["archive"].items() if k in ("archive", "identity")})
+        results[phase] = run_child(phase, opts, work_dir, timeout, env=_phase_env(phase))
+        if phase == "save" and results[phase].get("archive", {}).get("published"):
+            opts["identity"] = results[phase]["archive"]["identity"]
         if "error" in results[phase]:
             typer.echo(f"  failed: {results[phase]['error']}")
     js, md = write_report(results, out)

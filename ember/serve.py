@@ -14,6 +14,7 @@ engine; `ember.runtime.cb_engine.CBEngine` is the real one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -29,6 +30,7 @@ from typing import Annotated, Any, Protocol
 import typer
 
 from ember import handoff
+from ember.runtime.cb_runtime import RestoreRefused
 
 log = logging.getLogger("ember.serve")
 
@@ -70,14 +72,6 @@ class ByteTokenizer:
             out.append(f"<{i}>")
         out.append(pending.decode(errors="replace"))
         return "".join(out)
-
-
-class RestoreRefused(RuntimeError):
-    """LOAD refused the archive at `stage` ("compat" or "load"); the server captures natively."""
-
-    def __init__(self, stage: str, reason: str) -> None:
-        super().__init__(reason)
-        self.stage = stage
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,43 +123,51 @@ def run_startup(
     elif archive is None:
         out.reason = "handoff disabled"
 
-    if archive_dir is not None and _restore(starters, archive_dir, result, run_dir, out):
-        out.mode = "restored"
-    else:
-        t = time.monotonic()
-        try:
-            facts, seconds = starters.native()
-        except Exception as exc:
-            out.mode, out.reason = "failed", f"native start failed: {exc}"
-            handoff.report("capture", time.monotonic() - t, "failed", out.reason, run_dir=run_dir)
-            raise
-        out.stages["capture"], out.graphs, out.mode = seconds, int(facts.get("graphs", 0)), "native"
-        handoff.report("capture", seconds, "ok", out.reason, run_dir=run_dir)
-
-    t = time.monotonic()
-    starters.first_token()
-    out.stages["first_token_run"] = time.monotonic() - t
-    out.stages["first_token"] = time.time() - t0
+    with contextlib.ExitStack() as marker:
+        if archive_dir is not None and result is not None:
+            marker.enter_context(handoff.load_attempt(result))  # a crash from here on → next start is native
+        if archive_dir is not None and _restore(starters, archive_dir, run_dir, out):
+            out.mode = "restored"
+            try:
+                _first_token(starters, out, t0)
+            except BaseException:
+                marker.pop_all()  # the restored graphs failed at first launch: keep the marker
+                raise
+    if out.mode != "restored":
+        _start_native(starters, out, run_dir)
+        _first_token(starters, out, t0)
     handoff.report("first_token", out.stages["first_token"], "ok", run_dir=run_dir, mode=out.mode)
     handoff.report("ready", out.stages["first_token"], "ok", out.reason, run_dir=run_dir, mode=out.mode)
     log.info("Engine became ready: mode=%s reason=%r stages=%s", out.mode, out.reason, out.stages)
     return out
 
 
+def _start_native(starters: EngineStarters, out: StartupResult, run_dir: str | Path | None) -> None:
+    """Native capture (the engine's own start-up); reports `capture`."""
+    t = time.monotonic()
+    try:
+        facts, seconds = starters.native()
+    except Exception as exc:
+        out.mode, out.reason = "failed", f"native start failed: {exc}"
+        handoff.report("capture", time.monotonic() - t, "failed", out.reason, run_dir=run_dir)
+        raise
+    out.stages["capture"], out.graphs, out.mode = seconds, int(facts.get("graphs", 0)), "native"
+    handoff.report("capture", seconds, "ok", out.reason, run_dir=run_dir)
+
+
+def _first_token(starters: EngineStarters, out: StartupResult, t0: float) -> None:
+    t = time.monotonic()
+    starters.first_token()
+    out.stages["first_token_run"] = time.monotonic() - t
+    out.stages["first_token"] = time.time() - t0
+
+
 def _restore(
-    starters: EngineStarters,
-    archive_dir: Path,
-    result: handoff.HandoffResult | None,
-    run_dir: str | Path | None,
-    out: StartupResult,
+    starters: EngineStarters, archive_dir: Path, run_dir: str | Path | None, out: StartupResult
 ) -> bool:
     t = time.monotonic()
     try:
-        if result is not None:
-            with handoff.load_attempt(result):  # a crash in here → the next start falls back
-                facts, seconds = starters.restore(archive_dir)
-        else:
-            facts, seconds = starters.restore(archive_dir)
+        facts, seconds = starters.restore(archive_dir)
     except Exception as exc:
         stage = exc.stage if isinstance(exc, RestoreRefused) else "load"
         out.reason = str(exc) if isinstance(exc, RestoreRefused) else f"{type(exc).__name__}: {exc}"
@@ -454,6 +456,9 @@ def serve(
     q_interval: Annotated[int, typer.Option(help="Query padding interval (graph keys).")] = 256,
     kv_interval: Annotated[int, typer.Option(help="KV padding interval (graph keys).")] = 4096,
     max_tokens_limit: Annotated[int, typer.Option(help="Largest max_tokens a request may ask.")] = 512,
+    preload: Annotated[
+        bool, typer.Option("--preload/--no-preload", help="Re-run under libember (LOAD needs it).")
+    ] = True,
 ) -> None:
     """Serve a model over HTTP (OpenAI-style) with transformers continuous batching: restored graphs
     from the sidecar's archive, or native capture on any refusal. Ready only after the first token."""
@@ -464,7 +469,9 @@ def serve(
     )
     if model is None and model_config is None:
         raise typer.BadParameter("give --model NAME|DIR or --model-config FILE")
-    from ember.runtime import cb_engine
+    if preload and (use_handoff or archive is not None):
+        _reexec_under_libember()
+    from ember.runtime import cb_engine, cb_runtime
 
     name = model or Path(str(model_config)).stem
     state = ServerState(model_name=name, max_tokens_limit=max_tokens_limit)
@@ -480,6 +487,8 @@ def serve(
         "kv_padding_interval_size": kv_interval,
     }
     try:
+        if use_handoff or archive is not None:
+            cb_runtime.session("load")  # armed before the model: SAVE's allocation order
         lm = cb_engine.build_model(model, model_config, layers=layers, seed=seed)
         engine = cb_engine.CBEngine(lm)
         state.tokenizer = _tokenizer_for(model, engine.vocab_size)
@@ -505,6 +514,18 @@ def serve(
     finally:
         server.shutdown()
         engine.stop()
+
+
+def _reexec_under_libember() -> None:
+    """Replace this process with itself under LD_PRELOAD=libember.so EMBER_MODE=load, if built."""
+    from ember import native
+
+    if native.find_library() is None:
+        log.warning("libember.so not found: serving without it (archives will be refused, native capture)")
+        return
+    from ember.runtime.session import reexec_under_libember
+
+    reexec_under_libember("load")
 
 
 def _tokenizer_for(model: str | None, vocab_size: int) -> Any:

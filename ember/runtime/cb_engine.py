@@ -152,6 +152,7 @@ class CBEngine:
         self.gen_config = generation_config(max_new_tokens)
         self.manager: Any = None
         self.adapter: CBAdapter | None = None
+        self.library: Any = None  # the restored graphs' GraphLibrary (kept alive while serving)
         self.info: StartInfo | None = None
         self._futures: dict[str, Future[list[int]]] = {}
         self._lock = threading.Lock()
