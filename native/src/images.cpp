@@ -73,10 +73,10 @@ namespace {
 
 bool within(size_t limit, uint64_t end) { return limit == 0 || end <= limit; }
 
-// One fatbin or a chain of them, starting at p.
-void size_fatbin(const uint8_t* p, size_t limit, ImageSpan* out) {
+// One fatbin or (chain = true) a chain of them, starting at p.
+void size_fatbin(const uint8_t* p, size_t limit, ImageSpan* out, bool chain = true) {
   uint64_t total = 0;
-  for (int n = 0;; ++n) {
+  for (int n = 0; chain || n == 0; ++n) {
     struct {
       uint32_t magic;
       uint16_t version;
@@ -248,7 +248,9 @@ ImageSpan size_image(const void* image, size_t limit) {
       return out;
     }
     // The wrapper points elsewhere: the fatbin's own extent is unknown, so no limit applies.
-    size_fatbin(reinterpret_cast<const uint8_t*>(w.data), 0, &out);
+    // Only its first fatbin: a compiler-generated wrapper points into a section where the next
+    // translation unit's fatbin follows, which is not part of this image.
+    size_fatbin(reinterpret_cast<const uint8_t*>(w.data), 0, &out, false);
     out.outer = ImageKind::Wrapper;
     out.wrapper_version = w.version;
     if (out.kind == ImageKind::Unknown && out.error.empty()) out.error = "wrapper data is not a fatbin";

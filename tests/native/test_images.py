@@ -103,6 +103,9 @@ def test_wrapper_v1_v2_and_bad_wrappers(ip: Interposer) -> None:
         addr = ctypes.addressof(buf)
         assert ip.image_size(addr) == ("wrapper", 516)
         assert ip.image_size(addr + 24) == ("wrapper", 516)
+        chained = g.place(fatbin(b"k" * 500) + fatbin(b"next translation unit"))
+        wc = ctypes.create_string_buffer(struct.pack("<iiQQ", WRAPPER, 1, chained, 0))
+        assert ip.image_size(ctypes.addressof(wc)) == ("wrapper", 516)   # its own fatbin only
         for bad in (struct.pack("<iiQQ", WRAPPER, 7, fb, 0), struct.pack("<iiQQ", WRAPPER, 1, 0, 0),
                     struct.pack("<iiQQ", WRAPPER, 1, g.guard, 0), struct.pack("<iiQQ", WRAPPER, 1, addr, 0)):
             b = ctypes.create_string_buffer(bad)
