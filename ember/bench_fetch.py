@@ -152,8 +152,7 @@ def run_bench(endpoint: str, bucket: str, mb: float, repeat: int, workdir: Path)
     for i in range(repeat):
         run_dir = workdir / f"run-{i}"
         writer = HandoffWriter(run_dir)
-        cache = ArchiveCache(writer.cache_dir, store_options=settings.store_options(),
-                             retry_s=settings.fetch_retry_s, timeout_s=settings.fetch_timeout_s)
+        cache = ArchiveCache(writer.cache_dir, **settings.cache_options())
         cache.warm(store_uri)  # as the sidecar does at start-up with EMBER_STORE
         restorer = Restorer(cache, writer, Metrics(), LogReporter())
         got: dict[str, Any] = {}

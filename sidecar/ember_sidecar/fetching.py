@@ -29,12 +29,14 @@ from ember.store import (
     BlobCorrupt,
     BlobMissing,
     LocalStore,
+    S3Store,
     Store,
     StoreError,
     StoreUnavailable,
     open_store,
     split_manifest_uri,
 )
+from ember_sidecar import s3fetch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -94,6 +96,8 @@ class ArchiveCache:
         retry_s: float = 30.0,
         timeout_s: float = 600.0,
         max_workers: int = 4,
+        s3_concurrency: int = 8,
+        s3_chunk: int = 8 << 20,
     ) -> None:
         self.root = Path(root)
         self.local = LocalStore(self.root)
@@ -101,6 +105,7 @@ class ArchiveCache:
         self.retry_s = retry_s
         self.timeout_s = timeout_s
         self.max_workers = max_workers
+        self.s3_concurrency, self.s3_chunk = s3_concurrency, s3_chunk
         self._locks: dict[str, threading.Lock] = {}
         self._stores: dict[str, Store] = {}
         self._locks_guard = threading.Lock()
@@ -159,8 +164,7 @@ class ArchiveCache:
         verify_s = time.monotonic() - v0
 
         wanted = [b for b in dict((b.sha256, b) for b in m.blobs).values()
-                  if not (self.blob_path(b.sha256).is_file()
-                          and self.blob_path(b.sha256).stat().st_size == b.compressed_size)]
+                  if not self._have(b.sha256, b.compressed_size)]
         self._fetch_blobs(store, {b.sha256: b.compressed_size for b in wanted}, cancel, deadline)
         fetch_s = time.monotonic() - t0 - verify_s
 
@@ -175,6 +179,10 @@ class ArchiveCache:
         verify_s += time.monotonic() - v1
         moved = sum(b.compressed_size for b in wanted) + len(data)
         return Fetched(identity, self.archive_dir(identity), m, fetch_s, verify_s, moved, False)
+
+    def _have(self, digest: str, size: int) -> bool:
+        p = self.blob_path(digest)
+        return p.is_file() and p.stat().st_size == size
 
     def open(self, store_uri: str) -> Store:
         """The store at `store_uri`, opened once per process (a boto3 client costs ~100 ms to make,
@@ -203,7 +211,8 @@ class ArchiveCache:
             try:
                 return fn()
             except BlobCorrupt as exc:
-                kind = "size-mismatch" if "bytes, expected" in str(exc) else "digest-mismatch"
+                truncated = isinstance(exc, s3fetch.BlobTruncated) or "bytes, expected" in str(exc)
+                kind = "size-mismatch" if truncated else "digest-mismatch"
                 raise FetchFailed(f"{kind}: {exc}") from exc
             except BlobMissing as exc:
                 raise FetchFailed(f"blob-missing: {exc}") from exc
@@ -221,6 +230,20 @@ class ArchiveCache:
         self, store: Store, sizes: dict[str, int], cancel: threading.Event, deadline: float
     ) -> None:
         digests = list(sizes)
+        if isinstance(store, S3Store) and digests:
+            # One bounded pool of ranged GETs over all blobs, hashed in order as they arrive.
+            def run() -> None:
+                if time.monotonic() > deadline:
+                    raise FetchFailed(f"fetch-timeout: archive not fetched within {self.timeout_s:g}s")
+                todo = {d: n for d, n in sizes.items() if not self._have(d, n)}
+                s3fetch.fetch_blobs(store, todo, self.root / "blobs", cancel=cancel,
+                                    concurrency=self.s3_concurrency, chunk=self.s3_chunk)
+
+            try:
+                self._retry(run, cancel, deadline)
+            except s3fetch.Cancelled:
+                raise Cancelled() from None
+            return
         def one(digest: str) -> None:
             if cancel.is_set():
                 raise Cancelled()

@@ -49,8 +49,7 @@ def run(settings: Settings, stop: threading.Event | None = None) -> int:
     """Run the sidecar until `stop` is set or the pod is gone. Returns the exit code."""
     stop = stop or threading.Event()
     writer = HandoffWriter(settings.run_dir)
-    cache = ArchiveCache(writer.cache_dir, store_options=settings.store_options(),
-                         retry_s=settings.fetch_retry_s, timeout_s=settings.fetch_timeout_s)
+    cache = ArchiveCache(writer.cache_dir, **settings.cache_options())
     cache.clean_partials()  # a previous sidecar container may have died mid-fetch
     if settings.store:
         cache.warm(settings.store)  # the pool's store (EMBER_STORE): client ready before a claim

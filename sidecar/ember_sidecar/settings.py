@@ -49,7 +49,8 @@ class Settings(BaseModel):
     s3_max_attempts: int = Field(5, ge=1, description="EMBER_S3_MAX_ATTEMPTS: botocore attempts per call")
     s3_connect_timeout: float = Field(5.0, gt=0, description="EMBER_S3_CONNECT_TIMEOUT (s)")
     s3_read_timeout: float = Field(60.0, gt=0, description="EMBER_S3_READ_TIMEOUT (s)")
-    s3_max_concurrency: int = Field(10, ge=1, description="EMBER_S3_MAX_CONCURRENCY: ranged GETs at once")
+    s3_max_concurrency: int = Field(8, ge=1, description="EMBER_S3_MAX_CONCURRENCY: ranged GETs at once")
+    s3_chunk_mb: int = Field(8, ge=1, description="EMBER_S3_CHUNK_MB: size of one ranged GET")
     fetch_retry_s: float = Field(
         30.0, ge=0, description="EMBER_FETCH_RETRY_S: keep retrying an unreachable store this long"
     )
@@ -81,6 +82,7 @@ class Settings(BaseModel):
             "s3_connect_timeout": _env("EMBER_S3_CONNECT_TIMEOUT"),
             "s3_read_timeout": _env("EMBER_S3_READ_TIMEOUT"),
             "s3_max_concurrency": _env("EMBER_S3_MAX_CONCURRENCY"),
+            "s3_chunk_mb": _env("EMBER_S3_CHUNK_MB"),
             "fetch_retry_s": _env("EMBER_FETCH_RETRY_S"),
             "fetch_timeout_s": _env("EMBER_FETCH_TIMEOUT_S"),
             "engine_timeout_s": _env("EMBER_ENGINE_TIMEOUT_S"),
@@ -101,6 +103,12 @@ class Settings(BaseModel):
         if self.s3_endpoint:
             opts["endpoint"] = self.s3_endpoint
         return opts
+
+    def cache_options(self) -> dict[str, Any]:
+        """Keyword options for ember_sidecar.fetching.ArchiveCache."""
+        return {"store_options": self.store_options(), "retry_s": self.fetch_retry_s,
+                "timeout_s": self.fetch_timeout_s, "s3_concurrency": self.s3_max_concurrency,
+                "s3_chunk": self.s3_chunk_mb << 20}
 
     def standalone_archive(self) -> str:
         """The manifest URI for standalone mode: EMBER_ARCHIVE, else store + identity."""
