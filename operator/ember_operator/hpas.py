@@ -46,6 +46,7 @@ def needs_update(observed: dict[str, Any] | None, desired: dict[str, Any]) -> bo
         return True
     spec = observed.get("spec") or {}
     want = desired["spec"]
-    return any(spec.get(k) != want[k] for k in ("scaleTargetRef", "minReplicas", "maxReplicas")) or (
-        (spec.get("metrics") or []) != want["metrics"]
-    )
+    if any(spec.get(k) != want[k] for k in ("scaleTargetRef", "minReplicas", "maxReplicas")):
+        return True
+    # No targets: the apiserver defaults the metrics (CPU 80 %); accept whatever it stored.
+    return bool(want["metrics"]) and (spec.get("metrics") or []) != want["metrics"]

@@ -31,7 +31,8 @@ ENGINE_ARGS = "ember.dev/engine-args"  # JSON list
 IDENTITY_SPEC = "ember.dev/identity-spec"  # canonical identity JSON (model, capture, ...)
 RANK = "ember.dev/rank"
 WORLD = "ember.dev/world"
-CLAIMED_AT = "ember.dev/claimed-at"
+CLAIMED_AT = "ember.dev/claimed-at"  # RFC 3339 with fractional seconds
+PREFETCH = "ember.dev/prefetch"  # warm pods: JSON list of manifest URIs to cache before a claim
 RESTORE = "ember.dev/restore"  # written by the sidecar: restored | fallback: <reason>
 RESTORE_TIME = "ember.dev/restore-time"  # written by the sidecar (RFC 3339), optional
 

@@ -19,7 +19,7 @@ Rules, in order:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from ember.identity import canonical_json
@@ -178,7 +178,7 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
     revision = revision_of(ident_hash, template, spec)
     plan = Plan(status=obs.status.model_copy(deep=True), template=template)
     now = obs.now
-    stamp = conditions.rfc3339(now)
+    stamp = now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")  # fractional: the sidecar times from it
 
     if obs.labels.get(naming.IDENTITY) != ident.short():
         plan.labels[naming.IDENTITY] = ident.short()

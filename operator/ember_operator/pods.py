@@ -27,8 +27,7 @@ LIB_DIR = "/opt/ember/lib"
 LIB_PATH = f"{LIB_DIR}/libember.so"
 LIB_MOUNT = "/ember-lib"
 PODINFO_DIR = "/etc/ember/podinfo"
-CACHE_DIR = "/var/cache/ember"
-SIDECAR_METRICS_PORT = 9400
+SIDECAR_PORT = 9400  # the sidecar's /readyz, /livez, /metrics
 RUN_AS_USER = 65532
 
 
@@ -203,11 +202,15 @@ def pod_spec(t: PodTemplate) -> dict[str, Any]:
         "image": t.sidecar_image,
         "command": ["ember-sidecar"],
         "restartPolicy": "Always",
-        "env": [*_downward_env(), *t.store.env(), {"name": "EMBER_CACHE_DIR", "value": CACHE_DIR}],
+        "env": [*_downward_env(), *t.store.env(),
+                {"name": "EMBER_SIDECAR_PORT", "value": str(SIDECAR_PORT)}],
         "envFrom": t.store.env_from(optional=True),
-        "ports": [{"name": "sidecar-metrics", "containerPort": SIDECAR_METRICS_PORT}],
-        "volumeMounts": [*shared_mounts, {"name": "ember-cache", "mountPath": CACHE_DIR},
-                         {"name": "ember-tmp", "mountPath": "/tmp"}, *t.store.mounts()],
+        "ports": [{"name": "ember-sidecar", "containerPort": SIDECAR_PORT}],
+        # Ready when the engine took the restored graphs (or captured natively) and serves.
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": SIDECAR_PORT}, "periodSeconds": 2},
+        "livenessProbe": {"httpGet": {"path": "/livez", "port": SIDECAR_PORT}, "periodSeconds": 10,
+                          "failureThreshold": 6},
+        "volumeMounts": [*shared_mounts, {"name": "ember-tmp", "mountPath": "/tmp"}, *t.store.mounts()],
         "securityContext": _restricted(read_only_root=True),
         "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "1Gi"}},
     }
@@ -231,7 +234,6 @@ def pod_spec(t: PodTemplate) -> dict[str, Any]:
         "volumes": [
             {"name": "ember-lib", "emptyDir": {"sizeLimit": "256Mi"}},
             {"name": "ember-run", "emptyDir": {}},
-            {"name": "ember-cache", "emptyDir": {}},
             {"name": "ember-tmp", "emptyDir": {"sizeLimit": "256Mi"}},
             {"name": "ember-podinfo", "downwardAPI": {"items": [
                 {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
@@ -262,8 +264,16 @@ def base_labels(t: PodTemplate) -> dict[str, str]:
     }
 
 
-def warm_pod(t: PodTemplate) -> dict[str, Any]:
-    """An unclaimed pod of the pool (generateName; the pool is counted, never named)."""
+def prefetch_annotation(uris: list[str]) -> str:
+    return json.dumps(sorted(set(uris)))
+
+
+def warm_pod(t: PodTemplate, prefetch: list[str] | None = None) -> dict[str, Any]:
+    """An unclaimed pod of the pool (generateName; the pool is counted, never named).
+
+    `prefetch`: manifests of the archives its deployments use; the sidecar caches them while the
+    pod is warm (xLoRA's pre-loading), so a claim only hands them over.
+    """
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -271,6 +281,7 @@ def warm_pod(t: PodTemplate) -> dict[str, Any]:
             "generateName": naming.warm_pod_prefix(t.pool_key),
             "namespace": t.namespace,
             "labels": {**base_labels(t), naming.POOL: naming.POOL_WARM},
+            "annotations": {naming.PREFETCH: prefetch_annotation(prefetch or [])},
         },
         "spec": pod_spec(t),
     }

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ember_operator import naming
-from ember_operator.pods import PodTemplate, warm_pod
+from ember_operator.pods import PodTemplate, prefetch_annotation, warm_pod
 from ember_operator.views import PodView
 
 
@@ -19,16 +19,21 @@ from ember_operator.views import PodView
 class PoolPlan:
     creates: list[dict[str, Any]] = field(default_factory=list)
     deletes: list[str] = field(default_factory=list)
+    patches: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # prefetch updates
     sizes: dict[str, int] = field(default_factory=dict)  # pool key → warm pods after the plan
 
 
-def plan_pools(wanted: list[tuple[PodTemplate, int]], warm: list[PodView]) -> PoolPlan:
-    """`wanted`: (template, size) per deployment of one namespace; `warm`: its unclaimed warm pods."""
+def plan_pools(wanted: list[tuple[PodTemplate, int, str]], warm: list[PodView]) -> PoolPlan:
+    """`wanted`: (template, size, archive URI or "") per deployment of one namespace;
+    `warm`: its unclaimed warm pods. Warm pods prefetch the archives of their pool's deployments."""
     targets: dict[str, tuple[PodTemplate, int]] = {}
-    for template, size in wanted:
+    uris: dict[str, set[str]] = {}
+    for template, size, uri in wanted:
         key = template.pool_key
         if key not in targets or size > targets[key][1]:
             targets[key] = (template, size)
+        if uri:
+            uris.setdefault(key, set()).add(uri)
     by_key: dict[str, list[PodView]] = {}
     for pod in warm:
         if pod.deleting:
@@ -45,9 +50,16 @@ def plan_pools(wanted: list[tuple[PodTemplate, int]], warm: list[PodView]) -> Po
             order = sorted(alive, key=lambda p: (p.ready, p.created, p.name))
             plan.deletes += [p.name for p in order[: len(alive) - target]]
         by_key[key] = alive
+        want = prefetch_annotation(sorted(uris.get(key, set())))
+        kept = set(plan.deletes)
+        plan.patches += [
+            (p.name, {"metadata": {"annotations": {naming.PREFETCH: want}}})
+            for p in alive if p.name not in kept and p.annotations.get(naming.PREFETCH, "[]") != want
+        ]
     for key, (template, size) in targets.items():
         have = len(by_key.get(key, []))
-        plan.creates += [warm_pod(template) for _ in range(max(0, size - have))]
+        prefetch = sorted(uris.get(key, set()))
+        plan.creates += [warm_pod(template, prefetch) for _ in range(max(0, size - have))]
         plan.sizes[key] = size
     for key, pods in by_key.items():
         plan.sizes.setdefault(key, min(len(pods), targets.get(key, (None, 0))[1]))

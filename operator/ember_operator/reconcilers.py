@@ -115,7 +115,7 @@ class Reconciler:
         if (old or {}) == new:
             return False
         try:
-            self.kube.patch(path + "/status", {"status": new})
+            self.kube.patch(path + "/status", {"status": merge_patch(old or {}, new)})
         except KubeError as exc:
             if exc.not_found:
                 return False
@@ -222,6 +222,13 @@ class Reconciler:
         won = sum(results)
         return won, len(results) - won
 
+    def _patch_pod(self, ns: str, name: str, patch: dict[str, Any]) -> None:
+        try:
+            self.kube.patch(pods_path(ns, name), patch)
+        except KubeError as exc:
+            if not exc.not_found:
+                raise
+
     def cleanup_deployment(self, ns: str, name: str) -> None:
         """Finalizer: the deployment's pods and HPA go with it (owner references would too, later)."""
         self.kube.delete(hpa_path(ns, naming.hpa_name(name)))
@@ -237,19 +244,21 @@ class Reconciler:
     # ------------------------------------------------------------------ warm pools
     def reconcile_pools(self, ns: str) -> None:
         started = time.perf_counter()
-        wanted: list[tuple[PodTemplate, int]] = []
+        wanted: list[tuple[PodTemplate, int, str]] = []
         for md in self.kube.list(md_path(ns)):
             if (md.get("metadata") or {}).get("deletionTimestamp"):
                 continue
             try:
                 spec = ModelDeploymentSpec.model_validate(md.get("spec") or {})
-                wanted.append((template_of(ns, spec, self.ctx), spec.warm_pool.size))
+                uri = ((md.get("status") or {}).get("archive") or {}).get("uri") or ""
+                wanted.append((template_of(ns, spec, self.ctx), spec.warm_pool.size, uri))
             except (ValidationError, ValueError):
                 continue
         warm = [PodView.of(p) for p in self.kube.list(pods_path(ns), f"{naming.POOL}={naming.POOL_WARM}")]
         plan = plan_pools(wanted, warm)
         self._parallel(lambda body: self.kube.create(pods_path(ns), body), plan.creates)
         self._parallel(lambda pod: self.kube.delete(pods_path(ns, pod)), plan.deletes)
+        self._parallel(lambda item: self._patch_pod(ns, *item), plan.patches)
         for key, size in plan.sizes.items():
             metrics.WARM_PODS.labels(ns, key).set(size)
         metrics.RECONCILE_SECONDS.labels("WarmPool").observe(time.perf_counter() - started)
@@ -339,6 +348,17 @@ class Reconciler:
                 opts["access_key"] = base64.b64decode(data["AWS_ACCESS_KEY_ID"]).decode()
                 opts["secret_key"] = base64.b64decode(data["AWS_SECRET_ACCESS_KEY"]).decode()
         return probe_store(access.uri, spec.identity_hash, opts, self.settings.store_probe_timeout_seconds)
+
+
+def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """`new` as a JSON merge patch over `old`: fields that disappeared become null (removed)."""
+    patch: dict[str, Any] = dict(new)
+    for key, value in old.items():
+        if key not in new:
+            patch[key] = None
+        elif isinstance(value, dict) and isinstance(new[key], dict):
+            patch[key] = merge_patch(value, new[key])
+    return patch
 
 
 def probe_store(uri: str, identity_hash: str, opts: dict[str, Any], timeout_s: float) -> StoreProbe:

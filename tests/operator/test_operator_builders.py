@@ -140,3 +140,22 @@ def test_hpa_targets_the_scale_subresource() -> None:
     assert h["spec"]["minReplicas"] == 2 and h["spec"]["maxReplicas"] == 9
     assert h["spec"]["metrics"][0]["resource"]["target"] == {"type": "Utilization", "averageUtilization": 70}
     assert h["spec"]["metrics"][1]["pods"]["metric"] == {"name": "vllm_num_requests_running"}
+
+
+def test_hpa_without_targets_accepts_apiserver_defaults() -> None:
+    from ember_operator.hpas import needs_update
+
+    spec = AutoscalingSpec.model_validate({"minReplicas": 1, "maxReplicas": 3})
+    desired = hpa(md_name="qwen", md_uid="u", namespace="default", spec=spec)
+    stored = {"spec": {**desired["spec"], "metrics": [{"type": "Resource", "resource": {"name": "cpu"}}]}}
+    assert not needs_update(stored, desired)
+    assert needs_update({"spec": {**desired["spec"], "maxReplicas": 9}}, desired)
+
+
+def test_status_merge_patch_removes_vanished_fields() -> None:
+    from ember_operator.reconcilers import merge_patch
+
+    old = {"phase": "Failed", "failureReason": "x", "archive": {"uri": "u", "name": "n"}}
+    new = {"phase": "Available", "archive": {"name": "n"}}
+    assert merge_patch(old, new) == {"phase": "Available", "failureReason": None,
+                                     "archive": {"name": "n", "uri": None}}

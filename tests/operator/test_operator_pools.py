@@ -18,15 +18,19 @@ def _warm(name: str, key: str, ready: bool = True) -> PodView:
 def test_pool_size_is_the_largest_ask_of_a_template() -> None:
     t = template_of("default", md_spec(), CTX)
     t_same = template_of("default", md_spec(model={"name": "other"}), CTX)
-    plan = plan_pools([(t, 2), (t_same, 3)], [_warm("a", t.pool_key)])
+    plan = plan_pools([(t, 2, "s3://b/p/archives/1/manifest"), (t_same, 3, "")], [_warm("a", t.pool_key)])
     assert len(plan.creates) == 2 and plan.sizes[t.pool_key] == 3
     assert plan.creates[0]["metadata"]["labels"][naming.POOL_KEY] == t.pool_key
+    # Warm pods prefetch the pool's archives; existing ones are updated in place.
+    assert plan.creates[0]["metadata"]["annotations"][naming.PREFETCH] == '["s3://b/p/archives/1/manifest"]'
+    assert plan.patches == [("a", {"metadata": {"annotations": {
+        naming.PREFETCH: '["s3://b/p/archives/1/manifest"]'}}})]
 
 
 def test_pool_shrinks_not_ready_first_and_drains_orphans() -> None:
     t = template_of("default", md_spec(), CTX)
     warm = [_warm("a", t.pool_key), _warm("b", t.pool_key, ready=False), _warm("z", "orphan")]
-    plan = plan_pools([(t, 1)], warm)
+    plan = plan_pools([(t, 1, "")], warm)
     assert sorted(plan.deletes) == ["b", "z"] and not plan.creates
 
 
