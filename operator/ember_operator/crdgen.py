@@ -65,18 +65,26 @@ def _structural(node: Any, defs: dict[str, Any], *, in_status: bool = False) -> 
     if out.get("type") == "object" and "properties" in out:
         required = set(out.get("required", []))
         for name, prop in out["properties"].items():
+            materialized = prop.pop("_default", None)
             if (not in_status and name not in required and prop.get("type") == "object"
                     and "properties" in prop and "default" not in prop and not prop.get("_optional")):
-                prop["default"] = {}
+                # The apiserver checks CEL rules against defaults as written: spell the nested
+                # defaults out instead of `{}`.
+                prop["default"] = materialized if materialized is not None else {}
             prop.pop("_optional", None)
     return out
 
 
 def _mark_optional(model: type[BaseModel], schema: dict[str, Any], defs: dict[str, Any]) -> None:
-    """Fields typed `X | None` stay absent by default (no `{}` default): flag them before inlining."""
+    """Fields typed `X | None` stay absent by default (no `{}` default): flag them before inlining.
+    Fields defaulting to a model get that model's defaults (`_default`) for the object default."""
     props = schema.get("properties", {})
     for name, field in model.model_fields.items():
         alias = field.alias or name
+        if alias in props and field.default_factory is not None:
+            value = field.default_factory()  # type: ignore[call-arg]
+            if isinstance(value, BaseModel):
+                props[alias]["_default"] = value.model_dump(by_alias=True, exclude_none=True, mode="json")
         if alias in props and "anyOf" in props[alias] and any(
             v.get("type") == "null" for v in props[alias]["anyOf"]
         ):
