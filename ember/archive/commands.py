@@ -1,9 +1,11 @@
 """`ember inspect`, `ember verify` and `ember bench parse`: archives read without a GPU.
 
-Registered in ember/cli.py. `verify --replay` hands the opened archive to the runtime's GPU
-check: `ember.runtime.replay.replay_archive(archive: ember.archive.bundle.Archive) -> list[str]`
-(problems as sentences, empty = every graph replayed bit-identical to native). `replay_problems`
-below is the hook; it reports clearly when that module is not there.
+Registered in ember/cli.py. `verify --replay` first re-executes the process under libember in
+load mode (`ember.runtime.session.reexec_under_libember`), checks integrity, then calls the
+runtime's GPU check `ember.runtime.commands.replay_verify(store_uri, identity_hash) -> dict`
+({"ok", "graphs", "identical", "differ"} or {"ok": False, "refused": reason}) through
+`replay_problems`, which turns the result into sentences and says so plainly when the runtime
+part is not installed.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ember.store import Store, StoreError, StoreUnavailable, open_store
 console = Console()
 err_console = Console(stderr=True)
 
-REPLAY_MODULE = "ember.runtime.replay"
+REPLAY_MODULE = "ember.runtime.commands"
 
 StoreArg = Annotated[str, typer.Argument(help="Store URI (file:///path, s3://bucket/prefix) or directory.")]
 HashArg = Annotated[str | None, typer.Argument(help="Archive identity hash (optional if the store has one).")]
@@ -177,13 +179,33 @@ def inspect(
         raise typer.Exit(1) from None
 
 
-def replay_problems(archive: bundle.Archive) -> list[str]:
-    """GPU replay of every graph against native capture (the runtime's part; see module doc)."""
+def replay_problems(store_uri: str, identity_hash: str) -> list[str]:
+    """GPU replay of every graph, compared bitwise with SAVE's outputs (the runtime's part)."""
     try:
         mod = importlib.import_module(REPLAY_MODULE)
-    except ImportError as exc:
+        replay_verify = mod.replay_verify
+    except (ImportError, AttributeError) as exc:
         return [f"GPU replay is not available in this build ({REPLAY_MODULE}: {exc})"]
-    return list(mod.replay_archive(archive))
+    try:
+        res = replay_verify(store_uri, identity_hash)
+    except Exception as exc:  # no GPU, no libember, driver errors: a problem to report, not a crash
+        return [f"GPU replay failed: {type(exc).__name__}: {exc}"]
+    if res.get("ok"):
+        return []
+    if "refused" in res:
+        return [f"LOAD refused the archive on this machine: {res['refused']}"]
+    differ = res.get("differ", [])
+    return [f"{len(differ)} of {res.get('graphs', 0)} graph(s) replayed differently from SAVE "
+            f"(first keys: {differ[:5]})" if differ else f"replay checked no graph: {res}"]
+
+
+def _reexec_for_replay() -> None:
+    try:
+        from ember.runtime.session import reexec_under_libember
+
+        reexec_under_libember("load")
+    except Exception as exc:  # replay_problems then reports why replay cannot run here
+        err_console.print(f"[yellow]cannot run under libember here:[/yellow] {exc}")
 
 
 def verify(
@@ -199,11 +221,13 @@ def verify(
     """Check an archive's integrity without a GPU: manifest, identity, every blob's size and digest,
     decompression, the graph table's structure. Exit 0 = intact, 1 = problems, 2 = store unreachable.
     """
+    if replay:
+        _reexec_for_replay()  # LOAD must run under libember: this process is replaced once
     try:
         store = open_store(store_uri)
         problems = bundle.verify_archive(store, identity_hash, expect_identity)
         if replay and not problems:
-            problems += replay_problems(bundle.open_archive(store, identity_hash))
+            problems += replay_problems(store_uri, bundle.open_archive(store, identity_hash).identity_hash)
     except StoreUnavailable as exc:
         err_console.print(f"[red]store unavailable:[/red] {exc}")
         raise typer.Exit(2) from None
