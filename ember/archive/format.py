@@ -757,16 +757,19 @@ class GraphTable:
             out[int(a["id"])] = self._aval[o:o + int(a["value_len"])].tobytes()
         return out
 
-    def graph_of_row(self, row: int, _depth: int = 0) -> Graph:
-        if _depth > 16:
+    def _nodes_of_row(self, row: int, indices: Sequence[int] | None, depth: int) -> list[Node]:
+        if depth > 16:
             raise FormatError("child graphs nested deeper than 16 levels (a cycle?)")
         c = self.chunk_of_row(row)
-        types = self.node_types(row, row=True).tolist()
-        refs = c.refs.tolist()
-        kpar = c.kpar.tolist()
-        mset = c.mset.tolist()
-        mcpy = c.mcpy.tolist()
-        bpol = c.bpol
+        all_types = self.node_types(row, row=True)
+        if indices is None:
+            types, refs = all_types.tolist(), c.refs.tolist()
+        else:
+            idx = np.asarray(indices, dtype=np.int64)
+            if len(idx) and (idx.min() < 0 or idx.max() >= len(all_types)):
+                raise IndexError(f"node index out of range 0..{len(all_types) - 1}")
+            types, refs = all_types[idx].tolist(), c.refs[idx].tolist()
+        kpar, mset, mcpy, bpol = c.kpar.tolist(), c.mset.tolist(), c.mcpy.tolist(), c.bpol
         layouts: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         attrs: dict[int, dict[int, bytes]] = {}
         nodes: list[Node] = []
@@ -796,11 +799,20 @@ class GraphTable:
             elif nt in (NodeType.WAIT_EVENT, NodeType.EVENT_RECORD):
                 nodes.append(Node(nt, EventParams(ref)))
             elif nt == NodeType.GRAPH:
-                nodes.append(Node(nt, self.graph_of_row(ref, _depth + 1)))
+                nodes.append(Node(nt, self.graph_of_row(ref, depth + 1)))
             else:
                 nodes.append(Node(nt, None))
+        return nodes
+
+    def graph_of_row(self, row: int, _depth: int = 0) -> Graph:
+        nodes = self._nodes_of_row(row, None, _depth)
         edges = [Edge(s, d, fp, tp, ty) for s, d, fp, tp, ty, _ in self.edges(row, row=True).tolist()]
         return Graph(self.key_of_row(row), nodes, edges)
+
+    def nodes(self, i: int, indices: Sequence[int]) -> list[Node]:
+        """Only the given nodes of root graph i, decoded (e.g. `changed_nodes(i, template)`):
+        what a template switch needs, without materialising the whole graph."""
+        return self._nodes_of_row(self._row(i), indices, 0)
 
     def graph(self, i: int) -> Graph:
         """Root graph i as a `graphs.Graph` (decoded now; not cached)."""

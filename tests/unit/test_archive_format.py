@@ -119,6 +119,11 @@ def test_changed_nodes_finds_exactly_the_differing_params() -> None:
     pairs = zip(gs.graphs[2].nodes, a.nodes, strict=True)
     want = [i for i, (x, y) in enumerate(pairs) if x.params != y.params]
     assert diff.tolist() == want
+    # A switch decodes only those nodes.
+    assert table.nodes(2, diff) == [gs.graphs[2].nodes[i] for i in want]
+    assert table.nodes(2, []) == []
+    with pytest.raises(IndexError):
+        table.nodes(2, [len(a.nodes)])
 
 
 @pytest.mark.parametrize("bad", [NodeType.HOST, NodeType.MEM_ALLOC, NodeType.CONDITIONAL])
