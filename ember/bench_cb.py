@@ -410,6 +410,7 @@ def bench_cb(
             opts["identity"] = results[phase]["archive"]["identity"]
         if "error" in results[phase]:
             typer.echo(f"  failed: {results[phase]['error']}")
+        write_report(results, out)  # after every phase: a cut-off run still leaves its figures
     js, md = write_report(results, out)
     typer.echo(md.read_text())
     typer.echo(f"wrote {js} and {md}")

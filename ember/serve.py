@@ -14,9 +14,9 @@ engine; `ember.runtime.cb_engine.CBEngine` is the real one.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -123,16 +123,25 @@ def run_startup(
     elif archive is None:
         out.reason = "handoff disabled"
 
-    with contextlib.ExitStack() as marker:
-        if archive_dir is not None and result is not None:
-            marker.enter_context(handoff.load_attempt(result))  # a crash from here on → next start is native
-        if archive_dir is not None and _restore(starters, archive_dir, run_dir, out):
-            out.mode = "restored"
-            try:
-                _first_token(starters, out, t0)
-            except BaseException:
-                marker.pop_all()  # the restored graphs failed at first launch: keep the marker
-                raise
+    marker = None
+    if archive_dir is not None and result is not None:
+        # A process death from here to the first token leaves this marker: the next start in the
+        # pod captures natively instead of loading again (ember.handoff.wait_for_archive).
+        marker = result.run_dir / handoff.MARKER_FILE
+        handoff.write_json_atomic(
+            marker,
+            {
+                "identity": result.identity,
+                "pid": os.getpid(),
+                "started_at": time.time(),
+                "archive_dir": str(archive_dir),
+            },
+        )
+    if archive_dir is not None and _restore(starters, archive_dir, run_dir, out):
+        out.mode = "restored"
+        _first_token(starters, out, t0)  # an exception here keeps the marker: restored graphs failed
+    if marker is not None:
+        marker.unlink(missing_ok=True)
     if out.mode != "restored":
         _start_native(starters, out, run_dir)
         _first_token(starters, out, t0)
@@ -456,8 +465,11 @@ def serve(
     q_interval: Annotated[int, typer.Option(help="Query padding interval (graph keys).")] = 256,
     kv_interval: Annotated[int, typer.Option(help="KV padding interval (graph keys).")] = 4096,
     max_tokens_limit: Annotated[int, typer.Option(help="Largest max_tokens a request may ask.")] = 512,
+    save_to: Annotated[
+        str | None, typer.Option(help="SAVE this engine's graphs to a store URI, print the summary, exit.")
+    ] = None,
     preload: Annotated[
-        bool, typer.Option("--preload/--no-preload", help="Re-run under libember (LOAD needs it).")
+        bool, typer.Option("--preload/--no-preload", help="Re-run under libember (SAVE/LOAD need it).")
     ] = True,
 ) -> None:
     """Serve a model over HTTP (OpenAI-style) with transformers continuous batching: restored graphs
@@ -469,15 +481,11 @@ def serve(
     )
     if model is None and model_config is None:
         raise typer.BadParameter("give --model NAME|DIR or --model-config FILE")
-    if preload and (use_handoff or archive is not None):
-        _reexec_under_libember()
+    if preload and (save_to or use_handoff or archive is not None):
+        _reexec_under_libember("save" if save_to else "load")
     from ember.runtime import cb_engine, cb_runtime
 
     name = model or Path(str(model_config)).stem
-    state = ServerState(model_name=name, max_tokens_limit=max_tokens_limit)
-    server = make_server(state, host, port)
-    threading.Thread(target=server.serve_forever, name="ember-http", daemon=True).start()
-    log.info("Listening on http://%s:%d (ready after the first token)", host, server.server_address[1])
     sizing = {
         "block_size": block_size,
         "num_blocks": num_blocks,
@@ -486,6 +494,17 @@ def serve(
         "q_padding_interval_size": q_interval,
         "kv_padding_interval_size": kv_interval,
     }
+    if save_to:
+        ip = cb_runtime.session("save")  # armed before the model, as LOAD will be
+        lm = cb_engine.build_model(model, model_config, layers=layers, seed=seed)
+        summary = cb_runtime.save_engine(lm, cb_engine.generation_config(), sizing, save_to, name, ip)
+        summary.pop("engine")
+        typer.echo(json.dumps(summary, default=str))
+        raise typer.Exit(0 if summary["published"] else 1)
+    state = ServerState(model_name=name, max_tokens_limit=max_tokens_limit)
+    server = make_server(state, host, port)
+    threading.Thread(target=server.serve_forever, name="ember-http", daemon=True).start()
+    log.info("Listening on http://%s:%d (ready after the first token)", host, server.server_address[1])
     try:
         if use_handoff or archive is not None:
             cb_runtime.session("load")  # armed before the model: SAVE's allocation order
@@ -516,8 +535,8 @@ def serve(
         engine.stop()
 
 
-def _reexec_under_libember() -> None:
-    """Replace this process with itself under LD_PRELOAD=libember.so EMBER_MODE=load, if built."""
+def _reexec_under_libember(mode: str) -> None:
+    """Replace this process with itself under LD_PRELOAD=libember.so EMBER_MODE=mode, if built."""
     from ember import native
 
     if native.find_library() is None:
@@ -525,7 +544,7 @@ def _reexec_under_libember() -> None:
         return
     from ember.runtime.session import reexec_under_libember
 
-    reexec_under_libember("load")
+    reexec_under_libember(mode)
 
 
 def _tokenizer_for(model: str | None, vocab_size: int) -> Any:

@@ -378,3 +378,20 @@ def test_with_standalone_sidecar(tmp_path: Path, corrupt: bool) -> None:
         log, _ = proc.communicate(timeout=20)
     assert proc.returncode == 0, log
     assert ("Restore result: restored" in log) != corrupt, log
+
+
+def test_first_launch_failure_of_restored_graphs_keeps_the_crash_marker(tmp_path: Path) -> None:
+    _publish(tmp_path)
+    s = Starters()
+
+    def dies() -> list[int]:
+        raise RuntimeError("CUDA error: an illegal instruction was encountered")
+
+    starters = EngineStarters(s.restore, s.native, dies)
+    with pytest.raises(RuntimeError, match="illegal instruction"):
+        run_startup(starters, run_dir=tmp_path, deadline=5)
+    assert (tmp_path / handoff.MARKER_FILE).exists()
+    # The next engine in this pod captures natively instead of loading again.
+    s2 = Starters()
+    out = run_startup(s2.bundle(), run_dir=tmp_path, deadline=5)
+    assert out.mode == "native" and handoff.REASON_CRASHED in out.reason and "restore" not in s2.calls
