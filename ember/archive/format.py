@@ -329,10 +329,11 @@ class _Encoder:
                 b"MSET": np.array(list(mset), dtype=MSET_DT),
                 b"MCPY": np.array(list(mcpy), dtype=MCPY_DT),
             })
-        except OverflowError as exc:
+            edge_arr = np.array([(e.src, e.dst, e.from_port, e.to_port, e.type, 0) for e in graph.edges],
+                                dtype=EDGE_DT)
+            key = np.array(graph.key, dtype=I64)
+        except (OverflowError, ValueError, TypeError, struct.error) as exc:
             raise FormatError(f"{where}: a value does not fit its field: {exc}") from exc
-        edge_arr = np.array([(e.src, e.dst, e.from_port, e.to_port, e.type, 0) for e in graph.edges],
-                            dtype=EDGE_DT)
         n = len(graph.nodes)
         if len(edge_arr) and (edge_arr["src"].max() >= n or edge_arr["dst"].max() >= n):
             raise FormatError(f"{where}: an edge names a node outside 0..{n - 1}")
@@ -346,7 +347,7 @@ class _Encoder:
             key_off=len(self.keys), key_len=len(graph.key), ntyp_off=ntyp_off, node_count=n,
             edge_off=eoff, edge_count=len(graph.edges),
         )
-        self.keys.extend(graph.key)
+        self.keys.extend(key.tolist())
         self.chunks.append(chunk)  # rows are encoded in row order
 
 
@@ -362,7 +363,10 @@ def encode(
             f"GraphSet has {len(gs.kernels)} kernels but {len(gs.function_attrs)} function_attrs"
         )
     if groups is None:
-        groups = group_graphs(gs.graphs, gs.function_attrs)
+        try:
+            groups = group_graphs(gs.graphs, gs.function_attrs)
+        except ValueError as exc:
+            raise FormatError(str(exc)) from exc
     gidx = group_index(groups, len(gs.graphs))
     enc = _Encoder(gs)
     for i, g in enumerate(gs.graphs):

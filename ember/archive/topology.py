@@ -77,7 +77,10 @@ def signature(graph: Graph, function_attrs: Sequence[FunctionAttrs] = ()) -> str
     function-level cluster requirements count as unset.
     """
     h = hashlib.sha256(struct.pack("<4sI", b"EMTS", SIGNATURE_VERSION))
-    _feed(h, graph, function_attrs, 0)
+    try:
+        _feed(h, graph, function_attrs, 0)
+    except (struct.error, TypeError) as exc:
+        raise ValueError(f"graph {graph.key}: a field does not fit the signature encoding: {exc}") from exc
     return h.hexdigest()
 
 

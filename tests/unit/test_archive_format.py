@@ -247,3 +247,22 @@ def test_open_is_cheap_for_many_graphs() -> None:
     elapsed = time.perf_counter() - t
     assert table.count == 128
     assert elapsed < 0.5, f"opening 128 graphs took {elapsed * 1e3:.0f} ms"
+
+
+def test_empty_sets_and_graphs_round_trip() -> None:
+    empty = fmt.GraphTable(fmt.encode(GraphSet([], [], [])))
+    assert (empty.count, empty.keys, empty.groups, empty.node_type_counts()) == (0, [], [], {})
+    empty.validate()
+    gs = GraphSet([Graph((1,), [], [])], [], [])
+    assert fmt.GraphTable(fmt.encode(gs)).to_graphset() == gs
+
+
+@pytest.mark.parametrize("graph", [
+    Graph((1,), [Node(NodeType.EMPTY), Node(NodeType.EMPTY)], [Edge(0, 1, 0, 0, 300)]),
+    Graph((2**63,), [], []),
+    Graph((1,), [Node(NodeType.KERNEL, KernelParams(0, (2**32, 1, 1), (1, 1, 1), 0))], []),
+    Graph((1,), [Node(NodeType.MEMSET, MemsetParams(-1, 0, 0, 4, 1, 1))], []),
+])
+def test_values_that_do_not_fit_their_field_are_refused(graph: Graph) -> None:
+    with pytest.raises(fmt.FormatError, match="does not fit"):
+        fmt.encode(GraphSet([graph], [KernelRef("a" * 64, "k")], []))
