@@ -118,7 +118,13 @@ static Real g_real;
 static const Real* g_real_ptr = nullptr;
 static std::once_flag g_real_once;
 
+// Set while this thread resolves the driver: a dlsym from libcuda's own initializers must not
+// re-enter the call_once (it would deadlock).
+static thread_local bool t_resolving = false;
+
 static void resolve_real() {
+  t_resolving = true;
+  struct Reset { ~Reset() { t_resolving = false; } } reset;
   void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
   if (h == nullptr) {
     EMBER_LOG(Info, "No CUDA driver (dlopen libcuda.so.1: %s); ember stays inert", dlerror());
@@ -272,7 +278,7 @@ EMBER_EXPORT void* dlsym(void* handle, const char* name) {
   void* p = real_dlsym(handle, name);
   if (p == nullptr) return nullptr;
   const int i = hook_by_symbol(name);
-  if (i < 0 || real() == nullptr) return p;
+  if (i < 0 || t_resolving || real() == nullptr) return p;
   EMBER_LOG(Debug, "dlsym(%s) -> wrapper", name);
   return kHooks[i].wrapper;
 }
