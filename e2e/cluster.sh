@@ -49,12 +49,14 @@ die() { log "ERROR: $*"; exit 1; }
 
 pid_of() { [[ -f "$PIDS/$1.pid" ]] && cat "$PIDS/$1.pid" || true; }
 
-# running NAME: the pid in NAME's pid file is alive and still runs a binary from e2e/.work/bin.
+# running NAME: the pid in NAME's pid file is alive and still runs what we started (a binary
+# from e2e/.work/bin, or the operator that e2e/demo.sh starts), not a recycled pid.
 running() {
-  local pid
+  local pid pattern="^$WORK/bin/"
+  [[ "$1" == operator ]] && pattern="ember[-_]operator"
   pid="$(pid_of "$1")"
   [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null &&
-    tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -q "^$WORK/bin/"
+    tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -Eq "$pattern"
 }
 
 # spawn NAME CMD...: start CMD detached (own session, survives the caller), log and pid files.
@@ -346,7 +348,7 @@ cmd_down() {
   exec 9>"$WORK/cluster.lock"
   flock -w 300 9 || die "another e2e/cluster.sh holds $WORK/cluster.lock"
   local name
-  for name in minio kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
+  for name in operator minio kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
     stop "$name"
   done
   # State is per run: the next `up` starts from an empty etcd and MinIO with fresh credentials.

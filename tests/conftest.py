@@ -13,6 +13,9 @@ import subprocess
 
 import pytest
 
+# Session fixtures `k8s`, `k8s_namespace`, `minio` (real local servers via e2e/cluster.sh up).
+from fixtures_cluster import k8s, k8s_namespace, local_cluster_env, minio  # noqa: F401
+
 
 @functools.cache
 def gpu_available() -> bool:

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# README's first command: install ember, start the local control plane + MinIO, run the
+# operator (when it exists) against it and apply examples/. Safe to rerun.
+#
+#   e2e/demo.sh            install + cluster + operator + examples
+#   e2e/demo.sh --no-install
+#
+# Stop everything with `e2e/cluster.sh down` (it also stops the operator started here).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+WORK="$ROOT/e2e/.work"
+log() { printf '[demo %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+if [[ "${1:-}" != "--no-install" ]]; then
+  log "installing ember into .venv (editable, extras dev,operator,sidecar)"
+  [[ -x .venv/bin/python ]] || python3 -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e '.[dev,operator,sidecar]'
+fi
+# shellcheck disable=SC1091
+source .venv/bin/activate
+
+log "starting the local control plane and MinIO (first run builds them from Go sources)"
+e2e/cluster.sh up
+# shellcheck disable=SC1091
+source "$WORK/env"
+kubectl() { "$EMBER_E2E_KUBECTL" "$@"; }
+
+# apply_dir DIR: apply every Kubernetes manifest (YAML with apiVersion + kind) under DIR.
+apply_dir() {
+  local f found=0
+  while IFS= read -r -d '' f; do
+    grep -q '^apiVersion:' "$f" && grep -q '^kind:' "$f" || continue
+    kubectl apply -f "$f"
+    found=1
+  done < <(find "$1" -type f \( -name '*.yaml' -o -name '*.yml' \) -print0 2>/dev/null | sort -z)
+  ((found)) || log "no manifests in $1 yet"
+}
+
+apply_dir crds
+for crd in $(kubectl get crd -o name | grep 'ember.dev$' || true); do
+  kubectl wait --for condition=Established --timeout=60s "$crd" >/dev/null
+done
+
+# The operator runs on this machine against the local cluster (not in it: no image registry).
+export EMBER_STORE="${EMBER_STORE:-s3://$EMBER_S3_BUCKET/ember}"
+if [[ -f operator/ember_operator/main.py ]]; then
+  pidfile="$WORK/run/pids/operator.pid"
+  if [[ -f "$pidfile" ]] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
+    log "operator already running (pid $(cat "$pidfile"))"
+  else
+    mkdir -p "$WORK/run/logs" "$WORK/run/pids"
+    setsid ember-operator >>"$WORK/run/logs/operator.log" 2>&1 </dev/null &
+    echo $! >"$pidfile"
+    log "operator started (pid $!, log $WORK/run/logs/operator.log, store $EMBER_STORE)"
+    sleep 3
+    kill -0 "$(cat "$pidfile")" 2>/dev/null || { tail -n 30 "$WORK/run/logs/operator.log" >&2; exit 1; }
+  fi
+else
+  log "operator/ember_operator/main.py does not exist yet: skipping the operator"
+fi
+
+apply_dir examples
+
+log "cluster:"
+kubectl get nodes -L nvidia.com/gpu.product
+kubectl get modeldeployments,grapharchives -A 2>/dev/null || true
+log "KUBECONFIG=$KUBECONFIG (source $WORK/env for kubectl, S3 endpoint and credentials)"
