@@ -4,6 +4,7 @@ ranged fetches, manifests, whole archives, and clean failures for bad buckets an
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 import time
@@ -13,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
 from ember.archive import bundle
 from ember.archive.synthetic import synthetic_graphset, synthetic_images
+from ember.cli import app
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import BlobCorrupt, BlobMissing, S3Store, StoreUnavailable, open_manifest_uri, open_store
 
@@ -157,3 +160,24 @@ def test_missing_bucket_and_bad_credentials_are_unavailable(minio: Any) -> None:
     with pytest.raises(StoreUnavailable, match=r"access denied|check the credentials"):
         bad.get_manifest("aa" * 32)
     assert time.monotonic() - t < 30
+
+
+def test_cli_inspect_and_verify_an_s3_archive(
+    store: S3Store, minio: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ident = ArchiveIdentity(model="test/s3-cli", engine="transformers", engine_version="0",
+                            capture_sizes=(1, 2))
+    compat = CompatKey(gpu_name="NVIDIA H100", compute_capability="9.0", driver="580", cuda="13.0")
+    bundle.write_archive(store, synthetic_graphset(graphs=2, nodes=40, groups=1), ident, compat,
+                         kernel_images=synthetic_images())
+    for key, value in minio.env.items():  # the standard boto3 chain plus EMBER_S3_ENDPOINT
+        monkeypatch.setenv(key, value)
+    runner = CliRunner()
+    out = runner.invoke(app, ["inspect", store.uri, ident.hash(), "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["manifest"]["identity"]["model"] == "test/s3-cli"
+    ok = runner.invoke(app, ["verify", store.uri, ident.hash()])
+    assert ok.exit_code == 0, ok.output
+    monkeypatch.setenv("EMBER_S3_ENDPOINT", "http://127.0.0.1:1")
+    down = runner.invoke(app, ["verify", store.uri, ident.hash()])
+    assert down.exit_code == 2 and "store unavailable" in down.output
