@@ -19,6 +19,13 @@ chunk, identical rows are stored once, and every kernel row carries a 64-bit has
 bytes, so `changed_nodes(i, j)` finds the nodes whose params differ between two graphs of one
 group with a vectorised compare: what LOAD needs to switch a template by exec update.
 
+API for LOAD (stable names): `decode(blob)` / `GraphTable(blob)`; `.count`, `.keys`,
+`.key_index`, `.groups` (`GroupInfo`: index, signature, members, template — root indices),
+`.group_of(i)`, `.kernels`, `.function_attrs`, `.node_types(i)`, `.edges(i)` (numpy, no chunk
+decoded); `.chunk(i)` (numpy param tables), `.graph(i)` / `.graph_by_key(key)` (a
+`graphs.Graph`), `.changed_nodes(i, j)` and `.nodes(i, indices)` (a template switch decodes
+only what differs), `.to_graphset()`, `.validate(threads)`, `.node_type_counts()`.
+
 Versioning: a reader refuses another MAJOR (`FormatVersionError`); for a newer MINOR it reads
 the sections and row fields it knows: unknown sections are skipped and rows may grow at the end
 (each section records its row size).
