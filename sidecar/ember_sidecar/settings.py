@@ -89,7 +89,7 @@ class Settings(BaseModel):
             "warm_ready_without_engine": _bool(_env("EMBER_WARM_READY_WITHOUT_ENGINE")),
             "log_level": _env("EMBER_LOG_LEVEL"),
         }
-        env.update(overrides)
+        env.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate({k: v for k, v in env.items() if v is not None})
 
     def store_options(self) -> dict[str, Any]:
