@@ -84,6 +84,13 @@ def cluster_up() -> dict[str, str]:
     return read_env_file(ENV_FILE)
 
 
+class KubectlError(subprocess.CalledProcessError):
+    """A failed kubectl call whose message includes kubectl's stderr."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n{self.stderr or ''}".rstrip()
+
+
 @dataclass
 class LocalCluster:
     """The running local control plane, as tests see it."""
@@ -123,13 +130,11 @@ class LocalCluster:
 
     def kubectl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run the cluster's own kubectl (same build as the control plane)."""
-        return subprocess.run(
-            [str(self.kubectl_path), "--kubeconfig", str(self.kubeconfig), *args],
-            capture_output=True,
-            text=True,
-            check=check,
-            timeout=120,
-        )
+        cmd = [str(self.kubectl_path), "--kubeconfig", str(self.kubeconfig), *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if check and proc.returncode != 0:
+            raise KubectlError(proc.returncode, cmd, proc.stdout, proc.stderr)
+        return proc
 
 
 @dataclass(frozen=True)
