@@ -149,14 +149,14 @@ def run_bench(endpoint: str, bucket: str, mb: float, repeat: int, workdir: Path)
     sidecar_s: list[float] = []
     boto_s: list[float] = []
     stages: list[dict[str, float]] = []
-    for i in range(repeat):
+    def sidecar_run(i: int) -> None:
         run_dir = workdir / f"run-{i}"
         writer = HandoffWriter(run_dir)
         cache = ArchiveCache(writer.cache_dir, **settings.cache_options())
         cache.warm(store_uri)  # as the sidecar does at start-up with EMBER_STORE
         restorer = Restorer(cache, writer, Metrics(), LogReporter())
         got: dict[str, Any] = {}
-        engine = threading.Thread(target=lambda got=got, run_dir=run_dir: got.update(
+        engine = threading.Thread(target=lambda: got.update(
             r=wait_for_archive(run_dir, deadline=120.0, claim_timeout=120.0, poll_s=0.002)))
         engine.start()
         t0 = time.perf_counter()
@@ -170,6 +170,7 @@ def run_bench(endpoint: str, bucket: str, mb: float, repeat: int, workdir: Path)
         restorer.stop()
         shutil.rmtree(run_dir)
 
+    def boto_run(i: int) -> None:
         dest = workdir / f"boto-{i}"
         dest.mkdir()
         t0 = time.perf_counter()
@@ -177,6 +178,13 @@ def run_bench(endpoint: str, bucket: str, mb: float, repeat: int, workdir: Path)
             client.download_file(bucket, k, str(dest / k.rsplit("/", 1)[1]))
         boto_s.append(time.perf_counter() - t0)
         shutil.rmtree(dest)
+
+    for i in range(repeat):
+        # Alternate which path goes first (order effects cancel) and start each run with no
+        # dirty pages from the previous one.
+        for run in (sidecar_run, boto_run) if i % 2 == 0 else (boto_run, sidecar_run):
+            os.sync()
+            run(i)
 
     for k in [*keys, f"{prefix}/archives/{manifest.identity_hash}/manifest"]:
         client.delete_object(Bucket=bucket, Key=k)
@@ -218,7 +226,8 @@ def _markdown(r: dict[str, Any]) -> str:
         "",
         f"Archive: {r['archive_bytes'] / 1e6:.1f} MB in {r['blobs']} blobs (written by the archive writer; "
         "kernel images and allocation log padded with random bytes, so zstd cannot shrink them); "
-        f"endpoint {r['endpoint']}; {r['repeat']} runs each, cold cache, alternating; "
+        f"endpoint {r['endpoint']}; {r['repeat']} runs each, cold cache, order alternating, "
+        "`sync` before each; "
         f"{r['machine']['cpus']} CPUs, Python {r['machine']['python']}. Measured {r['at']}.",
         "",
         "| path | median s | min s | MB/s (median) | runs (s) |",
