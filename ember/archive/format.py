@@ -653,26 +653,31 @@ class GraphTable:
             mine[dict_row] = d
         return d
 
+    def _what(self, row: int) -> str:
+        return f"graph {self.key_of_row(row)} (row {row})"
+
     def chunk_of_row(self, row: int) -> GraphChunk:
         c = self._cache.get(row)
         if c is not None:
             return c
-        r = self.rows[row]
-        dict_row = int(r["dict_row"])
+        _, _, _, _, _, _, _, _, chunk_off, chunk_len, chunk_raw, dict_row, _ = self.rows[row].tolist()[:13]
         if dict_row == row:
             raise FormatError(f"graph row {row}: chunk compressed against itself")
-        off = self._chunks_off + int(r["chunk_off"])
-        frame = self.blob[off:off + int(r["chunk_len"])]
-        what = f"graph {self.key_of_row(row)} (row {row})"
+        off = self._chunks_off + chunk_off
         try:
-            raw = self._decompressor(dict_row).decompress(frame, max_output_size=int(r["chunk_raw"]))
+            raw = self._decompressor(dict_row).decompress(self.blob[off:off + chunk_len],
+                                                           max_output_size=chunk_raw)
         except zstd.ZstdError as exc:
-            raise FormatError(f"{what}: params do not decompress ({exc}): damaged archive") from exc
-        if len(raw) != int(r["chunk_raw"]):
-            raise FormatError(f"{what}: params are {len(raw)} bytes, index says {int(r['chunk_raw'])}")
-        s = _unpack_container(raw, CHUNK_SECTIONS, what)
-        c = GraphChunk(raw, s[b"REFS"], s[b"KPAR"], s[b"BPOL"], s[b"MSET"], s[b"MCPY"])
-        self._check_chunk(row, c, what)
+            msg = f"{self._what(row)}: params do not decompress ({exc}): damaged archive"
+            raise FormatError(msg) from exc
+        if len(raw) != chunk_raw:
+            raise FormatError(f"{self._what(row)}: params are {len(raw)} bytes, index says {chunk_raw}")
+        try:
+            s = _unpack_container(raw, CHUNK_SECTIONS, "params")
+            c = GraphChunk(raw, s[b"REFS"], s[b"KPAR"], s[b"BPOL"], s[b"MSET"], s[b"MCPY"])
+            self._check_chunk(row, c)
+        except FormatError as exc:
+            raise FormatError(f"{self._what(row)}: {exc}") from None
         self._cache[row] = c
         return c
 
@@ -695,25 +700,28 @@ class GraphTable:
             self._pos_cache[seg] = pos
         return pos
 
-    def _check_chunk(self, row: int, c: GraphChunk, what: str) -> None:
+    def _check_chunk(self, row: int, c: GraphChunk) -> None:
         count = int(self.rows[row]["node_count"])
         if len(c.refs) != count:
-            raise FormatError(f"{what}: {len(c.refs)} param refs for {count} nodes")
+            raise FormatError(f"{len(c.refs)} param refs for {count} nodes")
         pos = self._positions(row)
         for t, n in ((_KERNEL, len(c.kpar)), (_MEMSET, len(c.mset)), (_MEMCPY, len(c.mcpy)),
                      (_GRAPH, len(self.rows))):
             p = pos.get(t)
             if p is not None and len(p) and int(c.refs[p].max()) >= n:
-                raise FormatError(f"{what}: a {NodeType(t).name} node refers to a missing row")
+                raise FormatError(f"a {NodeType(t).name} node refers to a missing row")
         k = c.kpar
-        if len(k):
-            if int(k["kernel"].max()) >= len(self._kern):
-                raise FormatError(f"{what}: a kernel node names a missing kernel")
-            if int((k["args_off"].astype(np.int64) + k["args_len"]).max()) > len(c.bpol):
-                raise FormatError(f"{what}: kernel arguments point outside the argument pool")
-            lay = k["layout"]
-            if ((lay != NONE) & (lay >= len(self._layo))).any() or int(k["attrs"].max()) >= len(self._atts):
-                raise FormatError(f"{what}: a kernel node names a missing layout or attribute set")
+        if not len(k):
+            return
+        kern_max, attrs_max = int(k["kernel"].max()), int(k["attrs"].max())
+        args_end = int((k["args_off"].astype(np.int64) + k["args_len"]).max())
+        layout_top = int((k["layout"] + np.uint32(1)).max())  # NONE + 1 wraps to 0
+        if kern_max >= len(self._kern):
+            raise FormatError("a kernel node names a missing kernel")
+        if args_end > len(c.bpol):
+            raise FormatError("kernel arguments point outside the argument pool")
+        if layout_top > len(self._layo) or attrs_max >= len(self._atts):
+            raise FormatError("a kernel node names a missing layout or attribute set")
 
     def changed_nodes(self, i: int, j: int) -> np.ndarray:
         """Node indices of graph i whose params differ from graph j's (same topology group).
