@@ -111,6 +111,8 @@ class HandoffResult:
     identity: str = ""
     waited_s: float = 0.0
     run_dir: Path = field(default_factory=run_dir_from_env)
+    rank: int = 0  # the rank layout of the claim (ember.dev/rank, ember.dev/world)
+    world: int = 1
 
     @property
     def restored(self) -> bool:
@@ -194,7 +196,8 @@ def _result_from_status(
         # Time from the sidecar publishing the archive to the engine picking it up.
         published = float(status.get("updated_at") or time.time())
         report("handoff", max(0.0, time.time() - published), "ok", run_dir=root)
-    return HandoffResult(archive_dir, "", identity, waited, root)
+    return HandoffResult(archive_dir, "", identity, waited, root,
+                         int(status.get("rank") or 0), int(status.get("world") or 1))
 
 
 def report(
@@ -281,9 +284,12 @@ class HandoffWriter:
         self._claimed_at = time.time()
         self._write(FETCHING, identity=identity, archive=archive_uri)
 
-    def ready(self, identity: str, archive_dir: Path, archive_uri: str = "") -> None:
-        """The verified archive is in place: the engine LOADs it."""
-        self._write(READY, identity=identity, archive_dir=str(archive_dir), archive=archive_uri)
+    def ready(
+        self, identity: str, archive_dir: Path, archive_uri: str = "", rank: int = 0, world: int = 1
+    ) -> None:
+        """The verified archive is in place: the engine LOADs it (as `rank` of `world`)."""
+        self._write(READY, identity=identity, archive_dir=str(archive_dir), archive=archive_uri,
+                    rank=rank, world=world)
 
     def fallback(self, reason: str, identity: str = "", archive_uri: str = "") -> None:
         """Capture natively; ``reason`` is short and machine-friendly (e.g. ``digest-mismatch: ...``)."""

@@ -166,7 +166,7 @@ class Restorer:
         with self.lock:
             if self.current is not state:
                 return
-            self.writer.ready(claim.identity, fetched.archive_dir, claim.archive_uri)
+            self.writer.ready(claim.identity, fetched.archive_dir, claim.archive_uri, claim.rank, claim.world)
             state.handed_off_at = time.time()
         log.info(
             "Archive %s handed off (%s, %.1f MB, fetch %.3fs, verify %.3fs, claim→handoff %.3fs)",

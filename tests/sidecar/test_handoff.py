@@ -24,9 +24,10 @@ def test_ready_archive_is_handed_over_and_handoff_is_reported(tmp_path: Path) ->
     w = handoff.HandoffWriter(tmp_path)
     d = _make_archive(w)
     w.fetching("abc", "s3://b/p/archives/abc/manifest")
-    w.ready("abc", d)
+    w.ready("abc", d, rank=1, world=2)
     r = handoff.wait_for_archive(tmp_path, deadline=1.0)
     assert r.restored and r.archive_dir == d and r.identity == "abc"
+    assert (r.rank, r.world) == (1, 2)
     assert r.manifest_path == d / "manifest"
     reports = w.new_reports()
     assert [x["stage"] for x in reports] == ["handoff"] and reports[0]["result"] == "ok"
