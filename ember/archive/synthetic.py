@@ -53,9 +53,14 @@ def _attr(value: bytes) -> bytes:
 
 
 def synthetic_graphset(
-    graphs: int = 8, nodes: int = 120, groups: int = 2, seed: int = 0, layers: int = 32
+    graphs: int = 8, nodes: int = 120, groups: int = 2, seed: int = 0, layers: int = 32,
+    child_graphs: bool = True,
 ) -> GraphSet:
-    """`graphs` graphs keyed (1,), (2,), ... of about `nodes` nodes each in `groups` groups."""
+    """`graphs` graphs keyed (1,), (2,), ... of about `nodes` nodes each in `groups` groups.
+
+    With `child_graphs=False` the child-graph node becomes an EMPTY node (engine decode graphs
+    captured from streams have no child graphs; the parse benchmark uses that shape).
+    """
     rng = random.Random(seed)
     images = list(synthetic_images())
     n_kernels = 48
@@ -99,7 +104,7 @@ def synthetic_graphset(
                                                arg_offsets=(0, 8), arg_sizes=(8, 4))),
             Node(NodeType.MEMSET, MemsetParams(act + 0x2000, 512, 7, 1, 64, 2 + g % 2)),
         ], [Edge(0, 1)])
-        nodes_.append(Node(NodeType.GRAPH, child))
+        nodes_.append(Node(NodeType.GRAPH, child) if child_graphs else Node(NodeType.EMPTY))
         for j, (k, gemm, attrs) in enumerate(plans[g]):
             w = weights[j]
             if gemm:
