@@ -224,3 +224,22 @@ def test_pod_deleted_mid_fetch_ends_cleanly(sidecar_pod: Any, bucket_store: Stor
         assert not (pod.run_dir / "store" / "archives" / m.identity_hash / "manifest").exists()
     finally:
         proxy.close()
+
+
+def test_warm_pod_prefetch_then_claim_pays_no_download(sidecar_pod: Any, bucket_store: Store,
+                                                       minio: LocalMinio) -> None:
+    m = write_blob_archive(bucket_store, SIZES)
+    other = write_blob_archive(bucket_store, [4096, 100_000], identity=sample_identity("prefetch-other"),
+                               seed=3)
+    pod = sidecar_pod()
+    uris = [bucket_store.manifest_uri(m.identity_hash), bucket_store.manifest_uri(other.identity_hash)]
+    pod.core.patch_namespaced_pod(pod.name, pod.namespace, {"metadata": {"annotations": {
+        "ember.dev/prefetch": ",".join(uris)}}})
+    wait_until(lambda: pod.metric('ember_prefetches_total{result="ok"} 2.0'), timeout=30, what="prefetches")
+    # The store loses the blobs: a claim can only succeed from the pod's cache.
+    for b in m.blobs:
+        minio.client().delete_object(Bucket=minio.bucket, Key=f"{bucket_store.prefix}/blobs/{b.sha256}")
+    pod.claim(uris[0], m.identity_hash)
+    res = handoff.wait_for_archive(pod.run_dir, deadline=30)
+    assert res.restored, res.reason
+    assert pod.metric('ember_restore_stage_seconds_sum{stage="fetch"} 0.0')

@@ -255,3 +255,27 @@ def test_bundle_archive_handed_off_and_opened_from_cache(store: LocalStore, tmp_
     archive = open_archive(res.store_uri, res.identity)
     assert archive.graph_table.keys == open_archive(store, m.identity_hash).graph_table.keys
     assert archive.manifest.engine == {"kv_cache_bytes": 1 << 30}
+
+
+def test_claim_is_not_held_up_by_a_stuck_prefetch(store: LocalStore, tmp_path: Path) -> None:
+    import socket
+
+    m = write_blob_archive(store, SIZES)
+    r, _, run_dir = make(tmp_path)
+    # An S3 endpoint that accepts connections and never answers: the prefetch hangs in its GET.
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        r.cache.store_options = {"endpoint": f"http://127.0.0.1:{silent.getsockname()[1]}", "max_attempts": 1,
+                                 "read_timeout": 1.0, "access_key": "x", "secret_key": "y"}
+        r.prefetch(f"s3://bucket/p/archives/{'cd' * 32}/manifest")
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        r.claim(claim_for(store, m.identity_hash))
+        assert handoff.wait_for_archive(run_dir, deadline=10).restored
+        assert time.monotonic() - t0 < 0.9, "the claim did not wait for the prefetch"
+        assert r._prefetch_cancel.is_set(), "a claim cancels prefetches"
+        wait_for(lambda: not any(t.is_alive() for t in r._workers if t.name == "ember-prefetch"),
+                 what="the prefetch to end")
+        assert sample(r.metrics, "ember_prefetches_total", result="ok") == 0
+    finally:
+        silent.close()
