@@ -662,7 +662,7 @@ class GraphTable:
         c = self._cache.get(row)
         if c is not None:
             return c
-        _, _, _, _, _, _, _, _, chunk_off, chunk_len, chunk_raw, dict_row, _ = self.rows[row].tolist()[:13]
+        _, _, _, _, _, _, _, _, chunk_off, chunk_len, chunk_raw, dict_row, _ = self._row_info[row][:13]
         if dict_row == row:
             raise FormatError(f"graph row {row}: chunk compressed against itself")
         off = self._chunks_off + chunk_off
@@ -688,10 +688,15 @@ class GraphTable:
         """Graph i's param tables (decompressed once, then cached)."""
         return self.chunk_of_row(self._row(i))
 
+    @cached_property
+    def _row_info(self) -> list[tuple[int, ...]]:
+        """GRPH rows as Python tuples: per-chunk paths avoid numpy scalar access."""
+        return self.rows.tolist()
+
     def _positions(self, row: int) -> dict[int, np.ndarray]:
         """Node positions per node type for a row's node-type segment (cached: groups share it)."""
-        r = self.rows[row]
-        seg = (int(r["ntyp_off"]), int(r["node_count"]))
+        info = self._row_info[row]
+        seg = (info[2], info[3])  # ntyp_off, node_count
         pos = self._pos_cache.get(seg)
         if pos is None:
             types = self._ntyp[seg[0]:seg[0] + seg[1]]
@@ -704,7 +709,7 @@ class GraphTable:
         return pos
 
     def _check_chunk(self, row: int, c: GraphChunk) -> None:
-        count = int(self.rows[row]["node_count"])
+        count = self._row_info[row][3]
         if len(c.refs) != count:
             raise FormatError(f"{len(c.refs)} param refs for {count} nodes")
         pos = self._positions(row)
