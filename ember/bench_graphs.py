@@ -1,0 +1,252 @@
+"""`ember bench graphs`: native warmup+capture against SAVE → LOAD in a FRESH process, same run.
+
+For each workload, three child processes run one after another on the same GPU:
+1. native  - no libember: build, warm up + capture every size (timed), TPOT, greedy decode
+             token hashes, output fingerprints;
+2. save    - `ember save` under libember (EMBER_MODE=save): capture, walk, prove, publish;
+3. load    - under libember (EMBER_MODE=load), perturbed first (allocations before arming) with
+             the default allocator: LOAD (timed), template switches (timed), TPOT, decode tokens
+             and output fingerprints compared with SAVE's and the native run's.
+The report (JSON + markdown) goes to benchmarks/results/graphs-<device>-<date>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+GOALS = {"native_over_load": 30.0, "load_ms": 250.0, "switch_p50_ms": 1.0, "tpot_ratio": 1.01,
+         "archive_bytes": 250e6}
+TPOT_BATCHES = (1, 64)
+DECODE_BATCHES = (1, 8, 64)
+
+
+def _present(sizes: list[int], wanted: tuple[int, ...]) -> list[int]:
+    return [b for b in wanted if b in sizes]
+
+
+# ---- child roles ---------------------------------------------------------------------------------
+def role_native(args: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from ember.runtime.commands import make_workload, parse_sizes
+    from ember.runtime.prove import decode_tokens, replay_fingerprints, tpot_ms
+    from ember.runtime.session import ensure_context
+
+    ensure_context()
+    w = make_workload(args["workload"], args["layers"], parse_sizes(args["sizes"]))
+    t = time.perf_counter()
+    w.build()
+    out: dict[str, Any] = {"build_s": time.perf_counter() - t, "device": torch.cuda.get_device_name()}
+    t = time.perf_counter()
+    w.capture()
+    out["native_capture_s"] = time.perf_counter() - t
+    launch = lambda k: w.graphs[k].replay()  # noqa: E731
+    out["tpot_ms"] = {str(b): tpot_ms(w, launch, b) for b in _present(list(w.sizes), TPOT_BATCHES)}
+    out["decode_sha256"] = {str(b): decode_tokens(w, launch, b)[0] for b in _present(list(w.sizes), DECODE_BATCHES)}
+    out["fingerprints"] = replay_fingerprints(w, launch, [(b,) for b in w.sizes], lambda k: list(w.outs[k]))
+    out["graphs"] = len(w.graphs)
+    return out
+
+
+def role_load(args: dict[str, Any]) -> dict[str, Any]:
+    from ember.runtime.commands import replay_verify_loaded
+    from ember.runtime.load import LoadRefused, attempt_marker, run_load
+    from ember.runtime.prove import decode_tokens, tpot_ms
+
+    try:
+        loaded = run_load(args["store"], args["identity"], perturb_first=True, log=lambda m: None)
+    except LoadRefused as exc:
+        return {"refused": exc.reason}
+    out: dict[str, Any] = {"timings": loaded.timings, "load_ms": loaded.timings["load_ms"]}
+    lib, w = loaded.library, loaded.workload
+    with attempt_marker(args.get("run_dir") or tempfile.mkdtemp(prefix="ember-run-"), args["identity"]):
+        sizes = [k[0] for k in lib.keys]
+        lib._hot_after = 0  # measure the template path only
+        first = []
+        for i in range(len(lib.keys)):
+            t = time.perf_counter()
+            lib.exec_for(i)
+            first.append((time.perf_counter() - t) * 1e3)
+        lib.switch_ms.clear()
+        for _ in range(3):
+            for i in range(len(lib.keys)):
+                lib.exec_for(i)
+        sw = sorted(lib.switch_ms)
+        out["switch_ms"] = {"p50": statistics.median(sw), "p99": sw[int(0.99 * (len(sw) - 1))], "n": len(sw)} if sw else {}
+        out["first_switch_ms_p50"] = statistics.median(first)
+        out["tpot_ms"] = {str(b): tpot_ms(w, loaded.launch, b) for b in _present(sizes, TPOT_BATCHES)}
+        out["decode_sha256"] = {str(b): decode_tokens(w, loaded.launch, b)[0] for b in _present(sizes, DECODE_BATCHES)}
+        out["replay"] = replay_verify_loaded(loaded)
+    from ember.runtime.prove import replay_fingerprints
+
+    out["fingerprints"] = replay_fingerprints(w, loaded.launch, [tuple(k) for k in lib.keys],
+                                              lambda k: loaded.outputs[k])
+    out["saved_decode_sha256"] = loaded.archive.engine.get("decode_sha256", {})
+    return out
+
+
+def _child(role: str, args: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    args = {**args, "out": path}
+    cmd = [sys.executable, "-m", "ember.bench_graphs", role, json.dumps(args)]
+    proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+    sys.stderr.write(proc.stderr[-4000:])
+    if proc.returncode != 0:
+        return {"error": f"{role} exited {proc.returncode}", "stderr": proc.stderr[-2000:]}
+    return json.loads(Path(path).read_text())
+
+
+def _save_child(workload: str, layers: int, sizes: str, store: str, env: dict[str, str],
+                timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, "-c", "import sys; from ember.cli import app; sys.argv[0]='ember'; app()", "save",
+           "--workload", workload, "--layers", str(layers), "--sizes", sizes, "--store", store]
+    proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+    sys.stderr.write(proc.stderr[-4000:])
+    if proc.returncode != 0:
+        return {"error": f"save exited {proc.returncode}", "stderr": proc.stderr[-3000:]}
+    return json.loads(proc.stdout[proc.stdout.index("{"):])
+
+
+def bench_one(workload: str, layers: int, sizes: str, store: str, timeout: float = 900) -> dict[str, Any]:
+    from ember.runtime.session import preload_env
+
+    base_env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "EMBER_MODE")}
+    base_env.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # the default allocator (the harder case)
+    args = {"workload": workload, "layers": layers, "sizes": sizes}
+    res: dict[str, Any] = {"workload": workload, "layers": layers or "model"}
+    t = time.perf_counter()
+    native = _child("native", args, base_env, timeout)
+    res["native_wall_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    saved = _save_child(workload, layers, sizes, store, preload_env("save", base_env), timeout)
+    res["save_wall_s"] = time.perf_counter() - t
+    if "error" in saved or "error" in native:
+        res.update(native_error=native.get("error"), save_error=saved.get("error"),
+                   stderr=(saved.get("stderr") or native.get("stderr") or "")[-1500:])
+        return res
+    t = time.perf_counter()
+    loaded = _child("load", {**args, "store": store, "identity": saved["identity"]}, preload_env("load", base_env),
+                    timeout)
+    res["load_wall_s"] = time.perf_counter() - t
+    res["device"] = native.get("device")
+    res["graphs"] = saved["graphs"]
+    res["groups"] = saved["groups"]
+    res["native_capture_s"] = native["native_capture_s"]
+    res["archive_bytes"] = saved["bytes"]
+    res["save_durations"] = saved["durations"]
+    if "error" in loaded or "refused" in loaded:
+        res["load_error"] = loaded.get("error") or f"refused: {loaded.get('refused')}"
+        res["stderr"] = loaded.get("stderr", "")[-1500:]
+        return res
+    res["load_ms"] = loaded["load_ms"]
+    res["load_timings"] = loaded["timings"]
+    res["native_over_load"] = res["native_capture_s"] * 1e3 / res["load_ms"]
+    res["switch_ms"] = loaded["switch_ms"]
+    res["first_switch_ms_p50"] = loaded["first_switch_ms_p50"]
+    res["tpot_native_ms"] = native["tpot_ms"]
+    res["tpot_restored_ms"] = loaded["tpot_ms"]
+    res["tokens_identical"] = {b: native["decode_sha256"].get(b) == sha == loaded["saved_decode_sha256"].get(b)
+                               for b, sha in loaded["decode_sha256"].items()}
+    res["outputs_identical_vs_save"] = loaded["replay"]
+    nf, lf = native["fingerprints"], loaded["fingerprints"]
+    res["outputs_identical_vs_native"] = sum(nf.get(k) == v for k, v in lf.items())
+    return res
+
+
+def goals(r: dict[str, Any]) -> dict[str, bool | None]:
+    if "load_ms" not in r:
+        return {}
+    tp = [r["tpot_restored_ms"][b] / r["tpot_native_ms"][b] for b in r["tpot_restored_ms"] if b in r["tpot_native_ms"]]
+    return {
+        "native_over_load>=30": r["native_over_load"] >= GOALS["native_over_load"],
+        "load_ms<=250": r["load_ms"] <= GOALS["load_ms"],
+        "switch_p50<=1ms": (r["switch_ms"].get("p50", 1e9) <= GOALS["switch_p50_ms"]) if r["switch_ms"] else None,
+        "tpot_within_1pct": all(x <= GOALS["tpot_ratio"] for x in tp) if tp else None,
+        "tokens_identical": all(r["tokens_identical"].values()) if r["tokens_identical"] else None,
+        "archive<=250MB": r["archive_bytes"] <= GOALS["archive_bytes"],
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"# ember bench graphs — {report['device']} — {report['date']}", "",
+             f"parse_ms_512 (synthetic 512 graphs × 1800 nodes, header+index+templates): "
+             f"**{report['parse_ms_512']:.1f} ms**", "",
+             "| workload | graphs | groups | native_capture_s | load_ms | native/load | switch p50/p99 ms | "
+             "TPOT native/restored ms (B) | tokens identical | outputs = SAVE | archive MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        if "load_ms" not in r:
+            err = r.get("load_error") or r.get("save_error") or r.get("native_error")
+            lines.append(f"| {r['workload']} | {r.get('graphs', '')} | {r.get('groups', '')} | "
+                         f"{r.get('native_capture_s', 0):.2f} | FAILED: {err} | | | | | | |")
+            continue
+        tp = ", ".join(f"{r['tpot_native_ms'][b]:.3f}/{r['tpot_restored_ms'][b]:.3f} ({b})" for b in r["tpot_restored_ms"])
+        sw = r["switch_ms"]
+        rep = r["outputs_identical_vs_save"]
+        label = r["workload"] if r["layers"] == "model" else f"{r['workload']} ({r['layers']} layers)"
+        lines.append(
+            f"| {label} | {r['graphs']} | "
+            f"{r['groups']} | {r['native_capture_s']:.2f} | {r['load_ms']:.1f} | {r['native_over_load']:.1f} | "
+            f"{sw.get('p50', 0):.3f}/{sw.get('p99', 0):.3f} | {tp} | "
+            f"{all(r['tokens_identical'].values())} ({', '.join(r['tokens_identical'])}) | "
+            f"{rep['identical']}/{rep['graphs']} | {r['archive_bytes'] / 1e6:.1f} |")
+    lines += ["", "## Goals (eager Llama-3-8B shape is the reference)", ""]
+    for r in report["results"]:
+        g = goals(r)
+        missed = [k for k, v in g.items() if v is False]
+        lines.append(f"- {r['workload']}: " + ("all goals met" if g and not missed else
+                                               f"missed: {', '.join(missed) or 'n/a (did not run)'}"))
+    lines += ["", "Per-workload details (LOAD stage timings, SAVE durations) are in the JSON file."]
+    return "\n".join(lines) + "\n"
+
+
+def bench_graphs(
+    workloads: Annotated[str, typer.Option(help="Comma-separated workloads (llama3-8b, qwen3-8b-compile, ...).")]
+    = "llama3-8b",
+    layers: Annotated[int, typer.Option(help="Layer override for every workload (0 = full model).")] = 0,
+    sizes: Annotated[str, typer.Option(help="'all' (67 sizes) or a list like 1,8,64.")] = "all",
+    out_dir: Annotated[Path, typer.Option(help="Where the JSON and markdown reports go.")] = Path("benchmarks/results"),
+    store: Annotated[str, typer.Option(help="Store URI for the archives (default: a temporary directory).")] = "",
+) -> None:
+    """Native capture vs SAVE→LOAD in a fresh process, per workload; writes JSON + markdown."""
+    from ember.archive.format import parse_ms_512
+
+    store = store or Path(tempfile.mkdtemp(prefix="ember-bench-store-")).as_uri()
+    results = []
+    for w in [x.strip() for x in workloads.split(",") if x.strip()]:
+        typer.echo(f"bench graphs: {w}", err=True)
+        r = bench_one(w, layers, sizes, store)
+        r["goals"] = goals(r)
+        results.append(r)
+        typer.echo(json.dumps({k: v for k, v in r.items() if k not in ("stderr",)}, default=str)[:1500], err=True)
+    device = next((r["device"] for r in results if r.get("device")), "unknown")
+    report = {"device": device, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "parse_ms_512": parse_ms_512()["parse_ms_512"], "results": results}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"graphs-{device.replace(' ', '_')}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
+    (out_dir / f"{stem}.md").write_text(markdown(report))
+    typer.echo(markdown(report))
+
+
+def _main() -> None:
+    role, args = sys.argv[1], json.loads(sys.argv[2])
+    out = role_native(args) if role == "native" else role_load(args)
+    Path(args["out"]).write_text(json.dumps(out, default=str))
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown of CUDA state
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,178 @@
+"""LOAD in a fresh process (LD_PRELOAD=libember.so EMBER_MODE=load): restore the graphs SAVE
+proved, at the same addresses, without capturing.
+
+Order matters and every check comes before anything is launched:
+1. compatibility key against the real GPU/driver/CUDA/torch/env → `LoadRefused(reason)`;
+2. blobs fetched and their digests verified (`publish.read`);
+3. kernel images handed to libember for proactive loading on worker threads (execution order);
+4. the allocation log imported, the workload built in SAVE's order (weights, the KV cache at the
+   recorded size: no memory profiling), static buffers checked against SAVE's addresses, the
+   capture window replayed (divergence → refuse);
+5. one template per topology group built and instantiated (`GraphLibrary`).
+Any refusal means: capture natively instead. Never a wrong graph.
+
+Crash safety: a launch of a bad graph can kill the process with a sticky CUDA error, and a
+restarted engine must not try again. `attempt_marker(run_dir)` writes the handoff marker
+(`ember.handoff.MARKER_FILE`) before the first launch and removes it once launches succeeded;
+`ember.handoff.wait_for_archive` turns a leftover marker into a native-capture fallback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ember import handoff
+from ember.native import EmberDivergence, EmberError, Interposer
+
+if TYPE_CHECKING:  # torch and CUDA modules are imported where LOAD runs, not for the marker helpers
+    import torch
+
+    from ember.runtime import publish
+    from ember.runtime.library import GraphLibrary, RestoredGraph
+    from ember.runtime.workloads import DecodeWorkload
+
+
+class LoadRefused(Exception):
+    """LOAD will not restore this archive here; `reason` says why. Capture natively instead."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Loaded:
+    library: GraphLibrary
+    workload: DecodeWorkload
+    archive: publish.Archive
+    outputs: dict[tuple[int, ...], list[torch.Tensor]]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def graphs(self) -> dict[tuple[int, ...], RestoredGraph]:
+        return self.library.all_restored()
+
+    def launch(self, key: tuple[int, ...]) -> None:
+        self.library.launch(self.library.key_index(key))
+
+
+@contextlib.contextmanager
+def attempt_marker(run_dir: str | os.PathLike[str] | None, identity: str = "") -> Iterator[Path]:
+    """Mark 'first launches of restored graphs in progress' in the handoff run directory.
+
+    A process death inside leaves the marker; the next engine start in this pod reads it
+    (handoff.wait_for_archive) and captures natively. Leaving normally, or by a Python
+    exception (the caller falls back), removes it.
+    """
+    path = handoff.run_dir_from_env(run_dir) / handoff.MARKER_FILE
+    handoff.write_json_atomic(path, {"identity": identity, "pid": os.getpid(), "started_at": time.time(),
+                                     "stage": "first-launch"})
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def previous_attempt_crashed(run_dir: str | os.PathLike[str] | None) -> dict[str, Any] | None:
+    """The marker a dead engine left behind, if any."""
+    return handoff.read_json(handoff.run_dir_from_env(run_dir) / handoff.MARKER_FILE)
+
+
+def run_load(store_uri: str, identity_hash: str, *, interposer: Interposer | None = None,
+             perturb_first: bool = False, log: Any = print) -> Loaded:
+    """LOAD one archive into this process. Raises LoadRefused (caller captures natively)."""
+    import numpy as np
+    import torch
+
+    from ember.archive import format as archive_format
+    from ember.runtime import compat, publish
+    from ember.runtime.library import GraphLibrary
+    from ember.runtime.save import ENGINE
+    from ember.runtime.session import native_session
+    from ember.runtime.workloads import DecodeWorkload, OutputSpec
+
+    tm: dict[str, float] = {}
+    t_all = time.perf_counter()
+    ip = interposer or native_session("load", perturb_first=perturb_first)
+    if ip is None:
+        raise LoadRefused("libember is not preloaded with EMBER_MODE=load")
+    tm["session_ms"] = (time.perf_counter() - t_all) * 1e3
+
+    t = time.perf_counter()
+    try:
+        manifest = publish.read_manifest(store_uri, identity_hash)
+    except Exception as exc:
+        raise LoadRefused(f"archive not readable: {exc}") from exc
+    problems = compat.check_compat(manifest.compat, compat.current(ENGINE))
+    if problems:
+        raise LoadRefused("compatibility key differs: " + "; ".join(problems))
+    if manifest.engine.get("in_process_only"):
+        raise LoadRefused("archive was saved without libember (in-process only)")
+    try:
+        archive = publish.read(store_uri, manifest)
+        table = archive_format.decode(archive.graph_table)
+        for g in table.groups:
+            table.chunk(g.template)
+    except Exception as exc:
+        raise LoadRefused(f"archive damaged: {exc}") from exc
+    tm["read_ms"] = (time.perf_counter() - t) * 1e3
+
+    t = time.perf_counter()
+    try:
+        ip.preload([(im.content_hash, im.data, im.options) for im in archive.images])
+        ip.import_alloc_log(archive.alloc_log)
+    except EmberError as exc:
+        raise LoadRefused(f"libember refused the archive: {exc}") from exc
+    tm["preload_start_ms"] = (time.perf_counter() - t) * 1e3
+
+    engine = archive.engine
+    t = time.perf_counter()
+    workload = DecodeWorkload.from_config(engine)
+    workload.build(kv_cache_bytes=int(engine["kv_cache_bytes"]), compile_fn=False)
+    tm["build_workload_ms"] = (time.perf_counter() - t) * 1e3
+    div = ip.divergence()
+    if div:
+        raise LoadRefused(f"allocation sequence diverged from SAVE: {div}")
+    here = workload.input_addresses()
+    moved = {k: (hex(v), hex(here.get(k, 0))) for k, v in engine["inputs"].items() if here.get(k) != v}
+    if moved:
+        raise LoadRefused(f"static buffers are not where SAVE had them: {moved}")
+
+    t = time.perf_counter()
+    try:
+        ip.replay_window()
+    except EmberDivergence as exc:
+        raise LoadRefused(f"allocation sequence diverged from SAVE: {exc}") from exc
+    except EmberError as exc:
+        raise LoadRefused(f"capture window replay failed: {exc}") from exc
+    div = ip.divergence()
+    if div:
+        raise LoadRefused(f"allocation sequence diverged from SAVE: {div}")
+    tm["replay_window_ms"] = (time.perf_counter() - t) * 1e3
+
+    t = time.perf_counter()
+    try:
+        functions = [ip.function(k.image, k.name) for k in table.kernels]
+    except EmberError as exc:
+        raise LoadRefused(f"kernel not found after preload: {exc}") from exc
+    tm["functions_ms"] = (time.perf_counter() - t) * 1e3
+    t = time.perf_counter()
+    lib = GraphLibrary(table, functions)
+    lib.build_templates()
+    tm["templates_ms"] = (time.perf_counter() - t) * 1e3
+    if archive.rng_state:
+        torch.cuda.set_rng_state(torch.from_numpy(np.frombuffer(archive.rng_state, dtype=np.uint8).copy()))
+    outputs = {tuple(int(x) for x in k.split(",")): [OutputSpec(**o).tensor() for o in v]
+               for k, v in engine["outputs"].items()}
+    tm["total_ms"] = (time.perf_counter() - t_all) * 1e3
+    tm["load_ms"] = tm["total_ms"] - tm["build_workload_ms"] - tm["session_ms"]
+    log(f"Loaded {len(lib.keys)} graphs ({len(lib.groups)} templates) in {tm['load_ms']:.1f} ms "
+        f"(+{tm['build_workload_ms']:.0f} ms building the model)")
+    return Loaded(lib, workload, archive, outputs, tm)

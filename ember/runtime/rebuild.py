@@ -1,0 +1,412 @@
+"""LOAD side: `graphs.Graph` → a new CUgraph, in two steps.
+
+`prepare()` does all the CPU work without driver calls (it can run on worker threads): per
+kernel node it packs a CUDA_KERNEL_NODE_PARAMS struct (function handle, dims, a kernelParams
+pointer array into one argument buffer, or the `extra` option list around the opaque blob) and
+the non-default attribute values, all in buffers the PreparedGraph keeps alive. `build()` then
+only adds nodes, sets attributes and adds all edges with their edge data in one call, on the
+thread that owns the driver (graph APIs contend across threads).
+
+Missing attributes are not cosmetic: a node that loses its cluster dimension dies with
+CUDA_ERROR_ILLEGAL_INSTRUCTION, a sticky error that takes the process. So SAVE proves every
+rebuilt graph before an archive is published (see ember.runtime.prove).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+from ember.archive.graphs import (
+    EventParams,
+    FunctionAttrs,
+    Graph,
+    GraphSet,
+    KernelParams,
+    MemcpyParams,
+    MemsetParams,
+    NodeType,
+)
+from ember.runtime.driver import OK, CudaError, check
+from ember.runtime.walk import ATTR_VALUE_SIZE, KERNEL_PARAMS
+
+_ATTR_ENUM = {int(a): a for a in cu.CUkernelNodeAttrID}
+_FA = cu.CUfunction_attribute
+
+# Op codes of a prepared graph.
+OP_KERNEL, OP_MEMSET, OP_MEMCPY, OP_EMPTY, OP_RECORD, OP_WAIT, OP_CHILD = range(7)
+
+
+class RebuildError(RuntimeError):
+    """A graph could not be rebuilt; names the graph key and node."""
+
+
+@dataclass
+class PreparedGraph:
+    key: tuple[int, ...]
+    ops: list[tuple[Any, ...]]
+    edge_src: list[int]
+    edge_dst: list[int]
+    edge_data: list[Any] | None  # None when every edge is a default edge
+    keepalive: list[Any] = field(default_factory=list)
+    nodes: int = 0
+
+
+def pack_arguments(params: KernelParams) -> tuple[bytes, tuple[int, ...]]:
+    """The argument buffer and the offsets of each argument (CPU-testable half of repacking)."""
+    if params.extra is not None:
+        return params.extra, ()
+    if len(params.arg_offsets) != len(params.arg_sizes):
+        raise ValueError("argument offsets and sizes differ in length")
+    end = params.arg_offsets[-1] + params.arg_sizes[-1] if params.arg_offsets else 0
+    if len(params.args) < end:
+        raise ValueError(f"argument buffer holds {len(params.args)} bytes, layout needs {end}")
+    return params.args, params.arg_offsets
+
+
+def prepare(graph: Graph, functions: list[int], ctx: Any, memset_ctx: Any = None) -> PreparedGraph:
+    """CPU-only preparation of one graph (no driver calls; thread-safe)."""
+    kernels = [n.params for n in graph.nodes if n.type == NodeType.KERNEL]
+    nk = len(kernels)
+    # One struct array for all kernel nodes, one argument arena, one pointer arena.
+    structs = np.zeros(nk * KERNEL_PARAMS.size, dtype=np.uint8)
+    arena_len = sum(len(p.extra) if p.extra is not None else len(p.args) for p in kernels)
+    arena = np.zeros(max(arena_len, 8), dtype=np.uint8)
+    n_ptrs = sum(len(p.arg_offsets) if p.extra is None else 6 for p in kernels)
+    ptrs = np.zeros(max(n_ptrs, 1), dtype=np.uint64)
+    arena_base, ptr_base, struct_base = arena.ctypes.data, ptrs.ctypes.data, structs.ctypes.data
+    attr_buf_len = sum(len(p.attrs) for p in kernels) * ATTR_VALUE_SIZE
+    attr_buf = np.zeros(max(attr_buf_len, 8), dtype=np.uint8)
+    attr_base = attr_buf.ctypes.data
+
+    ops: list[tuple[Any, ...]] = []
+    a_off = p_off = k = at_off = 0
+    pack = KERNEL_PARAMS.pack_into
+    structs_mv = memoryview(structs)
+    arena_mv = memoryview(arena)
+    attr_mv = memoryview(attr_buf)
+    for idx, node in enumerate(graph.nodes):
+        t = node.type
+        if t == NodeType.KERNEL:
+            p: KernelParams = node.params  # type: ignore[assignment]
+            try:
+                func = functions[p.kernel]
+            except IndexError:
+                raise RebuildError(f"graph {graph.key}: node {idx}: kernel index {p.kernel} out of range") from None
+            blob, offsets = pack_arguments(p)
+            arena_mv[a_off : a_off + len(blob)] = blob
+            kparams = extra = 0
+            if p.extra is not None:
+                # {BUFFER_POINTER, ptr, BUFFER_SIZE, &size, END}; the size word sits in slot 5.
+                ptrs[p_off : p_off + 6] = (1, arena_base + a_off, 2, ptr_base + (p_off + 5) * 8, 0, len(blob))
+                extra = ptr_base + p_off * 8
+                p_off += 6
+            elif offsets:
+                n = len(offsets)
+                ptrs[p_off : p_off + n] = np.asarray(offsets, dtype=np.uint64) + np.uint64(arena_base + a_off)
+                kparams = ptr_base + p_off * 8
+                p_off += n
+            a_off += len(blob)
+            gx, gy, gz = p.grid
+            bx, by, bz = p.block
+            so = k * KERNEL_PARAMS.size
+            pack(structs_mv, so, func, gx, gy, gz, bx, by, bz, p.shared_mem, kparams, extra, 0, 0)
+            wrapper = cu.CUDA_KERNEL_NODE_PARAMS(_ptr=struct_base + so)
+            attrs = []
+            for a, raw in p.attrs.items():
+                if len(raw) != ATTR_VALUE_SIZE:
+                    raise RebuildError(f"graph {graph.key}: node {idx}: attribute {a} has {len(raw)} bytes")
+                attr_mv[at_off : at_off + ATTR_VALUE_SIZE] = raw
+                attrs.append((_ATTR_ENUM[a], cu.CUkernelNodeAttrValue(_ptr=attr_base + at_off)))
+                at_off += ATTR_VALUE_SIZE
+            ops.append((OP_KERNEL, wrapper, attrs))
+            k += 1
+        elif t == NodeType.MEMSET:
+            m: MemsetParams = node.params  # type: ignore[assignment]
+            mp = cu.CUDA_MEMSET_NODE_PARAMS()
+            mp.dst, mp.pitch, mp.value = m.dst, m.pitch, m.value
+            mp.elementSize, mp.width, mp.height = m.element_size, m.width, m.height
+            ops.append((OP_MEMSET, mp))
+        elif t == NodeType.MEMCPY:
+            c: MemcpyParams = node.params  # type: ignore[assignment]
+            cp = cu.CUDA_MEMCPY3D()
+            cp.srcMemoryType = cp.dstMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+            cp.srcDevice, cp.dstDevice = c.src, c.dst
+            cp.WidthInBytes, cp.Height, cp.Depth = c.size, 1, 1
+            ops.append((OP_MEMCPY, cp))
+        elif t == NodeType.EMPTY:
+            ops.append((OP_EMPTY,))
+        elif t in (NodeType.EVENT_RECORD, NodeType.WAIT_EVENT):
+            e: EventParams = node.params  # type: ignore[assignment]
+            ops.append((OP_RECORD if t == NodeType.EVENT_RECORD else OP_WAIT, e.event))
+        elif t == NodeType.GRAPH:
+            ops.append((OP_CHILD, prepare(node.params, functions, ctx)))  # type: ignore[arg-type]
+        else:
+            raise RebuildError(f"graph {graph.key}: node {idx}: node type {t.name} cannot be rebuilt")
+
+    src = [e.src for e in graph.edges]
+    dst = [e.dst for e in graph.edges]
+    data = None
+    if any(e.type or e.from_port or e.to_port for e in graph.edges):
+        default = cu.CUgraphEdgeData()
+        data = []
+        for e in graph.edges:
+            if e.type or e.from_port or e.to_port:
+                d = cu.CUgraphEdgeData()
+                d.from_port, d.to_port, d.type = e.from_port, e.to_port, e.type
+                data.append(d)
+            else:
+                data.append(default)
+    return PreparedGraph(
+        key=graph.key, ops=ops, edge_src=src, edge_dst=dst, edge_data=data,
+        keepalive=[structs, arena, ptrs, attr_buf], nodes=len(graph.nodes),
+    )
+
+
+def build(prep: PreparedGraph, ctx: Any, events: list[Any]) -> Any:
+    """Create the CUgraph of a prepared graph (driver calls; one thread)."""
+    g = check(cu.cuGraphCreate(0), "cuGraphCreate")
+    try:
+        _fill(g, prep, ctx, events)
+    except BaseException:
+        cu.cuGraphDestroy(g)
+        raise
+    return g
+
+
+def _fill(g: Any, prep: PreparedGraph, ctx: Any, events: list[Any]) -> None:
+    add_kernel = cu.cuGraphAddKernelNode
+    set_attr = cu.cuGraphKernelNodeSetAttribute
+    nodes: list[Any] = []
+    append = nodes.append
+    for i, op in enumerate(prep.ops):
+        code = op[0]
+        if code == OP_KERNEL:
+            err, node = add_kernel(g, None, 0, op[1])
+            if err != OK:
+                raise RebuildError(f"graph {prep.key}: node {i}: cuGraphAddKernelNode failed: {err}")
+            for attr, value in op[2]:
+                r = set_attr(node, attr, value)
+                if r[0] != OK:
+                    raise RebuildError(f"graph {prep.key}: node {i}: set attribute {attr.name} failed: {r[0]}")
+        elif code == OP_MEMSET:
+            err, node = cu.cuGraphAddMemsetNode(g, None, 0, op[1], ctx)
+        elif code == OP_MEMCPY:
+            err, node = cu.cuGraphAddMemcpyNode(g, None, 0, op[1], ctx)
+        elif code == OP_EMPTY:
+            err, node = cu.cuGraphAddEmptyNode(g, None, 0)
+        elif code == OP_RECORD:
+            err, node = cu.cuGraphAddEventRecordNode(g, None, 0, events[op[1]])
+        elif code == OP_WAIT:
+            err, node = cu.cuGraphAddEventWaitNode(g, None, 0, events[op[1]])
+        else:  # OP_CHILD
+            child = build(op[1], ctx, events)
+            try:
+                err, node = cu.cuGraphAddChildGraphNode(g, None, 0, child)
+            finally:
+                cu.cuGraphDestroy(child)
+        if err != OK:
+            raise RebuildError(f"graph {prep.key}: node {i}: adding the node failed: {err}")
+        append(node)
+    if prep.edge_src:
+        r = cu.cuGraphAddDependencies(
+            g, [nodes[a] for a in prep.edge_src], [nodes[b] for b in prep.edge_dst], prep.edge_data,
+            len(prep.edge_src),
+        )
+        if r[0] != OK:
+            raise RebuildError(f"graph {prep.key}: cuGraphAddDependencies failed: {r[0]}")
+
+
+def instantiate(graph: Any) -> Any:
+    return check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+
+
+def apply_function_attrs(functions: list[int], attrs: list[FunctionAttrs]) -> None:
+    """Re-apply per-function state recorded at SAVE where the loaded function differs."""
+    for func, fa in zip(functions, attrs, strict=True):
+        f = cu.CUfunction(func)
+        wanted = [
+            (_FA.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, fa.max_dynamic_shared),
+            (_FA.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, fa.non_portable_cluster),
+            (_FA.CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH, fa.required_cluster[0]),
+            (_FA.CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT, fa.required_cluster[1]),
+            (_FA.CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH, fa.required_cluster[2]),
+        ]
+        if fa.carveout >= 0:
+            wanted.append((_FA.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, fa.carveout))
+        for attr, value in wanted:
+            err, cur = cu.cuFuncGetAttribute(attr, f)
+            if err == OK and int(cur) == value:
+                continue
+            r = cu.cuFuncSetAttribute(f, attr, value)
+            if r[0] != OK:
+                raise CudaError(f"cuFuncSetAttribute({attr.name}={value})", r[0])
+
+
+def create_events(count: int) -> list[Any]:
+    flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+    return [check(cu.cuEventCreate(flags), "cuEventCreate") for _ in range(count)]
+
+
+def event_count(graph_set: GraphSet) -> int:
+    def walk(g: Graph) -> int:
+        top = -1
+        for n in g.nodes:
+            if isinstance(n.params, EventParams):
+                top = max(top, n.params.event)
+            elif n.type == NodeType.GRAPH:
+                top = max(top, walk(n.params) - 1)  # type: ignore[arg-type]
+        return top + 1
+
+    return max((walk(g) for g in graph_set.graphs), default=0)
+
+
+def extra_size_word(raw: bytes) -> int:
+    """The size slot of an `extra` option list as packed by prepare() (for tests)."""
+    return struct.unpack_from("<Q", raw, 5 * 8)[0]
+
+
+__all__ = [
+    "PreparedGraph", "RebuildError", "apply_function_attrs", "build", "create_events", "event_count",
+    "instantiate", "pack_arguments", "prepare",
+]
+
+
+# ---- fast path: prepare straight from a decoded graph table chunk (numpy, no Graph objects) ----
+_KP_DT = np.dtype([("func", "<u8"), ("gx", "<u4"), ("gy", "<u4"), ("gz", "<u4"), ("bx", "<u4"), ("by", "<u4"),
+                   ("bz", "<u4"), ("smem", "<u4"), ("pad", "<u4"), ("kp", "<u8"), ("extra", "<u8"),
+                   ("kern", "<u8"), ("ctx", "<u8")])
+assert _KP_DT.itemsize == KERNEL_PARAMS.size
+
+
+class _AttrSets:
+    """Attribute value objects per attribute-set index of a table, shared by all nodes using them."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+        self.sets: dict[int, list[tuple[Any, Any]]] = {0: []}
+        self.buffers: list[np.ndarray] = []
+
+    def get(self, idx: int) -> list[tuple[Any, Any]]:
+        found = self.sets.get(idx)
+        if found is None:
+            values = self.table._attrs(idx)  # {attr id: raw bytes}
+            buf = np.zeros(max(len(values), 1) * ATTR_VALUE_SIZE, dtype=np.uint8)
+            self.buffers.append(buf)
+            found = []
+            for n, (a, raw) in enumerate(sorted(values.items())):
+                if len(raw) != ATTR_VALUE_SIZE:
+                    raise RebuildError(f"attribute {a} has {len(raw)} bytes")
+                buf[n * ATTR_VALUE_SIZE:(n + 1) * ATTR_VALUE_SIZE] = np.frombuffer(raw, dtype=np.uint8)
+                found.append((_ATTR_ENUM[a], cu.CUkernelNodeAttrValue(_ptr=buf.ctypes.data + n * ATTR_VALUE_SIZE)))
+            self.sets[idx] = found
+        return found
+
+
+def prepare_from_table(table: Any, i: int, functions: list[int], ctx: Any, attr_sets: _AttrSets) -> PreparedGraph:
+    """Like prepare(table.graph(i)) without materialising Python node objects (LOAD's hot path)."""
+    from ember.archive.format import KPAR_EXTRA, NONE
+
+    types = np.asarray(table.node_types(i))
+    if (types == int(NodeType.GRAPH)).any():
+        return prepare(table.graph(i), functions, ctx)
+    key = table.keys[i]
+    c = table.chunk(i)
+    refs = np.asarray(c.refs)
+    kmask = types == int(NodeType.KERNEL)
+    krows = c.kpar[refs[kmask]]
+    nk = len(krows)
+    bpol = np.frombuffer(c.raw, dtype=np.uint8) if len(c.bpol) == 0 else c.bpol
+    base = np.uint64(bpol.ctypes.data)
+    is_extra = (krows["flags"] & KPAR_EXTRA) != 0
+    lay = krows["layout"].astype(np.int64)
+    has_lay = (~is_extra) & (lay != NONE)
+    layo = table._layo
+    counts = np.zeros(nk, dtype=np.int64)
+    counts[has_lay] = layo["count"][lay[has_lay]]
+    slots = np.where(is_extra, 6, counts)
+    starts = np.zeros(nk, dtype=np.int64)
+    if nk:
+        starts[1:] = np.cumsum(slots)[:-1]
+    ptrs = np.zeros(max(int(slots.sum()), 1), dtype=np.uint64)
+    ptr_base = np.uint64(ptrs.ctypes.data)
+    args_off = krows["args_off"].astype(np.uint64)
+    # kernelParams form: one pointer per argument, into the chunk's byte pool.
+    kc = np.where(has_lay, counts, 0)
+    total = int(kc.sum())
+    if total:
+        node = np.repeat(np.arange(nk), kc)
+        within = np.arange(total) - np.repeat(np.cumsum(kc) - kc, kc)
+        lpar_idx = np.repeat(layo["off"][np.where(has_lay, lay, 0)].astype(np.int64), kc) + within
+        ptrs[starts[node] + within] = base + args_off[node] + table._lpar["offset"][lpar_idx].astype(np.uint64)
+    # extra form: {BUFFER_POINTER, ptr, BUFFER_SIZE, &size, END, size}.
+    ex = np.nonzero(is_extra)[0]
+    if len(ex):
+        s = starts[ex]
+        ptrs[s] = 1
+        ptrs[s + 1] = base + args_off[ex]
+        ptrs[s + 2] = 2
+        ptrs[s + 3] = ptr_base + (s + 5).astype(np.uint64) * np.uint64(8)
+        ptrs[s + 4] = 0
+        ptrs[s + 5] = krows["args_len"][ex].astype(np.uint64)
+    st = np.zeros(nk, dtype=_KP_DT)
+    st["func"] = np.asarray(functions, dtype=np.uint64)[krows["kernel"]] if nk else 0
+    for f in ("gx", "gy", "gz", "bx", "by", "bz", "smem"):
+        st[f] = krows[f]
+    slot_addr = ptr_base + starts.astype(np.uint64) * np.uint64(8)
+    st["kp"] = np.where(has_lay & (counts > 0), slot_addr, 0)
+    st["extra"] = np.where(is_extra, slot_addr, 0)
+    sbase = st.ctypes.data
+    size = KERNEL_PARAMS.size
+    wrappers = [cu.CUDA_KERNEL_NODE_PARAMS(_ptr=sbase + k * size) for k in range(nk)]
+    attr_of = [attr_sets.get(int(a)) for a in krows["attrs"].tolist()]
+    ops: list[tuple[Any, ...]] = []
+    k = 0
+    for t, ref in zip(types.tolist(), refs.tolist(), strict=True):
+        if t == NodeType.KERNEL:
+            ops.append((OP_KERNEL, wrappers[k], attr_of[k]))
+            k += 1
+        elif t == NodeType.MEMSET:
+            dst, pitch, value, es, w, h = c.mset[ref].tolist()
+            ops.append((OP_MEMSET, _memset(MemsetParams(dst, pitch, value, es, w, h))))
+        elif t == NodeType.MEMCPY:
+            dst, src, n = c.mcpy[ref].tolist()
+            ops.append((OP_MEMCPY, _memcpy(MemcpyParams(dst, src, n))))
+        elif t == NodeType.EMPTY:
+            ops.append((OP_EMPTY,))
+        elif t in (NodeType.EVENT_RECORD, NodeType.WAIT_EVENT):
+            ops.append((OP_RECORD if t == NodeType.EVENT_RECORD else OP_WAIT, int(ref)))
+        else:
+            raise RebuildError(f"graph {key}: node type {t} cannot be rebuilt")
+    e = table.edges(i)
+    src, dst = e["src"].tolist(), e["dst"].tolist()
+    data = None
+    nondefault = (e["type"] != 0) | (e["from_port"] != 0) | (e["to_port"] != 0)
+    if nondefault.any():
+        default = cu.CUgraphEdgeData()
+        data = [default] * len(src)
+        for j in np.nonzero(nondefault)[0].tolist():
+            d = cu.CUgraphEdgeData()
+            d.from_port, d.to_port, d.type = int(e["from_port"][j]), int(e["to_port"][j]), int(e["type"][j])
+            data[j] = d
+    return PreparedGraph(key=key, ops=ops, edge_src=src, edge_dst=dst, edge_data=data,
+                         keepalive=[st, ptrs, c, bpol], nodes=len(types))
+
+
+def _memset(m: MemsetParams) -> Any:
+    mp = cu.CUDA_MEMSET_NODE_PARAMS()
+    mp.dst, mp.pitch, mp.value = m.dst, m.pitch, m.value
+    mp.elementSize, mp.width, mp.height = m.element_size, m.width, m.height
+    return mp
+
+
+def _memcpy(c: MemcpyParams) -> Any:
+    cp = cu.CUDA_MEMCPY3D()
+    cp.srcMemoryType = cp.dstMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    cp.srcDevice, cp.dstDevice = c.src, c.dst
+    cp.WidthInBytes, cp.Height, cp.Depth = c.size, 1, 1
+    return cp

@@ -1,0 +1,116 @@
+"""CPU: argument repacking for LOAD (kernelParams pointer arrays, `extra` option lists), the
+table fast path against the object path, and edge data carried through preparation.
+
+No GPU: prepare() makes no driver calls; the packed structs are read back with ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+pytest.importorskip("cuda.bindings")
+
+from ember.archive import format as fmt
+from ember.archive.graphs import Edge, Graph, GraphSet, KernelParams, KernelRef, Node, NodeType
+from ember.archive.synthetic import synthetic_graphset
+from ember.runtime import rebuild
+from ember.runtime.walk import KERNEL_PARAMS
+
+
+def _kernel_struct(op: tuple) -> tuple:
+    return KERNEL_PARAMS.unpack(ctypes.string_at(op[1].getPtr(), KERNEL_PARAMS.size))
+
+
+def _graph(params: list[KernelParams], edges: list[Edge] | None = None) -> Graph:
+    return Graph(key=(7,), nodes=[Node(NodeType.KERNEL, p) for p in params], edges=edges or [])
+
+
+def test_kernel_params_point_at_each_argument() -> None:
+    args = bytes(range(24))
+    p = KernelParams(kernel=1, grid=(3, 2, 1), block=(128, 1, 1), shared_mem=512, args=args,
+                     arg_offsets=(0, 8, 16), arg_sizes=(8, 4, 8))
+    prep = rebuild.prepare(_graph([p]), [0x1000, 0x2000], None)
+    func, gx, gy, gz, bx, by, bz, smem, kp, extra, kern, ctx = _kernel_struct(prep.ops[0])
+    assert (func, gx, gy, gz, bx, by, bz, smem) == (0x2000, 3, 2, 1, 128, 1, 1, 512)
+    assert extra == 0 and kern == 0 and ctx == 0
+    ptrs = (ctypes.c_uint64 * 3).from_address(kp)
+    assert [ctypes.string_at(ptrs[i], s) for i, s in enumerate((8, 4, 8))] == [args[0:8], args[8:12], args[16:24]]
+
+
+def test_extra_blob_is_passed_whole_with_its_size() -> None:
+    blob = bytes(range(256)) * 7  # 1792 bytes, like cuBLAS' opaque argument
+    p = KernelParams(kernel=0, grid=(1, 1, 1), block=(32, 1, 1), shared_mem=0, extra=blob)
+    prep = rebuild.prepare(_graph([p]), [0x1000], None)
+    *_, kp, extra, _kern, _ctx = _kernel_struct(prep.ops[0])
+    assert kp == 0 and extra != 0
+    words = (ctypes.c_uint64 * 5).from_address(extra)
+    assert words[0] == 1 and words[2] == 2 and words[4] == 0
+    assert ctypes.c_uint64.from_address(words[3]).value == len(blob)
+    assert ctypes.string_at(words[1], len(blob)) == blob
+
+
+def test_short_argument_buffer_is_refused() -> None:
+    p = KernelParams(kernel=0, grid=(1, 1, 1), block=(1, 1, 1), shared_mem=0, args=b"\0" * 4,
+                     arg_offsets=(0,), arg_sizes=(8,))
+    with pytest.raises(ValueError, match="needs 8"):
+        rebuild.pack_arguments(p)
+
+
+def test_attributes_and_programmatic_edges_survive_preparation() -> None:
+    attr = bytes([2, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0]) + bytes(52)  # cluster dimension 2x1x1
+    a = KernelParams(kernel=0, grid=(1, 1, 1), block=(1, 1, 1), shared_mem=0, attrs={4: attr})
+    b = KernelParams(kernel=0, grid=(1, 1, 1), block=(1, 1, 1), shared_mem=0)
+    edges = [Edge(0, 1, from_port=1, to_port=0, type=1)]
+    prep = rebuild.prepare(_graph([a, b], edges), [0x1000], None)
+    (attr_id, value), = prep.ops[0][2]
+    assert int(attr_id) == 4 and ctypes.string_at(value.getPtr(), 64) == attr
+    assert prep.ops[1][2] == []
+    assert prep.edge_src == [0] and prep.edge_dst == [1]
+    d = prep.edge_data[0]
+    assert (int(d.from_port), int(d.to_port), int(d.type)) == (1, 0, 1)
+
+
+def test_kernel_index_out_of_range_names_graph_and_node() -> None:
+    p = KernelParams(kernel=5, grid=(1, 1, 1), block=(1, 1, 1), shared_mem=0)
+    with pytest.raises(rebuild.RebuildError, match=r"graph \(7,\): node 0: kernel index 5"):
+        rebuild.prepare(_graph([p]), [0x1000], None)
+
+
+def _summary(prep: rebuild.PreparedGraph) -> list:
+    out = []
+    for op in prep.ops:
+        if op[0] != rebuild.OP_KERNEL:
+            out.append(op[0])
+            continue
+        v = _kernel_struct(op)
+        if v[8]:
+            payload = ctypes.string_at(ctypes.c_uint64.from_address(v[8]).value, 4)
+        elif v[9]:
+            w = (ctypes.c_uint64 * 6).from_address(v[9])
+            payload = (w[0], w[2], w[4], ctypes.string_at(w[1], w[5]))
+        else:
+            payload = None
+        out.append((v[:8], payload, [(int(a), ctypes.string_at(x.getPtr(), 64)) for a, x in op[2]]))
+    edges = [(int(d.from_port), int(d.to_port), int(d.type)) for d in prep.edge_data or []]
+    return [out, prep.edge_src, prep.edge_dst, edges]
+
+
+def test_table_fast_path_matches_object_path() -> None:
+    gs = synthetic_graphset(graphs=5, nodes=240, groups=2)
+    table = fmt.decode(fmt.encode(gs))
+    functions = [0x7000 + 16 * i for i in range(len(table.kernels))]
+    sets = rebuild._AttrSets(table)
+    for i in range(table.count):
+        slow = rebuild.prepare(table.graph(i), functions, None)
+        fast = rebuild.prepare_from_table(table, i, functions, None, sets)
+        assert _summary(fast) == _summary(slow), f"graph {i}"
+
+
+def test_graphset_round_trip_keeps_what_rebuild_needs() -> None:
+    p = KernelParams(kernel=0, grid=(4, 1, 1), block=(64, 1, 1), shared_mem=16, args=b"\1" * 16,
+                     arg_offsets=(0, 8), arg_sizes=(8, 8), attrs={8: bytes([1]) + bytes(63)})
+    gs = GraphSet([_graph([p, p], [Edge(0, 1, 1, 0, 1)])], [KernelRef("ab" * 8, "k")], [])
+    table = fmt.decode(fmt.encode(gs))
+    assert _summary(rebuild.prepare(table.graph(0), [0x10], None)) == _summary(rebuild.prepare(gs.graphs[0], [0x10], None))
