@@ -23,7 +23,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.handoff import HandoffWriter
-from ember_sidecar.claims import Claim, ClaimError, parse_claim, parse_prefetch, reason_class
+from ember_sidecar.claims import (
+    Claim,
+    ClaimError,
+    manifest_identity,
+    parse_claim,
+    parse_prefetch,
+    reason_class,
+)
 from ember_sidecar.fetching import ArchiveCache, Cancelled, FetchFailed
 from ember_sidecar.metrics import STAGES, Metrics
 from ember_sidecar.reporting import Reporter
@@ -67,7 +74,7 @@ class Restorer:
         self.engine_ready = False
         self.stopping = threading.Event()
         self._claim_cancel = threading.Event()
-        self._prefetch_cancel = threading.Event()
+        self._prefetch_cancel: dict[str, threading.Event] = {}  # identity → its prefetch's cancel
         self._workers: list[threading.Thread] = []
         self._prefetched: set[str] = set()
         self._bad_claims: set[str] = set()
@@ -106,7 +113,11 @@ class Restorer:
                 log.info("Claim changed from %s to %s", self.current.claim.identity[:16], claim.identity[:16])
                 self._claim_cancel.set()
                 self._claim_cancel = threading.Event()
-            self._prefetch_cancel.set()  # a claim's fetch gets the bandwidth
+            # A claim's fetch gets the bandwidth; a prefetch of the claimed archive goes on (the
+            # claim waits for it on the archive's lock and then finds it cached).
+            for identity, ev in self._prefetch_cancel.items():
+                if identity != claim.identity:
+                    ev.set()
             state = ClaimState(claim, observed_at)
             self.current = state
             self.engine_ready = False
@@ -122,14 +133,16 @@ class Restorer:
             if archive_uri in self._prefetched or self.current is not None or self.stopping.is_set():
                 return
             self._prefetched.add(archive_uri)
-            cancel = self._prefetch_cancel
+            cancel = self._prefetch_cancel.setdefault(manifest_identity(archive_uri) or archive_uri,
+                                                      threading.Event())
         self._start(self._prefetch, archive_uri, cancel, name="ember-prefetch")
 
     def stop(self, wait_s: float = 2.0) -> int:
         """Cancel fetches, wait a little for workers, remove partial files. Returns files removed."""
         self.stopping.set()
         self._claim_cancel.set()
-        self._prefetch_cancel.set()
+        for ev in list(self._prefetch_cancel.values()):
+            ev.set()
         deadline = time.monotonic() + wait_s
         for t in list(self._workers):
             t.join(max(0.0, deadline - time.monotonic()))
@@ -175,8 +188,6 @@ class Restorer:
         )
 
     def _prefetch(self, archive_uri: str, cancel: threading.Event) -> None:
-        from ember_sidecar.claims import manifest_identity
-
         identity = manifest_identity(archive_uri) or ""
         try:
             fetched = self.cache.fetch(archive_uri, identity, cancel)

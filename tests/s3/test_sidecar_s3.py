@@ -21,7 +21,7 @@ from ember.bench_fetch import sample_identity, write_blob_archive
 from ember.store import open_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
-from sidecar_helpers import RecordingReporter, ThrottledProxy, sample
+from sidecar_helpers import RecordingReporter, ThrottledProxy, sample, wait_for
 
 pytestmark = pytest.mark.s3
 
@@ -90,3 +90,29 @@ def test_missing_blob_is_a_fallback_reason(minio: LocalMinio, monkeypatch: pytes
     cache = ArchiveCache(tmp_path / "cache", store_options=settings.store_options(), retry_s=1.0)
     with pytest.raises(FetchFailed, match=r"^blob-missing"):
         cache.fetch(store.manifest_uri(m.identity_hash), m.identity_hash)
+
+
+def test_claim_during_prefetch_of_the_same_archive_waits_for_it(
+    minio: LocalMinio, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    host, port = minio.endpoint.removeprefix("http://").split(":")
+    proxy = ThrottledProxy(host, int(port), bytes_per_s=4_000_000)
+    try:
+        settings = _store(minio, monkeypatch, endpoint=proxy.endpoint)
+        store = open_store(f"s3://{minio.bucket}/sidecar-s3-{uuid.uuid4().hex[:8]}", endpoint=minio.endpoint)
+        m = write_blob_archive(store, [65_536, 12_000_000])
+        writer = handoff.HandoffWriter(tmp_path / "run")
+        r = Restorer(ArchiveCache(writer.cache_dir, **settings.cache_options()), writer, Metrics(),
+                     RecordingReporter())
+        uri = store.manifest_uri(m.identity_hash)
+        r.on_annotations({"ember.dev/prefetch": uri})
+        threading.Event().wait(0.5)
+        r.claim(Claim(uri, m.identity_hash))
+        res = handoff.wait_for_archive(writer.run_dir, deadline=60)
+        assert res.restored, res.reason
+        wait_for(lambda: sample(r.metrics, "ember_prefetches_total", result="ok") == 1,
+                 what="the prefetch to complete (not cancelled)")
+        assert sample(r.metrics, "ember_restore_stage_seconds_sum", stage="fetch") == 0.0, "fetched once"
+        r.stop()
+    finally:
+        proxy.close()

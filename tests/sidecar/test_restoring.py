@@ -273,7 +273,7 @@ def test_claim_is_not_held_up_by_a_stuck_prefetch(store: LocalStore, tmp_path: P
         r.claim(claim_for(store, m.identity_hash))
         assert handoff.wait_for_archive(run_dir, deadline=10).restored
         assert time.monotonic() - t0 < 0.9, "the claim did not wait for the prefetch"
-        assert r._prefetch_cancel.is_set(), "a claim cancels prefetches"
+        assert r._prefetch_cancel["cd" * 32].is_set(), "a claim cancels prefetches of other archives"
         wait_for(lambda: not any(t.is_alive() for t in r._workers if t.name == "ember-prefetch"),
                  what="the prefetch to end")
         assert sample(r.metrics, "ember_prefetches_total", result="ok") == 0
