@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 RESTORED = "restored"
 FALLBACK_PREFIX = "fallback: "
+MAX_CLAIM_LAG_S = 60.0
 
 
 @dataclass
@@ -158,7 +159,10 @@ class Restorer:
     def _restore(self, state: ClaimState, cancel: threading.Event) -> None:
         claim = state.claim
         started = time.time()
-        since = claim.claimed_at if claim.claimed_at and claim.claimed_at <= state.observed_at else None
+        # The operator's stamp, unless it is from the future (skew) or stale (a restarted sidecar
+        # re-observing an old claim): then the watch event's time.
+        stamp = claim.claimed_at
+        since = stamp if stamp and 0 <= state.observed_at - stamp <= MAX_CLAIM_LAG_S else None
         self.metrics.observe("claim_to_fetch", started - (since or state.observed_at))
         try:
             fetched = self.cache.fetch(claim.archive_uri, claim.identity, cancel)
