@@ -95,6 +95,11 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | N
         if isinstance(delay, int | float) and delay > 0:
             archives.poke_later(namespace, name, float(delay))
 
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # Our registry replaces kopf's default one, so its default login handler too.
+        return kopf.login_via_client(**kwargs)
+
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         asyncio.get_running_loop().set_default_executor(

@@ -64,10 +64,10 @@ class Kube:
         _, url, headers, _, _ = self.api.param_serialize(
             method=method, resource_path=path, header_params=headers, auth_settings=["BearerToken"],
         )
-        payload = json.dumps(body) if body is not None else None
         try:
+            # The REST layer JSON-encodes `body` for every application/*json content type.
             resp = self.api.call_api(
-                method, url, header_params=headers, body=payload, _request_timeout=timeout,
+                method, url, header_params=headers, body=body, _request_timeout=timeout,
             )
             data = resp.read()
         except ApiException as exc:

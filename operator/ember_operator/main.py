@@ -25,7 +25,8 @@ def main() -> None:
         namespaces=namespaces,
         standalone=ours.standalone,
         priority=ours.priority,
-        peering_name=ours.peering_name,
+        # An explicit peering name makes kopf wait for the peering CRDs, even when standalone.
+        peering_name=None if ours.standalone else ours.peering_name,
         liveness_endpoint=ours.liveness_endpoint or None,
     )
 

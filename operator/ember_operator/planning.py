@@ -258,6 +258,8 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
     old_left = sum(p.revision != revision for p in remaining)
     if want == 0:
         avail = (True, "ScaledToZero", "replicas is 0")
+    elif st.ready_replicas == 0 and not can_deploy:
+        avail = (False, "WaitingForArchive", f"0/{want} replicas ready; waiting for the archive")
     elif st.ready_replicas == 0:
         avail = (False, "ReplicasNotReady", f"0/{want} replicas ready")
     elif st.fallback_count or (archive is not None and archive.failing):

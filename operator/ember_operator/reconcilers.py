@@ -13,6 +13,7 @@ import hashlib
 import logging
 import socket
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -92,7 +93,7 @@ class Reconciler:
             body = {
                 "apiVersion": "events.k8s.io/v1",
                 "kind": "Event",
-                "metadata": {"generateName": f"{meta.get('name', 'ember')}.", "namespace": ns},
+                "metadata": {"name": f"{meta.get('name', 'ember')}.{uuid.uuid4().hex[:16]}", "namespace": ns},
                 "eventTime": stamp,
                 "reportingController": "ember.dev/operator",
                 "reportingInstance": self.instance[:128],

@@ -9,6 +9,7 @@ message come from the `kwok.ember.dev/*` pod annotations, set through spec.save.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
 import socket
@@ -159,9 +160,11 @@ class Api:
     def warm(self) -> list[Any]:
         return self.pods("ember.dev/pool=warm")
 
-    def events_for(self, name: str) -> list[Any]:
-        ev = client.EventsV1Api(self.k8s.api_client).list_namespaced_event(self.ns)
-        return [e for e in ev.items if e.regarding and e.regarding.name == name]
+    def events_for(self, name: str) -> list[dict[str, Any]]:
+        """Events about `name` (raw JSON: the typed client rejects events without eventTime)."""
+        resp = self.core.list_namespaced_event(self.ns, _preload_content=False)
+        items = json.loads(resp.data)["items"]
+        return [e for e in items if (e.get("involvedObject") or {}).get("name") == name]
 
     def create_secret(self, name: str, minio: LocalMinio) -> None:
         data = {"AWS_ACCESS_KEY_ID": minio.access_key, "AWS_SECRET_ACCESS_KEY": minio.secret_key}

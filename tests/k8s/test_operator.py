@@ -125,7 +125,7 @@ def test_example_goes_through_every_phase(env: Any, minio: LocalMinio) -> None:
     for expected in ("Pending", "Saving", "Deploying", "Ready"):
         assert expected in phases, f"phase {expected} never seen in {phases}"
     assert phases.index("Saving") < phases.index("Deploying") < phases.index("Ready")
-    reasons = {e.reason for e in api.events_for("qwen")}
+    reasons = {e["reason"] for e in api.events_for("qwen")}
     assert {"Phase", "ArchiveAvailable"} <= reasons
 
 

@@ -145,5 +145,5 @@ def test_failed_save_serves_natively_and_retries(env: Any, minio: LocalMinio) ->
     assert "out of memory" in reason
     # Backoff (2 s in tests) then a new attempt with its own deterministic name.
     wait_for(lambda: any(j.metadata.name.endswith("-1") for j in api.jobs()), "retry attempt 1", op)
-    reasons = {e.reason for e in api.events_for("badsave")}
+    reasons = {e["reason"] for e in api.events_for("badsave")}
     assert "SaveFailed" in reasons
