@@ -47,26 +47,49 @@ def caches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {"TRITON_CACHE_DIR": str(d / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(d / "inductor")}
 
 
-def run_worker(role: str, tmp: Path, *, ember: str | None, alloc: str = "default",
-               env: dict[str, str] | None = None, caches: dict[str, str] | None = None,
-               timeout: int = 240) -> dict[str, Any]:
-    out = tmp / f"{role}-{ember}-{alloc}-{len(list(tmp.iterdir()))}.json"
-    e = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_") and k != "LD_PRELOAD"}
-    e.update(caches or {})
-    e["PYTHONPATH"] = f"{ROOT}:{e.get('PYTHONPATH', '')}"
-    e["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATORS[alloc]
-    e["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    if ember is not None:
-        e["LD_PRELOAD"] = _lib()
-        e["EMBER_LIB"] = _lib()
-        e["EMBER_MODE"] = ember
-    e.update(env or {})
-    proc = subprocess.run([sys.executable, str(HERE), role, str(out)], env=e, capture_output=True, text=True,
-                          timeout=timeout)
-    if proc.returncode != 0 or not out.exists():
-        raise AssertionError(f"worker {role} (ember={ember}, {alloc}) failed rc={proc.returncode}:\n"
-                             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
+class Worker:
+    """One worker process (started at once; `result()` waits for it)."""
+
+    def __init__(self, role: str, tmp: Path, *, ember: str | None, alloc: str = "default",
+                 env: dict[str, str] | None = None, caches: dict[str, str] | None = None) -> None:
+        self.name = f"{role}-{ember}-{alloc}-{len(list(tmp.iterdir()))}"
+        self.out = tmp / f"{self.name}.json"
+        e = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_") and k != "LD_PRELOAD"}
+        e.update(caches or {})
+        e["PYTHONPATH"] = f"{ROOT}:{e.get('PYTHONPATH', '')}"
+        e["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATORS[alloc]
+        e["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        if ember is not None:
+            e["LD_PRELOAD"] = _lib()
+            e["EMBER_LIB"] = _lib()
+            e["EMBER_MODE"] = ember
+            e["EMBER_LOG"] = "info"
+        e.update(env or {})
+        self.log = (tmp / f"{self.name}.log").open("w")
+        self.proc = subprocess.Popen([sys.executable, str(HERE), role, str(self.out)], env=e, stdout=self.log,
+                                     stderr=subprocess.STDOUT, text=True)
+
+    def result(self, timeout: float = 200) -> dict[str, Any]:
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        self.log.close()
+        text = Path(self.log.name).read_text()
+        if rc != 0 or not self.out.exists():
+            return {"error": f"worker {self.name} failed rc={rc}:\n{text[-6000:]}"}
+        return json.loads(self.out.read_text())
+
+
+def run_all(*workers: Worker) -> list[dict[str, Any]]:
+    """Waits for workers that run concurrently (one GPU; each process has its own address space)."""
+    return [w.result() for w in workers]
+
+
+def ok(*results: dict[str, Any]) -> None:
+    for r in results:
+        assert "error" not in r, r["error"]
 
 
 def _region_events(log: str) -> list[tuple[str, str, str, str]]:
@@ -75,21 +98,49 @@ def _region_events(log: str) -> list[tuple[str, str, str, str]]:
     return [(r[2], r[4], r[5], r[6]) for r in rows]
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, caches: dict[str, str]) -> dict[str, Any]:
+    """All workers, in three phases of concurrent processes: cold compiles first (no ember), so
+    that the SAVE runs compared with each other all find warm compile caches."""
+    tmp = tmp_path_factory.mktemp("native-gpu")
+    log = tmp / "alloc.log"
+    res: dict[str, Any] = {}
+    w = {f"base-{a}": Worker("workload", tmp, ember=None, alloc=a, caches=caches) for a in ALLOCATORS}
+    res.update(zip(w, run_all(*w.values()), strict=True))
+    manual = {"EMBER_ARM": "manual"}
+    w = {}
+    for a in ALLOCATORS:
+        w[f"off-{a}"] = Worker("workload", tmp, ember="off", alloc=a, caches=caches)
+        w[f"save-{a}"] = Worker("workload", tmp, ember="save", alloc=a, caches=caches, env=manual)
+        w[f"perturbed-{a}"] = Worker("workload", tmp, ember="save", alloc=a, caches=caches,
+                                     env={**manual, "PERTURB": "1"})
+    w["graphs"] = Worker("graphs", tmp, ember="save", caches=caches)
+    w["save-window"] = Worker("save-window", tmp, ember="save", caches=caches, env={"LOGFILE": str(log)})
+    res.update(zip(w, run_all(*w.values()), strict=True))
+    w = {"load-window": Worker("load-window", tmp, ember="load", caches=caches, env={"LOGFILE": str(log)}),
+         "load-inject": Worker("load-window", tmp, ember="load", caches=caches,
+                               env={"LOGFILE": str(log), "INJECT": "1"})}
+    res.update(zip(w, run_all(*w.values()), strict=True))
+    return res
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("alloc", list(ALLOCATORS))
-def test_pass_through_bit_identical_and_save_layout_deterministic(alloc: str, tmp_path: Path, caches) -> None:
-    base = run_worker("workload", tmp_path, ember=None, alloc=alloc, caches=caches)
-    off = run_worker("workload", tmp_path, ember="off", alloc=alloc, caches=caches)
-    assert off["hashes"] == base["hashes"], "(a) pass-through changed results"
+def test_pass_through_is_bit_identical(alloc: str, runs: dict[str, Any]) -> None:
+    base, off = runs[f"base-{alloc}"], runs[f"off-{alloc}"]
+    ok(base, off, runs[f"save-{alloc}"])
     assert set(base["hashes"]) == {"cublas", "cudnn_sdpa", "triton", "compiled"}
     assert base["sdpa_backend_ok"], "cuDNN attention did not run"
+    assert off["hashes"] == base["hashes"], "(a) pass-through changed results"
+    assert runs[f"save-{alloc}"]["hashes"] == base["hashes"], "SAVE mode changed results"
 
-    manual = {"EMBER_ARM": "manual"}
-    clean = run_worker("workload", tmp_path, ember="save", alloc=alloc, env=manual, caches=caches)
-    perturbed = run_worker("workload", tmp_path, ember="save", alloc=alloc, caches=caches,
-                           env={**manual, "PERTURB": "1"})
-    assert clean["hashes"] == base["hashes"], "SAVE mode changed results"
-    assert perturbed["perturbed_native"], "the perturbation did not allocate outside the region"
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("alloc", list(ALLOCATORS))
+def test_perturbed_save_runs_get_the_same_region_addresses(alloc: str, runs: dict[str, Any]) -> None:
+    clean, perturbed = runs[f"save-{alloc}"], runs[f"perturbed-{alloc}"]
+    ok(clean, perturbed)
+    assert perturbed["perturbed_native"] >= 4, "the perturbation did not allocate outside the region"
     a, b = _region_events(clean["log"]), _region_events(perturbed["log"])
     assert len(a) >= 3, clean["log"]
     assert a == b, "(b) the perturbed SAVE run got other region addresses"
@@ -100,8 +151,9 @@ def test_pass_through_bit_identical_and_save_layout_deterministic(alloc: str, tm
 
 
 @pytest.mark.gpu
-def test_every_graph_kernel_node_is_in_the_catalog(tmp_path: Path, caches) -> None:
-    r = run_worker("graphs", tmp_path, ember="save", caches=caches, timeout=280)
+def test_every_graph_kernel_node_is_in_the_catalog(runs: dict[str, Any]) -> None:
+    r = runs["graphs"]
+    ok(r)
     assert r["kernel_nodes"] > 50
     assert r["missing"] == [], f"(c) {len(r['missing'])} kernel nodes not in the catalog: {r['missing'][:10]}"
     assert r["triton_nodes"] > 0, "no torch.compile/Triton kernel node (kern == 0) was checked"
@@ -109,14 +161,11 @@ def test_every_graph_kernel_node_is_in_the_catalog(tmp_path: Path, caches) -> No
 
 
 @pytest.mark.gpu
-def test_load_replays_window_and_reports_injected_divergence(tmp_path: Path, caches) -> None:
-    log = tmp_path / "alloc.log"
-    saved = run_worker("save-window", tmp_path, ember="save", caches=caches, env={"LOGFILE": str(log)})
-    ok = run_worker("load-window", tmp_path, ember="load", caches=caches, env={"LOGFILE": str(log)})
-    assert ok["divergence"] is None and ok["replayed"], ok
-    assert ok["window_addrs"] == saved["window_addrs"]
-    bad = run_worker("load-window", tmp_path, ember="load", caches=caches,
-                     env={"LOGFILE": str(log), "INJECT": "1"})
+def test_load_replays_window_and_reports_injected_divergence(runs: dict[str, Any]) -> None:
+    saved, good, bad = runs["save-window"], runs["load-window"], runs["load-inject"]
+    ok(saved, good, bad)
+    assert good["divergence"] is None and good["replayed"], good
+    assert good["window_addrs"] == saved["window_addrs"] and saved["window_addrs"]
     assert bad["divergence"] and "differs from SAVE" in bad["divergence"], bad
     assert bad["raised"] == "EmberDivergence" and bad["after_ok"], "(d) the process did not keep running"
 
@@ -389,6 +438,11 @@ def _window_run(res: dict[str, Any], load: bool) -> None:
 
 
 def main(role: str, out: str) -> None:
+    import faulthandler
+    import time
+
+    faulthandler.dump_traceback_later(170, exit=True)  # a hang shows its stack in the worker's log
+    t0 = time.perf_counter()
     res: dict[str, Any] = {"role": role}
     if role == "workload":
         worker_workload(res)
@@ -398,6 +452,7 @@ def main(role: str, out: str) -> None:
         _window_run(res, load=role == "load-window")
     else:
         raise SystemExit(f"unknown role {role}")
+    res["wall_s"] = time.perf_counter() - t0
     Path(out).write_text(json.dumps(res, default=str))
 
 
