@@ -121,6 +121,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory, caches: dict[str, str]) -> di
          "load-inject": Worker("load-window", tmp, ember="load", caches=caches,
                                env={"LOGFILE": str(log), "INJECT": "1"})}
     res.update(zip(w, run_all(*w.values()), strict=True))
+    if report := os.environ.get("EMBER_TEST_REPORT"):  # a summary for the bench notes
+        brief = {k: {kk: vv for kk, vv in v.items() if kk not in ("log",)} for k, v in res.items()}
+        Path(report).write_text(json.dumps(brief, indent=1, default=str))
     return res
 
 
