@@ -209,6 +209,8 @@ def run_bench(endpoint: str, bucket: str, mb: float, repeat: int, workdir: Path)
         "boto3_MBps": total / med_b / 1e6,
         "sidecar_stage_s": stages,
         "goal_ratio": 1.1,
+        "sidecar_concurrency": settings.s3_max_concurrency,
+        "sidecar_chunk_mb": settings.s3_chunk_mb,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -242,7 +244,8 @@ def _markdown(r: dict[str, Any]) -> str:
         f"{r['ratio_paired_median']:.2f}x). "
         "The sidecar's time includes the manifest GET, identity check, sha256 of every blob, size "
         "checks, the cache commit and the engine noticing the handoff; boto3's includes none of these. "
-        "The sidecar downloads every blob's ranges over one pool of 8 connections and hashes in order "
+        f"The sidecar downloads every blob's {r['sidecar_chunk_mb']} MB ranges over one pool of "
+        f"{r['sidecar_concurrency']} connections and hashes in order "
         "while later ranges arrive; boto3 downloads the blobs one after another (10 threads each).",
         "",
         "Reproduce: `e2e/cluster.sh up && ember bench fetch --mb 250`.",
