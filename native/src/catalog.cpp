@@ -24,6 +24,7 @@ const char* load_name(Load l) {
 
 struct Image {
   std::string hash, api, file;
+  std::vector<std::string> linked_from;  // v2 wrappers: hashes of the inputs linked at SAVE
   ImageKind kind = ImageKind::Unknown, outer = ImageKind::Unknown;
   int wrapper_version = 0;
   size_t size = 0;
@@ -179,6 +180,42 @@ void worker() {
   }
 }
 
+// SAVE, version-2 wrapper: link its fatbin with the listed ones (cuLink*) into one cubin, so
+// that LOAD can load a single image. Returns false (and the caller keeps the unlinked fatbin) if
+// anything fails.
+bool prelink(const void* wrapper, const std::vector<uint8_t>& own, std::vector<uint8_t>* cubin,
+             std::vector<std::string>* inputs) {
+  const Real* r = real();
+  if (!r || !r->cuLinkCreate_v2 || !r->cuLinkAddData_v2 || !r->cuLinkComplete || !r->cuLinkDestroy) return false;
+  std::vector<ImageSpan> list;
+  if (!wrapper_link_list(wrapper, &list)) return false;
+  std::vector<std::vector<uint8_t>> parts(1, own);
+  for (const ImageSpan& sp : list) {
+    parts.emplace_back();
+    if (!copy_image(sp, &parts.back())) return false;
+  }
+  CUlinkState st = nullptr;
+  if (r->cuLinkCreate_v2(0, nullptr, nullptr, &st) != CUDA_SUCCESS) return false;
+  bool ok = true;
+  inputs->clear();
+  for (auto& part : parts) {
+    const ImageSpan sp = size_image(part.data(), part.size());
+    const CUjitInputType type = sp.kind == ImageKind::Elf ? CU_JIT_INPUT_CUBIN
+                                : sp.kind == ImageKind::Ptx ? CU_JIT_INPUT_PTX : CU_JIT_INPUT_FATBINARY;
+    inputs->push_back(hash_hex(part.data(), part.size()));
+    if (r->cuLinkAddData_v2(st, type, part.data(), part.size(), "ember", 0, nullptr, nullptr) != CUDA_SUCCESS) {
+      ok = false;
+      break;
+    }
+  }
+  void* out = nullptr;
+  size_t n = 0;
+  if (ok && (r->cuLinkComplete(st, &out, &n) != CUDA_SUCCESS || out == nullptr || n == 0)) ok = false;
+  if (ok) cubin->assign(static_cast<const uint8_t*>(out), static_cast<const uint8_t*>(out) + n);
+  r->cuLinkDestroy(st);  // owns `out`: copied above
+  return ok;
+}
+
 }  // namespace
 
 Options keep_jit_options(unsigned n, const CUjit_option* opts, void* const* values) {
@@ -234,6 +271,17 @@ void catalog_note_load(const char* api, const void* image, const char* file, CUm
       return;
     }
   }
+  std::vector<std::string> linked_from;
+  if (span.wrapper_version == 2 && mode() == Mode::Save) {
+    std::vector<uint8_t> cubin;
+    if (prelink(image, bytes, &cubin, &linked_from)) {
+      bytes = std::move(cubin);
+      span.kind = ImageKind::Elf;
+    } else {
+      linked_from.clear();
+      EMBER_LOG(Warn, "%s: could not prelink a version-2 fatbin wrapper; its image alone may not load", api);
+    }
+  }
   const std::string hash = hash_hex(bytes.data(), bytes.size());
   std::lock_guard<std::mutex> g(c.mu);
   c.ns_hash += now_ns() - t0;
@@ -247,6 +295,7 @@ void catalog_note_load(const char* api, const void* image, const char* file, CUm
     im->size = bytes.size();
     im->jit = jit;
     im->lib = libopts;
+    im->linked_from = std::move(linked_from);
   }
   if (mode() == Mode::Save && !im->have_bytes) {
     im->bytes = std::move(bytes);
@@ -371,6 +420,9 @@ std::string catalog_json() {
                    (!im->modules.empty() || !im->libraries.empty() || im->own_library) ? "true" : "false",
                    load_name(im->load));
     s += "\"jit_options\":" + options_json(im->jit) + ",\"library_options\":" + options_json(im->lib);
+    s += ",\"linked_from\":[";
+    for (size_t i = 0; i < im->linked_from.size(); ++i) s += (i ? ",\"" : "\"") + im->linked_from[i] + "\"";
+    s += "]";
     s += ",\"kernels\":[";
     for (size_t i = 0; i < im->kernels.size(); ++i) s += (i ? ",\"" : "\"") + json_escape(im->kernels[i]) + "\"";
     s += "],\"attributes\":{";

@@ -272,6 +272,26 @@ ImageSpan size_image(const void* image, size_t limit) {
   return out;
 }
 
+bool wrapper_link_list(const void* wrapper, std::vector<ImageSpan>* out) {
+  struct {
+    int32_t magic, version;
+    uint64_t data, list;
+  } w;
+  if (!safe_read(wrapper, &w, sizeof w) || w.magic != static_cast<int32_t>(kWrapperMagic) || w.version != 2)
+    return false;
+  out->clear();
+  for (size_t i = 0; w.list != 0; ++i) {
+    if (i >= 1024) return false;  // a list that long is not a link list
+    uint64_t entry = 0;
+    if (!safe_read(reinterpret_cast<const void*>(w.list + 8 * i), &entry, sizeof entry)) return false;
+    if (entry == 0) break;
+    ImageSpan span = size_image(reinterpret_cast<const void*>(entry), 0);
+    if (span.kind == ImageKind::Unknown) return false;
+    out->push_back(span);
+  }
+  return true;
+}
+
 bool copy_image(const ImageSpan& span, std::vector<uint8_t>* out) {
   if (span.kind == ImageKind::Unknown || span.size == 0 || span.size > kMaxImage) return false;
   out->resize(span.size);

@@ -31,6 +31,9 @@ struct ImageSpan {
 
 // Sizes the image at p (limit: bytes known to be there, 0 = unknown).
 ImageSpan size_image(const void* p, size_t limit);
+// A version-2 wrapper's link list: the fatbins to link with its own (NULL-terminated array at
+// filename_or_fatbins), each sized; false if the list or an entry cannot be read or sized.
+bool wrapper_link_list(const void* wrapper, std::vector<ImageSpan>* out);
 // Reads a sized image into a private buffer; false if it is not fully readable.
 bool copy_image(const ImageSpan& span, std::vector<uint8_t>* out);
 

@@ -142,3 +142,31 @@ print(json.dumps({"same": f == get_function(mod, b"foo"), "loads": calls().count
 def test_mode_off_catalogs_nothing(run_py) -> None:
     out = run_py(HELPERS + "load_module(ptx_buf)\nprint(json.dumps(ip.catalog()))\n")
     assert _last_json(out) == []
+
+
+def test_version2_wrapper_is_prelinked_at_save(run_py) -> None:
+    out = run_py(
+        HELPERS + """
+extra1 = ctypes.create_string_buffer(struct.pack("<IHHQ", 0xBA55ED50, 1, 16, 8) + b"AAAAAAAA")
+extra2 = ctypes.create_string_buffer(struct.pack("<IHHQ", 0xBA55ED50, 1, 16, 8) + b"BBBBBBBB")
+links = (ctypes.c_void_p * 3)(ctypes.addressof(extra1), ctypes.addressof(extra2), None)
+w2 = ctypes.create_string_buffer(struct.pack("<iiQQ", 0x466243B1, 2, ctypes.addressof(fat_buf), ctypes.addressof(links)), 24)
+lib = load_library(w2)
+bad_links = (ctypes.c_void_p * 2)(ctypes.addressof(ctypes.create_string_buffer(b"\\xff\\xfe junk")), None)
+w_bad = ctypes.create_string_buffer(struct.pack("<iiQQ", 0x466243B1, 2, ctypes.addressof(fat_buf), ctypes.addressof(bad_links)), 24)
+load_library(w_bad)
+cat = ip.catalog()
+linked = next(c for c in cat if c["linked_from"])
+print(json.dumps({"cat": cat, "bytes": ip.image_bytes(linked["hash"]).decode(errors="replace"),
+                  "fat": ip.hash(FATBIN), "calls": calls()}))
+""",
+        mode="save",
+    )
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    linked = next(c for c in r["cat"] if c["linked_from"])
+    assert linked["kind"] == "elf" and linked["wrapper_version"] == 2 and len(linked["linked_from"]) == 3
+    assert linked["linked_from"][0] == r["fat"] and r["bytes"].count(".entry linked_") == 3
+    assert "cuLinkComplete" in r["calls"] and "cuLinkDestroy" in r["calls"]
+    unlinked = [c for c in r["cat"] if c["hash"] == r["fat"]]
+    assert unlinked and not unlinked[0]["linked_from"]          # the bad list: kept unlinked, with a warning
+    assert "could not prelink" in out.stderr

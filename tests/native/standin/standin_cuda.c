@@ -335,6 +335,42 @@ EXPORT CUresult cuKernelSetAttribute(CUfunction_attribute a, int v, CUkernel k, 
   return CUDA_SUCCESS;
 }
 
+/* ---- linking: the "cubin" is PTX text naming one kernel per input, so a library loaded from it
+ * has kernels linked_0, linked_1, ... ---- */
+struct link { char text[4096]; int n; };
+#undef cuLinkCreate
+#undef cuLinkAddData
+EXPORT CUresult cuLinkCreate_v2(unsigned n, CUjit_option* o, void** v, CUlinkState* st) {
+  note("cuLinkCreate_v2");
+  struct link* l = calloc(1, sizeof *l);
+  strcpy(l->text, ".version 8.0\n");
+  *st = (CUlinkState)l;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuLinkAddData_v2(CUlinkState st, CUjitInputType type, void* data, size_t size, const char* name,
+                                 unsigned n, CUjit_option* o, void** v) {
+  note("cuLinkAddData_v2");
+  struct link* l = (struct link*)st;
+  if (!data || !size) return CUDA_ERROR_INVALID_VALUE;
+  char buf[64];
+  snprintf(buf, sizeof buf, ".entry linked_%d(\n)\n", l->n++);
+  strncat(l->text, buf, sizeof l->text - strlen(l->text) - 1);
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuLinkComplete(CUlinkState st, void** out, size_t* size) {
+  note("cuLinkComplete");
+  struct link* l = (struct link*)st;
+  *out = l->text;
+  *size = strlen(l->text) + 1;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuLinkDestroy(CUlinkState st) {
+  note("cuLinkDestroy");
+  memset(st, 0, sizeof(struct link)); /* the output dies with the state, as in the driver */
+  free(st);
+  return CUDA_SUCCESS;
+}
+
 /* ---- cuGetProcAddress: (base, version, per-thread flag) -> variant, as the driver does ---- */
 struct variant { const char* base; const char* sym; int ver; int pt; void* fn; };
 #define V(base, sym, ver, pt) {base, #sym, ver, pt, (void*)&sym}
