@@ -328,3 +328,26 @@ def test_load_mode_error_paths(run_py) -> None:
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r == {"replay_before_import": -3, "capture_in_load": -2, "garbage": -10, "bad_event": -10,
                  "ok": 0, "twice": -3, "replay_unarmed": -3}
+
+
+def test_concurrent_allocations_are_all_accounted(run_py) -> None:
+    out = run_py(
+        """
+        import threading
+        got, errors = [], []
+        def work():
+            try:
+                for i in range(150):
+                    p = alloc(512 * (1 + i % 7)); got.append(p); free(p) if i % 3 == 0 else None
+            except Exception as exc:
+                errors.append(repr(exc))
+        ts = [threading.Thread(target=work) for _ in range(8)]
+        [t.start() for t in ts]; [t.join() for t in ts]
+        st = ip.stats()
+        print(json.dumps({"errors": errors, "allocs": st["allocations"], "frees": st["frees"],
+                          "events": st["events"], "live": len({p for i, p in enumerate(got)})}))
+        """,
+        mode="save",
+    )
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["errors"] == [] and r["allocs"] == 1200 and r["frees"] == 400 and r["events"] == 1600

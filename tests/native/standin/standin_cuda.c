@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #define EXPORT __attribute__((visibility("default")))
 
@@ -268,6 +269,8 @@ EXPORT CUresult cuLibraryLoadData(CUlibrary* l, const void* code, CUjit_option* 
   if (!code) return CUDA_ERROR_INVALID_VALUE;
   /* A fatbin wrapper: the kernels come from its data. */
   if (*(const uint32_t*)code == 0x466243B1u) code = (const void*)((const uint64_t*)code)[1];
+  /* PTX naming a SLOW kernel takes 1.5 s to load (tests of loading off the critical path). */
+  if (((const char*)code)[0] == '.' && strstr((const char*)code, "SLOW")) usleep(1500000);
   *l = (CUlibrary)new_mod(code, 1);
   return CUDA_SUCCESS;
 }
