@@ -173,7 +173,7 @@ static int arm_locked(State& s) {
   CUdeviceptr got = 0;
   rc = r->cuMemAddressReserve ? r->cuMemAddressReserve(&got, size, s.gran, s.cfg.base, 0) : kNoDriver;
   if (rc != CUDA_SUCCESS || got != s.cfg.base) {
-    if (rc == CUDA_SUCCESS) r->cuMemAddressFree(got, size);
+    if (rc == CUDA_SUCCESS && r->cuMemAddressFree) r->cuMemAddressFree(got, size);
     s.failed = true;
     s.last_error = rc != CUDA_SUCCESS
                        ? strprintf("reserving %llu bytes at 0x%llx failed: %s", static_cast<unsigned long long>(size),
@@ -709,7 +709,7 @@ int region_replay_window() {
         auto it = std::find_if(s.owned_maps.begin(), s.owned_maps.end(),
                                [&](const OwnedMap& m) { return m.addr == e.addr && m.size == e.size; });
         if (it == s.owned_maps.end()) rc = CUDA_ERROR_INVALID_VALUE;
-        else { rc = r ? r->cuMemUnmap(e.addr, e.size) : kNoDriver; s.owned_maps.erase(it); }
+        else { rc = (r && r->cuMemUnmap) ? r->cuMemUnmap(e.addr, e.size) : kNoDriver; s.owned_maps.erase(it); }
         got = e.addr;
         break;
       }

@@ -182,13 +182,17 @@ int hook_for_request(const char* base, int version, bool per_thread) {
   return best;
 }
 
+// The real pointer of hook i (hooks.def order), or nullptr.
 static void* real_slot(int i) {
   const Real* r = real();
-  if (r == nullptr) return nullptr;
-  void* const* slots = reinterpret_cast<void* const*>(r);
-  return slots[i];  // Real starts with the hook slots, in hooks.def order
+  if (r == nullptr || i < 0 || i >= H_COUNT) return nullptr;
+  void* const slots[H_COUNT] = {
+#define HOOK(sym, base, ver, pt, pfn) reinterpret_cast<void*>(r->sym),
+#include "hooks.def"
+#undef HOOK
+  };
+  return slots[i];
 }
-static_assert(offsetof(Real, cuMemAlloc_v2) == 0, "Real must start with the hook slots");
 
 // After the real cuGetProcAddress answered: swap its pointer for our wrapper of the same ABI
 // variant. Identity first (the driver handed out exactly the exported variant we resolved);
