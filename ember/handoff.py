@@ -279,9 +279,10 @@ class HandoffWriter:
         """Warm pod: no claim yet (engine keeps waiting without a deadline)."""
         self._write(UNCLAIMED)
 
-    def fetching(self, identity: str, archive_uri: str) -> None:
-        """Claim observed: the engine's deadline starts now."""
-        self._claimed_at = time.time()
+    def fetching(self, identity: str, archive_uri: str, claimed_at: float | None = None) -> None:
+        """Claim observed: the engine's deadline (and its claim → first token clock) starts at
+        `claimed_at` (the operator's stamp), else now."""
+        self._claimed_at = claimed_at or time.time()
         self._write(FETCHING, identity=identity, archive=archive_uri)
 
     def ready(

@@ -124,7 +124,7 @@ class Restorer:
             self.engine_ready = False
             cancel = self._claim_cancel
         log.info("Claim observed: archive %s identity %s", claim.archive_uri, claim.identity[:16])
-        self.writer.fetching(claim.identity, claim.archive_uri)
+        self.writer.fetching(claim.identity, claim.archive_uri, self._claim_time(claim, observed_at))
         self._start(self._restore, state, cancel, name="ember-restore")
         return True
 
@@ -159,11 +159,7 @@ class Restorer:
     def _restore(self, state: ClaimState, cancel: threading.Event) -> None:
         claim = state.claim
         started = time.time()
-        # The operator's stamp, unless it is from the future (skew) or stale (a restarted sidecar
-        # re-observing an old claim): then the watch event's time.
-        stamp = claim.claimed_at
-        since = stamp if stamp and 0 <= state.observed_at - stamp <= MAX_CLAIM_LAG_S else None
-        self.metrics.observe("claim_to_fetch", started - (since or state.observed_at))
+        self.metrics.observe("claim_to_fetch", started - self._claim_time(claim, state.observed_at))
         try:
             fetched = self.cache.fetch(claim.archive_uri, claim.identity, cancel)
         except Cancelled:
@@ -190,6 +186,13 @@ class Restorer:
             claim.identity[:16], "cached" if fetched.cached else "fetched", fetched.bytes_fetched / 1e6,
             fetched.fetch_s, fetched.verify_s, state.handed_off_at - state.observed_at,
         )
+
+    @staticmethod
+    def _claim_time(claim: Claim, observed_at: float) -> float:
+        """The operator's claim stamp, unless it is from the future (clock skew) or stale (a
+        restarted sidecar re-observing an old claim): then the time the watch delivered it."""
+        stamp = claim.claimed_at
+        return stamp if stamp and 0 <= observed_at - stamp <= MAX_CLAIM_LAG_S else observed_at
 
     def _prefetch(self, archive_uri: str, cancel: threading.Event) -> None:
         identity = manifest_identity(archive_uri) or ""

@@ -279,3 +279,18 @@ def test_claim_is_not_held_up_by_a_stuck_prefetch(store: LocalStore, tmp_path: P
         assert sample(r.metrics, "ember_prefetches_total", result="ok") == 0
     finally:
         silent.close()
+
+
+def test_claim_clock_starts_at_the_operators_stamp(store: LocalStore, tmp_path: Path) -> None:
+    m = write_blob_archive(store, SIZES)
+    r, _, run_dir = make(tmp_path)
+    stamp = time.time() - 0.3
+    r.claim(Claim(store.manifest_uri(m.identity_hash), m.identity_hash, claimed_at=stamp))
+    assert handoff.wait_for_archive(run_dir, deadline=10).restored
+    assert r.writer.status()["claimed_at"] == stamp  # the engine's claim → first token clock
+    assert sample(r.metrics, "ember_restore_stage_seconds_sum", stage="claim_to_fetch") >= 0.3
+    # A stale stamp (a restarted sidecar re-reading an old claim) is not used.
+    r2, _, _ = make(tmp_path / "b")
+    r2.claim(Claim(store.manifest_uri(m.identity_hash), m.identity_hash, claimed_at=time.time() - 3600))
+    wait_for(lambda: sample(r2.metrics, "ember_restore_stage_seconds_count", stage="claim_to_fetch") == 1)
+    assert sample(r2.metrics, "ember_restore_stage_seconds_sum", stage="claim_to_fetch") < 60
