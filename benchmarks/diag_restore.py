@@ -28,7 +28,9 @@ def main() -> None:
     sizes = tuple(int(s) for s in (sys.argv[1] if len(sys.argv) > 1 else "1,16,24,32,64,256").split(","))
     ip = native_session("save")
     assert ip is not None, "run under libember (save mode)"
-    w = DecodeWorkload.from_name("llama3-8b", sizes=sizes)
+    import os
+
+    w = DecodeWorkload.from_name("llama3-8b", sizes=sizes, deterministic=os.environ.get("DIAG_DET") == "1")
     w.build()
     ip.capture_begin()
     w.capture()
@@ -153,6 +155,42 @@ def main() -> None:
         per[str(key[0])] = row
         print(json.dumps({str(key[0]): row})[:1500], flush=True)
     out["per_size"] = per
+    # Do graphs read window memory that something outside the graphs initialised? Poison each
+    # window allocation (hex log: E seq kind phase addr size align aux caller) and replay.
+    log = ip.export_alloc_log().decode().split()
+    allocs = []
+    for j, word in enumerate(log):
+        if word == "E" and log[j + 3] == "window" and log[j + 2] in ("alloc", "async", "pool", "pitch"):
+            allocs.append((int(log[j + 4], 16), int(log[j + 5], 16), log[j + 8]))
+    out["window_allocs"] = [(hex(a), n, c) for a, n, c in allocs][:40]
+    key = (max(w.sizes),)
+    snap = [s_.clone() for s_ in state]
+
+    def restore2() -> None:
+        for s_, v in zip(state, snap, strict=True):
+            s_.copy_(v)
+
+    w.graphs[key].replay()
+    torch.cuda.synchronize()
+    ref = [o.clone() for o in w.outs[key]]
+    saved_bytes = {}
+    culprits = []
+    for a, n, caller in allocs:
+        keep = torch.empty(n, dtype=torch.uint8, device="cuda")
+        check(cu.cuMemcpyDtoD(keep.data_ptr(), a, n), "save window bytes")
+        check(cu.cuMemsetD8(a, 0xA5, n), "poison")
+        restore2()
+        w.graphs[key].replay()
+        torch.cuda.synchronize()
+        ok = same(ref, [o.clone() for o in w.outs[key]])
+        check(cu.cuMemcpyDtoD(a, keep.data_ptr(), n), "restore window bytes")
+        torch.cuda.synchronize()
+        if not ok:
+            nz = int((keep != 0).sum())
+            culprits.append({"addr": hex(a), "size": n, "caller": caller, "nonzero_bytes": nz})
+        del keep
+    saved_bytes["count"] = len(allocs)
+    out["window_culprits"] = culprits
     print(json.dumps(out, indent=1)[:8000], flush=True)
 
 

@@ -188,6 +188,8 @@ def markdown(report: dict[str, Any]) -> str:
     for r in report["results"]:
         if "load_ms" not in r:
             err = r.get("load_error") or r.get("save_error") or r.get("native_error")
+            tail = [ln for ln in str(r.get("stderr", "")).splitlines() if ln.strip()]
+            err = f"{err}: {tail[-1].strip()[:160]}" if tail else err
             lines.append(f"| {r['workload']} | {r.get('graphs', '')} | {r.get('groups', '')} | "
                          f"{r.get('native_capture_s', 0):.2f} | FAILED: {err} | | | | | | |")
             continue

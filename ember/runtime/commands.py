@@ -21,6 +21,8 @@ console = Console(stderr=True)
 WorkloadOpt = Annotated[str, typer.Option("--workload", "-w", help="Built-in workload, e.g. llama3-8b[-compile].")]
 LayersOpt = Annotated[int, typer.Option(help="Override the layer count (0 = the model's own).")]
 SizesOpt = Annotated[str, typer.Option(help="Capture sizes: 'all' (67 engine defaults) or e.g. 1,2,8.")]
+ConfigOpt = Annotated[str, typer.Option("--model-config", help="A transformers config.json: its shape, random weights "
+                                        "(--workload picks eager or '-compile').")]
 StoreOpt = Annotated[str, typer.Option("--store", envvar="EMBER_STORE", help="Store URI (file:///... or s3://...).")]
 
 
@@ -35,9 +37,24 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def make_workload(name: str, layers: int, sizes: tuple[int, ...]) -> Any:
-    from ember.runtime.workloads import DecodeWorkload
+def make_workload(name: str, layers: int, sizes: tuple[int, ...], model_config: str | None = None) -> Any:
+    """A built-in workload by name, or (with `model_config`) a transformers config.json's shape."""
+    from dataclasses import replace
+    from pathlib import Path
 
+    from ember.runtime.workloads import DecodeWorkload, spec_from_hf_config
+
+    if model_config:
+        path = Path(model_config)
+        try:
+            spec = spec_from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
+        except (OSError, ValueError, KeyError) as exc:
+            raise typer.BadParameter(f"--model-config {path}: not a causal-LM config ({exc})") from exc
+        if layers:
+            spec = replace(spec, layers=layers)
+        compiled = name.endswith("-compile")
+        return DecodeWorkload(spec, compiled=compiled, sizes=sizes,
+                              name=f"config-{spec.name}" + ("-compile" if compiled else ""))
     return DecodeWorkload.from_name(name, layers=layers or None, sizes=sizes)
 
 
@@ -59,6 +76,7 @@ def save(
     layers: LayersOpt = 0,
     sizes: SizesOpt = "all",
     store: StoreOpt = "",
+    model_config: ConfigOpt = "",
     job: Annotated[bool, typer.Option("--job", help="SAVE Job mode (EMBER_IDENTITY, EMBER_STORE).")] = False,
     prove_only: Annotated[bool, typer.Option("--prove-only", help="Capture and prove, publish nothing.")] = False,
 ) -> None:
@@ -75,7 +93,7 @@ def save(
                 raise RuntimeError("job mode needs EMBER_IDENTITY and EMBER_STORE")
             w, identity = _workload_from_identity(raw)
         else:
-            w, identity = make_workload(workload, layers, parse_sizes(sizes)), None
+            w, identity = make_workload(workload, layers, parse_sizes(sizes), model_config or None), None
             if not store and not prove_only:
                 raise RuntimeError("no store: pass --store or set EMBER_STORE (or use --prove-only)")
         out = run_save(w, store_uri=None if prove_only else store, identity=identity,
@@ -97,6 +115,7 @@ def load(
     layers: LayersOpt = 0,
     sizes: SizesOpt = "all",
     store: StoreOpt = "",
+    model_config: ConfigOpt = "",
     identity: Annotated[str, typer.Option(help="Identity hash (default: derived from the workload).")] = "",
     batch: Annotated[int, typer.Option(help="Batch size of the proving decode.")] = 8,
     verify: Annotated[bool, typer.Option(help="Also replay every graph and compare with SAVE's outputs.")] = False,
@@ -109,7 +128,7 @@ def load(
     from ember.runtime.prove import decode_tokens
     from ember.runtime.save import identity_for
 
-    ident = identity or identity_for(make_workload(workload, layers, parse_sizes(sizes))).hash()
+    ident = identity or identity_for(make_workload(workload, layers, parse_sizes(sizes), model_config or None)).hash()
     try:
         loaded = run_load(store, ident, log=lambda m: console.print(m))
     except LoadRefused as exc:
@@ -156,6 +175,7 @@ def replay_verify(store_uri: str, identity_hash: str) -> dict[str, Any]:
 
 def verify_replay_cmd(
     store: StoreOpt = "",
+    model_config: ConfigOpt = "",
     identity: Annotated[str, typer.Argument(help="Identity hash of the archive.")] = "",
 ) -> None:
     """GPU: LOAD the archive and replay every graph, comparing outputs bitwise with SAVE's."""

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from ember.archive import format as archive_format
-from ember.archive.graphs import GraphSet
+from ember.archive.graphs import Graph, GraphSet, KernelRef, NodeType
 from ember.runtime.library import GraphLibrary
+from ember.runtime.walk import GraphWalker
 from ember.runtime.workloads import DECODE_STEPS, DecodeWorkload, fingerprint
 
 
@@ -43,6 +44,54 @@ class ProofReport:
         return not self.mismatches and self.template_ok == self.graphs == self.dedicated_ok
 
 
+class _HandleResolver:
+    """Walks a rebuilt graph back: its function handles are the ones LOAD resolved."""
+
+    in_process_only = True
+
+    def __init__(self, functions: list[int], refs: list[KernelRef]) -> None:
+        self._ref = dict(zip(functions, refs, strict=True))
+
+    def lookup(self, func: int, kern: int) -> KernelRef:
+        return self._ref.get(func, KernelRef("?", f"unknown function {func:#x}"))
+
+    def function(self, ref: KernelRef) -> int:
+        raise NotImplementedError
+
+
+def structure_problems(captured: Graph, rebuilt: Graph, cap_refs: list[KernelRef],
+                       reb_refs: list[KernelRef]) -> list[str]:
+    """What differs between a captured graph and the walk of its rebuild (empty = identical).
+
+    Edges compare as a multiset (the driver may list them in another order); everything else
+    node by node."""
+    out: list[str] = []
+    if len(captured.nodes) != len(rebuilt.nodes):
+        return [f"{len(rebuilt.nodes)} nodes rebuilt, {len(captured.nodes)} captured"]
+    for i, (a, b) in enumerate(zip(captured.nodes, rebuilt.nodes, strict=True)):
+        if a.type != b.type:
+            out.append(f"node {i}: type {b.type.name}, captured {a.type.name}")
+        elif a.type == NodeType.KERNEL:
+            pa, pb = a.params, b.params
+            for f in ("grid", "block", "shared_mem", "args", "arg_offsets", "arg_sizes", "extra", "attrs"):
+                if getattr(pa, f) != getattr(pb, f):
+                    out.append(f"node {i}: {f} differs ({cap_refs[pa.kernel].name[:60]})")
+            if cap_refs[pa.kernel].name != reb_refs[pb.kernel].name:
+                out.append(f"node {i}: kernel {reb_refs[pb.kernel].name[:60]}, captured {cap_refs[pa.kernel].name[:60]}")
+        elif a.type != NodeType.GRAPH and a.params != b.params:
+            out.append(f"node {i}: params differ")
+        if len(out) > 5:
+            break
+    def key(e: object) -> tuple:
+        return (e.src, e.dst, e.from_port, e.to_port, e.type)  # type: ignore[attr-defined]
+
+    if sorted(map(key, captured.edges)) != sorted(map(key, rebuilt.edges)):
+        out.append(f"edges differ: {len(rebuilt.edges)} rebuilt vs {len(captured.edges)} captured "
+                   f"(programmatic {sum(e.type == 1 for e in rebuilt.edges)} vs "
+                   f"{sum(e.type == 1 for e in captured.edges)})")
+    return out
+
+
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(x.view(torch.uint8).equal(y.view(torch.uint8)) for x, y in zip(a, b, strict=True))
 
@@ -53,7 +102,7 @@ def _poison(tensors: tuple[torch.Tensor, ...]) -> None:
 
 
 def prove(workload: DecodeWorkload, graph_set: GraphSet, functions_of: Callable[[list[Any]], list[int]],
-          *, dedicated: bool = True) -> tuple[ProofReport, bytes, GraphLibrary]:
+          *, dedicated: bool = True, repeats: int = 2) -> tuple[ProofReport, bytes, GraphLibrary]:
     """Encode → decode → rebuild → replay every graph against the captured one (same process).
 
     `functions_of(kernel_refs)` resolves the decoded KernelRefs to CUfunctions. Returns the
@@ -68,9 +117,17 @@ def prove(workload: DecodeWorkload, graph_set: GraphSet, functions_of: Callable[
     table = archive_format.decode(blob)
     table.validate()
     rep.decode_ms = (time.perf_counter() - t) * 1e3
-    lib = GraphLibrary(table, functions_of(table.kernels))
+    functions = functions_of(table.kernels)
+    lib = GraphLibrary(table, functions)
     lib.build_templates()
     rep.templates = len(lib.groups)
+    # Structure first: every template, walked back from the driver, equals what was captured.
+    back = GraphWalker(_HandleResolver(functions, table.kernels))
+    for g in lib.groups:
+        i = g.template
+        rebuilt = back.walk(lib.graph(i), lib.keys[i])
+        for p in structure_problems(graph_set.graphs[i], rebuilt, graph_set.kernels, back.kernels):
+            rep.mismatches.append(f"graph {lib.keys[i]}: rebuilt structure: {p}")
     lib.prebuild_all()
     state = workload.state_tensors()
     for i, key in enumerate(lib.keys):
@@ -84,11 +141,14 @@ def prove(workload: DecodeWorkload, graph_set: GraphSet, functions_of: Callable[
         workload.graphs[key].replay()
         torch.cuda.synchronize()
         ref = [o.clone() for o in outs]
-        restore()
-        _poison(outs)
-        lib.launch_template(i)
-        torch.cuda.synchronize()
-        if _same(list(outs), ref):
+        ok = True
+        for _ in range(repeats):  # a race would not show every time: replay the serving path again
+            restore()
+            _poison(outs)
+            lib.launch_template(i)
+            torch.cuda.synchronize()
+            ok = ok and _same(list(outs), ref)
+        if ok:
             rep.template_ok += 1
         else:
             rep.mismatches.append(f"graph {key}: template path output differs from the captured graph")

@@ -32,7 +32,7 @@ from ember.archive.graphs import (
     NodeType,
 )
 from ember.runtime.driver import OK, CudaError, check
-from ember.runtime.walk import ATTR_VALUE_SIZE, KERNEL_PARAMS
+from ember.runtime.walk import ATTR_SIZES, ATTR_VALUE_SIZE, KERNEL_PARAMS
 
 _ATTR_ENUM = {int(a): a for a in cu.CUkernelNodeAttrID}
 _FA = cu.CUfunction_attribute
@@ -118,6 +118,8 @@ def prepare(graph: Graph, functions: list[int], ctx: Any, memset_ctx: Any = None
             wrapper = cu.CUDA_KERNEL_NODE_PARAMS(_ptr=struct_base + so)
             attrs = []
             for a, raw in p.attrs.items():
+                if a not in ATTR_SIZES:
+                    continue  # launch-only attributes never go on a node (see walk.ATTR_SIZES)
                 if len(raw) != ATTR_VALUE_SIZE:
                     raise RebuildError(f"graph {graph.key}: node {idx}: attribute {a} has {len(raw)} bytes")
                 attr_mv[at_off : at_off + ATTR_VALUE_SIZE] = raw
@@ -148,13 +150,16 @@ def prepare(graph: Graph, functions: list[int], ctx: Any, memset_ctx: Any = None
         else:
             raise RebuildError(f"graph {graph.key}: node {idx}: node type {t.name} cannot be rebuilt")
 
-    src = [e.src for e in graph.edges]
-    dst = [e.dst for e in graph.edges]
+    # Edges grouped by destination (stable): each node's dependencies in capture order, as
+    # stream capture created them; the same order for every graph of a group (exec update).
+    edges = sorted(graph.edges, key=lambda e: e.dst)
+    src = [e.src for e in edges]
+    dst = [e.dst for e in edges]
     data = None
-    if any(e.type or e.from_port or e.to_port for e in graph.edges):
+    if any(e.type or e.from_port or e.to_port for e in edges):
         default = cu.CUgraphEdgeData()
         data = []
-        for e in graph.edges:
+        for e in edges:
             if e.type or e.from_port or e.to_port:
                 d = cu.CUgraphEdgeData()
                 d.from_port, d.to_port, d.type = e.from_port, e.to_port, e.type
@@ -294,7 +299,7 @@ class _AttrSets:
     def get(self, idx: int) -> list[tuple[Any, Any]]:
         found = self.sets.get(idx)
         if found is None:
-            values = self.table._attrs(idx)  # {attr id: raw bytes}
+            values = {a: v for a, v in self.table._attrs(idx).items() if a in ATTR_SIZES}
             buf = np.zeros(max(len(values), 1) * ATTR_VALUE_SIZE, dtype=np.uint8)
             self.buffers.append(buf)
             found = []
@@ -383,6 +388,7 @@ def prepare_from_table(table: Any, i: int, functions: list[int], ctx: Any, attr_
         else:
             raise RebuildError(f"graph {key}: node type {t} cannot be rebuilt")
     e = table.edges(i)
+    e = e[np.argsort(e["dst"], kind="stable")]  # as prepare(): grouped by destination, stable
     src, dst = e["src"].tolist(), e["dst"].tolist()
     data = None
     nondefault = (e["type"] != 0) | (e["from_port"] != 0) | (e["to_port"] != 0)

@@ -41,12 +41,31 @@ from ember.runtime.kernels import KernelNotFound, KernelResolver
 
 # CUDA_KERNEL_NODE_PARAMS_v2: func, grid xyz, block xyz, smem, (pad), kernelParams, extra, kern, ctx.
 KERNEL_PARAMS = struct.Struct("<Q3I3II4xQQQQ")
-ATTR_VALUE_SIZE = 64  # sizeof(CUlaunchAttributeValue)
-# Attributes whose values hold process-local handles (events): restorable only at their default.
-HANDLE_ATTRS = frozenset({7, 12})
-# All kernel node attributes worth reading (CUlaunchAttributeID), IGNORE (0) excluded.
-NODE_ATTRS: tuple[int, ...] = tuple(int(a) for a in cu.CUkernelNodeAttrID if int(a) != 0)
+ATTR_VALUE_SIZE = 64  # sizeof(CUlaunchAttributeValue): records are zero-padded to it
+# Kernel NODE attributes (CUlaunchAttributeID → bytes of its member of the value union). Only
+# these bytes are read: the rest of the 64-byte union is whatever the buffer held.
+# Launch-only attributes are deliberately absent: PROGRAMMATIC_STREAM_SERIALIZATION (6),
+# PROGRAMMATIC_EVENT (7) and LAUNCH_COMPLETION_EVENT (12). A captured graph carries programmatic
+# dependent launch in its EDGE DATA; setting 6 on a rebuilt node would change what its other
+# (default) dependencies mean. DEVICE_UPDATABLE_KERNEL_NODE (13) is checked, never copied.
+ATTR_SIZES: dict[int, int] = {
+    1: 28,  # access policy window {base_ptr, num_bytes, hitRatio, hitProp, missProp}
+    2: 4,  # cooperative
+    3: 4,  # synchronization policy
+    4: 12,  # cluster dimension {x, y, z}
+    5: 4,  # cluster scheduling policy preference
+    8: 4,  # priority
+    9: 2,  # mem-sync domain map {default_, remote}
+    10: 4,  # mem-sync domain
+    11: 12,  # preferred cluster dimension
+    14: 4,  # preferred shared memory carveout
+    16: 4,  # NVLink-utilisation-centric scheduling
+    17: 4,  # portable cluster size mode
+    18: 4,  # shared memory mode
+}
 _ATTR_ENUM = {int(a): a for a in cu.CUkernelNodeAttrID}
+NODE_ATTRS: tuple[int, ...] = tuple(a for a in ATTR_SIZES if a in _ATTR_ENUM)
+DEVICE_UPDATABLE = 13
 
 CU_LAUNCH_PARAM_END = 0
 CU_LAUNCH_PARAM_BUFFER_POINTER = 1
@@ -54,6 +73,13 @@ CU_LAUNCH_PARAM_BUFFER_SIZE = 2
 
 _FA = cu.CUfunction_attribute
 _U64 = ctypes.c_uint64
+_U32 = ctypes.c_uint32
+
+
+def _attr_bytes(value: Any, attr: int) -> bytes:
+    """The attribute's own bytes of a CUlaunchAttributeValue, zero-padded to the union's size."""
+    n = ATTR_SIZES[attr]
+    return ctypes.string_at(value.getPtr(), n) + bytes(ATTR_VALUE_SIZE - n)
 
 _T_KERNEL = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
 
@@ -240,11 +266,13 @@ class GraphWalker:
             err, v = cu.cuGraphKernelNodeGetAttribute(node, _ATTR_ENUM[a])
             if err != OK:
                 continue
-            raw = ctypes.string_at(v.getPtr(), ATTR_VALUE_SIZE)
+            raw = _attr_bytes(v, a)
             if raw != defaults.get(a):
-                if a in HANDLE_ATTRS:
-                    raise WalkRefused(key, i, f"kernel node attribute {_ATTR_ENUM[a].name} holds an event")
                 attrs[a] = raw
+        if DEVICE_UPDATABLE in _ATTR_ENUM:
+            err, v = cu.cuGraphKernelNodeGetAttribute(node, _ATTR_ENUM[DEVICE_UPDATABLE])
+            if err == OK and _U32.from_address(v.getPtr()).value:
+                raise WalkRefused(key, i, "device-updatable kernel node (its device handle is process-local)")
         if attrs:
             self.stats["attrs"] += 1
         return attrs
@@ -260,7 +288,7 @@ class GraphWalker:
             for a in NODE_ATTRS:
                 e, v = cu.cuGraphKernelNodeGetAttribute(node, _ATTR_ENUM[a])
                 if e == OK:
-                    out[a] = ctypes.string_at(v.getPtr(), ATTR_VALUE_SIZE)
+                    out[a] = _attr_bytes(v, a)
             return out
         finally:
             cu.cuGraphDestroy(scratch)

@@ -64,6 +64,36 @@ SPECS: dict[str, ModelSpec] = {
 }
 
 
+def spec_from_hf_config(cfg: dict[str, Any], name: str = "custom") -> ModelSpec:
+    """A ModelSpec from a transformers causal-LM config.json (Llama, Qwen3, Qwen3-MoE, Gemma-3
+    families and anything shaped like them); the decode graph is ember's own implementation of
+    that shape with seeded random weights."""
+    c = cfg.get("text_config", cfg)
+    mt = str(c.get("model_type", ""))
+    heads = int(c["num_attention_heads"])
+    hidden = int(c["hidden_size"])
+    gemma = mt.startswith("gemma")
+    experts = int(c.get("num_experts") or c.get("num_local_experts") or 0)
+    layer_types = c.get("layer_types") or []
+    every = 0
+    if "full_attention" in layer_types and "sliding_attention" in layer_types:
+        every = layer_types.index("full_attention") + 1
+    elif c.get("sliding_window_pattern"):
+        every = int(c["sliding_window_pattern"])
+    return ModelSpec(
+        name=name, hidden=hidden, layers=int(c["num_hidden_layers"]), heads=heads,
+        kv_heads=int(c.get("num_key_value_heads") or heads), head_dim=int(c.get("head_dim") or hidden // heads),
+        inter=int(c.get("intermediate_size") or 4 * hidden), vocab=int(c["vocab_size"]),
+        qk_norm=mt.startswith(("qwen3", "gemma3")), experts=experts,
+        top_k=int(c.get("num_experts_per_tok") or 0) if experts else 0,
+        moe_inter=int(c.get("moe_intermediate_size") or 0) if experts else 0,
+        sliding_window=int(c.get("sliding_window") or 0) if every else 0, global_every=every,
+        act="gelu" if gemma else "silu", sandwich_norms=gemma, embed_scale=gemma,
+        rope_theta=float(c.get("rope_theta") or 10000.0),
+        rope_local_theta=float(c.get("rope_local_base_freq") or 10000.0),
+    )
+
+
 def workload_names() -> list[str]:
     return [n for s in SPECS for n in (s, f"{s}-compile")]
 
@@ -232,8 +262,10 @@ class DecodeWorkload:
     """A decode step over a static KV cache, captured at many batch sizes."""
 
     def __init__(self, spec: ModelSpec, *, compiled: bool = False, sizes: tuple[int, ...] = DEFAULT_SIZES,
-                 seed: int = 1234, max_len: int = DECODE_STEPS + 8, name: str | None = None) -> None:
+                 seed: int = 1234, max_len: int = DECODE_STEPS + 8, name: str | None = None,
+                 deterministic: bool = False) -> None:
         self.spec, self.compiled = spec, compiled
+        self.deterministic = deterministic
         self.sizes = tuple(sorted(set(sizes)))
         self.max_batch = max(self.sizes)
         self.seed, self.max_len = seed, max_len
@@ -255,12 +287,14 @@ class DecodeWorkload:
     def config(self) -> dict[str, Any]:
         """What LOAD needs to build the same workload (stored in the manifest's engine facts)."""
         return {"workload": self.name, "spec": asdict(self.spec), "compiled": self.compiled,
-                "sizes": list(self.sizes), "seed": self.seed, "max_len": self.max_len}
+                "sizes": list(self.sizes), "seed": self.seed, "max_len": self.max_len,
+                "deterministic": self.deterministic}
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> DecodeWorkload:
         return cls(ModelSpec(**cfg["spec"]), compiled=cfg["compiled"], sizes=tuple(cfg["sizes"]),
-                   seed=cfg["seed"], max_len=cfg["max_len"], name=cfg["workload"])
+                   seed=cfg["seed"], max_len=cfg["max_len"], name=cfg["workload"],
+                   deterministic=bool(cfg.get("deterministic", False)))
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -274,6 +308,8 @@ class DecodeWorkload:
         if kv_cache_bytes is not None and kv_cache_bytes != self.kv_cache_bytes:
             raise ValueError(f"archive's KV cache is {kv_cache_bytes} bytes, this workload's {self.kv_cache_bytes}")
         s, dev = self.spec, torch.device("cuda")
+        if self.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
         torch.manual_seed(self.seed)
         with torch.device("meta"):
             model = DecodeModel(s)
