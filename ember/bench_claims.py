@@ -152,6 +152,14 @@ class _Bench:
             if self.op.poll() is None:
                 self.op.kill()
         with contextlib.suppress(Exception):
+            # The operator is gone: drop its cleanup finalizers so the namespace can be deleted.
+            items = self.custom.list_namespaced_custom_object(
+                "ember.dev", "v1alpha1", self.ns, "modeldeployments")["items"]
+            for md in items:
+                self.custom.patch_namespaced_custom_object(
+                    "ember.dev", "v1alpha1", self.ns, "modeldeployments", md["metadata"]["name"],
+                    {"metadata": {"finalizers": None}})
+        with contextlib.suppress(Exception):
             self.core.delete_namespace(self.ns)
 
     def spec(self, model: str, replicas: int, warm: int) -> dict[str, Any]:
@@ -333,6 +341,12 @@ def _markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {tp['deployments']} | {tp['all_ready_s']} | {tp['deployments_per_s']} | "
                      f"{tp['reconciles']} | "
                      f"{tp['reconciles_per_s']} | {tp['mean_reconcile_ms']} |")
+    if result.get("error"):
+        lines += ["", f"Run ended early: {result['error']}"]
+    if result.get("load_average"):
+        lines += ["", "Host load average (1/5/15 min) at the end: "
+                  + ", ".join(f"{x:.1f}" for x in result["load_average"])
+                  + " — the machine is shared with other builds; figures are upper bounds."]
     lines += ["", "Command: `ember bench claims` (see docs/operator.md).", ""]
     return "\n".join(lines)
 
@@ -368,9 +382,14 @@ def bench_claims(
         if deployments > 0:
             result["throughput"] = bench.throughput(deployments)
             console.print_json(json.dumps(result["throughput"]))
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        raise
     finally:
         bench.teardown()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".md").write_text(_markdown(result))
-    console.print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+        with contextlib.suppress(OSError):
+            result["load_average"] = os.getloadavg()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        out.with_suffix(".md").write_text(_markdown(result))
+        console.print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")

@@ -206,7 +206,7 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
         identity_json=canonical_json(ident.canonical()).decode(), revision=revision,
         archive_uri=archive_uri, engine_args=tuple(spec.engine.args), claimed_at=stamp,
     )
-    claimed = 0
+    claimed = claimed_ready = 0
     if can_deploy:
         missing = want - len(current)
         if missing > 0:
@@ -215,6 +215,7 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
             for pod in warm[:missing]:
                 plan.claims.append((pod.name, claim_patch(claim, pod.resource_version)))
             claimed = min(missing, len(warm))
+            claimed_ready = sum(p.ready for p in warm[:missing])
             taken = {p.name for p in obs.pods}
             for name in _free_names(obs.name, revision, taken, missing - claimed):
                 plan.creates.append(serving_pod(template, claim, name))
@@ -236,7 +237,7 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
     st.selector = naming.selector(obs.name)
     st.revision = revision
     st.replicas = len(remaining) + len(plan.creates) + claimed
-    st.ready_replicas = sum(p.ready for p in remaining)
+    st.ready_replicas = sum(p.ready for p in remaining) + claimed_ready
     st.updated_replicas = sum(p.revision == revision for p in remaining) + len(plan.creates) + claimed
     st.restored_replicas = sum(p.restored for p in remaining)
     st.fallback_count = sum(p.fell_back for p in remaining)
@@ -254,7 +255,7 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
     gen = obs.generation
     conds = conditions.put(conds, ARCHIVE_READY, arch_status, arch_reason, arch_message, gen, now)
 
-    ready_current = sum(p.ready for p in remaining if p.revision == revision)
+    ready_current = sum(p.ready for p in remaining if p.revision == revision) + claimed_ready
     old_left = sum(p.revision != revision for p in remaining)
     if want == 0:
         avail = (True, "ScaledToZero", "replicas is 0")

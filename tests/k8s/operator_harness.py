@@ -126,6 +126,13 @@ class Api:
         return self.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, "modeldeployments", body,
                                                            **kwargs)
 
+    def release(self) -> None:
+        """Teardown without a running operator: drop the cleanup finalizers so the namespace can go."""
+        listed = self.custom.list_namespaced_custom_object(GROUP, VERSION, self.ns, "modeldeployments")
+        for md in listed["items"]:
+            if md["metadata"].get("finalizers"):
+                self.patch_md(md["metadata"]["name"], {"metadata": {"finalizers": None}})
+
     def md(self, name: str) -> dict[str, Any]:
         return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, "modeldeployments", name)
 

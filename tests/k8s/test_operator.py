@@ -52,6 +52,7 @@ def env(
     prefix = f"op-{uuid.uuid4().hex[:8]}"
     yield api, op, prefix
     op.stop()
+    api.release()
     k8s.delete_namespace(ns)
 
 

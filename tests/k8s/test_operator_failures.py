@@ -31,6 +31,7 @@ def env(
     op = OperatorProcess(kubeconfig=k8s.kubeconfig, namespace=ns, log_path=tmp_path / "operator.log").start()
     yield api, op, f"opf-{uuid.uuid4().hex[:8]}"
     op.stop()
+    api.release()
     k8s.delete_namespace(ns)
 
 

@@ -268,3 +268,67 @@ def test_deployment_scales_through_scale_subresource(k8s, k8s_namespace) -> None
         timeout=90,
         what="HPA raising replicas to minReplicas",
     )
+
+
+def test_hpa_scales_on_fake_cpu_usage(k8s, k8s_namespace) -> None:
+    """metrics-server reads kwok's fake kubelet metrics; the HPA scales on pod CPU utilization."""
+    apps = client.AppsV1Api(k8s.api_client)
+    labels = {"app": "busy"}
+    container = {
+        "name": "main",
+        "image": "registry.invalid/ember/smoke:1",
+        "resources": {"requests": {"cpu": "1"}},
+    }
+    apps.create_namespaced_deployment(
+        k8s_namespace,
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "busy"},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    # 900m of a 1-CPU request: 90% utilization against a 50% target.
+                    "metadata": {"labels": labels, "annotations": {"kwok.x-k8s.io/usage-cpu": "900m"}},
+                    "spec": {"containers": [container]},
+                },
+            },
+        },
+    )
+    metrics = client.CustomObjectsApi(k8s.api_client)
+
+    def pod_cpu_reported() -> bool:
+        items = metrics.list_namespaced_custom_object("metrics.k8s.io", "v1beta1", k8s_namespace, "pods")
+        return any(c["usage"]["cpu"] not in ("0", "0n") for i in items["items"] for c in i["containers"])
+
+    wait_until(pod_cpu_reported, timeout=90, interval=2, what="pod CPU in metrics.k8s.io")
+
+    client.AutoscalingV2Api(k8s.api_client).create_namespaced_horizontal_pod_autoscaler(
+        k8s_namespace,
+        {
+            "apiVersion": "autoscaling/v2",
+            "kind": "HorizontalPodAutoscaler",
+            "metadata": {"name": "busy"},
+            "spec": {
+                "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "busy"},
+                "minReplicas": 1,
+                "maxReplicas": 4,
+                "metrics": [
+                    {
+                        "type": "Resource",
+                        "resource": {
+                            "name": "cpu",
+                            "target": {"type": "Utilization", "averageUtilization": 50},
+                        },
+                    }
+                ],
+            },
+        },
+    )
+    wait_until(
+        lambda: apps.read_namespaced_deployment_scale("busy", k8s_namespace).spec.replicas >= 2,
+        timeout=120,
+        interval=2,
+        what="HPA scaling up on 90% CPU utilization",
+    )

@@ -207,3 +207,13 @@ def test_scale_to_zero() -> None:
     plan = plan_deployment(observed(md_spec(replicas=0), archive=AVAILABLE, pods=[_pod("a", rev)]), CTX)
     assert plan.deletes == ["a"] and plan.status.replicas == 0
     assert _cond(plan, "Available").reason == "ScaledToZero"
+
+
+def test_claiming_ready_warm_pods_counts_them_ready() -> None:
+    spec = md_spec(replicas=2)
+    rev = _revision(spec)
+    plan = plan_deployment(observed(spec, archive=AVAILABLE, warm=[_warm("w-a"), _warm("w-b")],
+                                    pods=[]), CTX)
+    assert len(plan.claims) == 2 and plan.status.ready_replicas == 2
+    assert plan.status.phase is MDPhase.ready
+    assert rev == plan.status.revision
