@@ -87,10 +87,32 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[k]
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 1)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _histogram_quantile(metrics: dict[str, float], name: str, q: float) -> float | None:
+    """Quantile of a Prometheus histogram from its cumulative buckets (linear inside a bucket)."""
+    buckets = sorted(
+        (float(k.split('le="')[1].rstrip('"}')), v) for k, v in metrics.items()
+        if k.startswith(f"{name}_bucket{{") and 'le="+Inf"' not in k
+    )
+    total = metrics.get(f"{name}_count", 0.0)
+    if not buckets or total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            inside = count - below
+            return lower + (upper - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = upper, count
+    return buckets[-1][0]
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -269,8 +291,16 @@ class _Bench:
                 "mean": round(statistics.fmean(latencies), 1) if latencies else None,
             },
             "all_claimed_ms": round(latencies[-1], 1) if latencies else None,
-            "operator_claim_seconds_sum": metrics.get("ember_claim_seconds_sum"),
-            "operator_claim_seconds_count": metrics.get("ember_claim_seconds_count"),
+            # Operator-side views (histograms): reconcile start → claim accepted, and one claim's
+            # API round trip.
+            "operator_claim_ms": {
+                "p50": _ms(_histogram_quantile(metrics, "ember_claim_seconds", 0.5)),
+                "p99": _ms(_histogram_quantile(metrics, "ember_claim_seconds", 0.99)),
+            },
+            "claim_patch_ms": {
+                "p50": _ms(_histogram_quantile(metrics, "ember_claim_patch_seconds", 0.5)),
+                "p99": _ms(_histogram_quantile(metrics, "ember_claim_patch_seconds", 0.99)),
+            },
             "replenish_s": round(time.monotonic() - t, 2),
         }
 
@@ -327,6 +357,14 @@ def _markdown(result: dict[str, Any]) -> str:
         m = c["claim_ms"]
         lines.append(f"| {c['replicas']} | {c['claimed']} | {c['cold_created']} | {m['p50']} | {m['p90']} | "
                      f"{m['p99']} | {m['max']} | {c['replenish_s']} |")
+        op, patch = c.get("operator_claim_ms") or {}, c.get("claim_patch_ms") or {}
+        lines += [
+            "",
+            f"Operator side: reconcile start → claim accepted p50 {op.get('p50')} ms / "
+            f"p99 {op.get('p99')} ms; "
+            f"one claim's API round trip (conditional patch) p50 {patch.get('p50')} ms / "
+            f"p99 {patch.get('p99')} ms (from histogram buckets).",
+        ]
     lines += [
         "",
         "Per-claim latency = time from the /scale request to the pod being seen (watch) with "

@@ -15,8 +15,15 @@ SAVE_SECONDS = Histogram(
     buckets=(10, 30, 60, 120, 300, 600, 1200, 1800, 3600),
 )
 SAVES_TOTAL = Counter("ember_saves_total", "SAVE outcomes.", ["result"])
+_CLAIM = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+          5.0)
 CLAIM_SECONDS = Histogram(
-    "ember_claim_seconds", "Warm pod claim latency: reconcile start to claim patch accepted.", buckets=_FAST,
+    "ember_claim_seconds", "Warm pod claim latency: reconcile start to claim patch accepted.",
+    buckets=_CLAIM,
+)
+CLAIM_PATCH_SECONDS = Histogram(
+    "ember_claim_patch_seconds", "One claim's API round trip (conditional label/annotation patch).",
+    buckets=_CLAIM,
 )
 CLAIMS_TOTAL = Counter("ember_claims_total", "Warm pod claims.", ["result"])
 COLD_PODS_TOTAL = Counter("ember_cold_pods_total", "Serving pods created cold (no warm pod to claim).")

@@ -46,7 +46,7 @@ class Settings(BaseModel):
     archive_retention_seconds: float = Field(
         86400.0, description="Unreferenced GraphArchives are deleted after this long (0 keeps them)."
     )
-    claim_concurrency: int = Field(16, description="Parallel API calls when claiming or creating pods.")
+    claim_concurrency: int = Field(32, description="Parallel API calls when claiming or creating pods.")
     batch_window_seconds: float = Field(0.02, description="kopf batching window for watch events.")
 
     @classmethod
