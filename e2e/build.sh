@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the local control plane and MinIO from Go module sources (idempotent).
 #
-#   e2e/build.sh [kubernetes|etcd|kwok|helm|minio ...]   (default: all)
+#   e2e/build.sh [kubernetes|etcd|kwok|metrics-server|helm|minio ...]   (default: all)
 #   e2e/build.sh --check      exit 1 (naming them) if pinned binaries are missing
 #
 # Versions come from e2e/versions.env. Binaries land in e2e/.work/bin/<component>-<version>/ and
@@ -79,19 +79,25 @@ build_etcd() {
   rm -rf "$out" && mv "$out.tmp" "$out"
 }
 
-# go_install NAME VERSION PACKAGE BINARY: `go install pkg@version` into the versioned bin folder.
+# go_install NAME VERSION PACKAGE BINARY [LDFLAGS]: `go install pkg@version` into the versioned
+# bin folder.
 go_install() {
-  local name="$1" v="$2" pkg="$3" binary="$4" out
+  local name="$1" v="$2" pkg="$3" binary="$4" ldflags="-s -w ${5:-}" out
   out="$(bin_dir "$name" "$v")"
   [[ -x "$out/$binary" ]] && return 0
   log "$name $v: building $pkg"
   mkdir -p "$out.tmp"
-  (cd "$WORK" && GOBIN="$out.tmp" timed "$name" "$v" go install -ldflags "-s -w" "$pkg@$v")
+  (cd "$WORK" && GOBIN="$out.tmp" timed "$name" "$v" go install -ldflags "$ldflags" "$pkg@$v")
   rm -rf "$out" && mv "$out.tmp" "$out"
 }
 
 build_kwok() { go_install kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok kwok; }
-build_helm() { go_install helm "$HELM_VERSION" helm.sh/helm/v4/cmd/helm helm; }
+build_helm() {
+  go_install helm "$HELM_VERSION" helm.sh/helm/v4/cmd/helm helm "-X helm.sh/helm/v4/internal/version.version=$HELM_VERSION"
+}
+build_metrics_server() {
+  go_install metrics-server "$METRICS_SERVER_VERSION" sigs.k8s.io/metrics-server/cmd/metrics-server metrics-server
+}
 build_minio() { go_install minio "$MINIO_VERSION" github.com/minio/minio minio; }
 
 # check: exit 1 and name what is missing when a pinned binary is not built yet.
@@ -99,7 +105,8 @@ check() {
   local missing=() f
   for f in "$(bin_dir kubernetes "$KUBERNETES_VERSION")"/{kube-apiserver,kube-controller-manager,kube-scheduler,kubectl} \
            "$(bin_dir etcd "$ETCD_VERSION")/etcd" "$(bin_dir kwok "$KWOK_VERSION")/kwok" \
-           "$(bin_dir minio "$MINIO_VERSION")/minio" "$(bin_dir helm "$HELM_VERSION")/helm"; do
+           "$(bin_dir minio "$MINIO_VERSION")/minio" \
+           "$(bin_dir metrics-server "$METRICS_SERVER_VERSION")/metrics-server" "$(bin_dir helm "$HELM_VERSION")/helm"; do
     [[ -x "$f" ]] || missing+=("${f#"$WORK"/}")
   done
   ((${#missing[@]} == 0)) && return 0
@@ -112,11 +119,12 @@ main() {
   command -v go >/dev/null || { echo "go not found: install Go >= 1.25 (https://go.dev/dl)" >&2; exit 1; }
   mkdir -p "$WORK/bin"
   local components=("$@")
-  ((${#components[@]})) || components=(etcd kwok kubernetes minio helm)
+  ((${#components[@]})) || components=(etcd kwok kubernetes minio metrics-server helm)
   local c
   for c in "${components[@]}"; do
     case "$c" in
       kubernetes|etcd|kwok|helm|minio) "build_$c" ;;
+      metrics-server) build_metrics_server ;;
       *) echo "unknown component: $c" >&2; exit 2 ;;
     esac
   done

@@ -7,7 +7,7 @@
 #   e2e/cluster.sh env      print the env file path (source it: KUBECONFIG, S3 endpoint, keys)
 #
 # Start order: etcd -> kube-apiserver -> kube-controller-manager + kube-scheduler -> kwok ->
-# fake GPU nodes (e2e/kwok/nodes.yaml) -> MinIO (+ bucket). Binaries come from e2e/build.sh.
+# fake GPU nodes (e2e/kwok/nodes.yaml) -> metrics-server -> MinIO (+ bucket). Binaries come from e2e/build.sh.
 # Files: e2e/.work/kubeconfig (admin), e2e/.work/env, e2e/.work/run/{pki,logs,pids,...}.
 set -euo pipefail
 
@@ -29,6 +29,7 @@ APISERVER_PORT="${EMBER_APISERVER_PORT:-16443}"
 KCM_PORT="${EMBER_KCM_PORT:-17257}"
 SCHEDULER_PORT="${EMBER_SCHEDULER_PORT:-17259}"
 KWOK_PORT="${EMBER_KWOK_PORT:-17247}"
+METRICS_SERVER_PORT="${EMBER_METRICS_SERVER_PORT:-17443}"
 MINIO_PORT="${EMBER_MINIO_PORT:-19000}"
 MINIO_CONSOLE_PORT="${EMBER_MINIO_CONSOLE_PORT:-19001}"
 S3_BUCKET="${EMBER_S3_BUCKET:-ember-test}"
@@ -40,6 +41,7 @@ K8S_BIN="$WORK/bin/kubernetes-$KUBERNETES_VERSION"
 ETCD_BIN="$WORK/bin/etcd-$ETCD_VERSION/etcd"
 KWOK_BIN="$WORK/bin/kwok-$KWOK_VERSION/kwok"
 MINIO_BIN="$WORK/bin/minio-$MINIO_VERSION/minio"
+METRICS_SERVER_BIN="$WORK/bin/metrics-server-$METRICS_SERVER_VERSION/metrics-server"
 KUBECTL="$K8S_BIN/kubectl"
 
 log() { printf '[cluster %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -163,7 +165,10 @@ gen_pki() {
   gen_cert admin ember-admin system:masters
   gen_cert controller-manager system:kube-controller-manager ""
   gen_cert scheduler system:kube-scheduler ""
-  gen_cert kwok kwok-controller system:masters
+  gen_cert kwok kwok-controller system:masters "IP:$HOST,DNS:localhost"
+  # The aggregator checks the serving cert against <service>.<namespace>.svc.
+  gen_cert metrics-server metrics-server system:masters \
+    "IP:$HOST,DNS:localhost,DNS:metrics-server.kube-system.svc"
   gen_cert front-proxy-client front-proxy-client "" "" front-proxy-ca
   if [[ ! -f "$PKI/sa.key" ]]; then
     openssl genrsa -out "$PKI/sa.key" 2048 2>/dev/null
@@ -172,6 +177,7 @@ gen_pki() {
   write_kubeconfig "$RUN/controller-manager.kubeconfig" controller-manager system:kube-controller-manager
   write_kubeconfig "$RUN/scheduler.kubeconfig" scheduler system:kube-scheduler
   write_kubeconfig "$RUN/kwok.kubeconfig" kwok kwok-controller
+  write_kubeconfig "$RUN/metrics-server.kubeconfig" metrics-server metrics-server
   write_kubeconfig "$KUBECONFIG_PATH" admin ember-admin
 }
 
@@ -213,7 +219,6 @@ start_apiserver() {
     --requestheader-group-headers X-Remote-Group --requestheader-username-headers X-Remote-User \
     --proxy-client-cert-file "$PKI/front-proxy-client.crt" \
     --proxy-client-key-file "$PKI/front-proxy-client.key" \
-    --enable-aggregator-routing=true \
     --profiling=false --v=1
   wait_for "kube-apiserver /readyz" 120 kube-apiserver curl_k8s "https://$HOST:$APISERVER_PORT/readyz"
 }
@@ -246,10 +251,52 @@ start_scheduler() {
 start_kwok() {
   running kwok && return 0
   require_port "$KWOK_PORT" kwok
-  spawn kwok "$KWOK_BIN" --kubeconfig "$RUN/kwok.kubeconfig" --config "$E2E/kwok/stages.yaml" \
+  # kwok also plays every fake node's kubelet endpoint (TLS on $KWOK_PORT, the nodes' status
+  # port) and serves fake resource metrics there for metrics-server (e2e/kwok/metrics.yaml).
+  spawn kwok "$KWOK_BIN" --kubeconfig "$RUN/kwok.kubeconfig" \
+    --config "$E2E/kwok/stages.yaml" --config "$E2E/kwok/metrics.yaml" \
     --manage-all-nodes=false --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
-    --node-ip "$HOST" --cidr "$POD_CIDR" --node-lease-duration-seconds 40 \
-    --server-address "$HOST:$KWOK_PORT"
+    --node-ip "$HOST" --node-port "$KWOK_PORT" --cidr "$POD_CIDR" --node-lease-duration-seconds 40 \
+    --server-address "$HOST:$KWOK_PORT" \
+    --tls-cert-file "$PKI/kwok.crt" --tls-private-key-file "$PKI/kwok.key"
+}
+
+# metrics-server behind the aggregated API metrics.k8s.io (what the HPA controller reads). The
+# APIService points at an ExternalName Service "localhost", so the apiserver dials
+# https://localhost:$METRICS_SERVER_PORT without kube-proxy or pod networking.
+start_metrics_server() {
+  if ! running metrics-server; then
+    require_port "$METRICS_SERVER_PORT" metrics-server
+    local kc="$RUN/metrics-server.kubeconfig"
+    spawn metrics-server "$METRICS_SERVER_BIN" \
+      --kubeconfig "$kc" --authentication-kubeconfig "$kc" --authorization-kubeconfig "$kc" \
+      --bind-address "$HOST" --secure-port "$METRICS_SERVER_PORT" \
+      --tls-cert-file "$PKI/metrics-server.crt" --tls-private-key-file "$PKI/metrics-server.key" \
+      --kubelet-insecure-tls --kubelet-use-node-status-port \
+      --kubelet-preferred-address-types InternalIP --metric-resolution 10s --kubelet-request-timeout 5s
+  fi
+  kubectl apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Service
+metadata: {name: metrics-server, namespace: kube-system}
+spec:
+  type: ExternalName
+  externalName: localhost
+  ports: [{name: https, port: $METRICS_SERVER_PORT, protocol: TCP}]
+---
+apiVersion: apiregistration.k8s.io/v1
+kind: APIService
+metadata: {name: v1beta1.metrics.k8s.io}
+spec:
+  group: metrics.k8s.io
+  version: v1beta1
+  service: {name: metrics-server, namespace: kube-system, port: $METRICS_SERVER_PORT}
+  caBundle: $(base64 -w0 <"$PKI/ca.crt")
+  groupPriorityMinimum: 100
+  versionPriority: 100
+EOF
+  wait_for "metrics.k8s.io APIService Available" 90 metrics-server \
+    kubectl wait --for condition=Available --timeout=2s apiservice/v1beta1.metrics.k8s.io
 }
 
 # MinIO credentials are generated once per run folder and kept in run/minio.env.
@@ -338,6 +385,7 @@ cmd_up() {
   start_nodes
   wait_for "default service account" 60 kube-controller-manager \
     kubectl get serviceaccount default -n default
+  start_metrics_server
   start_minio
   write_env
   log "up in $((SECONDS - t0))s: KUBECONFIG=$KUBECONFIG_PATH, env: $ENV_FILE"
@@ -348,7 +396,7 @@ cmd_down() {
   exec 9>"$WORK/cluster.lock"
   flock -w 300 9 || die "another e2e/cluster.sh holds $WORK/cluster.lock"
   local name
-  for name in operator minio kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
+  for name in operator minio metrics-server kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
     stop "$name"
   done
   # State is per run: the next `up` starts from an empty etcd and MinIO with fresh credentials.
@@ -358,7 +406,7 @@ cmd_down() {
 
 cmd_status() {
   local name rc=0
-  for name in etcd kube-apiserver kube-controller-manager kube-scheduler kwok minio; do
+  for name in etcd kube-apiserver kube-controller-manager kube-scheduler kwok metrics-server minio; do
     if running "$name"; then
       printf '%-24s running  pid %s\n' "$name" "$(pid_of "$name")"
     else

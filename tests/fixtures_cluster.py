@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 E2E = REPO / "e2e"
 CLUSTER_SH = E2E / "cluster.sh"
 BUILD_SH = E2E / "build.sh"
-ENV_FILE = E2E / ".work" / "env"
+# EMBER_E2E_WORK moves e2e/.work (the scripts honour it too), e.g. for a second cluster.
+ENV_FILE = Path(os.environ.get("EMBER_E2E_WORK", E2E / ".work")) / "env"
 
 
 def in_ci() -> bool:
