@@ -233,7 +233,7 @@ start_controller_manager() {
     --leader-elect=false --use-service-account-credentials=true \
     --service-account-private-key-file "$PKI/sa.key" --root-ca-file "$PKI/ca.crt" \
     --cluster-signing-cert-file "$PKI/ca.crt" --cluster-signing-key-file "$PKI/ca.key" \
-    --controllers '*,-nodeipam,-service-lb-controller,-cloud-node-lifecycle,-route,-persistentvolume-binder' \
+    --controllers '*,-node-ipam-controller,-service-lb-controller,-cloud-node-lifecycle-controller,-node-route-controller' \
     --horizontal-pod-autoscaler-sync-period 5s \
     --profiling=false --v=1
 }
@@ -396,9 +396,13 @@ cmd_down() {
   exec 9>"$WORK/cluster.lock"
   flock -w 300 9 || die "another e2e/cluster.sh holds $WORK/cluster.lock"
   local name
-  for name in operator minio metrics-server kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
-    stop "$name"
+  # Clients first, etcd last; each gets up to 10 s after SIGTERM, then SIGKILL.
+  for name in operator minio metrics-server kwok kube-scheduler kube-controller-manager; do
+    stop "$name" &
   done
+  wait
+  stop kube-apiserver
+  stop etcd
   # State is per run: the next `up` starts from an empty etcd and MinIO with fresh credentials.
   rm -rf "$RUN" "$ENV_FILE" "$KUBECONFIG_PATH"
   log "down"

@@ -10,7 +10,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-WORK="$ROOT/e2e/.work"
+WORK="${EMBER_E2E_WORK:-$ROOT/e2e/.work}"
 log() { printf '[demo %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
 if [[ "${1:-}" != "--no-install" ]]; then
@@ -46,6 +46,11 @@ done
 
 # The operator runs on this machine against the local cluster (not in it: no image registry).
 export EMBER_STORE="${EMBER_STORE:-s3://$EMBER_S3_BUCKET/ember}"
+# Operator settings (EMBER_OPERATOR_*, see operator/ember_operator/settings.py); override freely.
+export EMBER_OPERATOR_STANDALONE="${EMBER_OPERATOR_STANDALONE:-true}"
+export EMBER_OPERATOR_DEFAULT_STORE="${EMBER_OPERATOR_DEFAULT_STORE:-$EMBER_STORE}"
+export EMBER_OPERATOR_DEFAULT_S3_ENDPOINT="${EMBER_OPERATOR_DEFAULT_S3_ENDPOINT:-$EMBER_S3_ENDPOINT}"
+export EMBER_OPERATOR_METRICS_PORT="${EMBER_OPERATOR_METRICS_PORT:-18080}"
 if [[ -f operator/ember_operator/main.py ]]; then
   pidfile="$WORK/run/pids/operator.pid"
   if [[ -f "$pidfile" ]] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
