@@ -43,15 +43,19 @@ def main() -> None:
         orig[k] = orig[k] or func
     catalog = {e["hash"]: e for e in ip.catalog()}
     natf = [int(ip.function(r.image, r.name)) for r in gs.kernels]
-    out: dict = {"kernels": n, "handle_differs": [gs.kernels[i].name[:90] for i in range(n) if natf[i] != orig[i]]}
+    out: dict = {
+        "kernels": n,
+        "handle_differs": [gs.kernels[i].name[:90] for i in range(n) if natf[i] != orig[i]],
+    }
     libs: dict[str, object] = {}
     fresh = [0] * n
     fresh_err = {}
     for i, r in enumerate(gs.kernels):
         try:
             if r.image not in libs:
-                libs[r.image] = check(cu.cuLibraryLoadData(ip.image_bytes(r.image), [], [], 0, [], [], 0),
-                                      "cuLibraryLoadData")
+                libs[r.image] = check(
+                    cu.cuLibraryLoadData(ip.image_bytes(r.image), [], [], 0, [], [], 0), "cuLibraryLoadData"
+                )
             k = check(cu.cuLibraryGetKernel(libs[r.image], r.name.encode()), "cuLibraryGetKernel")
             fresh[i] = int(check(cu.cuKernelGetFunction(k), "cuKernelGetFunction"))
         except Exception as exc:  # report and keep the catalog's function
@@ -123,7 +127,7 @@ def main() -> None:
         det = same(ref, [o.clone() for o in w.outs[key]])
         row = {"native_deterministic": det}
         restore()
-        err, clone = cu.cuGraphClone(cu.CUgraph(w.graphs[key].raw_cuda_graph()))
+        _err, clone = cu.cuGraphClone(cu.CUgraph(w.graphs[key].raw_cuda_graph()))
         ex = check(cu.cuGraphInstantiate(clone, 0), "instantiate clone")
         check(cu.cuGraphLaunch(ex, cu.CUstream(torch.cuda.current_stream().cuda_stream)), "launch clone")
         torch.cuda.synchronize()
@@ -148,8 +152,14 @@ def main() -> None:
                     restore()
                     if not same(ref, run(trial, key)):
                         im = catalog.get(gs.kernels[j].image, {})
-                        bad.append({"kernel": gs.kernels[j].name[:100], "image_kind": im.get("kind"),
-                                    "api": im.get("api"), "size": im.get("size")})
+                        bad.append(
+                            {
+                                "kernel": gs.kernels[j].name[:100],
+                                "image_kind": im.get("kind"),
+                                "api": im.get("api"),
+                                "size": im.get("size"),
+                            }
+                        )
                 row[label + "_culprits"] = bad
         restore()
         per[str(key[0])] = row

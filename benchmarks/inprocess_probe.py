@@ -86,8 +86,10 @@ def main() -> None:
     tp = {}
     for b in [s for s in (1, 64) if s in w.sizes]:
         lib.dedicate(lib.key_index((b,)))
-        tp[b] = {"native": tpot_ms(w, lambda k: w.graphs[k].replay(), b),
-                 "restored": tpot_ms(w, lambda k: lib.launch(lib.key_index(k)), b)}
+        tp[b] = {
+            "native": tpot_ms(w, lambda k: w.graphs[k].replay(), b),
+            "restored": tpot_ms(w, lambda k: lib.launch(lib.key_index(k)), b),
+        }
     out["tpot_ms"] = tp
     print(json.dumps(out, indent=1, default=str))
 

@@ -24,8 +24,13 @@ from typing import Annotated, Any
 
 import typer
 
-GOALS = {"native_over_load": 30.0, "load_ms": 250.0, "switch_p50_ms": 1.0, "tpot_ratio": 1.01,
-         "archive_bytes": 250e6}
+GOALS = {
+    "native_over_load": 30.0,
+    "load_ms": 250.0,
+    "switch_p50_ms": 1.0,
+    "tpot_ratio": 1.01,
+    "archive_bytes": 250e6,
+}
 TPOT_BATCHES = (1, 64)
 DECODE_BATCHES = (1, 8, 64)
 
@@ -52,7 +57,9 @@ def role_native(args: dict[str, Any]) -> dict[str, Any]:
     out["native_capture_s"] = time.perf_counter() - t
     launch = lambda k: w.graphs[k].replay()  # noqa: E731
     out["tpot_ms"] = {str(b): tpot_ms(w, launch, b) for b in _present(list(w.sizes), TPOT_BATCHES)}
-    out["decode_sha256"] = {str(b): decode_tokens(w, launch, b)[0] for b in _present(list(w.sizes), DECODE_BATCHES)}
+    out["decode_sha256"] = {
+        str(b): decode_tokens(w, launch, b)[0] for b in _present(list(w.sizes), DECODE_BATCHES)
+    }
     out["fingerprints"] = replay_fingerprints(w, launch, [(b,) for b in w.sizes], lambda k: list(w.outs[k]))
     out["graphs"] = len(w.graphs)
     return out
@@ -82,15 +89,20 @@ def role_load(args: dict[str, Any]) -> dict[str, Any]:
             for i in range(len(lib.keys)):
                 lib.exec_for(i)
         sw = sorted(lib.switch_ms)
-        out["switch_ms"] = {"p50": statistics.median(sw), "p99": sw[int(0.99 * (len(sw) - 1))], "n": len(sw)} if sw else {}
+        out["switch_ms"] = (
+            {"p50": statistics.median(sw), "p99": sw[int(0.99 * (len(sw) - 1))], "n": len(sw)} if sw else {}
+        )
         out["first_switch_ms_p50"] = statistics.median(first)
         out["tpot_ms"] = {str(b): tpot_ms(w, loaded.launch, b) for b in _present(sizes, TPOT_BATCHES)}
-        out["decode_sha256"] = {str(b): decode_tokens(w, loaded.launch, b)[0] for b in _present(sizes, DECODE_BATCHES)}
+        out["decode_sha256"] = {
+            str(b): decode_tokens(w, loaded.launch, b)[0] for b in _present(sizes, DECODE_BATCHES)
+        }
         out["replay"] = replay_verify_loaded(loaded)
     from ember.runtime.prove import replay_fingerprints
 
-    out["fingerprints"] = replay_fingerprints(w, loaded.launch, [tuple(k) for k in lib.keys],
-                                              lambda k: loaded.outputs[k])
+    out["fingerprints"] = replay_fingerprints(
+        w, loaded.launch, [tuple(k) for k in lib.keys], lambda k: loaded.outputs[k]
+    )
     out["saved_decode_sha256"] = loaded.archive.engine.get("decode_sha256", {})
     return out
 
@@ -107,15 +119,28 @@ def _child(role: str, args: dict[str, Any], env: dict[str, str], timeout: float)
     return json.loads(Path(path).read_text())
 
 
-def _save_child(workload: str, layers: int, sizes: str, store: str, env: dict[str, str],
-                timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-c", "import sys; from ember.cli import app; sys.argv[0]='ember'; app()", "save",
-           "--workload", workload, "--layers", str(layers), "--sizes", sizes, "--store", store]
+def _save_child(
+    workload: str, layers: int, sizes: str, store: str, env: dict[str, str], timeout: float
+) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from ember.cli import app; sys.argv[0]='ember'; app()",
+        "save",
+        "--workload",
+        workload,
+        "--layers",
+        str(layers),
+        "--sizes",
+        sizes,
+        "--store",
+        store,
+    ]
     proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
     sys.stderr.write(proc.stderr[-4000:])
     if proc.returncode != 0:
         return {"error": f"save exited {proc.returncode}", "stderr": proc.stderr[-3000:]}
-    return json.loads(proc.stdout[proc.stdout.index("{"):])
+    return json.loads(proc.stdout[proc.stdout.index("{") :])
 
 
 def bench_one(workload: str, layers: int, sizes: str, store: str, timeout: float = 900) -> dict[str, Any]:
@@ -131,13 +156,24 @@ def bench_one(workload: str, layers: int, sizes: str, store: str, timeout: float
     t = time.perf_counter()
     saved = _save_child(workload, layers, sizes, store, preload_env("save", base_env), timeout)
     res["save_wall_s"] = time.perf_counter() - t
+    res["device"] = native.get("device")
+    if "native_capture_s" in native:
+        res["native_capture_s"] = native["native_capture_s"]
+        res["graphs"] = native.get("graphs")
     if "error" in saved or "error" in native:
-        res.update(native_error=native.get("error"), save_error=saved.get("error"),
-                   stderr=(saved.get("stderr") or native.get("stderr") or "")[-1500:])
+        res.update(
+            native_error=native.get("error"),
+            save_error=saved.get("error"),
+            stderr=(saved.get("stderr") or native.get("stderr") or "")[-1500:],
+        )
         return res
     t = time.perf_counter()
-    loaded = _child("load", {**args, "store": store, "identity": saved["identity"]}, preload_env("load", base_env),
-                    timeout)
+    loaded = _child(
+        "load",
+        {**args, "store": store, "identity": saved["identity"]},
+        preload_env("load", base_env),
+        timeout,
+    )
     res["load_wall_s"] = time.perf_counter() - t
     res["device"] = native.get("device")
     res["graphs"] = saved["graphs"]
@@ -145,6 +181,8 @@ def bench_one(workload: str, layers: int, sizes: str, store: str, timeout: float
     res["native_capture_s"] = native["native_capture_s"]
     res["archive_bytes"] = saved["bytes"]
     res["save_durations"] = saved["durations"]
+    res["programmatic_edges_intact"] = saved.get("programmatic_edges_intact")
+    res["proof_notes"] = saved.get("proof_notes", [])
     if "error" in loaded or "refused" in loaded:
         res["load_error"] = loaded.get("error") or f"refused: {loaded.get('refused')}"
         res["stderr"] = loaded.get("stderr", "")[-1500:]
@@ -156,8 +194,10 @@ def bench_one(workload: str, layers: int, sizes: str, store: str, timeout: float
     res["first_switch_ms_p50"] = loaded["first_switch_ms_p50"]
     res["tpot_native_ms"] = native["tpot_ms"]
     res["tpot_restored_ms"] = loaded["tpot_ms"]
-    res["tokens_identical"] = {b: native["decode_sha256"].get(b) == sha == loaded["saved_decode_sha256"].get(b)
-                               for b, sha in loaded["decode_sha256"].items()}
+    res["tokens_identical"] = {
+        b: native["decode_sha256"].get(b) == sha == loaded["saved_decode_sha256"].get(b)
+        for b, sha in loaded["decode_sha256"].items()
+    }
     res["outputs_identical_vs_save"] = loaded["replay"]
     nf, lf = native["fingerprints"], loaded["fingerprints"]
     res["outputs_identical_vs_native"] = sum(nf.get(k) == v for k, v in lf.items())
@@ -167,59 +207,84 @@ def bench_one(workload: str, layers: int, sizes: str, store: str, timeout: float
 def goals(r: dict[str, Any]) -> dict[str, bool | None]:
     if "load_ms" not in r:
         return {}
-    tp = [r["tpot_restored_ms"][b] / r["tpot_native_ms"][b] for b in r["tpot_restored_ms"] if b in r["tpot_native_ms"]]
+    tp = [
+        r["tpot_restored_ms"][b] / r["tpot_native_ms"][b]
+        for b in r["tpot_restored_ms"]
+        if b in r["tpot_native_ms"]
+    ]
     return {
         "native_over_load>=30": r["native_over_load"] >= GOALS["native_over_load"],
         "load_ms<=250": r["load_ms"] <= GOALS["load_ms"],
-        "switch_p50<=1ms": (r["switch_ms"].get("p50", 1e9) <= GOALS["switch_p50_ms"]) if r["switch_ms"] else None,
+        "switch_p50<=1ms": (r["switch_ms"].get("p50", 1e9) <= GOALS["switch_p50_ms"])
+        if r["switch_ms"]
+        else None,
         "tpot_within_1pct": all(x <= GOALS["tpot_ratio"] for x in tp) if tp else None,
         "tokens_identical": all(r["tokens_identical"].values()) if r["tokens_identical"] else None,
         "archive<=250MB": r["archive_bytes"] <= GOALS["archive_bytes"],
+        "programmatic_edges_intact": r.get("programmatic_edges_intact"),
     }
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = [f"# ember bench graphs — {report['device']} — {report['date']}", "",
-             f"parse_ms_512 (synthetic 512 graphs × 1800 nodes, header+index+templates): "
-             f"**{report['parse_ms_512']:.1f} ms**", "",
-             "| workload | graphs | groups | native_capture_s | load_ms | native/load | switch p50/p99 ms | "
-             "TPOT native/restored ms (B) | tokens identical | outputs = SAVE | archive MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# ember bench graphs — {report['device']} — {report['date']}",
+        "",
+        f"parse_ms_512 (synthetic 512 graphs × 1800 nodes, header+index+templates): "
+        f"**{report['parse_ms_512']:.1f} ms**",
+        "",
+        "| workload | graphs | groups | native_capture_s | load_ms | native/load | switch p50/p99 ms | "
+        "TPOT native/restored ms (B) | tokens identical | outputs = SAVE | archive MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["results"]:
         if "load_ms" not in r:
             err = r.get("load_error") or r.get("save_error") or r.get("native_error")
             tail = [ln for ln in str(r.get("stderr", "")).splitlines() if ln.strip()]
             err = f"{err}: {tail[-1].strip()[:160]}" if tail else err
-            lines.append(f"| {r['workload']} | {r.get('graphs', '')} | {r.get('groups', '')} | "
-                         f"{r.get('native_capture_s', 0):.2f} | FAILED: {err} | | | | | | |")
+            lines.append(
+                f"| {r['workload']} | {r.get('graphs', '')} | {r.get('groups', '')} | "
+                f"{r.get('native_capture_s', 0):.2f} | FAILED: {err} | | | | | | |"
+            )
             continue
-        tp = ", ".join(f"{r['tpot_native_ms'][b]:.3f}/{r['tpot_restored_ms'][b]:.3f} ({b})" for b in r["tpot_restored_ms"])
+        tp = ", ".join(
+            f"{r['tpot_native_ms'][b]:.3f}/{r['tpot_restored_ms'][b]:.3f} ({b})"
+            for b in r["tpot_restored_ms"]
+        )
         sw = r["switch_ms"]
         rep = r["outputs_identical_vs_save"]
         label = r["workload"] if r["layers"] == "model" else f"{r['workload']} ({r['layers']} layers)"
         lines.append(
             f"| {label} | {r['graphs']} | "
-            f"{r['groups']} | {r['native_capture_s']:.2f} | {r['load_ms']:.1f} | {r['native_over_load']:.1f} | "
+            f"{r['groups']} | {r['native_capture_s']:.2f} | {r['load_ms']:.1f} | "
+            f"{r['native_over_load']:.1f} | "
             f"{sw.get('p50', 0):.3f}/{sw.get('p99', 0):.3f} | {tp} | "
             f"{all(r['tokens_identical'].values())} ({', '.join(r['tokens_identical'])}) | "
-            f"{rep['identical']}/{rep['graphs']} | {r['archive_bytes'] / 1e6:.1f} |")
+            f"{rep['identical']}/{rep['graphs']} | {r['archive_bytes'] / 1e6:.1f} |"
+        )
     lines += ["", "## Goals (eager Llama-3-8B shape is the reference)", ""]
     for r in report["results"]:
         g = goals(r)
         missed = [k for k, v in g.items() if v is False]
-        lines.append(f"- {r['workload']}: " + ("all goals met" if g and not missed else
-                                               f"missed: {', '.join(missed) or 'n/a (did not run)'}"))
+        lines.append(
+            f"- {r['workload']}: "
+            + ("all goals met" if g and not missed else f"missed: {', '.join(missed) or 'n/a (did not run)'}")
+        )
     lines += ["", "Per-workload details (LOAD stage timings, SAVE durations) are in the JSON file."]
     return "\n".join(lines) + "\n"
 
 
 def bench_graphs(
-    workloads: Annotated[str, typer.Option(help="Comma-separated workloads (llama3-8b, qwen3-8b-compile, ...).")]
-    = "llama3-8b",
+    workloads: Annotated[
+        str, typer.Option(help="Comma-separated workloads (llama3-8b, qwen3-8b-compile, ...).")
+    ] = "llama3-8b",
     layers: Annotated[int, typer.Option(help="Layer override for every workload (0 = full model).")] = 0,
     sizes: Annotated[str, typer.Option(help="'all' (67 sizes) or a list like 1,8,64.")] = "all",
-    out_dir: Annotated[Path, typer.Option(help="Where the JSON and markdown reports go.")] = Path("benchmarks/results"),
-    store: Annotated[str, typer.Option(help="Store URI for the archives (default: a temporary directory).")] = "",
+    out_dir: Annotated[Path, typer.Option(help="Where the JSON and markdown reports go.")] = Path(
+        "benchmarks/results"
+    ),
+    store: Annotated[
+        str, typer.Option(help="Store URI for the archives (default: a temporary directory).")
+    ] = "",
 ) -> None:
     """Native capture vs SAVE→LOAD in a fresh process, per workload; writes JSON + markdown."""
     from ember.archive.format import parse_ms_512
@@ -231,10 +296,16 @@ def bench_graphs(
         r = bench_one(w, layers, sizes, store)
         r["goals"] = goals(r)
         results.append(r)
-        typer.echo(json.dumps({k: v for k, v in r.items() if k not in ("stderr",)}, default=str)[:1500], err=True)
+        typer.echo(
+            json.dumps({k: v for k, v in r.items() if k not in ("stderr",)}, default=str)[:1500], err=True
+        )
     device = next((r["device"] for r in results if r.get("device")), "unknown")
-    report = {"device": device, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "parse_ms_512": parse_ms_512()["parse_ms_512"], "results": results}
+    report = {
+        "device": device,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "parse_ms_512": parse_ms_512()["parse_ms_512"],
+        "results": results,
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"graphs-{device.replace(' ', '_')}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))

@@ -18,12 +18,21 @@ from rich.console import Console
 
 console = Console(stderr=True)
 
-WorkloadOpt = Annotated[str, typer.Option("--workload", "-w", help="Built-in workload, e.g. llama3-8b[-compile].")]
+WorkloadOpt = Annotated[
+    str, typer.Option("--workload", "-w", help="Built-in workload, e.g. llama3-8b[-compile].")
+]
 LayersOpt = Annotated[int, typer.Option(help="Override the layer count (0 = the model's own).")]
 SizesOpt = Annotated[str, typer.Option(help="Capture sizes: 'all' (67 engine defaults) or e.g. 1,2,8.")]
-ConfigOpt = Annotated[str, typer.Option("--model-config", help="A transformers config.json: its shape, random weights "
-                                        "(--workload picks eager or '-compile').")]
-StoreOpt = Annotated[str, typer.Option("--store", envvar="EMBER_STORE", help="Store URI (file:///... or s3://...).")]
+ConfigOpt = Annotated[
+    str,
+    typer.Option(
+        "--model-config",
+        help="A transformers config.json: its shape, random weights (--workload picks eager or '-compile').",
+    ),
+]
+StoreOpt = Annotated[
+    str, typer.Option("--store", envvar="EMBER_STORE", help="Store URI (file:///... or s3://...).")
+]
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
@@ -53,8 +62,12 @@ def make_workload(name: str, layers: int, sizes: tuple[int, ...], model_config: 
         if layers:
             spec = replace(spec, layers=layers)
         compiled = name.endswith("-compile")
-        return DecodeWorkload(spec, compiled=compiled, sizes=sizes,
-                              name=f"config-{spec.name}" + ("-compile" if compiled else ""))
+        return DecodeWorkload(
+            spec,
+            compiled=compiled,
+            sizes=sizes,
+            name=f"config-{spec.name}" + ("-compile" if compiled else ""),
+        )
     return DecodeWorkload.from_name(name, layers=layers or None, sizes=sizes)
 
 
@@ -78,7 +91,9 @@ def save(
     store: StoreOpt = "",
     model_config: ConfigOpt = "",
     job: Annotated[bool, typer.Option("--job", help="SAVE Job mode (EMBER_IDENTITY, EMBER_STORE).")] = False,
-    prove_only: Annotated[bool, typer.Option("--prove-only", help="Capture and prove, publish nothing.")] = False,
+    prove_only: Annotated[
+        bool, typer.Option("--prove-only", help="Capture and prove, publish nothing.")
+    ] = False,
 ) -> None:
     """SAVE: capture a workload's decode graphs, prove them bit-exact, publish the archive."""
     from ember.runtime.session import reexec_under_libember
@@ -96,8 +111,9 @@ def save(
             w, identity = make_workload(workload, layers, parse_sizes(sizes), model_config or None), None
             if not store and not prove_only:
                 raise RuntimeError("no store: pass --store or set EMBER_STORE (or use --prove-only)")
-        out = run_save(w, store_uri=None if prove_only else store, identity=identity,
-                       log=lambda m: console.print(m))
+        out = run_save(
+            w, store_uri=None if prove_only else store, identity=identity, log=lambda m: console.print(m)
+        )
     except Exception as exc:
         reason = f"SAVE failed: {type(exc).__name__}: {exc}"
         console.print(f"[red]{reason}[/red]")
@@ -118,7 +134,9 @@ def load(
     model_config: ConfigOpt = "",
     identity: Annotated[str, typer.Option(help="Identity hash (default: derived from the workload).")] = "",
     batch: Annotated[int, typer.Option(help="Batch size of the proving decode.")] = 8,
-    verify: Annotated[bool, typer.Option(help="Also replay every graph and compare with SAVE's outputs.")] = False,
+    verify: Annotated[
+        bool, typer.Option(help="Also replay every graph and compare with SAVE's outputs.")
+    ] = False,
 ) -> None:
     """LOAD an archive in this fresh process, then decode greedily to prove it (tokens vs SAVE's)."""
     from ember.runtime.session import reexec_under_libember
@@ -128,7 +146,10 @@ def load(
     from ember.runtime.prove import decode_tokens
     from ember.runtime.save import identity_for
 
-    ident = identity or identity_for(make_workload(workload, layers, parse_sizes(sizes), model_config or None)).hash()
+    ident = (
+        identity
+        or identity_for(make_workload(workload, layers, parse_sizes(sizes), model_config or None)).hash()
+    )
     try:
         loaded = run_load(store, ident, log=lambda m: console.print(m))
     except LoadRefused as exc:
@@ -138,8 +159,14 @@ def load(
     with attempt_marker(os.environ.get("EMBER_RUN_DIR", "/tmp/ember-run"), ident):
         sha, first = decode_tokens(w, loaded.launch, batch)
     want = loaded.archive.engine.get("decode_sha256", {}).get(str(batch))
-    result: dict[str, Any] = {"identity": ident, "timings": loaded.timings, "batch": batch, "tokens_sha256": sha,
-                              "tokens_identical": (sha == want) if want else None, "first_tokens": first}
+    result: dict[str, Any] = {
+        "identity": ident,
+        "timings": loaded.timings,
+        "batch": batch,
+        "tokens_sha256": sha,
+        "tokens_identical": (sha == want) if want else None,
+        "first_tokens": first,
+    }
     if verify:
         result["replay"] = replay_verify_loaded(loaded)
     print(json.dumps(result, indent=1))
@@ -156,7 +183,12 @@ def replay_verify_loaded(loaded: Any) -> dict[str, Any]:
     got = replay_fingerprints(w, loaded.launch, keys, lambda k: loaded.outputs[k])
     want = loaded.archive.engine.get("fingerprints", {})
     bad = [k for k in got if want.get(k) != got[k]]
-    return {"graphs": len(got), "identical": len(got) - len(bad), "differ": bad[:10], "ok": not bad and bool(got)}
+    return {
+        "graphs": len(got),
+        "identical": len(got) - len(bad),
+        "differ": bad[:10],
+        "ok": not bad and bool(got),
+    }
 
 
 def replay_verify(store_uri: str, identity_hash: str) -> dict[str, Any]:

@@ -46,8 +46,14 @@ def current(engine: str = "", device: int = 0) -> CompatKey:
         triton_version = ""
     env = {k: os.environ[k] for k in COMPAT_ENV_VARS if k in os.environ}
     return CompatKey(
-        gpu_name=name, compute_capability=f"{major}.{minor}", driver=_driver_version(),
-        cuda=torch.version.cuda or "", torch=torch.__version__, triton=triton_version, engine=engine, env=env,
+        gpu_name=name,
+        compute_capability=f"{major}.{minor}",
+        driver=_driver_version(),
+        cuda=torch.version.cuda or "",
+        torch=torch.__version__,
+        triton=triton_version,
+        engine=engine,
+        env=env,
     )
 
 

@@ -58,3 +58,47 @@ def torch_stream_handle(stream: Any = None) -> Any:
 
     s = stream if stream is not None else torch.cuda.current_stream()
     return cu.CUstream(s.cuda_stream)
+
+
+# ---- edges, read without cuda.bindings ----------------------------------------------------------
+# cuda.bindings' cuGraphGetEdges (13.x) returns CUgraphEdgeData objects that point into an array
+# it has already freed, so the edge data it hands back is whatever reuses that memory. Edges are
+# read here through the driver's C entry point into buffers we own.
+_GET_EDGES: Any = None
+
+
+def _get_edges_fn() -> Any:
+    global _GET_EDGES
+    if _GET_EDGES is None:
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = getattr(lib, "cuGraphGetEdges_v2", None) or lib.cuGraphGetEdges
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.POINTER(ctypes.c_size_t)]
+        fn.restype = ctypes.c_int
+        _GET_EDGES = fn
+    return _GET_EDGES
+
+
+def graph_edges(graph: Any) -> tuple[list[int], list[int], bytes]:
+    """(from node handles, to node handles, 8 bytes of CUgraphEdgeData per edge) of a CUgraph."""
+    import ctypes
+
+    fn = _get_edges_fn()
+    handle = int(graph)
+    n = ctypes.c_size_t(0)
+    rc = fn(handle, None, None, None, ctypes.byref(n))
+    if rc != 0:
+        raise CudaError("cuGraphGetEdges (count)", rc)
+    count = n.value
+    if count == 0:
+        return [], [], b""
+    frm = (ctypes.c_uint64 * count)()
+    to = (ctypes.c_uint64 * count)()
+    data = (ctypes.c_uint8 * (8 * count))()
+    rc = fn(handle, frm, to, data, ctypes.byref(n))
+    if rc != 0:
+        raise CudaError("cuGraphGetEdges", rc)
+    count = min(count, n.value)
+    return list(frm[:count]), list(to[:count]), bytes(data[: 8 * count])

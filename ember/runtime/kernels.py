@@ -58,7 +58,9 @@ class LiveResolver:
         try:
             return self._functions[ref]
         except KeyError:
-            raise CudaError("LiveResolver.function", f"kernel {ref.name} was not seen in this process") from None
+            raise CudaError(
+                "LiveResolver.function", f"kernel {ref.name} was not seen in this process"
+            ) from None
 
 
 class NativeResolver:
@@ -73,7 +75,9 @@ class NativeResolver:
         found = self._ip.lookup(func, kern)
         if found is None:
             name = function_name(func) if func else f"CUkernel {kern:#x}"
-            raise KernelNotFound(f"kernel {name} is not in libember's catalog (loaded before the interposer?)")
+            raise KernelNotFound(
+                f"kernel {name} is not in libember's catalog (loaded before the interposer?)"
+            )
         return KernelRef(image=str(found[0]), name=str(found[1]))
 
     def function(self, ref: KernelRef) -> int:

@@ -13,6 +13,7 @@ Everything a restored graph references stays alive as long as the library: kerne
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -152,7 +153,9 @@ class GraphLibrary:
         prep = self._prepared.get(index)
         if prep is None:
             if self._attr_sets is not None:
-                prep = rebuild.prepare_from_table(self.source, index, self.functions, self.ctx, self._attr_sets)
+                prep = rebuild.prepare_from_table(
+                    self.source, index, self.functions, self.ctx, self._attr_sets
+                )
             else:
                 prep = rebuild.prepare(self.source.graph(index), self.functions, self.ctx)
             self._prepared[index] = prep
@@ -274,14 +277,14 @@ class GraphLibrary:
         return ms
 
     def _dedicate_quietly(self, index: int) -> None:
-        try:
+        with contextlib.suppress(CudaError):  # the template keeps serving this key
             self.dedicate(index)
-        except CudaError:
-            pass  # the template keeps serving this key
 
     def launch(self, index: int, stream: Any = None) -> None:
         ex = self.exec_for(index)
-        r = cu.cuGraphLaunch(ex, torch_stream_handle(stream) if not isinstance(stream, cu.CUstream) else stream)
+        r = cu.cuGraphLaunch(
+            ex, torch_stream_handle(stream) if not isinstance(stream, cu.CUstream) else stream
+        )
         if r[0] != OK:
             raise CudaError(f"cuGraphLaunch(graph {self.keys[index]})", r[0])
 

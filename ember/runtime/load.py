@@ -71,8 +71,9 @@ def attempt_marker(run_dir: str | os.PathLike[str] | None, identity: str = "") -
     exception (the caller falls back), removes it.
     """
     path = handoff.run_dir_from_env(run_dir) / handoff.MARKER_FILE
-    handoff.write_json_atomic(path, {"identity": identity, "pid": os.getpid(), "started_at": time.time(),
-                                     "stage": "first-launch"})
+    handoff.write_json_atomic(
+        path, {"identity": identity, "pid": os.getpid(), "started_at": time.time(), "stage": "first-launch"}
+    )
     try:
         yield path
     finally:
@@ -85,8 +86,14 @@ def previous_attempt_crashed(run_dir: str | os.PathLike[str] | None) -> dict[str
     return handoff.read_json(handoff.run_dir_from_env(run_dir) / handoff.MARKER_FILE)
 
 
-def run_load(store_uri: str, identity_hash: str, *, interposer: Interposer | None = None,
-             perturb_first: bool = False, log: Any = print) -> Loaded:
+def run_load(
+    store_uri: str,
+    identity_hash: str,
+    *,
+    interposer: Interposer | None = None,
+    perturb_first: bool = False,
+    log: Any = print,
+) -> Loaded:
     """LOAD one archive into this process. Raises LoadRefused (caller captures natively)."""
     import numpy as np
     import torch
@@ -169,10 +176,14 @@ def run_load(store_uri: str, identity_hash: str, *, interposer: Interposer | Non
     tm["templates_ms"] = (time.perf_counter() - t) * 1e3
     if archive.rng_state:
         torch.cuda.set_rng_state(torch.from_numpy(np.frombuffer(archive.rng_state, dtype=np.uint8).copy()))
-    outputs = {tuple(int(x) for x in k.split(",")): [OutputSpec(**o).tensor() for o in v]
-               for k, v in engine["outputs"].items()}
+    outputs = {
+        tuple(int(x) for x in k.split(",")): [OutputSpec(**o).tensor() for o in v]
+        for k, v in engine["outputs"].items()
+    }
     tm["total_ms"] = (time.perf_counter() - t_all) * 1e3
     tm["load_ms"] = tm["total_ms"] - tm["build_workload_ms"] - tm["session_ms"]
-    log(f"Loaded {len(lib.keys)} graphs ({len(lib.groups)} templates) in {tm['load_ms']:.1f} ms "
-        f"(+{tm['build_workload_ms']:.0f} ms building the model)")
+    log(
+        f"Loaded {len(lib.keys)} graphs ({len(lib.groups)} templates) in {tm['load_ms']:.1f} ms "
+        f"(+{tm['build_workload_ms']:.0f} ms building the model)"
+    )
     return Loaded(lib, workload, archive, outputs, tm)

@@ -67,13 +67,24 @@ def graphs_summary(table: archive_format.GraphTable) -> GraphsSummary:
     groups = []
     for g in table.groups:
         ntypes = table.node_types(g.template)
-        groups.append(TopologyGroupSummary(
-            signature=g.signature, keys=[list(table.keys[m]) for m in g.members],
-            template=list(table.keys[g.template]), nodes=len(ntypes), edges=len(table.edges(g.template)),
-        ))
+        groups.append(
+            TopologyGroupSummary(
+                signature=g.signature,
+                keys=[list(table.keys[m]) for m in g.members],
+                template=list(table.keys[g.template]),
+                nodes=len(ntypes),
+                edges=len(table.edges(g.template)),
+            )
+        )
     return GraphsSummary(
-        table=GRAPH_TABLE, table_version=table.version, count=table.count, keys=[list(k) for k in table.keys],
-        nodes=sum(counts.values()), node_types=counts, kernels=len(table.kernels), groups=groups,
+        table=GRAPH_TABLE,
+        table_version=table.version,
+        count=table.count,
+        keys=[list(k) for k in table.keys],
+        nodes=sum(counts.values()),
+        node_types=counts,
+        kernels=len(table.kernels),
+        groups=groups,
     )
 
 
@@ -86,8 +97,16 @@ def write(store_uri: str, archive: Archive, level: int = 3) -> tuple[str, str, i
     def put(name: str, raw: bytes, codec: str = "zstd") -> None:
         data = comp.compress(raw) if codec == "zstd" else raw
         digest = store.put_blob(data)
-        blobs.append(BlobEntry(name=name, sha256=digest, size=len(raw), compressed_size=len(data), codec=codec,
-                               raw_sha256=_sha(raw)))
+        blobs.append(
+            BlobEntry(
+                name=name,
+                sha256=digest,
+                size=len(raw),
+                compressed_size=len(data),
+                codec=codec,
+                raw_sha256=_sha(raw),
+            )
+        )
 
     # The graph table compresses its own chunks; storing it raw avoids a second zstd pass.
     put(GRAPH_TABLE, archive.graph_table, codec="none")
@@ -95,8 +114,11 @@ def write(store_uri: str, archive: Archive, level: int = 3) -> tuple[str, str, i
     for im in archive.images:
         name = f"image-{im.content_hash}"
         put(name, im.data)
-        images.append(KernelImage(content_hash=im.content_hash, blob=name, size=len(im.data), kind=im.kind,
-                                  kernels=im.kernels))
+        images.append(
+            KernelImage(
+                content_hash=im.content_hash, blob=name, size=len(im.data), kind=im.kind, kernels=im.kernels
+            )
+        )
     if archive.alloc_log:
         put(ALLOC_LOG, archive.alloc_log)
     if archive.rng_state:
@@ -104,15 +126,24 @@ def write(store_uri: str, archive: Archive, level: int = 3) -> tuple[str, str, i
     engine = dict(archive.engine)
     engine["image_options"] = {im.content_hash: im.options for im in archive.images}
     manifest = Manifest(
-        identity=archive.identity, identity_hash=archive.identity.hash(), compat=archive.compat,
-        graphs=graphs_summary(archive_format.decode(archive.graph_table)), kernel_images=images, engine=engine,
-        alloc_log=ALLOC_LOG if archive.alloc_log else None, rng_state=RNG_STATE if archive.rng_state else None,
+        identity=archive.identity,
+        identity_hash=archive.identity.hash(),
+        compat=archive.compat,
+        graphs=graphs_summary(archive_format.decode(archive.graph_table)),
+        kernel_images=images,
+        engine=engine,
+        alloc_log=ALLOC_LOG if archive.alloc_log else None,
+        rng_state=RNG_STATE if archive.rng_state else None,
         blobs=blobs,
     )
     data = manifest.model_dump_json(indent=1).encode()
     store.put_manifest(manifest.identity_hash, data)
     archive.manifest = manifest
-    return store.manifest_uri(manifest.identity_hash), _sha(data), sum(b.compressed_size for b in blobs) + len(data)
+    return (
+        store.manifest_uri(manifest.identity_hash),
+        _sha(data),
+        sum(b.compressed_size for b in blobs) + len(data),
+    )
 
 
 def read_manifest(store_uri: str, identity_hash: str) -> Manifest:
@@ -139,11 +170,17 @@ def read(store_uri: str, manifest: Manifest) -> Archive:
         return raw
 
     options = manifest.engine.get("image_options", {})
-    images = [Image(k.content_hash, get(k.blob), k.kind, options.get(k.content_hash, {}), k.kernels)
-              for k in manifest.kernel_images]
+    images = [
+        Image(k.content_hash, get(k.blob), k.kind, options.get(k.content_hash, {}), k.kernels)
+        for k in manifest.kernel_images
+    ]
     return Archive(
-        identity=manifest.identity, compat=manifest.compat, graph_table=get(manifest.graphs.table), images=images,
+        identity=manifest.identity,
+        compat=manifest.compat,
+        graph_table=get(manifest.graphs.table),
+        images=images,
         alloc_log=get(manifest.alloc_log) if manifest.alloc_log else b"",
-        rng_state=get(manifest.rng_state) if manifest.rng_state else b"", engine=dict(manifest.engine),
+        rng_state=get(manifest.rng_state) if manifest.rng_state else b"",
+        engine=dict(manifest.engine),
         manifest=manifest,
     )

@@ -96,7 +96,9 @@ def prepare(graph: Graph, functions: list[int], ctx: Any, memset_ctx: Any = None
             try:
                 func = functions[p.kernel]
             except IndexError:
-                raise RebuildError(f"graph {graph.key}: node {idx}: kernel index {p.kernel} out of range") from None
+                raise RebuildError(
+                    f"graph {graph.key}: node {idx}: kernel index {p.kernel} out of range"
+                ) from None
             blob, offsets = pack_arguments(p)
             arena_mv[a_off : a_off + len(blob)] = blob
             kparams = extra = 0
@@ -167,8 +169,13 @@ def prepare(graph: Graph, functions: list[int], ctx: Any, memset_ctx: Any = None
             else:
                 data.append(default)
     return PreparedGraph(
-        key=graph.key, ops=ops, edge_src=src, edge_dst=dst, edge_data=data,
-        keepalive=[structs, arena, ptrs, attr_buf], nodes=len(graph.nodes),
+        key=graph.key,
+        ops=ops,
+        edge_src=src,
+        edge_dst=dst,
+        edge_data=data,
+        keepalive=[structs, arena, ptrs, attr_buf],
+        nodes=len(graph.nodes),
     )
 
 
@@ -197,7 +204,9 @@ def _fill(g: Any, prep: PreparedGraph, ctx: Any, events: list[Any]) -> None:
             for attr, value in op[2]:
                 r = set_attr(node, attr, value)
                 if r[0] != OK:
-                    raise RebuildError(f"graph {prep.key}: node {i}: set attribute {attr.name} failed: {r[0]}")
+                    raise RebuildError(
+                        f"graph {prep.key}: node {i}: set attribute {attr.name} failed: {r[0]}"
+                    )
         elif code == OP_MEMSET:
             err, node = cu.cuGraphAddMemsetNode(g, None, 0, op[1], ctx)
         elif code == OP_MEMCPY:
@@ -217,13 +226,26 @@ def _fill(g: Any, prep: PreparedGraph, ctx: Any, events: list[Any]) -> None:
         if err != OK:
             raise RebuildError(f"graph {prep.key}: node {i}: adding the node failed: {err}")
         append(node)
-    if prep.edge_src:
-        r = cu.cuGraphAddDependencies(
-            g, [nodes[a] for a in prep.edge_src], [nodes[b] for b in prep.edge_dst], prep.edge_data,
-            len(prep.edge_src),
-        )
-        if r[0] != OK:
-            raise RebuildError(f"graph {prep.key}: cuGraphAddDependencies failed: {r[0]}")
+    add_edges(g, prep, nodes)
+
+
+def add_edges(g: Any, prep: PreparedGraph, nodes: list[Any]) -> None:
+    """All edges in one call, with their edge data (NULL when every edge is a default edge).
+
+    cuda.bindings copies each CUgraphEdgeData element into its own array for this call; it is
+    the READ side (cuGraphGetEdges) that hands back freed memory, see driver.graph_edges.
+    """
+    if not prep.edge_src:
+        return
+    r = cu.cuGraphAddDependencies(
+        g,
+        [nodes[a] for a in prep.edge_src],
+        [nodes[b] for b in prep.edge_dst],
+        prep.edge_data,
+        len(prep.edge_src),
+    )
+    if r[0] != OK:
+        raise RebuildError(f"graph {prep.key}: cuGraphAddDependencies failed: {r[0]}")
 
 
 def instantiate(graph: Any) -> Any:
@@ -276,15 +298,36 @@ def extra_size_word(raw: bytes) -> int:
 
 
 __all__ = [
-    "PreparedGraph", "RebuildError", "apply_function_attrs", "build", "create_events", "event_count",
-    "instantiate", "pack_arguments", "prepare",
+    "PreparedGraph",
+    "RebuildError",
+    "apply_function_attrs",
+    "build",
+    "create_events",
+    "event_count",
+    "instantiate",
+    "pack_arguments",
+    "prepare",
 ]
 
 
 # ---- fast path: prepare straight from a decoded graph table chunk (numpy, no Graph objects) ----
-_KP_DT = np.dtype([("func", "<u8"), ("gx", "<u4"), ("gy", "<u4"), ("gz", "<u4"), ("bx", "<u4"), ("by", "<u4"),
-                   ("bz", "<u4"), ("smem", "<u4"), ("pad", "<u4"), ("kp", "<u8"), ("extra", "<u8"),
-                   ("kern", "<u8"), ("ctx", "<u8")])
+_KP_DT = np.dtype(
+    [
+        ("func", "<u8"),
+        ("gx", "<u4"),
+        ("gy", "<u4"),
+        ("gz", "<u4"),
+        ("bx", "<u4"),
+        ("by", "<u4"),
+        ("bz", "<u4"),
+        ("smem", "<u4"),
+        ("pad", "<u4"),
+        ("kp", "<u8"),
+        ("extra", "<u8"),
+        ("kern", "<u8"),
+        ("ctx", "<u8"),
+    ]
+)
 assert _KP_DT.itemsize == KERNEL_PARAMS.size
 
 
@@ -306,13 +349,17 @@ class _AttrSets:
             for n, (a, raw) in enumerate(sorted(values.items())):
                 if len(raw) != ATTR_VALUE_SIZE:
                     raise RebuildError(f"attribute {a} has {len(raw)} bytes")
-                buf[n * ATTR_VALUE_SIZE:(n + 1) * ATTR_VALUE_SIZE] = np.frombuffer(raw, dtype=np.uint8)
-                found.append((_ATTR_ENUM[a], cu.CUkernelNodeAttrValue(_ptr=buf.ctypes.data + n * ATTR_VALUE_SIZE)))
+                buf[n * ATTR_VALUE_SIZE : (n + 1) * ATTR_VALUE_SIZE] = np.frombuffer(raw, dtype=np.uint8)
+                found.append(
+                    (_ATTR_ENUM[a], cu.CUkernelNodeAttrValue(_ptr=buf.ctypes.data + n * ATTR_VALUE_SIZE))
+                )
             self.sets[idx] = found
         return found
 
 
-def prepare_from_table(table: Any, i: int, functions: list[int], ctx: Any, attr_sets: _AttrSets) -> PreparedGraph:
+def prepare_from_table(
+    table: Any, i: int, functions: list[int], ctx: Any, attr_sets: _AttrSets
+) -> PreparedGraph:
     """Like prepare(table.graph(i)) without materialising Python node objects (LOAD's hot path)."""
     from ember.archive.format import KPAR_EXTRA, NONE
 
@@ -347,7 +394,9 @@ def prepare_from_table(table: Any, i: int, functions: list[int], ctx: Any, attr_
         node = np.repeat(np.arange(nk), kc)
         within = np.arange(total) - np.repeat(np.cumsum(kc) - kc, kc)
         lpar_idx = np.repeat(layo["off"][np.where(has_lay, lay, 0)].astype(np.int64), kc) + within
-        ptrs[starts[node] + within] = base + args_off[node] + table._lpar["offset"][lpar_idx].astype(np.uint64)
+        ptrs[starts[node] + within] = (
+            base + args_off[node] + table._lpar["offset"][lpar_idx].astype(np.uint64)
+        )
     # extra form: {BUFFER_POINTER, ptr, BUFFER_SIZE, &size, END, size}.
     ex = np.nonzero(is_extra)[0]
     if len(ex):
@@ -399,8 +448,15 @@ def prepare_from_table(table: Any, i: int, functions: list[int], ctx: Any, attr_
             d = cu.CUgraphEdgeData()
             d.from_port, d.to_port, d.type = int(e["from_port"][j]), int(e["to_port"][j]), int(e["type"][j])
             data[j] = d
-    return PreparedGraph(key=key, ops=ops, edge_src=src, edge_dst=dst, edge_data=data,
-                         keepalive=[st, ptrs, c, bpol], nodes=len(types))
+    return PreparedGraph(
+        key=key,
+        ops=ops,
+        edge_src=src,
+        edge_dst=dst,
+        edge_data=data,
+        keepalive=[st, ptrs, c, bpol],
+        nodes=len(types),
+    )
 
 
 def _memset(m: MemsetParams) -> Any:

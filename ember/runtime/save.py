@@ -49,18 +49,32 @@ class SaveOutcome:
 
     def summary(self) -> dict[str, Any]:
         """The SAVE Job's termination-message JSON."""
-        return {"manifest_digest": self.manifest_digest, "bytes": self.bytes, "graphs": self.graphs,
-                "groups": self.groups, "identity": self.identity.hash(), "manifest": self.manifest_uri,
-                "durations": {k: round(v, 4) for k, v in self.durations.items()}}
+        return {
+            "manifest_digest": self.manifest_digest,
+            "bytes": self.bytes,
+            "graphs": self.graphs,
+            "groups": self.groups,
+            "identity": self.identity.hash(),
+            "programmatic_edges_intact": not self.proof.notes,
+            "proof_notes": self.proof.notes[:5],
+            "manifest": self.manifest_uri,
+            "durations": {k: round(v, 4) for k, v in self.durations.items()},
+        }
 
 
 def identity_for(workload: DecodeWorkload) -> ArchiveIdentity:
     """The identity a built-in workload's archive is saved under (LOAD derives the same)."""
     return ArchiveIdentity(
-        model=f"ember-workload/{workload.name}", revision=f"seed-{workload.seed}-layers-{workload.spec.layers}",
-        engine=ENGINE, engine_version=ember.__version__, capture_sizes=tuple(workload.sizes),
-        graph_mode="full", compile={"backend": "inductor", "dynamic": "true"} if workload.compiled else {},
-        dtype="bfloat16", max_batch=workload.max_batch, gpu_product=torch.cuda.get_device_name(),
+        model=f"ember-workload/{workload.name}",
+        revision=f"seed-{workload.seed}-layers-{workload.spec.layers}",
+        engine=ENGINE,
+        engine_version=ember.__version__,
+        capture_sizes=tuple(workload.sizes),
+        graph_mode="full",
+        compile={"backend": "inductor", "dynamic": "true"} if workload.compiled else {},
+        dtype="bfloat16",
+        max_batch=workload.max_batch,
+        gpu_product=torch.cuda.get_device_name(),
     )
 
 
@@ -77,15 +91,23 @@ def execution_order(graph_set: GraphSet, first: list[int]) -> list[str]:
     return list(seen)
 
 
-def run_save(workload: DecodeWorkload, *, store_uri: str | None, identity: ArchiveIdentity | None = None,
-             allow_in_process: bool = False, log: Any = print) -> SaveOutcome:
+def run_save(
+    workload: DecodeWorkload,
+    *,
+    store_uri: str | None,
+    identity: ArchiveIdentity | None = None,
+    allow_in_process: bool = False,
+    log: Any = print,
+) -> SaveOutcome:
     """SAVE one workload. `store_uri=None` proves without publishing."""
     d: dict[str, float] = {}
     t_all = time.perf_counter()
     ip = native_session("save")
     if ip is None and not allow_in_process:
-        raise RuntimeError("SAVE needs libember preloaded with EMBER_MODE=save (use `ember save`, which "
-                           "re-executes itself that way)")
+        raise RuntimeError(
+            "SAVE needs libember preloaded with EMBER_MODE=save (use `ember save`, which "
+            "re-executes itself that way)"
+        )
     resolver: KernelResolver = NativeResolver(ip) if ip is not None else LiveResolver()
 
     t = time.perf_counter()
@@ -116,13 +138,17 @@ def run_save(workload: DecodeWorkload, *, store_uri: str | None, identity: Archi
         lib.close()
         raise ProofFailed("archive NOT published: " + "; ".join(rep.mismatches[:5]))
     log(f"Proved {rep.graphs} graphs ({rep.templates} templates) bit-identical in {rep.seconds:.2f} s")
+    for note in rep.notes[:3]:
+        log(f"Warning: {note}")
 
     # Reference results for other processes, computed with the NATIVE graphs.
     t = time.perf_counter()
     native = lambda k: workload.graphs[k].replay()  # noqa: E731
     keys = [(b,) for b in workload.sizes]
     prints = replay_fingerprints(workload, native, keys, lambda k: list(workload.outs[k]))
-    decode_ref = {str(b): decode_tokens(workload, native, b)[0] for b in DECODE_CHECK_BATCHES if b in workload.sizes}
+    decode_ref = {
+        str(b): decode_tokens(workload, native, b)[0] for b in DECODE_CHECK_BATCHES if b in workload.sizes
+    }
     d["reference_s"] = time.perf_counter() - t
     template_idx = [g.template for g in lib.groups]
     lib.close()
@@ -137,27 +163,40 @@ def run_save(workload: DecodeWorkload, *, store_uri: str | None, identity: Archi
         for h in execution_order(graph_set, template_idx):
             e = catalog.get(h, {})
             opts = {"jit": e.get("jit_options", {}), "library": e.get("library_options", {})}
-            images.append(publish.Image(h, ip.image_bytes(h), e.get("kind", "unknown"), opts, per_image.get(h, 0)))
+            images.append(
+                publish.Image(h, ip.image_bytes(h), e.get("kind", "unknown"), opts, per_image.get(h, 0))
+            )
     engine = {
         **workload.config(),
         "kv_cache_bytes": workload.kv_cache_bytes,
         "inputs": workload.input_addresses(),
-        "outputs": {",".join(map(str, k)): [o.__dict__ for o in v] for k, v in workload.output_specs().items()},
+        "outputs": {
+            ",".join(map(str, k)): [o.__dict__ for o in v] for k, v in workload.output_specs().items()
+        },
         "fingerprints": prints,
         "decode_sha256": decode_ref,
         "in_process_only": ip is None,
+        "programmatic_edges_intact": not rep.notes,
+        "proof_notes": rep.notes[:20],
         "region": list(ip.region()) if ip is not None else None,
     }
     archive = publish.Archive(
-        identity=identity, compat=compat.current(ENGINE), graph_table=table_blob, images=images,
+        identity=identity,
+        compat=compat.current(ENGINE),
+        graph_table=table_blob,
+        images=images,
         alloc_log=ip.export_alloc_log() if ip is not None else b"",
-        rng_state=bytes(torch.cuda.get_rng_state().numpy().tobytes()), engine=engine,
+        rng_state=bytes(torch.cuda.get_rng_state().numpy().tobytes()),
+        engine=engine,
     )
-    out = SaveOutcome(identity=identity, graphs=len(graphs), groups=rep.templates, proof=rep, durations=d,
-                      archive=archive)
+    out = SaveOutcome(
+        identity=identity, graphs=len(graphs), groups=rep.templates, proof=rep, durations=d, archive=archive
+    )
     if store_uri is not None:
         if ip is None:
-            raise RuntimeError("an in-process (no libember) SAVE cannot be published: LOAD could not find its kernels")
+            raise RuntimeError(
+                "an in-process (no libember) SAVE cannot be published: LOAD could not find its kernels"
+            )
         t = time.perf_counter()
         out.manifest_uri, out.manifest_digest, out.bytes = publish.write(store_uri, archive)
         d["publish_s"] = time.perf_counter() - t

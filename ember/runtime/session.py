@@ -83,6 +83,10 @@ def reexec_under_libember(mode: str) -> None:
     if preloaded() and os.environ.get("EMBER_MODE") == mode:
         return
     env = preload_env(mode)
-    argv = [sys.executable, "-c", "import sys; from ember.cli import app; sys.argv[0] = 'ember'; app()",
-            *sys.argv[1:]]
+    argv = [
+        sys.executable,
+        "-c",
+        "import sys; from ember.cli import app; sys.argv[0] = 'ember'; app()",
+        *sys.argv[1:],
+    ]
     os.execve(sys.executable, argv, env)

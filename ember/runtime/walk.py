@@ -36,7 +36,7 @@ from ember.archive.graphs import (
     Node,
     NodeType,
 )
-from ember.runtime.driver import OK, check, graph_nodes
+from ember.runtime.driver import OK, CudaError, check, graph_edges, graph_nodes
 from ember.runtime.kernels import KernelNotFound, KernelResolver
 
 # CUDA_KERNEL_NODE_PARAMS_v2: func, grid xyz, block xyz, smem, (pad), kernelParams, extra, kern, ctx.
@@ -80,6 +80,7 @@ def _attr_bytes(value: Any, attr: int) -> bytes:
     """The attribute's own bytes of a CUlaunchAttributeValue, zero-padded to the union's size."""
     n = ATTR_SIZES[attr]
     return ctypes.string_at(value.getPtr(), n) + bytes(ATTR_VALUE_SIZE - n)
+
 
 _T_KERNEL = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
 
@@ -138,24 +139,18 @@ class GraphWalker:
         return Graph(key=key, nodes=out, edges=self._edges(graph, index, key))
 
     def _edges(self, graph: Any, index: dict[int, int], key: tuple[int, ...]) -> list[Edge]:
-        res = cu.cuGraphGetEdges(graph, 0)
-        if res[0] != OK:
-            raise WalkRefused(key, -1, f"cuGraphGetEdges failed: {res[0]}")
-        count = res[-1]
-        if not count:
-            return []
-        err, frm, to, data, count = cu.cuGraphGetEdges(graph, count)
-        if err != OK:
-            # LOSSY_QUERY means non-default edge data that a NULL array would drop.
-            raise WalkRefused(key, -1, f"cuGraphGetEdges (with edge data) failed: {err}")
+        try:
+            frm, to, data = graph_edges(graph)  # edge data in our own buffer (see driver.graph_edges)
+        except CudaError as exc:
+            raise WalkRefused(key, -1, f"reading edges failed: {exc}") from None
         edges = []
-        for a, b, d in zip(frm[:count], to[:count], data[:count], strict=True):
-            raw = ctypes.string_at(d.getPtr(), 3)
-            if raw == b"\0\0\0":
-                edges.append(Edge(index[int(a)], index[int(b)]))
+        for j, (a, b) in enumerate(zip(frm, to, strict=True)):
+            from_port, to_port, etype = data[8 * j], data[8 * j + 1], data[8 * j + 2]
+            if from_port or to_port or etype:
+                edges.append(Edge(index[a], index[b], from_port, to_port, etype))
+                self.stats["programmatic_edges"] += etype == 1
             else:
-                edges.append(Edge(index[int(a)], index[int(b)], raw[0], raw[1], raw[2]))
-                self.stats["programmatic_edges"] += raw[2] == 1
+                edges.append(Edge(index[a], index[b]))
         return edges
 
     # ---- kernel nodes -------------------------------------------------------------------
@@ -280,7 +275,7 @@ class GraphWalker:
     @staticmethod
     def _default_attributes(template: Any) -> dict[int, bytes]:
         """Attribute values of a fresh kernel node: what a rebuilt node starts with."""
-        err, p = cu.cuGraphKernelNodeGetParams(template)
+        _err, p = cu.cuGraphKernelNodeGetParams(template)
         scratch = check(cu.cuGraphCreate(0), "cuGraphCreate")
         try:
             node = check(cu.cuGraphAddKernelNode(scratch, None, 0, p), "cuGraphAddKernelNode (scratch)")
@@ -304,7 +299,11 @@ class GraphWalker:
         if t is NodeType.EMPTY:
             return Node(t)
         if t in (NodeType.EVENT_RECORD, NodeType.WAIT_EVENT):
-            get = cu.cuGraphEventRecordNodeGetEvent if t is NodeType.EVENT_RECORD else cu.cuGraphEventWaitNodeGetEvent
+            get = (
+                cu.cuGraphEventRecordNodeGetEvent
+                if t is NodeType.EVENT_RECORD
+                else cu.cuGraphEventWaitNodeGetEvent
+            )
             ev = int(check(get(node), "cuGraphEvent*NodeGetEvent"))
             return Node(t, EventParams(self._events.setdefault(ev, len(self._events))))
         if t is NodeType.GRAPH:

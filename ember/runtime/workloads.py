@@ -54,12 +54,36 @@ SPECS: dict[str, ModelSpec] = {
     "llama3-8b": ModelSpec("llama3-8b", 4096, 32, 32, 8, 128, 14336, 128256),
     "qwen3-8b": ModelSpec("qwen3-8b", 4096, 36, 32, 8, 128, 12288, 151936, qk_norm=True, rope_theta=1e6),
     "qwen3-moe": ModelSpec(
-        "qwen3-moe", 2048, 8, 32, 4, 128, 6144, 151936, qk_norm=True, experts=128, top_k=8,
-        moe_inter=768, rope_theta=1e6,
+        "qwen3-moe",
+        2048,
+        8,
+        32,
+        4,
+        128,
+        6144,
+        151936,
+        qk_norm=True,
+        experts=128,
+        top_k=8,
+        moe_inter=768,
+        rope_theta=1e6,
     ),
     "gemma3": ModelSpec(
-        "gemma3", 2560, 34, 8, 4, 256, 10240, 262144, qk_norm=True, sliding_window=128, global_every=6,
-        act="gelu", sandwich_norms=True, embed_scale=True, rope_theta=1e6,
+        "gemma3",
+        2560,
+        34,
+        8,
+        4,
+        256,
+        10240,
+        262144,
+        qk_norm=True,
+        sliding_window=128,
+        global_every=6,
+        act="gelu",
+        sandwich_norms=True,
+        embed_scale=True,
+        rope_theta=1e6,
     ),
 }
 
@@ -81,14 +105,23 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str = "custom") -> ModelSpec:
     elif c.get("sliding_window_pattern"):
         every = int(c["sliding_window_pattern"])
     return ModelSpec(
-        name=name, hidden=hidden, layers=int(c["num_hidden_layers"]), heads=heads,
-        kv_heads=int(c.get("num_key_value_heads") or heads), head_dim=int(c.get("head_dim") or hidden // heads),
-        inter=int(c.get("intermediate_size") or 4 * hidden), vocab=int(c["vocab_size"]),
-        qk_norm=mt.startswith(("qwen3", "gemma3")), experts=experts,
+        name=name,
+        hidden=hidden,
+        layers=int(c["num_hidden_layers"]),
+        heads=heads,
+        kv_heads=int(c.get("num_key_value_heads") or heads),
+        head_dim=int(c.get("head_dim") or hidden // heads),
+        inter=int(c.get("intermediate_size") or 4 * hidden),
+        vocab=int(c["vocab_size"]),
+        qk_norm=mt.startswith(("qwen3", "gemma3")),
+        experts=experts,
         top_k=int(c.get("num_experts_per_tok") or 0) if experts else 0,
         moe_inter=int(c.get("moe_intermediate_size") or 0) if experts else 0,
-        sliding_window=int(c.get("sliding_window") or 0) if every else 0, global_every=every,
-        act="gelu" if gemma else "silu", sandwich_norms=gemma, embed_scale=gemma,
+        sliding_window=int(c.get("sliding_window") or 0) if every else 0,
+        global_every=every,
+        act="gelu" if gemma else "silu",
+        sandwich_norms=gemma,
+        embed_scale=gemma,
         rope_theta=float(c.get("rope_theta") or 10000.0),
         rope_local_theta=float(c.get("rope_local_base_freq") or 10000.0),
     )
@@ -161,13 +194,25 @@ class Layer(nn.Module):
         out = torch.matmul(self._act(g) * u, self.w_d)  # [E, B, H]
         return (out * combine.t().unsqueeze(-1)).sum(0)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                masks: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        pos: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        masks: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
         s = self.spec
         b = x.shape[0]
         h = _rms(x, self.n1)
-        q, k, v = self.qkv(h).split([s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], -1)
-        q, k, v = q.view(b, s.heads, s.head_dim), k.view(b, s.kv_heads, s.head_dim), v.view(b, s.kv_heads, s.head_dim)
+        q, k, v = self.qkv(h).split(
+            [s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], -1
+        )
+        q, k, v = (
+            q.view(b, s.heads, s.head_dim),
+            k.view(b, s.kv_heads, s.head_dim),
+            v.view(b, s.kv_heads, s.head_dim),
+        )
         if s.qk_norm:
             q, k = _rms(q, self.qn), _rms(k, self.kn)
         theta = s.rope_local_theta if self.local else s.rope_theta
@@ -176,8 +221,11 @@ class Layer(nn.Module):
         kc.index_put_((rows, pos), k)
         vc.index_put_((rows, pos), v)
         a = F.scaled_dot_product_attention(
-            q[:, :, None], kc.transpose(1, 2), vc.transpose(1, 2),
-            attn_mask=masks[1] if self.local else masks[0], enable_gqa=True,
+            q[:, :, None],
+            kc.transpose(1, 2),
+            vc.transpose(1, 2),
+            attn_mask=masks[1] if self.local else masks[0],
+            enable_gqa=True,
         )
         a = self.o(a.reshape(b, -1))
         if s.sandwich_norms:
@@ -198,7 +246,9 @@ class DecodeModel(nn.Module):
         self.norm = nn.Parameter(torch.ones(spec.hidden))
         self.head = nn.Linear(spec.hidden, spec.vocab, bias=False)
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, kcache: torch.Tensor, vcache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, kcache: torch.Tensor, vcache: torch.Tensor
+    ) -> torch.Tensor:
         s = self.spec
         b = ids.shape[0]
         x = self.emb(ids)
@@ -226,8 +276,15 @@ class OutputSpec:
         return tensor_at(self.ptr, self.shape, self.stride, self.dtype)
 
 
-_CAI_TYPES = {"bfloat16": ("<i2", torch.bfloat16), "float16": ("<f2", None), "float32": ("<f4", None),
-              "int64": ("<i8", None), "int32": ("<i4", None), "uint8": ("|u1", None), "bool": ("|b1", None)}
+_CAI_TYPES = {
+    "bfloat16": ("<i2", torch.bfloat16),
+    "float16": ("<f2", None),
+    "float32": ("<f4", None),
+    "int64": ("<i8", None),
+    "int32": ("<i4", None),
+    "uint8": ("|u1", None),
+    "bool": ("|b1", None),
+}
 
 
 def tensor_at(ptr: int, shape: tuple[int, ...], stride: tuple[int, ...], dtype: str) -> torch.Tensor:
@@ -237,7 +294,10 @@ def tensor_at(ptr: int, shape: tuple[int, ...], stride: tuple[int, ...], dtype: 
 
     class _Mem:
         __cuda_array_interface__ = {  # noqa: RUF012
-            "shape": tuple(shape), "typestr": typestr, "data": (ptr, False), "version": 3,
+            "shape": tuple(shape),
+            "typestr": typestr,
+            "data": (ptr, False),
+            "version": 3,
             "strides": tuple(s * itemsize for s in stride),
         }
 
@@ -261,9 +321,17 @@ def fingerprint(tensors: list[torch.Tensor]) -> list[int]:
 class DecodeWorkload:
     """A decode step over a static KV cache, captured at many batch sizes."""
 
-    def __init__(self, spec: ModelSpec, *, compiled: bool = False, sizes: tuple[int, ...] = DEFAULT_SIZES,
-                 seed: int = 1234, max_len: int = DECODE_STEPS + 8, name: str | None = None,
-                 deterministic: bool = False) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        compiled: bool = False,
+        sizes: tuple[int, ...] = DEFAULT_SIZES,
+        seed: int = 1234,
+        max_len: int = DECODE_STEPS + 8,
+        name: str | None = None,
+        deterministic: bool = False,
+    ) -> None:
         self.spec, self.compiled = spec, compiled
         self.deterministic = deterministic
         self.sizes = tuple(sorted(set(sizes)))
@@ -286,15 +354,27 @@ class DecodeWorkload:
 
     def config(self) -> dict[str, Any]:
         """What LOAD needs to build the same workload (stored in the manifest's engine facts)."""
-        return {"workload": self.name, "spec": asdict(self.spec), "compiled": self.compiled,
-                "sizes": list(self.sizes), "seed": self.seed, "max_len": self.max_len,
-                "deterministic": self.deterministic}
+        return {
+            "workload": self.name,
+            "spec": asdict(self.spec),
+            "compiled": self.compiled,
+            "sizes": list(self.sizes),
+            "seed": self.seed,
+            "max_len": self.max_len,
+            "deterministic": self.deterministic,
+        }
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> DecodeWorkload:
-        return cls(ModelSpec(**cfg["spec"]), compiled=cfg["compiled"], sizes=tuple(cfg["sizes"]),
-                   seed=cfg["seed"], max_len=cfg["max_len"], name=cfg["workload"],
-                   deterministic=bool(cfg.get("deterministic", False)))
+        return cls(
+            ModelSpec(**cfg["spec"]),
+            compiled=cfg["compiled"],
+            sizes=tuple(cfg["sizes"]),
+            seed=cfg["seed"],
+            max_len=cfg["max_len"],
+            name=cfg["workload"],
+            deterministic=bool(cfg.get("deterministic", False)),
+        )
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -306,7 +386,9 @@ class DecodeWorkload:
         """Weights, KV cache and static buffers, always in this order. LOAD passes the archive's
         KV-cache size (no memory profiling) and `compile_fn=False` (it never runs the model)."""
         if kv_cache_bytes is not None and kv_cache_bytes != self.kv_cache_bytes:
-            raise ValueError(f"archive's KV cache is {kv_cache_bytes} bytes, this workload's {self.kv_cache_bytes}")
+            raise ValueError(
+                f"archive's KV cache is {kv_cache_bytes} bytes, this workload's {self.kv_cache_bytes}"
+            )
         s, dev = self.spec, torch.device("cuda")
         if self.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
@@ -338,12 +420,24 @@ class DecodeWorkload:
 
     def input_addresses(self) -> dict[str, int]:
         """Addresses of the static buffers: LOAD checks them against SAVE's before any launch."""
-        return {"ids": self.ids.data_ptr(), "pos": self.pos.data_ptr(), "step": self.step_no.data_ptr(),
-                "history": self.history.data_ptr(), "kcache": self.kcache.data_ptr(),
-                "vcache": self.vcache.data_ptr()}
+        return {
+            "ids": self.ids.data_ptr(),
+            "pos": self.pos.data_ptr(),
+            "step": self.step_no.data_ptr(),
+            "history": self.history.data_ptr(),
+            "kcache": self.kcache.data_ptr(),
+            "vcache": self.vcache.data_ptr(),
+        }
 
-    def _step(self, ids: torch.Tensor, pos: torch.Tensor, step: torch.Tensor, hist: torch.Tensor,
-              kc: torch.Tensor, vc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        step: torch.Tensor,
+        hist: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.model is not None
         logits = self.model(ids, pos, kc, vc)
         tok = logits.argmax(-1)
@@ -354,7 +448,9 @@ class DecodeWorkload:
         return logits, tok
 
     def step(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._fn(self.ids[:b], self.pos[:b], self.step_no, self.history[:, :b], self.kcache, self.vcache)
+        return self._fn(
+            self.ids[:b], self.pos[:b], self.step_no, self.history[:, :b], self.kcache, self.vcache
+        )
 
     def reset_state(self, seed: int | None = None) -> None:
         gen = torch.Generator(device="cuda")
@@ -384,5 +480,10 @@ class DecodeWorkload:
         return self.graphs
 
     def output_specs(self) -> dict[tuple[int, ...], list[OutputSpec]]:
-        return {k: [OutputSpec(t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype).split(".")[-1])
-                    for t in v] for k, v in self.outs.items()}
+        return {
+            k: [
+                OutputSpec(t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype).split(".")[-1])
+                for t in v
+            ]
+            for k, v in self.outs.items()
+        }

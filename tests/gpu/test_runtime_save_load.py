@@ -57,19 +57,32 @@ def test_save_then_load_in_fresh_perturbed_process(workload: str, store: str) ->
 def _save(workload: str, store: str) -> str:
     from ember.runtime.session import preload_env
 
-    cmd = [sys.executable, "-c", "import sys; from ember.cli import app; sys.argv[0]='ember'; app()", "save",
-           "--workload", workload, "--layers", str(LAYERS), "--sizes", SIZES, "--store", store]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from ember.cli import app; sys.argv[0]='ember'; app()",
+        "save",
+        "--workload",
+        workload,
+        "--layers",
+        str(LAYERS),
+        "--sizes",
+        SIZES,
+        "--store",
+        store,
+    ]
     p = subprocess.run(cmd, env=preload_env("save", _env()), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout[p.stdout.index("{"):])["identity"]
+    return json.loads(p.stdout[p.stdout.index("{") :])["identity"]
 
 
 def _child(args: dict, env_extra: dict[str, str] | None = None) -> dict:
     from ember.runtime.session import preload_env
 
     env = preload_env("load", {**_env(), **(env_extra or {})})
-    p = subprocess.run([sys.executable, str(CHILD), json.dumps(args)], env=env, capture_output=True, text=True,
-                       timeout=600)
+    p = subprocess.run(
+        [sys.executable, str(CHILD), json.dumps(args)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -77,7 +90,14 @@ def _child(args: dict, env_extra: dict[str, str] | None = None) -> dict:
 def test_compat_mismatch_and_divergence_fall_back_cleanly(store: str) -> None:
     _need_lib()
     ident = _save("llama3-8b", store)
-    base = {"store": store, "identity": ident, "workload": "llama3-8b", "layers": LAYERS, "sizes": SIZES, "batch": 8}
+    base = {
+        "store": store,
+        "identity": ident,
+        "workload": "llama3-8b",
+        "layers": LAYERS,
+        "sizes": SIZES,
+        "batch": 8,
+    }
     ok = _child(base)
     assert ok["path"] == "restored" and ok["tokens_sha256"] == ok["saved_sha256"]
     # An environment variable in the compatibility key differs → refused before any graph work.

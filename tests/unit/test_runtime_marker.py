@@ -28,8 +28,10 @@ def test_python_error_clears_the_marker(tmp_path: Path) -> None:
 
 
 def test_process_death_leaves_marker_and_next_start_falls_back(tmp_path: Path) -> None:
-    code = ("import os, sys; from ember.runtime.load import attempt_marker\n"
-            "with attempt_marker(sys.argv[1], 'id-1'):\n    os._exit(134)\n")
+    code = (
+        "import os, sys; from ember.runtime.load import attempt_marker\n"
+        "with attempt_marker(sys.argv[1], 'id-1'):\n    os._exit(134)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], timeout=60)
     assert proc.returncode == 134
     assert previous_attempt_crashed(tmp_path)["identity"] == "id-1"

@@ -29,14 +29,25 @@ def _graph(params: list[KernelParams], edges: list[Edge] | None = None) -> Graph
 
 def test_kernel_params_point_at_each_argument() -> None:
     args = bytes(range(24))
-    p = KernelParams(kernel=1, grid=(3, 2, 1), block=(128, 1, 1), shared_mem=512, args=args,
-                     arg_offsets=(0, 8, 16), arg_sizes=(8, 4, 8))
+    p = KernelParams(
+        kernel=1,
+        grid=(3, 2, 1),
+        block=(128, 1, 1),
+        shared_mem=512,
+        args=args,
+        arg_offsets=(0, 8, 16),
+        arg_sizes=(8, 4, 8),
+    )
     prep = rebuild.prepare(_graph([p]), [0x1000, 0x2000], None)
     func, gx, gy, gz, bx, by, bz, smem, kp, extra, kern, ctx = _kernel_struct(prep.ops[0])
     assert (func, gx, gy, gz, bx, by, bz, smem) == (0x2000, 3, 2, 1, 128, 1, 1, 512)
     assert extra == 0 and kern == 0 and ctx == 0
     ptrs = (ctypes.c_uint64 * 3).from_address(kp)
-    assert [ctypes.string_at(ptrs[i], s) for i, s in enumerate((8, 4, 8))] == [args[0:8], args[8:12], args[16:24]]
+    assert [ctypes.string_at(ptrs[i], s) for i, s in enumerate((8, 4, 8))] == [
+        args[0:8],
+        args[8:12],
+        args[16:24],
+    ]
 
 
 def test_extra_blob_is_passed_whole_with_its_size() -> None:
@@ -52,8 +63,15 @@ def test_extra_blob_is_passed_whole_with_its_size() -> None:
 
 
 def test_short_argument_buffer_is_refused() -> None:
-    p = KernelParams(kernel=0, grid=(1, 1, 1), block=(1, 1, 1), shared_mem=0, args=b"\0" * 4,
-                     arg_offsets=(0,), arg_sizes=(8,))
+    p = KernelParams(
+        kernel=0,
+        grid=(1, 1, 1),
+        block=(1, 1, 1),
+        shared_mem=0,
+        args=b"\0" * 4,
+        arg_offsets=(0,),
+        arg_sizes=(8,),
+    )
     with pytest.raises(ValueError, match="needs 8"):
         rebuild.pack_arguments(p)
 
@@ -64,7 +82,7 @@ def test_attributes_and_programmatic_edges_survive_preparation() -> None:
     b = KernelParams(kernel=0, grid=(1, 1, 1), block=(1, 1, 1), shared_mem=0)
     edges = [Edge(0, 1, from_port=1, to_port=0, type=1)]
     prep = rebuild.prepare(_graph([a, b], edges), [0x1000], None)
-    (attr_id, value), = prep.ops[0][2]
+    ((attr_id, value),) = prep.ops[0][2]
     assert int(attr_id) == 4 and ctypes.string_at(value.getPtr(), 64) == attr
     assert prep.ops[1][2] == []
     assert prep.edge_src == [0] and prep.edge_dst == [1]
@@ -109,8 +127,40 @@ def test_table_fast_path_matches_object_path() -> None:
 
 
 def test_graphset_round_trip_keeps_what_rebuild_needs() -> None:
-    p = KernelParams(kernel=0, grid=(4, 1, 1), block=(64, 1, 1), shared_mem=16, args=b"\1" * 16,
-                     arg_offsets=(0, 8), arg_sizes=(8, 8), attrs={8: bytes([1]) + bytes(63)})
+    p = KernelParams(
+        kernel=0,
+        grid=(4, 1, 1),
+        block=(64, 1, 1),
+        shared_mem=16,
+        args=b"\1" * 16,
+        arg_offsets=(0, 8),
+        arg_sizes=(8, 8),
+        attrs={8: bytes([1]) + bytes(63)},
+    )
     gs = GraphSet([_graph([p, p], [Edge(0, 1, 1, 0, 1)])], [KernelRef("ab" * 8, "k")], [])
     table = fmt.decode(fmt.encode(gs))
-    assert _summary(rebuild.prepare(table.graph(0), [0x10], None)) == _summary(rebuild.prepare(gs.graphs[0], [0x10], None))
+    assert _summary(rebuild.prepare(table.graph(0), [0x10], None)) == _summary(
+        rebuild.prepare(gs.graphs[0], [0x10], None)
+    )
+
+
+def test_edges_go_in_one_call_with_their_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One cuGraphAddDependencies call, grouped by destination, edge data aligned with each edge."""
+    calls: list[tuple] = []
+
+    def record(g: object, frm: list, to: list, data: object, n: int) -> tuple:
+        rows = None if data is None else [(int(d.from_port), int(d.type)) for d in data]
+        calls.append((list(frm), list(to), rows, n))
+        return (rebuild.OK,)
+
+    monkeypatch.setattr(rebuild.cu, "cuGraphAddDependencies", record)
+    k = KernelParams(kernel=0, grid=(1, 1, 1), block=(1, 1, 1), shared_mem=0)
+    edges = [Edge(0, 1), Edge(1, 2, from_port=1, type=1), Edge(0, 2), Edge(2, 3, from_port=1, type=1)]
+    prep = rebuild.prepare(_graph([k, k, k, k], edges), [0x1000], None)
+    rebuild.add_edges(object(), prep, ["n0", "n1", "n2", "n3"])
+    assert calls == [
+        (["n0", "n1", "n0", "n2"], ["n1", "n2", "n2", "n3"], [(0, 0), (1, 1), (0, 0), (1, 1)], 4)
+    ]
+    prep_default = rebuild.prepare(_graph([k, k], [Edge(0, 1)]), [0x1000], None)
+    rebuild.add_edges(object(), prep_default, ["a", "b"])
+    assert calls[-1] == (["a"], ["b"], None, 1)
