@@ -218,13 +218,13 @@ class _Bench:
         return [p for p in self.core.list_namespaced_pod(self.ns, label_selector=selector).items
                 if p.metadata.deletion_timestamp is None]
 
-    def wait(self, predicate: Any, what: str, timeout: float) -> Any:
+    def wait(self, predicate: Any, what: str, timeout: float, interval: float = 0.2) -> Any:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             value = predicate()
             if value:
                 return value
-            time.sleep(0.2)
+            time.sleep(interval)
         raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
 
     # ---- 1. claims
@@ -322,7 +322,8 @@ class _Bench:
                 (m.get("status") or {}).get("observedGeneration") == m["metadata"]["generation"]
                 and (m.get("status") or {}).get("phase") == "Ready" for m in ours)
 
-        self.wait(all_ready, f"{deployments} deployments Ready", 900)
+        # Poll gently: listing every deployment is itself load on a small control plane.
+        self.wait(all_ready, f"{deployments} deployments Ready", 900, interval=2.0)
         total = time.monotonic() - t0
         after = _scrape(self.metrics_port)
         key_sum = 'ember_reconcile_seconds_sum{kind="ModelDeployment"}'

@@ -296,8 +296,10 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
     old_phase = obs.status.phase
     st.phase = derive_phase(st.conditions)
     plan.events = conditions.transitions(obs.status.conditions, st.conditions)
-    if old_phase != st.phase:
-        plan.events.append(Event("Normal", "Phase", f"phase {old_phase or 'None'} → {st.phase.value}"))
+    # In-progress phases are the Progressing reason (already an event); settled ones get their own.
+    if old_phase != st.phase and st.phase in (MDPhase.ready, MDPhase.degraded):
+        plan.events.append(Event("Normal" if st.phase is MDPhase.ready else "Warning", "Phase",
+                                 f"phase {old_phase.value if old_phase else 'None'} → {st.phase.value}"))
     if claimed:
         plan.events.append(Event("Normal", "Claimed", f"claimed {claimed} warm pod(s)"))
 

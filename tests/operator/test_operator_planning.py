@@ -199,7 +199,10 @@ def test_conditions_keep_transition_time_and_emit_events_on_change() -> None:
     assert t1 == t2 and p2.events == []
     p3 = plan_deployment(observed(archive=AVAILABLE, status=p2.status, now=NOW.replace(minute=6)), CTX)
     reasons = {e.reason for e in p3.events}
-    assert "ArchiveAvailable" in reasons and "Phase" in reasons
+    assert {"ArchiveAvailable", "Deploying"} <= reasons
+    rev = _revision()
+    p4 = plan_deployment(observed(archive=AVAILABLE, status=p3.status, pods=[_pod("a", rev), _pod("b", rev)]), CTX)
+    assert any(e.reason == "Phase" and "Ready" in e.message for e in p4.events)
 
 
 def test_scale_to_zero() -> None:
