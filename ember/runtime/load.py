@@ -123,7 +123,7 @@ def run_load(
     if manifest.engine.get("in_process_only"):
         raise LoadRefused("archive was saved without libember (in-process only)")
     try:
-        archive = publish.read(store_uri, manifest)
+        archive = publish.read(store_uri, identity_hash)
         table = archive_format.decode(archive.graph_table)
         for g in table.groups:
             table.chunk(g.template)

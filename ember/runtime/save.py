@@ -198,7 +198,7 @@ def run_save(
                 "an in-process (no libember) SAVE cannot be published: LOAD could not find its kernels"
             )
         t = time.perf_counter()
-        out.manifest_uri, out.manifest_digest, out.bytes = publish.write(store_uri, archive)
+        out.manifest_uri, out.manifest_digest, out.bytes = publish.write(store_uri, archive, graph_set)
         d["publish_s"] = time.perf_counter() - t
         out.published = True
         log(f"Published {out.manifest_uri} ({out.bytes / 1e6:.1f} MB)")

@@ -1,4 +1,5 @@
-"""CPU: an archive written by the runtime reads back intact; damage and foreign keys are refused."""
+"""CPU: an archive published by the runtime (through ember.archive.bundle) reads back intact with
+the runtime's facts (image order and load options); damage and foreign keys are refused."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 pytest.importorskip("cuda.bindings")
 
+from ember.archive import bundle
 from ember.archive import format as fmt
 from ember.archive.synthetic import synthetic_graphset, synthetic_images
 from ember.identity import ArchiveIdentity, CompatKey
@@ -15,11 +17,15 @@ from ember.runtime import compat, publish
 from ember.store import open_store
 
 
-def _archive() -> publish.Archive:
+def _archive() -> tuple[publish.Archive, object]:
     gs = synthetic_graphset(graphs=4, nodes=120, groups=2)
+    used = sorted({k.image for k in gs.kernels})
+    pool = synthetic_images(len(used) + 1)
+    # The synthetic graph set names its own image hashes; give each used hash some bytes,
+    # in an execution order that is not the sorted one.
     images = [
         publish.Image(h, data, "cubin", {"jit": {}, "library": {"1": 1}}, 2)
-        for h, data in synthetic_images(2).items()
+        for h, data in zip(reversed(used), pool.values(), strict=False)
     ]
     ident = ArchiveIdentity(
         model="ember-workload/test", engine="ember-decode", engine_version="0.1.0", capture_sizes=(1, 2, 4, 8)
@@ -27,7 +33,7 @@ def _archive() -> publish.Archive:
     key = CompatKey(
         gpu_name="NVIDIA H100 80GB HBM3", compute_capability="9.0", driver="580.159.04", cuda="13.0"
     )
-    return publish.Archive(
+    arc = publish.Archive(
         ident,
         key,
         fmt.encode(gs),
@@ -36,34 +42,44 @@ def _archive() -> publish.Archive:
         rng_state=b"\1" * 16,
         engine={"kv_cache_bytes": 1 << 20, "outputs": {}},
     )
+    return arc, gs
 
 
 def test_write_read_round_trip(tmp_path: Path) -> None:
     uri = tmp_path.as_uri()
-    arc = _archive()
-    manifest_uri, digest, nbytes = publish.write(uri, arc)
+    arc, gs = _archive()
+    manifest_uri, digest, nbytes = publish.write(uri, arc, gs)
     assert manifest_uri.endswith(arc.identity.hash() + "/manifest") and len(digest) == 64 and nbytes > 0
     m = publish.read_manifest(uri, arc.identity.hash())
     assert m.graphs.count == 4 and len(m.graphs.groups) == 2
-    back = publish.read(uri, m)
+    back = publish.read(uri, arc.identity.hash())
     assert back.graph_table == arc.graph_table and back.alloc_log == arc.alloc_log
     assert [(i.content_hash, i.data, i.options) for i in back.images] == [
         (i.content_hash, i.data, i.options) for i in arc.images
-    ]
+    ]  # execution order kept
     assert back.engine["kv_cache_bytes"] == 1 << 20
+    assert bundle.verify_archive(uri, arc.identity.hash()) == []  # the sidecar's check agrees
+
+
+def test_table_other_than_the_proven_one_is_not_published(tmp_path: Path) -> None:
+    arc, gs = _archive()
+    arc.graph_table = arc.graph_table[:-1] + bytes([arc.graph_table[-1] ^ 1])
+    with pytest.raises(publish.ArchiveError, match="proved"):
+        publish.write(tmp_path.as_uri(), arc, gs)
+    assert open_store(tmp_path.as_uri()).list_archives() == []
 
 
 def test_damaged_blob_is_refused(tmp_path: Path) -> None:
     uri = tmp_path.as_uri()
-    arc = _archive()
-    publish.write(uri, arc)
+    arc, gs = _archive()
+    publish.write(uri, arc, gs)
     m = publish.read_manifest(uri, arc.identity.hash())
-    path = open_store(uri).blob_path(m.blob(publish.ALLOC_LOG).sha256)
+    path = open_store(uri).blob_path(m.blob(m.alloc_log).sha256)
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(Exception, match=r"(?i)digest|corrupt|mismatch"):
-        publish.read(uri, m)
+    with pytest.raises(publish.ArchiveError, match=r"(?i)digest|corrupt|match"):
+        publish.read(uri, arc.identity.hash())
 
 
 def test_missing_archive_is_a_clear_error(tmp_path: Path) -> None:
