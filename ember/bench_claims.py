@@ -165,6 +165,14 @@ class _Bench:
         log = (self.workdir / "operator.log").open("ab")
         self.op = subprocess.Popen([sys.executable, "-m", "ember_operator.main"], env=env, stdout=log,
                                    stderr=subprocess.STDOUT, cwd=str(REPO))
+        self.wait(self._metrics_up, "the operator's metrics endpoint", 120)
+
+    def _metrics_up(self) -> bool:
+        try:
+            _scrape(self.metrics_port)
+        except OSError:
+            return False
+        return True
 
     def teardown(self) -> None:
         if self.op is not None and self.op.poll() is None:
@@ -310,8 +318,10 @@ class _Bench:
         self.write_archive(spec)
         before = _scrape(self.metrics_port)
         t0 = time.monotonic()
-        for i in range(deployments):
-            self.create_md(f"tp-{i:03d}", spec)
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(8) as pool:  # a burst, as a GitOps sync would apply them
+            list(pool.map(lambda i: self.create_md(f"tp-{i:03d}", spec), range(deployments)))
         created_s = time.monotonic() - t0
 
         def all_ready() -> bool:
