@@ -134,7 +134,8 @@ gen_ca() { # NAME CN
 
 write_kubeconfig() { # PATH CERT_NAME USER
   b64() { base64 -w0 <"$1"; }
-  cat >"$1" <<EOF
+  # Written to a temp file and renamed: other test sessions may be reading the kubeconfig.
+  cat >"$1.tmp" <<EOF
 apiVersion: v1
 kind: Config
 clusters:
@@ -152,7 +153,8 @@ contexts:
   context: {cluster: ember-local, user: $3, namespace: default}
 current-context: ember-local
 EOF
-  chmod 600 "$1"
+  chmod 600 "$1.tmp"
+  mv -f "$1.tmp" "$1"
 }
 
 gen_pki() {
