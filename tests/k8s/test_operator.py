@@ -245,3 +245,45 @@ def test_sigkill_during_reconcile_converges_without_duplicates(env: Any, minio: 
     assert len(names) == len(set(names)) == 30
     assert len(api.jobs()) == 1 and len(api.archives()) == 1
     print(f"killed with {partial}/30 pods created; converged to 30")
+
+
+def test_examples_apply_and_become_ready(
+    k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path,
+) -> None:
+    """Every manifest in examples/ is applied as a user would; each deployment ends Ready once its
+    archive is in the store (written here as `ember save --job` would: kwok has no GPU)."""
+    from ember_operator.api import GraphArchiveSpec
+    from operator_harness import COMPAT, REPO
+
+    from ember.archive.bundle import write_archive
+    from ember.archive.synthetic import synthetic_graphset, synthetic_images
+    from ember.store import open_store
+
+    ns = k8s.create_namespace("ex")
+    api = Api(k8s, ns)
+    api.create_secret("ember-s3", minio)
+    op = OperatorProcess(kubeconfig=k8s.kubeconfig, namespace=ns, log_path=tmp_path / "operator.log",
+                         env={**minio.env, "EMBER_OPERATOR_MANIFEST_GRACE_SECONDS": "60"}).start()
+    try:
+        examples = sorted((REPO / "examples").glob("*.yaml"))
+        for path in examples:
+            k8s.kubectl("apply", "-n", ns, "-f", str(path))
+        names = [m["metadata"]["name"] for m in api.custom.list_namespaced_custom_object(
+            GROUP, VERSION, ns, "modeldeployments")["items"]]
+        assert len(names) == 3
+        wait_for(lambda: len(api.archives()) == 3, "three GraphArchives", op)
+        for ga in api.archives():
+            spec = GraphArchiveSpec.model_validate(ga["spec"])
+            opts = {"endpoint": minio.endpoint, "access_key": minio.access_key,
+                    "secret_key": minio.secret_key} if spec.store.s3 else {}
+            write_archive(open_store(spec.store.uri(), **opts),
+                          synthetic_graphset(graphs=2, nodes=20, groups=1),
+                          spec.identity.to_identity(), COMPAT, kernel_images=synthetic_images())
+        for name in names:
+            wait_for(lambda n=name: phase(api, n) == "Ready", f"{name} Ready", op, timeout=120)
+        # The external HPA (examples/hpa-external.yaml) holds qwen-s3 at its minReplicas (2).
+        assert api.md("qwen-s3")["spec"]["replicas"] >= 2
+    finally:
+        op.stop()
+        api.release()
+        k8s.delete_namespace(ns)
