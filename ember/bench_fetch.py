@@ -244,9 +244,10 @@ def _markdown(r: dict[str, Any]) -> str:
         f"{r['ratio_paired_median']:.2f}x). "
         "The sidecar's time includes the manifest GET, identity check, sha256 of every blob, size "
         "checks, the cache commit and the engine noticing the handoff; boto3's includes none of these. "
-        f"The sidecar downloads every blob's {r['sidecar_chunk_mb']} MB ranges over one pool of "
-        f"{r['sidecar_concurrency']} connections and hashes in order "
-        "while later ranges arrive; boto3 downloads the blobs one after another (10 threads each).",
+        f"The sidecar downloads all blobs through one transfer manager ({r['sidecar_chunk_mb']} MB "
+        f"ranges, {r['sidecar_concurrency']} in flight) into a writer that hashes each blob in order "
+        "while later ranges arrive; boto3 downloads the blobs one after another (8 MB ranges, 10 "
+        "threads each).",
         "",
         "Reproduce: `e2e/cluster.sh up && ember bench fetch --mb 250`.",
         "",

@@ -96,7 +96,7 @@ class ArchiveCache:
         retry_s: float = 30.0,
         timeout_s: float = 600.0,
         max_workers: int = 4,
-        s3_concurrency: int = 4,
+        s3_concurrency: int = 10,
         s3_chunk: int = 8 << 20,
     ) -> None:
         self.root = Path(root)

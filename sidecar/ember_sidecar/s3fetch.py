@@ -1,12 +1,13 @@
-"""Parallel ranged S3 reads of an archive's blobs, hashed in order while they arrive.
+"""S3 blob downloads through boto3's transfer manager, hashed in order while they arrive.
 
-The transfer manager (`ember.store.S3Store.fetch_blob`) downloads a blob in parallel ranges and
-the sha256 is computed afterwards by reading the file back: the hash costs a second pass after
-the last byte. Here every blob of the archive is split into ranges that share ONE pool of
-connections (bounded, blob after blob), each range is written at its offset as it arrives, and
-the hasher consumes ranges in order from memory while later ranges are still downloading, so
-verification overlaps the download. A window bounds the bytes held in memory. Cancellation is
-checked between ranges, so a deleted pod stops within one range.
+`ember.store.S3Store.fetch_blob` downloads a blob with parallel ranged GETs and computes the
+sha256 afterwards by reading the file back: verification costs a second pass after the last
+byte. Here all blobs of an archive go through ONE s3transfer `TransferManager` (one bounded pool
+of ranged GETs for the whole archive, botocore retries, s3transfer's own re-reads of broken
+streams), into a non-seekable writer: s3transfer then hands the bytes to its IO thread in order
+(its DeferQueue holds ranges that arrive early), and the writer hashes and writes them as they
+come, so verification overlaps the download. Sizes come from the manifest (no HeadObject).
+Cancellation cancels the transfers; partial files are removed.
 
 Used by `fetching.ArchiveCache` for S3 stores; other stores use `Store.fetch_blob`.
 """
@@ -18,15 +19,11 @@ import hashlib
 import os
 import tempfile
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from concurrent.futures import CancelledError
 from pathlib import Path
 from typing import Any
 
-from ember.store import BlobCorrupt, S3Store, StoreError, StoreUnavailable
-
-_READ_RETRIES = 3  # re-reads of one range after a broken stream (botocore retries the request itself)
+from ember.store import BlobCorrupt, S3Store, StoreError
 
 
 class Cancelled(Exception):
@@ -37,30 +34,62 @@ class BlobTruncated(BlobCorrupt):
     """The stored object is shorter than the manifest says."""
 
 
-@dataclass
-class _Blob:
-    digest: str
-    size: int
-    dest: Path
-    tmp: str = ""
-    fd: int = -1
-    sha: Any = field(default_factory=hashlib.sha256)
-    # Guards fd: after a cancel, range reads still in flight must not write to a closed (and
-    # possibly reused) descriptor.
-    lock: threading.Lock = field(default_factory=threading.Lock)
+class _HashingWriter:
+    """A write-only, non-seekable file: s3transfer writes to it strictly in order."""
 
-    def close(self) -> None:
-        with self.lock:
-            if self.fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(self.fd)
-                self.fd = -1
+    def __init__(self, dest_dir: Path, digest: str, size: int) -> None:
+        self.digest, self.size, self.dest = digest, size, dest_dir / digest
+        fd, self.tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".{digest}.", suffix=".part")
+        self.file = os.fdopen(fd, "wb", buffering=0)
+        self.sha = hashlib.sha256()
+        self.written = 0
+
+    def seekable(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        view = memoryview(data)
+        while view:
+            view = view[self.file.write(view) or 0:]
+        self.written += len(data)
+        return len(data)
+
+    def finish(self, where: str) -> None:
+        self.file.close()
+        if self.written != self.size:
+            raise BlobTruncated(f"blob {self.digest} from {where} is truncated: {self.written} bytes, "
+                                f"expected {self.size}")
+        got = self.sha.hexdigest()
+        if got != self.digest:
+            raise BlobCorrupt(f"blob {self.digest} from {where} is corrupt: its bytes hash to {got} "
+                              "(truncated or altered)")
+        os.replace(self.tmp, self.dest)
+        self.tmp = ""
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            self.file.close()
+        if self.tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(self.tmp)
+            self.tmp = ""
 
 
-def _ranges(size: int, chunk: int) -> list[tuple[int, int]]:
-    if size == 0:
-        return [(0, 0)]
-    return [(off, min(chunk, size - off)) for off in range(0, size, chunk)]
+class _ProvideSize:
+    """s3transfer subscriber: the size is known from the manifest, so no HeadObject is sent."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def on_queued(self, future: Any, **kwargs: Any) -> None:
+        future.meta.provide_transfer_size(self.size)
+
+    def on_progress(self, future: Any, bytes_transferred: int, **kwargs: Any) -> None:
+        pass
+
+    def on_done(self, future: Any, **kwargs: Any) -> None:
+        pass
 
 
 def fetch_blobs(
@@ -69,107 +98,67 @@ def fetch_blobs(
     dest_dir: Path,
     *,
     cancel: threading.Event | None = None,
-    concurrency: int = 8,
+    concurrency: int = 10,
     chunk: int = 8 << 20,
-    on_blob: Callable[[str], None] | None = None,
 ) -> None:
     """Download `blobs` (digest → size) into `dest_dir/<digest>`, each verified (size, sha256)
-    and renamed into place when complete. Raises BlobCorrupt, StoreUnavailable / StoreError (as
-    `ember.store` does) or Cancelled; leaves no temporary file behind."""
+    and renamed into place when complete. Raises BlobCorrupt / BlobTruncated, StoreUnavailable /
+    StoreError (as `ember.store` does) or Cancelled; leaves no temporary file behind."""
+    from boto3.s3.transfer import TransferConfig
+    from s3transfer.manager import TransferManager
+    from s3transfer.subscribers import BaseSubscriber
+
     cancel = cancel or threading.Event()
     dest_dir.mkdir(parents=True, exist_ok=True)
-    items = [_Blob(d, s, dest_dir / d) for d, s in blobs.items()]
-    work = [(b, off, n) for b in items for off, n in _ranges(b.size, chunk)]
-    window = max(2, concurrency * 2)
-    pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="ember-s3")
-    futures: dict[int, Future[bytes]] = {}
+    config = TransferConfig(multipart_threshold=chunk, multipart_chunksize=chunk,
+                            max_concurrency=concurrency, use_threads=True)
+    subscriber = type("ProvideSize", (_ProvideSize, BaseSubscriber), {})
+    writers: list[_HashingWriter] = []
+    tm = TransferManager(store.client, config)
+    cancelled = False
+    futures: list[Any] = []
     try:
-        for b in items:
-            fd, b.tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".{b.digest}.", suffix=".part")
-            b.fd = fd
-            os.ftruncate(fd, b.size)
-
-        def get(b: _Blob, off: int, n: int) -> bytes:
-            if cancel.is_set():
-                raise Cancelled()
-            data = _get_range(store, b.digest, off, n)
-            if len(data) != n:
-                raise BlobTruncated(f"blob {b.digest} from {store.uri} is truncated: range at {off} "
-                                    f"gave {len(data)} bytes, expected {n}")
-            with b.lock:
-                if b.fd < 0 or cancel.is_set():
+        for digest, size in blobs.items():
+            w = _HashingWriter(dest_dir, digest, size)
+            writers.append(w)
+            futures.append(tm.download(store.bucket, store._blob_key(digest), w,
+                                       subscribers=[subscriber(size)]))
+        for w, fut in zip(writers, futures, strict=True):
+            while not fut.done():  # wake up for a cancel while ranges are in flight
+                if cancel.wait(0.05):
+                    cancelled = True
                     raise Cancelled()
-                os.pwrite(b.fd, data, off)
-            return data
-
-        submitted = 0
-        for i, (b, off, n) in enumerate(work):
-            while submitted < len(work) and submitted < i + window:
-                futures[submitted] = pool.submit(get, *work[submitted])
-                submitted += 1
-            fut = futures.pop(i)
-            while not fut.done():  # wake up for a cancel even while a slow range is in flight
-                if cancel.is_set():
-                    raise Cancelled()
-                wait([fut], timeout=0.05)
-            data = fut.result()
-            b.sha.update(data)
-            if off + n >= b.size:
-                _finish(store, b)
-                if on_blob is not None:
-                    on_blob(b.digest)
+            try:
+                fut.result()
+            except CancelledError:
+                cancelled = True
+                raise Cancelled() from None
+            except BlobCorrupt:
+                raise
+            except StoreError:
+                raise
+            except Exception as exc:
+                if "InvalidRange" in str(exc):
+                    raise BlobTruncated(f"blob {w.digest} from {store.uri} is truncated: shorter than "
+                                        f"the {w.size} bytes the manifest says") from exc
+                raise store._translate(f"download blob {w.digest}", exc) from exc
+            w.finish(store.uri)
     except BaseException:
-        for f in futures.values():
-            f.cancel()
+        cancelled = True
         raise
     finally:
-        # After a cancel, do not wait for range reads in flight (a slow store would hold the
-        # pod's exit): they find their blob closed and drop their bytes.
-        pool.shutdown(wait=not cancel.is_set(), cancel_futures=True)
-        for b in items:
-            b.close()
-            if b.tmp:
-                with contextlib.suppress(OSError):
-                    os.unlink(b.tmp)  # already renamed when complete: only partial files remain
+        if cancelled:
+            # Do not wait for ranges in flight (a slow or dead store would hold up the pod's
+            # exit): cancel them in the background; their writers are closed and removed now.
+            # (Each future is cancelled itself: TransferManager.shutdown(cancel=True) passes its
+            # arguments wrongly in s3transfer 0.19.)
+            for fut in futures:
+                fut.cancel()
+            threading.Thread(target=tm.shutdown, name="ember-s3-cancel", daemon=True).start()
+        else:
+            tm.shutdown()
+        for w in writers:
+            w.discard()
 
 
-def _finish(store: S3Store, b: _Blob) -> None:
-    got = b.sha.hexdigest()
-    if got != b.digest:
-        raise BlobCorrupt(f"blob {b.digest} from {store.uri} is corrupt: its bytes hash to {got} "
-                          "(truncated or altered)")
-    b.close()
-    os.replace(b.tmp, b.dest)
-    b.tmp = ""
-
-
-def _get_range(store: S3Store, digest: str, off: int, n: int) -> bytes:
-    from botocore.exceptions import (
-        ConnectionClosedError,
-        IncompleteReadError,
-        ReadTimeoutError,
-        ResponseStreamingError,
-    )
-
-    what = f"download blob {digest} bytes {off}-{off + n - 1}"
-    key = store._blob_key(digest)
-    last: Exception | None = None
-    for _ in range(_READ_RETRIES):
-        try:
-            kwargs: dict[str, Any] = {"Bucket": store.bucket, "Key": key}
-            if n:
-                kwargs["Range"] = f"bytes={off}-{off + n - 1}"
-            resp = store.client.get_object(**kwargs)
-            data: bytes = resp["Body"].read()
-            return data
-        except (IncompleteReadError, ReadTimeoutError, ResponseStreamingError, ConnectionClosedError) as exc:
-            last = exc  # a stream broken mid-body: read the range again
-        except Exception as exc:
-            if "InvalidRange" in str(exc):
-                raise BlobTruncated(f"blob {digest} from {store.uri} is truncated: no bytes at offset "
-                                    f"{off}, the manifest says it has more") from exc
-            raise store._translate(what, exc) from exc
-    raise StoreUnavailable(f"{what}: {store.uri}: stream kept breaking: {last}") from last
-
-
-__all__ = ["BlobTruncated", "Cancelled", "StoreError", "fetch_blobs"]
+__all__ = ["BlobTruncated", "Cancelled", "fetch_blobs"]

@@ -49,7 +49,7 @@ class Settings(BaseModel):
     s3_max_attempts: int = Field(5, ge=1, description="EMBER_S3_MAX_ATTEMPTS: botocore attempts per call")
     s3_connect_timeout: float = Field(5.0, gt=0, description="EMBER_S3_CONNECT_TIMEOUT (s)")
     s3_read_timeout: float = Field(60.0, gt=0, description="EMBER_S3_READ_TIMEOUT (s)")
-    s3_max_concurrency: int = Field(4, ge=1, description="EMBER_S3_MAX_CONCURRENCY: ranged GETs at once")
+    s3_max_concurrency: int = Field(10, ge=1, description="EMBER_S3_MAX_CONCURRENCY: ranged GETs at once")
     s3_chunk_mb: int = Field(8, ge=1, description="EMBER_S3_CHUNK_MB: size of one ranged GET")
     fetch_retry_s: float = Field(
         30.0, ge=0, description="EMBER_FETCH_RETRY_S: keep retrying an unreachable store this long"
