@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import tempfile
@@ -149,6 +150,8 @@ def run_bench(endpoint: str, bucket: str, mb: float, repeat: int, workdir: Path)
     sidecar_s: list[float] = []
     boto_s: list[float] = []
     stages: list[dict[str, float]] = []
+    sidecar_cpu: list[float] = []
+    boto_cpu: list[float] = []
     def sidecar_run(i: int) -> None:
         run_dir = workdir / f"run-{i}"
         writer = HandoffWriter(run_dir)
@@ -159,10 +162,11 @@ def run_bench(endpoint: str, bucket: str, mb: float, repeat: int, workdir: Path)
         engine = threading.Thread(target=lambda: got.update(
             r=wait_for_archive(run_dir, deadline=120.0, claim_timeout=120.0, poll_s=0.002)))
         engine.start()
-        t0 = time.perf_counter()
+        c0, t0 = _cpu(), time.perf_counter()
         restorer.claim(Claim(archive_uri, manifest.identity_hash), observed_at=time.time())
         engine.join()
         sidecar_s.append(time.perf_counter() - t0)
+        sidecar_cpu.append(_cpu() - c0)
         if not got["r"].restored:
             raise RuntimeError(f"bench restore fell back: {got['r'].reason}")
         hist = restorer.metrics.stage_seconds
@@ -173,10 +177,11 @@ def run_bench(endpoint: str, bucket: str, mb: float, repeat: int, workdir: Path)
     def boto_run(i: int) -> None:
         dest = workdir / f"boto-{i}"
         dest.mkdir()
-        t0 = time.perf_counter()
+        c0, t0 = _cpu(), time.perf_counter()
         for k in keys:
             client.download_file(bucket, k, str(dest / k.rsplit("/", 1)[1]))
         boto_s.append(time.perf_counter() - t0)
+        boto_cpu.append(_cpu() - c0)
         shutil.rmtree(dest)
 
     for i in range(repeat):
@@ -208,6 +213,11 @@ def run_bench(endpoint: str, bucket: str, mb: float, repeat: int, workdir: Path)
         "sidecar_MBps": total / med_s / 1e6,
         "boto3_MBps": total / med_b / 1e6,
         "sidecar_stage_s": stages,
+        "sidecar_cpu_s": sidecar_cpu,
+        "boto3_cpu_s": boto_cpu,
+        "sidecar_cpu_median_s": statistics.median(sidecar_cpu),
+        "boto3_cpu_median_s": statistics.median(boto_cpu),
+        "load_average": os.getloadavg(),
         "goal_ratio": 1.1,
         "sidecar_concurrency": settings.s3_max_concurrency,
         "sidecar_chunk_mb": settings.s3_chunk_mb,
@@ -215,6 +225,12 @@ def run_bench(endpoint: str, bucket: str, mb: float, repeat: int, workdir: Path)
                     "python": platform.python_version()},
         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def _cpu() -> float:
+    """CPU seconds of this process, all threads (the client side; MinIO is another process)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _runs(xs: list[float]) -> str:
@@ -230,14 +246,18 @@ def _markdown(r: dict[str, Any]) -> str:
         "kernel images and allocation log padded with random bytes, so zstd cannot shrink them); "
         f"endpoint {r['endpoint']}; {r['repeat']} runs each, cold cache, order alternating, "
         "`sync` before each; "
-        f"{r['machine']['cpus']} CPUs, Python {r['machine']['python']}. Measured {r['at']}.",
+        f"{r['machine']['cpus']} CPUs shared with other work (load average "
+        f"{', '.join(f'{x:.1f}' for x in r['load_average'])} at the end), Python "
+        f"{r['machine']['python']}. Measured {r['at']}.",
         "",
-        "| path | median s | min s | MB/s (median) | runs (s) |",
-        "|---|---|---|---|---|",
+        "| path | median s | min s | MB/s (median) | client CPU s (median) | runs (s) |",
+        "|---|---|---|---|---|---|",
         f"| sidecar (claim → engine has verified archive) | {r['sidecar_median_s']:.3f} | "
-        f"{r['sidecar_min_s']:.3f} | {r['sidecar_MBps']:.0f} | {_runs(r['sidecar_s'])} |",
+        f"{r['sidecar_min_s']:.3f} | {r['sidecar_MBps']:.0f} | {r['sidecar_cpu_median_s']:.2f} | "
+        f"{_runs(r['sidecar_s'])} |",
         f"| plain boto3 download_file of the same blobs | {r['boto3_median_s']:.3f} | "
-        f"{r['boto3_min_s']:.3f} | {r['boto3_MBps']:.0f} | {_runs(r['boto3_s'])} |",
+        f"{r['boto3_min_s']:.3f} | {r['boto3_MBps']:.0f} | {r['boto3_cpu_median_s']:.2f} | "
+        f"{_runs(r['boto3_s'])} |",
         "",
         f"Ratio of medians: **{r['ratio_median']:.2f}x** — {ok} the goal of ≤ {r['goal_ratio']}x "
         f"(ratio of best runs {r['ratio_min']:.2f}x, median of per-pair ratios "
