@@ -192,11 +192,11 @@ class _Bench:
         with contextlib.suppress(Exception):
             self.core.delete_namespace(self.ns)
 
-    def spec(self, model: str, replicas: int, warm: int) -> dict[str, Any]:
+    def spec(self, model: str, replicas: int, warm: int, image_tag: str = "bench") -> dict[str, Any]:
         return {
             "model": {"name": model},
             "engine": {"kind": "transformers", "version": "4.57.0",
-                       "image": "registry.invalid/ember/engine:bench"},
+                       "image": f"registry.invalid/ember/engine:{image_tag}"},
             "capture": {"sizes": [1, 2, 4, 8], "maxBatch": 8, "maxNumTokens": 2048},
             "gpu": {"product": BENCH_PRODUCT},
             "replicas": replicas,
@@ -314,7 +314,8 @@ class _Bench:
 
     # ---- 2. reconcile throughput
     def throughput(self, deployments: int) -> dict[str, Any]:
-        spec = self.spec("bench/throughput", 1, 0)
+        # Its own engine image: a pool of its own (none), so the claims run's warm pool is not used.
+        spec = self.spec("bench/throughput", 1, 0, image_tag="bench-throughput")
         self.write_archive(spec)
         before = _scrape(self.metrics_port)
         t0 = time.monotonic()
