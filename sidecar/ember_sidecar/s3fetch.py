@@ -31,7 +31,7 @@ class Cancelled(Exception):
 
 
 class BlobTruncated(BlobCorrupt):
-    """The stored object is shorter than the manifest says."""
+    """The stored object's size is not the manifest's (shorter, usually)."""
 
 
 class _HashingWriter:
@@ -58,7 +58,8 @@ class _HashingWriter:
     def finish(self, where: str) -> None:
         self.file.close()
         if self.written != self.size:
-            raise BlobTruncated(f"blob {self.digest} from {where} is truncated: {self.written} bytes, "
+            what = "truncated" if self.written < self.size else "too long"
+            raise BlobTruncated(f"blob {self.digest} from {where} is {what}: {self.written} bytes, "
                                 f"expected {self.size}")
         got = self.sha.hexdigest()
         if got != self.digest:
