@@ -74,8 +74,13 @@ def _get_edges_fn() -> Any:
 
         lib = ctypes.CDLL("libcuda.so.1")
         fn = getattr(lib, "cuGraphGetEdges_v2", None) or lib.cuGraphGetEdges
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.POINTER(ctypes.c_size_t)]
+        fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_size_t),
+        ]
         fn.restype = ctypes.c_int
         _GET_EDGES = fn
     return _GET_EDGES
@@ -102,3 +107,54 @@ def graph_edges(graph: Any) -> tuple[list[int], list[int], bytes]:
         raise CudaError("cuGraphGetEdges", rc)
     count = min(count, n.value)
     return list(frm[:count]), list(to[:count]), bytes(data[: 8 * count])
+
+
+# ---- edges, written without cuda.bindings ------------------------------------------------------
+# Adding dependencies with edge data through cuda.bindings 13.x lost every programmatic edge (the
+# rebuilt graphs read back with default edges only), so edges are written here as well, through
+# cuGraphAddDependencies_v2 (the entry point that takes CUgraphEdgeData) with arrays we own.
+_ADD_DEPS: Any = None
+EDGE_DATA_SIZE = 8  # sizeof(CUgraphEdgeData): from_port, to_port, type, reserved[5]
+
+
+def _add_deps_fn() -> Any:
+    global _ADD_DEPS
+    if _ADD_DEPS is None:
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = getattr(lib, "cuGraphAddDependencies_v2", None)
+        if fn is None:
+            raise CudaError("cuGraphAddDependencies_v2", "this driver has no edge-data entry point (< 12.3)")
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        fn.restype = ctypes.c_int
+        _ADD_DEPS = fn
+    return _ADD_DEPS
+
+
+def pack_edge_data(edges: list[tuple[int, int, int]]) -> bytes:
+    """CUgraphEdgeData array for (from_port, to_port, type) triples (reserved bytes zero)."""
+    out = bytearray(EDGE_DATA_SIZE * len(edges))
+    for j, (from_port, to_port, etype) in enumerate(edges):
+        for v in (from_port, to_port, etype):
+            if not 0 <= v <= 255:
+                raise ValueError(f"edge {j}: edge data field {v} does not fit in a byte")
+        out[EDGE_DATA_SIZE * j : EDGE_DATA_SIZE * j + 3] = bytes((from_port, to_port, etype))
+    return bytes(out)
+
+
+def add_dependencies(graph: Any, frm: list[int], to: list[int], data: bytes | None) -> None:
+    """Add edges frm[j] → to[j] (node handles as ints) with their edge data (None = all default)."""
+    import ctypes
+
+    count = len(frm)
+    if count != len(to) or (data is not None and len(data) != EDGE_DATA_SIZE * count):
+        raise ValueError("edge arrays differ in length")
+    if count == 0:
+        return
+    a = (ctypes.c_uint64 * count)(*frm)
+    b = (ctypes.c_uint64 * count)(*to)
+    d = (ctypes.c_uint8 * len(data)).from_buffer_copy(data) if data is not None else None
+    rc = _add_deps_fn()(int(graph), a, b, d, count)
+    if rc != 0:
+        raise CudaError("cuGraphAddDependencies_v2", rc)

@@ -31,6 +31,7 @@ from ember.archive.graphs import (
     MemsetParams,
     NodeType,
 )
+from ember.runtime import driver
 from ember.runtime.driver import OK, CudaError, check
 from ember.runtime.walk import ATTR_SIZES, ATTR_VALUE_SIZE, KERNEL_PARAMS
 
@@ -51,7 +52,7 @@ class PreparedGraph:
     ops: list[tuple[Any, ...]]
     edge_src: list[int]
     edge_dst: list[int]
-    edge_data: list[Any] | None  # None when every edge is a default edge
+    edge_data: bytes | None  # CUgraphEdgeData array (8 bytes per edge); None when all are default
     keepalive: list[Any] = field(default_factory=list)
     nodes: int = 0
 
@@ -159,15 +160,7 @@ def prepare(graph: Graph, functions: list[int], ctx: Any, memset_ctx: Any = None
     dst = [e.dst for e in edges]
     data = None
     if any(e.type or e.from_port or e.to_port for e in edges):
-        default = cu.CUgraphEdgeData()
-        data = []
-        for e in edges:
-            if e.type or e.from_port or e.to_port:
-                d = cu.CUgraphEdgeData()
-                d.from_port, d.to_port, d.type = e.from_port, e.to_port, e.type
-                data.append(d)
-            else:
-                data.append(default)
+        data = driver.pack_edge_data([(e.from_port, e.to_port, e.type) for e in edges])
     return PreparedGraph(
         key=graph.key,
         ops=ops,
@@ -232,20 +225,53 @@ def _fill(g: Any, prep: PreparedGraph, ctx: Any, events: list[Any]) -> None:
 def add_edges(g: Any, prep: PreparedGraph, nodes: list[Any]) -> None:
     """All edges in one call, with their edge data (NULL when every edge is a default edge).
 
-    cuda.bindings copies each CUgraphEdgeData element into its own array for this call; it is
-    the READ side (cuGraphGetEdges) that hands back freed memory, see driver.graph_edges.
+    Through the driver's C entry point (driver.add_dependencies), not cuda.bindings: adding
+    edge data through the binding lost every programmatic edge. When the graph has non-default
+    edges they are read back (one driver call) and a graph whose edge data did not survive is a
+    RebuildError, never a silently stricter or looser graph.
     """
     if not prep.edge_src:
         return
-    r = cu.cuGraphAddDependencies(
-        g,
-        [nodes[a] for a in prep.edge_src],
-        [nodes[b] for b in prep.edge_dst],
-        prep.edge_data,
-        len(prep.edge_src),
+    try:
+        driver.add_dependencies(
+            g,
+            [int(nodes[a]) for a in prep.edge_src],
+            [int(nodes[b]) for b in prep.edge_dst],
+            prep.edge_data,
+        )
+    except CudaError as exc:
+        raise RebuildError(f"graph {prep.key}: {exc}") from None
+    if prep.edge_data is not None:
+        problem = edge_data_problem(prep, nodes, driver.graph_edges(g))
+        if problem:
+            raise RebuildError(f"graph {prep.key}: edge data lost when adding edges: {problem}")
+
+
+def edge_data_problem(
+    prep: PreparedGraph, nodes: list[Any], read_back: tuple[list[int], list[int], bytes]
+) -> str:
+    """What differs between the edges a prepared graph asked for and those the driver holds
+    (as multisets of (src, dst, from_port, to_port, type)); empty when identical."""
+    index = {int(n): i for i, n in enumerate(nodes)}
+    frm, to, data = read_back
+    size = driver.EDGE_DATA_SIZE
+    want_data = prep.edge_data or bytes(size * len(prep.edge_src))
+    want = sorted(
+        (a, b, *want_data[size * j : size * j + 3])
+        for j, (a, b) in enumerate(zip(prep.edge_src, prep.edge_dst, strict=True))
     )
-    if r[0] != OK:
-        raise RebuildError(f"graph {prep.key}: cuGraphAddDependencies failed: {r[0]}")
+    try:
+        got = sorted(
+            (index[a], index[b], *data[size * j : size * j + 3])
+            for j, (a, b) in enumerate(zip(frm, to, strict=True))
+        )
+    except KeyError:
+        return "an edge names a node that is not in the graph"
+    if want == got:
+        return ""
+    prog_want = sum(e[4] != 0 for e in want)
+    prog_got = sum(e[4] != 0 for e in got)
+    return f"{len(got)} edges ({prog_got} non-default) read back, {len(want)} ({prog_want} non-default) added"
 
 
 def instantiate(graph: Any) -> Any:
@@ -442,12 +468,9 @@ def prepare_from_table(
     data = None
     nondefault = (e["type"] != 0) | (e["from_port"] != 0) | (e["to_port"] != 0)
     if nondefault.any():
-        default = cu.CUgraphEdgeData()
-        data = [default] * len(src)
-        for j in np.nonzero(nondefault)[0].tolist():
-            d = cu.CUgraphEdgeData()
-            d.from_port, d.to_port, d.type = int(e["from_port"][j]), int(e["to_port"][j]), int(e["type"][j])
-            data[j] = d
+        packed = np.zeros((len(src), driver.EDGE_DATA_SIZE), dtype=np.uint8)
+        packed[:, 0], packed[:, 1], packed[:, 2] = e["from_port"], e["to_port"], e["type"]
+        data = packed.tobytes()
     return PreparedGraph(
         key=key,
         ops=ops,

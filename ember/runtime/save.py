@@ -13,6 +13,7 @@ benchmark check in other processes.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from ember.archive.graphs import GraphSet
 from ember.identity import ArchiveIdentity
 from ember.runtime import compat, publish
 from ember.runtime.kernels import KernelResolver, LiveResolver, NativeResolver
-from ember.runtime.prove import ProofFailed, ProofReport, decode_tokens, prove, replay_fingerprints
+from ember.runtime.prove import ProofFailed, ProofReport, decode_trace, prove, replay_fingerprints
 from ember.runtime.session import native_session
 from ember.runtime.walk import GraphWalker
 from ember.runtime.workloads import DecodeWorkload
@@ -55,11 +56,34 @@ class SaveOutcome:
             "graphs": self.graphs,
             "groups": self.groups,
             "identity": self.identity.hash(),
-            "programmatic_edges_intact": not self.proof.notes,
-            "proof_notes": self.proof.notes[:5],
+            **proof_facts(self.proof),
             "manifest": self.manifest_uri,
             "durations": {k: round(v, 4) for k, v in self.durations.items()},
         }
+
+
+def _finite(value: Any) -> Any:
+    """JSON-safe copy: non-finite floats (a NaN against a number) become strings."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def proof_facts(rep: ProofReport) -> dict[str, Any]:
+    """What the proof established, for the SAVE summary and the manifest's engine facts."""
+    return {
+        "programmatic_edges": rep.programmatic_edges,
+        "programmatic_edges_intact": rep.ok,  # the proof requires every edge's data rebuilt as captured
+        "bitwise_proven": rep.bitwise,
+        "within_native_spread": rep.within_spread,
+        "native_nondeterministic": _finite(rep.nondeterministic),
+        "nondeterminism_suspects": rep.suspects[:20],
+        "proof_notes": rep.notes[:5],
+    }
 
 
 def identity_for(workload: DecodeWorkload) -> ArchiveIdentity:
@@ -136,19 +160,29 @@ def run_save(
     d["prove_s"] = time.perf_counter() - t
     if not rep.ok:
         lib.close()
-        raise ProofFailed("archive NOT published: " + "; ".join(rep.mismatches[:5]))
-    log(f"Proved {rep.graphs} graphs ({rep.templates} templates) bit-identical in {rep.seconds:.2f} s")
+        raise ProofFailed(
+            "archive NOT published: "
+            + "; ".join(rep.mismatches[:5])
+            + "".join(f" [note: {n}]" for n in rep.notes[:2])
+            + (f" [kernels only in non-bit-stable graphs: {rep.suspects[:5]}]" if rep.suspects else "")
+        )
+    log(
+        f"Proved {rep.graphs} graphs ({rep.templates} templates, {rep.programmatic_edges} programmatic "
+        f"edges kept) in {rep.seconds:.2f} s: {rep.bitwise} bit-identical, {rep.within_spread} within "
+        "the native run-to-run spread (captured graph not bit-stable on its own)"
+    )
     for note in rep.notes[:3]:
         log(f"Warning: {note}")
+    if rep.suspects:
+        log(f"Warning: kernels used only by the non-bit-stable graphs: {', '.join(rep.suspects[:8])}")
 
     # Reference results for other processes, computed with the NATIVE graphs.
     t = time.perf_counter()
     native = lambda k: workload.graphs[k].replay()  # noqa: E731
     keys = [(b,) for b in workload.sizes]
     prints = replay_fingerprints(workload, native, keys, lambda k: list(workload.outs[k]))
-    decode_ref = {
-        str(b): decode_tokens(workload, native, b)[0] for b in DECODE_CHECK_BATCHES if b in workload.sizes
-    }
+    traces = {str(b): decode_trace(workload, native, b) for b in DECODE_CHECK_BATCHES if b in workload.sizes}
+    decode_ref = {b: tr["sha256"] for b, tr in traces.items()}
     d["reference_s"] = time.perf_counter() - t
     template_idx = [g.template for g in lib.groups]
     lib.close()
@@ -175,9 +209,9 @@ def run_save(
         },
         "fingerprints": prints,
         "decode_sha256": decode_ref,
+        "decode_steps": {b: tr["steps"] for b, tr in traces.items()},
         "in_process_only": ip is None,
-        "programmatic_edges_intact": not rep.notes,
-        "proof_notes": rep.notes[:20],
+        **proof_facts(rep),
         "region": list(ip.region()) if ip is not None else None,
     }
     archive = publish.Archive(

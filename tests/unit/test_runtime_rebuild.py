@@ -86,8 +86,7 @@ def test_attributes_and_programmatic_edges_survive_preparation() -> None:
     assert int(attr_id) == 4 and ctypes.string_at(value.getPtr(), 64) == attr
     assert prep.ops[1][2] == []
     assert prep.edge_src == [0] and prep.edge_dst == [1]
-    d = prep.edge_data[0]
-    assert (int(d.from_port), int(d.to_port), int(d.type)) == (1, 0, 1)
+    assert prep.edge_data == bytes([1, 0, 1, 0, 0, 0, 0, 0])  # one CUgraphEdgeData
 
 
 def test_kernel_index_out_of_range_names_graph_and_node() -> None:
@@ -111,7 +110,8 @@ def _summary(prep: rebuild.PreparedGraph) -> list:
         else:
             payload = None
         out.append((v[:8], payload, [(int(a), ctypes.string_at(x.getPtr(), 64)) for a, x in op[2]]))
-    edges = [(int(d.from_port), int(d.to_port), int(d.type)) for d in prep.edge_data or []]
+    raw = prep.edge_data or b""
+    edges = [tuple(raw[j : j + 3]) for j in range(0, len(raw), 8)]
     return [out, prep.edge_src, prep.edge_dst, edges]
 
 
@@ -145,22 +145,61 @@ def test_graphset_round_trip_keeps_what_rebuild_needs() -> None:
 
 
 def test_edges_go_in_one_call_with_their_data(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One cuGraphAddDependencies call, grouped by destination, edge data aligned with each edge."""
+    """One driver call, grouped by destination, edge data aligned with each edge; read back and
+    checked when any edge is not a default one."""
     calls: list[tuple] = []
+    held: dict[str, tuple] = {}
 
-    def record(g: object, frm: list, to: list, data: object, n: int) -> tuple:
-        rows = None if data is None else [(int(d.from_port), int(d.type)) for d in data]
-        calls.append((list(frm), list(to), rows, n))
-        return (rebuild.OK,)
+    def record(g: object, frm: list, to: list, data: bytes | None) -> None:
+        calls.append((list(frm), list(to), data))
+        held["edges"] = (list(frm), list(to), data or bytes(8 * len(frm)))
 
-    monkeypatch.setattr(rebuild.cu, "cuGraphAddDependencies", record)
+    monkeypatch.setattr(rebuild.driver, "add_dependencies", record)
+    monkeypatch.setattr(rebuild.driver, "graph_edges", lambda g: held["edges"])
     k = KernelParams(kernel=0, grid=(1, 1, 1), block=(1, 1, 1), shared_mem=0)
     edges = [Edge(0, 1), Edge(1, 2, from_port=1, type=1), Edge(0, 2), Edge(2, 3, from_port=1, type=1)]
     prep = rebuild.prepare(_graph([k, k, k, k], edges), [0x1000], None)
-    rebuild.add_edges(object(), prep, ["n0", "n1", "n2", "n3"])
-    assert calls == [
-        (["n0", "n1", "n0", "n2"], ["n1", "n2", "n2", "n3"], [(0, 0), (1, 1), (0, 0), (1, 1)], 4)
-    ]
+    rebuild.add_edges(object(), prep, [10, 11, 12, 13])
+    prog = bytes([1, 0, 1, 0, 0, 0, 0, 0])
+    assert calls == [([10, 11, 10, 12], [11, 12, 12, 13], bytes(8) + prog + bytes(8) + prog)]
     prep_default = rebuild.prepare(_graph([k, k], [Edge(0, 1)]), [0x1000], None)
-    rebuild.add_edges(object(), prep_default, ["a", "b"])
-    assert calls[-1] == (["a"], ["b"], None, 1)
+    rebuild.add_edges(object(), prep_default, [20, 21])
+    assert calls[-1] == ([20], [21], None)
+
+
+def test_edge_data_lost_by_the_driver_is_a_rebuild_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What happened through cuda.bindings: edges added, programmatic data gone. Never silent."""
+    held: dict[str, tuple] = {}
+    monkeypatch.setattr(
+        rebuild.driver,
+        "add_dependencies",
+        lambda g, frm, to, data: held.update(edges=(list(frm), list(to), bytes(8 * len(frm)))),
+    )
+    monkeypatch.setattr(rebuild.driver, "graph_edges", lambda g: held["edges"])
+    k = KernelParams(kernel=0, grid=(1, 1, 1), block=(1, 1, 1), shared_mem=0)
+    prep = rebuild.prepare(_graph([k, k, k], [Edge(0, 1), Edge(1, 2, from_port=1, type=1)]), [0x1000], None)
+    with pytest.raises(rebuild.RebuildError, match=r"edge data lost.*0 non-default\) read back, 2 \(1 non"):
+        rebuild.add_edges(object(), prep, [1, 2, 3])
+
+
+def test_edge_data_problem_compares_multisets() -> None:
+    k = KernelParams(kernel=0, grid=(1, 1, 1), block=(1, 1, 1), shared_mem=0)
+    prep = rebuild.prepare(_graph([k, k, k], [Edge(0, 1), Edge(1, 2, from_port=1, type=1)]), [0x1000], None)
+    prog = bytes([1, 0, 1, 0, 0, 0, 0, 0])
+    # The driver may list edges in another order: same multiset, no problem.
+    assert rebuild.edge_data_problem(prep, [7, 8, 9], ([8, 7], [9, 8], prog + bytes(8))) == ""
+    assert "names a node" in rebuild.edge_data_problem(prep, [7, 8, 9], ([8, 5], [9, 8], prog + bytes(8)))
+    assert rebuild.edge_data_problem(prep, [7, 8, 9], ([7, 8], [8, 9], bytes(16)))
+
+
+def test_edge_data_is_packed_as_cugraphedgedata() -> None:
+    from ember.runtime import driver
+
+    raw = driver.pack_edge_data([(0, 0, 0), (1, 0, 1), (2, 0, 1)])
+    assert raw == bytes(8) + bytes([1, 0, 1, 0, 0, 0, 0, 0]) + bytes([2, 0, 1, 0, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match="does not fit"):
+        driver.pack_edge_data([(256, 0, 1)])
+    with pytest.raises(ValueError, match="differ in length"):
+        driver.add_dependencies(object(), [1, 2], [3], None)
+    with pytest.raises(ValueError, match="differ in length"):
+        driver.add_dependencies(object(), [1], [3], bytes(16))
