@@ -201,7 +201,8 @@ def test_conditions_keep_transition_time_and_emit_events_on_change() -> None:
     reasons = {e.reason for e in p3.events}
     assert {"ArchiveAvailable", "Deploying"} <= reasons
     rev = _revision()
-    p4 = plan_deployment(observed(archive=AVAILABLE, status=p3.status, pods=[_pod("a", rev), _pod("b", rev)]), CTX)
+    pods = [_pod("a", rev), _pod("b", rev)]
+    p4 = plan_deployment(observed(archive=AVAILABLE, status=p3.status, pods=pods), CTX)
     assert any(e.reason == "Phase" and "Ready" in e.message for e in p4.events)
 
 
