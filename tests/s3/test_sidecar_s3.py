@@ -116,3 +116,20 @@ def test_claim_during_prefetch_of_the_same_archive_waits_for_it(
         r.stop()
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize(("body_size", "word"), [(500_000, "truncated"), (20_000_000, "truncated"),
+                                                 (1_500_000, "too long")])
+def test_object_of_the_wrong_size_is_a_size_mismatch(minio: LocalMinio, monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path, body_size: int, word: str) -> None:
+    settings = _store(minio, monkeypatch)
+    store = open_store(f"s3://{minio.bucket}/sidecar-s3-{uuid.uuid4().hex[:8]}", **settings.store_options())
+    # A 1 MB blob (one GET) and a 24 MB blob (ranged GETs); one of them replaced by other bytes.
+    m = write_blob_archive(store, [1_000_000, 24_000_000])
+    victim = m.blobs[1] if body_size > 2_000_000 else m.blobs[0]
+    minio.client().put_object(Bucket=minio.bucket, Key=f"{store.prefix}/blobs/{victim.sha256}",
+                              Body=b"\1" * body_size)
+    cache = ArchiveCache(tmp_path / "cache", **settings.cache_options())
+    with pytest.raises(FetchFailed, match=rf"^size-mismatch: .* is {word}"):
+        cache.fetch(store.manifest_uri(m.identity_hash), m.identity_hash)
+    assert not [p for p in (tmp_path / "cache" / "blobs").iterdir() if p.name.startswith(".")]
