@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -128,6 +129,11 @@ def test_example_goes_through_every_phase(env: Any, minio: LocalMinio) -> None:
     assert phases.index("Saving") < phases.index("Deploying") < phases.index("Ready")
     reasons = {e["reason"] for e in api.events_for("qwen")}
     assert {"Phase", "ArchiveAvailable"} <= reasons
+    # Prometheus metrics on the metrics port.
+    text = urllib.request.urlopen(f"http://127.0.0.1:{op.metrics_port}/metrics", timeout=5).read().decode()
+    assert 'ember_saves_total{result="succeeded"} 1.0' in text
+    assert 'ember_reconcile_seconds_count{kind="ModelDeployment"}' in text
+    assert "ember_save_seconds_count 1.0" in text
 
 
 def test_same_identity_shares_one_archive_and_one_job(env: Any, minio: LocalMinio) -> None:
@@ -283,6 +289,30 @@ def test_examples_apply_and_become_ready(
             wait_for(lambda n=name: phase(api, n) == "Ready", f"{name} Ready", op, timeout=120)
         # The external HPA (examples/hpa-external.yaml) holds qwen-s3 at its minReplicas (2).
         assert api.md("qwen-s3")["spec"]["replicas"] >= 2
+    finally:
+        op.stop()
+        api.release()
+        k8s.delete_namespace(ns)
+
+
+def test_unreferenced_archive_is_garbage_collected(
+    k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path,
+) -> None:
+    ns = k8s.create_namespace("gc")
+    api = Api(k8s, ns)
+    api.create_secret("ember-s3", minio)
+    op = OperatorProcess(kubeconfig=k8s.kubeconfig, namespace=ns, log_path=tmp_path / "operator.log",
+                         env={"EMBER_OPERATOR_ARCHIVE_RETENTION_SECONDS": "3"}).start()
+    try:
+        prefix = f"gc-{uuid.uuid4().hex[:8]}"
+        spec = md_spec(minio, prefix, replicas=1)
+        write_test_archive(minio, prefix, spec)
+        api.create_md("short", spec)
+        wait_for(lambda: phase(api, "short") == "Ready", "Ready", op)
+        assert len(api.archives()) == 1
+        api.delete_md("short")
+        wait_for(lambda: not api.serving("short"), "pods cleaned up by the finalizer", op)
+        wait_for(lambda: not api.archives(), "GraphArchive garbage-collected after retention", op, timeout=60)
     finally:
         op.stop()
         api.release()
