@@ -124,6 +124,8 @@ def plan_archive(obs: ArchiveObserved, backoff: Backoff) -> ArchivePlan:
         st.compat_key = CompatKeySummary.model_validate(manifest.compat) if manifest.compat else st.compat_key
         st.failure_reason = None
         st.next_retry_time = None
+        if obs.result is not None and obs.result.succeeded and obs.result.durations:
+            st.durations = obs.result.durations  # the SAVE pod's own stage timings
         set_saved(True, "ManifestFound", f"archive at {manifest.uri}")
     elif probe.secret_missing:
         secret = obs.spec.store.credentials_secret

@@ -77,8 +77,12 @@ def _record_phases(api: Api, name: str, stop: threading.Event) -> list[str]:
 
 def test_example_goes_through_every_phase(env: Any, minio: LocalMinio) -> None:
     api, op, prefix = env
-    spec = md_spec(minio, prefix, product=PRODUCT,
-                   save={"podAnnotations": {"pod-complete.stage.kwok.x-k8s.io/delay": "4s"}})
+    summary = {"manifest_digest": "0" * 64, "bytes": 1, "graphs": 4,
+               "durations": {"capture": 12.5, "upload": 0.8}}
+    spec = md_spec(minio, prefix, product=PRODUCT, save={"podAnnotations": {
+        "pod-complete.stage.kwok.x-k8s.io/delay": "4s",
+        "kwok.ember.dev/termination-message": json.dumps(summary),  # what `ember save --job` reports
+    }})
     stop = threading.Event()
     phases = _record_phases(api, "qwen", stop)
     api.create_md("qwen", spec)
@@ -103,6 +107,9 @@ def test_example_goes_through_every_phase(env: Any, minio: LocalMinio) -> None:
                   (a.get("status") or {}).get("phase") == "Available" and a, "GraphArchive Available", op)
     assert ga["status"]["uri"].endswith(f"/archives/{ident.hash()}/manifest")
     assert ga["status"]["bytes"] > 0 and ga["status"]["graphs"] == 4
+    ga = wait_for(lambda: (a := api.archive(ga["metadata"]["name"]))["status"].get("durations") and a,
+                  "SAVE durations from the termination message", op)
+    assert ga["status"]["durations"] == {"capture": 12.5, "upload": 0.8}
 
     pods = wait_for(lambda: len(p := api.serving("qwen")) == 2 and p, "two serving pods", op)
     for pod in pods:

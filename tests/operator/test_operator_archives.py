@@ -106,3 +106,11 @@ def test_unreferenced_archive_is_collected_after_retention() -> None:
     assert p2.delete
     p3 = plan_archive(_obs(status=p1.status, references=1, now=NOW + timedelta(hours=2)), BACKOFF)
     assert not p3.delete and p3.status.unreferenced_since is None
+
+
+def test_available_keeps_the_save_pods_durations() -> None:
+    info = ManifestInfo(uri="s3://b/p/archives/x/manifest", digest="d" * 64, bytes=10)
+    result = SaveResult(succeeded=True, durations={"capture": 3.0})
+    obs = _obs(probe=StoreProbe(manifest=info), jobs=_job(0, "Succeeded"), result=result)
+    plan = plan_archive(obs, BACKOFF)
+    assert plan.status.durations == {"capture": 3.0}
