@@ -32,6 +32,7 @@ IDENTITY_SPEC = "ember.dev/identity-spec"  # canonical identity JSON (model, cap
 RANK = "ember.dev/rank"
 WORLD = "ember.dev/world"
 CLAIMED_AT = "ember.dev/claimed-at"  # RFC 3339 with fractional seconds
+NATIVE_REASON = "ember.dev/native-reason"  # claims without an archive: why (capture natively)
 PREFETCH = "ember.dev/prefetch"  # warm pods: JSON list of manifest URIs to cache before a claim
 RESTORE = "ember.dev/restore"  # written by the sidecar: restored | fallback: <reason>
 RESTORE_TIME = "ember.dev/restore-time"  # written by the sidecar (RFC 3339), optional

@@ -205,6 +205,7 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
         deployment=obs.name, deployment_uid=obs.uid, identity_hash=ident_hash,
         identity_json=canonical_json(ident.canonical()).decode(), revision=revision,
         archive_uri=archive_uri, engine_args=tuple(spec.engine.args), claimed_at=stamp,
+        native_reason="" if archive_uri else arch_reason,
     )
     claimed = claimed_ready = 0
     if can_deploy:

@@ -123,6 +123,7 @@ class Claim:
     archive_uri: str  # "" → native capture
     engine_args: tuple[str, ...] = ()
     claimed_at: str = ""
+    native_reason: str = ""  # why archive_uri is empty (the ArchiveReady reason), for the sidecar
 
     def labels(self) -> dict[str, str]:
         return {
@@ -143,6 +144,8 @@ class Claim:
         }
         if self.claimed_at:
             out[naming.CLAIMED_AT] = self.claimed_at
+        if not self.archive_uri:
+            out[naming.NATIVE_REASON] = self.native_reason or "NoArchive"
         return out
 
     def owner_reference(self) -> dict[str, Any]:

@@ -190,6 +190,7 @@ class Reconciler:
                 identity_json=claim_ann[naming.IDENTITY_SPEC], revision=plan.status.revision or "",
                 archive_uri=claim_ann[naming.ARCHIVE], engine_args=tuple(spec.engine.args),
                 claimed_at=claim_ann.get(naming.CLAIMED_AT, ""),
+                native_reason=claim_ann.get(naming.NATIVE_REASON, ""),
             )
             taken = {p.name for p in obs.pods} | {c["metadata"]["name"] for c in creates}
             index = 0

@@ -116,6 +116,7 @@ def test_failed_archive_serves_natively_and_says_so() -> None:
     plan = plan_deployment(observed(archive=FAILED), CTX)
     assert len(plan.creates) == 2
     assert all(p["metadata"]["annotations"][naming.ARCHIVE] == "" for p in plan.creates)
+    assert all(p["metadata"]["annotations"][naming.NATIVE_REASON] == "SaveFailed" for p in plan.creates)
     cond = _cond(plan, "ArchiveReady")
     assert cond.status.value == "False" and cond.reason == "SaveFailed"
     assert "native capture" in cond.message and "retrying at" in cond.message
