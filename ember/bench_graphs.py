@@ -108,6 +108,9 @@ def role_load(args: dict[str, Any]) -> dict[str, Any]:
     )
     out["saved_decode_sha256"] = loaded.archive.engine.get("decode_sha256", {})
     out["saved_decode_steps"] = loaded.archive.engine.get("decode_steps", {})
+    from ember.runtime.rebuild import edge_strategy
+
+    out["edge_strategy"] = edge_strategy()
     return out
 
 
@@ -188,6 +191,7 @@ def bench_one(workload: str, layers: int, sizes: str, store: str, timeout: float
     for k in (
         "programmatic_edges",
         "programmatic_edges_intact",
+        "edge_strategy",
         "bitwise_proven",
         "within_native_spread",
         "native_nondeterministic",
@@ -200,6 +204,7 @@ def bench_one(workload: str, layers: int, sizes: str, store: str, timeout: float
         res["stderr"] = loaded.get("stderr", "")[-1500:]
         return res
     res["load_ms"] = loaded["load_ms"]
+    res["load_edge_strategy"] = loaded.get("edge_strategy")
     res["load_timings"] = loaded["timings"]
     res["native_over_load"] = res["native_capture_s"] * 1e3 / res["load_ms"]
     res["switch_ms"] = loaded["switch_ms"]

@@ -171,8 +171,14 @@ def run_load(
         raise LoadRefused(f"kernel not found after preload: {exc}") from exc
     tm["functions_ms"] = (time.perf_counter() - t) * 1e3
     t = time.perf_counter()
+    from ember.runtime.rebuild import RebuildError
+
     lib = GraphLibrary(table, functions)
-    lib.build_templates()
+    try:
+        lib.build_templates()
+    except RebuildError as exc:  # e.g. this driver drops edge data SAVE's driver kept
+        lib.close()
+        raise LoadRefused(f"graphs could not be rebuilt here: {exc}") from exc
     tm["templates_ms"] = (time.perf_counter() - t) * 1e3
     if archive.rng_state:
         torch.cuda.set_rng_state(torch.from_numpy(np.frombuffer(archive.rng_state, dtype=np.uint8).copy()))

@@ -46,6 +46,19 @@ class RebuildError(RuntimeError):
     """A graph could not be rebuilt; names the graph key and node."""
 
 
+class EdgeDataLost(RebuildError):
+    """The driver accepted the edges but does not hold their edge data (read back)."""
+
+
+# How edges with edge data are added. Seen on H200, driver 580.159.04 (benchmarks/results/
+# graphs-2026-11-22.md): ONE cuGraphAddDependencies(_v2) call with a mixed list (default edges
+# first) succeeded and kept NO programmatic edge data, through cuda.bindings and through the C
+# entry point alike, while a call adding a single programmatic edge kept it. Strategies are tried
+# in this order until the read-back matches; the first that works is kept for the process.
+EDGE_STRATEGIES: tuple[str, ...] = ("nondefault-single-first", "all-single", "batched")
+_edge_strategy = [0]
+
+
 @dataclass
 class PreparedGraph:
     key: tuple[int, ...]
@@ -173,17 +186,35 @@ def prepare(graph: Graph, functions: list[int], ctx: Any, memset_ctx: Any = None
 
 
 def build(prep: PreparedGraph, ctx: Any, events: list[Any]) -> Any:
-    """Create the CUgraph of a prepared graph (driver calls; one thread)."""
-    g = check(cu.cuGraphCreate(0), "cuGraphCreate")
-    try:
-        _fill(g, prep, ctx, events)
-    except BaseException:
-        cu.cuGraphDestroy(g)
-        raise
-    return g
+    """Create the CUgraph of a prepared graph (driver calls; one thread).
+
+    Edge data is read back after the edges are added; if the driver dropped it, the graph is
+    built again with the next strategy of EDGE_STRATEGIES (see there), and a graph whose edge data
+    no strategy keeps is a RebuildError: never a silently different graph."""
+    while True:
+        strategy = EDGE_STRATEGIES[_edge_strategy[0]]
+        g = check(cu.cuGraphCreate(0), "cuGraphCreate")
+        try:
+            _fill(g, prep, ctx, events, strategy)
+            return g
+        except EdgeDataLost as exc:
+            cu.cuGraphDestroy(g)
+            if _edge_strategy[0] + 1 >= len(EDGE_STRATEGIES):
+                raise RebuildError(
+                    f"{exc} (every edge strategy tried: {', '.join(EDGE_STRATEGIES)})"
+                ) from None
+            _edge_strategy[0] += 1
+        except BaseException:
+            cu.cuGraphDestroy(g)
+            raise
 
 
-def _fill(g: Any, prep: PreparedGraph, ctx: Any, events: list[Any]) -> None:
+def edge_strategy() -> str:
+    """The edge strategy this process uses now (reported by the proof and LOAD timings)."""
+    return EDGE_STRATEGIES[_edge_strategy[0]]
+
+
+def _fill(g: Any, prep: PreparedGraph, ctx: Any, events: list[Any], strategy: str) -> None:
     add_kernel = cu.cuGraphAddKernelNode
     set_attr = cu.cuGraphKernelNodeSetAttribute
     nodes: list[Any] = []
@@ -211,7 +242,7 @@ def _fill(g: Any, prep: PreparedGraph, ctx: Any, events: list[Any]) -> None:
         elif code == OP_WAIT:
             err, node = cu.cuGraphAddEventWaitNode(g, None, 0, events[op[1]])
         else:  # OP_CHILD
-            child = build(op[1], ctx, events)
+            child = build(op[1], ctx, events)  # its own edges verified (and strategy chosen) inside
             try:
                 err, node = cu.cuGraphAddChildGraphNode(g, None, 0, child)
             finally:
@@ -219,32 +250,49 @@ def _fill(g: Any, prep: PreparedGraph, ctx: Any, events: list[Any]) -> None:
         if err != OK:
             raise RebuildError(f"graph {prep.key}: node {i}: adding the node failed: {err}")
         append(node)
-    add_edges(g, prep, nodes)
+    add_edges(g, prep, nodes, strategy)
 
 
-def add_edges(g: Any, prep: PreparedGraph, nodes: list[Any]) -> None:
-    """All edges in one call, with their edge data (NULL when every edge is a default edge).
+def add_edges(g: Any, prep: PreparedGraph, nodes: list[Any], strategy: str = EDGE_STRATEGIES[0]) -> None:
+    """Add all edges with their edge data through the driver's C entry point
+    (driver.add_dependencies), then, when any edge is not a default edge, read them back (one
+    driver call): edge data the driver did not keep raises EdgeDataLost.
 
-    Through the driver's C entry point (driver.add_dependencies), not cuda.bindings: adding
-    edge data through the binding lost every programmatic edge. When the graph has non-default
-    edges they are read back (one driver call) and a graph whose edge data did not survive is a
-    RebuildError, never a silently stricter or looser graph.
+    Strategies (EDGE_STRATEGIES): "batched" = one call for all edges; "nondefault-single-first"
+    = every non-default edge in a call of its own, then the default edges in one call without
+    edge data; "all-single" = one call per edge in order. Without edge data: always one call.
     """
     if not prep.edge_src:
         return
+    src = [int(nodes[a]) for a in prep.edge_src]
+    dst = [int(nodes[b]) for b in prep.edge_dst]
+    data = prep.edge_data
+    size = driver.EDGE_DATA_SIZE
     try:
-        driver.add_dependencies(
-            g,
-            [int(nodes[a]) for a in prep.edge_src],
-            [int(nodes[b]) for b in prep.edge_dst],
-            prep.edge_data,
-        )
+        if data is None or strategy == "batched":
+            driver.add_dependencies(g, src, dst, data)
+        elif strategy == "all-single":
+            for j in range(len(src)):
+                driver.add_dependencies(g, [src[j]], [dst[j]], data[size * j : size * (j + 1)])
+        elif strategy == "nondefault-single-first":
+            default = bytes(size)
+            plain = []
+            for j in range(len(src)):
+                one = data[size * j : size * (j + 1)]
+                if one == default:
+                    plain.append(j)
+                else:
+                    driver.add_dependencies(g, [src[j]], [dst[j]], one)
+            if plain:
+                driver.add_dependencies(g, [src[j] for j in plain], [dst[j] for j in plain], None)
+        else:
+            raise ValueError(f"unknown edge strategy {strategy!r}")
     except CudaError as exc:
         raise RebuildError(f"graph {prep.key}: {exc}") from None
-    if prep.edge_data is not None:
+    if data is not None:
         problem = edge_data_problem(prep, nodes, driver.graph_edges(g))
         if problem:
-            raise RebuildError(f"graph {prep.key}: edge data lost when adding edges: {problem}")
+            raise EdgeDataLost(f"graph {prep.key}: edge data lost when adding edges ({strategy}): {problem}")
 
 
 def edge_data_problem(

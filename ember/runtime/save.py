@@ -24,7 +24,7 @@ import torch
 import ember
 from ember.archive.graphs import GraphSet
 from ember.identity import ArchiveIdentity
-from ember.runtime import compat, publish
+from ember.runtime import compat, publish, rebuild
 from ember.runtime.kernels import KernelResolver, LiveResolver, NativeResolver
 from ember.runtime.prove import ProofFailed, ProofReport, decode_trace, prove, replay_fingerprints
 from ember.runtime.session import native_session
@@ -78,6 +78,7 @@ def proof_facts(rep: ProofReport) -> dict[str, Any]:
     return {
         "programmatic_edges": rep.programmatic_edges,
         "programmatic_edges_intact": rep.ok,  # the proof requires every edge's data rebuilt as captured
+        "edge_strategy": rebuild.edge_strategy(),
         "bitwise_proven": rep.bitwise,
         "within_native_spread": rep.within_spread,
         "native_nondeterministic": _finite(rep.nondeterministic),

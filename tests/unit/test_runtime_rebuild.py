@@ -144,27 +144,89 @@ def test_graphset_round_trip_keeps_what_rebuild_needs() -> None:
     )
 
 
-def test_edges_go_in_one_call_with_their_data(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One driver call, grouped by destination, edge data aligned with each edge; read back and
-    checked when any edge is not a default one."""
-    calls: list[tuple] = []
-    held: dict[str, tuple] = {}
+class _FakeDriverEdges:
+    """Edges as driver 580 kept them (H200, 2026-11-22): a call adding several edges keeps none of
+    their edge data; a call adding one edge keeps it."""
 
-    def record(g: object, frm: list, to: list, data: bytes | None) -> None:
-        calls.append((list(frm), list(to), data))
-        held["edges"] = (list(frm), list(to), data or bytes(8 * len(frm)))
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.frm: list[int] = []
+        self.to: list[int] = []
+        self.data = b""
 
-    monkeypatch.setattr(rebuild.driver, "add_dependencies", record)
-    monkeypatch.setattr(rebuild.driver, "graph_edges", lambda g: held["edges"])
+    def add(self, g: object, frm: list, to: list, data: bytes | None) -> None:
+        self.calls.append((list(frm), list(to), data))
+        keep = data if data is not None and len(frm) == 1 else bytes(8 * len(frm))
+        self.frm += frm
+        self.to += to
+        self.data += keep
+
+    def read(self, g: object) -> tuple:
+        return self.frm, self.to, self.data
+
+
+def _fake(monkeypatch: pytest.MonkeyPatch) -> _FakeDriverEdges:
+    fake = _FakeDriverEdges()
+    monkeypatch.setattr(rebuild.driver, "add_dependencies", fake.add)
+    monkeypatch.setattr(rebuild.driver, "graph_edges", fake.read)
+    return fake
+
+
+PROG = bytes([1, 0, 1, 0, 0, 0, 0, 0])
+
+
+def test_nondefault_edges_go_one_per_call_before_the_default_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _fake(monkeypatch)
     k = KernelParams(kernel=0, grid=(1, 1, 1), block=(1, 1, 1), shared_mem=0)
     edges = [Edge(0, 1), Edge(1, 2, from_port=1, type=1), Edge(0, 2), Edge(2, 3, from_port=1, type=1)]
     prep = rebuild.prepare(_graph([k, k, k, k], edges), [0x1000], None)
-    rebuild.add_edges(object(), prep, [10, 11, 12, 13])
-    prog = bytes([1, 0, 1, 0, 0, 0, 0, 0])
-    assert calls == [([10, 11, 10, 12], [11, 12, 12, 13], bytes(8) + prog + bytes(8) + prog)]
+    assert prep.edge_data == bytes(8) + PROG + bytes(8) + PROG  # grouped by destination, stable
+    rebuild.add_edges(object(), prep, [10, 11, 12, 13], "nondefault-single-first")
+    assert fake.calls == [([11], [12], PROG), ([12], [13], PROG), ([10, 10], [11, 12], None)]
+    fake2 = _fake(monkeypatch)
     prep_default = rebuild.prepare(_graph([k, k], [Edge(0, 1)]), [0x1000], None)
-    rebuild.add_edges(object(), prep_default, [20, 21])
-    assert calls[-1] == ([20], [21], None)
+    rebuild.add_edges(object(), prep_default, [20, 21], "nondefault-single-first")
+    assert fake2.calls == [([20], [21], None)]  # no edge data at all: one call, nothing to read back
+
+
+def test_batched_edges_losing_their_data_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake(monkeypatch)
+    k = KernelParams(kernel=0, grid=(1, 1, 1), block=(1, 1, 1), shared_mem=0)
+    prep = rebuild.prepare(_graph([k, k, k], [Edge(0, 1), Edge(1, 2, from_port=1, type=1)]), [0x1000], None)
+    with pytest.raises(rebuild.EdgeDataLost, match=r"\(batched\).*0 non-default\) read back, 2 \(1 non"):
+        rebuild.add_edges(object(), prep, [1, 2, 3], "batched")
+    fake = _fake(monkeypatch)
+    rebuild.add_edges(object(), prep, [1, 2, 3], "all-single")
+    assert [len(c[0]) for c in fake.calls] == [1, 1]
+
+
+def test_build_falls_back_to_the_next_edge_strategy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A strategy whose edge data does not survive is abandoned for the process; the graph is
+    built again with the next one."""
+    fakes: list[_FakeDriverEdges] = []
+    destroyed: list[object] = []
+    handles = iter(range(100, 200))
+
+    def create(flags: int) -> tuple:
+        fakes.append(_fake(monkeypatch))
+        return (rebuild.OK, f"graph{len(fakes)}")
+
+    monkeypatch.setattr(rebuild.cu, "cuGraphCreate", create)
+    monkeypatch.setattr(rebuild.cu, "cuGraphDestroy", destroyed.append)
+    monkeypatch.setattr(rebuild.cu, "cuGraphAddEmptyNode", lambda g, deps, n: (rebuild.OK, next(handles)))
+    monkeypatch.setattr(rebuild, "EDGE_STRATEGIES", ("batched", "nondefault-single-first"))
+    monkeypatch.setattr(rebuild, "_edge_strategy", [0])
+    g = Graph((3,), [Node(NodeType.EMPTY)] * 3, [Edge(0, 1), Edge(1, 2, from_port=1, type=1)])
+    built = rebuild.build(rebuild.prepare(g, [], None), None, [])
+    assert built == "graph2" and destroyed == ["graph1"]
+    assert rebuild.edge_strategy() == "nondefault-single-first"
+    assert fakes[-1].data.count(1) == 2  # the programmatic edge's from_port and type survived
+    rebuild.build(rebuild.prepare(g, [], None), None, [])  # the next graph starts with what works
+    assert destroyed == ["graph1"]
+    monkeypatch.setattr(rebuild, "EDGE_STRATEGIES", ("batched",))
+    monkeypatch.setattr(rebuild, "_edge_strategy", [0])
+    with pytest.raises(rebuild.RebuildError, match="every edge strategy tried: batched"):
+        rebuild.build(rebuild.prepare(g, [], None), None, [])
 
 
 def test_edge_data_lost_by_the_driver_is_a_rebuild_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,8 +240,8 @@ def test_edge_data_lost_by_the_driver_is_a_rebuild_error(monkeypatch: pytest.Mon
     monkeypatch.setattr(rebuild.driver, "graph_edges", lambda g: held["edges"])
     k = KernelParams(kernel=0, grid=(1, 1, 1), block=(1, 1, 1), shared_mem=0)
     prep = rebuild.prepare(_graph([k, k, k], [Edge(0, 1), Edge(1, 2, from_port=1, type=1)]), [0x1000], None)
-    with pytest.raises(rebuild.RebuildError, match=r"edge data lost.*0 non-default\) read back, 2 \(1 non"):
-        rebuild.add_edges(object(), prep, [1, 2, 3])
+    with pytest.raises(rebuild.RebuildError, match=r"edge data lost.*\(1 non-default\) added"):
+        rebuild.add_edges(object(), prep, [1, 2, 3], "all-single")
 
 
 def test_edge_data_problem_compares_multisets() -> None:
