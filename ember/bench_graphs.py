@@ -167,6 +167,9 @@ def bench_one(workload: str, layers: int, sizes: str, store: str, timeout: float
     if "native_capture_s" in native:
         res["native_capture_s"] = native["native_capture_s"]
         res["graphs"] = native.get("graphs")
+    if "tpot_ms" in native:  # native facts stand on their own, even when SAVE refuses
+        res["tpot_native_ms"] = native["tpot_ms"]
+        res["tokens_control_native_repeat"] = native.get("decode_repeat_identical", {})
     if "error" in saved or "error" in native:
         res.update(
             native_error=native.get("error"),
