@@ -22,6 +22,7 @@ RANK = PREFIX + "rank"
 WORLD = PREFIX + "world"
 CLAIMED_AT = PREFIX + "claimed-at"
 PREFETCH = PREFIX + "prefetch"
+NATIVE_REASON = PREFIX + "native-reason"  # set by the operator when it claims without an archive
 RESTORE = PREFIX + "restore"
 RESTORE_TIME = PREFIX + "restore-time"
 DEPLOYMENT_LABEL = PREFIX + "deployment"
@@ -78,6 +79,8 @@ def parse_claim(annotations: dict[str, str] | None) -> Claim | None:
     if not archive and not identity:
         return None
     if not archive:
+        if reason := (annotations.get(NATIVE_REASON) or "").strip():
+            raise ClaimError(f"native capture chosen by the operator: {reason}")
         raise ClaimError(f"claim has {IDENTITY} but no {ARCHIVE}")
     if not identity:
         raise ClaimError(f"claim has {ARCHIVE} but no {IDENTITY}")

@@ -68,3 +68,14 @@ def test_claimed_at_formats() -> None:
     assert parse_claimed_at("2023-11-14T22:13:20.5Z") == 1700000000.5
     assert parse_claimed_at("2023-11-14T22:13:20Z") is None  # whole seconds: too coarse to time
     assert parse_claimed_at("soon") is None and parse_claimed_at(None) is None
+
+
+def test_claim_without_archive_carries_the_operators_native_reason() -> None:
+    from ember_sidecar.claims import ARCHIVE, IDENTITY, NATIVE_REASON
+
+    annotations = {IDENTITY: "ab" * 32, ARCHIVE: "", NATIVE_REASON: "archive not ready: SaveFailed"}
+    with pytest.raises(ClaimError, match="native capture chosen by the operator: archive not ready"):
+        parse_claim(annotations)
+    del annotations[NATIVE_REASON]
+    with pytest.raises(ClaimError, match="but no"):
+        parse_claim(annotations)
