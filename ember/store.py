@@ -52,6 +52,10 @@ class BlobCorrupt(StoreError):
     """Bytes read back do not hash to the digest they are stored under."""
 
 
+class BlobWrongSize(BlobCorrupt):
+    """Bytes read back are not the size the caller expected (truncated, usually)."""
+
+
 class StoreUnavailable(StoreError):
     """The store cannot be reached or used: network, credentials, bucket, outage (after retries)."""
 
@@ -267,7 +271,7 @@ class LocalStore(Store):
         if not src.is_file():
             raise BlobMissing(f"blob {digest} not found in {self.uri}")
         if size is not None and (have := src.stat().st_size) != size:
-            raise BlobCorrupt(_size_msg(digest, have, size, self.uri))
+            check_size(digest, have, size, self.uri)
         h = hashlib.sha256()
 
         def chunks() -> Iterator[bytes]:
@@ -275,9 +279,7 @@ class LocalStore(Store):
                 while chunk := f.read(_CHUNK):
                     h.update(chunk)
                     yield chunk
-            got = h.hexdigest()
-            if got != digest:
-                raise BlobCorrupt(_corrupt_msg(digest, got, self.uri))
+            check_hash(digest, h.hexdigest(), self.uri)
 
         self._write_atomic(dest, chunks())
         return dest
@@ -344,21 +346,24 @@ class LocalStore(Store):
             raise StoreUnavailable(f"local store {self.root} is not writable: {exc}") from exc
 
 
-def _corrupt_msg(digest: str, got: str, where: str) -> str:
-    return f"blob {digest} from {where} is corrupt: its bytes hash to {got} (truncated or altered)"
+def check_size(digest: str, have: int, want: int | None, where: str) -> None:
+    """Raise BlobWrongSize unless `have` bytes is the expected size (None: anything goes)."""
+    if want is not None and have != want:
+        what = "truncated" if have < want else "too long"
+        raise BlobWrongSize(f"blob {digest} from {where} is {what}: {have} bytes, expected {want}")
 
 
-def _size_msg(digest: str, have: int, want: int, where: str) -> str:
-    what = "truncated" if have < want else "too long"
-    return f"blob {digest} from {where} is {what}: {have} bytes, expected {want}"
+def check_hash(digest: str, got: str, where: str) -> None:
+    """Raise BlobCorrupt unless the bytes read hash (`got`) to the digest they are stored under."""
+    if got != digest:
+        raise BlobCorrupt(
+            f"blob {digest} from {where} is corrupt: its bytes hash to {got} (truncated or altered)"
+        )
 
 
 def _verify_bytes(data: bytes, digest: str, where: str, size: int | None = None) -> None:
-    if size is not None and len(data) != size:
-        raise BlobCorrupt(_size_msg(digest, len(data), size, where))
-    got = sha256_bytes(data)
-    if got != digest:
-        raise BlobCorrupt(_corrupt_msg(digest, got, where))
+    check_size(digest, len(data), size, where)
+    check_hash(digest, sha256_bytes(data), where)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -529,11 +534,8 @@ class S3Store(Store):
             # Objects above multipart_threshold come down as parallel ranged GETs.
             self._call(f"download blob {digest}", self.client.download_file, self.bucket,
                        self._blob_key(digest), tmp, Config=self.transfer)
-            if size is not None and (have := os.path.getsize(tmp)) != size:
-                raise BlobCorrupt(_size_msg(digest, have, size, self.uri))
-            got = sha256_file(tmp)
-            if got != digest:
-                raise BlobCorrupt(_corrupt_msg(digest, got, self.uri))
+            check_size(digest, os.path.getsize(tmp), size, self.uri)
+            check_hash(digest, sha256_file(tmp), self.uri)
             os.replace(tmp, dest)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -651,12 +653,15 @@ __all__ = [
     "BlobCorrupt",
     "BlobInfo",
     "BlobMissing",
+    "BlobWrongSize",
     "LocalStore",
     "S3Store",
     "Store",
     "StoreError",
     "StoreUnavailable",
     "check_digest",
+    "check_hash",
+    "check_size",
     "describe",
     "open_manifest_uri",
     "open_store",

@@ -28,6 +28,7 @@ from ember.archive.manifest import Manifest, ManifestError
 from ember.store import (
     BlobCorrupt,
     BlobMissing,
+    BlobWrongSize,
     LocalStore,
     S3Store,
     Store,
@@ -211,8 +212,7 @@ class ArchiveCache:
             try:
                 return fn()
             except BlobCorrupt as exc:
-                truncated = isinstance(exc, s3fetch.BlobTruncated) or "bytes, expected" in str(exc)
-                kind = "size-mismatch" if truncated else "digest-mismatch"
+                kind = "size-mismatch" if isinstance(exc, BlobWrongSize) else "digest-mismatch"
                 raise FetchFailed(f"{kind}: {exc}") from exc
             except BlobMissing as exc:
                 raise FetchFailed(f"blob-missing: {exc}") from exc

@@ -23,15 +23,15 @@ from concurrent.futures import CancelledError
 from pathlib import Path
 from typing import Any
 
-from ember.store import BlobCorrupt, S3Store, StoreError
+from ember.store import BlobCorrupt, BlobWrongSize, S3Store, StoreError, check_hash, check_size
 
 
 class Cancelled(Exception):
     """The fetch was cancelled; temporary files are removed."""
 
 
-class BlobTruncated(BlobCorrupt):
-    """The stored object's size is not the manifest's (shorter, usually)."""
+class BlobTruncated(BlobWrongSize):
+    """The stored object is shorter than the manifest says (s3transfer's ranged GET ran past its end)."""
 
 
 class _HashingWriter:
@@ -57,14 +57,8 @@ class _HashingWriter:
 
     def finish(self, where: str) -> None:
         self.file.close()
-        if self.written != self.size:
-            what = "truncated" if self.written < self.size else "too long"
-            raise BlobTruncated(f"blob {self.digest} from {where} is {what}: {self.written} bytes, "
-                                f"expected {self.size}")
-        got = self.sha.hexdigest()
-        if got != self.digest:
-            raise BlobCorrupt(f"blob {self.digest} from {where} is corrupt: its bytes hash to {got} "
-                              "(truncated or altered)")
+        check_size(self.digest, self.written, self.size, where)
+        check_hash(self.digest, self.sha.hexdigest(), where)
         os.replace(self.tmp, self.dest)
         self.tmp = ""
 
@@ -103,7 +97,7 @@ def fetch_blobs(
     chunk: int = 8 << 20,
 ) -> None:
     """Download `blobs` (digest → size) into `dest_dir/<digest>`, each verified (size, sha256)
-    and renamed into place when complete. Raises BlobCorrupt / BlobTruncated, StoreUnavailable /
+    and renamed into place when complete. Raises BlobCorrupt / BlobWrongSize, StoreUnavailable /
     StoreError (as `ember.store` does) or Cancelled; leaves no temporary file behind."""
     from boto3.s3.transfer import TransferConfig
     from s3transfer.manager import TransferManager
