@@ -130,12 +130,14 @@ def plan_archive(obs: ArchiveObserved, backoff: Backoff) -> ArchivePlan:
     elif probe.secret_missing:
         secret = obs.spec.store.credentials_secret
         st.phase = GAPhase.pending
-        st.failure_reason = f"credentials Secret {secret!r} not found in {obs.namespace}"
+        st.failure_reason = (f"credentials Secret {secret!r} not found in namespace {obs.namespace}: "
+                             "create it there with keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
         retry_in(backoff.base_s)
         set_saved(False, "CredentialsSecretMissing", st.failure_reason)
     elif probe.unreachable:
         st.phase = GAPhase.pending
-        st.failure_reason = f"store {obs.spec.store.uri()} unreachable: {probe.unreachable}"[:1024]
+        st.failure_reason = (f"store {obs.spec.store.uri()} unreachable: {probe.unreachable}; check "
+                             "spec.store (bucket, endpoint) and that the operator can reach it")[:1024]
         retry_in(backoff.base_s)
         set_saved(False, "StoreUnreachable", st.failure_reason)
     else:
