@@ -41,11 +41,6 @@ def get(conditions: list[Condition], type_: str) -> Condition | None:
     return next((c for c in conditions if c.type == type_), None)
 
 
-def is_true(conditions: list[Condition], type_: str) -> bool:
-    c = get(conditions, type_)
-    return c is not None and c.status is ConditionStatus.true
-
-
 def put(
     conditions: list[Condition], type_: str, status: bool | None, reason: str, message: str,
     generation: int | None, now: datetime,
