@@ -366,6 +366,46 @@ def _verify_bytes(data: bytes, digest: str, where: str, size: int | None = None)
     check_hash(digest, sha256_bytes(data), where)
 
 
+class HashingWriter:
+    """A write-only, non-seekable file that hashes what it writes, into a temporary file next to
+    `dest`. Given it, s3transfer writes strictly in order (its DeferQueue holds ranges that arrive
+    early), so verification overlaps the download. `finish` checks size and digest and renames
+    into place; `discard` removes the temporary file if `finish` did not run (or failed)."""
+
+    def __init__(self, dest: Path, digest: str, size: int | None) -> None:
+        self.digest, self.size, self.dest = digest, size, dest
+        fd, self.tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+        self.file = os.fdopen(fd, "wb", buffering=0)
+        self.sha = hashlib.sha256()
+        self.written = 0
+
+    def seekable(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        view = memoryview(data)
+        while view:
+            view = view[self.file.write(view) or 0:]
+        self.written += len(data)
+        return len(data)
+
+    def finish(self, where: str) -> None:
+        self.file.close()
+        check_size(self.digest, self.written, self.size, where)
+        check_hash(self.digest, self.sha.hexdigest(), where)
+        os.replace(self.tmp, self.dest)
+        self.tmp = ""
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            self.file.close()
+        if self.tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(self.tmp)
+            self.tmp = ""
+
+
 # ----------------------------------------------------------------------------------------------
 # S3
 
@@ -528,19 +568,15 @@ class S3Store(Store):
     def fetch_blob(self, digest: str, dest: str | os.PathLike[str], size: int | None = None) -> Path:
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-        os.close(fd)
+        writer = HashingWriter(dest, digest, size)
         try:
-            # Objects above multipart_threshold come down as parallel ranged GETs.
-            self._call(f"download blob {digest}", self.client.download_file, self.bucket,
-                       self._blob_key(digest), tmp, Config=self.transfer)
-            check_size(digest, os.path.getsize(tmp), size, self.uri)
-            check_hash(digest, sha256_file(tmp), self.uri)
-            os.replace(tmp, dest)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+            # Objects above multipart_threshold come down as parallel ranged GETs, written (and
+            # hashed) in order: no second pass over the file to verify it.
+            self._call(f"download blob {digest}", self.client.download_fileobj, self.bucket,
+                       self._blob_key(digest), writer, Config=self.transfer)
+            writer.finish(self.uri)
+        finally:
+            writer.discard()
         return dest
 
     def _list(self, prefix: str) -> Iterator[dict[str, Any]]:
@@ -654,6 +690,7 @@ __all__ = [
     "BlobInfo",
     "BlobMissing",
     "BlobWrongSize",
+    "HashingWriter",
     "LocalStore",
     "S3Store",
     "Store",

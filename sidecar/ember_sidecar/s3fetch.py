@@ -1,12 +1,10 @@
 """S3 blob downloads through boto3's transfer manager, hashed in order while they arrive.
 
-`ember.store.S3Store.fetch_blob` downloads a blob with parallel ranged GETs and computes the
-sha256 afterwards by reading the file back: verification costs a second pass after the last
-byte. Here all blobs of an archive go through ONE s3transfer `TransferManager` (one bounded pool
-of ranged GETs for the whole archive, botocore retries, s3transfer's own re-reads of broken
-streams), into a non-seekable writer: s3transfer then hands the bytes to its IO thread in order
-(its DeferQueue holds ranges that arrive early), and the writer hashes and writes them as they
-come, so verification overlaps the download. Sizes come from the manifest (no HeadObject).
+`ember.store.S3Store.fetch_blob` downloads one blob with parallel ranged GETs into an
+`ember.store.HashingWriter` (sha256 computed in order as the ranges arrive). Here all blobs of an
+archive go through ONE s3transfer `TransferManager` (one bounded pool of ranged GETs for the
+whole archive, botocore retries, s3transfer's own re-reads of broken streams), into the same
+hashing writers. Sizes come from the manifest (no HeadObject).
 Cancellation cancels the transfers; partial files are removed.
 
 Used by `fetching.ArchiveCache` for S3 stores; other stores use `Store.fetch_blob`.
@@ -14,16 +12,12 @@ Used by `fetching.ArchiveCache` for S3 stores; other stores use `Store.fetch_blo
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import os
-import tempfile
 import threading
 from concurrent.futures import CancelledError
 from pathlib import Path
 from typing import Any
 
-from ember.store import BlobCorrupt, BlobWrongSize, S3Store, StoreError, check_hash, check_size
+from ember.store import BlobCorrupt, BlobWrongSize, HashingWriter, S3Store, StoreError
 
 
 class Cancelled(Exception):
@@ -32,43 +26,6 @@ class Cancelled(Exception):
 
 class BlobTruncated(BlobWrongSize):
     """The stored object is shorter than the manifest says (s3transfer's ranged GET ran past its end)."""
-
-
-class _HashingWriter:
-    """A write-only, non-seekable file: s3transfer writes to it strictly in order."""
-
-    def __init__(self, dest_dir: Path, digest: str, size: int) -> None:
-        self.digest, self.size, self.dest = digest, size, dest_dir / digest
-        fd, self.tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".{digest}.", suffix=".part")
-        self.file = os.fdopen(fd, "wb", buffering=0)
-        self.sha = hashlib.sha256()
-        self.written = 0
-
-    def seekable(self) -> bool:
-        return False
-
-    def write(self, data: bytes) -> int:
-        self.sha.update(data)
-        view = memoryview(data)
-        while view:
-            view = view[self.file.write(view) or 0:]
-        self.written += len(data)
-        return len(data)
-
-    def finish(self, where: str) -> None:
-        self.file.close()
-        check_size(self.digest, self.written, self.size, where)
-        check_hash(self.digest, self.sha.hexdigest(), where)
-        os.replace(self.tmp, self.dest)
-        self.tmp = ""
-
-    def discard(self) -> None:
-        with contextlib.suppress(OSError):
-            self.file.close()
-        if self.tmp:
-            with contextlib.suppress(OSError):
-                os.unlink(self.tmp)
-            self.tmp = ""
 
 
 class _ProvideSize:
@@ -108,13 +65,13 @@ def fetch_blobs(
     config = TransferConfig(multipart_threshold=chunk, multipart_chunksize=chunk,
                             max_concurrency=concurrency, use_threads=True)
     subscriber = type("ProvideSize", (_ProvideSize, BaseSubscriber), {})
-    writers: list[_HashingWriter] = []
+    writers: list[HashingWriter] = []
     tm = TransferManager(store.client, config)
     cancelled = False
     futures: list[Any] = []
     try:
         for digest, size in blobs.items():
-            w = _HashingWriter(dest_dir, digest, size)
+            w = HashingWriter(dest_dir / digest, digest, size)
             writers.append(w)
             futures.append(tm.download(store.bucket, store._blob_key(digest), w,
                                        subscribers=[subscriber(size)]))
