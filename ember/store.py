@@ -680,11 +680,6 @@ def open_manifest_uri(uri: str, **opts: Any) -> tuple[Store, str]:
     return open_store(store_uri, **opts), identity_hash
 
 
-def describe(store: Store) -> dict[str, Any]:
-    """A small JSON-able summary for logs and `ember inspect`."""
-    return {"uri": store.uri, "archives": store.list_archives()}
-
-
 __all__ = [
     "BlobCorrupt",
     "BlobInfo",
@@ -699,7 +694,6 @@ __all__ = [
     "check_digest",
     "check_hash",
     "check_size",
-    "describe",
     "open_manifest_uri",
     "open_store",
     "sha256_bytes",
