@@ -50,7 +50,6 @@ class ClaimState:
     observed_at: float
     handed_off_at: float | None = None
     result: str | None = None  # "restored" | "fallback: <reason>"
-    engine_load_seen: bool = False
 
 
 class Restorer:
@@ -261,7 +260,6 @@ class Restorer:
             if result in ("fallback", "failed") and stage not in ("standby", "ready"):
                 self._fallback(state, reason or f"{stage}-failed")
             elif stage == "load" and result == "ok" and state is not None:
-                state.engine_load_seen = True
                 self._restored(state, seconds)
         with self.lock:
             state = self.current
