@@ -131,10 +131,8 @@ class ArchiveCache:
             m = verify_manifest(data, identity)
         except FetchFailed:
             return None
-        for b in m.blobs:
-            p = self.blob_path(b.sha256)
-            if not p.is_file() or p.stat().st_size != b.compressed_size:
-                return None
+        if not all(self._have(b.sha256, b.compressed_size) for b in m.blobs):
+            return None
         return m
 
     def fetch(self, archive_uri: str, identity: str, cancel: threading.Event | None = None) -> Fetched:
