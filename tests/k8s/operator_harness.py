@@ -16,7 +16,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -185,6 +187,25 @@ class Api:
             if cond["type"] == type_:
                 return cond
         return {}
+
+
+@contextmanager
+def operator_env(
+    k8s: LocalCluster, minio: LocalMinio, log_dir: Path, name: str, env: dict[str, str] | None = None,
+) -> Iterator[tuple[Api, OperatorProcess, str]]:
+    """A fresh namespace with the S3 secret and an operator watching it; yields (api, operator,
+    a unique store prefix). Everything is stopped and deleted on exit."""
+    ns = k8s.create_namespace(name)
+    api = Api(k8s, ns)
+    api.create_secret("ember-s3", minio)
+    op = OperatorProcess(kubeconfig=k8s.kubeconfig, namespace=ns, log_path=log_dir / "operator.log",
+                         env=env or {}).start()
+    try:
+        yield api, op, f"{name}-{uuid.uuid4().hex[:8]}"
+    finally:
+        op.stop()
+        api.release()
+        k8s.delete_namespace(ns)
 
 
 def md_spec(minio: LocalMinio, prefix: str, product: str = TEST_PRODUCT, **over: Any) -> dict[str, Any]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import threading
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,8 +26,8 @@ from operator_harness import (
     Api,
     OperatorProcess,
     identity_of,
-    install_crds,
     md_spec,
+    operator_env,
     phase,
     wait_for,
     write_test_archive,
@@ -37,24 +36,12 @@ from operator_harness import (
 pytestmark = [pytest.mark.k8s, pytest.mark.s3, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def crds(k8s: LocalCluster) -> None:
-    install_crds(k8s)
-
-
 @pytest.fixture
 def env(
     k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path,
 ) -> Iterator[tuple[Api, OperatorProcess, str]]:
-    ns = k8s.create_namespace("op")
-    api = Api(k8s, ns)
-    api.create_secret("ember-s3", minio)
-    op = OperatorProcess(kubeconfig=k8s.kubeconfig, namespace=ns, log_path=tmp_path / "operator.log").start()
-    prefix = f"op-{uuid.uuid4().hex[:8]}"
-    yield api, op, prefix
-    op.stop()
-    api.release()
-    k8s.delete_namespace(ns)
+    with operator_env(k8s, minio, tmp_path, "op") as env:
+        yield env
 
 
 def _record_phases(api: Api, name: str, stop: threading.Event) -> list[str]:
@@ -272,12 +259,9 @@ def test_examples_apply_and_become_ready(
     from ember.archive.synthetic import synthetic_graphset, synthetic_images
     from ember.store import open_store
 
-    ns = k8s.create_namespace("ex")
-    api = Api(k8s, ns)
-    api.create_secret("ember-s3", minio)
-    op = OperatorProcess(kubeconfig=k8s.kubeconfig, namespace=ns, log_path=tmp_path / "operator.log",
-                         env={**minio.env, "EMBER_OPERATOR_MANIFEST_GRACE_SECONDS": "60"}).start()
-    try:
+    env = {**minio.env, "EMBER_OPERATOR_MANIFEST_GRACE_SECONDS": "60"}
+    with operator_env(k8s, minio, tmp_path, "ex", env) as (api, op, _):
+        ns = api.ns
         examples = sorted((REPO / "examples").glob("*.yaml"))
         for path in examples:
             k8s.kubectl("apply", "-n", ns, "-f", str(path))
@@ -296,22 +280,14 @@ def test_examples_apply_and_become_ready(
             wait_for(lambda n=name: phase(api, n) == "Ready", f"{name} Ready", op, timeout=120)
         # The external HPA (examples/hpa-external.yaml) holds qwen-s3 at its minReplicas (2).
         assert api.md("qwen-s3")["spec"]["replicas"] >= 2
-    finally:
-        op.stop()
-        api.release()
-        k8s.delete_namespace(ns)
 
 
 def test_unreferenced_archive_is_garbage_collected(
     k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path,
 ) -> None:
-    ns = k8s.create_namespace("gc")
-    api = Api(k8s, ns)
-    api.create_secret("ember-s3", minio)
-    op = OperatorProcess(kubeconfig=k8s.kubeconfig, namespace=ns, log_path=tmp_path / "operator.log",
-                         env={"EMBER_OPERATOR_ARCHIVE_RETENTION_SECONDS": "3"}).start()
-    try:
-        prefix = f"gc-{uuid.uuid4().hex[:8]}"
+    with operator_env(k8s, minio, tmp_path, "gc", {"EMBER_OPERATOR_ARCHIVE_RETENTION_SECONDS": "3"}) as (
+        api, op, prefix,
+    ):
         spec = md_spec(minio, prefix, replicas=1)
         write_test_archive(minio, prefix, spec)
         api.create_md("short", spec)
@@ -320,7 +296,3 @@ def test_unreferenced_archive_is_garbage_collected(
         api.delete_md("short")
         wait_for(lambda: not api.serving("short"), "pods cleaned up by the finalizer", op)
         wait_for(lambda: not api.archives(), "GraphArchive garbage-collected after retention", op, timeout=60)
-    finally:
-        op.stop()
-        api.release()
-        k8s.delete_namespace(ns)

@@ -3,7 +3,6 @@ reason and a retry, and the deployment still serves through native capture."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,28 +10,17 @@ from typing import Any
 import pytest
 from fixtures_cluster import LocalCluster, LocalMinio
 from kubernetes.client.exceptions import ApiException
-from operator_harness import Api, OperatorProcess, identity_of, install_crds, md_spec, phase, wait_for
+from operator_harness import Api, OperatorProcess, identity_of, md_spec, operator_env, phase, wait_for
 
 pytestmark = [pytest.mark.k8s, pytest.mark.s3]
-
-
-@pytest.fixture(scope="module")
-def crds(k8s: LocalCluster) -> None:
-    install_crds(k8s)
 
 
 @pytest.fixture
 def env(
     k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path,
 ) -> Iterator[tuple[Api, OperatorProcess, str]]:
-    ns = k8s.create_namespace("opf")
-    api = Api(k8s, ns)
-    api.create_secret("ember-s3", minio)
-    op = OperatorProcess(kubeconfig=k8s.kubeconfig, namespace=ns, log_path=tmp_path / "operator.log").start()
-    yield api, op, f"opf-{uuid.uuid4().hex[:8]}"
-    op.stop()
-    api.release()
-    k8s.delete_namespace(ns)
+    with operator_env(k8s, minio, tmp_path, "opf") as env:
+        yield env
 
 
 def _base(minio: LocalMinio) -> dict[str, Any]:

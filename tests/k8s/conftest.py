@@ -1,0 +1,12 @@
+"""Fixtures shared by the operator's k8s tests."""
+
+from __future__ import annotations
+
+import pytest
+from fixtures_cluster import LocalCluster
+from operator_harness import install_crds
+
+
+@pytest.fixture(scope="module")
+def crds(k8s: LocalCluster) -> None:
+    install_crds(k8s)
