@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ember.store import StoreError, split_manifest_uri
+
 PREFIX = "ember.dev/"
 ARCHIVE = PREFIX + "archive"
 IDENTITY = PREFIX + "identity"
@@ -29,7 +31,6 @@ DEPLOYMENT_LABEL = PREFIX + "deployment"
 POOL_LABEL = PREFIX + "pool"
 
 _IDENTITY_RE = re.compile(r"^[0-9a-f]{8,64}$")
-_MANIFEST_RE = re.compile(r"/?archives/(?P<ident>[0-9a-f]{8,64})/manifest$")
 
 
 class ClaimError(ValueError):
@@ -54,8 +55,10 @@ class Claim:
 
 def manifest_identity(uri: str) -> str | None:
     """The identity hash inside a manifest URI (…/archives/<hash>/manifest), or None."""
-    m = _MANIFEST_RE.search(uri)
-    return m.group("ident") if m else None
+    try:
+        return split_manifest_uri(uri)[1]
+    except StoreError:
+        return None
 
 
 def _int(annotations: dict[str, str], key: str, default: int) -> int:
