@@ -343,7 +343,10 @@ class LocalStore(Store):
             probe.write_bytes(b"ok")
             probe.unlink()
         except OSError as exc:
-            raise StoreUnavailable(f"local store {self.root} is not writable: {exc}") from exc
+            raise StoreUnavailable(
+                f"local store {self.root} is not writable: {exc} (mount a writable volume there or "
+                "fix its owner/permissions)"
+            ) from exc
 
 
 def check_size(digest: str, have: int, want: int | None, where: str) -> None:
@@ -442,7 +445,7 @@ class S3Store(Store):
         if not bucket:
             raise StoreError("S3 store URI names no bucket (expected s3://bucket/prefix)")
         if retry_mode not in ("standard", "adaptive", "legacy"):
-            raise StoreError(f"retry_mode must be standard or adaptive, not {retry_mode!r}")
+            raise StoreError(f"retry_mode must be standard, adaptive or legacy, not {retry_mode!r}")
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.endpoint = endpoint or os.environ.get("EMBER_S3_ENDPOINT") or None
