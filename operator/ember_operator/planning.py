@@ -80,7 +80,7 @@ class Plan:
     hpa_apply: dict[str, Any] | None = None
     hpa_delete: bool = False
     labels: dict[str, str] = field(default_factory=dict)  # labels to set on the ModelDeployment
-    template: PodTemplate | None = None
+    claim: Claim | None = None  # what claims and new pods carry (replacements of lost claims too)
 
 
 def store_of(spec: ModelDeploymentSpec, ctx: Context) -> StoreSpec:
@@ -144,7 +144,7 @@ def _deletion_order(pods: list[PodView]) -> list[PodView]:
     return sorted(pods, key=lambda p: (p.ready, not p.fell_back, p.created, p.name), reverse=False)
 
 
-def _free_names(md_name: str, revision: str, taken: set[str], count: int) -> list[str]:
+def free_names(md_name: str, revision: str, taken: set[str], count: int) -> list[str]:
     names, i = [], 0
     while len(names) < count:
         candidate = naming.serving_pod_name(md_name, revision, i)
@@ -176,7 +176,7 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
     ga_name = naming.archive_name(ident_hash)
     template = template_of(obs.namespace, spec, ctx)
     revision = revision_of(ident_hash, template, spec)
-    plan = Plan(status=obs.status.model_copy(deep=True), template=template)
+    plan = Plan(status=obs.status.model_copy(deep=True))
     now = obs.now
     stamp = now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")  # fractional: the sidecar times from it
 
@@ -207,6 +207,7 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
         archive_uri=archive_uri, engine_args=tuple(spec.engine.args), claimed_at=stamp,
         native_reason="" if archive_uri else arch_reason,
     )
+    plan.claim = claim
     claimed = claimed_ready = 0
     if can_deploy:
         missing = want - len(current)
@@ -218,7 +219,7 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
             claimed = min(missing, len(warm))
             claimed_ready = sum(p.ready for p in warm[:missing])
             taken = {p.name for p in obs.pods}
-            for name in _free_names(obs.name, revision, taken, missing - claimed):
+            for name in free_names(obs.name, revision, taken, missing - claimed):
                 plan.creates.append(serving_pod(template, claim, name))
         elif missing < 0:
             plan.deletes += [p.name for p in _deletion_order(current)[: -missing]]

@@ -49,8 +49,8 @@ from ember_operator.kube import (
     pods_path,
     secret_path,
 )
-from ember_operator.planning import Context, Observed, plan_deployment, template_of
-from ember_operator.pods import Claim, PodTemplate, StoreAccess, serving_pod
+from ember_operator.planning import Context, Observed, free_names, plan_deployment, template_of
+from ember_operator.pods import PodTemplate, StoreAccess, serving_pod
 from ember_operator.pools import plan_pools
 from ember_operator.settings import Settings
 from ember_operator.views import ArchiveView, PodView
@@ -182,23 +182,11 @@ class Reconciler:
                      1000 * (time.perf_counter() - planned))
         plan.status.warm_claims -= lost
         creates = list(plan.creates)
-        if lost:
-            claim_ann = (plan.creates[0]["metadata"]["annotations"] if plan.creates else
-                         plan.claims[0][1]["metadata"]["annotations"])
-            claim = Claim(
-                deployment=name, deployment_uid=meta["uid"], identity_hash=ident_hash,
-                identity_json=claim_ann[naming.IDENTITY_SPEC], revision=plan.status.revision or "",
-                archive_uri=claim_ann[naming.ARCHIVE], engine_args=tuple(spec.engine.args),
-                claimed_at=claim_ann.get(naming.CLAIMED_AT, ""),
-                native_reason=claim_ann.get(naming.NATIVE_REASON, ""),
-            )
+        if lost and plan.claim is not None:
+            # Pods whose claim was lost to another deployment are made cold instead.
             taken = {p.name for p in obs.pods} | {c["metadata"]["name"] for c in creates}
-            index = 0
-            while len(creates) < len(plan.creates) + lost:
-                candidate = naming.serving_pod_name(name, claim.revision, index)
-                index += 1
-                if candidate not in taken:
-                    creates.append(serving_pod(template, claim, candidate))
+            creates += [serving_pod(template, plan.claim, pod)
+                        for pod in free_names(name, plan.claim.revision, taken, lost)]
         self._parallel(lambda body: self.kube.create(pods_path(ns), body), creates)
         if creates:
             metrics.COLD_PODS_TOTAL.inc(len(creates))
