@@ -17,7 +17,7 @@ from concurrent.futures import CancelledError
 from pathlib import Path
 from typing import Any
 
-from ember.store import BlobCorrupt, BlobWrongSize, HashingWriter, S3Store, StoreError
+from ember.store import BlobWrongSize, HashingWriter, S3Store, StoreError
 
 
 class Cancelled(Exception):
@@ -85,9 +85,7 @@ def fetch_blobs(
             except CancelledError:
                 cancelled = True
                 raise Cancelled() from None
-            except BlobCorrupt:
-                raise
-            except StoreError:
+            except StoreError:  # already ours (BlobCorrupt included)
                 raise
             except Exception as exc:
                 if "InvalidRange" in str(exc):
