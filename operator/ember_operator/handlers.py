@@ -74,26 +74,22 @@ class Runner:
             self.poke_later(ns, name, float(result))
 
 
+async def _reconcile(runner: Runner, namespace: str, name: str) -> None:
+    """A kopf handler's reconcile: API errors retry through kopf, a returned delay requeues."""
+    try:
+        delay = await runner.run(namespace, name)
+    except KubeError as exc:
+        raise kopf.TemporaryError(str(exc), delay=2) from exc
+    if isinstance(delay, int | float) and delay > 0:
+        runner.poke_later(namespace, name, float(delay))
+
+
 def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | None = None) -> Reconciler:
     """Register every handler on `registry`; returns the reconciler they share."""
     rec = Reconciler(kube or Kube(pool_size=max(32, settings.claim_concurrency * 2)), settings)
     deployments = Runner(rec.reconcile_deployment)
     archives = Runner(rec.reconcile_archive)
     interval = settings.resync_seconds
-
-    async def _reconcile_md(namespace: str, name: str) -> None:
-        try:
-            await deployments.run(namespace, name)
-        except KubeError as exc:
-            raise kopf.TemporaryError(str(exc), delay=2) from exc
-
-    async def _reconcile_ga(namespace: str, name: str) -> None:
-        try:
-            delay = await archives.run(namespace, name)
-        except KubeError as exc:
-            raise kopf.TemporaryError(str(exc), delay=2) from exc
-        if isinstance(delay, int | float) and delay > 0:
-            archives.poke_later(namespace, name, float(delay))
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -113,11 +109,11 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | N
     @kopf.on.update(*MD, registry=registry)
     @kopf.on.resume(*MD, registry=registry)
     async def md_changed(namespace: str, name: str, **_: Any) -> None:
-        await _reconcile_md(namespace, name)
+        await _reconcile(deployments, namespace, name)
 
     @kopf.timer(*MD, interval=interval, initial_delay=interval, registry=registry)
     async def md_timer(namespace: str, name: str, **_: Any) -> None:
-        await _reconcile_md(namespace, name)
+        await _reconcile(deployments, namespace, name)
 
     @kopf.on.delete(*MD, registry=registry)
     async def md_deleted(namespace: str, name: str, **_: Any) -> None:
@@ -127,11 +123,11 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | N
     @kopf.on.update(*GA, registry=registry)
     @kopf.on.resume(*GA, registry=registry)
     async def ga_changed(namespace: str, name: str, **_: Any) -> None:
-        await _reconcile_ga(namespace, name)
+        await _reconcile(archives, namespace, name)
 
     @kopf.timer(*GA, interval=interval, initial_delay=interval, registry=registry)
     async def ga_timer(namespace: str, name: str, **_: Any) -> None:
-        await _reconcile_ga(namespace, name)
+        await _reconcile(archives, namespace, name)
 
     @kopf.on.event(*GA, registry=registry)
     async def ga_event(namespace: str, labels: dict[str, str], type: str | None, **_: Any) -> None:
