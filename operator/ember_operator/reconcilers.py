@@ -110,7 +110,9 @@ class Reconciler:
             try:
                 self.kube.create(events_path(ns), body)
             except KubeError as exc:  # events are best effort
-                log.warning("Posting event failed: %s", exc)
+                log.warning("Posting event %s on %s %s/%s failed (best effort; the operator needs "
+                            "create on events.k8s.io events): %s", ev.reason, obj.get("kind"), ns,
+                            meta.get("name"), exc)
             log.info("%s %s/%s: %s %s", obj.get("kind"), ns, meta.get("name"), ev.reason, ev.message)
 
         self._parallel(post, events)
@@ -147,7 +149,8 @@ class Reconciler:
             status = ModelDeploymentStatus.model_validate(md.get("status") or {})
             template = template_of(ns, spec, self.ctx)
         except (ValidationError, ValueError) as exc:
-            log.error("ModelDeployment %s/%s has an invalid spec: %s", ns, name, exc)
+            log.error("ModelDeployment %s/%s has an invalid spec; it is not reconciled until it is "
+                      "fixed: %s", ns, name, exc)
             self.post_events(md, [Event("Warning", "InvalidSpec", str(exc)[:1024])])
             return
         ident_hash = spec.identity().hash()
@@ -291,7 +294,8 @@ class Reconciler:
             spec = GraphArchiveSpec.model_validate(ga.get("spec") or {})
             status = GraphArchiveStatus.model_validate(ga.get("status") or {})
         except ValidationError as exc:
-            log.error("GraphArchive %s/%s is invalid: %s", ns, name, exc)
+            log.error("GraphArchive %s/%s is invalid (edited by hand, or written by another operator "
+                      "version?); delete it and its ModelDeployments recreate it: %s", ns, name, exc)
             return None
         short = spec.identity_hash[:16]
         refs = len(self.deployments_using(ns, short)) + len(
