@@ -152,6 +152,24 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], -1)
 
 
+def _attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query decode attention as two batched GEMMs over the head-major cache.
+
+    Deterministic on purpose: the kernel SDPA picked here (cuDNN flash) gave different bits for
+    the same inputs once a sequence spans more than one 64-position block, so native decoding
+    was not reproducible past step ~64 and no restored graph could be proven bitwise against it.
+    q [b, H, D]; kc/vc [b, KVH, T, D] (b and KVH collapse to one batch dim without a copy);
+    mask [b, T], True where a position may be attended.
+    """
+    b, heads, d = q.shape
+    kvh, t = kc.shape[1], kc.shape[2]
+    qg = q.reshape(b * kvh, heads // kvh, d)
+    s = torch.bmm(qg, kc.reshape(b * kvh, t, d).transpose(1, 2)).float() * d**-0.5
+    s = s.view(b, kvh, -1, t).masked_fill(~mask[:, None, None, :], float("-inf"))
+    p = s.softmax(-1).to(q.dtype).view(b * kvh, -1, t)
+    return torch.bmm(p, vc.reshape(b * kvh, t, d)).view(b, heads * d)
+
+
 class Layer(nn.Module):
     def __init__(self, spec: ModelSpec, index: int) -> None:
         super().__init__()
@@ -218,15 +236,9 @@ class Layer(nn.Module):
         theta = s.rope_local_theta if self.local else s.rope_theta
         q, k = _rope(q, pos, theta), _rope(k, pos, theta)
         rows = torch.arange(b, device=x.device)
-        kc.index_put_((rows, pos), k)
-        vc.index_put_((rows, pos), v)
-        a = F.scaled_dot_product_attention(
-            q[:, :, None],
-            kc.transpose(1, 2),
-            vc.transpose(1, 2),
-            attn_mask=masks[1] if self.local else masks[0],
-            enable_gqa=True,
-        )
+        kc[rows, :, pos] = k
+        vc[rows, :, pos] = v
+        a = _attend(q, kc, vc, masks[1] if self.local else masks[0])
         a = self.o(a.reshape(b, -1))
         if s.sandwich_norms:
             a = _rms(a, self.n1_post)
@@ -254,10 +266,10 @@ class DecodeModel(nn.Module):
         x = self.emb(ids)
         if s.embed_scale:
             x = x * math.sqrt(s.hidden)
-        j = torch.arange(kcache.shape[2], device=ids.device)[None, :]
+        j = torch.arange(kcache.shape[3], device=ids.device)[None, :]
         causal = j <= pos[:, None]
         local = causal & (j > pos[:, None] - s.sliding_window) if s.sliding_window else causal
-        masks = (causal[:, None, None, :], local[:, None, None, :])
+        masks = (causal, local)
         for i, layer in enumerate(self.layers):
             x = layer(x, pos, kcache[i, :b], vcache[i, :b], masks)
         return self.head(_rms(x, self.norm))
@@ -405,7 +417,7 @@ class DecodeWorkload:
                 else:
                     p.normal_(0.0, 0.02, generator=gen)
         self.model = model.eval()
-        shape = (s.layers, self.max_batch, self.max_len, s.kv_heads, s.head_dim)
+        shape = (s.layers, self.max_batch, s.kv_heads, self.max_len, s.head_dim)  # head-major
         self.kcache = torch.zeros(shape, device=dev, dtype=self.dtype)
         self.vcache = torch.zeros(shape, device=dev, dtype=self.dtype)
         self.ids = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
