@@ -187,6 +187,11 @@ def replay_verify_loaded(loaded: Any) -> dict[str, Any]:
         "graphs": len(got),
         "identical": len(got) - len(bad),
         "differ": bad[:10],
+        # which outputs (by position) differ, e.g. logits only while the tokens agree
+        "differ_outputs": {
+            k: [j for j, (a, b) in enumerate(zip(got[k], want.get(k) or [], strict=False)) if a != b]
+            for k in bad[:10]
+        },
         "ok": not bad and bool(got),
     }
 

@@ -158,3 +158,25 @@ def add_dependencies(graph: Any, frm: list[int], to: list[int], data: bytes | No
     rc = _add_deps_fn()(int(graph), a, b, d, count)
     if rc != 0:
         raise CudaError("cuGraphAddDependencies_v2", rc)
+
+
+# ---- kernel nodes, added without cuda.bindings -------------------------------------------------
+_KERNEL_NODE_FNS: Any = None
+
+
+def kernel_node_fns() -> tuple[Any, Any]:
+    """(cuGraphAddKernelNode_v2, cuGraphKernelNodeSetAttribute) as ctypes functions taking plain
+    addresses: (node out, graph, deps, n deps, params struct) and (node, attribute id, value)."""
+    global _KERNEL_NODE_FNS
+    if _KERNEL_NODE_FNS is None:
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        add = lib.cuGraphAddKernelNode_v2
+        add.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        add.restype = ctypes.c_int
+        set_attr = lib.cuGraphKernelNodeSetAttribute
+        set_attr.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        set_attr.restype = ctypes.c_int
+        _KERNEL_NODE_FNS = (add, set_attr)
+    return _KERNEL_NODE_FNS

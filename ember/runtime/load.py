@@ -180,6 +180,13 @@ def run_load(
         lib.close()
         raise LoadRefused(f"graphs could not be rebuilt here: {exc}") from exc
     tm["templates_ms"] = (time.perf_counter() - t) * 1e3
+    lt = lib.timings
+    tm.update(
+        templates_prepare_ms=lt.prepare_ms,
+        templates_build_ms=lt.build_ms,
+        templates_instantiate_ms=lt.instantiate_ms,
+        function_attrs_ms=lt.function_attrs_ms,
+    )
     if archive.rng_state:
         torch.cuda.set_rng_state(torch.from_numpy(np.frombuffer(archive.rng_state, dtype=np.uint8).copy()))
     outputs = {

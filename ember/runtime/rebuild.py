@@ -14,6 +14,7 @@ rebuilt graph before an archive is published (see ember.runtime.prove).
 
 from __future__ import annotations
 
+import ctypes
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,16 +133,17 @@ def prepare(graph: Graph, functions: list[int], ctx: Any, memset_ctx: Any = None
             so = k * KERNEL_PARAMS.size
             pack(structs_mv, so, func, gx, gy, gz, bx, by, bz, p.shared_mem, kparams, extra, 0, 0)
             wrapper = cu.CUDA_KERNEL_NODE_PARAMS(_ptr=struct_base + so)
-            attrs = []
+            attrs: list[tuple[Any, Any, int]] = []
             for a, raw in p.attrs.items():
                 if a not in ATTR_SIZES:
                     continue  # launch-only attributes never go on a node (see walk.ATTR_SIZES)
                 if len(raw) != ATTR_VALUE_SIZE:
                     raise RebuildError(f"graph {graph.key}: node {idx}: attribute {a} has {len(raw)} bytes")
                 attr_mv[at_off : at_off + ATTR_VALUE_SIZE] = raw
-                attrs.append((_ATTR_ENUM[a], cu.CUkernelNodeAttrValue(_ptr=attr_base + at_off)))
+                addr = attr_base + at_off
+                attrs.append((_ATTR_ENUM[a], cu.CUkernelNodeAttrValue(_ptr=addr), addr))
                 at_off += ATTR_VALUE_SIZE
-            ops.append((OP_KERNEL, wrapper, attrs))
+            ops.append((OP_KERNEL, wrapper, attrs, struct_base + so))
             k += 1
         elif t == NodeType.MEMSET:
             m: MemsetParams = node.params  # type: ignore[assignment]
@@ -209,28 +211,42 @@ def build(prep: PreparedGraph, ctx: Any, events: list[Any]) -> Any:
             raise
 
 
+def _err_name(rc: int) -> str:
+    try:
+        return cu.CUresult(rc).name
+    except ValueError:
+        return str(rc)
+
+
 def edge_strategy() -> str:
     """The edge strategy this process uses now (reported by the proof and LOAD timings)."""
     return EDGE_STRATEGIES[_edge_strategy[0]]
 
 
 def _fill(g: Any, prep: PreparedGraph, ctx: Any, events: list[Any], strategy: str) -> None:
-    add_kernel = cu.cuGraphAddKernelNode
-    set_attr = cu.cuGraphKernelNodeSetAttribute
+    # Kernel nodes (nearly all of them) go straight to the driver's C entry points with the
+    # structs prepare() packed: a cuda.bindings call per node costs several times the driver's
+    # own work on 2,000-node graphs.
     nodes: list[Any] = []
     append = nodes.append
+    out = ctypes.c_uint64(0)
+    out_ref = ctypes.byref(out)
     for i, op in enumerate(prep.ops):
         code = op[0]
         if code == OP_KERNEL:
-            err, node = add_kernel(g, None, 0, op[1])
-            if err != OK:
-                raise RebuildError(f"graph {prep.key}: node {i}: cuGraphAddKernelNode failed: {err}")
-            for attr, value in op[2]:
-                r = set_attr(node, attr, value)
-                if r[0] != OK:
+            add_kernel, set_attr = driver.kernel_node_fns()
+            rc = add_kernel(out_ref, int(g), None, 0, op[3])
+            if rc != 0:
+                raise RebuildError(f"graph {prep.key}: node {i}: kernel node not added: {_err_name(rc)}")
+            node = out.value
+            for attr, _value, addr in op[2]:
+                rc = set_attr(node, int(attr), addr)
+                if rc != 0:
                     raise RebuildError(
-                        f"graph {prep.key}: node {i}: set attribute {attr.name} failed: {r[0]}"
+                        f"graph {prep.key}: node {i}: set attribute {attr.name} failed: {_err_name(rc)}"
                     )
+            append(node)
+            continue
         elif code == OP_MEMSET:
             err, node = cu.cuGraphAddMemsetNode(g, None, 0, op[1], ctx)
         elif code == OP_MEMCPY:
@@ -410,10 +426,10 @@ class _AttrSets:
 
     def __init__(self, table: Any) -> None:
         self.table = table
-        self.sets: dict[int, list[tuple[Any, Any]]] = {0: []}
+        self.sets: dict[int, list[tuple[Any, Any, int]]] = {0: []}
         self.buffers: list[np.ndarray] = []
 
-    def get(self, idx: int) -> list[tuple[Any, Any]]:
+    def get(self, idx: int) -> list[tuple[Any, Any, int]]:
         found = self.sets.get(idx)
         if found is None:
             values = {a: v for a, v in self.table._attrs(idx).items() if a in ATTR_SIZES}
@@ -424,9 +440,8 @@ class _AttrSets:
                 if len(raw) != ATTR_VALUE_SIZE:
                     raise RebuildError(f"attribute {a} has {len(raw)} bytes")
                 buf[n * ATTR_VALUE_SIZE : (n + 1) * ATTR_VALUE_SIZE] = np.frombuffer(raw, dtype=np.uint8)
-                found.append(
-                    (_ATTR_ENUM[a], cu.CUkernelNodeAttrValue(_ptr=buf.ctypes.data + n * ATTR_VALUE_SIZE))
-                )
+                addr = buf.ctypes.data + n * ATTR_VALUE_SIZE
+                found.append((_ATTR_ENUM[a], cu.CUkernelNodeAttrValue(_ptr=addr), addr))
             self.sets[idx] = found
         return found
 
@@ -496,7 +511,7 @@ def prepare_from_table(
     k = 0
     for t, ref in zip(types.tolist(), refs.tolist(), strict=True):
         if t == NodeType.KERNEL:
-            ops.append((OP_KERNEL, wrappers[k], attr_of[k]))
+            ops.append((OP_KERNEL, wrappers[k], attr_of[k], sbase + k * size))
             k += 1
         elif t == NodeType.MEMSET:
             dst, pitch, value, es, w, h = c.mset[ref].tolist()
