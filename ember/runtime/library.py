@@ -181,12 +181,13 @@ class GraphLibrary:
     def build_templates(self) -> None:
         """Prepare, build and instantiate one template per group, on this thread.
 
-        Preparation is Python work under the GIL: worker threads would only take turns with
-        this one, so templates are prepared here, in order (and timed on their own), and every
-        other graph is prepared in the background afterwards.
+        Nothing else is started: any other key is prepared and built when it is first asked for
+        (one graph: ~10-20 ms at 2,000 nodes). Preparing every graph on worker threads right away
+        made the engine's first request wait: its foreground build took turns for the GIL with
+        seconds of background preparation (see docs/runtime.md). `start_background()` builds
+        the rest off the request path when an engine wants it.
         """
         self.apply_function_attrs()
-        templates = [g.template for g in self.groups]
         for group in self.groups:
             i = group.template
             t = time.perf_counter()
@@ -198,12 +199,7 @@ class GraphLibrary:
                 handle = rebuild.instantiate(g)
             self.timings.instantiate_ms += (time.perf_counter() - t0) * 1e3
             self._templates[group.index] = _Exec(handle, i)
-        self.timings.templates = len(templates)
-        # Everything else is prepared in the background (CPU only): first switches get cheaper.
-        chosen = set(templates)
-        for i in range(len(self.keys)):
-            if i not in chosen:
-                self._pool.submit(self.prepared, i)
+        self.timings.templates = len(self.groups)
 
     def prebuild_all(self) -> None:
         """Build every graph's CUgraph now (SAVE's proof and benchmarks; LOAD does it lazily)."""

@@ -132,18 +132,16 @@ def prepare(graph: Graph, functions: list[int], ctx: Any, memset_ctx: Any = None
             bx, by, bz = p.block
             so = k * KERNEL_PARAMS.size
             pack(structs_mv, so, func, gx, gy, gz, bx, by, bz, p.shared_mem, kparams, extra, 0, 0)
-            wrapper = cu.CUDA_KERNEL_NODE_PARAMS(_ptr=struct_base + so)
-            attrs: list[tuple[Any, Any, int]] = []
+            attrs: list[tuple[int, int]] = []
             for a, raw in p.attrs.items():
                 if a not in ATTR_SIZES:
                     continue  # launch-only attributes never go on a node (see walk.ATTR_SIZES)
                 if len(raw) != ATTR_VALUE_SIZE:
                     raise RebuildError(f"graph {graph.key}: node {idx}: attribute {a} has {len(raw)} bytes")
                 attr_mv[at_off : at_off + ATTR_VALUE_SIZE] = raw
-                addr = attr_base + at_off
-                attrs.append((_ATTR_ENUM[a], cu.CUkernelNodeAttrValue(_ptr=addr), addr))
+                attrs.append((a, attr_base + at_off))
                 at_off += ATTR_VALUE_SIZE
-            ops.append((OP_KERNEL, wrapper, attrs, struct_base + so))
+            ops.append((OP_KERNEL, struct_base + so, attrs))
             k += 1
         elif t == NodeType.MEMSET:
             m: MemsetParams = node.params  # type: ignore[assignment]
@@ -235,15 +233,16 @@ def _fill(g: Any, prep: PreparedGraph, ctx: Any, events: list[Any], strategy: st
         code = op[0]
         if code == OP_KERNEL:
             add_kernel, set_attr = driver.kernel_node_fns()
-            rc = add_kernel(out_ref, int(g), None, 0, op[3])
+            rc = add_kernel(out_ref, int(g), None, 0, op[1])
             if rc != 0:
                 raise RebuildError(f"graph {prep.key}: node {i}: kernel node not added: {_err_name(rc)}")
             node = out.value
-            for attr, _value, addr in op[2]:
-                rc = set_attr(node, int(attr), addr)
+            for attr, addr in op[2]:
+                rc = set_attr(node, attr, addr)
                 if rc != 0:
+                    name = _ATTR_ENUM[attr].name
                     raise RebuildError(
-                        f"graph {prep.key}: node {i}: set attribute {attr.name} failed: {_err_name(rc)}"
+                        f"graph {prep.key}: node {i}: set attribute {name} failed: {_err_name(rc)}"
                     )
             append(node)
             continue
@@ -320,22 +319,26 @@ def edge_data_problem(
     frm, to, data = read_back
     size = driver.EDGE_DATA_SIZE
     want_data = prep.edge_data or bytes(size * len(prep.edge_src))
-    want = sorted(
-        (a, b, *want_data[size * j : size * j + 3])
-        for j, (a, b) in enumerate(zip(prep.edge_src, prep.edge_dst, strict=True))
-    )
     try:
-        got = sorted(
-            (index[a], index[b], *data[size * j : size * j + 3])
-            for j, (a, b) in enumerate(zip(frm, to, strict=True))
-        )
+        got_src = [index[a] for a in frm]
+        got_dst = [index[b] for b in to]
     except KeyError:
         return "an edge names a node that is not in the graph"
-    if want == got:
+    want = _edge_keys(prep.edge_src, prep.edge_dst, want_data)
+    got = _edge_keys(got_src, got_dst, data)
+    if np.array_equal(want, got):
         return ""
-    prog_want = sum(e[4] != 0 for e in want)
-    prog_got = sum(e[4] != 0 for e in got)
+    prog_want = int((want[:, 4] != 0).sum())
+    prog_got = int((got[:, 4] != 0).sum())
     return f"{len(got)} edges ({prog_got} non-default) read back, {len(want)} ({prog_want} non-default) added"
+
+
+def _edge_keys(src: list[int], dst: list[int], data: bytes) -> np.ndarray:
+    """Edges as sorted rows (src, dst, from_port, to_port, type): a multiset in one array."""
+    d = np.frombuffer(data, dtype=np.uint8).reshape(-1, driver.EDGE_DATA_SIZE)[: len(src), :3]
+    ends = np.asarray([src, dst], dtype=np.int64).reshape(2, -1).T
+    rows = np.column_stack([ends, d.astype(np.int64)])
+    return rows[np.lexsort(rows.T[::-1])]
 
 
 def instantiate(graph: Any) -> Any:
@@ -426,10 +429,10 @@ class _AttrSets:
 
     def __init__(self, table: Any) -> None:
         self.table = table
-        self.sets: dict[int, list[tuple[Any, Any, int]]] = {0: []}
+        self.sets: dict[int, list[tuple[int, int]]] = {0: []}
         self.buffers: list[np.ndarray] = []
 
-    def get(self, idx: int) -> list[tuple[Any, Any, int]]:
+    def get(self, idx: int) -> list[tuple[int, int]]:
         found = self.sets.get(idx)
         if found is None:
             values = {a: v for a, v in self.table._attrs(idx).items() if a in ATTR_SIZES}
@@ -440,8 +443,7 @@ class _AttrSets:
                 if len(raw) != ATTR_VALUE_SIZE:
                     raise RebuildError(f"attribute {a} has {len(raw)} bytes")
                 buf[n * ATTR_VALUE_SIZE : (n + 1) * ATTR_VALUE_SIZE] = np.frombuffer(raw, dtype=np.uint8)
-                addr = buf.ctypes.data + n * ATTR_VALUE_SIZE
-                found.append((_ATTR_ENUM[a], cu.CUkernelNodeAttrValue(_ptr=addr), addr))
+                found.append((a, buf.ctypes.data + n * ATTR_VALUE_SIZE))
             self.sets[idx] = found
         return found
 
@@ -505,13 +507,12 @@ def prepare_from_table(
     st["extra"] = np.where(is_extra, slot_addr, 0)
     sbase = st.ctypes.data
     size = KERNEL_PARAMS.size
-    wrappers = [cu.CUDA_KERNEL_NODE_PARAMS(_ptr=sbase + k * size) for k in range(nk)]
     attr_of = [attr_sets.get(int(a)) for a in krows["attrs"].tolist()]
     ops: list[tuple[Any, ...]] = []
     k = 0
     for t, ref in zip(types.tolist(), refs.tolist(), strict=True):
         if t == NodeType.KERNEL:
-            ops.append((OP_KERNEL, wrappers[k], attr_of[k], sbase + k * size))
+            ops.append((OP_KERNEL, sbase + k * size, attr_of[k]))
             k += 1
         elif t == NodeType.MEMSET:
             dst, pitch, value, es, w, h = c.mset[ref].tolist()

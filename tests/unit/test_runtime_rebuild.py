@@ -20,7 +20,7 @@ from ember.runtime.walk import KERNEL_PARAMS
 
 
 def _kernel_struct(op: tuple) -> tuple:
-    return KERNEL_PARAMS.unpack(ctypes.string_at(op[1].getPtr(), KERNEL_PARAMS.size))
+    return KERNEL_PARAMS.unpack(ctypes.string_at(op[1], KERNEL_PARAMS.size))
 
 
 def _graph(params: list[KernelParams], edges: list[Edge] | None = None) -> Graph:
@@ -82,10 +82,8 @@ def test_attributes_and_programmatic_edges_survive_preparation() -> None:
     b = KernelParams(kernel=0, grid=(1, 1, 1), block=(1, 1, 1), shared_mem=0)
     edges = [Edge(0, 1, from_port=1, to_port=0, type=1)]
     prep = rebuild.prepare(_graph([a, b], edges), [0x1000], None)
-    ((attr_id, value, addr),) = prep.ops[0][2]
-    assert int(attr_id) == 4 and ctypes.string_at(value.getPtr(), 64) == attr
-    assert addr == value.getPtr()  # the address the C entry point is given
-    assert prep.ops[0][3] == prep.ops[0][1].getPtr()
+    ((attr_id, addr),) = prep.ops[0][2]  # the value's address, as the C entry point takes it
+    assert attr_id == 4 and ctypes.string_at(addr, 64) == attr
     assert prep.ops[1][2] == []
     assert prep.edge_src == [0] and prep.edge_dst == [1]
     assert prep.edge_data == bytes([1, 0, 1, 0, 0, 0, 0, 0])  # one CUgraphEdgeData
@@ -111,7 +109,7 @@ def _summary(prep: rebuild.PreparedGraph) -> list:
             payload = (w[0], w[2], w[4], ctypes.string_at(w[1], w[5]))
         else:
             payload = None
-        out.append((v[:8], payload, [(int(a), ctypes.string_at(x.getPtr(), 64)) for a, x, _ in op[2]]))
+        out.append((v[:8], payload, [(a, ctypes.string_at(x, 64)) for a, x in op[2]]))
     raw = prep.edge_data or b""
     edges = [tuple(raw[j : j + 3]) for j in range(0, len(raw), 8)]
     return [out, prep.edge_src, prep.edge_dst, edges]
