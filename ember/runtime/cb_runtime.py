@@ -205,7 +205,8 @@ def save_engine(
             engine=facts,
         )
         t = time.perf_counter()
-        summary["manifest"], summary["manifest_digest"], summary["bytes"] = publish.write(store_uri, archive)
+        uri, digest, size = publish.write(store_uri, archive, graph_set)
+        summary["manifest"], summary["manifest_digest"], summary["bytes"] = uri, digest, size
         d["publish_s"] = time.perf_counter() - t
         summary["published"] = True
         log(f"Published {summary['manifest']} ({summary['bytes'] / 1e6:.1f} MB)")
