@@ -257,7 +257,7 @@ def restore_into(engine: Any, archive_dir: str | Path, ip: Any = None) -> Any:
         raise RestoreRefused("compat", f"archive has no usable engine sizing: {exc}") from exc
     t_compat = time.perf_counter() - t0
     try:
-        archive = publish.read(store_uri, manifest)
+        archive = publish.read(store_uri, identity)
         table = archive_format.decode(archive.graph_table)
         for g in table.groups:
             table.chunk(g.template)
