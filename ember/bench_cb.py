@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -174,6 +175,9 @@ def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
         # A warm pod: weights loaded; the claim reaches a real standalone sidecar, which fetches and
         # verifies the archive from the store into the run dir; the engine LOADs (or captures).
         run_dir = Path(opts["work_dir"]) / f"run-{phase}"
+        # A fresh pod has an empty run dir: a status left by an earlier run would be read before
+        # this run's sidecar writes its own (it once made this phase "fall back" with a stale reason).
+        shutil.rmtree(run_dir, ignore_errors=True)
         sidecar = None
         if phase == "claim-restored":
             sidecar = subprocess.Popen(
