@@ -6,16 +6,21 @@
 //   reserve  [base + heap_size, base + size): VA-only sub-ranges handed out for callers'
 //            cuMemAddressReserve(addr=0) (PyTorch expandable segments, NCCL cuMem); the caller
 //            maps its own physical memory there.
-// Determinism: addresses depend only on the sequence of calls after arming. A freed block is
-// reused only by a later request of exactly the same rounded size, most recently freed first
-// (LIFO); anything else bumps. Async frees wait for their stream (outside capture) before the
-// block can be reused; a block freed inside a stream capture is never reused.
+// Determinism: addresses depend only on the sequence of calls after arming. Freed heap blocks
+// are coalesced with free neighbours; a request takes the smallest free block it fits in (lowest
+// address among equals), split, before the heap bumps; a free block that ends at the bump cursor
+// gives its space back to the bump. (Reuse by exact size only, as before, kept memory freed by an
+// allocator's release-and-retry on OOM out of reach of every other size: torch's retry then
+// failed where the driver alone would have succeeded.) Async frees wait for their stream
+// (outside capture) before the block can be reused; a block freed inside a stream capture is
+// never reused.
 #include "allocator.h"
 
 #include <algorithm>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <vector>
 
@@ -69,7 +74,9 @@ struct State {
   uint64_t gran = 2ull << 20;
   uint64_t base = 0, size = 0, heap_size = 0;
   uint64_t heap_cursor = 0, mapped_end = 0, resv_cursor = 0;
-  std::map<uint64_t, std::vector<uint64_t>> free_heap, free_resv;  // rounded size -> LIFO stack
+  std::map<uint64_t, uint64_t> free_heap;                 // addr -> size, coalesced
+  std::set<std::pair<uint64_t, uint64_t>> free_by_size;  // (size, addr): best fit
+  std::map<uint64_t, std::vector<uint64_t>> free_resv;    // size -> LIFO stack
   std::map<uint64_t, uint64_t> live, resv;                         // addr -> size
   std::vector<OwnedMap> owned_maps;                                // replayed window maps
   std::vector<Event> log;
@@ -308,21 +315,37 @@ static uint64_t heap_align(uint64_t size, uint64_t align) {
   return align;
 }
 
+static void free_insert(State& s, uint64_t addr, uint64_t size) {
+  s.free_heap[addr] = size;
+  s.free_by_size.insert({size, addr});
+}
+
+static void free_erase(State& s, std::map<uint64_t, uint64_t>::iterator it) {
+  s.free_by_size.erase({it->second, it->first});
+  s.free_heap.erase(it);
+}
+
+// Smallest free block that holds `rsize` bytes at an `align`ed address (lowest address among
+// blocks of one size); split, the pieces before and after stay free.
+static bool heap_reuse(State& s, uint64_t rsize, uint64_t align, uint64_t* out) {
+  for (auto it = s.free_by_size.lower_bound({rsize, 0}); it != s.free_by_size.end(); ++it) {
+    const uint64_t size = it->first, addr = it->second;
+    const uint64_t at = round_up(addr, align);
+    if (at + rsize > addr + size) continue;
+    free_erase(s, s.free_heap.find(addr));
+    if (at > addr) free_insert(s, addr, at - addr);
+    if (at + rsize < addr + size) free_insert(s, at + rsize, addr + size - (at + rsize));
+    *out = at;
+    return true;
+  }
+  return false;
+}
+
 static CUresult heap_take(State& s, uint64_t size, uint64_t align, uint64_t* out) {
   const uint64_t rsize = round_up(std::max<uint64_t>(size, 1), 512);
-  auto it = s.free_heap.find(rsize);
-  if (it != s.free_heap.end()) {
-    // Reuse only blocks that also satisfy the requested alignment (deterministic scan from the top).
-    auto& stack = it->second;
-    for (size_t k = stack.size(); k-- > 0;) {
-      if (stack[k] % align == 0) {
-        *out = stack[k];
-        stack.erase(stack.begin() + static_cast<long>(k));
-        if (stack.empty()) s.free_heap.erase(it);
-        s.live[*out] = rsize;
-        return CUDA_SUCCESS;
-      }
-    }
+  if (heap_reuse(s, rsize, align, out)) {
+    s.live[*out] = rsize;
+    return CUDA_SUCCESS;
   }
   const uint64_t addr = round_up(s.heap_cursor, align);
   if (addr + rsize > s.base + s.heap_size) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -335,11 +358,32 @@ static CUresult heap_take(State& s, uint64_t size, uint64_t align, uint64_t* out
   return CUDA_SUCCESS;
 }
 
+// Frees a live block; a reusable one joins its free neighbours (and the bump space when it
+// ends at the cursor). The memory stays mapped: it is reused, never returned to the driver.
 static bool heap_give(State& s, uint64_t addr, bool reusable) {
   auto it = s.live.find(addr);
   if (it == s.live.end()) return false;
-  if (reusable) s.free_heap[it->second].push_back(addr);
+  uint64_t start = addr, end = addr + it->second;
   s.live.erase(it);
+  if (!reusable) return true;
+  auto next = s.free_heap.lower_bound(end);
+  if (next != s.free_heap.end() && next->first == end) {
+    end += next->second;
+    free_erase(s, next);
+  }
+  auto prev = s.free_heap.lower_bound(start);
+  if (prev != s.free_heap.begin()) {
+    --prev;
+    if (prev->first + prev->second == start) {
+      start = prev->first;
+      free_erase(s, prev);
+    }
+  }
+  if (end == s.heap_cursor) {
+    s.heap_cursor = start;
+  } else {
+    free_insert(s, start, end - start);
+  }
   return true;
 }
 

@@ -1,5 +1,5 @@
 // The deterministic fixed-base layout: one VA region reserved at a fixed base, a bump heap with
-// exact-size LIFO reuse, VA sub-ranges for callers' own reservations, the event log, and
+// best-fit reuse of coalesced free blocks, VA sub-ranges for callers' own reservations, the event log, and
 // record (SAVE) / replay + divergence checks (LOAD). Hook plumbing is in memory_hooks.cpp.
 #pragma once
 

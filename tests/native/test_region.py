@@ -38,6 +38,48 @@ def test_save_mode_serves_from_the_fixed_base_and_memory_is_usable(run_py) -> No
     assert r["st"]["allocations"] == 5 and r["st"]["frees"] == 1 and r["st"]["bytes_mapped"] >= 256 << 20
 
 
+def test_freed_blocks_coalesce_split_and_return_to_the_bump(run_py) -> None:
+    out = run_py(
+        """
+        MB = 1 << 20
+        a = alloc(2 * MB); b = alloc(2 * MB); c = alloc(2 * MB); top = alloc(512)
+        free(a); free(b)                 # adjacent: one 4 MiB block
+        big = alloc(3 * MB)              # fits only in the coalesced block: no bump
+        small = alloc(512)               # the 1 MiB left after it (smallest fit), not the bump
+        free(top); after_top = alloc(2 * MB)  # fits no free block; the freed top gave its space back
+        print(json.dumps({"a": a, "b": b, "c": c, "top": top, "big": big, "small": small,
+                          "after_top": after_top}))
+        """,
+        mode="save",
+    )
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["big"] == r["a"]
+    assert r["small"] == r["a"] + (3 << 20)
+    assert r["after_top"] == r["top"]
+
+
+def test_memory_freed_by_one_size_serves_another_when_the_heap_is_full(run_py) -> None:
+    """torch's release-and-retry on OOM: free everything cached, ask for a new size. With reuse by
+    exact size only this failed although the freed memory was enough."""
+    out = run_py(
+        """
+        MB = 1 << 20
+        blocks = [alloc(20 * MB) for _ in range(3)]
+        p = ctypes.c_uint64()
+        too_big = cuda.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(50 * MB))
+        for x in blocks:
+            free(x)
+        again = cuda.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(50 * MB))
+        print(json.dumps({"too_big": too_big, "again": again, "addr": p.value, "first": blocks[0]}))
+        """,
+        mode="save",
+        env={"EMBER_HEAP_SIZE": str(64 << 20)},
+    )
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["too_big"] == 2  # CUDA_ERROR_OUT_OF_MEMORY: 60 of 64 MiB in use
+    assert r["again"] == 0 and r["addr"] == r["first"]
+
+
 SEQUENCE = """
 ps = [alloc(n) for n in (4096, 1 << 20, 5 << 20, 777, 64 << 20)]
 free(ps[1]); ps.append(alloc(1 << 20)); ps.append(alloc(123456))
