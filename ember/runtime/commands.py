@@ -30,6 +30,13 @@ ConfigOpt = Annotated[
         help="A transformers config.json: its shape, random weights (--workload picks eager or '-compile').",
     ),
 ]
+ModelOpt = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        help="A local transformers checkpoint (config.json + *.safetensors): its shape and weights.",
+    ),
+]
 StoreOpt = Annotated[
     str, typer.Option("--store", envvar="EMBER_STORE", help="Store URI (file:///... or s3://...).")
 ]
@@ -46,13 +53,22 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def make_workload(name: str, layers: int, sizes: tuple[int, ...], model_config: str | None = None) -> Any:
-    """A built-in workload by name, or (with `model_config`) a transformers config.json's shape."""
+def make_workload(
+    name: str,
+    layers: int,
+    sizes: tuple[int, ...],
+    model_config: str | None = None,
+    model_dir: str | None = None,
+) -> Any:
+    """A built-in workload by name, or (with `model_config`) a transformers config.json's shape
+    with random weights, or (with `model_dir`) a local checkpoint's shape and weights."""
     from dataclasses import replace
     from pathlib import Path
 
     from ember.runtime.workloads import DecodeWorkload, spec_from_hf_config
 
+    if model_dir:
+        model_config = str(Path(model_dir) / "config.json")
     if model_config:
         path = Path(model_config)
         try:
@@ -62,11 +78,13 @@ def make_workload(name: str, layers: int, sizes: tuple[int, ...], model_config: 
         if layers:
             spec = replace(spec, layers=layers)
         compiled = name.endswith("-compile")
+        kind = "checkpoint" if model_dir else "config"
         return DecodeWorkload(
             spec,
             compiled=compiled,
             sizes=sizes,
-            name=f"config-{spec.name}" + ("-compile" if compiled else ""),
+            name=f"{kind}-{spec.name}" + ("-compile" if compiled else ""),
+            weights=str(Path(model_dir).absolute()) if model_dir else None,
         )
     return DecodeWorkload.from_name(name, layers=layers or None, sizes=sizes)
 
@@ -90,6 +108,7 @@ def save(
     sizes: SizesOpt = "all",
     store: StoreOpt = "",
     model_config: ConfigOpt = "",
+    model: ModelOpt = "",
     job: Annotated[bool, typer.Option("--job", help="SAVE Job mode (EMBER_IDENTITY, EMBER_STORE).")] = False,
     prove_only: Annotated[
         bool, typer.Option("--prove-only", help="Capture and prove, publish nothing.")
@@ -108,7 +127,8 @@ def save(
                 raise RuntimeError("job mode needs EMBER_IDENTITY and EMBER_STORE")
             w, identity = _workload_from_identity(raw)
         else:
-            w, identity = make_workload(workload, layers, parse_sizes(sizes), model_config or None), None
+            w = make_workload(workload, layers, parse_sizes(sizes), model_config or None, model or None)
+            identity = None
             if not store and not prove_only:
                 raise RuntimeError("no store: pass --store or set EMBER_STORE (or use --prove-only)")
         out = run_save(
@@ -132,6 +152,7 @@ def load(
     sizes: SizesOpt = "all",
     store: StoreOpt = "",
     model_config: ConfigOpt = "",
+    model: ModelOpt = "",
     identity: Annotated[str, typer.Option(help="Identity hash (default: derived from the workload).")] = "",
     batch: Annotated[int, typer.Option(help="Batch size of the proving decode.")] = 8,
     verify: Annotated[
@@ -148,10 +169,12 @@ def load(
 
     ident = (
         identity
-        or identity_for(make_workload(workload, layers, parse_sizes(sizes), model_config or None)).hash()
+        or identity_for(
+            make_workload(workload, layers, parse_sizes(sizes), model_config or None, model or None)
+        ).hash()
     )
     try:
-        loaded = run_load(store, ident, log=lambda m: console.print(m))
+        loaded = run_load(store, ident, log=lambda m: console.print(m), model_dir=model or None)
     except LoadRefused as exc:
         console.print(f"[yellow]LOAD refused, capture natively: {exc.reason}[/yellow]")
         raise typer.Exit(3) from exc

@@ -93,8 +93,12 @@ def run_load(
     interposer: Interposer | None = None,
     perturb_first: bool = False,
     log: Any = print,
+    model_dir: str | None = None,
 ) -> Loaded:
-    """LOAD one archive into this process. Raises LoadRefused (caller captures natively)."""
+    """LOAD one archive into this process. Raises LoadRefused (caller captures natively).
+
+    `model_dir`: where this machine holds the checkpoint of a `--model DIR` archive (default:
+    the path SAVE read it from)."""
     import numpy as np
     import torch
 
@@ -139,10 +143,15 @@ def run_load(
         raise LoadRefused(f"libember refused the archive: {exc}") from exc
     tm["preload_start_ms"] = (time.perf_counter() - t) * 1e3
 
-    engine = archive.engine
+    engine = dict(archive.engine)
+    if model_dir:  # the checkpoint lives elsewhere on this machine than where SAVE read it
+        engine["weights"] = str(model_dir)
     t = time.perf_counter()
     workload = DecodeWorkload.from_config(engine)
-    workload.build(kv_cache_bytes=int(engine["kv_cache_bytes"]), compile_fn=False)
+    try:
+        workload.build(kv_cache_bytes=int(engine["kv_cache_bytes"]), compile_fn=False)
+    except (OSError, ValueError) as exc:  # CheckpointError included: weights missing or other shape
+        raise LoadRefused(f"model weights not usable: {exc}") from exc
     tm["build_workload_ms"] = (time.perf_counter() - t) * 1e3
     div = ip.divergence()
     if div:

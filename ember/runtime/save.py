@@ -13,10 +13,12 @@ benchmark check in other processes.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -89,9 +91,14 @@ def proof_facts(rep: ProofReport) -> dict[str, Any]:
 
 def identity_for(workload: DecodeWorkload) -> ArchiveIdentity:
     """The identity a built-in workload's archive is saved under (LOAD derives the same)."""
+    revision = f"seed-{workload.seed}-layers-{workload.spec.layers}"
+    if workload.weights:  # a local checkpoint: its config names the shape (the graphs never read
+        # weight values, only their addresses, so the weights themselves are not part of it)
+        config = (Path(workload.weights) / "config.json").read_bytes()
+        revision = f"config-{hashlib.sha256(config).hexdigest()[:16]}-layers-{workload.spec.layers}"
     return ArchiveIdentity(
         model=f"ember-workload/{workload.name}",
-        revision=f"seed-{workload.seed}-layers-{workload.spec.layers}",
+        revision=revision,
         engine=ENGINE,
         engine_version=ember.__version__,
         capture_sizes=tuple(workload.sizes),

@@ -343,8 +343,10 @@ class DecodeWorkload:
         max_len: int = DECODE_STEPS + 8,
         name: str | None = None,
         deterministic: bool = False,
+        weights: str | None = None,
     ) -> None:
         self.spec, self.compiled = spec, compiled
+        self.weights = weights  # a local checkpoint directory (`--model DIR`), else seeded random
         self.deterministic = deterministic
         self.sizes = tuple(sorted(set(sizes)))
         self.max_batch = max(self.sizes)
@@ -374,6 +376,7 @@ class DecodeWorkload:
             "seed": self.seed,
             "max_len": self.max_len,
             "deterministic": self.deterministic,
+            "weights": self.weights,
         }
 
     @classmethod
@@ -386,6 +389,7 @@ class DecodeWorkload:
             max_len=cfg["max_len"],
             name=cfg["workload"],
             deterministic=bool(cfg.get("deterministic", False)),
+            weights=cfg.get("weights"),
         )
 
     @property
@@ -416,6 +420,10 @@ class DecodeWorkload:
                     p.fill_(1.0)
                 else:
                     p.normal_(0.0, 0.02, generator=gen)
+        if self.weights:
+            from ember.runtime.checkpoint import load_into
+
+            load_into(model, self.weights, s)  # host → existing parameters: no device allocation
         self.model = model.eval()
         shape = (s.layers, self.max_batch, s.kv_heads, self.max_len, s.head_dim)  # head-major
         self.kcache = torch.zeros(shape, device=dev, dtype=self.dtype)
