@@ -326,9 +326,10 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "key enumeration complete (0 captures serving from the SAVE set)": None
         if save.get("captures_while_serving") is None
         else save["captures_while_serving"] == 0,
+        # A claim that fell back to native capture did not meet the restored goal, however fast.
         "claim -> first token <= 1 s (restored)": None
         if s["claim_to_first_token_restored_s"] is None
-        else s["claim_to_first_token_restored_s"] <= 1.0,
+        else cr.get("mode") == "restored" and s["claim_to_first_token_restored_s"] <= 1.0,
         "tokens identical restored vs native": s["tokens_identical_restored_vs_native"],
     }
     s["goals"] = goals

@@ -1,0 +1,33 @@
+"""`ember bench cb` verdicts from phase results (no GPU: the phases' JSON is given)."""
+
+from __future__ import annotations
+
+from ember.bench_cb import summarize
+
+GOAL = "claim -> first token <= 1 s (restored)"
+
+
+def _phases(mode: str, claim_s: float) -> dict[str, dict]:
+    tokens = [[1, 2, 3]]
+    return {
+        "native": {"start_to_first_token_s": 8.0, "tokens": tokens, "captures_while_serving": 8},
+        "save": {"captures_while_serving": 0, "tokens": tokens},
+        "load": {"start_to_first_token_s": 0.4, "tokens": tokens, "captures_while_serving": 0},
+        "claim-restored": {"mode": mode, "reason": "", "claim_to_first_token_s": claim_s, "tokens": tokens},
+    }
+
+
+def test_a_fast_restored_claim_meets_the_goal() -> None:
+    s = summarize(_phases("restored", 0.6))
+    assert s["goals"][GOAL] is True
+    assert s["goals"]["restored start <= 1/10 of native"] is True  # 0.4 s vs 8 s
+
+
+def test_a_claim_that_fell_back_to_native_does_not_meet_it_however_fast() -> None:
+    s = summarize(_phases("native", 0.6))
+    assert s["goals"][GOAL] is False
+    assert s["claim_restored_mode"] == "native"
+
+
+def test_a_slow_restored_claim_misses_it() -> None:
+    assert summarize(_phases("restored", 1.3))["goals"][GOAL] is False
