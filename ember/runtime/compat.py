@@ -6,7 +6,9 @@ SAVE stamps it into the manifest; LOAD compares it with the archive's before tou
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import sys
 
 from cuda.bindings import driver as cu
 
@@ -27,6 +29,20 @@ def _driver_version() -> str:
         return f"cuda-driver-api {v // 1000}.{v % 1000 // 10}"
 
 
+def _triton_version() -> str:
+    """Triton's version without importing it: `import triton` costs a LOAD process that never
+    compiles anything a few hundred milliseconds (it was most of LOAD's "read" stage)."""
+    mod = sys.modules.get("triton")
+    if mod is not None:
+        return str(getattr(mod, "__version__", ""))
+    for dist in ("triton", "pytorch-triton"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ""
+
+
 def current(engine: str = "", device: int = 0) -> CompatKey:
     """The key of the GPU this process runs on."""
     import torch
@@ -38,12 +54,6 @@ def current(engine: str = "", device: int = 0) -> CompatKey:
     attr = cu.CUdevice_attribute
     major = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cc")
     minor = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cc")
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = ""
     env = {k: os.environ[k] for k in COMPAT_ENV_VARS if k in os.environ}
     return CompatKey(
         gpu_name=name,
@@ -51,7 +61,7 @@ def current(engine: str = "", device: int = 0) -> CompatKey:
         driver=_driver_version(),
         cuda=torch.version.cuda or "",
         torch=torch.__version__,
-        triton=triton_version,
+        triton=_triton_version(),
         engine=engine,
         env=env,
     )
