@@ -30,8 +30,8 @@ def _driver_version() -> str:
 
 
 def _triton_version() -> str:
-    """Triton's version without importing it: `import triton` costs a LOAD process that never
-    compiles anything a few hundred milliseconds (it was most of LOAD's "read" stage)."""
+    """Triton's version without importing it: a LOAD process never compiles anything, and the
+    import (a large package) ran inside LOAD's timed read stage."""
     mod = sys.modules.get("triton")
     if mod is not None:
         return str(getattr(mod, "__version__", ""))
