@@ -1,0 +1,132 @@
+"""Where the sidecar's fetch time goes (loopback MinIO of `e2e/cluster.sh up`, 250 MB archive):
+one transfer manager with the sidecar's in-order hashing writer, the same without hashing
+(non-seekable and seekable targets), hashing on a separate thread, and boto3's download_file
+per blob. Runs interleaved; prints median and best seconds per variant.
+
+    python3 benchmarks/diag_fetch_variants.py [runs]
+"""
+
+import hashlib
+import os
+import queue
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from ember_sidecar.s3fetch import _ProvideSize
+from s3transfer.manager import TransferManager
+from s3transfer.subscribers import BaseSubscriber
+
+from ember.bench_fetch import _find_minio_env, sample_identity, write_bundle_archive
+from ember.store import HashingWriter, open_store
+
+env = _find_minio_env()
+os.environ.update(env)
+endpoint = env.get("EMBER_S3_ENDPOINT") or "http://127.0.0.1:19000"
+bucket = env.get("EMBER_S3_BUCKET", "ember-test")
+prefix = f"variants/{int(time.time())}"
+store = open_store(f"s3://{bucket}/{prefix}", endpoint=endpoint)
+m = write_bundle_archive(store, 250, sample_identity("variants"))
+keys = [(f"{prefix}/blobs/{b.sha256}", b.sha256, b.compressed_size) for b in m.blobs]
+client = boto3.client("s3", endpoint_url=endpoint, config=Config(s3={"addressing_style": "path"}))
+cfg = TransferConfig(
+    multipart_threshold=8 << 20, multipart_chunksize=8 << 20, max_concurrency=10, use_threads=True
+)
+
+sub = type("PS", (_ProvideSize, BaseSubscriber), {})
+
+
+class NoHash:
+    def __init__(self, path):
+        self.f = open(path, "wb", buffering=0)  # noqa: SIM115 (closed with the process: a diagnostic)
+
+    def seekable(self):
+        return False
+
+    def write(self, d):
+        v = memoryview(d)
+        while v:
+            v = v[self.f.write(v) or 0 :]
+        return len(d)
+
+
+class ThreadHash(NoHash):
+    q = None
+
+    def __init__(self, path, digest):
+        super().__init__(path)
+        self.sha = hashlib.sha256()
+        self.digest = digest
+
+    def write(self, d):
+        n = super().write(d)
+        ThreadHash.q.put((self.sha, d))
+        return n
+
+
+def hasher_loop(q):
+    while (item := q.get()) is not None:
+        item[0].update(item[1])
+
+
+def one_tm(kind, dest):
+    if kind == "thread":
+        ThreadHash.q = queue.SimpleQueue()
+        th = threading.Thread(target=hasher_loop, args=(ThreadHash.q,))
+        th.start()
+    tm = TransferManager(store.client, cfg)
+    futs = []
+    ws = []
+    for k, dg, size in keys:
+        if kind == "hash":
+            w = HashingWriter(dest / dg, dg, size)
+        elif kind == "nohash":
+            w = NoHash(dest / dg)
+        elif kind == "thread":
+            w = ThreadHash(dest / dg, dg)
+        else:
+            w = str(dest / dg)
+        ws.append(w)
+        futs.append(tm.download(bucket, k, w, subscribers=[sub(size)]))
+    for f in futs:
+        f.result()
+    for w in ws:
+        if kind == "hash":
+            w.finish("x")
+    if kind == "thread":
+        ThreadHash.q.put(None)
+        th.join()
+        assert all(w.sha.hexdigest() == w.digest for w in ws)
+    tm.shutdown()
+
+
+def plain(dest):
+    for k, dg, _size in keys:
+        client.download_file(bucket, k, str(dest / dg))
+
+
+variants = {
+    "tm+hash (sidecar)": lambda d: one_tm("hash", d),
+    "tm nohash nonseek": lambda d: one_tm("nohash", d),
+    "tm + hash thread": lambda d: one_tm("thread", d),
+    "tm seekable files": lambda d: one_tm("file", d),
+    "boto3 download_file": plain,
+}
+res = {k: [] for k in variants}
+for i in range(int(sys.argv[1]) if len(sys.argv) > 1 else 8):
+    for name, fn in variants.items() if i % 2 == 0 else reversed(list(variants.items())):
+        d = Path(tempfile.mkdtemp())
+        os.sync()
+        t = time.perf_counter()
+        fn(d)
+        res[name].append(time.perf_counter() - t)
+        shutil.rmtree(d)
+for k, v in res.items():
+    print(f"{k:22s} median {statistics.median(v):.3f} min {min(v):.3f}")
