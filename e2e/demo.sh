@@ -51,6 +51,7 @@ export EMBER_OPERATOR_STANDALONE="${EMBER_OPERATOR_STANDALONE:-true}"
 export EMBER_OPERATOR_DEFAULT_STORE="${EMBER_OPERATOR_DEFAULT_STORE:-$EMBER_STORE}"
 export EMBER_OPERATOR_DEFAULT_S3_ENDPOINT="${EMBER_OPERATOR_DEFAULT_S3_ENDPOINT:-$EMBER_S3_ENDPOINT}"
 export EMBER_OPERATOR_METRICS_PORT="${EMBER_OPERATOR_METRICS_PORT:-18080}"
+export EMBER_OPERATOR_METRICS_HOST="${EMBER_OPERATOR_METRICS_HOST:-127.0.0.1}"  # a local demo: loopback only
 if [[ -f operator/ember_operator/main.py ]]; then
   pidfile="$WORK/run/pids/operator.pid"
   if [[ -f "$pidfile" ]] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then

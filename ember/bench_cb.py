@@ -194,6 +194,8 @@ def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
                     str(run_dir),
                     "--port",
                     "0",
+                    "--host",
+                    "127.0.0.1",
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,

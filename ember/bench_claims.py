@@ -159,6 +159,7 @@ class _Bench:
             **os.environ, "KUBECONFIG": self.kubeconfig, "PYTHONUNBUFFERED": "1",
             "EMBER_OPERATOR_NAMESPACES": self.ns, "EMBER_OPERATOR_STANDALONE": "true",
             "EMBER_OPERATOR_METRICS_PORT": str(self.metrics_port),
+            "EMBER_OPERATOR_METRICS_HOST": "127.0.0.1",
             "EMBER_OPERATOR_SIDECAR_IMAGE": "registry.invalid/ember/ember:bench",
             "EMBER_OPERATOR_DEFAULT_STORE": self.store.as_uri(),
         }

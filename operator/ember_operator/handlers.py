@@ -101,7 +101,7 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | N
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(max_workers=32, thread_name_prefix="ember-reconcile")
         )
-        metrics.serve(rec.settings.metrics_port)
+        metrics.serve(rec.settings.metrics_port, rec.settings.metrics_host)
         log.info("Operator started: metrics on :%s, default store %r", rec.settings.metrics_port,
                  rec.settings.default_store)
 

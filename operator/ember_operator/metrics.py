@@ -33,6 +33,6 @@ RESTORE_FALLBACKS = Gauge(
 )
 
 
-def serve(port: int) -> None:
+def serve(port: int, host: str = "0.0.0.0") -> None:
     if port > 0:
-        start_http_server(port)
+        start_http_server(port, addr=host)

@@ -30,6 +30,7 @@ class Settings(BaseModel):
         "the namespace's default when empty.",
     )
     metrics_port: int = Field(8080, description="Prometheus metrics port (0 disables).")
+    metrics_host: str = Field("0.0.0.0", description="Address the metrics server binds (127.0.0.1 in tests).")
     liveness_endpoint: str = Field("", description="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz.")
     namespaces: str = Field("", description="Comma-separated namespaces to watch; all when empty.")
     peering_name: str = Field("ember", description="kopf peering name (leader election between replicas).")

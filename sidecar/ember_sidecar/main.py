@@ -126,11 +126,13 @@ def _main(
     identity: Annotated[str | None, typer.Option(help="Identity hash (with --store).")] = None,
     run_dir: Annotated[Path | None, typer.Option(help="Shared run directory (EMBER_RUN_DIR).")] = None,
     port: Annotated[int | None, typer.Option(help="HTTP port for probes and metrics (0 = any).")] = None,
+    host: Annotated[str | None, typer.Option(help="HTTP bind address (EMBER_SIDECAR_HOST).")] = None,
     s3_endpoint: Annotated[str | None, typer.Option(help="S3 endpoint URL (EMBER_S3_ENDPOINT).")] = None,
 ) -> None:
     """Claim, fetch and verify a graph archive and hand it to the engine (see docs/sidecar.md)."""
     settings = Settings.from_env(standalone=standalone or None, archive=archive, store=store,
-                                 identity=identity, run_dir=run_dir, port=port, s3_endpoint=s3_endpoint)
+                                 identity=identity, run_dir=run_dir, port=port, host=host,
+                                 s3_endpoint=s3_endpoint)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s [pid %(process)d] %(message)s")
     stop = threading.Event()

@@ -79,6 +79,8 @@ def _serve_with_sidecar(store: Path, identity: str, run_dir: Path) -> tuple[dict
             str(run_dir),
             "--port",
             "0",
+            "--host",
+            "127.0.0.1",
         ],
         env=env,
         stdout=subprocess.PIPE,

@@ -75,6 +75,7 @@ class OperatorProcess:
             "EMBER_OPERATOR_NAMESPACES": self.namespace,
             "EMBER_OPERATOR_STANDALONE": "true",
             "EMBER_OPERATOR_METRICS_PORT": str(self.metrics_port),
+            "EMBER_OPERATOR_METRICS_HOST": "127.0.0.1",  # test servers listen on loopback only
             "EMBER_OPERATOR_SIDECAR_IMAGE": "registry.invalid/ember/ember:test",
             "EMBER_OPERATOR_RESYNC_SECONDS": "5",
             "EMBER_OPERATOR_SAVE_BACKOFF_SECONDS": "2",

@@ -109,6 +109,7 @@ def sidecar_pod(k8s: LocalCluster, k8s_namespace: str, minio: LocalMinio, tmp_pa
         full_env = {**os.environ, **minio.env, "KUBECONFIG": str(k8s.kubeconfig),
                     "EMBER_POD_NAME": name, "EMBER_POD_NAMESPACE": k8s_namespace,
                     "EMBER_RUN_DIR": str(run_dir), "EMBER_SIDECAR_PORT": "0",
+                    "EMBER_SIDECAR_HOST": "127.0.0.1",  # test servers listen on loopback only
                     "EMBER_FETCH_RETRY_S": "2", "EMBER_S3_MAX_ATTEMPTS": "2",
                     "EMBER_S3_CONNECT_TIMEOUT": "1", "EMBER_S3_READ_TIMEOUT": "5", **env}
         if endpoint:

@@ -29,7 +29,8 @@ def start(run_dir: Path, *args: str, **env: str) -> subprocess.Popen[str]:
     full_env = {**os.environ, "EMBER_LOG_LEVEL": "DEBUG", **env}
     full_env.pop("KUBERNETES_SERVICE_HOST", None)
     return subprocess.Popen(
-        [sys.executable, "-m", "ember_sidecar.main", "--run-dir", str(run_dir), "--port", "0", *args],
+        [sys.executable, "-m", "ember_sidecar.main", "--run-dir", str(run_dir), "--port", "0",
+         "--host", "127.0.0.1", *args],  # test servers listen on loopback only
         env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 

@@ -319,6 +319,8 @@ def _sidecar(run_dir: Path, *args: str) -> subprocess.Popen[str]:
             str(run_dir),
             "--port",
             "0",
+            "--host",
+            "127.0.0.1",
             "--standalone",
             *args,
         ],
