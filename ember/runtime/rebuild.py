@@ -101,9 +101,7 @@ def prepare(graph: Graph, functions: list[int], ctx: Any, memset_ctx: Any = None
     ops: list[tuple[Any, ...]] = []
     a_off = p_off = k = at_off = 0
     pack = KERNEL_PARAMS.pack_into
-    structs_mv = memoryview(structs)
-    arena_mv = memoryview(arena)
-    attr_mv = memoryview(attr_buf)
+    structs_mv, arena_mv, attr_mv = structs.data, arena.data, attr_buf.data  # writable views
     for idx, node in enumerate(graph.nodes):
         t = node.type
         if t == NodeType.KERNEL:
@@ -185,7 +183,7 @@ def prepare(graph: Graph, functions: list[int], ctx: Any, memset_ctx: Any = None
     )
 
 
-def build(prep: PreparedGraph, ctx: Any, events: list[Any]) -> Any:
+def build(prep: PreparedGraph, ctx: Any, events: Any) -> Any:
     """Create the CUgraph of a prepared graph (driver calls; one thread).
 
     Edge data is read back after the edges are added; if the driver dropped it, the graph is
@@ -221,7 +219,7 @@ def edge_strategy() -> str:
     return EDGE_STRATEGIES[_edge_strategy[0]]
 
 
-def _fill(g: Any, prep: PreparedGraph, ctx: Any, events: list[Any], strategy: str) -> None:
+def _fill(g: Any, prep: PreparedGraph, ctx: Any, events: Any, strategy: str) -> None:
     # Kernel nodes (nearly all of them) go straight to the driver's C entry points with the
     # structs prepare() packed: a cuda.bindings call per node costs several times the driver's
     # own work on 2,000-node graphs.

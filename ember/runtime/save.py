@@ -187,7 +187,7 @@ def run_save(
     # Reference results for other processes, computed with the NATIVE graphs.
     t = time.perf_counter()
     native = lambda k: workload.graphs[k].replay()  # noqa: E731
-    keys = [(b,) for b in workload.sizes]
+    keys: list[tuple[int, ...]] = [(b,) for b in workload.sizes]
     prints = replay_fingerprints(workload, native, keys, lambda k: list(workload.outs[k]))
     traces = {str(b): decode_trace(workload, native, b) for b in DECODE_CHECK_BATCHES if b in workload.sizes}
     decode_ref = {b: tr["sha256"] for b, tr in traces.items()}
