@@ -227,10 +227,11 @@ def _fill(g: Any, prep: PreparedGraph, ctx: Any, events: Any, strategy: str) -> 
     append = nodes.append
     out = ctypes.c_uint64(0)
     out_ref = ctypes.byref(out)
+    if any(op[0] == OP_KERNEL for op in prep.ops):
+        add_kernel, set_attr = driver.kernel_node_fns()
     for i, op in enumerate(prep.ops):
         code = op[0]
         if code == OP_KERNEL:
-            add_kernel, set_attr = driver.kernel_node_fns()
             rc = add_kernel(out_ref, int(g), None, 0, op[1])
             if rc != 0:
                 raise RebuildError(f"graph {prep.key}: node {i}: kernel node not added: {_err_name(rc)}")
