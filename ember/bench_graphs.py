@@ -129,20 +129,10 @@ def _child(role: str, args: dict[str, Any], env: dict[str, str], timeout: float)
 def _save_child(
     workload: str, layers: int, sizes: str, store: str, env: dict[str, str], timeout: float
 ) -> dict[str, Any]:
-    cmd = [
-        sys.executable,
-        "-c",
-        "import sys; from ember.cli import app; sys.argv[0]='ember'; app()",
-        "save",
-        "--workload",
-        workload,
-        "--layers",
-        str(layers),
-        "--sizes",
-        sizes,
-        "--store",
-        store,
-    ]
+    from ember.runtime.session import ember_argv
+
+    args = ["--workload", workload, "--layers", str(layers), "--sizes", sizes, "--store", store]
+    cmd = ember_argv("save", *args)
     proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
     sys.stderr.write(proc.stderr[-4000:])
     if proc.returncode != 0:

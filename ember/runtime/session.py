@@ -78,15 +78,16 @@ def preload_env(mode: str, env: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def ember_argv(*args: str) -> list[str]:
+    """argv that runs `ember <args>` with this interpreter (no console script needed)."""
+    run = "import sys; from ember.cli import app; sys.argv[0] = 'ember'; app()"
+    return [sys.executable, "-c", run, *args]
+
+
 def reexec_under_libember(mode: str) -> None:
     """Replace this process with itself under libember (no-op when already preloaded)."""
     if preloaded() and os.environ.get("EMBER_MODE") == mode:
         return
     env = preload_env(mode)
-    argv = [
-        sys.executable,
-        "-c",
-        "import sys; from ember.cli import app; sys.argv[0] = 'ember'; app()",
-        *sys.argv[1:],
-    ]
+    argv = ember_argv(*sys.argv[1:])
     os.execve(sys.executable, argv, env)

@@ -65,22 +65,10 @@ def test_save_then_load_in_fresh_perturbed_process(workload: str, store: str) ->
 
 
 def _save(workload: str, store: str) -> str:
-    from ember.runtime.session import preload_env
+    from ember.runtime.session import ember_argv, preload_env
 
-    cmd = [
-        sys.executable,
-        "-c",
-        "import sys; from ember.cli import app; sys.argv[0]='ember'; app()",
-        "save",
-        "--workload",
-        workload,
-        "--layers",
-        str(LAYERS),
-        "--sizes",
-        SIZES,
-        "--store",
-        store,
-    ]
+    args = ["--workload", workload, "--layers", str(LAYERS), "--sizes", SIZES, "--store", store]
+    cmd = ember_argv("save", *args)
     p = subprocess.run(cmd, env=preload_env("save", _env()), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout[p.stdout.index("{") :])["identity"]
