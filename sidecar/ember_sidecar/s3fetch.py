@@ -29,10 +29,12 @@ class BlobTruncated(BlobWrongSize):
 
 
 class _ProvideSize:
-    """s3transfer subscriber: the size is known from the manifest, so no HeadObject is sent."""
+    """s3transfer subscriber: the size is known from the manifest, so no HeadObject is sent;
+    `done` is set when the transfer ends (the waiting loop wakes at once, not at its next poll)."""
 
     def __init__(self, size: int) -> None:
         self.size = size
+        self.done = threading.Event()
 
     def on_queued(self, future: Any, **kwargs: Any) -> None:
         future.meta.provide_transfer_size(self.size)
@@ -41,7 +43,7 @@ class _ProvideSize:
         pass
 
     def on_done(self, future: Any, **kwargs: Any) -> None:
-        pass
+        self.done.set()
 
 
 def fetch_blobs(
@@ -66,6 +68,7 @@ def fetch_blobs(
                             max_concurrency=concurrency, use_threads=True)
     subscriber = type("ProvideSize", (_ProvideSize, BaseSubscriber), {})
     writers: list[HashingWriter] = []
+    subscribers: list[_ProvideSize] = []
     tm = TransferManager(store.client, config)
     cancelled = False
     futures: list[Any] = []
@@ -73,11 +76,12 @@ def fetch_blobs(
         for digest, size in blobs.items():
             w = HashingWriter(dest_dir / digest, digest, size)
             writers.append(w)
+            subscribers.append(subscriber(size))
             futures.append(tm.download(store.bucket, store._blob_key(digest), w,
-                                       subscribers=[subscriber(size)]))
-        for w, fut in zip(writers, futures, strict=True):
-            while not fut.done():  # wake up for a cancel while ranges are in flight
-                if cancel.wait(0.05):
+                                       subscribers=[subscribers[-1]]))
+        for w, sub, fut in zip(writers, subscribers, futures, strict=True):
+            while not sub.done.wait(0.05) and not fut.done():  # wake up for a cancel meanwhile
+                if cancel.is_set():
                     cancelled = True
                     raise Cancelled()
             try:
