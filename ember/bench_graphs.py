@@ -107,6 +107,7 @@ def role_load(args: dict[str, Any]) -> dict[str, Any]:
         w, loaded.launch, [tuple(k) for k in lib.keys], lambda k: loaded.outputs[k]
     )
     out["saved_decode_sha256"] = loaded.archive.engine.get("decode_sha256", {})
+    out["saved_fingerprints"] = loaded.archive.engine.get("fingerprints", {})
     out["saved_decode_steps"] = loaded.archive.engine.get("decode_steps", {})
     from ember.runtime.rebuild import edge_strategy
 
@@ -208,6 +209,13 @@ def bench_one(workload: str, layers: int, sizes: str, store: str, timeout: float
     res["outputs_identical_vs_save"] = loaded["replay"]
     nf, lf = native["fingerprints"], loaded["fingerprints"]
     res["outputs_identical_vs_native"] = sum(nf.get(k) == v for k, v in lf.items())
+    # Control for outputs_identical_vs_save: do two NATIVE processes (this run's and SAVE's)
+    # agree? A key where they do not is native nondeterminism across processes, not a restore fault.
+    sf = loaded.get("saved_fingerprints", {})
+    res["outputs_control_native_vs_save"] = {
+        "identical": sum(sf.get(k) == v for k, v in nf.items()),
+        "differ": [k for k, v in nf.items() if sf.get(k) != v][:10],
+    }
     return res
 
 
@@ -292,7 +300,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "| workload | graphs | groups | native_capture_s | load_ms | native/load | switch p50/p99 ms | "
         "TPOT native/restored ms (B) | tokens identical (B) | control: native = native | "
-        "outputs = SAVE | bitwise / in spread | archive MB |",
+        "outputs = SAVE (control: native = SAVE) | bitwise / in spread | archive MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
@@ -320,7 +328,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"{_yn(r['tokens_identical'])} | "
             f"{_yn(r.get('tokens_control_native_vs_save', {}))}, repeat "
             f"{_yn(r.get('tokens_control_native_repeat', {}))} | "
-            f"{rep['identical']}/{rep['graphs']} | "
+            f"{rep['identical']}/{rep['graphs']} "
+            f"({r.get('outputs_control_native_vs_save', {}).get('identical', '?')}/{rep['graphs']}) | "
             f"{r.get('bitwise_proven')} / {r.get('within_native_spread')} | "
             f"{r['archive_bytes'] / 1e6:.1f} |"
         )

@@ -59,9 +59,39 @@ _STATUS = {
     -8: "driver error",
     -9: "no CUDA driver",
     -10: "malformed input",
+    -11: "edge data not kept by the driver",
 }
 EMBER_ERANGE = -6
 EMBER_EDIVERGED = -4
+EMBER_EEDGES = -11
+BUILD_INSTANTIATE = 1
+
+
+class GraphDesc(ctypes.Structure):
+    """struct ember_graph_desc (include/ember.h): one graph for `Interposer.build_graphs`."""
+
+    _fields_ = [
+        ("nodes", ctypes.c_uint32),
+        ("edges", ctypes.c_uint32),
+        ("ops", ctypes.c_void_p),
+        ("args", ctypes.c_void_p),
+        ("attr_start", ctypes.c_void_p),
+        ("attr_count", ctypes.c_void_p),
+        ("attr_ids", ctypes.c_void_p),
+        ("attr_values", ctypes.c_void_p),
+        ("edge_src", ctypes.c_void_p),
+        ("edge_dst", ctypes.c_void_p),
+        ("edge_data", ctypes.c_void_p),
+        ("flags", ctypes.c_uint32),
+        ("status", ctypes.c_int32),
+        ("failed_node", ctypes.c_int32),
+        ("cu_result", ctypes.c_uint32),
+        ("graph", ctypes.c_uint64),
+        ("exec", ctypes.c_uint64),
+        ("build_ns", ctypes.c_uint64),
+        ("instantiate_ns", ctypes.c_uint64),
+        ("error", ctypes.c_char * 240),
+    ]
 
 
 class EmberError(RuntimeError):
@@ -102,6 +132,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ember_stats_json": [c.c_char_p, c.c_size_t, szp],
         "ember_image_size": [c.c_void_p, c.c_size_t, c.POINTER(c.c_int), szp],
         "ember_hash_hex": [c.c_void_p, c.c_size_t, c.c_char_p, c.c_size_t],
+        "ember_build_graphs": [c.c_uint64, c.c_void_p, c.c_size_t, c.c_int],
     }
     for name, args in sigs.items():
         fn = getattr(lib, name)
@@ -228,6 +259,14 @@ class Interposer:
         out = ctypes.c_uint64()
         self._check(self._lib.ember_function(hash.encode(), name.encode(), ctypes.byref(out)), "function")
         return out.value
+
+    def build_graphs(self, ctx: int, descs: ctypes.Array[GraphDesc], threads: int) -> int:
+        """ember_build_graphs; returns its status (each desc says how its graph went). Raises
+        only when the call itself is unusable (no driver, bad arguments)."""
+        rc = self._lib.ember_build_graphs(ctx, ctypes.addressof(descs), len(descs), threads)
+        if rc in (-1, -9) and all(d.status == 0 and d.graph == 0 for d in descs):
+            self._check(rc, "build_graphs")
+        return int(rc)
 
     def stats(self) -> dict[str, Any]:
         return json.loads(self._bytes(self._lib.ember_stats_json, what="stats"))

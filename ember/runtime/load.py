@@ -121,13 +121,17 @@ def run_load(
         manifest = publish.read_manifest(store_uri, identity_hash)
     except Exception as exc:
         raise LoadRefused(f"archive not readable: {exc}") from exc
+    tm["read_manifest_ms"] = (time.perf_counter() - t) * 1e3
     problems = compat.check_compat(manifest.compat, compat.current(ENGINE))
+    tm["read_compat_ms"] = (time.perf_counter() - t) * 1e3 - tm["read_manifest_ms"]
     if problems:
         raise LoadRefused("compatibility key differs: " + "; ".join(problems))
     if manifest.engine.get("in_process_only"):
         raise LoadRefused("archive was saved without libember (in-process only)")
     try:
+        t_blobs = time.perf_counter()
         archive = publish.read(store_uri, identity_hash)
+        tm["read_blobs_ms"] = (time.perf_counter() - t_blobs) * 1e3
         table = archive_format.decode(archive.graph_table)
         for g in table.groups:
             table.chunk(g.template)
@@ -194,6 +198,8 @@ def run_load(
         templates_prepare_ms=lt.prepare_ms,
         templates_build_ms=lt.build_ms,
         templates_instantiate_ms=lt.instantiate_ms,
+        templates_native_ms=lt.native_ms,
+        templates_threads=lt.threads,
         function_attrs_ms=lt.function_attrs_ms,
     )
     if archive.rng_state:

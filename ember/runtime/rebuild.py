@@ -61,14 +61,31 @@ _edge_strategy = [0]
 
 
 @dataclass
+class NodeArrays:
+    """A graph's nodes as ember_build_graphs takes them (include/ember.h): an op code and an
+    argument per node (struct address; for events the event INDEX, resolved at build time),
+    kernel attributes as (id, value address) ranges; `objects` holds the memset/memcpy structs
+    by node index (the Python path passes the objects, the native path their addresses)."""
+
+    codes: np.ndarray  # uint8
+    args: np.ndarray  # uint64
+    attr_start: np.ndarray  # uint32 per node
+    attr_count: np.ndarray  # uint32 per node
+    attr_ids: np.ndarray  # uint32
+    attr_values: np.ndarray  # uint64
+    objects: dict[int, Any] = field(default_factory=dict)
+
+
+@dataclass
 class PreparedGraph:
     key: tuple[int, ...]
-    ops: list[tuple[Any, ...]]
-    edge_src: list[int]
-    edge_dst: list[int]
+    ops: list[tuple[Any, ...]]  # empty when `arrays` is given: derived on demand (ops_of)
+    edge_src: Any  # node indices (list or uint32 array)
+    edge_dst: Any
     edge_data: bytes | None  # CUgraphEdgeData array (8 bytes per edge); None when all are default
     keepalive: list[Any] = field(default_factory=list)
     nodes: int = 0
+    arrays: NodeArrays | None = None
 
 
 def pack_arguments(params: KernelParams) -> tuple[bytes, tuple[int, ...]]:
@@ -183,6 +200,143 @@ def prepare(graph: Graph, functions: list[int], ctx: Any, memset_ctx: Any = None
     )
 
 
+def ops_of(prep: PreparedGraph) -> list[tuple[Any, ...]]:
+    """The Python path's op list (derived from the arrays of a table-prepared graph)."""
+    if prep.ops or prep.arrays is None:
+        return prep.ops
+    a = prep.arrays
+    ops: list[tuple[Any, ...]] = []
+    ids, vals = a.attr_ids.tolist(), a.attr_values.tolist()
+    for i, (code, arg, s0, n) in enumerate(
+        zip(a.codes.tolist(), a.args.tolist(), a.attr_start.tolist(), a.attr_count.tolist(), strict=True)
+    ):
+        if code == OP_KERNEL:
+            ops.append((OP_KERNEL, arg, list(zip(ids[s0 : s0 + n], vals[s0 : s0 + n], strict=True))))
+        elif code in (OP_MEMSET, OP_MEMCPY):
+            ops.append((code, a.objects[i]))
+        elif code in (OP_RECORD, OP_WAIT):
+            ops.append((code, arg))
+        else:
+            ops.append((code,))
+    prep.ops = ops
+    return ops
+
+
+def arrays_of(prep: PreparedGraph) -> NodeArrays | None:
+    """The native path's arrays (derived from the op list of a Graph-prepared graph); None when
+    the graph has child graphs (the native builder does not nest: the Python path builds those)."""
+    if prep.arrays is not None:
+        return prep.arrays
+    n = len(prep.ops)
+    codes = np.zeros(n, dtype=np.uint8)
+    args = np.zeros(n, dtype=np.uint64)
+    start = np.zeros(n, dtype=np.uint32)
+    count = np.zeros(n, dtype=np.uint32)
+    ids: list[int] = []
+    vals: list[int] = []
+    objects: dict[int, Any] = {}
+    for i, op in enumerate(prep.ops):
+        code = op[0]
+        if code == OP_CHILD:
+            return None
+        codes[i] = code
+        if code == OP_KERNEL:
+            args[i] = op[1]
+            start[i], count[i] = len(ids), len(op[2])
+            for a, v in op[2]:
+                ids.append(a)
+                vals.append(v)
+        elif code in (OP_MEMSET, OP_MEMCPY):
+            objects[i] = op[1]
+            args[i] = int(op[1].getPtr())
+        elif code in (OP_RECORD, OP_WAIT):
+            args[i] = op[1]
+    attr_ids, attr_values = np.asarray(ids, dtype=np.uint32), np.asarray(vals, dtype=np.uint64)
+    prep.arrays = NodeArrays(codes, args, start, count, attr_ids, attr_values, objects)
+    return prep.arrays
+
+
+def native_threads() -> int:
+    """Worker threads for ember_build_graphs: EMBER_BUILD_THREADS, else up to 8 (one per core)."""
+    import os
+
+    env = os.environ.get("EMBER_BUILD_THREADS", "")
+    return max(1, int(env)) if env.isdigit() else max(1, min(8, os.cpu_count() or 1))
+
+
+def build_native(
+    preps: list[PreparedGraph], ctx: Any, events: Any, *, instantiate: bool, threads: int | None = None,
+    interposer: Any = None,
+) -> tuple[list[tuple[Any, Any] | None], dict[str, float]]:
+    """Build (and instantiate) graphs with libember's ember_build_graphs on worker threads.
+
+    Returns per graph (CUgraph, CUgraphExec or None), or None where the Python path must build
+    it (child graphs, edge data this driver drops with this strategy, no libember here), and
+    timings {"wall_ms", "build_cpu_ms", "instantiate_cpu_ms", "threads"}. A graph the driver
+    refuses for any other reason raises RebuildError (libember kept nothing of the batch)."""
+    import time
+
+    from ember import native
+
+    ip = interposer or _interposer()
+    out: list[tuple[Any, Any] | None] = [None] * len(preps)
+    todo = [(i, p, arrays_of(p)) for i, p in enumerate(preps)] if ip is not None else []
+    todo = [(i, p, a) for i, p, a in todo if a is not None]
+    timings = {"wall_ms": 0.0, "build_cpu_ms": 0.0, "instantiate_cpu_ms": 0.0, "threads": 0.0}
+    if not todo:
+        return out, timings
+    descs = (native.GraphDesc * len(todo))()
+    keep: list[Any] = []
+    for d, (_, p, a) in zip(descs, todo, strict=True):
+        args = a.args
+        if (a.codes == OP_RECORD).any() or (a.codes == OP_WAIT).any():
+            args = args.copy()
+            for j in np.nonzero((a.codes == OP_RECORD) | (a.codes == OP_WAIT))[0].tolist():
+                args[j] = int(events[int(a.args[j])])
+        src = np.ascontiguousarray(p.edge_src, dtype=np.uint32)
+        dst = np.ascontiguousarray(p.edge_dst, dtype=np.uint32)
+        data = np.frombuffer(p.edge_data, dtype=np.uint8) if p.edge_data else None
+        keep += [args, src, dst, data]
+        d.nodes, d.edges = len(a.codes), len(src)
+        d.ops, d.args = a.codes.ctypes.data, args.ctypes.data
+        d.attr_start, d.attr_count = a.attr_start.ctypes.data, a.attr_count.ctypes.data
+        d.attr_ids = a.attr_ids.ctypes.data if len(a.attr_ids) else None
+        d.attr_values = a.attr_values.ctypes.data if len(a.attr_values) else None
+        d.edge_src, d.edge_dst = src.ctypes.data, dst.ctypes.data
+        d.edge_data = data.ctypes.data if data is not None else None
+        d.flags = native.BUILD_INSTANTIATE if instantiate else 0
+    n_threads = threads or native_threads()
+    t = time.perf_counter()
+    ip.build_graphs(int(ctx) if ctx is not None else 0, descs, n_threads)
+    timings.update(wall_ms=(time.perf_counter() - t) * 1e3, threads=float(n_threads))
+    for d, (i, p, _) in zip(descs, todo, strict=True):
+        timings["build_cpu_ms"] += d.build_ns / 1e6
+        timings["instantiate_cpu_ms"] += d.instantiate_ns / 1e6
+        if d.status == 0 and d.graph:
+            out[i] = (cu.CUgraph(d.graph), cu.CUgraphExec(d.exec) if d.exec else None)
+        elif d.status not in (0, native.EMBER_EEDGES):  # libember destroyed the whole batch
+            node = f"node {d.failed_node}: " if d.failed_node >= 0 else ""
+            raise RebuildError(f"graph {p.key}: {node}{d.error.decode(errors='replace')}")
+    del keep
+    return out, timings
+
+
+_INTERPOSER: list[Any] = []
+
+
+def _interposer() -> Any:
+    """libember's control API in this process, or None when the library is not to be found
+    (or predates ember_build_graphs): the Python path builds then."""
+    if not _INTERPOSER:
+        from ember import native
+
+        try:
+            _INTERPOSER.append(native.Interposer.attach())
+        except (OSError, AttributeError):
+            _INTERPOSER.append(None)
+    return _INTERPOSER[0]
+
+
 def build(prep: PreparedGraph, ctx: Any, events: Any) -> Any:
     """Create the CUgraph of a prepared graph (driver calls; one thread).
 
@@ -227,9 +381,10 @@ def _fill(g: Any, prep: PreparedGraph, ctx: Any, events: Any, strategy: str) -> 
     append = nodes.append
     out = ctypes.c_uint64(0)
     out_ref = ctypes.byref(out)
-    if any(op[0] == OP_KERNEL for op in prep.ops):
+    ops = ops_of(prep)
+    if any(op[0] == OP_KERNEL for op in ops):
         add_kernel, set_attr = driver.kernel_node_fns()
-    for i, op in enumerate(prep.ops):
+    for i, op in enumerate(ops):
         code = op[0]
         if code == OP_KERNEL:
             rc = add_kernel(out_ref, int(g), None, 0, op[1])
@@ -421,6 +576,14 @@ _KP_DT = np.dtype(
     ]
 )
 assert _KP_DT.itemsize == KERNEL_PARAMS.size
+_OP_OF_TYPE = {
+    int(NodeType.KERNEL): OP_KERNEL,
+    int(NodeType.MEMSET): OP_MEMSET,
+    int(NodeType.MEMCPY): OP_MEMCPY,
+    int(NodeType.EMPTY): OP_EMPTY,
+    int(NodeType.EVENT_RECORD): OP_RECORD,
+    int(NodeType.WAIT_EVENT): OP_WAIT,
+}
 
 
 class _AttrSets:
@@ -504,30 +667,51 @@ def prepare_from_table(
     slot_addr = ptr_base + starts.astype(np.uint64) * np.uint64(8)
     st["kp"] = np.where(has_lay & (counts > 0), slot_addr, 0)
     st["extra"] = np.where(is_extra, slot_addr, 0)
-    sbase = st.ctypes.data
-    size = KERNEL_PARAMS.size
-    attr_of = [attr_sets.get(int(a)) for a in krows["attrs"].tolist()]
-    ops: list[tuple[Any, ...]] = []
-    k = 0
-    for t, ref in zip(types.tolist(), refs.tolist(), strict=True):
-        if t == NodeType.KERNEL:
-            ops.append((OP_KERNEL, sbase + k * size, attr_of[k]))
-            k += 1
-        elif t == NodeType.MEMSET:
+    n = len(types)
+    codes = np.full(n, 255, dtype=np.uint8)
+    for node_type, op in _OP_OF_TYPE.items():
+        codes[types == node_type] = op
+    if (codes == 255).any():
+        bad = int(types[np.argmax(codes == 255)])
+        raise RebuildError(f"graph {key}: node type {bad} cannot be rebuilt")
+    args = np.zeros(n, dtype=np.uint64)
+    args[kmask] = np.uint64(st.ctypes.data) + np.arange(nk, dtype=np.uint64) * np.uint64(KERNEL_PARAMS.size)
+    objects: dict[int, Any] = {}
+    for j in np.nonzero(~kmask)[0].tolist():
+        t, ref = int(types[j]), int(refs[j])
+        if t == NodeType.MEMSET:
             dst, pitch, value, es, w, h = c.mset[ref].tolist()
-            ops.append((OP_MEMSET, _memset(MemsetParams(dst, pitch, value, es, w, h))))
+            objects[j] = _memset(MemsetParams(dst, pitch, value, es, w, h))
         elif t == NodeType.MEMCPY:
-            dst, src, n = c.mcpy[ref].tolist()
-            ops.append((OP_MEMCPY, _memcpy(MemcpyParams(dst, src, n))))
-        elif t == NodeType.EMPTY:
-            ops.append((OP_EMPTY,))
+            dst, src, nbytes = c.mcpy[ref].tolist()
+            objects[j] = _memcpy(MemcpyParams(dst, src, nbytes))
         elif t in (NodeType.EVENT_RECORD, NodeType.WAIT_EVENT):
-            ops.append((OP_RECORD if t == NodeType.EVENT_RECORD else OP_WAIT, int(ref)))
-        else:
-            raise RebuildError(f"graph {key}: node type {t} cannot be rebuilt")
+            args[j] = ref  # the event index; build resolves it to this process's CUevent
+        if j in objects:
+            args[j] = int(objects[j].getPtr())
+    # Kernel attributes: each distinct attribute set once, every kernel node a range into it.
+    attr_start = np.zeros(n, dtype=np.uint32)
+    attr_count = np.zeros(n, dtype=np.uint32)
+    ids: list[int] = []
+    vals: list[int] = []
+    if nk:
+        sets, inverse = np.unique(krows["attrs"], return_inverse=True)
+        set_start, set_count = [], []
+        for set_index in sets.tolist():
+            pairs = attr_sets.get(int(set_index))
+            set_start.append(len(ids))
+            set_count.append(len(pairs))
+            ids += [a for a, _ in pairs]
+            vals += [v for _, v in pairs]
+        attr_start[kmask] = np.asarray(set_start, dtype=np.uint32)[inverse]
+        attr_count[kmask] = np.asarray(set_count, dtype=np.uint32)[inverse]
+    arrays = NodeArrays(
+        codes, args, attr_start, attr_count,
+        np.asarray(ids, dtype=np.uint32), np.asarray(vals, dtype=np.uint64), objects,
+    )
     e = table.edges(i)
     e = e[np.argsort(e["dst"], kind="stable")]  # as prepare(): grouped by destination, stable
-    src, dst = e["src"].tolist(), e["dst"].tolist()
+    src, dst = e["src"].astype(np.uint32), e["dst"].astype(np.uint32)
     data = None
     nondefault = (e["type"] != 0) | (e["from_port"] != 0) | (e["to_port"] != 0)
     if nondefault.any():
@@ -536,12 +720,13 @@ def prepare_from_table(
         data = packed.tobytes()
     return PreparedGraph(
         key=key,
-        ops=ops,
+        ops=[],
         edge_src=src,
         edge_dst=dst,
         edge_data=data,
         keepalive=[st, ptrs, c, bpol],
-        nodes=len(types),
+        nodes=n,
+        arrays=arrays,
     )
 
 

@@ -23,6 +23,7 @@ enum ember_status {
   EMBER_EDRIVER = -8,    /* a driver call failed (its CUresult is in the message) */
   EMBER_ENODRIVER = -9,  /* no CUDA driver in this process */
   EMBER_EFORMAT = -10,   /* malformed input (log, image) */
+  EMBER_EEDGES = -11,    /* the driver did not keep the edge data it was given */
 };
 
 int ember_abi_version(void);
@@ -56,6 +57,55 @@ int ember_stats_json(char* buf, size_t cap, size_t* needed);
 int ember_image_size(const void* image, size_t limit, int* kind, size_t* size);
 /* The content hash ember keys images by (64-bit, hex). */
 int ember_hash_hex(const void* data, size_t len, char* out, size_t cap);
+
+
+/* ---- graph construction (LOAD's templates; see docs/native.md) ----
+ * One graph: its nodes in order, each an op and an argument,
+ *   EMBER_OP_KERNEL  arg = address of a CUDA_KERNEL_NODE_PARAMS (v2); attributes
+ *                    attr_ids/attr_values[attr_start[i] .. attr_start[i] + attr_count[i]]
+ *                    (values: addresses of CUlaunchAttributeValue)
+ *   EMBER_OP_MEMSET  arg = address of a CUDA_MEMSET_NODE_PARAMS
+ *   EMBER_OP_MEMCPY  arg = address of a CUDA_MEMCPY3D
+ *   EMBER_OP_EMPTY   arg unused
+ *   EMBER_OP_RECORD, EMBER_OP_WAIT   arg = CUevent
+ * and its edges (node indices) with 8 bytes of CUgraphEdgeData each, or edge_data NULL when all
+ * are default edges. Non-default edges are added one per call, first, then the default edges in
+ * one call (a mixed call dropped the edge data on driver 580); when any edge is non-default the
+ * edges are read back and compared: a difference is EMBER_EEDGES. Everything the arguments point
+ * to must stay alive until the call returns (the driver copies it). */
+enum ember_op { EMBER_OP_KERNEL = 0, EMBER_OP_MEMSET, EMBER_OP_MEMCPY, EMBER_OP_EMPTY,
+                EMBER_OP_RECORD, EMBER_OP_WAIT };
+enum { EMBER_BUILD_INSTANTIATE = 1 };
+
+typedef struct ember_graph_desc {
+  uint32_t nodes;
+  uint32_t edges;
+  const uint8_t* ops;
+  const uint64_t* args;
+  const uint32_t* attr_start; /* per node; NULL when no node has attributes */
+  const uint32_t* attr_count;
+  const uint32_t* attr_ids;
+  const uint64_t* attr_values;
+  const uint32_t* edge_src;
+  const uint32_t* edge_dst;
+  const uint8_t* edge_data;   /* 8 bytes per edge, or NULL */
+  uint32_t flags;             /* EMBER_BUILD_INSTANTIATE: also instantiate (flags 0) */
+  /* results */
+  int32_t status;             /* EMBER_OK or an ember_status */
+  int32_t failed_node;        /* the node a failure names, -1 for the graph as a whole */
+  uint32_t cu_result;         /* the CUresult of a failed driver call */
+  uint64_t graph;             /* CUgraph (the caller destroys it) */
+  uint64_t exec;              /* CUgraphExec when instantiated (the caller destroys it) */
+  uint64_t build_ns;
+  uint64_t instantiate_ns;
+  char error[240];
+} ember_graph_desc;
+
+/* Builds `n` graphs on up to `threads` worker threads (each made current on `ctx`, a CUcontext).
+ * Returns EMBER_OK when every graph was built, else the first failing graph's status; each desc
+ * says how it went. A graph whose edge data the driver dropped (EMBER_EEDGES) fails alone; any
+ * other failure fails the batch: then no desc holds a graph or exec (all were destroyed). */
+int ember_build_graphs(uint64_t ctx, ember_graph_desc* graphs, size_t n, int threads);
 
 #ifdef __cplusplus
 }

@@ -434,3 +434,130 @@ EXPORT void* standin_sym(const char* name) {
     if (!strcmp(table[i].sym, name)) return table[i].fn;
   return NULL;
 }
+
+/* ---- graphs: just enough for ember_build_graphs (nodes in order, attributes, edges with edge
+ * data). STANDIN_MIXED_EDGES_DROP_DATA=1 drops the edge data of a multi-edge cuGraphAddDependencies
+ * call (as driver 580 did); STANDIN_EDGES_DROP_DATA=1 drops it always. Each built graph's nodes
+ * and edges can be read back as text with standin_graph_dump. */
+struct snode { int type; uint64_t func; unsigned grid[3], block[3], smem; int nattr; int attr[8]; uint64_t arg; };
+struct sedge { int src, dst; CUgraphEdgeData d; };
+struct sgraph { struct snode* nodes; int n, cap; struct sedge* edges; int ne, ecap; };
+static int node_index(struct sgraph* g, CUgraphNode node) {
+  intptr_t v = (intptr_t)node;
+  return (v >> 20) == ((intptr_t)g & 0xfffff) + 1 ? (int)(v & 0xfffff) - 1 : -1;
+}
+static CUgraphNode node_handle(struct sgraph* g, int i) {
+  return (CUgraphNode)((((intptr_t)g & 0xfffff) + 1) << 20 | (i + 1));
+}
+/* attribute calls name only the node: it belongs to the graph this thread adds nodes to */
+static __thread struct sgraph* cur_graph;
+EXPORT CUresult cuGraphCreate(CUgraph* out, unsigned flags) {
+  struct sgraph* g = calloc(1, sizeof *g);
+  *out = (CUgraph)g;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphDestroy(CUgraph h) {
+  struct sgraph* g = (struct sgraph*)h;
+  free(g->nodes); free(g->edges); free(g);
+  return CUDA_SUCCESS;
+}
+static CUresult add_node(CUgraphNode* out, CUgraph h, size_t ndeps, struct snode n) {
+  struct sgraph* g = (struct sgraph*)h;
+  if (!g || ndeps) return CUDA_ERROR_INVALID_VALUE;
+  if (g->n == g->cap) { g->cap = g->cap ? 2 * g->cap : 64; g->nodes = realloc(g->nodes, g->cap * sizeof *g->nodes); }
+  g->nodes[g->n] = n;
+  *out = node_handle(g, g->n++);
+  cur_graph = g;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphAddKernelNode_v2(CUgraphNode* out, CUgraph g, const CUgraphNode* d, size_t nd,
+                                        const CUDA_KERNEL_NODE_PARAMS* p) {
+  if (!p || !p->func || (!p->kernelParams && !p->extra && getenv("STANDIN_KERNEL_ARGS_REQUIRED")))
+    return CUDA_ERROR_INVALID_VALUE;
+  struct snode n = {0, (uint64_t)p->func, {p->gridDimX, p->gridDimY, p->gridDimZ},
+                    {p->blockDimX, p->blockDimY, p->blockDimZ}, p->sharedMemBytes, 0, {0}, 0};
+  return add_node(out, g, nd, n);
+}
+EXPORT CUresult cuGraphKernelNodeSetAttribute(CUgraphNode node, CUkernelNodeAttrID attr, const CUkernelNodeAttrValue* v) {
+  struct sgraph* g = cur_graph;
+  int i = g ? node_index(g, node) : -1;
+  if (i < 0 || !v || g->nodes[i].nattr == 8) return CUDA_ERROR_INVALID_VALUE;
+  g->nodes[i].attr[g->nodes[i].nattr++] = (int)attr;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphAddMemsetNode(CUgraphNode* out, CUgraph g, const CUgraphNode* d, size_t nd,
+                                     const CUDA_MEMSET_NODE_PARAMS* p, CUcontext c) {
+  struct snode n = {2, 0, {0}, {0}, 0, 0, {0}, p ? (uint64_t)p->dst : 0};
+  return p ? add_node(out, g, nd, n) : CUDA_ERROR_INVALID_VALUE;
+}
+EXPORT CUresult cuGraphAddMemcpyNode(CUgraphNode* out, CUgraph g, const CUgraphNode* d, size_t nd,
+                                     const CUDA_MEMCPY3D* p, CUcontext c) {
+  struct snode n = {1, 0, {0}, {0}, 0, 0, {0}, p ? (uint64_t)p->dstDevice : 0};
+  return p ? add_node(out, g, nd, n) : CUDA_ERROR_INVALID_VALUE;
+}
+EXPORT CUresult cuGraphAddEmptyNode(CUgraphNode* out, CUgraph g, const CUgraphNode* d, size_t nd) {
+  struct snode n = {5, 0, {0}, {0}, 0, 0, {0}, 0};
+  return add_node(out, g, nd, n);
+}
+EXPORT CUresult cuGraphAddEventRecordNode(CUgraphNode* out, CUgraph g, const CUgraphNode* d, size_t nd, CUevent e) {
+  struct snode n = {7, 0, {0}, {0}, 0, 0, {0}, (uint64_t)e};
+  return e ? add_node(out, g, nd, n) : CUDA_ERROR_INVALID_VALUE;
+}
+EXPORT CUresult cuGraphAddEventWaitNode(CUgraphNode* out, CUgraph g, const CUgraphNode* d, size_t nd, CUevent e) {
+  struct snode n = {6, 0, {0}, {0}, 0, 0, {0}, (uint64_t)e};
+  return e ? add_node(out, g, nd, n) : CUDA_ERROR_INVALID_VALUE;
+}
+EXPORT CUresult cuGraphAddDependencies_v2(CUgraph h, const CUgraphNode* from, const CUgraphNode* to,
+                                          const CUgraphEdgeData* data, size_t count) {
+  struct sgraph* g = (struct sgraph*)h;
+  int drop = getenv("STANDIN_EDGES_DROP_DATA") || (count > 1 && getenv("STANDIN_MIXED_EDGES_DROP_DATA"));
+  for (size_t e = 0; e < count; e++) {
+    int a = node_index(g, from[e]), b = node_index(g, to[e]);
+    if (a < 0 || b < 0 || a >= g->n || b >= g->n) return CUDA_ERROR_INVALID_VALUE;
+    if (g->ne == g->ecap) { g->ecap = g->ecap ? 2 * g->ecap : 64; g->edges = realloc(g->edges, g->ecap * sizeof *g->edges); }
+    struct sedge s = {a, b, {0}};
+    if (data && !drop) s.d = data[e];
+    g->edges[g->ne++] = s;
+  }
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphGetEdges_v2(CUgraph h, CUgraphNode* from, CUgraphNode* to, CUgraphEdgeData* data, size_t* n) {
+  struct sgraph* g = (struct sgraph*)h;
+  if (!from) { *n = (size_t)g->ne; return CUDA_SUCCESS; }
+  for (int e = 0; e < g->ne && (size_t)e < *n; e++) {
+    from[e] = node_handle(g, g->edges[e].src);
+    to[e] = node_handle(g, g->edges[e].dst);
+    if (data) data[e] = g->edges[e].d;
+  }
+  return CUDA_SUCCESS;
+}
+static int execs_alive;
+EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec* out, CUgraph h, unsigned long long flags) {
+  if (getenv("STANDIN_FAIL_INSTANTIATE")) return CUDA_ERROR_INVALID_VALUE;
+  *out = (CUgraphExec)calloc(1, 16);
+  __atomic_add_fetch(&execs_alive, 1, __ATOMIC_SEQ_CST);
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphExecDestroy(CUgraphExec e) {
+  free(e);
+  __atomic_sub_fetch(&execs_alive, 1, __ATOMIC_SEQ_CST);
+  return CUDA_SUCCESS;
+}
+EXPORT int standin_execs_alive(void) { return execs_alive; }
+/* "N type func gx gy gz bx smem attrs" per node, then "E src dst from_port to_port type" per edge. */
+EXPORT size_t standin_graph_dump(CUgraph h, char* buf, size_t cap) {
+  struct sgraph* g = (struct sgraph*)h;
+  size_t len = 0;
+  for (int i = 0; i < g->n; i++) {
+    struct snode* n = &g->nodes[i];
+    len += snprintf(buf + len, len < cap ? cap - len : 0, "N %d %llu %u %u %u %u %u", n->type,
+                    (unsigned long long)(n->func ? n->func : n->arg), n->grid[0], n->grid[1], n->grid[2],
+                    n->block[0], n->smem);
+    for (int a = 0; a < n->nattr; a++) len += snprintf(buf + len, len < cap ? cap - len : 0, " %d", n->attr[a]);
+    len += snprintf(buf + len, len < cap ? cap - len : 0, "\n");
+  }
+  for (int e = 0; e < g->ne; e++)
+    len += snprintf(buf + len, len < cap ? cap - len : 0, "E %d %d %d %d %d\n", g->edges[e].src, g->edges[e].dst,
+                    g->edges[e].d.from_port, g->edges[e].d.to_port, g->edges[e].d.type);
+  return len;
+}
