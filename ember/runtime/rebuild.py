@@ -257,11 +257,13 @@ def arrays_of(prep: PreparedGraph) -> NodeArrays | None:
 
 
 def native_threads() -> int:
-    """Worker threads for ember_build_graphs: EMBER_BUILD_THREADS, else up to 8 (one per core)."""
+    """Worker threads for ember_build_graphs: EMBER_BUILD_THREADS, default 1. On H100 with
+    driver 580 the driver serialises graph construction: 25 Llama templates took 404 ms on one
+    thread, 548 ms on 4 and 637 ms on 16 (benchmarks/results/load-threads-*.json)."""
     import os
 
     env = os.environ.get("EMBER_BUILD_THREADS", "")
-    return max(1, int(env)) if env.isdigit() else max(1, min(8, os.cpu_count() or 1))
+    return max(1, int(env)) if env.isdigit() else 1
 
 
 def build_native(
@@ -274,11 +276,14 @@ def build_native(
     it (child graphs, edge data this driver drops with this strategy, no libember here), and
     timings {"wall_ms", "build_cpu_ms", "instantiate_cpu_ms", "threads"}. A graph the driver
     refuses for any other reason raises RebuildError (libember kept nothing of the batch)."""
+    import os
     import time
 
     from ember import native
 
     ip = interposer or _interposer()
+    if os.environ.get("EMBER_NATIVE_BUILD", "1") == "0":  # diagnosis: the Python path builds all
+        ip = None
     out: list[tuple[Any, Any] | None] = [None] * len(preps)
     todo = [(i, p, arrays_of(p)) for i, p in enumerate(preps)] if ip is not None else []
     todo = [(i, p, a) for i, p, a in todo if a is not None]
