@@ -436,7 +436,7 @@ def add_edges(g: Any, prep: PreparedGraph, nodes: list[Any], strategy: str = EDG
     = every non-default edge in a call of its own, then the default edges in one call without
     edge data; "all-single" = one call per edge in order. Without edge data: always one call.
     """
-    if not prep.edge_src:
+    if len(prep.edge_src) == 0:
         return
     src = [int(nodes[a]) for a in prep.edge_src]
     dst = [int(nodes[b]) for b in prep.edge_dst]
