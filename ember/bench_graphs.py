@@ -275,7 +275,17 @@ def goals(r: dict[str, Any]) -> dict[str, bool | None]:
         "tokens_identical": _tokens_goal(r),
         "archive<=250MB": r["archive_bytes"] <= GOALS["archive_bytes"],
         "programmatic_edges_intact": r.get("programmatic_edges_intact"),
+        # every graph's outputs (logits AND tokens) equal SAVE's, where native itself does
+        "outputs_identical": _outputs_goal(r),
     }
+
+
+def _outputs_goal(r: dict[str, Any]) -> bool | None:
+    rep, control = r.get("outputs_identical_vs_save"), r.get("outputs_control_native_vs_save")
+    if not rep:
+        return None
+    unstable = set(control["differ"]) if control else set()
+    return set(rep["differ"]) <= unstable and rep["identical"] >= rep["graphs"] - len(unstable)
 
 
 def _tokens_goal(r: dict[str, Any]) -> bool | None:

@@ -4,7 +4,7 @@ benchmark's token verdicts with their native controls."""
 from __future__ import annotations
 
 from ember.archive.graphs import Edge, Graph, GraphSet, KernelParams, KernelRef, Node, NodeType
-from ember.bench_graphs import _tokens_goal, token_verdicts
+from ember.bench_graphs import _outputs_goal, _tokens_goal, token_verdicts
 from ember.runtime import proofmath as pm
 
 
@@ -98,6 +98,18 @@ def test_native_not_reproducible_is_not_a_restore_verdict() -> None:
         r, goal = _verdict(*shas)
         assert goal is None, shas
         assert "not reproducible" in r["tokens_verdict"]["8"]
+
+
+def test_outputs_goal_fails_on_restored_differences_native_does_not_have() -> None:
+    rep = {"graphs": 67, "identical": 33, "differ": ["136", "144"]}
+    assert _outputs_goal({"outputs_identical_vs_save": rep,
+                          "outputs_control_native_vs_save": {"identical": 67, "differ": []}}) is False
+    # where two native processes disagree on a key, a restored difference there is no verdict
+    rep = {"graphs": 67, "identical": 65, "differ": ["40", "200"]}
+    control = {"identical": 65, "differ": ["40", "200"]}
+    r = {"outputs_identical_vs_save": rep, "outputs_control_native_vs_save": control}
+    assert _outputs_goal(r) is True
+    assert _outputs_goal({}) is None
 
 
 def test_proof_facts_are_json_safe() -> None:
