@@ -44,8 +44,11 @@ def main() -> None:
             torch.cuda.synchronize()
             outs = loaded.outputs[key]
             name = ",".join(map(str, key))
+            first = bool(torch.equal(outs[1], outs[0].argmax(-1))) if len(outs) > 1 else None
+            saved = fingerprint(outs) == want.get(name)
             out[name] = {
-                "saved": fingerprint(outs) == want.get(name),
+                "saved": saved,
+                "argmax_before_fingerprint": first,
                 "argmax": bool(torch.equal(outs[1], outs[0].argmax(-1))) if len(outs) > 1 else None,
             }
         return out
@@ -72,11 +75,32 @@ def main() -> None:
         way: {
             "saved": sum(v["saved"] for v in r.values()),
             "argmax_ok": sum(bool(v["argmax"]) for v in r.values()),
+            "argmax_ok_before_fingerprint": sum(bool(v["argmax_before_fingerprint"]) for v in r.values()),
             "differ": [k for k, v in r.items() if not v["saved"]][:12],
             "argmax_wrong": [k for k, v in r.items() if v["argmax"] is False][:12],
         }
         for way, r in res.items()
     }
+    # Which allocations (SAVE's window, this process's later ones) cover the outputs that differ?
+    from ember.native import Interposer
+
+    log = Interposer.attach().export_alloc_log().decode().splitlines()
+    events = []
+    for line in log:
+        f = line.split()
+        if f and f[0] == "E":
+            events.append((int(f[1], 16), f[2], f[3], int(f[4], 16), int(f[5], 16), f[8]))
+    cover = {}
+    for k in summary["template"]["differ"][:3]:
+        for j, t in enumerate(loaded.outputs[tuple(int(x) for x in k.split(","))]):
+            a = t.data_ptr()
+            hits = [e for e in events if e[3] <= a < e[3] + max(e[4], 1)]
+            starts = {e[3] for e in hits}
+            hits += [e for e in events if e[3] in starts and e not in hits]  # their frees
+            cover[f"{k}[{j}] {hex(a)}"] = [
+                f"{seq} {kind} {phase} {hex(ad)}+{sz:#x} {c}" for seq, kind, phase, ad, sz, c in sorted(hits)
+            ]
+    summary["covering_events"] = cover
     name = lambda k: ",".join(map(str, k))  # noqa: E731
     summary["groups"] = {name(keys[g.template]): [name(keys[m]) for m in g.members] for g in lib.groups}
     print(json.dumps(summary, indent=1))
