@@ -233,6 +233,7 @@ def restore_into(engine: Any, archive_dir: str | Path, ip: Any = None) -> Any:
     from ember.native import EmberDivergence, EmberError
     from ember.runtime import compat, publish
     from ember.runtime.library import GraphLibrary
+    from ember.runtime.load import release_cached_memory
 
     ip = ip if ip is not None else _SESSION
     t0 = time.perf_counter()
@@ -275,6 +276,7 @@ def restore_into(engine: Any, archive_dir: str | Path, ip: Any = None) -> Any:
         }
         if moved:
             raise RestoreRefused("load", f"static buffers are not where SAVE had them: {moved}")
+        release_cached_memory()
         try:
             ip.replay_window()
         except EmberDivergence as exc:

@@ -81,6 +81,24 @@ def attempt_marker(run_dir: str | os.PathLike[str] | None, identity: str = "") -
             path.unlink()
 
 
+def release_cached_memory() -> None:
+    """Give torch's cached, unused segments back before `replay_window()`.
+
+    SAVE's first capture emptied torch's cache inside the capture window (torch.cuda.graph does),
+    and graph memory reused that space. A LOAD process never captures: without this its
+    allocator would keep those segments and later hand the graphs' memory to eager tensors (seen
+    on H100: fingerprinting a restored graph's logits overwrote its token output). libember keeps
+    the released blocks until the replay frees them at SAVE's place, and refuses the replay if
+    the process still holds one (benchmarks/results/diag-load-outputs-H100-*.json)."""
+    import gc
+
+    import torch
+
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def previous_attempt_crashed(run_dir: str | os.PathLike[str] | None) -> dict[str, Any] | None:
     """The marker a dead engine left behind, if any."""
     return handoff.read_json(handoff.run_dir_from_env(run_dir) / handoff.MARKER_FILE)
@@ -166,6 +184,7 @@ def run_load(
         raise LoadRefused(f"static buffers are not where SAVE had them: {moved}")
 
     t = time.perf_counter()
+    release_cached_memory()
     try:
         ip.replay_window()
     except EmberDivergence as exc:

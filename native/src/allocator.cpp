@@ -88,6 +88,10 @@ struct State {
   uint64_t saved_pre = 0, saved_window = 0, saved_heap_high = 0;
   uint64_t saved_base = 0, saved_size = 0, saved_heap = 0;
   uint64_t load_checked = 0;  // pre-window events compared so far
+  // LOAD: blocks the process freed after its pre-window events, before the replay (torch's
+  // empty_cache). They stay live until the replay frees them at SAVE's place in the sequence, or,
+  // when SAVE did not free them in the window, until the replay is done.
+  std::set<uint64_t> released_early;
   std::string divergence, last_error;
   // stats
   uint64_t bytes_mapped = 0, map_calls = 0, allocs = 0, frees = 0, reserves = 0, bypassed = 0;
@@ -445,6 +449,16 @@ bool region_free(Kind kind, CUdeviceptr ptr, CUstream stream, const void* caller
   State& s = S();
   std::lock_guard<std::mutex> g(s.mu);
   if (!in_region(s, ptr)) return false;
+  // LOAD, every pre-window event matched, replay not yet run: the process gives back a block (torch
+  // empties its cache before the replay, as SAVE's did when its first capture started). Kept live
+  // here and freed by the replay at SAVE's place, so the window's allocations land where SAVE's
+  // did, and the process's allocator never again hands out memory the graphs use.
+  if (mode() == Mode::Load && s.imported && !s.replayed && s.phase == Phase::Pre &&
+      s.load_checked == s.saved_pre && s.live.count(ptr) && !s.released_early.count(ptr)) {
+    s.released_early.insert(ptr);
+    *rc = CUDA_SUCCESS;
+    return true;
+  }
   const Real* r = real();
   uint64_t leaked = 0;
   if (kind == Kind::FreeAsync) {
@@ -722,6 +736,7 @@ int region_replay_window() {
   s.replayed = true;
   s.phase = Phase::Window;
   const Real* r = real();
+  std::set<uint64_t> replay_allocated;
   for (uint64_t i = s.saved_pre; i < s.saved_pre + s.saved_window; ++i) {
     const Event& e = s.saved[i];
     uint64_t got = 0;
@@ -729,8 +744,21 @@ int region_replay_window() {
     switch (e.kind) {
       case Kind::Alloc: case Kind::Pitch: case Kind::Async: case Kind::Pool:
         rc = heap_take(s, e.size, e.align, &got);
+        if (rc == CUDA_SUCCESS) replay_allocated.insert(got);
         break;
       case Kind::Free: case Kind::FreeAsync:
+        if (!replay_allocated.count(e.addr) && !s.released_early.count(e.addr)) {
+          // Allocated before the window and still the process's: freeing it here would give
+          // memory the process may write to the graphs (the aliasing this check exists for).
+          diverge(s, strprintf("SAVE freed 0x%llx (allocated before the capture window) inside the "
+                               "window, but this process still holds it: release it before "
+                               "replay_window (torch.cuda.empty_cache())",
+                               static_cast<unsigned long long>(e.addr)));
+          s.phase = Phase::Post;
+          s.ns_replay += now_ns() - t0;
+          return EMBER_EDIVERGED;
+        }
+        s.released_early.erase(e.addr);
         if (!heap_give(s, e.addr, e.aux == 0)) rc = CUDA_ERROR_INVALID_VALUE;
         got = e.addr;
         break;
@@ -772,6 +800,10 @@ int region_replay_window() {
     s.window_count++;
     s.log.push_back(std::move(copy));
   }
+  // Released before the replay but not freed by SAVE's window: the process's own memory, which
+  // no graph uses; free for later allocations now.
+  for (uint64_t a : s.released_early) heap_give(s, a, true);
+  s.released_early.clear();
   s.phase = Phase::Post;
   s.ns_replay += now_ns() - t0;
   EMBER_LOG(Info, "Replayed %llu window events in %.3f ms", static_cast<unsigned long long>(s.saved_window),

@@ -254,6 +254,58 @@ except EmberDivergence as exc:
     assert "diverged:" in out.stdout and "SAVE had 4" in out.stdout
 
 
+# torch empties its cache when a capture starts: SAVE's window frees a block allocated before it
+# and graph memory reuses the space. A LOAD process never captured, so its allocator still holds
+# that block and would hand it out again: it must release it before the replay.
+CACHED = """
+cached = alloc(8 << 20)        # a cached, unused segment of the process's allocator
+kv = alloc(40 << 20)
+"""
+
+
+def _save_with_cache_release(run_py, tmp_path):
+    out = run_py(
+        CACHED + f"""
+ip.capture_begin()
+free(cached)                   # empty_cache at capture start
+pool = alloc(6 << 20)          # graph memory lands where the cached segment was
+ip.capture_end()
+open({str(tmp_path / 'log')!r}, 'wb').write(ip.export_alloc_log())
+print(json.dumps({{"cached": cached, "pool": pool}}))
+""",
+        mode="save",
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_load_needs_blocks_save_freed_in_the_window_released_first(run_py, tmp_path) -> None:
+    saved = _save_with_cache_release(run_py, tmp_path)
+    assert saved["pool"] == saved["cached"]
+    load = CACHED + f"""
+ip.import_alloc_log(open({str(tmp_path / 'log')!r}, 'rb').read())
+if os.environ.get("RELEASE") == "1":
+    free(cached)               # what LOAD does now: torch.cuda.empty_cache() before the replay
+if os.environ.get("EXTRA") == "1":
+    free(kv)                   # a block SAVE still held in its window: freed after the replay
+try:
+    ip.replay_window(); err = None
+except EmberDivergence as exc:
+    err = str(exc)
+later = alloc(6 << 20)         # the process's next allocation
+print(json.dumps({{"err": err, "later": later, "div": ip.divergence()}}))
+"""
+    kept = json.loads(run_py(load, mode="load").stdout.strip().splitlines()[-1])
+    assert kept["err"] and "still holds" in kept["err"] and "empty_cache" in kept["err"]
+    released = json.loads(run_py(load, mode="load", env={"RELEASE": "1"}).stdout.strip().splitlines()[-1])
+    assert released["err"] is None and released["div"] is None
+    pool = saved["pool"]
+    assert not (pool <= released["later"] < pool + (6 << 20))  # never inside the graphs' memory
+    extra = run_py(load, mode="load", env={"RELEASE": "1", "EXTRA": "1"})
+    extra = json.loads(extra.stdout.strip().splitlines()[-1])
+    assert extra["err"] is None and extra["div"] is None
+    assert not (pool <= extra["later"] < pool + (6 << 20))
+
+
 def test_async_free_inside_capture_is_never_reused(run_py) -> None:
     out = run_py(
         """
