@@ -185,6 +185,7 @@ def run_load(
 
     t = time.perf_counter()
     release_cached_memory()
+    tm["release_cache_ms"] = (time.perf_counter() - t) * 1e3
     try:
         ip.replay_window()
     except EmberDivergence as exc:
