@@ -101,7 +101,7 @@ class ArchiveCache:
         s3_chunk: int = 8 << 20,
     ) -> None:
         self.root = Path(root)
-        self.local = LocalStore(self.root)
+        self.local = LocalStore(self.root, durable=False)  # lives and dies with the pod
         self.store_options = store_options or {}
         self.retry_s = retry_s
         self.timeout_s = timeout_s

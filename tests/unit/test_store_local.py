@@ -165,3 +165,17 @@ def test_open_store_uris(tmp_path: Path) -> None:
         open_store("file://host/path")
     with pytest.raises(StoreError, match="names no bucket"):
         open_store("s3:///prefix")
+
+
+def test_durable_store_fsyncs_before_the_rename_a_pod_cache_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    durable, cache = LocalStore(tmp_path / "store"), LocalStore(tmp_path / "cache", durable=False)
+    ident = "ab" * 32
+    durable.put_manifest(ident, b'{"a": 1}')
+    assert len(synced) == 1
+    cache.put_manifest(ident, b'{"a": 1}')
+    assert len(synced) == 1 and cache.get_manifest(ident) == b'{"a": 1}'  # written, atomically, no fsync
