@@ -248,8 +248,10 @@ class Interposer:
         """Starts loading the images (in this order) on worker threads."""
         n = len(images)
         hashes = (ctypes.c_char_p * n)(*[h.encode() for h, _, _ in images])
-        bufs = [ctypes.create_string_buffer(data, len(data)) for _, data, _ in images]
-        ptrs = (ctypes.c_void_p * n)(*[ctypes.addressof(b) for b in bufs])
+        # Pointers into the bytes objects themselves: libember copies each image before it
+        # returns, so a second copy here (create_string_buffer) only cost time.
+        views = [ctypes.c_char_p(bytes(data)) for _, data, _ in images]
+        ptrs = (ctypes.c_void_p * n)(*[ctypes.cast(v, ctypes.c_void_p).value for v in views])
         sizes = (ctypes.c_size_t * n)(*[len(data) for _, data, _ in images])
         opts = (ctypes.c_char_p * n)(*[json.dumps(o or {}).encode() for _, _, o in images])
         self._check(self._lib.ember_preload(n, hashes, ptrs, sizes, opts), "preload")
