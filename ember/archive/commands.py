@@ -11,6 +11,7 @@ part is not installed.
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 from typing import Annotated, Any
 
@@ -41,6 +42,18 @@ def _keys_text(keys: list[list[int]], limit: int = 12) -> str:
     return text + (f", … (+{len(keys) - limit})" if len(keys) > limit else "")
 
 
+def groups_apart(archive: bundle.Archive) -> list[str]:
+    """Per topology group, the first thing that keeps its template out of the group above
+    ("" for the first): where to look when an archive has more groups (templates to build at
+    LOAD) than expected."""
+    from ember.archive.topology import why_apart
+
+    table = archive.graph_table
+    index = table.key_index
+    templates = [table.graph(index[tuple(g.template)]) for g in archive.manifest.graphs.groups]
+    return [""] + [why_apart(a, b, table.function_attrs) for a, b in itertools.pairwise(templates)]
+
+
 def archive_report(archive: bundle.Archive, with_graphs: bool = True) -> dict[str, Any]:
     """What `ember inspect --json` prints: the manifest plus per-graph facts from the table."""
     m = archive.manifest
@@ -59,6 +72,7 @@ def archive_report(archive: bundle.Archive, with_graphs: bool = True) -> dict[st
             for i, k in enumerate(table.keys)
         ]
         report["table"] = {"version": table.version, "rows": len(table.rows), "kernels": len(table.kernels)}
+        report["groups_apart"] = groups_apart(archive)
     return report
 
 
@@ -118,11 +132,13 @@ def _print_archive(archive: bundle.Archive, show_graphs: bool) -> None:
     console.print(head)
 
     groups = Table(title="topology groups")
-    for col in ("#", "signature", "graphs", "template", "nodes", "edges", "keys"):
+    cols = ("#", "signature", "graphs", "template", "nodes", "edges", "keys", "apart from the group above")
+    for col in cols:
         groups.add_column(col)
+    apart = groups_apart(archive)
     for i, g in enumerate(m.graphs.groups):
         groups.add_row(str(i), g.signature[:16], str(len(g.keys)), "x".join(map(str, g.template)),
-                       str(g.nodes), str(g.edges), _keys_text(g.keys))
+                       str(g.nodes), str(g.edges), _keys_text(g.keys), apart[i])
     console.print(groups)
 
     blobs = Table(title="blobs")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ember.archive.graphs import FunctionAttrs, Graph, KernelParams, MemsetParams, NodeType
@@ -47,27 +47,44 @@ class TopologyGroup:
         return self.members[0]
 
 
-def _feed(h: hashlib._Hash, graph: Graph, fattrs: Sequence[FunctionAttrs], depth: int) -> None:
+def _items(
+    graph: Graph, fattrs: Sequence[FunctionAttrs], depth: int, where: str = ""
+) -> Iterator[tuple[str, bytes]]:
+    """What the signature hashes, in order, each piece with a description of what it is."""
     if depth > 16:
         raise ValueError(f"graph {graph.key}: child graphs nested deeper than 16 levels")
-    h.update(struct.pack("<BII", 0xA0, len(graph.nodes), len(graph.edges)))
-    for node in graph.nodes:
-        h.update(struct.pack("<B", int(node.type)))
+    yield f"{where}node/edge counts {len(graph.nodes)}/{len(graph.edges)}", struct.pack(
+        "<BII", 0xA0, len(graph.nodes), len(graph.edges)
+    )
+    for i, node in enumerate(graph.nodes):
+        at = f"{where}node {i}"
+        yield f"{at} type {node.type.name}", struct.pack("<B", int(node.type))
         p = node.params
         if node.type == NodeType.KERNEL and isinstance(p, KernelParams):
             fa = fattrs[p.kernel] if 0 <= p.kernel < len(fattrs) else _NO_FATTR
-            h.update(struct.pack("<3Ii", *fa.required_cluster, fa.non_portable_cluster))
-            h.update(struct.pack("<I", len(p.attrs)))
+            yield (
+                f"{at} function cluster requirement {fa.required_cluster}/{fa.non_portable_cluster}",
+                struct.pack("<3Ii", *fa.required_cluster, fa.non_portable_cluster),
+            )
+            yield f"{at} attribute count {len(p.attrs)}", struct.pack("<I", len(p.attrs))
             for attr_id in sorted(p.attrs):
                 value = p.attrs[attr_id]
-                h.update(struct.pack("<II", attr_id, len(value)))
-                h.update(value)
+                yield (
+                    f"{at} attribute {attr_id} = {value.rstrip(bytes(1)).hex() or '0'}",
+                    struct.pack("<II", attr_id, len(value)) + value,
+                )
         elif node.type == NodeType.MEMSET and isinstance(p, MemsetParams):
-            h.update(struct.pack("<IB", p.element_size, 1 if p.height > 1 else 0))
+            yield (
+                f"{at} memset element size {p.element_size}, {'2-D' if p.height > 1 else '1-D'}",
+                struct.pack("<IB", p.element_size, 1 if p.height > 1 else 0),
+            )
         elif node.type == NodeType.GRAPH and isinstance(p, Graph):
-            _feed(h, p, fattrs, depth + 1)
-    for e in graph.edges:
-        h.update(struct.pack("<IIBBB", e.src, e.dst, e.from_port, e.to_port, e.type))
+            yield from _items(p, fattrs, depth + 1, f"{at} child: ")
+    for j, e in enumerate(graph.edges):
+        yield (
+            f"{where}edge {j} {e.src}->{e.dst} ports {e.from_port}/{e.to_port} type {e.type}",
+            struct.pack("<IIBBB", e.src, e.dst, e.from_port, e.to_port, e.type),
+        )
 
 
 def signature(graph: Graph, function_attrs: Sequence[FunctionAttrs] = ()) -> str:
@@ -78,10 +95,22 @@ def signature(graph: Graph, function_attrs: Sequence[FunctionAttrs] = ()) -> str
     """
     h = hashlib.sha256(struct.pack("<4sI", b"EMTS", SIGNATURE_VERSION))
     try:
-        _feed(h, graph, function_attrs, 0)
+        for _, piece in _items(graph, function_attrs, 0):
+            h.update(piece)
     except (struct.error, TypeError) as exc:
         raise ValueError(f"graph {graph.key}: a field does not fit the signature encoding: {exc}") from exc
     return h.hexdigest()
+
+
+def why_apart(a: Graph, b: Graph, function_attrs: Sequence[FunctionAttrs] = ()) -> str:
+    """The first thing that keeps two graphs out of one topology group ("" when they share one):
+    what to look at when there are more groups than expected."""
+    for (da, pa), (db, pb) in zip(
+        _items(a, function_attrs, 0), _items(b, function_attrs, 0), strict=False
+    ):
+        if pa != pb:
+            return f"{a.key}: {da}; {b.key}: {db}"
+    return ""
 
 
 def group_graphs(

@@ -206,11 +206,14 @@ def test_cli_inspect_and_verify(saved: Saved) -> None:
     assert report["manifest"]["identity_hash"] == IDENTITY.hash()
     assert [g["key"] for g in report["graphs"]] == [[k] for k in range(1, 7)]
     assert report["manifest"]["graphs"]["node_types"]["KERNEL"] > 0
+    # synthetic groups differ in node count: inspect says so for the second group
+    assert report["groups_apart"][0] == "" and "node/edge counts" in report["groups_apart"][1]
 
     args = ["inspect", str(store.root), IDENTITY.hash(), "--graphs"]
     out = runner.invoke(app, args, env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
-    for text in ("topology groups", "kernel images", "NVIDIA H200", "kv_cache_bytes", "EVENT_RECORD"):
+    for text in ("topology groups", "kernel images", "NVIDIA H200", "kv_cache_bytes", "EVENT_RECORD",
+                 "apart from the group above"):
         assert text in out.output
 
     ok = runner.invoke(app, ["verify", store.uri, IDENTITY.hash(), "--expect-identity", IDENTITY.hash()])

@@ -16,7 +16,7 @@ from ember.archive.graphs import (
     Node,
     NodeType,
 )
-from ember.archive.topology import group_graphs, group_index, signature
+from ember.archive.topology import group_graphs, group_index, signature, why_apart
 
 CLUSTER = 4
 COOPERATIVE = 2
@@ -96,6 +96,33 @@ def test_kernel_attributes_that_update_cannot_change_split_groups() -> None:
     devupd = with_attr(6, DEVICE_UPDATABLE, struct.pack("<i", 1))
     groups = group_graphs([base, c211, c211b, c411, coop, devupd])
     assert [g.members for g in groups] == [(0,), (1, 2), (3,), (4,), (5,)]
+
+
+def test_why_apart_names_the_first_difference_and_nothing_inside_a_group() -> None:
+    def with_cluster(key: int, x: int) -> Graph:
+        g = graph(key)
+        g.nodes[2].params.attrs = {CLUSTER: struct.pack("<3I", x, 1, 1).ljust(64, b"\0")}  # type: ignore[union-attr]
+        return g
+
+    a, b, c = with_cluster(1, 2), with_cluster(2, 2), with_cluster(3, 4)
+    assert why_apart(a, b) == ""
+    assert why_apart(a, c) == (
+        f"(1,): node 2 attribute {CLUSTER} = 020000000100000001; "
+        f"(3,): node 2 attribute {CLUSTER} = 040000000100000001"
+    )
+    longer = graph(4)
+    longer.edges.append(Edge(0, 2))
+    assert why_apart(a, longer).startswith("(1,): node/edge counts")
+
+
+def test_signature_bytes_are_stable() -> None:
+    """Archives store group signatures: the encoding must not drift (bump SIGNATURE_VERSION)."""
+    from ember.archive.synthetic import synthetic_graphset
+
+    gs = synthetic_graphset(graphs=12, nodes=300, groups=4, child_graphs=False)
+    assert signature(gs.graphs[0], gs.function_attrs) == (
+        "c21c2ee6f48c9b8560b59a73d6ab76dc866a9a11ff9e2d3b45675d650b6eac90"
+    )
 
 
 def test_function_cluster_requirements_split_groups() -> None:
