@@ -86,9 +86,9 @@ class _Exec:
 
 @dataclass
 class LoadTimings:
-    """Where building the templates went. With libember's builder, build and instantiate run on
-    `threads` workers: `native_ms` is their wall time, build/instantiate_ms the summed per-graph
-    times (CPU-side driver time, larger than the wall time when the workers overlap)."""
+    """Where building the templates went. With libember's builder, `native_ms` is the wall time
+    of its call on `threads` builder threads and build/instantiate_ms the summed per-graph times
+    (equal to the wall time on one thread, larger when several overlap)."""
 
     prepare_ms: float = 0.0
     build_ms: float = 0.0
@@ -186,8 +186,8 @@ class GraphLibrary:
         self.timings.function_attrs_ms = (time.perf_counter() - t) * 1e3
 
     def build_templates(self) -> None:
-        """Prepare, build and instantiate one template per group (built and instantiated on
-        libember's worker threads, see rebuild.build_native).
+        """Prepare, build and instantiate one template per group (libember builds and
+        instantiates them in one call, see rebuild.build_native).
 
         Nothing else is started: any other key is prepared and built when it is first asked for
         (one graph: ~10-20 ms at 2,000 nodes). Preparing every graph on worker threads right away
@@ -199,8 +199,9 @@ class GraphLibrary:
         t = time.perf_counter()
         preps = [self.prepared(g.template) for g in self.groups]
         self.timings.prepare_ms += (time.perf_counter() - t) * 1e3
-        # All templates at once on libember's worker threads; any it leaves (child graphs, an
-        # edge strategy this driver needs) are built by the Python path below.
+        # All templates in one libember call (one builder thread unless EMBER_BUILD_THREADS says
+        # otherwise); any it leaves (child graphs, an edge strategy this driver needs) are built
+        # by the Python path below.
         with self._driver_lock:
             built, nt = rebuild.build_native(preps, self.ctx, self.events, instantiate=True)
         self.timings.native_ms = nt["wall_ms"]

@@ -270,7 +270,8 @@ def build_native(
     preps: list[PreparedGraph], ctx: Any, events: Any, *, instantiate: bool, threads: int | None = None,
     interposer: Any = None,
 ) -> tuple[list[tuple[Any, Any] | None], dict[str, float]]:
-    """Build (and instantiate) graphs with libember's ember_build_graphs on worker threads.
+    """Build (and instantiate) graphs with libember's ember_build_graphs (native_threads()
+    builder threads unless `threads` is given).
 
     Returns per graph (CUgraph, CUgraphExec or None), or None where the Python path must build
     it (child graphs, edge data this driver drops with this strategy, no libember here), and
