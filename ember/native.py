@@ -120,6 +120,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ember_export_alloc_log": [c.c_char_p, c.c_size_t, szp],
         "ember_import_alloc_log": [c.c_char_p, c.c_size_t],
         "ember_replay_window": [],
+        "ember_replay_blockers": [c.c_char_p, c.c_size_t],
         "ember_divergence": [c.c_char_p, c.c_size_t],
         "ember_last_error": [c.c_char_p, c.c_size_t],
         "ember_catalog_json": [c.c_char_p, c.c_size_t, szp],
@@ -223,6 +224,14 @@ class Interposer:
     def replay_window(self) -> None:
         """Re-creates the capture window's allocations; raises EmberDivergence on a mismatch."""
         self._check(self._lib.ember_replay_window(), "replay_window")
+
+    def replay_blockers(self) -> tuple[int, str]:
+        """Before replay_window(): how many blocks SAVE freed inside its capture window this
+        process still holds (the replay would refuse them: release first), the first described."""
+        buf = ctypes.create_string_buffer(1024)
+        n = int(self._lib.ember_replay_blockers(buf, len(buf)))
+        self._check(min(n, 0), "replay_blockers")
+        return n, buf.value.decode(errors="replace")
 
     def divergence(self) -> str | None:
         buf = ctypes.create_string_buffer(4096)

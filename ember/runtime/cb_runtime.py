@@ -228,46 +228,32 @@ def store_of(archive_dir: str | Path) -> tuple[str, str]:
 
 
 def restore_into(engine: Any, archive_dir: str | Path, ip: Any = None) -> Any:
-    """LOAD the archive into a not-yet-started CBEngine and start it; RestoreRefused on any refusal."""
-    from ember.archive import format as archive_format
-    from ember.native import EmberDivergence, EmberError
-    from ember.runtime import compat, publish
-    from ember.runtime.library import GraphLibrary
-    from ember.runtime.load import release_cached_memory
+    """LOAD the archive into a not-yet-started CBEngine and start it; RestoreRefused on any refusal.
+
+    The templates are built on a background thread (`ember.runtime.restore`) while the engine
+    allocates its KV cache and static buffers."""
+    from ember.runtime.restore import ArchiveRestore, LoadRefused
 
     ip = ip if ip is not None else _SESSION
     t0 = time.perf_counter()
-    if ip is None:
-        raise RestoreRefused("load", "libember is not preloaded with EMBER_MODE=load")
     store_uri, identity = store_of(archive_dir)
+    sizing: list[CBSizing] = []
+
+    def accept(facts: dict[str, Any]) -> None:
+        if facts.get("kind") != ENGINE:
+            kind = facts.get("kind")
+            raise LoadRefused(f"archive is not a libember-saved {ENGINE} archive ({kind})", "compat")
+        try:
+            sizing.append(CBSizing.from_json(facts["sizing"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise LoadRefused(f"archive has no usable engine sizing: {exc}", "compat") from exc
+
     try:
-        manifest = publish.read_manifest(store_uri, identity)
-    except Exception as exc:
-        raise RestoreRefused("load", f"archive not readable: {exc}") from exc
-    problems = compat.check_compat(manifest.compat, compat.current(compat_engine()))
-    if problems:
-        raise RestoreRefused("compat", "compatibility key differs: " + "; ".join(problems))
-    facts = dict(manifest.engine)
-    if facts.get("kind") != ENGINE or facts.get("in_process_only"):
-        raise RestoreRefused(
-            "compat", f"archive is not a libember-saved {ENGINE} archive ({facts.get('kind')})"
-        )
-    try:
-        sizing = CBSizing.from_json(facts["sizing"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise RestoreRefused("compat", f"archive has no usable engine sizing: {exc}") from exc
+        restore = ArchiveRestore.open(ip, store_uri, identity, compat_engine(), accept=accept)
+    except LoadRefused as exc:
+        raise RestoreRefused(exc.stage, exc.reason) from exc
+    facts = dict(restore.archive.engine)
     t_compat = time.perf_counter() - t0
-    try:
-        archive = publish.read(store_uri, identity)
-        table = archive_format.decode(archive.graph_table)
-        for g in table.groups:
-            table.chunk(g.template)
-        ip.preload([(im.content_hash, im.data, im.options) for im in archive.images])
-        ip.import_alloc_log(archive.alloc_log)
-    except EmberError as exc:
-        raise RestoreRefused("load", f"libember refused the archive: {exc}") from exc
-    except Exception as exc:
-        raise RestoreRefused("load", f"archive damaged: {exc}") from exc
 
     def load(adapter: CBAdapter) -> dict[tuple[int, ...], Any]:
         here = static_addresses(adapter)
@@ -276,34 +262,27 @@ def restore_into(engine: Any, archive_dir: str | Path, ip: Any = None) -> Any:
         }
         if moved:
             raise RestoreRefused("load", f"static buffers are not where SAVE had them: {moved}")
-        release_cached_memory()
         try:
-            ip.replay_window()
-        except EmberDivergence as exc:
-            raise RestoreRefused("load", f"allocation sequence diverged from SAVE: {exc}") from exc
-        except EmberError as exc:
-            raise RestoreRefused("load", f"capture window replay failed: {exc}") from exc
-        if div := ip.divergence():
-            raise RestoreRefused("load", f"allocation sequence diverged from SAVE: {div}")
-        try:
-            functions = [ip.function(k.image, k.name) for k in table.kernels]
-        except EmberError as exc:
-            raise RestoreRefused("load", f"kernel not found after preload: {exc}") from exc
-        lib = GraphLibrary(table, functions)
-        lib.build_templates()
+            restore.replay()
+            lib = restore.library()
+        except LoadRefused as exc:
+            raise RestoreRefused(exc.stage, exc.reason) from exc
         engine.library = lib  # keeps every exec and argument buffer alive while serving
         return lib.all_restored()
 
     try:
-        info = engine.start_restored(sizing, load)
+        info = engine.start_restored(sizing[0], load)
     except RestoreRefused:
+        restore.abandon()
         _abandon(engine)
         raise
     except Exception as exc:
+        restore.abandon()
         _abandon(engine)
         raise RestoreRefused("load", f"{type(exc).__name__}: {exc}") from exc
     info.seconds["compat"] = t_compat
     info.seconds["load"] = time.perf_counter() - t0 - t_compat
+    info.seconds.update({f"restore.{k}": v / 1e3 for k, v in restore.timings.items() if k.endswith("_ms")})
     return info
 
 

@@ -1,14 +1,16 @@
 """LOAD in a fresh process (LD_PRELOAD=libember.so EMBER_MODE=load): restore the graphs SAVE
 proved, at the same addresses, without capturing.
 
-Order matters and every check comes before anything is launched:
+Order matters and every check comes before anything is launched (`ember.runtime.restore`):
 1. compatibility key against the real GPU/driver/CUDA/torch/env → `LoadRefused(reason)`;
 2. blobs fetched and their digests verified (`publish.read`);
-3. kernel images handed to libember for proactive loading on worker threads (execution order);
-4. the allocation log imported, the workload built in SAVE's order (weights, the KV cache at the
-   recorded size: no memory profiling), static buffers checked against SAVE's addresses, the
-   capture window replayed (divergence → refuse);
-5. one template per topology group built and instantiated (`GraphLibrary`).
+3. kernel images handed to libember for proactive loading on worker threads (execution order),
+   the allocation log imported; one template per topology group built and instantiated on a
+   background thread from here on (`GraphLibrary`), while
+4. the workload is built in SAVE's order (weights, the KV cache at the recorded size: no memory
+   profiling), static buffers checked against SAVE's addresses, the capture window replayed
+   (divergence → refuse);
+5. the templates handed over once the background thread is done.
 Any refusal means: capture natively instead. Never a wrong graph.
 
 Crash safety: a launch of a bad graph can kill the process with a sticky CUDA error, and a
@@ -28,7 +30,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ember import handoff
-from ember.native import EmberDivergence, EmberError, Interposer
+from ember.native import Interposer
+from ember.runtime.restore import ArchiveRestore, LoadRefused, release_cached_memory
+
+__all__ = ["LoadRefused", "Loaded", "attempt_marker", "release_cached_memory", "run_load"]
 
 if TYPE_CHECKING:  # torch and CUDA modules are imported where LOAD runs, not for the marker helpers
     import torch
@@ -36,14 +41,6 @@ if TYPE_CHECKING:  # torch and CUDA modules are imported where LOAD runs, not fo
     from ember.runtime import publish
     from ember.runtime.library import GraphLibrary, RestoredGraph
     from ember.runtime.workloads import DecodeWorkload
-
-
-class LoadRefused(Exception):
-    """LOAD will not restore this archive here; `reason` says why. Capture natively instead."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 @dataclass
@@ -81,24 +78,6 @@ def attempt_marker(run_dir: str | os.PathLike[str] | None, identity: str = "") -
             path.unlink()
 
 
-def release_cached_memory() -> None:
-    """Give torch's cached, unused segments back before `replay_window()`.
-
-    SAVE's first capture emptied torch's cache inside the capture window (torch.cuda.graph does),
-    and graph memory reused that space. A LOAD process never captures: without this its
-    allocator would keep those segments and later hand the graphs' memory to eager tensors (seen
-    on H100: fingerprinting a restored graph's logits overwrote its token output). libember keeps
-    the released blocks until the replay frees them at SAVE's place, and refuses the replay if
-    the process still holds one (benchmarks/results/diag-load-outputs-H100-*.json)."""
-    import gc
-
-    import torch
-
-    torch.cuda.synchronize()
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def previous_attempt_crashed(run_dir: str | os.PathLike[str] | None) -> dict[str, Any] | None:
     """The marker a dead engine left behind, if any."""
     return handoff.read_json(handoff.run_dir_from_env(run_dir) / handoff.MARKER_FILE)
@@ -120,108 +99,39 @@ def run_load(
     import numpy as np
     import torch
 
-    from ember.archive import format as archive_format
-    from ember.runtime import compat, publish
-    from ember.runtime.library import GraphLibrary
     from ember.runtime.save import ENGINE
     from ember.runtime.session import native_session
     from ember.runtime.workloads import DecodeWorkload, OutputSpec
 
-    tm: dict[str, float] = {}
+    tm: dict[str, Any] = {}
     t_all = time.perf_counter()
     ip = interposer or native_session("load", perturb_first=perturb_first)
-    if ip is None:
-        raise LoadRefused("libember is not preloaded with EMBER_MODE=load")
     tm["session_ms"] = (time.perf_counter() - t_all) * 1e3
-
-    t = time.perf_counter()
+    restore = ArchiveRestore.open(ip, store_uri, identity_hash, ENGINE)
     try:
-        manifest = publish.read_manifest(store_uri, identity_hash)
-    except Exception as exc:
-        raise LoadRefused(f"archive not readable: {exc}") from exc
-    tm["read_manifest_ms"] = (time.perf_counter() - t) * 1e3
-    problems = compat.check_compat(manifest.compat, compat.current(ENGINE))
-    tm["read_compat_ms"] = (time.perf_counter() - t) * 1e3 - tm["read_manifest_ms"]
-    if problems:
-        raise LoadRefused("compatibility key differs: " + "; ".join(problems))
-    if manifest.engine.get("in_process_only"):
-        raise LoadRefused("archive was saved without libember (in-process only)")
-    try:
-        t_blobs = time.perf_counter()
-        archive = publish.read(store_uri, identity_hash)
-        tm["read_blobs_ms"] = (time.perf_counter() - t_blobs) * 1e3
-        table = archive_format.decode(archive.graph_table)
-        for g in table.groups:
-            table.chunk(g.template)
-    except Exception as exc:
-        raise LoadRefused(f"archive damaged: {exc}") from exc
-    tm["read_ms"] = (time.perf_counter() - t) * 1e3
-
-    t = time.perf_counter()
-    try:
-        ip.preload([(im.content_hash, im.data, im.options) for im in archive.images])
-        ip.import_alloc_log(archive.alloc_log)
-    except EmberError as exc:
-        raise LoadRefused(f"libember refused the archive: {exc}") from exc
-    tm["preload_start_ms"] = (time.perf_counter() - t) * 1e3
-
-    engine = dict(archive.engine)
-    if model_dir:  # the checkpoint lives elsewhere on this machine than where SAVE read it
-        engine["weights"] = str(model_dir)
-    t = time.perf_counter()
-    workload = DecodeWorkload.from_config(engine)
-    try:
-        workload.build(kv_cache_bytes=int(engine["kv_cache_bytes"]), compile_fn=False)
-    except (OSError, ValueError) as exc:  # CheckpointError included: weights missing or other shape
-        raise LoadRefused(f"model weights not usable: {exc}") from exc
-    tm["build_workload_ms"] = (time.perf_counter() - t) * 1e3
-    div = ip.divergence()
-    if div:
-        raise LoadRefused(f"allocation sequence diverged from SAVE: {div}")
-    here = workload.input_addresses()
-    moved = {k: (hex(v), hex(here.get(k, 0))) for k, v in engine["inputs"].items() if here.get(k) != v}
-    if moved:
-        raise LoadRefused(f"static buffers are not where SAVE had them: {moved}")
-
-    t = time.perf_counter()
-    release_cached_memory()
-    tm["release_cache_ms"] = (time.perf_counter() - t) * 1e3
-    try:
-        ip.replay_window()
-    except EmberDivergence as exc:
-        raise LoadRefused(f"allocation sequence diverged from SAVE: {exc}") from exc
-    except EmberError as exc:
-        raise LoadRefused(f"capture window replay failed: {exc}") from exc
-    div = ip.divergence()
-    if div:
-        raise LoadRefused(f"allocation sequence diverged from SAVE: {div}")
-    tm["replay_window_ms"] = (time.perf_counter() - t) * 1e3
-
-    t = time.perf_counter()
-    try:
-        functions = [ip.function(k.image, k.name) for k in table.kernels]
-    except EmberError as exc:
-        raise LoadRefused(f"kernel not found after preload: {exc}") from exc
-    tm["functions_ms"] = (time.perf_counter() - t) * 1e3
-    t = time.perf_counter()
-    from ember.runtime.rebuild import RebuildError
-
-    lib = GraphLibrary(table, functions)
-    try:
-        lib.build_templates()
-    except RebuildError as exc:  # e.g. this driver drops edge data SAVE's driver kept
-        lib.close()
-        raise LoadRefused(f"graphs could not be rebuilt here: {exc}") from exc
-    tm["templates_ms"] = (time.perf_counter() - t) * 1e3
-    lt = lib.timings
-    tm.update(
-        templates_prepare_ms=lt.prepare_ms,
-        templates_build_ms=lt.build_ms,
-        templates_instantiate_ms=lt.instantiate_ms,
-        templates_native_ms=lt.native_ms,
-        templates_threads=lt.threads,
-        function_attrs_ms=lt.function_attrs_ms,
-    )
+        archive = restore.archive
+        engine = dict(archive.engine)
+        if model_dir:  # the checkpoint lives elsewhere on this machine than where SAVE read it
+            engine["weights"] = str(model_dir)
+        t = time.perf_counter()
+        workload = DecodeWorkload.from_config(engine)
+        try:
+            workload.build(kv_cache_bytes=int(engine["kv_cache_bytes"]), compile_fn=False)
+        except (OSError, ValueError) as exc:  # CheckpointError included: weights missing or other shape
+            raise LoadRefused(f"model weights not usable: {exc}") from exc
+        tm["build_workload_ms"] = (time.perf_counter() - t) * 1e3
+        if div := ip.divergence():
+            raise LoadRefused(f"allocation sequence diverged from SAVE: {div}")
+        here = workload.input_addresses()
+        moved = {k: (hex(v), hex(here.get(k, 0))) for k, v in engine["inputs"].items() if here.get(k) != v}
+        if moved:
+            raise LoadRefused(f"static buffers are not where SAVE had them: {moved}")
+        restore.replay()
+        lib = restore.library()
+    except BaseException:
+        restore.abandon()
+        raise
+    tm.update(restore.timings)
     if archive.rng_state:
         torch.cuda.set_rng_state(torch.from_numpy(np.frombuffer(archive.rng_state, dtype=np.uint8).copy()))
     outputs = {

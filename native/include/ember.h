@@ -38,6 +38,11 @@ int ember_capture_end(void);
 int ember_export_alloc_log(char* buf, size_t cap, size_t* needed);
 int ember_import_alloc_log(const char* data, size_t len);
 int ember_replay_window(void);
+/* Before ember_replay_window: the number of blocks allocated before the capture window that SAVE
+ * freed inside it and this process still holds (the replay would refuse; release them first),
+ * the first one described in buf. Negative error code outside load mode, without a log, or after
+ * the replay. */
+int ember_replay_blockers(char* buf, size_t cap);
 /* 1 when diverged (message copied), 0 when not. */
 int ember_divergence(char* buf, size_t cap);
 int ember_last_error(char* buf, size_t cap);

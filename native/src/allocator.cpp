@@ -707,6 +707,27 @@ static int premap_saved_extent(State& s) {
   return EMBER_OK;
 }
 
+int region_replay_blockers(std::string* first) {
+  State& s = S();
+  std::lock_guard<std::mutex> g(s.mu);
+  if (mode() != Mode::Load) return EMBER_EMODE;
+  if (!s.imported || s.replayed) return EMBER_ESTATE;
+  // The replay's own check (below), without replaying: which blocks allocated before the window
+  // did SAVE free inside it that this process has not released yet?
+  std::set<uint64_t> window_allocated;
+  int held = 0;
+  for (uint64_t i = s.saved_pre; i < s.saved_pre + s.saved_window; ++i) {
+    const Event& e = s.saved[i];
+    if (e.kind == Kind::Alloc || e.kind == Kind::Pitch || e.kind == Kind::Async || e.kind == Kind::Pool) {
+      window_allocated.insert(e.addr);
+    } else if ((e.kind == Kind::Free || e.kind == Kind::FreeAsync) && !window_allocated.count(e.addr) &&
+               !s.released_early.count(e.addr)) {
+      if (held++ == 0 && first) *first = describe(e);
+    }
+  }
+  return held;
+}
+
 int region_replay_window() {
   State& s = S();
   std::lock_guard<std::mutex> g(s.mu);

@@ -34,6 +34,9 @@ int region_capture_end();
 std::string region_export_log();
 int region_import_log(const char* data, size_t len);
 int region_replay_window();
+// LOAD, before the replay: how many blocks SAVE freed inside the window this process still holds
+// (the replay would refuse); `first` describes one. Negative: not in load mode / no log / replayed.
+int region_replay_blockers(std::string* first);
 bool region_divergence(std::string* msg);
 // JSON object WITHOUT its closing brace: control.cpp appends the catalog part.
 std::string region_stats_json();

@@ -91,6 +91,13 @@ EMBER_EXPORT int ember_import_alloc_log(const char* data, size_t len) { return r
 
 EMBER_EXPORT int ember_replay_window(void) { return region_replay_window(); }
 
+EMBER_EXPORT int ember_replay_blockers(char* buf, size_t cap) {
+  std::string first;
+  const int n = region_replay_blockers(&first);
+  if (buf != nullptr && cap > 0) copy_str(first, buf, cap);
+  return n;
+}
+
 EMBER_EXPORT int ember_divergence(char* buf, size_t cap) {
   std::string msg;
   if (!region_divergence(&msg)) return 0;

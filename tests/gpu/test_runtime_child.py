@@ -31,6 +31,9 @@ def main() -> None:
     try:
         loaded = run_load(args["store"], args["identity"], interposer=ip, log=lambda m: None)
         out["path"] = "restored"
+        tm = loaded.timings
+        # templates built on the background thread while the model built, not redone after
+        out["background"] = "join_ms" in tm and "foreground_ms" not in tm and "background_error" not in tm
         out["tokens_sha256"] = decode_tokens(loaded.workload, loaded.launch, args["batch"])[0]
         out["saved_sha256"] = loaded.archive.engine["decode_sha256"].get(str(args["batch"]))
     except LoadRefused as exc:

@@ -97,7 +97,11 @@ def test_compat_mismatch_and_divergence_fall_back_cleanly(store: str) -> None:
         "batch": 8,
     }
     ok = _child(base)
-    assert ok["path"] == "restored"
+    assert ok["path"] == "restored" and ok["background"], ok
+    # The same archive with the templates built after the replay (no background thread).
+    fg = _child(base, {"EMBER_LOAD_BACKGROUND": "0"})
+    assert fg["path"] == "restored" and not fg["background"], fg
+    assert fg["tokens_sha256"] == ok["tokens_sha256"]
     # An environment variable in the compatibility key differs → refused before any graph work.
     mismatch = _child(base, {"TORCHINDUCTOR_MAX_AUTOTUNE": "0"})
     assert mismatch["path"] == "native" and "compatibility key" in mismatch["refused"]

@@ -283,21 +283,33 @@ def test_load_needs_blocks_save_freed_in_the_window_released_first(run_py, tmp_p
     assert saved["pool"] == saved["cached"]
     load = CACHED + f"""
 ip.import_alloc_log(open({str(tmp_path / 'log')!r}, 'rb').read())
+before = ip.replay_blockers()
 if os.environ.get("RELEASE") == "1":
     free(cached)               # what LOAD does now: torch.cuda.empty_cache() before the replay
 if os.environ.get("EXTRA") == "1":
     free(kv)                   # a block SAVE still held in its window: freed after the replay
+blockers = ip.replay_blockers()  # what LOAD asks before it pays for gc.collect()
 try:
     ip.replay_window(); err = None
 except EmberDivergence as exc:
     err = str(exc)
 later = alloc(6 << 20)         # the process's next allocation
-print(json.dumps({{"err": err, "later": later, "div": ip.divergence()}}))
+try:
+    ip.replay_blockers(); again = None
+except EmberError as exc:
+    again = exc.code
+print(json.dumps({{"err": err, "later": later, "div": ip.divergence(), "before": before,
+                  "blockers": blockers, "again": again}}))
 """
     kept = json.loads(run_py(load, mode="load").stdout.strip().splitlines()[-1])
     assert kept["err"] and "still holds" in kept["err"] and "empty_cache" in kept["err"]
+    # the dry run names the block the replay then refused
+    n, first = kept["blockers"]
+    assert n == 1 and hex(saved["cached"])[2:] in first and kept["before"] == kept["blockers"]
+    assert kept["again"] is not None  # after the replay there is nothing left to ask
     released = json.loads(run_py(load, mode="load", env={"RELEASE": "1"}).stdout.strip().splitlines()[-1])
     assert released["err"] is None and released["div"] is None
+    assert released["before"][0] == 1 and released["blockers"] == [0, ""]
     pool = saved["pool"]
     assert not (pool <= released["later"] < pool + (6 << 20))  # never inside the graphs' memory
     extra = run_py(load, mode="load", env={"RELEASE": "1", "EXTRA": "1"})

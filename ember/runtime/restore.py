@@ -1,0 +1,266 @@
+"""The LOAD steps every engine shares, split around the engine's own start-up.
+
+`ArchiveRestore.open()` checks the compatibility key, reads and verifies the blobs, hands the
+kernel images to libember (proactive loading) and imports the allocation log; then it starts
+the graph reconstruction on a background thread — decoding the graph table, resolving the kernel
+functions, building and instantiating one template per topology group — while the engine builds
+its model and KV cache on the caller's thread (Foundry §4.2.1). That is safe before the capture
+window's allocations are replayed: libember maps the whole saved extent of its heap when the log
+is imported, so every address a node refers to is mapped already, and nothing is launched until
+`library()` hands the templates over after `replay()`.
+
+Engine code (the decode workload in `ember.runtime.load`, the continuous-batching engine in
+`ember.runtime.cb_runtime`)::
+
+    restore = ArchiveRestore.open(ip, store_uri, identity, engine_name)   # LoadRefused
+    ... build the model and the KV cache, check static addresses ...
+    restore.replay()                                                      # LoadRefused
+    lib = restore.library()                                               # LoadRefused
+
+Any refusal means: capture natively. A background build the driver refused is tried once more on
+the caller's thread after the replay; only a second refusal refuses the archive.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ember.native import EmberDivergence, EmberError, Interposer
+
+if TYPE_CHECKING:
+    from ember.archive.format import GraphTable
+    from ember.runtime import publish
+    from ember.runtime.library import GraphLibrary
+
+
+class LoadRefused(Exception):
+    """LOAD will not restore this archive here; `reason` says why. Capture natively instead.
+
+    `stage`: "compat" (the archive is for other hardware/software: expected, not a fault) or
+    "load" (the archive or this process is not as SAVE left it)."""
+
+    def __init__(self, reason: str, stage: str = "load") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.stage = stage
+
+
+def release_cached_memory(ip: Interposer | None = None) -> dict[str, float]:
+    """Give torch's cached, unused segments back before `replay_window()`.
+
+    SAVE's first capture emptied torch's cache inside the capture window (torch.cuda.graph does),
+    and graph memory reused that space. A LOAD process never captures: without this its
+    allocator would keep those segments and later hand the graphs' memory to eager tensors (seen
+    on H100: fingerprinting a restored graph's logits overwrote its token output). libember keeps
+    the released blocks until the replay frees them at SAVE's place, and refuses the replay if
+    the process still holds one (benchmarks/results/diag-load-outputs-H100-*.json).
+
+    torch.cuda.graph also runs `gc.collect()` first (a tensor only a reference cycle holds keeps
+    its block); that costs 130-165 ms in an engine process (H100), so it runs only when libember
+    (`ip.replay_blockers()`) says a block the replay needs is still held after emptying the
+    cache. Returns the milliseconds of each step."""
+    import gc
+
+    import torch
+
+    ms: dict[str, float] = {}
+    t = time.perf_counter()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    ms["release_empty_cache_ms"] = (time.perf_counter() - t) * 1e3
+    if ip is None or ip.replay_blockers()[0] > 0:
+        t = time.perf_counter()
+        gc.collect()
+        torch.cuda.empty_cache()
+        ms["release_gc_ms"] = (time.perf_counter() - t) * 1e3
+    return ms
+
+
+class ArchiveRestore:
+    """One archive on its way into this process; see the module docstring for the order."""
+
+    def __init__(self, ip: Interposer, archive: publish.Archive, timings: dict[str, Any]) -> None:
+        self.ip = ip
+        self.archive = archive
+        self.timings = timings
+        self._lib: GraphLibrary | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def open(
+        cls,
+        ip: Interposer | None,
+        store_uri: str,
+        identity_hash: str,
+        engine: str,
+        *,
+        accept: Callable[[dict[str, Any]], None] | None = None,
+        background: bool | None = None,
+    ) -> ArchiveRestore:
+        """Everything before the engine builds its model. `engine` is the compat key's engine
+        string of this process (`compat.current(engine)`); `accept(manifest.engine)` may refuse
+        (LoadRefused) an archive from another engine before its blobs are read. `background`
+        (default: unless EMBER_LOAD_BACKGROUND=0) builds the templates while the model builds."""
+        from ember.runtime import compat, publish
+
+        if ip is None:
+            raise LoadRefused("libember is not preloaded with EMBER_MODE=load")
+        tm: dict[str, Any] = {}
+        t = time.perf_counter()
+        try:
+            manifest = publish.read_manifest(store_uri, identity_hash)
+        except Exception as exc:
+            raise LoadRefused(f"archive not readable: {exc}") from exc
+        tm["read_manifest_ms"] = (time.perf_counter() - t) * 1e3
+        problems = compat.check_compat(manifest.compat, compat.current(engine))
+        tm["read_compat_ms"] = (time.perf_counter() - t) * 1e3 - tm["read_manifest_ms"]
+        if problems:
+            raise LoadRefused("compatibility key differs: " + "; ".join(problems), "compat")
+        if manifest.engine.get("in_process_only"):
+            raise LoadRefused("archive was saved without libember (in-process only)", "compat")
+        if accept is not None:
+            accept(dict(manifest.engine))
+        t_blobs = time.perf_counter()
+        try:
+            archive = publish.read(store_uri, identity_hash)
+        except Exception as exc:
+            raise LoadRefused(f"archive damaged: {exc}") from exc
+        tm["read_blobs_ms"] = (time.perf_counter() - t_blobs) * 1e3
+        tm["read_ms"] = (time.perf_counter() - t) * 1e3
+
+        t = time.perf_counter()
+        try:
+            ip.preload([(im.content_hash, im.data, im.options) for im in archive.images])
+            ip.import_alloc_log(archive.alloc_log)  # also maps the heap's saved extent
+        except EmberError as exc:
+            raise LoadRefused(f"libember refused the archive: {exc}") from exc
+        tm["preload_start_ms"] = (time.perf_counter() - t) * 1e3
+        self = cls(ip, archive, tm)
+        if background is None:
+            background = os.environ.get("EMBER_LOAD_BACKGROUND", "1") != "0"
+        if background:
+            from ember.runtime.driver import current_context
+
+            ctx = current_context()
+            self._thread = threading.Thread(
+                target=self._reconstruct, args=(ctx,), name="ember-reconstruct", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def _reconstruct(self, ctx: Any = None) -> None:
+        """Decode the table, resolve functions, build and instantiate the templates. On the
+        background thread, errors are kept for `library()`; on the caller's, they propagate."""
+        from cuda.bindings import driver as cu
+
+        from ember.archive import format as archive_format
+        from ember.runtime.library import GraphLibrary
+
+        tm: dict[str, float] = {}
+        t_all = time.perf_counter()
+        try:
+            if ctx is not None:
+                cu.cuCtxSetCurrent(ctx)
+            t = time.perf_counter()
+            try:
+                table: GraphTable = archive_format.decode(self.archive.graph_table)
+                for g in table.groups:
+                    table.chunk(g.template)
+            except Exception as exc:
+                raise LoadRefused(f"archive damaged: {exc}") from exc
+            tm["decode_ms"] = (time.perf_counter() - t) * 1e3
+            t = time.perf_counter()
+            try:
+                functions = [self.ip.function(k.image, k.name) for k in table.kernels]
+            except EmberError as exc:
+                raise LoadRefused(f"kernel not found after preload: {exc}") from exc
+            tm["functions_ms"] = (time.perf_counter() - t) * 1e3
+            t = time.perf_counter()
+            lib = GraphLibrary(table, functions)
+            try:
+                lib.build_templates()
+            except BaseException:
+                lib.close()
+                raise
+            tm["templates_ms"] = (time.perf_counter() - t) * 1e3
+            lt = lib.timings
+            tm.update(
+                templates_prepare_ms=lt.prepare_ms,
+                templates_build_ms=lt.build_ms,
+                templates_instantiate_ms=lt.instantiate_ms,
+                templates_native_ms=lt.native_ms,
+                templates_threads=lt.threads,
+                function_attrs_ms=lt.function_attrs_ms,
+            )
+            self._lib = lib
+        except BaseException as exc:
+            if ctx is None:
+                raise
+            self._error = exc
+        finally:
+            tm["reconstruct_ms"] = (time.perf_counter() - t_all) * 1e3
+            self.timings.update(tm)
+
+    def replay(self) -> None:
+        """After the engine's own allocations: release torch's cache, replay the capture window."""
+        ip = self.ip
+        if div := ip.divergence():
+            raise LoadRefused(f"allocation sequence diverged from SAVE: {div}")
+        t = time.perf_counter()
+        self.timings.update(release_cached_memory(ip))
+        self.timings["release_cache_ms"] = (time.perf_counter() - t) * 1e3
+        t = time.perf_counter()
+        try:
+            ip.replay_window()
+        except EmberDivergence as exc:
+            raise LoadRefused(f"allocation sequence diverged from SAVE: {exc}") from exc
+        except EmberError as exc:
+            raise LoadRefused(f"capture window replay failed: {exc}") from exc
+        if div := ip.divergence():
+            raise LoadRefused(f"allocation sequence diverged from SAVE: {div}")
+        self.timings["replay_window_ms"] = (time.perf_counter() - t) * 1e3
+
+    def library(self) -> GraphLibrary:
+        """The templates, instantiated. Waits for the background thread (`join_ms`), or builds
+        them here when there was none; retries a refused background build once here (the
+        driver may have refused for a reason the replay removed); LoadRefused when the archive
+        cannot be restored."""
+        from ember.runtime.rebuild import RebuildError
+
+        t = time.perf_counter()
+        self.wait()
+        self.timings["join_ms"] = (time.perf_counter() - t) * 1e3
+        if self._lib is not None:
+            return self._lib
+        first = self._error
+        if isinstance(first, LoadRefused):
+            raise first  # damaged table or a missing kernel: the same on this thread
+        if first is not None:
+            self.timings["background_error"] = f"{type(first).__name__}: {first}"
+        self._error = None
+        t = time.perf_counter()
+        try:
+            self._reconstruct(None)
+        except RebuildError as exc:  # e.g. this driver drops edge data SAVE's driver kept
+            raise LoadRefused(f"graphs could not be rebuilt here: {exc}") from exc
+        except EmberError as exc:
+            raise LoadRefused(f"graphs could not be rebuilt here: {exc}") from exc
+        self.timings["foreground_ms"] = (time.perf_counter() - t) * 1e3
+        assert self._lib is not None
+        return self._lib
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def abandon(self) -> None:
+        """A refusal after open(): let the background finish, drop what it built."""
+        self.wait()
+        if self._lib is not None:
+            self._lib.close()
+            self._lib = None
