@@ -310,13 +310,15 @@ def _tokens_goal(r: dict[str, Any]) -> bool | None:
     return False
 
 
-STAGES = (
+STAGES = (  # the critical path, then the background thread's
     "read_ms",
-    "preload_start_ms",
+    "import_alloc_log_ms",
     "release_cache_ms",
     "replay_window_ms",
     "join_ms",
     "reconstruct_ms",
+    "read_blobs_ms",
+    "preload_start_ms",
     "decode_ms",
     "functions_ms",
     "templates_ms",

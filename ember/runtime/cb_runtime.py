@@ -252,7 +252,7 @@ def restore_into(engine: Any, archive_dir: str | Path, ip: Any = None) -> Any:
         restore = ArchiveRestore.open(ip, store_uri, identity, compat_engine(), accept=accept)
     except LoadRefused as exc:
         raise RestoreRefused(exc.stage, exc.reason) from exc
-    facts = dict(restore.archive.engine)
+    facts = dict(restore.manifest.engine)
     t_compat = time.perf_counter() - t0
 
     def load(adapter: CBAdapter) -> dict[tuple[int, ...], Any]:

@@ -3,10 +3,10 @@ proved, at the same addresses, without capturing.
 
 Order matters and every check comes before anything is launched (`ember.runtime.restore`):
 1. compatibility key against the real GPU/driver/CUDA/torch/env → `LoadRefused(reason)`;
-2. blobs fetched and their digests verified (`publish.read`);
-3. kernel images handed to libember for proactive loading on worker threads (execution order),
-   the allocation log imported; one template per topology group built and instantiated on a
-   background thread from here on (`GraphLibrary`), while
+2. the allocation log read and imported; on a background thread from here on: every other blob
+   fetched and its digest verified, kernel images handed to libember for proactive loading
+   (execution order), one template per topology group built and instantiated (`GraphLibrary`),
+   while
 4. the workload is built in SAVE's order (weights, the KV cache at the recorded size: no memory
    profiling), static buffers checked against SAVE's addresses, the capture window replayed
    (divergence → refuse);
@@ -109,8 +109,7 @@ def run_load(
     tm["session_ms"] = (time.perf_counter() - t_all) * 1e3
     restore = ArchiveRestore.open(ip, store_uri, identity_hash, ENGINE)
     try:
-        archive = restore.archive
-        engine = dict(archive.engine)
+        engine = dict(restore.manifest.engine)
         if model_dir:  # the checkpoint lives elsewhere on this machine than where SAVE read it
             engine["weights"] = str(model_dir)
         t = time.perf_counter()
@@ -128,6 +127,8 @@ def run_load(
             raise LoadRefused(f"static buffers are not where SAVE had them: {moved}")
         restore.replay()
         lib = restore.library()
+        archive = restore.archive
+        assert archive is not None  # read in full before library() returns
     except BaseException:
         restore.abandon()
         raise

@@ -78,9 +78,20 @@ def read_manifest(store_uri: str, identity_hash: str) -> Manifest:
     return bundle.open_archive(store_uri, identity_hash).manifest
 
 
+def open_archive(store_uri: str, identity_hash: str) -> bundle.Archive:
+    """The archive with its manifest read and identity checked; blobs are read on first use."""
+    return bundle.open_archive(store_uri, identity_hash)
+
+
 def read(store_uri: str, identity_hash: str) -> Archive:
     """Fetch every blob (in parallel), verify digests and sizes, return the runtime's view."""
     arc = bundle.read_archive(store_uri, identity_hash)
+    return view(arc)
+
+
+def view(arc: bundle.Archive) -> Archive:
+    """The runtime's view of an opened archive: every blob fetched (in parallel) and verified."""
+    arc.load_all()
     m = arc.manifest
     order = list(m.engine.get("image_order") or [k.content_hash for k in m.kernel_images])
     options = m.engine.get("image_options", {})

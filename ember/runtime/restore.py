@@ -1,13 +1,15 @@
 """The LOAD steps every engine shares, split around the engine's own start-up.
 
-`ArchiveRestore.open()` checks the compatibility key, reads and verifies the blobs, hands the
-kernel images to libember (proactive loading) and imports the allocation log; then it starts
-the graph reconstruction on a background thread — decoding the graph table, resolving the kernel
-functions, building and instantiating one template per topology group — while the engine builds
-its model and KV cache on the caller's thread (Foundry §4.2.1). That is safe before the capture
-window's allocations are replayed: libember maps the whole saved extent of its heap when the log
-is imported, so every address a node refers to is mapped already, and nothing is launched until
-`library()` hands the templates over after `replay()`.
+`ArchiveRestore.open()` reads the manifest, checks the compatibility key, reads the allocation
+log and imports it (the engine's allocations are checked against SAVE's from then on); then it
+starts the rest on a background thread — every other blob read and verified, the kernel images
+handed to libember (proactive loading), the graph table decoded, kernel functions resolved, one
+template per topology group built and instantiated — while the engine builds its model and KV
+cache on the caller's thread (Foundry §4.2.1). That is safe before the capture window's
+allocations are replayed: libember maps the whole saved extent of its heap when the log is
+imported, so every address a node refers to is mapped already, and nothing is launched until
+`library()` hands the templates over after `replay()`. A damaged blob found in the background
+refuses the archive there, still before any launch.
 
 Engine code (the decode workload in `ember.runtime.load`, the continuous-batching engine in
 `ember.runtime.cb_runtime`)::
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from ember.native import EmberDivergence, EmberError, Interposer
 
 if TYPE_CHECKING:
+    from ember.archive import bundle
     from ember.archive.format import GraphTable
     from ember.runtime import publish
     from ember.runtime.library import GraphLibrary
@@ -83,9 +86,11 @@ def release_cached_memory(ip: Interposer | None = None) -> dict[str, float]:
 class ArchiveRestore:
     """One archive on its way into this process; see the module docstring for the order."""
 
-    def __init__(self, ip: Interposer, archive: publish.Archive, timings: dict[str, Any]) -> None:
+    def __init__(self, ip: Interposer, opened: bundle.Archive, timings: dict[str, Any]) -> None:
         self.ip = ip
-        self.archive = archive
+        self.opened = opened
+        self.manifest = opened.manifest
+        self.archive: publish.Archive | None = None  # every blob, read and verified (background)
         self.timings = timings
         self._lib: GraphLibrary | None = None
         self._error: BaseException | None = None
@@ -111,11 +116,12 @@ class ArchiveRestore:
         if ip is None:
             raise LoadRefused("libember is not preloaded with EMBER_MODE=load")
         tm: dict[str, Any] = {}
-        t = time.perf_counter()
+        t0 = t = time.perf_counter()
         try:
-            manifest = publish.read_manifest(store_uri, identity_hash)
+            opened = publish.open_archive(store_uri, identity_hash)
         except Exception as exc:
             raise LoadRefused(f"archive not readable: {exc}") from exc
+        manifest = opened.manifest
         tm["read_manifest_ms"] = (time.perf_counter() - t) * 1e3
         problems = compat.check_compat(manifest.compat, compat.current(engine))
         tm["read_compat_ms"] = (time.perf_counter() - t) * 1e3 - tm["read_manifest_ms"]
@@ -125,22 +131,20 @@ class ArchiveRestore:
             raise LoadRefused("archive was saved without libember (in-process only)", "compat")
         if accept is not None:
             accept(dict(manifest.engine))
-        t_blobs = time.perf_counter()
-        try:
-            archive = publish.read(store_uri, identity_hash)
-        except Exception as exc:
-            raise LoadRefused(f"archive damaged: {exc}") from exc
-        tm["read_blobs_ms"] = (time.perf_counter() - t_blobs) * 1e3
-        tm["read_ms"] = (time.perf_counter() - t) * 1e3
-
         t = time.perf_counter()
         try:
-            ip.preload([(im.content_hash, im.data, im.options) for im in archive.images])
-            ip.import_alloc_log(archive.alloc_log)  # also maps the heap's saved extent
+            alloc_log = opened.alloc_log or b""
+        except Exception as exc:
+            raise LoadRefused(f"archive damaged: {exc}") from exc
+        tm["read_alloc_log_ms"] = (time.perf_counter() - t) * 1e3
+        tm["read_ms"] = (time.perf_counter() - t0) * 1e3  # manifest, compat, allocation log
+        t = time.perf_counter()
+        try:
+            ip.import_alloc_log(alloc_log)  # also maps the heap's saved extent
         except EmberError as exc:
             raise LoadRefused(f"libember refused the archive: {exc}") from exc
-        tm["preload_start_ms"] = (time.perf_counter() - t) * 1e3
-        self = cls(ip, archive, tm)
+        tm["import_alloc_log_ms"] = (time.perf_counter() - t) * 1e3
+        self = cls(ip, opened, tm)
         if background is None:
             background = os.environ.get("EMBER_LOAD_BACKGROUND", "1") != "0"
         if background:
@@ -159,6 +163,7 @@ class ArchiveRestore:
         from cuda.bindings import driver as cu
 
         from ember.archive import format as archive_format
+        from ember.runtime import publish
         from ember.runtime.library import GraphLibrary
 
         tm: dict[str, float] = {}
@@ -166,6 +171,19 @@ class ArchiveRestore:
         try:
             if ctx is not None:
                 cu.cuCtxSetCurrent(ctx)
+            t = time.perf_counter()
+            if self.archive is None:
+                try:
+                    self.archive = publish.view(self.opened)
+                except Exception as exc:
+                    raise LoadRefused(f"archive damaged: {exc}") from exc
+            tm["read_blobs_ms"] = (time.perf_counter() - t) * 1e3
+            t = time.perf_counter()
+            try:  # images load on libember's worker threads from here on, in execution order
+                self.ip.preload([(im.content_hash, im.data, im.options) for im in self.archive.images])
+            except EmberError as exc:
+                raise LoadRefused(f"libember refused the archive: {exc}") from exc
+            tm["preload_start_ms"] = (time.perf_counter() - t) * 1e3
             t = time.perf_counter()
             try:
                 table: GraphTable = archive_format.decode(self.archive.graph_table)
