@@ -157,9 +157,10 @@ class ArchiveRestore:
             self._thread.start()
         return self
 
-    def _reconstruct(self, ctx: Any = None) -> None:
-        """Decode the table, resolve functions, build and instantiate the templates. On the
-        background thread, errors are kept for `library()`; on the caller's, they propagate."""
+    def _reconstruct(self, ctx: Any = None, prefix: str = "") -> None:
+        """Read the blobs, preload, decode the table, resolve functions, build and instantiate
+        the templates. On the background thread (`ctx` given), errors are kept for `library()`;
+        on the caller's, they propagate. Timings are kept under `prefix`."""
         from cuda.bindings import driver as cu
 
         from ember.archive import format as archive_format
@@ -222,7 +223,7 @@ class ArchiveRestore:
             self._error = exc
         finally:
             tm["reconstruct_ms"] = (time.perf_counter() - t_all) * 1e3
-            self.timings.update(tm)
+            self.timings.update({prefix + k: v for k, v in tm.items()})
 
     def replay(self) -> None:
         """After the engine's own allocations: release torch's cache, replay the capture window."""
@@ -248,6 +249,7 @@ class ArchiveRestore:
         them here when there was none; retries a refused background build once here (the
         driver may have refused for a reason the replay removed); LoadRefused when the archive
         cannot be restored."""
+        from ember.runtime.driver import CudaError
         from ember.runtime.rebuild import RebuildError
 
         t = time.perf_counter()
@@ -263,10 +265,8 @@ class ArchiveRestore:
         self._error = None
         t = time.perf_counter()
         try:
-            self._reconstruct(None)
-        except RebuildError as exc:  # e.g. this driver drops edge data SAVE's driver kept
-            raise LoadRefused(f"graphs could not be rebuilt here: {exc}") from exc
-        except EmberError as exc:
+            self._reconstruct(None, "retry_" if first is not None else "")
+        except (RebuildError, EmberError, CudaError) as exc:  # e.g. a driver that drops edge data
             raise LoadRefused(f"graphs could not be rebuilt here: {exc}") from exc
         self.timings["foreground_ms"] = (time.perf_counter() - t) * 1e3
         assert self._lib is not None

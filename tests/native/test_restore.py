@@ -1,0 +1,376 @@
+# ruff: noqa: E501  (embedded C and Python snippets read better unwrapped)
+"""ember.runtime.restore.ArchiveRestore against libember over the stand-in driver (no GPU, no torch).
+
+A SAVE process (EMBER_MODE=save) allocates a "model", records a capture window, and publishes an
+archive to a local file store: a synthetic graph set whose kernels live in PTX images the stand-in
+loads (KernelRef.image = libember's content hash of each image), the allocation log libember
+exported, and the compatibility key `compat.current()` returns in that environment. A fresh LOAD
+process (EMBER_MODE=load) then restores it through ArchiveRestore. The tests prove:
+
+- with the default background thread, open() + library() hand over a GraphLibrary whose templates
+  were built on that thread before library() was called, one instantiated template per topology
+  group, node for node the graphs of the graph set, and the same graphs the foreground path
+  (background=False) builds; a restored graph launches;
+- a damaged blob refuses the archive ("archive damaged") before anything is loaded, built or
+  launched;
+- a compatibility-key mismatch is refused by open() with stage "compat" without reading any blob
+  (the store holds none) and before libember imports the allocation log.
+
+The stand-in resolves only libember's own entry points through cuGetProcAddress, and cuda.bindings
+resolves everything that way; the module's `standin` fixture therefore builds the stand-in again
+with a cuGetProcAddress that falls back to its own exports, plus the few calls the restore path
+makes through cuda.bindings (device name and attributes, driver version, events, function
+attributes) and a counting cuGraphLaunch. torch is not installed: compat.current() reads only
+`torch.version.cuda` and `torch.__version__`, so the snippets put a module with those two in
+sys.modules, and the archive is written with the key compat.current() returns under it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ember.archive.graphs import NodeType
+from ember.archive.synthetic import synthetic_graphset
+from ember.runtime.walk import ATTR_SIZES
+
+GRAPHS, NODES, GROUPS = 6, 300, 3  # the graph set both processes build (deterministic)
+
+SHIM_C = r"""
+/* standin_cuda.c, its cuGetProcAddress_v2 renamed so that the one below can fall back to the
+ * library's own exports (cuda.bindings resolves every driver call through it). */
+#define cuGetProcAddress_v2 standin_base_cuGetProcAddress_v2
+#include "standin_cuda.c"
+#undef cuGetProcAddress_v2
+
+static void* self_handle(void) {
+  static void* h;
+  if (!h) {
+    Dl_info info;
+    dladdr((void*)&standin_calls, &info);
+    h = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+  }
+  return h;
+}
+EXPORT CUresult cuGetProcAddress_v2(const char* symbol, void** pfn, int version, cuuint64_t flags,
+                                    CUdriverProcAddressQueryResult* status) {
+  CUresult rc = standin_base_cuGetProcAddress_v2(symbol, pfn, version, flags, status);
+  if (rc != CUDA_ERROR_NOT_FOUND || !symbol) return rc;
+  if (!strcmp(symbol, "cuGetProcAddress")) {
+    *pfn = (void*)&cuGetProcAddress_v2;
+  } else {
+    char name[160];
+    snprintf(name, sizeof name, "%s_v2", symbol);
+    if (!(*pfn = dlsym(self_handle(), name))) *pfn = dlsym(self_handle(), symbol);
+    if (!*pfn) return rc;
+  }
+  if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDriverGetVersion(int* v) { *v = 13000; return CUDA_SUCCESS; }
+EXPORT CUresult cuDeviceGet(CUdevice* d, int ordinal) {
+  if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
+  *d = 0;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDeviceGetName(char* name, int len, CUdevice d) {
+  snprintf(name, len, "Stand-in GPU");
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDeviceGetAttribute(int* v, CUdevice_attribute a, CUdevice d) {
+  *v = a == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR ? 9 : 0;
+  return CUDA_SUCCESS;
+}
+static int events_alive, graph_launches;
+EXPORT CUresult cuEventCreate(CUevent* e, unsigned flags) {
+  *e = (CUevent)calloc(1, 16);
+  __atomic_add_fetch(&events_alive, 1, __ATOMIC_SEQ_CST);
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuEventDestroy_v2(CUevent e) {
+  free(e);
+  __atomic_sub_fetch(&events_alive, 1, __ATOMIC_SEQ_CST);
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuFuncGetAttribute(int* v, CUfunction_attribute a, CUfunction f) {
+  if (!valid_fn(f)) return CUDA_ERROR_INVALID_HANDLE;
+  *v = ((struct fn*)f)->attr[a & 63];
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphLaunch(CUgraphExec e, CUstream s) {
+  note("cuGraphLaunch");
+  if (!e) return CUDA_ERROR_INVALID_VALUE;
+  __atomic_add_fetch(&graph_launches, 1, __ATOMIC_SEQ_CST);
+  return CUDA_SUCCESS;
+}
+EXPORT int standin_graph_launches(void) { return graph_launches; }
+EXPORT int standin_events_alive(void) { return events_alive; }
+"""
+
+
+def _cuda_include(config: pytest.Config) -> Path:
+    """The cuda.h directory the shared stand-in fixture compiles with (tests/native/conftest.py)."""
+    conftest = config.pluginmanager.get_plugin(str(Path(__file__).with_name("conftest.py")))
+    assert conftest is not None, "tests/native/conftest.py is not loaded"
+    return conftest.cuda_include()
+
+
+@pytest.fixture(scope="module")
+def standin(standin, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """The stand-in driver, rebuilt with what cuda.bindings needs (see SHIM_C); run_py uses it."""
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    out = tmp_path_factory.mktemp("standin-restore")
+    (out / "shim.c").write_text(SHIM_C)
+    subprocess.run([cc, "-O1", "-g", "-shared", "-fPIC", "-fvisibility=hidden", "-Wl,-Bsymbolic",
+                    "-Wl,-soname,libcuda.so.1", f"-I{_cuda_include(request.config)}",
+                    f"-I{Path(__file__).parent / 'standin'}", str(out / "shim.c"),
+                    "-o", str(out / "libcuda.so.1"), "-ldl", "-lpthread"], check=True)
+    return dataclasses.replace(standin, dir=out)
+
+
+# ---- the snippets' common part -------------------------------------------------------------------
+
+COMMON = f"""
+import types
+torch = types.ModuleType("torch")          # what compat.current() reads of torch, nothing more
+torch.__version__ = "0.0+standin"
+torch.version = types.SimpleNamespace(cuda="13.0")
+sys.modules["torch"] = torch
+from cuda.bindings import driver as cu
+from ember.archive import format as F
+from ember.archive.graphs import GraphSet, KernelRef
+from ember.archive.synthetic import synthetic_graphset
+from ember.identity import ArchiveIdentity
+from ember.runtime import compat, publish
+from ember.runtime.restore import ArchiveRestore, LoadRefused
+for name in ("standin_graph_launches", "standin_events_alive", "standin_execs_alive"):
+    getattr(cuda, name).restype = ctypes.c_int
+cuda.standin_graph_dump.restype = ctypes.c_size_t
+cuda.standin_graph_dump.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+
+ENGINE = "ember-restore-test"
+STORE = os.environ["TEST_STORE"]
+IDENTITY = ArchiveIdentity(model="ember-test/restore", engine=ENGINE, engine_version="0",
+                           capture_sizes=tuple(range(1, {GRAPHS} + 1)))
+
+# The synthetic graph set, its kernels moved into PTX images the stand-in loads (it keeps at most
+# 16 kernels per module; the synthetic set puts 16 in each of its 3 images).
+gs = synthetic_graphset(graphs={GRAPHS}, nodes={NODES}, groups={GROUPS}, child_graphs=False)
+names = {{}}
+for k in gs.kernels:
+    names.setdefault(k.image, []).append(k.name)
+ptx = {{old: (".version 8.0\\n.target sm_90\\n" + "".join(f".entry {{n}}(\\n)\\n{{{{ ret; }}}}\\n" for n in ns)).encode() + b"\\0"
+        for old, ns in names.items()}}
+new_hash = {{old: ip.hash(data) for old, data in ptx.items()}}
+images = [publish.Image(new_hash[old], data, "ptx") for old, data in ptx.items()]
+gs = GraphSet(gs.graphs, [KernelRef(new_hash[k.image], k.name) for k in gs.kernels], gs.function_attrs)
+
+def model():                               # the engine's allocations before the capture window
+    return [alloc(n) for n in (4096, 3 << 20, 100, 40 << 20)]
+
+def window():                              # the capture window's allocations
+    t = [alloc(2 << 20), alloc(100), alloc(1 << 20)]
+    free(t[1])
+    return t
+
+def last_json(obj):
+    print(json.dumps(obj))
+"""
+
+SAVE = COMMON + """
+model()
+ip.capture_begin()
+window()
+ip.capture_end()
+key = compat.current(ENGINE)
+if os.environ.get("TEST_FOREIGN_GPU") == "1":
+    key = key.model_copy(update={"gpu_name": "NVIDIA H100 80GB HBM3"})
+arc = publish.Archive(IDENTITY, key, F.encode(gs), images, alloc_log=ip.export_alloc_log())
+publish.write(STORE, arc, gs)
+last_json({"identity": IDENTITY.hash(), "key": key.model_dump()})
+"""
+
+LOAD = COMMON + """
+import time
+background = os.environ["TEST_BACKGROUND"] == "1"
+restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE, background=background)
+model()                                    # the engine builds its model meanwhile
+restore.wait()
+built_before_library = restore._lib is not None
+ip.replay_window()
+assert ip.divergence() is None
+lib = restore.library()
+
+def dump(g):
+    buf = ctypes.create_string_buffer(1 << 20)
+    n = cuda.standin_graph_dump(int(g), buf, len(buf))
+    return buf.raw[:n].decode().splitlines()
+
+def normalized(g):
+    # Node lines with the CUfunction as its kernel index and each CUevent by first use (handles
+    # differ between processes); edge lines as they are.
+    fn = {f: i for i, f in enumerate(lib.functions)}
+    events = {}
+    out = []
+    for line in dump(g):
+        f = line.split()
+        if f[0] == "N" and f[1] == "0":
+            f[2] = "k%d" % fn[int(f[2])]
+        elif f[0] == "N" and f[1] in ("6", "7"):
+            f[2] = "e%d" % events.setdefault(f[2], len(events))
+        out.append(" ".join(f))
+    return out
+
+templates = {g.template: normalized(lib._graphs[g.template]) for g in lib.groups}
+execs = cuda.standin_execs_alive()
+launches_before = cuda.standin_graph_launches()
+lib.launch(lib.groups[0].template, cu.CUstream(0))
+last_json({"built_before_library": built_before_library, "timings": restore.timings,
+           "groups": [[g.template, list(g.members)] for g in lib.groups], "templates": templates,
+           "template_execs": len(lib._templates), "execs": execs,
+           "launches_before": launches_before, "launches": cuda.standin_graph_launches(),
+           "kernels": [ip.lookup(f, 0) for f in lib.functions],
+           "table_kernels": [[k.image, k.name] for k in gs.kernels]})
+"""
+
+
+def _last_json(out) -> dict:
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _save(run_py, store: Path, **env: str) -> dict:
+    return _last_json(run_py(SAVE, mode="save", env={"TEST_STORE": store.as_uri(), **env}))
+
+
+def _expected_template(index: int) -> list[list[str]]:
+    """What the stand-in should hold for graph `index` of the graph set: per node its type, and
+    for kernel nodes the kernel index, grid, block x, shared memory and launch attribute ids."""
+    graph = synthetic_graphset(graphs=GRAPHS, nodes=NODES, groups=GROUPS, child_graphs=False).graphs[index]
+    nodes = []
+    for n in graph.nodes:
+        if n.type == NodeType.KERNEL:
+            p = n.params
+            nodes.append(["0", f"k{p.kernel}", *map(str, p.grid), str(p.block[0]), str(p.shared_mem),
+                          *map(str, sorted(a for a in p.attrs if a in ATTR_SIZES))])
+        else:
+            nodes.append([str(int(n.type))])
+    return nodes
+
+
+# ---- the tests -----------------------------------------------------------------------------------
+
+
+def test_background_restore_builds_the_templates_the_foreground_builds(run_py, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    saved = _save(run_py, store)
+    assert saved["key"]["gpu_name"] == "Stand-in GPU" and saved["key"]["engine"] == "ember-restore-test"
+    env = {"TEST_STORE": store.as_uri()}
+    bg = _last_json(run_py(LOAD, mode="load", env={**env, "TEST_BACKGROUND": "1"}))
+    fg = _last_json(run_py(LOAD, mode="load", env={**env, "TEST_BACKGROUND": "0"}))
+
+    # Built on the background thread, before library() was asked; handed over, not rebuilt.
+    assert bg["built_before_library"] is True
+    assert {"join_ms", "reconstruct_ms", "templates_ms", "read_blobs_ms"} <= set(bg["timings"])
+    assert not {"foreground_ms", "background_error"} & set(bg["timings"])
+    # The foreground path builds in library() instead.
+    assert fg["built_before_library"] is False and "foreground_ms" in fg["timings"]
+
+    # One instantiated template per topology group.
+    assert bg["groups"] == [[0, [0, 1]], [2, [2, 3]], [4, [4, 5]]]
+    assert bg["template_execs"] == GROUPS and bg["execs"] == GROUPS
+
+    # The kernels are the archive's, resolved from the preloaded images by name.
+    assert bg["kernels"] == bg["table_kernels"]
+
+    # Node for node the graph set's graphs, and the same graphs the foreground path builds.
+    assert bg["templates"] == fg["templates"]
+    for index, lines in bg["templates"].items():
+        nodes = [line.split()[1:] for line in lines if line.startswith("N ")]
+        want = _expected_template(int(index))
+        assert len(nodes) == len(want) > NODES - 10
+        for got, exp in zip(nodes, want, strict=True):
+            if exp[0] == "0":
+                assert got[:7] + sorted(got[7:], key=int) == exp
+            else:
+                assert got[0] == exp[0]
+        edges = [line for line in lines if line.startswith("E ")]
+        assert len(edges) == len(nodes) and sum(line.split()[-1] != "0" for line in edges) >= 5
+
+    # A restored graph launches (and the launch counter the refusal test relies on counts it).
+    assert bg["launches_before"] == 0 and bg["launches"] == 1
+
+
+DAMAGED = COMMON + """
+result = {}
+try:
+    restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
+except LoadRefused as exc:
+    result.update(refused_in="open", reason=exc.reason, stage=exc.stage)
+else:
+    model()
+    ip.replay_window()
+    try:
+        restore.library()
+        result["refused_in"] = None
+    except LoadRefused as exc:
+        result.update(refused_in="library", reason=exc.reason, stage=exc.stage)
+    restore.abandon()
+last_json({**result, "launches": cuda.standin_graph_launches(), "execs": cuda.standin_execs_alive(),
+           "calls": calls()})
+"""
+
+
+def test_damaged_blob_is_refused_before_any_launch(run_py, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    _save(run_py, store)
+    blob = max((store / "blobs").iterdir(), key=lambda p: p.stat().st_size)
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 3] ^= 0x40
+    blob.write_bytes(bytes(data))
+
+    r = _last_json(run_py(DAMAGED, mode="load", env={"TEST_STORE": store.as_uri()}))
+    # The largest blob is the graph table: open() reads only the manifest and the allocation
+    # log, the background thread finds the damage and library() refuses with it.
+    assert r["refused_in"] == "library", r
+    assert r["reason"].startswith("archive damaged") and "blob 'graphs'" in r["reason"], r
+    assert r["stage"] == "load"
+    assert r["launches"] == 0 and "cuGraphLaunch" not in r["calls"]
+    assert not any(c.startswith("cuLaunchKernel") for c in r["calls"])
+    assert r["execs"] == 0                          # nothing instantiated
+    assert "cuLibraryLoadData" not in r["calls"]    # nor any kernel image loaded
+
+
+FOREIGN = COMMON + """
+try:
+    ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
+    result = {"refused": False}
+except LoadRefused as exc:
+    result = {"refused": True, "reason": exc.reason, "stage": exc.stage}
+try:   # libember has not been given an allocation log yet: this one is its first
+    ip.import_alloc_log(b"ember-alloclog 1\\nregion 0 0 0\\nheap_high 0\\nwindow 0 0\\n")
+    result["first_import"] = True
+except EmberError as exc:
+    result["first_import"] = exc.code
+last_json(result)
+"""
+
+
+def test_compat_mismatch_is_refused_before_any_blob_is_read(run_py, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    _save(run_py, store, TEST_FOREIGN_GPU="1")
+    blobs = list((store / "blobs").iterdir())
+    assert blobs
+    for blob in blobs:  # only the manifest is left: reading any blob would fail
+        blob.unlink()
+
+    r = _last_json(run_py(FOREIGN, mode="load", env={"TEST_STORE": store.as_uri()}))
+    assert r["refused"] and r["stage"] == "compat", r
+    assert r["reason"].startswith("compatibility key differs")
+    assert "gpu_name: archive='NVIDIA H100 80GB HBM3' here='Stand-in GPU'" in r["reason"]
+    assert r["first_import"] is True
