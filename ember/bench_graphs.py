@@ -133,7 +133,7 @@ def _save_child(
     from ember.runtime.session import ember_argv
 
     args = ["--workload", workload, "--layers", str(layers), "--sizes", sizes, "--store", store]
-    cmd = ember_argv("save", *args)
+    cmd = ember_argv("save", *args, "--tpot", ",".join(map(str, TPOT_BATCHES)))
     proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
     sys.stderr.write(proc.stderr[-4000:])
     if proc.returncode != 0:
@@ -214,6 +214,9 @@ def bench_one(workload: str, layers: int, sizes: str, store: str, timeout: float
     res["first_switch_ms_p50"] = loaded["first_switch_ms_p50"]
     res["tpot_native_ms"] = native["tpot_ms"]
     res["tpot_restored_ms"] = loaded["tpot_ms"]
+    # Control: SAVE's captured graphs in libember's memory layout. Where restored ≈ this and both
+    # differ from native, the difference is the layout (physical memory), not the restore.
+    res["tpot_save_ms"] = saved.get("tpot_ms", {})
     res.update(token_verdicts(native, loaded))
     res["outputs_identical_vs_save"] = loaded["replay"]
     nf, lf = native["fingerprints"], loaded["fingerprints"]
@@ -332,6 +335,11 @@ def _stages(r: dict[str, Any]) -> str:
     text = ", ".join(f"{k[:-3]} {lt[k]:.0f}" for k in STAGES if isinstance(lt.get(k), int | float))
     if lt.get("background_error"):
         text += f"; background build refused, redone after the replay: {lt['background_error'][:120]}"
+    ts = r.get("tpot_save_ms") or {}
+    if ts:
+        text += "; TPOT of SAVE's captured graphs (libember memory) " + ", ".join(
+            f"{v:.3f} ({b})" for b, v in ts.items()
+        )
     cs = r.get("cold_start_s")
     if cs:
         text += (

@@ -113,6 +113,9 @@ def save(
     prove_only: Annotated[
         bool, typer.Option("--prove-only", help="Capture and prove, publish nothing.")
     ] = False,
+    tpot: Annotated[
+        str, typer.Option(help="Also time the captured graphs' decode step at these batch sizes (1,64).")
+    ] = "",
 ) -> None:
     """SAVE: capture a workload's decode graphs, prove them bit-exact, publish the archive."""
     from ember.runtime.session import reexec_under_libember
@@ -132,7 +135,11 @@ def save(
             if not store and not prove_only:
                 raise RuntimeError("no store: pass --store or set EMBER_STORE (or use --prove-only)")
         out = run_save(
-            w, store_uri=None if prove_only else store, identity=identity, log=lambda m: console.print(m)
+            w,
+            store_uri=None if prove_only else store,
+            identity=identity,
+            tpot_batches=tuple(int(b) for b in tpot.split(",") if b.strip()),
+            log=lambda m: console.print(m),
         )
     except Exception as exc:
         reason = f"SAVE failed: {type(exc).__name__}: {exc}"

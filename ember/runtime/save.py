@@ -28,7 +28,7 @@ from ember.archive.graphs import GraphSet
 from ember.identity import ArchiveIdentity
 from ember.runtime import compat, publish, rebuild
 from ember.runtime.kernels import KernelResolver, LiveResolver, NativeResolver
-from ember.runtime.prove import ProofFailed, ProofReport, decode_trace, prove, replay_fingerprints
+from ember.runtime.prove import ProofFailed, ProofReport, decode_trace, prove, replay_fingerprints, tpot_ms
 from ember.runtime.session import native_session
 from ember.runtime.walk import GraphWalker
 from ember.runtime.workloads import DecodeWorkload
@@ -49,6 +49,7 @@ class SaveOutcome:
     bytes: int = 0
     published: bool = False
     archive: publish.Archive | None = None
+    tpot_ms: dict[str, float] = field(default_factory=dict)  # captured graphs, under libember
 
     def summary(self) -> dict[str, Any]:
         """The SAVE Job's termination-message JSON."""
@@ -61,6 +62,7 @@ class SaveOutcome:
             **proof_facts(self.proof),
             "manifest": self.manifest_uri,
             "durations": {k: round(v, 4) for k, v in self.durations.items()},
+            **({"tpot_ms": self.tpot_ms} if self.tpot_ms else {}),
         }
 
 
@@ -129,9 +131,12 @@ def run_save(
     store_uri: str | None,
     identity: ArchiveIdentity | None = None,
     allow_in_process: bool = False,
+    tpot_batches: tuple[int, ...] = (),
     log: Any = print,
 ) -> SaveOutcome:
-    """SAVE one workload. `store_uri=None` proves without publishing."""
+    """SAVE one workload. `store_uri=None` proves without publishing. `tpot_batches`: also time
+    the captured graphs' decode step at these batch sizes (a control for `ember bench graphs`:
+    native capture in libember's memory layout)."""
     d: dict[str, float] = {}
     t_all = time.perf_counter()
     ip = native_session("save")
@@ -191,6 +196,7 @@ def run_save(
     prints = replay_fingerprints(workload, native, keys, lambda k: list(workload.outs[k]))
     traces = {str(b): decode_trace(workload, native, b) for b in DECODE_CHECK_BATCHES if b in workload.sizes}
     decode_ref = {b: tr["sha256"] for b, tr in traces.items()}
+    tpot = {str(b): tpot_ms(workload, native, b) for b in tpot_batches if b in workload.sizes}
     d["reference_s"] = time.perf_counter() - t
     template_idx = [g.template for g in lib.groups]
     lib.close()
@@ -232,7 +238,13 @@ def run_save(
         engine=engine,
     )
     out = SaveOutcome(
-        identity=identity, graphs=len(graphs), groups=rep.templates, proof=rep, durations=d, archive=archive
+        identity=identity,
+        graphs=len(graphs),
+        groups=rep.templates,
+        proof=rep,
+        durations=d,
+        archive=archive,
+        tpot_ms=tpot,
     )
     if store_uri is not None:
         if ip is None:
