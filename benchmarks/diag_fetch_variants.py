@@ -29,8 +29,8 @@ from ember.store import HashingWriter, open_store
 
 env = _find_minio_env()
 os.environ.update(env)
-endpoint = env.get("EMBER_S3_ENDPOINT") or "http://127.0.0.1:19000"
-bucket = env.get("EMBER_S3_BUCKET", "ember-test")
+endpoint = os.environ.get("EMBER_S3_ENDPOINT") or "http://127.0.0.1:19000"
+bucket = os.environ.get("EMBER_S3_BUCKET", "ember-test")
 prefix = f"variants/{int(time.time())}"
 store = open_store(f"s3://{bucket}/{prefix}", endpoint=endpoint)
 m = write_bundle_archive(store, 250, sample_identity("variants"))
