@@ -124,7 +124,14 @@ def hasher_loop(q):
         item[0].update(item[1])
 
 
-def one_tm(kind, dest):
+def one_tm(kind, dest, io_chunk=256 << 10, switch=None):
+    if switch:
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(switch)
+        try:
+            return one_tm(kind, dest, io_chunk)
+        finally:
+            sys.setswitchinterval(old)
     if kind == "chunks":
         from concurrent.futures import ThreadPoolExecutor
 
@@ -133,6 +140,7 @@ def one_tm(kind, dest):
         ThreadHash.q = queue.SimpleQueue()
         th = threading.Thread(target=hasher_loop, args=(ThreadHash.q,))
         th.start()
+    cfg.io_chunksize = io_chunk
     tm = TransferManager(store.client, cfg)
     futs = []
     ws = []
@@ -172,6 +180,9 @@ variants = {
     "tm + hash thread": lambda d: one_tm("thread", d),
     "tm seekable files": lambda d: one_tm("file", d),
     "tm seek+piece hashes": lambda d: one_tm("chunks", d),
+    "tm+hash io 1MB": lambda d: one_tm("hash", d, 1 << 20),
+    "tm+hash io 4MB": lambda d: one_tm("hash", d, 4 << 20),
+    "tm+hash switch 0.5ms": lambda d: one_tm("hash", d, switch=5e-4),
     "boto3 download_file": plain,
 }
 res = {k: [] for k in variants}
@@ -185,3 +196,9 @@ for i in range(int(sys.argv[1]) if len(sys.argv) > 1 else 8):
         shutil.rmtree(d)
 for k, v in res.items():
     print(f"{k:22s} median {statistics.median(v):.3f} min {min(v):.3f}")
+buf = os.urandom(256 << 10)
+h = hashlib.sha256()
+t = time.perf_counter()
+for _ in range(400):
+    h.update(buf)
+print(f"sha256 one thread {100 / (time.perf_counter() - t):.0f} MB/s")
