@@ -440,7 +440,11 @@ def bench_graphs(
     from ember.archive.format import parse_ms_512
 
     store = store or Path(tempfile.mkdtemp(prefix="ember-bench-store-")).as_uri()
-    results = []
+    results: list[dict[str, Any]] = []
+    parse_ms = parse_ms_512()["parse_ms_512"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    report: dict[str, Any] = {}
     for w in [x.strip() for x in workloads.split(",") if x.strip()]:
         typer.echo(f"bench graphs: {w}", err=True)
         r = bench_one(w, layers, sizes, store)
@@ -449,18 +453,19 @@ def bench_graphs(
         typer.echo(
             json.dumps({k: v for k, v in r.items() if k not in ("stderr",)}, default=str)[:1500], err=True
         )
-    device = next((r["device"] for r in results if r.get("device")), "unknown")
-    report = {
-        "device": device,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "parse_ms_512": parse_ms_512()["parse_ms_512"],
-        "results": results,
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"graphs-{device.replace(' ', '_')}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
-    (out_dir / f"{stem}.md").write_text(markdown(report))
-    typer.echo(markdown(report))
+        # Written after every workload: a run cut short keeps what it measured.
+        device = next((r["device"] for r in results if r.get("device")), "unknown")
+        report = {
+            "device": device,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "parse_ms_512": parse_ms,
+            "results": results,
+        }
+        stem = f"graphs-{device.replace(' ', '_')}-{stamp}"
+        (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
+        (out_dir / f"{stem}.md").write_text(markdown(report))
+    if report:
+        typer.echo(markdown(report))
 
 
 def _main() -> None:
