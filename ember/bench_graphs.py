@@ -106,6 +106,11 @@ def role_load(args: dict[str, Any]) -> dict[str, Any]:
     out["fingerprints"] = replay_fingerprints(
         w, loaded.launch, [tuple(k) for k in lib.keys], lambda k: loaded.outputs[k]
     )
+    # Control for TPOT: the same restored graphs on dedicated execs (instantiated from the
+    # rebuilt graph) instead of the group template updated to them.
+    for b in _present(sizes, TPOT_BATCHES):
+        lib.dedicate(lib.key_index((b,)))
+    out["tpot_dedicated_ms"] = {str(b): tpot_ms(w, loaded.launch, b) for b in _present(sizes, TPOT_BATCHES)}
     out["saved_decode_sha256"] = loaded.archive.engine.get("decode_sha256", {})
     out["saved_fingerprints"] = loaded.archive.engine.get("fingerprints", {})
     out["saved_decode_steps"] = loaded.archive.engine.get("decode_steps", {})
@@ -217,6 +222,7 @@ def bench_one(workload: str, layers: int, sizes: str, store: str, timeout: float
     # Control: SAVE's captured graphs in libember's memory layout. Where restored ≈ this and both
     # differ from native, the difference is the layout (physical memory), not the restore.
     res["tpot_save_ms"] = saved.get("tpot_ms", {})
+    res["tpot_dedicated_ms"] = loaded.get("tpot_dedicated_ms", {})
     res.update(token_verdicts(native, loaded))
     res["outputs_identical_vs_save"] = loaded["replay"]
     nf, lf = native["fingerprints"], loaded["fingerprints"]
@@ -340,6 +346,9 @@ def _stages(r: dict[str, Any]) -> str:
         text += "; TPOT of SAVE's captured graphs (libember memory) " + ", ".join(
             f"{v:.3f} ({b})" for b, v in ts.items()
         )
+    td = r.get("tpot_dedicated_ms") or {}
+    if td:
+        text += "; restored on dedicated execs " + ", ".join(f"{v:.3f} ({b})" for b, v in td.items())
     cs = r.get("cold_start_s")
     if cs:
         text += (
