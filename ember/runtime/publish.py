@@ -73,11 +73,6 @@ def write(store_uri: str, archive: Archive, graph_set: GraphSet) -> tuple[str, s
     return res.manifest_uri, res.manifest_digest, res.bytes
 
 
-def read_manifest(store_uri: str, identity_hash: str) -> Manifest:
-    """The manifest only (cheap): LOAD checks the compatibility key before fetching blobs."""
-    return bundle.open_archive(store_uri, identity_hash).manifest
-
-
 def open_archive(store_uri: str, identity_hash: str) -> bundle.Archive:
     """The archive with its manifest read and identity checked; blobs are read on first use."""
     return bundle.open_archive(store_uri, identity_hash)

@@ -50,7 +50,7 @@ def test_write_read_round_trip(tmp_path: Path) -> None:
     arc, gs = _archive()
     manifest_uri, digest, nbytes = publish.write(uri, arc, gs)
     assert manifest_uri.endswith(arc.identity.hash() + "/manifest") and len(digest) == 64 and nbytes > 0
-    m = publish.read_manifest(uri, arc.identity.hash())
+    m = publish.open_archive(uri, arc.identity.hash()).manifest
     assert m.graphs.count == 4 and len(m.graphs.groups) == 2
     back = publish.read(uri, arc.identity.hash())
     assert back.graph_table == arc.graph_table and back.alloc_log == arc.alloc_log
@@ -73,7 +73,7 @@ def test_damaged_blob_is_refused(tmp_path: Path) -> None:
     uri = tmp_path.as_uri()
     arc, gs = _archive()
     publish.write(uri, arc, gs)
-    m = publish.read_manifest(uri, arc.identity.hash())
+    m = publish.open_archive(uri, arc.identity.hash()).manifest
     path = open_store(uri).blob_path(m.blob(m.alloc_log).sha256)
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
@@ -84,7 +84,7 @@ def test_damaged_blob_is_refused(tmp_path: Path) -> None:
 
 def test_missing_archive_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(publish.ArchiveError, match="no archive"):
-        publish.read_manifest(tmp_path.as_uri(), "0" * 64)
+        publish.open_archive(tmp_path.as_uri(), "0" * 64)
 
 
 def test_compat_mismatch_names_each_difference() -> None:
