@@ -36,6 +36,7 @@ from ember.native import EmberDivergence, EmberError, Interposer
 if TYPE_CHECKING:
     from ember.archive import bundle
     from ember.archive.format import GraphTable
+    from ember.archive.manifest import Manifest
     from ember.runtime import publish
     from ember.runtime.library import GraphLibrary
 
@@ -89,12 +90,15 @@ class ArchiveRestore:
     def __init__(self, ip: Interposer, opened: bundle.Archive, timings: dict[str, Any]) -> None:
         self.ip = ip
         self.opened = opened
-        self.manifest = opened.manifest
         self.archive: publish.Archive | None = None  # every blob, read and verified (background)
         self.timings = timings
         self._lib: GraphLibrary | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.opened.manifest
 
     @classmethod
     def open(
