@@ -237,14 +237,13 @@ def restore_into(engine: Any, archive_dir: str | Path, ip: Any = None) -> Any:
     ip = ip if ip is not None else _SESSION
     t0 = time.perf_counter()
     store_uri, identity = store_of(archive_dir)
-    sizing: list[CBSizing] = []
 
-    def accept(facts: dict[str, Any]) -> None:
+    def accept(facts: dict[str, Any]) -> CBSizing:
         if facts.get("kind") != ENGINE:
             kind = facts.get("kind")
             raise LoadRefused(f"archive is not a libember-saved {ENGINE} archive ({kind})", "compat")
         try:
-            sizing.append(CBSizing.from_json(facts["sizing"]))
+            return CBSizing.from_json(facts["sizing"])
         except (KeyError, TypeError, ValueError) as exc:
             raise LoadRefused(f"archive has no usable engine sizing: {exc}", "compat") from exc
 
@@ -271,7 +270,7 @@ def restore_into(engine: Any, archive_dir: str | Path, ip: Any = None) -> Any:
         return lib.all_restored()
 
     try:
-        info = engine.start_restored(sizing[0], load)
+        info = engine.start_restored(restore.accepted, load)
     except RestoreRefused:
         restore.abandon()
         _abandon(engine)

@@ -91,6 +91,7 @@ class ArchiveRestore:
         self.ip = ip
         self.opened = opened
         self.archive: publish.Archive | None = None  # every blob, read and verified (background)
+        self.accepted: Any = None
         self.timings = timings
         self._lib: GraphLibrary | None = None
         self._error: BaseException | None = None
@@ -108,12 +109,13 @@ class ArchiveRestore:
         identity_hash: str,
         engine: str,
         *,
-        accept: Callable[[dict[str, Any]], None] | None = None,
+        accept: Callable[[dict[str, Any]], Any] | None = None,
         background: bool | None = None,
     ) -> ArchiveRestore:
         """Everything before the engine builds its model. `engine` is the compat key's engine
         string of this process (`compat.current(engine)`); `accept(manifest.engine)` may refuse
-        (LoadRefused) an archive from another engine before its blobs are read. `background`
+        (LoadRefused) an archive from another engine before its blobs are read; what it returns
+        is kept as `accepted` (e.g. the engine's sizing parsed from the facts). `background`
         (default: unless EMBER_LOAD_BACKGROUND=0) builds the templates while the model builds."""
         from ember.runtime import compat, publish
 
@@ -133,8 +135,7 @@ class ArchiveRestore:
             raise LoadRefused("compatibility key differs: " + "; ".join(problems), "compat")
         if manifest.engine.get("in_process_only"):
             raise LoadRefused("archive was saved without libember (in-process only)", "compat")
-        if accept is not None:
-            accept(dict(manifest.engine))
+        accepted = accept(dict(manifest.engine)) if accept is not None else None
         t = time.perf_counter()
         try:
             alloc_log = opened.alloc_log or b""
@@ -149,6 +150,7 @@ class ArchiveRestore:
             raise LoadRefused(f"libember refused the archive: {exc}") from exc
         tm["import_alloc_log_ms"] = (time.perf_counter() - t) * 1e3
         self = cls(ip, opened, tm)
+        self.accepted = accepted
         if background is None:
             background = os.environ.get("EMBER_LOAD_BACKGROUND", "1") != "0"
         if background:

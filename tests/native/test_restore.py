@@ -374,3 +374,34 @@ def test_compat_mismatch_is_refused_before_any_blob_is_read(run_py, tmp_path: Pa
     assert r["reason"].startswith("compatibility key differs")
     assert "gpu_name: archive='NVIDIA H100 80GB HBM3' here='Stand-in GPU'" in r["reason"]
     assert r["first_import"] is True
+
+
+ACCEPT = COMMON + """
+def accept(facts):
+    if os.environ.get("TEST_REFUSE") == "1":
+        raise LoadRefused("archive is not for this engine", "compat")
+    return ("sizing", sorted(facts)[:1])
+try:
+    restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE, accept=accept, background=False)
+    result = {"accepted": list(restore.accepted)}
+except LoadRefused as exc:
+    result = {"refused": exc.reason, "stage": exc.stage}
+try:   # refused before the allocation log was given to libember
+    ip.import_alloc_log(b"ember-alloclog 1\\nregion 0 0 0\\nheap_high 0\\nwindow 0 0\\n")
+    result["first_import"] = True
+except EmberError as exc:
+    result["first_import"] = exc.code
+last_json(result)
+"""
+
+
+def test_engine_check_sees_the_facts_and_refuses_before_the_allocation_log(run_py, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    _save(run_py, store)
+    env = {"TEST_STORE": store.as_uri()}
+    ok = _last_json(run_py(ACCEPT, mode="load", env=env))
+    assert ok["accepted"][0] == "sizing" and ok["accepted"][1]  # what accept() returned, kept
+    assert ok["first_import"] != True  # noqa: E712 - accepted: open() imported the log itself
+    refused = _last_json(run_py(ACCEPT, mode="load", env={**env, "TEST_REFUSE": "1"}))
+    assert refused["stage"] == "compat" and refused["refused"] == "archive is not for this engine"
+    assert refused["first_import"] is True
