@@ -181,6 +181,13 @@ def window():                              # the capture window's allocations
 
 def last_json(obj):
     print(json.dumps(obj))
+
+def first_import():  # True if libember takes a log now: none was given to it before (else the code)
+    try:
+        ip.import_alloc_log(b"ember-alloclog 1\\nregion 0 0 0\\nheap_high 0\\nwindow 0 0\\n")
+        return True
+    except EmberError as exc:
+        return exc.code
 """
 
 SAVE = COMMON + """
@@ -352,11 +359,7 @@ try:
     result = {"refused": False}
 except LoadRefused as exc:
     result = {"refused": True, "reason": exc.reason, "stage": exc.stage}
-try:   # libember has not been given an allocation log yet: this one is its first
-    ip.import_alloc_log(b"ember-alloclog 1\\nregion 0 0 0\\nheap_high 0\\nwindow 0 0\\n")
-    result["first_import"] = True
-except EmberError as exc:
-    result["first_import"] = exc.code
+result["first_import"] = first_import()
 last_json(result)
 """
 
@@ -386,11 +389,7 @@ try:
     result = {"accepted": list(restore.accepted)}
 except LoadRefused as exc:
     result = {"refused": exc.reason, "stage": exc.stage}
-try:   # refused before the allocation log was given to libember
-    ip.import_alloc_log(b"ember-alloclog 1\\nregion 0 0 0\\nheap_high 0\\nwindow 0 0\\n")
-    result["first_import"] = True
-except EmberError as exc:
-    result["first_import"] = exc.code
+result["first_import"] = first_import()
 last_json(result)
 """
 
