@@ -2,10 +2,14 @@
 
 One instantiated exec per topology group (its template); any other graph of the group is
 served by `cuGraphExecUpdate` of the template exec with that graph (the update is on demand,
-when the key differs from what the exec holds now); hot keys get a dedicated exec built in the
-background. `RestoredGraph` is the small object engines hold: `replay(stream=None)` and
-`reset()`, like torch.cuda.CUDAGraph (transformers' continuous batching registry calls exactly
-these two).
+when the key differs from what the exec holds now). A key the template was switched to gets a
+dedicated exec, instantiated from its own graph in the background after `hot_after` launches
+through an updated template (default one): on H100 an exec updated to a graph ran its decode
+step up to 13 % slower than an exec instantiated from that same graph (docs/runtime.md, "TPOT"),
+so the template only bridges a key's first steps.
+
+`RestoredGraph` is the small object engines hold: `replay(stream=None)` and `reset()`, like
+torch.cuda.CUDAGraph (transformers' continuous batching registry calls exactly these two).
 
 Everything a restored graph references stays alive as long as the library: kernel functions
 (held by the native catalog), prepared argument buffers, events, CUgraphs, execs.
@@ -18,7 +22,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -82,6 +86,7 @@ class _Exec:
     handle: Any
     holds: int  # graph index currently loaded into the exec
     lock: threading.Lock = field(default_factory=threading.Lock)
+    updated: bool = False  # exec-updated at least once (no longer as instantiated)
 
 
 @dataclass
@@ -126,7 +131,7 @@ class GraphLibrary:
         source: GraphSource | GraphSet,
         functions: list[int],
         *,
-        hot_after: int = 3,
+        hot_after: int = 1,
         workers: int = 4,
     ) -> None:
         self.source: GraphSource = SetSource(source) if isinstance(source, GraphSet) else source
@@ -143,9 +148,11 @@ class GraphLibrary:
         self._graphs: dict[int, Any] = {}
         self._templates: dict[int, _Exec] = {}
         self._dedicated: dict[int, Any] = {}
-        self._switches: Counter[int] = Counter()
+        self._uses: Counter[int] = Counter()  # launches through an updated template, per key
         self._hot_after = hot_after
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ember-prepare")
+        self._pending: list[Future[None]] = []
+        self._asked: set[int] = set()  # keys whose dedicated exec was asked for
         self._driver_lock = threading.RLock()
         self._background: threading.Thread | None = None
         self.timings = LoadTimings()
@@ -259,6 +266,7 @@ class GraphLibrary:
         return ex
 
     def drop_dedicated(self, index: int) -> None:
+        self._asked.discard(index)
         with self._driver_lock:
             ex = self._dedicated.pop(index, None)
             if ex is not None:
@@ -279,6 +287,11 @@ class GraphLibrary:
         tmpl = self._templates[self._group_of[index]]
         if tmpl.holds != index:
             self.switch(index)
+        if tmpl.updated and self._hot_after and index not in self._asked:
+            self._uses[index] += 1
+            if self._uses[index] >= self._hot_after:
+                self._asked.add(index)
+                self._pending.append(self._pool.submit(self._dedicate_quietly, index))
         return tmpl.handle
 
     def switch(self, index: int) -> float:
@@ -292,15 +305,21 @@ class GraphLibrary:
             if err != OK:
                 result = getattr(info, "result", info)
                 raise CudaError(f"cuGraphExecUpdate(graph {self.keys[index]})", f"{err} ({result})")
-            tmpl.holds = index
+            tmpl.holds, tmpl.updated = index, True
         self.switch_ms.append(ms)
-        self._switches[index] += 1
-        if self._hot_after and self._switches[index] == self._hot_after:
-            self._pool.submit(self._dedicate_quietly, index)
         return ms
 
+    def settle(self, timeout: float | None = None) -> int:
+        """Wait for the dedicated execs asked for so far; returns how many are still pending."""
+        pending, self._pending = self._pending, []
+        _, left = wait(pending, timeout=timeout)
+        self._pending.extend(left)
+        return len(left)
+
     def _dedicate_quietly(self, index: int) -> None:
+        """On a pool thread, which has no current context of its own: the library's."""
         with contextlib.suppress(CudaError):  # the template keeps serving this key
+            check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
             self.dedicate(index)
 
     def launch(self, index: int, stream: Any = None) -> None:

@@ -222,7 +222,7 @@ def prove(
     table.validate()
     rep.decode_ms = (time.perf_counter() - t) * 1e3
     functions = functions_of(table.kernels)
-    lib = GraphLibrary(table, functions)
+    lib = GraphLibrary(table, functions, hot_after=0)  # the proof dedicates itself
     lib.build_templates()
     rep.templates = len(lib.groups)
     back = GraphWalker(_HandleResolver(functions, table.kernels))

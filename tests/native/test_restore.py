@@ -103,12 +103,23 @@ EXPORT CUresult cuFuncGetAttribute(int* v, CUfunction_attribute a, CUfunction f)
   *v = ((struct fn*)f)->attr[a & 63];
   return CUDA_SUCCESS;
 }
+static CUgraphExec last_launched;
+static int exec_updates;
 EXPORT CUresult cuGraphLaunch(CUgraphExec e, CUstream s) {
   note("cuGraphLaunch");
   if (!e) return CUDA_ERROR_INVALID_VALUE;
   __atomic_add_fetch(&graph_launches, 1, __ATOMIC_SEQ_CST);
+  last_launched = e;
   return CUDA_SUCCESS;
 }
+EXPORT CUresult cuGraphExecUpdate_v2(CUgraphExec e, CUgraph g, CUgraphExecUpdateResultInfo* info) {
+  if (!e || !g) return CUDA_ERROR_INVALID_VALUE;
+  if (info) memset(info, 0, sizeof *info);
+  __atomic_add_fetch(&exec_updates, 1, __ATOMIC_SEQ_CST);
+  return CUDA_SUCCESS;
+}
+EXPORT uint64_t standin_last_launched(void) { return (uint64_t)last_launched; }
+EXPORT int standin_exec_updates(void) { return exec_updates; }
 EXPORT int standin_graph_launches(void) { return graph_launches; }
 EXPORT int standin_events_alive(void) { return events_alive; }
 """
@@ -149,8 +160,9 @@ from ember.archive.synthetic import synthetic_graphset
 from ember.identity import ArchiveIdentity
 from ember.runtime import compat, publish
 from ember.runtime.restore import ArchiveRestore, LoadRefused
-for name in ("standin_graph_launches", "standin_events_alive", "standin_execs_alive"):
+for name in ("standin_graph_launches", "standin_events_alive", "standin_execs_alive", "standin_exec_updates"):
     getattr(cuda, name).restype = ctypes.c_int
+cuda.standin_last_launched.restype = ctypes.c_uint64
 cuda.standin_graph_dump.restype = ctypes.c_size_t
 cuda.standin_graph_dump.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
 
@@ -404,3 +416,59 @@ def test_engine_check_sees_the_facts_and_refuses_before_the_allocation_log(run_p
     refused = _last_json(run_py(ACCEPT, mode="load", env={**env, "TEST_REFUSE": "1"}))
     assert refused["stage"] == "compat" and refused["refused"] == "archive is not for this engine"
     assert refused["first_import"] is True
+
+
+POLICY = COMMON + """
+from ember.runtime.library import RestoredGraph
+restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
+model()
+ip.replay_window()
+lib = restore.library()
+if os.environ.get("TEST_HOT_AFTER") == "0":
+    lib._hot_after = 0
+group = lib.groups[0]
+other = next(m for m in group.members if m != group.template)
+template = int(lib._templates[group.index].handle)
+graph = RestoredGraph(lib, other)
+stream = cu.CUstream(0)
+seen = {"execs": cuda.standin_execs_alive()}
+
+def step(name):
+    graph.replay(stream)
+    seen[name] = {"exec": "template" if cuda.standin_last_launched() == template else "other",
+                  "updates": cuda.standin_exec_updates(), "execs": cuda.standin_execs_alive()}
+
+step("first")          # the template, updated to this key; a dedicated exec is asked for
+seen["pending_after_settle"] = lib.settle(timeout=30)
+step("second")         # the dedicated exec: no update
+step("third")
+graph.reset()          # the engine drops the graph: its exec goes, the template serves again
+seen["execs_after_reset"] = cuda.standin_execs_alive()
+step("after_reset")    # ... and, used again, the key is given its own exec again
+lib.settle(timeout=30)
+step("after_reset_settled")
+last_json(seen)
+"""
+
+
+def test_a_key_switched_to_gets_a_dedicated_exec_that_serves_it_from_then_on(run_py, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    _save(run_py, store)
+    env = {"TEST_STORE": store.as_uri()}
+    r = _last_json(run_py(POLICY, mode="load", env=env))
+    base = r["execs"]  # the templates
+    assert r["first"] == {"exec": "template", "updates": 1, "execs": r["first"]["execs"]}
+    assert r["pending_after_settle"] == 0
+    # One exec more, launched instead of the template, and no further exec update.
+    assert r["second"] == {"exec": "other", "updates": 1, "execs": base + 1}
+    assert r["third"] == r["second"]
+    # reset() destroys it; the template still holds the key (no update needed) and serves it
+    # until a new dedicated exec is ready.
+    assert r["execs_after_reset"] == base
+    assert r["after_reset"]["exec"] == "template" and r["after_reset"]["updates"] == 1
+    assert r["after_reset_settled"] == {"exec": "other", "updates": 1, "execs": base + 1}
+
+    # With dedication off, the template serves every step.
+    off = _last_json(run_py(POLICY, mode="load", env={**env, "TEST_HOT_AFTER": "0"}))
+    assert off["second"] == {"exec": "template", "updates": 1, "execs": off["execs"]}
+    assert off["third"] == off["second"]

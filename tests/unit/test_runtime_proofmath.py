@@ -129,13 +129,16 @@ def test_load_stages_line_names_the_critical_path_the_background_and_the_control
         "load_timings": {"read_ms": 5.2, "replay_window_ms": 0.3, "join_ms": 0.02,
                          "reconstruct_ms": 5286.0, "templates_ms": 2708.0, "templates_threads": 1},
         "tpot_save_ms": {"1": 9.5},
-        "tpot_dedicated_ms": {"1": 9.6},
+        "tpot_template_ms": {"1": 9.6},
+        "tpot_reinstantiated_ms": {"64": 12.25},
         "cold_start_s": {"native": 11.61, "restored": 6.27, "native_build_s": 4.74, "restored_build_s": 6.26},
     }
     line = _stages(r)
     assert line.startswith("read 5, replay_window 0, join 0, reconstruct 5286, templates 2708")
     assert "threads" not in line  # counts are not stages
-    assert "captured graphs (libember memory) 9.500 (1)" in line and "dedicated execs 9.600 (1)" in line
+    assert "captured graphs (libember memory) 9.500 (1)" in line
+    assert "updated template (a key's first steps) 9.600 (1)" in line
+    assert "instantiated by ember instead of torch 12.250 (64)" in line
     assert "cold start native 11.61 s (build 4.74) vs restored 6.27 s (build 6.26)" in line
     assert "redone after the replay" not in line
     r["load_timings"]["background_error"] = "CudaError: cuGraphInstantiate"
