@@ -38,6 +38,30 @@ class ProofFailed(RuntimeError):
     """A rebuilt graph did not replay bit-identically: the archive must not be published."""
 
 
+def _philox_offset() -> int:
+    state = torch.cuda.get_rng_state()  # the CUDA generator's state: seed (8 bytes), offset (8 bytes)
+    return int(state[8:16].view(torch.int64).item())
+
+
+def rng_consumers(graphs: dict[tuple[int, ...], Any]) -> dict[tuple[int, ...], int]:
+    """The captured graphs that draw random numbers, with their Philox offset increment.
+
+    torch's `CUDAGraph.replay()` writes the generator's seed and offset into device memory the
+    graph's kernels read, then advances the offset by the graph's increment: replaying each graph
+    once and watching the offset finds them. A restored graph does neither yet, so it would draw
+    the same numbers on every replay; SAVE refuses such graphs (the engine captures natively).
+    """
+    found = {}
+    for key, graph in graphs.items():
+        before = _philox_offset()
+        graph.replay()
+        after = _philox_offset()
+        if after != before:
+            found[key] = after - before
+    torch.cuda.synchronize()
+    return found
+
+
 @dataclass
 class ProofReport:
     graphs: int = 0

@@ -28,7 +28,15 @@ from ember.archive.graphs import GraphSet
 from ember.identity import ArchiveIdentity
 from ember.runtime import compat, publish, rebuild
 from ember.runtime.kernels import KernelResolver, LiveResolver, NativeResolver
-from ember.runtime.prove import ProofFailed, ProofReport, decode_trace, prove, replay_fingerprints, tpot_ms
+from ember.runtime.prove import (
+    ProofFailed,
+    ProofReport,
+    decode_trace,
+    prove,
+    replay_fingerprints,
+    rng_consumers,
+    tpot_ms,
+)
 from ember.runtime.session import native_session
 from ember.runtime.walk import GraphWalker
 from ember.runtime.workloads import DecodeWorkload
@@ -158,6 +166,14 @@ def run_save(
     if ip is not None:
         ip.capture_end()
     log(f"Captured {len(workload.graphs)} graphs in {d['capture_s']:.2f} s")
+    random = rng_consumers(workload.graphs)
+    if random:
+        key, inc = next(iter(random.items()))
+        raise ProofFailed(
+            f"archive NOT published: {len(random)} graphs draw random numbers (e.g. graph {key}: "
+            f"Philox offset +{inc} per replay); restored graphs do not advance the generator yet, "
+            "so they would repeat the same numbers on every replay. The engine captures natively."
+        )
 
     t = time.perf_counter()
     walker = GraphWalker(resolver)
