@@ -108,18 +108,11 @@ def main() -> None:
             t = time.perf_counter()
             changed = table.changed_nodes(b, a)
             diff_ms = (time.perf_counter() - t) * 1e3
+            row = {"group": g.index, "a": lib.keys[a], "b": lib.keys[b], "nodes": len(dst)}
+            row["changed"] = len(changed)
             if not settable[changed].all():
                 what = sorted({int(t) for t in types[changed]} - set(KINDS))
-                rows.append(
-                    {
-                        "group": g.index,
-                        "a": lib.keys[a],
-                        "b": lib.keys[b],
-                        "nodes": len(dst),
-                        "changed": len(changed),
-                        "skipped": f"changed node types {what}",
-                    }
-                )
+                rows.append({**row, "skipped": f"changed node types {what}"})
                 continue
             get_ms, set_ms = put(tmpl.handle, dst[changed], src[changed], types[changed])
             tmpl.holds = b
@@ -138,11 +131,7 @@ def main() -> None:
             tmpl.holds = b
             rows.append(
                 {
-                    "group": g.index,
-                    "a": lib.keys[a],
-                    "b": lib.keys[b],
-                    "nodes": len(dst),
-                    "changed": len(changed),
+                    **row,
                     "changed_kernels": int((types[changed] == KINDS[0]).sum()),
                     "update_ms": full_ms,
                     "diff_ms": diff_ms,

@@ -406,10 +406,15 @@ last_json(result)
 """
 
 
-def test_engine_check_sees_the_facts_and_refuses_before_the_allocation_log(run_py, tmp_path: Path) -> None:
+def _saved(run_py, tmp_path: Path) -> dict[str, str]:
+    """SAVE into a fresh store; the env a LOAD snippet reads it with."""
     store = tmp_path / "store"
     _save(run_py, store)
-    env = {"TEST_STORE": store.as_uri()}
+    return {"TEST_STORE": store.as_uri()}
+
+
+def test_engine_check_sees_the_facts_and_refuses_before_the_allocation_log(run_py, tmp_path: Path) -> None:
+    env = _saved(run_py, tmp_path)
     ok = _last_json(run_py(ACCEPT, mode="load", env=env))
     assert ok["accepted"][0] == "sizing" and ok["accepted"][1]  # what accept() returned, kept
     assert ok["first_import"] != True  # noqa: E712 - accepted: open() imported the log itself
@@ -452,9 +457,7 @@ last_json(seen)
 
 
 def test_a_key_switched_to_gets_a_dedicated_exec_that_serves_it_from_then_on(run_py, tmp_path: Path) -> None:
-    store = tmp_path / "store"
-    _save(run_py, store)
-    env = {"TEST_STORE": store.as_uri()}
+    env = _saved(run_py, tmp_path)
     r = _last_json(run_py(POLICY, mode="load", env=env))
     base = r["execs"]  # the templates
     assert r["first"] == {"exec": "template", "updates": 1, "execs": r["first"]["execs"]}
