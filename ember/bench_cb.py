@@ -124,6 +124,8 @@ def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
     mode = {"save": "save", "load": "load", "claim-restored": "load"}.get(phase)
     ip = cb_runtime.session(mode) if mode else None  # armed before the model: same allocation order
     result["libember"] = ip is not None
+    if phase == "load":  # a pod that starts with its archive on the node: LOAD overlaps the build
+        cb_runtime.open_early(Path(opts["store_dir"]) / "archives" / opts["identity"])
     t = time.perf_counter()
     model = cb_engine.build_model(
         opts["model"], opts.get("model_config"), layers=opts.get("layers"), seed=opts.get("seed", 0)

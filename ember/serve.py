@@ -508,6 +508,8 @@ def serve(
     try:
         if use_handoff or archive is not None:
             cb_runtime.session("load")  # armed before the model: SAVE's allocation order
+        if archive is not None:  # on the node already: its reconstruction overlaps the model build
+            cb_runtime.open_early(archive)
         lm = cb_engine.build_model(model, model_config, layers=layers, seed=seed)
         engine = cb_engine.CBEngine(lm)
         state.tokenizer = _tokenizer_for(model, engine.vocab_size)

@@ -237,15 +237,26 @@ def store_of(archive_dir: str | Path) -> tuple[str, str]:
     return path.parent.parent.as_uri(), path.name
 
 
-def restore_into(engine: Any, archive_dir: str | Path, ip: Any = None) -> Any:
-    """LOAD the archive into a not-yet-started CBEngine and start it; RestoreRefused on any refusal.
+_EARLY: tuple[Path, Any] | None = None  # (archive dir, ArchiveRestore or RestoreRefused): open_early
 
-    The templates are built on a background thread (`ember.runtime.restore`) while the engine
-    allocates its KV cache and static buffers."""
+
+def open_early(archive_dir: str | Path) -> None:
+    """Open an archive that is on the node before the model is built (a pod that starts with its
+    archive): its reconstruction then runs while the model builds, as the decode LOAD does, and
+    `restore_into` with the same directory takes it over. A refusal is kept for restore_into."""
+    global _EARLY
+    restore: Any
+    try:
+        restore = _open(Path(archive_dir), _SESSION)
+    except RestoreRefused as exc:
+        restore = exc
+    _EARLY = (Path(archive_dir).resolve(), restore)
+
+
+def _open(archive_dir: Path, ip: Any) -> Any:
+    """ArchiveRestore.open with the CB engine's checks (kind, sizing); RestoreRefused."""
     from ember.runtime.restore import ArchiveRestore, LoadRefused
 
-    ip = ip if ip is not None else _SESSION
-    t0 = time.perf_counter()
     store_uri, identity = store_of(archive_dir)
 
     def accept(facts: dict[str, Any]) -> CBSizing:
@@ -258,9 +269,30 @@ def restore_into(engine: Any, archive_dir: str | Path, ip: Any = None) -> Any:
             raise LoadRefused(f"archive has no usable engine sizing: {exc}", "compat") from exc
 
     try:
-        restore = ArchiveRestore.open(ip, store_uri, identity, compat_engine(), accept=accept)
+        return ArchiveRestore.open(ip, store_uri, identity, compat_engine(), accept=accept)
     except LoadRefused as exc:
         raise RestoreRefused(exc.stage, exc.reason) from exc
+
+
+def restore_into(engine: Any, archive_dir: str | Path, ip: Any = None) -> Any:
+    """LOAD the archive into a not-yet-started CBEngine and start it; RestoreRefused on any refusal.
+
+    The templates are built on a background thread (`ember.runtime.restore`) while the engine
+    allocates its KV cache and static buffers (and while the model builds, after open_early)."""
+    from ember.runtime.restore import LoadRefused
+
+    global _EARLY
+    ip = ip if ip is not None else _SESSION
+    t0 = time.perf_counter()
+    early, _EARLY = _EARLY, None
+    if early is not None and early[0] == Path(archive_dir).resolve():
+        if isinstance(early[1], RestoreRefused):
+            raise early[1]
+        restore = early[1]
+    else:
+        if early is not None and not isinstance(early[1], RestoreRefused):
+            early[1].abandon()  # opened for another archive than the one handed over
+        restore = _open(Path(archive_dir), ip)
     facts = dict(restore.manifest.engine)
     t_compat = time.perf_counter() - t0
 
