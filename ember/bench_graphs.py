@@ -131,9 +131,9 @@ def role_load(args: dict[str, Any]) -> dict[str, Any]:
     out["fingerprints"] = replay_fingerprints(
         w, loaded.launch, [tuple(k) for k in lib.keys], lambda k: loaded.outputs[k]
     )
-    # TPOT as an engine sees it once serving: the library's default policy (a key switched to
-    # gets a dedicated exec in the background), after that exec is ready. tpot_template_ms above
-    # is the bridge a key rides on until then (the group template, updated to it).
+    # TPOT as an engine sees it once serving: the library's default policy (a key launched through
+    # an updated template gets a dedicated exec in the background), after that exec is ready.
+    # tpot_template_ms above is the bridge a key rides on until then (the template, updated to it).
     lib._hot_after = 1
     for b in _present(sizes, TPOT_BATCHES):
         loaded.launch((b,))

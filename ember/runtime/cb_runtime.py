@@ -64,7 +64,7 @@ def session(mode: str) -> Any:
 
 def import_load_path() -> None:
     """Import what LOAD runs now, at process start, not when the engine starts: first imports of
-    the archive and restore modules took ~45 ms of the engine's start on H100's host."""
+    the archive and restore modules took ~40 ms of the engine's start on H100's host."""
     for name in ("restore", "publish", "library", "compat"):
         importlib.import_module(f"ember.runtime.{name}")
 

@@ -5,7 +5,7 @@ served by `cuGraphExecUpdate` of the template exec with that graph (the update i
 when the key differs from what the exec holds now). A key the template was switched to gets a
 dedicated exec, instantiated from its own graph in the background after `hot_after` launches
 through an updated template (default one): on H100 an exec updated to a graph ran its decode
-step up to 13 % slower than an exec instantiated from that same graph (docs/runtime.md, "TPOT"),
+step up to 24 % slower than an exec instantiated from that same graph (docs/runtime.md, "TPOT"),
 so the template only bridges a key's first steps.
 
 `RestoredGraph` is the small object engines hold: `replay(stream=None)` and `reset()`, like
