@@ -85,7 +85,7 @@ if [[ -f operator/ember_operator/main.py ]]; then
   python - <<'PY' || log "stand-in SAVE failed (deployments keep serving natively)"
 import json, os, subprocess
 from ember.archive.bundle import write_archive
-from ember.archive.synthetic import synthetic_graphset, synthetic_images
+from ember_bench.synthetic import synthetic_graphset, synthetic_images
 from ember.identity import CompatKey
 from ember.store import open_store
 from ember_operator.api import GraphArchiveSpec

@@ -1,7 +1,7 @@
 """The sidecar ↔ engine handoff: a verified archive and a few small JSON files in a shared volume.
 
 Both sides of the protocol live here. The sidecar (``ember_sidecar``) fetches and verifies the
-archive, then publishes it; the engine process (``ember.runtime``, ``ember.serve`` or a vLLM
+archive, then publishes it; the engine process (``ember.runtime``, ``ember.serving.server`` or a vLLM
 plugin) waits for it, LOADs or captures natively, and reports each stage back. No sockets, no
 daemons: files in ``EMBER_RUN_DIR`` (default ``/var/run/ember``, an emptyDir shared by the engine
 and sidecar containers, which outlives container restarts but not the pod)::

@@ -29,7 +29,7 @@ from typing import Any
 
 import zstandard as zstd
 
-from ember.archive import format as fmt
+from ember.archive import graph_table as fmt
 from ember.archive.graphs import GraphSet, NodeType
 from ember.archive.manifest import (
     BlobEntry,

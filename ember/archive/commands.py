@@ -2,7 +2,7 @@
 
 Registered in ember/cli.py. `verify --replay` first re-executes the process under libember in
 load mode (`ember.runtime.session.reexec_under_libember`), checks integrity, then calls the
-runtime's GPU check `ember.runtime.commands.replay_verify(store_uri, identity_hash) -> dict`
+runtime's GPU check `ember.engines.decode.commands.replay_verify(store_uri, identity_hash) -> dict`
 ({"ok", "graphs", "identical", "differ"} or {"ok": False, "refused": reason}) through
 `replay_problems`, which turns the result into sentences and says so plainly when the runtime
 part is not installed.
@@ -20,13 +20,13 @@ from rich.console import Console
 from rich.table import Table
 
 from ember.archive import bundle
-from ember.archive import format as fmt
+from ember.archive import graph_table as fmt
 from ember.store import Store, StoreError, StoreUnavailable, open_store
 
 console = Console()
 err_console = Console(stderr=True)
 
-REPLAY_MODULE = "ember.runtime.commands"
+REPLAY_MODULE = "ember.engines.decode.commands"
 
 StoreArg = Annotated[str, typer.Argument(help="Store URI (file:///path, s3://bucket/prefix) or directory.")]
 HashArg = Annotated[str | None, typer.Argument(help="Archive identity hash (optional if the store has one).")]

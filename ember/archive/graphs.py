@@ -1,7 +1,7 @@
 """In-memory model of a captured CUDA graph, independent of CUDA.
 
-SAVE (`ember.runtime.walk`) fills these records from live graphs; the archive format
-(`ember.archive.format`) encodes and decodes them; LOAD (`ember.runtime.rebuild`) turns them
+SAVE (`ember.runtime.graphs.walk`) fills these records from live graphs; the archive format
+(`ember.archive.graph_table`) encodes and decodes them; LOAD (`ember.runtime.graphs.rebuild`) turns them
 back into CUDA graphs. Nothing here imports CUDA, so archives can be inspected anywhere.
 Device pointers inside records are plain integers: the fixed-base layout makes them valid
 again at LOAD.

@@ -13,7 +13,7 @@ import sys
 from cuda.bindings import driver as cu
 
 from ember.identity import COMPAT_ENV_VARS, CompatKey
-from ember.runtime.driver import check
+from ember.runtime.graphs.driver import check
 
 
 def _driver_version() -> str:

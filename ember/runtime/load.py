@@ -38,9 +38,9 @@ __all__ = ["LoadRefused", "Loaded", "attempt_marker", "release_cached_memory", "
 if TYPE_CHECKING:  # torch and CUDA modules are imported where LOAD runs, not for the marker helpers
     import torch
 
+    from ember.engines.decode.model import DecodeWorkload
     from ember.runtime import publish
-    from ember.runtime.library import GraphLibrary, RestoredGraph
-    from ember.runtime.workloads import DecodeWorkload
+    from ember.runtime.graphs.templates import GraphLibrary, RestoredGraph
 
 
 @dataclass
@@ -99,9 +99,9 @@ def run_load(
     import numpy as np
     import torch
 
+    from ember.engines.decode.model import DecodeWorkload, OutputSpec
     from ember.runtime.save import ENGINE
     from ember.runtime.session import native_session
-    from ember.runtime.workloads import DecodeWorkload, OutputSpec
 
     tm: dict[str, Any] = {}
     t_all = time.perf_counter()

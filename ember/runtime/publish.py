@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ember.archive import bundle
-from ember.archive import format as archive_format
+from ember.archive import graph_table as archive_format
 from ember.archive.graphs import GraphSet
 from ember.archive.manifest import Manifest
 from ember.identity import ArchiveIdentity, CompatKey

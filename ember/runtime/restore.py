@@ -12,7 +12,7 @@ imported, so every address a node refers to is mapped already, and nothing is la
 refuses the archive there, still before any launch.
 
 Engine code (the decode workload in `ember.runtime.load`, the continuous-batching engine in
-`ember.runtime.cb_runtime`)::
+`ember.engines.transformers_cb.adapter`)::
 
     restore = ArchiveRestore.open(ip, store_uri, identity, engine_name)   # LoadRefused
     ... build the model and the KV cache, check static addresses ...
@@ -35,10 +35,10 @@ from ember.native import EmberDivergence, EmberError, Interposer
 
 if TYPE_CHECKING:
     from ember.archive import bundle
-    from ember.archive.format import GraphTable
+    from ember.archive.graph_table import GraphTable
     from ember.archive.manifest import Manifest
     from ember.runtime import publish
-    from ember.runtime.library import GraphLibrary
+    from ember.runtime.graphs.templates import GraphLibrary
 
 
 class LoadRefused(Exception):
@@ -154,7 +154,7 @@ class ArchiveRestore:
         if background is None:
             background = os.environ.get("EMBER_LOAD_BACKGROUND", "1") != "0"
         if background:
-            from ember.runtime.driver import current_context
+            from ember.runtime.graphs.driver import current_context
 
             ctx = current_context()
             self._thread = threading.Thread(
@@ -169,9 +169,9 @@ class ArchiveRestore:
         on the caller's, they propagate. Timings are kept under `prefix`."""
         from cuda.bindings import driver as cu
 
-        from ember.archive import format as archive_format
+        from ember.archive import graph_table as archive_format
         from ember.runtime import publish
-        from ember.runtime.library import GraphLibrary
+        from ember.runtime.graphs.templates import GraphLibrary
 
         tm: dict[str, float] = {}
         t_all = time.perf_counter()
@@ -255,8 +255,8 @@ class ArchiveRestore:
         them here when there was none; retries a refused background build once here (the
         driver may have refused for a reason the replay removed); LoadRefused when the archive
         cannot be restored."""
-        from ember.runtime.driver import CudaError
-        from ember.runtime.rebuild import RebuildError
+        from ember.runtime.graphs.driver import CudaError
+        from ember.runtime.graphs.rebuild import RebuildError
 
         t = time.perf_counter()
         self.wait()

@@ -25,10 +25,13 @@ import torch
 
 import ember
 from ember.archive.graphs import GraphSet
+from ember.engines.decode.model import DecodeWorkload
 from ember.identity import ArchiveIdentity
-from ember.runtime import compat, publish, rebuild
-from ember.runtime.kernels import KernelResolver, LiveResolver, NativeResolver
-from ember.runtime.prove import (
+from ember.runtime import compat, publish
+from ember.runtime.graphs import rebuild
+from ember.runtime.graphs.kernels import KernelResolver, LiveResolver, NativeResolver
+from ember.runtime.graphs.walk import GraphWalker
+from ember.runtime.proof.prove import (
     ProofFailed,
     ProofReport,
     decode_trace,
@@ -38,8 +41,6 @@ from ember.runtime.prove import (
     tpot_ms,
 )
 from ember.runtime.session import native_session
-from ember.runtime.walk import GraphWalker
-from ember.runtime.workloads import DecodeWorkload
 
 ENGINE = "ember-decode"
 DECODE_CHECK_BATCHES = (1, 8, 64)

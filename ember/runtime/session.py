@@ -15,7 +15,7 @@ from typing import Any
 from cuda.bindings import driver as cu
 
 from ember import native
-from ember.runtime.driver import check
+from ember.runtime.graphs.driver import check
 
 
 def ensure_context(device: int = 0) -> Any:

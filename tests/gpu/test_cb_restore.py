@@ -1,6 +1,6 @@
 """transformers continuous batching on a GPU: SAVE in one process, LOAD in a fresh one.
 
-Each step is a subprocess (`python -m ember.bench_cb PHASE`, under libember for SAVE/LOAD) with a
+Each step is a subprocess (`python -m ember_bench.cb PHASE`, under libember for SAVE/LOAD) with a
 timeout. The model is Llama-3-8B-shaped with 2 layers (same GEMM shapes, so cuBLAS picks the
 same kernels, programmatic-launch edges included), random weights from one seed.
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ember.bench_cb import _phase_env, run_child
+from ember_bench.cb import _phase_env, run_child
 
 pytestmark = pytest.mark.gpu
 

@@ -18,9 +18,9 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     import torch
 
-    from ember.runtime.commands import make_workload, parse_sizes
+    from ember.engines.decode.commands import make_workload, parse_sizes
     from ember.runtime.load import LoadRefused, run_load
-    from ember.runtime.prove import decode_tokens
+    from ember.runtime.proof.prove import decode_tokens
     from ember.runtime.session import native_session
 
     ip = native_session("load", perturb_first=args.get("perturb", True))

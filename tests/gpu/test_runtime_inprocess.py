@@ -20,10 +20,10 @@ cu = pytest.importorskip("cuda.bindings.driver")
 
 
 def _prove(name: str, layers: int, sizes: tuple[int, ...]) -> None:
-    from ember.runtime.kernels import LiveResolver
-    from ember.runtime.prove import prove
-    from ember.runtime.walk import GraphWalker
-    from ember.runtime.workloads import DecodeWorkload
+    from ember.engines.decode.model import DecodeWorkload
+    from ember.runtime.graphs.kernels import LiveResolver
+    from ember.runtime.graphs.walk import GraphWalker
+    from ember.runtime.proof.prove import prove
 
     w = DecodeWorkload.from_name(name, layers=layers, sizes=sizes)
     w.build()
@@ -37,7 +37,7 @@ def _prove(name: str, layers: int, sizes: tuple[int, ...]) -> None:
     assert rep.template_ok == len(sizes)
     assert len(blob) > 0 and rep.templates <= len(sizes)
     # A restored library can decode greedily by replay alone, identically to the native graphs.
-    from ember.runtime.prove import decode_tokens
+    from ember.runtime.proof.prove import decode_tokens
 
     native, _ = decode_tokens(w, lambda k: w.graphs[k].replay(), sizes[-1], steps=16)
     restored, _ = decode_tokens(w, lambda k: lib.launch(lib.key_index(k)), sizes[-1], steps=16)
@@ -57,7 +57,7 @@ def test_compiled_workload_rebuild_bit_identical() -> None:
 def test_decode_attention_matches_sdpa() -> None:
     import torch.nn.functional as F
 
-    from ember.runtime.workloads import _attend
+    from ember.engines.decode.model import _attend
 
     g = torch.Generator(device="cuda").manual_seed(0)
     b, heads, kvh, t, d = 5, 32, 8, 200, 128
@@ -77,8 +77,8 @@ def test_decode_attention_matches_sdpa() -> None:
 def test_native_decoding_is_reproducible_past_one_attention_block() -> None:
     """Two 160-step greedy decodes by replay from one state give the same tokens (the SDPA kernel
     used before did not, from about step 64 on, so nothing could be proven against it)."""
-    from ember.runtime.prove import decode_tokens
-    from ember.runtime.workloads import DecodeWorkload
+    from ember.engines.decode.model import DecodeWorkload
+    from ember.runtime.proof.prove import decode_tokens
 
     w = DecodeWorkload.from_name("llama3-8b", layers=4, sizes=(1, 8))
     w.build()
@@ -94,7 +94,7 @@ def test_local_checkpoint_weights_land_and_graphs_rebuild(tmp_path: Path) -> Non
 
     from safetensors.torch import save_file
 
-    from ember.runtime.commands import make_workload
+    from ember.engines.decode.commands import make_workload
 
     h, inter, heads, kv, vocab, layers = 256, 512, 4, 2, 1000, 2
     cfg = {"model_type": "llama", "hidden_size": h, "intermediate_size": inter, "num_attention_heads": heads,
@@ -125,9 +125,9 @@ def test_local_checkpoint_weights_land_and_graphs_rebuild(tmp_path: Path) -> Non
     assert torch.equal(params["head.weight"].cpu(), t["lm_head.weight"])
     assert w.config()["weights"] == str(tmp_path.absolute())
 
-    from ember.runtime.kernels import LiveResolver
-    from ember.runtime.prove import prove
-    from ember.runtime.walk import GraphWalker
+    from ember.runtime.graphs.kernels import LiveResolver
+    from ember.runtime.graphs.walk import GraphWalker
+    from ember.runtime.proof.prove import prove
 
     w.capture()
     resolver = LiveResolver()
@@ -139,8 +139,8 @@ def test_local_checkpoint_weights_land_and_graphs_rebuild(tmp_path: Path) -> Non
 
 
 def test_host_node_is_refused_with_graph_and_node() -> None:
-    from ember.runtime.kernels import LiveResolver
-    from ember.runtime.walk import GraphWalker, WalkRefused
+    from ember.runtime.graphs.kernels import LiveResolver
+    from ember.runtime.graphs.walk import GraphWalker, WalkRefused
 
     torch.cuda.init()
     torch.zeros(1, device="cuda")
@@ -174,11 +174,11 @@ def test_programmatic_edge_data_restored(tmp_path: Path) -> None:
     """Two kernels joined by a programmatic (PDL) edge: the edge data survives SAVE → LOAD."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not found")
-    from ember.archive import format as fmt
-    from ember.runtime import rebuild
-    from ember.runtime.driver import check, graph_edges, graph_nodes
-    from ember.runtime.kernels import LiveResolver
-    from ember.runtime.walk import GraphWalker
+    from ember.archive import graph_table as fmt
+    from ember.runtime.graphs import rebuild
+    from ember.runtime.graphs.driver import check, graph_edges, graph_nodes
+    from ember.runtime.graphs.kernels import LiveResolver
+    from ember.runtime.graphs.walk import GraphWalker
 
     src = tmp_path / "pdl.cu"
     src.write_text(PDL_SRC)
@@ -285,7 +285,7 @@ class _RandomWorkload:
 
 
 def test_graphs_that_draw_random_numbers_are_found_and_not_published() -> None:
-    from ember.runtime.prove import ProofFailed, rng_consumers
+    from ember.runtime.proof.prove import ProofFailed, rng_consumers
     from ember.runtime.save import run_save
 
     w = _RandomWorkload()

@@ -44,7 +44,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.mark.parametrize("workload", ["llama3-8b", "qwen3-8b-compile", "qwen3-moe", "gemma3"])
 def test_save_then_load_in_fresh_perturbed_process(workload: str, store: str) -> None:
     _need_lib()
-    from ember.bench_graphs import _tokens_goal, bench_one
+    from ember_bench.graphs import _tokens_goal, bench_one
 
     r = bench_one(workload, LAYERS, SIZES, store, timeout=600)
     assert "load_ms" in r, r.get("load_error") or r.get("save_error") or r.get("native_error") or r

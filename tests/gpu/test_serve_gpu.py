@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from ember.bench_cb import REF_PROMPT, _phase_env, run_child
+from ember_bench.cb import REF_PROMPT, _phase_env, run_child
 
 pytestmark = pytest.mark.gpu
 

@@ -23,16 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ember_operator.api import ModelDeploymentSpec
 from fixtures_cluster import REPO, LocalCluster, LocalMinio, wait_until
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from ember.archive.bundle import write_archive
-from ember.archive.synthetic import synthetic_graphset, synthetic_images
-from ember.bench_claims import fake_gpu_nodes, kubectl_apply
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import open_store
+from ember_bench.claims import fake_gpu_nodes, kubectl_apply
+from ember_bench.synthetic import synthetic_graphset, synthetic_images
+from ember_operator.api import ModelDeploymentSpec
 
 GROUP, VERSION = "ember.dev", "v1alpha1"
 CRD_FILES = sorted((REPO / "crds").glob("*.yaml"))

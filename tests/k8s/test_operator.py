@@ -252,12 +252,12 @@ def test_examples_apply_and_become_ready(
 ) -> None:
     """Every manifest in examples/ is applied as a user would; each deployment ends Ready once its
     archive is in the store (written here as `ember save --job` would: kwok has no GPU)."""
-    from ember_operator.api import GraphArchiveSpec
     from operator_harness import COMPAT, REPO
 
     from ember.archive.bundle import write_archive
-    from ember.archive.synthetic import synthetic_graphset, synthetic_images
     from ember.store import open_store
+    from ember_bench.synthetic import synthetic_graphset, synthetic_images
+    from ember_operator.api import GraphArchiveSpec
 
     env = {**minio.env, "EMBER_OPERATOR_MANIFEST_GRACE_SECONDS": "60"}
     with operator_env(k8s, minio, tmp_path, "ex", env) as (api, op, _):

@@ -29,8 +29,8 @@ from fixtures_cluster import LocalCluster, LocalMinio, wait_until
 from kubernetes import client
 
 from ember import handoff
-from ember.bench_fetch import sample_identity, write_blob_archive
 from ember.store import Store, open_store
+from ember_bench.fetch import sample_identity, write_blob_archive
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
 from sidecar_helpers import ThrottledProxy

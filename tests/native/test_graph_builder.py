@@ -9,11 +9,11 @@ import json
 
 BUILD = """
 import numpy as np
-from ember.archive import format as F
+from ember.archive import graph_table as F
 from ember.archive.graphs import NodeType
-from ember.archive.synthetic import synthetic_graphset
-from ember.runtime import rebuild
-from ember.runtime.walk import ATTR_SIZES
+from ember_bench.synthetic import synthetic_graphset
+from ember.runtime.graphs import rebuild
+from ember.runtime.graphs.walk import ATTR_SIZES
 cuda.standin_graph_dump.restype = ctypes.c_size_t
 cuda.standin_graph_dump.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
 

@@ -36,8 +36,8 @@ from pathlib import Path
 import pytest
 
 from ember.archive.graphs import NodeType
-from ember.archive.synthetic import synthetic_graphset
-from ember.runtime.walk import ATTR_SIZES
+from ember.runtime.graphs.walk import ATTR_SIZES
+from ember_bench.synthetic import synthetic_graphset
 
 GRAPHS, NODES, GROUPS = 6, 300, 3  # the graph set both processes build (deterministic)
 
@@ -154,9 +154,9 @@ torch.__version__ = "0.0+standin"
 torch.version = types.SimpleNamespace(cuda="13.0")
 sys.modules["torch"] = torch
 from cuda.bindings import driver as cu
-from ember.archive import format as F
+from ember.archive import graph_table as F
 from ember.archive.graphs import GraphSet, KernelRef
-from ember.archive.synthetic import synthetic_graphset
+from ember_bench.synthetic import synthetic_graphset
 from ember.identity import ArchiveIdentity
 from ember.runtime import compat, publish
 from ember.runtime.restore import ArchiveRestore, LoadRefused
@@ -424,7 +424,7 @@ def test_engine_check_sees_the_facts_and_refuses_before_the_allocation_log(run_p
 
 
 POLICY = COMMON + """
-from ember.runtime.library import RestoredGraph
+from ember.runtime.graphs.templates import RestoredGraph
 restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
 model()
 ip.replay_window()

@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+
 from ember_operator.api import ModelDeploymentSpec, ModelDeploymentStatus
 from ember_operator.planning import Context, Observed
 

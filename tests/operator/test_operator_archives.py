@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from operator_helpers import CTX, NOW, md_spec
+
 from ember_operator import naming
 from ember_operator.api import GAPhase, GraphArchiveSpec, GraphArchiveStatus
 from ember_operator.archive_planning import (
@@ -15,7 +17,6 @@ from ember_operator.archive_planning import (
 )
 from ember_operator.jobs import SaveResult
 from ember_operator.planning import archive_object
-from operator_helpers import CTX, NOW, md_spec
 
 SPEC = GraphArchiveSpec.model_validate(archive_object("ga-x", "default", md_spec(), CTX)["spec"])
 HASH = SPEC.identity_hash

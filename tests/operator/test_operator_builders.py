@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 
+from operator_helpers import CTX, md_spec
+
+from ember.identity import canonical_json
 from ember_operator import naming
 from ember_operator.api import AutoscalingSpec, GraphArchiveSpec
 from ember_operator.hpas import hpa
 from ember_operator.jobs import job_state, read_termination, save_job
 from ember_operator.planning import archive_object, template_of
 from ember_operator.pods import Claim, StoreAccess, claim_patch, serving_pod, warm_pod
-from operator_helpers import CTX, md_spec
-
-from ember.identity import canonical_json
 
 
 def _claim() -> Claim:

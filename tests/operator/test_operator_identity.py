@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from ember_operator.api import CaptureSpec, IdentitySpec
 from operator_helpers import md_spec
+
+from ember_operator.api import CaptureSpec, IdentitySpec
 
 
 def test_identity_is_stable_and_ignores_scaling_fields() -> None:

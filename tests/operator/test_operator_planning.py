@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from operator_helpers import CTX, NOW, md_spec, observed
+
 from ember_operator import naming
 from ember_operator.api import MDPhase
 from ember_operator.planning import Plan, plan_deployment, revision_of, template_of
 from ember_operator.views import ArchiveView, PodView
-from operator_helpers import CTX, NOW, md_spec, observed
 
 URI = "s3://ember/ember/archives/abc/manifest"
 AVAILABLE = ArchiveView(name="ga-x", phase="Available", uri=URI, reason="ManifestFound")

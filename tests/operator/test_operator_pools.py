@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from operator_helpers import CTX, md_spec
+
 from ember_operator import naming
 from ember_operator.planning import template_of
 from ember_operator.pools import plan_pools
 from ember_operator.settings import Settings
 from ember_operator.views import PodView
-from operator_helpers import CTX, md_spec
 
 
 def _warm(name: str, key: str, ready: bool = True) -> PodView:

@@ -17,10 +17,10 @@ import pytest
 from typer.testing import CliRunner
 
 from ember.archive import bundle
-from ember.archive.synthetic import synthetic_graphset, synthetic_images
 from ember.cli import app
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import BlobCorrupt, BlobMissing, S3Store, StoreUnavailable, open_manifest_uri, open_store
+from ember_bench.synthetic import synthetic_graphset, synthetic_images
 
 pytestmark = pytest.mark.s3
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from ember_sidecar.claims import ClaimError, parse_claim, parse_claimed_at, parse_prefetch, reason_class
 
 H = "ab" * 32

@@ -13,8 +13,8 @@ from pathlib import Path
 from sidecar_helpers import wait_for
 
 from ember import handoff
-from ember.bench_fetch import write_blob_archive
 from ember.store import LocalStore
+from ember_bench.fetch import write_blob_archive
 
 
 def get(port: int, path: str) -> tuple[int, str]:

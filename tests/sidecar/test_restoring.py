@@ -8,15 +8,15 @@ import time
 from pathlib import Path
 
 import pytest
+from sidecar_helpers import RecordingReporter, sample, wait_for
+
+from ember import handoff
+from ember.store import LocalStore
+from ember_bench.fetch import sample_identity, write_blob_archive
 from ember_sidecar.claims import Claim
 from ember_sidecar.fetching import ArchiveCache
 from ember_sidecar.metrics import Metrics
 from ember_sidecar.restoring import Restorer
-from sidecar_helpers import RecordingReporter, sample, wait_for
-
-from ember import handoff
-from ember.bench_fetch import sample_identity, write_blob_archive
-from ember.store import LocalStore
 
 SIZES = [4096, 200_000, 50_000, 1_000_000]
 
@@ -243,7 +243,7 @@ def test_truncated_blob_is_a_size_mismatch(store: LocalStore, tmp_path: Path) ->
 
 def test_bundle_archive_handed_off_and_opened_from_cache(store: LocalStore, tmp_path: Path) -> None:
     from ember.archive.bundle import open_archive, verify_archive
-    from ember.bench_fetch import write_bundle_archive
+    from ember_bench.fetch import write_bundle_archive
 
     m = write_bundle_archive(store, 2.0)
     r, _, run_dir = make(tmp_path)

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from ember.archive import format as fmt
+from ember.archive import graph_table as fmt
 from ember.archive.graphs import (
     Edge,
     EventParams,
@@ -22,7 +22,7 @@ from ember.archive.graphs import (
     Node,
     NodeType,
 )
-from ember.archive.synthetic import synthetic_graphset
+from ember_bench.synthetic import synthetic_graphset
 
 
 def small_set() -> GraphSet:

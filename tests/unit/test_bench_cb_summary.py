@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ember.bench_cb import summarize
+from ember_bench.cb import summarize
 
 GOAL = "claim -> first token <= 1 s (restored)"
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from ember.runtime.cb import archive_key, split_archive_key
-from ember.runtime.cb_keys import (
+from ember.engines.transformers_cb.hooks import archive_key, split_archive_key
+from ember.engines.transformers_cb.keys import (
     FULL,
     MIN_SEQLEN_K,
     SLIDING,

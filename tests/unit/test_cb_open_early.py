@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from ember.runtime import cb_runtime
-from ember.runtime.cb_runtime import RestoreRefused
+from ember.engines.transformers_cb import adapter as cb_runtime
+from ember.engines.transformers_cb.adapter import RestoreRefused
 
 
 class _Restore:

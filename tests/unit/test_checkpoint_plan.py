@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ember.runtime.checkpoint import CheckpointError, plan
+from ember.engines.decode.checkpoint import CheckpointError, plan
 
 
 def _spec(**kw: object) -> SimpleNamespace:

@@ -4,8 +4,8 @@ benchmark's token verdicts with their native controls."""
 from __future__ import annotations
 
 from ember.archive.graphs import Edge, Graph, GraphSet, KernelParams, KernelRef, Node, NodeType
-from ember.bench_graphs import _outputs_goal, _tokens_goal, token_verdicts
-from ember.runtime import proofmath as pm
+from ember.runtime.proof import measures as pm
+from ember_bench.graphs import _outputs_goal, _tokens_goal, token_verdicts
 
 
 def test_programmatic_edge_rebuilt_as_default_is_a_difference() -> None:
@@ -123,7 +123,7 @@ def test_proof_facts_are_json_safe() -> None:
 
 
 def test_load_stages_line_names_the_critical_path_the_background_and_the_controls() -> None:
-    from ember.bench_graphs import _stages
+    from ember_bench.graphs import _stages
 
     r = {
         "load_timings": {"read_ms": 5.2, "replay_window_ms": 0.3, "join_ms": 0.02,

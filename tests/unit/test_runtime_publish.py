@@ -10,11 +10,11 @@ import pytest
 pytest.importorskip("cuda.bindings")
 
 from ember.archive import bundle
-from ember.archive import format as fmt
-from ember.archive.synthetic import synthetic_graphset, synthetic_images
+from ember.archive import graph_table as fmt
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.runtime import compat, publish
 from ember.store import open_store
+from ember_bench.synthetic import synthetic_graphset, synthetic_images
 
 
 def _archive() -> tuple[publish.Archive, object]:

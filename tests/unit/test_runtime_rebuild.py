@@ -12,11 +12,11 @@ import pytest
 
 pytest.importorskip("cuda.bindings")
 
-from ember.archive import format as fmt
+from ember.archive import graph_table as fmt
 from ember.archive.graphs import Edge, Graph, GraphSet, KernelParams, KernelRef, Node, NodeType
-from ember.archive.synthetic import synthetic_graphset
-from ember.runtime import rebuild
-from ember.runtime.walk import KERNEL_PARAMS
+from ember.runtime.graphs import rebuild
+from ember.runtime.graphs.walk import KERNEL_PARAMS
+from ember_bench.synthetic import synthetic_graphset
 
 
 def _kernel_struct(op: tuple) -> tuple:
@@ -255,7 +255,7 @@ def test_edge_data_problem_compares_multisets() -> None:
 
 
 def test_edge_data_is_packed_as_cugraphedgedata() -> None:
-    from ember.runtime import driver
+    from ember.runtime.graphs import driver
 
     raw = driver.pack_edge_data([(0, 0, 0), (1, 0, 1), (2, 0, 1)])
     assert raw == bytes(8) + bytes([1, 0, 1, 0, 0, 0, 0, 0]) + bytes([2, 0, 1, 0, 0, 0, 0, 0])

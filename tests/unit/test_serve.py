@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from ember import handoff
-from ember.serve import (
+from ember.serving.server import (
     ByteTokenizer,
     EngineStarters,
     RestoreRefused,
@@ -351,8 +351,8 @@ def _sidecar_ready(run_dir: Path) -> tuple[int, str]:
 
 @pytest.mark.parametrize("corrupt", [False, True])
 def test_with_standalone_sidecar(tmp_path: Path, corrupt: bool) -> None:
-    from ember.bench_fetch import write_blob_archive
     from ember.store import LocalStore
+    from ember_bench.fetch import write_blob_archive
 
     store = LocalStore(tmp_path / "store")
     m = write_blob_archive(store, [4096, 70_000])

@@ -1,0 +1,1 @@
+"""Engine adapters: what differs per inference engine (see `ember.runtime.adapter.EngineAdapter`)."""

@@ -1,0 +1,254 @@
+"""`ember save`, `ember load` and the GPU half of `ember verify --replay` (registered in ember.cli).
+
+Both `save` and `load` re-execute themselves under libember (LD_PRELOAD, EMBER_MODE,
+EMBER_ARM=manual) unless they already run that way. Job mode (`ember save --job`) follows the
+SAVE Job contract: identity from EMBER_IDENTITY, store from EMBER_STORE, a JSON summary in
+/dev/termination-log, non-zero exit with the reason on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+console = Console(stderr=True)
+
+WorkloadOpt = Annotated[
+    str, typer.Option("--workload", "-w", help="Built-in workload, e.g. llama3-8b[-compile].")
+]
+LayersOpt = Annotated[int, typer.Option(help="Override the layer count (0 = the model's own).")]
+SizesOpt = Annotated[str, typer.Option(help="Capture sizes: 'all' (67 engine defaults) or e.g. 1,2,8.")]
+ConfigOpt = Annotated[
+    str,
+    typer.Option(
+        "--model-config",
+        help="A transformers config.json: its shape, random weights (--workload picks eager or '-compile').",
+    ),
+]
+ModelOpt = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        help="A local transformers checkpoint (config.json + *.safetensors): its shape and weights.",
+    ),
+]
+StoreOpt = Annotated[
+    str, typer.Option("--store", envvar="EMBER_STORE", help="Store URI (file:///... or s3://...).")
+]
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    from ember.engines.decode.model import DEFAULT_SIZES
+
+    if text in ("", "all"):
+        return DEFAULT_SIZES
+    sizes = tuple(sorted({int(s) for s in text.split(",") if s.strip()}))
+    if not sizes or min(sizes) < 1:
+        raise typer.BadParameter("sizes must be positive integers, e.g. 1,2,8")
+    return sizes
+
+
+def make_workload(
+    name: str,
+    layers: int,
+    sizes: tuple[int, ...],
+    model_config: str | None = None,
+    model_dir: str | None = None,
+) -> Any:
+    """A built-in workload by name, or (with `model_config`) a transformers config.json's shape
+    with random weights, or (with `model_dir`) a local checkpoint's shape and weights."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from ember.engines.decode.model import DecodeWorkload, spec_from_hf_config
+
+    if model_dir:
+        model_config = str(Path(model_dir) / "config.json")
+    if model_config:
+        path = Path(model_config)
+        try:
+            spec = spec_from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
+        except (OSError, ValueError, KeyError) as exc:
+            raise typer.BadParameter(f"--model-config {path}: not a causal-LM config ({exc})") from exc
+        if layers:
+            spec = replace(spec, layers=layers)
+        compiled = name.endswith("-compile")
+        kind = "checkpoint" if model_dir else "config"
+        return DecodeWorkload(
+            spec,
+            compiled=compiled,
+            sizes=sizes,
+            name=f"{kind}-{spec.name}" + ("-compile" if compiled else ""),
+            weights=str(Path(model_dir).absolute()) if model_dir else None,
+        )
+    return DecodeWorkload.from_name(name, layers=layers or None, sizes=sizes)
+
+
+def _workload_from_identity(raw: str) -> tuple[Any, Any]:
+    from ember.identity import ArchiveIdentity
+
+    identity = ArchiveIdentity.model_validate_json(raw)
+    name = identity.model.removeprefix("ember-workload/")
+    if identity.compile and not name.endswith("-compile"):
+        name += "-compile"
+    layers = 0
+    if identity.revision.startswith("seed-") and "-layers-" in identity.revision:
+        layers = int(identity.revision.rsplit("-", 1)[1])
+    return make_workload(name, layers, tuple(identity.capture_sizes)), identity
+
+
+def save(
+    workload: WorkloadOpt = "llama3-8b",
+    layers: LayersOpt = 0,
+    sizes: SizesOpt = "all",
+    store: StoreOpt = "",
+    model_config: ConfigOpt = "",
+    model: ModelOpt = "",
+    job: Annotated[bool, typer.Option("--job", help="SAVE Job mode (EMBER_IDENTITY, EMBER_STORE).")] = False,
+    prove_only: Annotated[
+        bool, typer.Option("--prove-only", help="Capture and prove, publish nothing.")
+    ] = False,
+    tpot: Annotated[
+        str, typer.Option(help="Also time the captured graphs' decode step at these batch sizes (1,64).")
+    ] = "",
+) -> None:
+    """SAVE: capture a workload's decode graphs, prove them bit-exact, publish the archive."""
+    from ember.runtime.session import reexec_under_libember
+
+    reexec_under_libember("save")
+    from ember.runtime.save import run_save, termination_log
+
+    try:
+        if job:
+            raw = os.environ.get("EMBER_IDENTITY")
+            if not raw or not store:
+                raise RuntimeError("job mode needs EMBER_IDENTITY and EMBER_STORE")
+            w, identity = _workload_from_identity(raw)
+        else:
+            w = make_workload(workload, layers, parse_sizes(sizes), model_config or None, model or None)
+            identity = None
+            if not store and not prove_only:
+                raise RuntimeError("no store: pass --store or set EMBER_STORE (or use --prove-only)")
+        out = run_save(
+            w,
+            store_uri=None if prove_only else store,
+            identity=identity,
+            tpot_batches=tuple(int(b) for b in tpot.split(",") if b.strip()),
+            log=lambda m: console.print(m),
+        )
+    except Exception as exc:
+        reason = f"SAVE failed: {type(exc).__name__}: {exc}"
+        console.print(f"[red]{reason}[/red]")
+        if job:
+            termination_log(reason)
+        raise typer.Exit(1) from exc
+    summary = out.summary()
+    if job:
+        termination_log(summary)
+    print(json.dumps(summary, indent=1))
+
+
+def load(
+    workload: WorkloadOpt = "llama3-8b",
+    layers: LayersOpt = 0,
+    sizes: SizesOpt = "all",
+    store: StoreOpt = "",
+    model_config: ConfigOpt = "",
+    model: ModelOpt = "",
+    identity: Annotated[str, typer.Option(help="Identity hash (default: derived from the workload).")] = "",
+    batch: Annotated[int, typer.Option(help="Batch size of the proving decode.")] = 8,
+    verify: Annotated[
+        bool, typer.Option(help="Also replay every graph and compare with SAVE's outputs.")
+    ] = False,
+) -> None:
+    """LOAD an archive in this fresh process, then decode greedily to prove it (tokens vs SAVE's)."""
+    from ember.runtime.session import reexec_under_libember
+
+    reexec_under_libember("load")
+    from ember.runtime.load import LoadRefused, attempt_marker, run_load
+    from ember.runtime.proof.prove import decode_tokens
+    from ember.runtime.save import identity_for
+
+    ident = (
+        identity
+        or identity_for(
+            make_workload(workload, layers, parse_sizes(sizes), model_config or None, model or None)
+        ).hash()
+    )
+    try:
+        loaded = run_load(store, ident, log=lambda m: console.print(m), model_dir=model or None)
+    except LoadRefused as exc:
+        console.print(f"[yellow]LOAD refused, capture natively: {exc.reason}[/yellow]")
+        raise typer.Exit(3) from exc
+    w = loaded.workload
+    with attempt_marker(os.environ.get("EMBER_RUN_DIR", "/tmp/ember-run"), ident):
+        sha, first = decode_tokens(w, loaded.launch, batch)
+    want = loaded.archive.engine.get("decode_sha256", {}).get(str(batch))
+    result: dict[str, Any] = {
+        "identity": ident,
+        "timings": loaded.timings,
+        "batch": batch,
+        "tokens_sha256": sha,
+        "tokens_identical": (sha == want) if want else None,
+        "first_tokens": first,
+    }
+    if verify:
+        result["replay"] = replay_verify_loaded(loaded)
+    print(json.dumps(result, indent=1))
+    ok = result["tokens_identical"] is not False and result.get("replay", {}).get("ok", True)
+    raise typer.Exit(0 if ok else 1)
+
+
+def replay_verify_loaded(loaded: Any) -> dict[str, Any]:
+    """Replay every restored graph in SAVE's order and compare output fingerprints bitwise."""
+    from ember.runtime.proof.prove import replay_fingerprints
+
+    w, lib = loaded.workload, loaded.library
+    keys = [tuple(k) for k in lib.keys]
+    got = replay_fingerprints(w, loaded.launch, keys, lambda k: loaded.outputs[k])
+    want = loaded.archive.engine.get("fingerprints", {})
+    bad = [k for k in got if want.get(k) != got[k]]
+    return {
+        "graphs": len(got),
+        "identical": len(got) - len(bad),
+        "differ": bad[:10],
+        # which outputs (by position) differ, e.g. logits only while the tokens agree
+        "differ_outputs": {
+            k: [j for j, (a, b) in enumerate(zip(got[k], want.get(k) or [], strict=False)) if a != b]
+            for k in bad[:10]
+        },
+        "ok": not bad and bool(got),
+    }
+
+
+def replay_verify(store_uri: str, identity_hash: str) -> dict[str, Any]:
+    """GPU half of `ember verify --replay`: LOAD here (needs libember in load mode) and replay all.
+
+    Returns {"ok": bool, "graphs": n, "identical": n, "differ": [...]} or {"ok": False, "refused": reason}.
+    """
+    from ember.runtime.load import LoadRefused, run_load
+
+    try:
+        loaded = run_load(store_uri, identity_hash, log=lambda m: console.print(m))
+    except LoadRefused as exc:
+        return {"ok": False, "refused": exc.reason}
+    return replay_verify_loaded(loaded)
+
+
+def verify_replay_cmd(
+    store: StoreOpt = "",
+    model_config: ConfigOpt = "",
+    identity: Annotated[str, typer.Argument(help="Identity hash of the archive.")] = "",
+) -> None:
+    """GPU: LOAD the archive and replay every graph, comparing outputs bitwise with SAVE's."""
+    from ember.runtime.session import reexec_under_libember
+
+    reexec_under_libember("load")
+    res = replay_verify(store, identity)
+    print(json.dumps(res, indent=1))
+    sys.exit(0 if res.get("ok") else 1)

@@ -1,0 +1,1 @@
+"""transformers' continuous-batching engine (transformers 5.17)."""

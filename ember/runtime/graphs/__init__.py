@@ -1,0 +1,1 @@
+"""CUDA graph mechanics: driver calls, walk (graph → archive form), rebuild, kernels, templates."""

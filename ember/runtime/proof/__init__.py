@@ -1,0 +1,1 @@
+"""SAVE's proof: rebuild from the serialized form, replay, compare bitwise."""

@@ -1,0 +1,1 @@
+"""`ember serve`: an OpenAI-compatible server over transformers continuous batching."""
