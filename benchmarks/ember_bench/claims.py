@@ -37,7 +37,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BENCH_PRODUCT = "NVIDIA-EMBER-BENCH"
 console = Console()
 
@@ -126,6 +126,30 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
+def _claim_figures(latencies_ms: list[float], metrics: dict[str, float]) -> dict[str, Any]:
+    """Claim latency percentiles (sorted per-pod ms) and the operator's own claim histograms."""
+    return {
+        "claim_ms": {
+            "p50": round(_percentile(latencies_ms, 50), 1),
+            "p90": round(_percentile(latencies_ms, 90), 1),
+            "p99": round(_percentile(latencies_ms, 99), 1),
+            "max": round(latencies_ms[-1], 1) if latencies_ms else None,
+            "mean": round(statistics.fmean(latencies_ms), 1) if latencies_ms else None,
+        },
+        "all_claimed_ms": round(latencies_ms[-1], 1) if latencies_ms else None,
+        # Operator-side views (histograms): reconcile start → claim accepted, and one claim's
+        # API round trip.
+        "operator_claim_ms": {
+            "p50": _ms(_histogram_quantile(metrics, "ember_claim_seconds", 0.5)),
+            "p99": _ms(_histogram_quantile(metrics, "ember_claim_seconds", 0.99)),
+        },
+        "claim_patch_ms": {
+            "p50": _ms(_histogram_quantile(metrics, "ember_claim_patch_seconds", 0.5)),
+            "p99": _ms(_histogram_quantile(metrics, "ember_claim_patch_seconds", 0.99)),
+        },
+    }
+
+
 class _Bench:
     def __init__(self, kubeconfig: str, workdir: Path) -> None:
         from kubernetes import client, config
@@ -184,9 +208,7 @@ class _Bench:
                 self.op.kill()
         with contextlib.suppress(Exception):
             # The operator is gone: drop its cleanup finalizers so the namespace can be deleted.
-            items = self.custom.list_namespaced_custom_object(
-                "ember.dev", "v1alpha1", self.ns, "modeldeployments")["items"]
-            for md in items:
+            for md in self.deployments():
                 self.custom.patch_namespaced_custom_object(
                     "ember.dev", "v1alpha1", self.ns, "modeldeployments", md["metadata"]["name"],
                     {"metadata": {"finalizers": None}})
@@ -222,6 +244,12 @@ class _Bench:
         self.custom.create_namespaced_custom_object(
             "ember.dev", "v1alpha1", self.ns, "modeldeployments", body)
 
+    def deployments(self) -> list[dict[str, Any]]:
+        """The ModelDeployments of the bench's namespace (plain dicts)."""
+        body: Any = self.custom.list_namespaced_custom_object(
+            "ember.dev", "v1alpha1", self.ns, "modeldeployments")
+        return list(body["items"])
+
     def pods(self, selector: str) -> list[Any]:
         return [p for p in self.core.list_namespaced_pod(self.ns, label_selector=selector).items
                 if p.metadata.deletion_timestamp is None]
@@ -237,8 +265,6 @@ class _Bench:
 
     # ---- 1. claims
     def claims(self, replicas: int) -> dict[str, Any]:
-        from kubernetes import watch
-
         spec = self.spec("bench/claims", 0, replicas)
         self.write_archive(spec)
         self.create_md("claims", spec)
@@ -257,21 +283,8 @@ class _Bench:
         started = threading.Event()
         done = threading.Event()
         rv = self.core.list_namespaced_pod(self.ns).metadata.resource_version
-
-        def watcher() -> None:
-            w = watch.Watch()
-            started.set()
-            for event in w.stream(self.core.list_namespaced_pod, self.ns, resource_version=rv,
-                                  timeout_seconds=300):
-                pod = event["object"]
-                labels = pod.metadata.labels or {}
-                ours = labels.get("ember.dev/deployment") == "claims"
-                if ours and labels.get("ember.dev/pool") == "serving":
-                    seen.setdefault(pod.metadata.name, time.monotonic())
-                if len(seen) >= replicas or done.is_set():
-                    w.stop()
-
-        thread = threading.Thread(target=watcher, daemon=True)
+        thread = threading.Thread(target=self._watch_claimed, daemon=True,
+                                  args=("claims", replicas, rv, seen, started, done))
         thread.start()
         started.wait()
         time.sleep(0.5)
@@ -291,26 +304,27 @@ class _Bench:
             "claimed": len(seen),
             "cold_created": len(cold),
             "warm_fill_s": round(warm_fill_s, 2),
-            "claim_ms": {
-                "p50": round(_percentile(latencies, 50), 1),
-                "p90": round(_percentile(latencies, 90), 1),
-                "p99": round(_percentile(latencies, 99), 1),
-                "max": round(latencies[-1], 1) if latencies else None,
-                "mean": round(statistics.fmean(latencies), 1) if latencies else None,
-            },
-            "all_claimed_ms": round(latencies[-1], 1) if latencies else None,
-            # Operator-side views (histograms): reconcile start → claim accepted, and one claim's
-            # API round trip.
-            "operator_claim_ms": {
-                "p50": _ms(_histogram_quantile(metrics, "ember_claim_seconds", 0.5)),
-                "p99": _ms(_histogram_quantile(metrics, "ember_claim_seconds", 0.99)),
-            },
-            "claim_patch_ms": {
-                "p50": _ms(_histogram_quantile(metrics, "ember_claim_patch_seconds", 0.5)),
-                "p99": _ms(_histogram_quantile(metrics, "ember_claim_patch_seconds", 0.99)),
-            },
+            **_claim_figures(latencies, metrics),
             "replenish_s": round(time.monotonic() - t, 2),
         }
+
+    def _watch_claimed(self, deployment: str, replicas: int, resource_version: str, seen: dict[str, float],
+                       started: threading.Event, done: threading.Event) -> None:
+        """Record in `seen` when each pod of `deployment` is first seen claimed (pool=serving), until
+        `replicas` are or `done` is set."""
+        from kubernetes import watch
+
+        w = watch.Watch()
+        started.set()
+        for event in w.stream(self.core.list_namespaced_pod, self.ns, resource_version=resource_version,
+                              timeout_seconds=300):
+            pod = event["object"]
+            labels = pod.metadata.labels or {}
+            ours = labels.get("ember.dev/deployment") == deployment
+            if ours and labels.get("ember.dev/pool") == "serving":
+                seen.setdefault(pod.metadata.name, time.monotonic())
+            if len(seen) >= replicas or done.is_set():
+                w.stop()
 
     # ---- 2. reconcile throughput
     def throughput(self, deployments: int) -> dict[str, Any]:
@@ -326,9 +340,7 @@ class _Bench:
         created_s = time.monotonic() - t0
 
         def all_ready() -> bool:
-            items = self.custom.list_namespaced_custom_object(
-                "ember.dev", "v1alpha1", self.ns, "modeldeployments")["items"]
-            ours = [m for m in items if m["metadata"]["name"].startswith("tp-")]
+            ours = [m for m in self.deployments() if m["metadata"]["name"].startswith("tp-")]
             return len(ours) == deployments and all(
                 (m.get("status") or {}).get("observedGeneration") == m["metadata"]["generation"]
                 and (m.get("status") or {}).get("phase") == "Ready" for m in ours)

@@ -27,6 +27,7 @@ import statistics
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -111,7 +112,7 @@ def archive_shape(total_mb: float) -> list[int]:
 
 
 def _find_minio_env() -> dict[str, str]:
-    env_file = Path(__file__).resolve().parents[1] / "e2e" / ".work" / "env"
+    env_file = Path(__file__).resolve().parents[2] / "e2e" / ".work" / "env"
     out: dict[str, str] = {}
     if env_file.is_file():
         for line in env_file.read_text().splitlines():
@@ -122,77 +123,97 @@ def _find_minio_env() -> dict[str, str]:
     return out
 
 
-def run_bench(endpoint: str, bucket: str, mb: float, repeat: int, workdir: Path) -> dict[str, Any]:
-    """Measure both paths `repeat` times each (alternating) and return the figures."""
-    import boto3
-    from botocore.config import Config
+@dataclass
+class _Runs:
+    """Seconds, client CPU seconds and (sidecar) stage seconds of each run of one path."""
 
+    seconds: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    stages: list[dict[str, float]] = field(default_factory=list)
+
+
+def _sidecar_run(settings: Any, store_uri: str, archive_uri: str, identity_hash: str, run_dir: Path,
+                 runs: _Runs) -> None:
+    """One claim through the sidecar's own `Restorer`, timed until the engine side has the archive."""
     from ember.handoff import HandoffWriter, wait_for_archive
-    from ember.store import open_store
     from ember_sidecar.claims import Claim
     from ember_sidecar.fetching import ArchiveCache
     from ember_sidecar.metrics import Metrics
     from ember_sidecar.reporting import LogReporter
     from ember_sidecar.restoring import Restorer
+
+    writer = HandoffWriter(run_dir)
+    cache = ArchiveCache(writer.cache_dir, **settings.cache_options())
+    cache.warm(store_uri)  # as the sidecar does at start-up with EMBER_STORE
+    restorer = Restorer(cache, writer, Metrics(), LogReporter())
+    got: dict[str, Any] = {}
+    engine = threading.Thread(target=lambda: got.update(
+        r=wait_for_archive(run_dir, deadline=120.0, claim_timeout=120.0, poll_s=0.002)))
+    engine.start()
+    c0, t0 = _cpu(), time.perf_counter()
+    restorer.claim(Claim(archive_uri, identity_hash), observed_at=time.time())
+    engine.join()
+    runs.seconds.append(time.perf_counter() - t0)
+    runs.cpu.append(_cpu() - c0)
+    if not got["r"].restored:
+        raise RuntimeError(f"bench restore fell back: {got['r'].reason}")
+    hist = restorer.metrics.stage_seconds
+    runs.stages.append({s: float(hist.labels(stage=s)._sum.get()) for s in ("fetch", "verify")})
+    restorer.stop()
+    shutil.rmtree(run_dir)
+
+
+def _boto_run(client: Any, bucket: str, keys: list[str], dest: Path, runs: _Runs) -> None:
+    """A plain boto3 `download_file` of each blob object, one after another, no verification."""
+    dest.mkdir()
+    c0, t0 = _cpu(), time.perf_counter()
+    for k in keys:
+        client.download_file(bucket, k, str(dest / k.rsplit("/", 1)[1]))
+    runs.seconds.append(time.perf_counter() - t0)
+    runs.cpu.append(_cpu() - c0)
+    shutil.rmtree(dest)
+
+
+def run_bench(endpoint: str, bucket: str, mb: float, repeat: int, workdir: Path) -> dict[str, Any]:
+    """Measure both paths `repeat` times each (alternating) and return the figures."""
+    import boto3
+    from botocore.config import Config
+
+    from ember.store import open_store
     from ember_sidecar.settings import Settings
 
     prefix = f"bench-fetch/{int(time.time())}-{os.getpid()}"
     store_uri = f"s3://{bucket}/{prefix}"
     settings = Settings.from_env(s3_endpoint=endpoint)
     store = open_store(store_uri, **settings.store_options())
-    identity = sample_identity(f"bench-{prefix}")
-    manifest = write_bundle_archive(store, mb, identity)
-    total = manifest.total_bytes
+    manifest = write_bundle_archive(store, mb, sample_identity(f"bench-{prefix}"))
     archive_uri = store.manifest_uri(manifest.identity_hash)
     client = boto3.client("s3", endpoint_url=endpoint, config=Config(s3={"addressing_style": "path"}))
     keys = [f"{prefix}/blobs/{b.sha256}" for b in manifest.blobs]
 
-    sidecar_s: list[float] = []
-    boto_s: list[float] = []
-    stages: list[dict[str, float]] = []
-    sidecar_cpu: list[float] = []
-    boto_cpu: list[float] = []
-    def sidecar_run(i: int) -> None:
-        run_dir = workdir / f"run-{i}"
-        writer = HandoffWriter(run_dir)
-        cache = ArchiveCache(writer.cache_dir, **settings.cache_options())
-        cache.warm(store_uri)  # as the sidecar does at start-up with EMBER_STORE
-        restorer = Restorer(cache, writer, Metrics(), LogReporter())
-        got: dict[str, Any] = {}
-        engine = threading.Thread(target=lambda: got.update(
-            r=wait_for_archive(run_dir, deadline=120.0, claim_timeout=120.0, poll_s=0.002)))
-        engine.start()
-        c0, t0 = _cpu(), time.perf_counter()
-        restorer.claim(Claim(archive_uri, manifest.identity_hash), observed_at=time.time())
-        engine.join()
-        sidecar_s.append(time.perf_counter() - t0)
-        sidecar_cpu.append(_cpu() - c0)
-        if not got["r"].restored:
-            raise RuntimeError(f"bench restore fell back: {got['r'].reason}")
-        hist = restorer.metrics.stage_seconds
-        stages.append({s: float(hist.labels(stage=s)._sum.get()) for s in ("fetch", "verify")})
-        restorer.stop()
-        shutil.rmtree(run_dir)
-
-    def boto_run(i: int) -> None:
-        dest = workdir / f"boto-{i}"
-        dest.mkdir()
-        c0, t0 = _cpu(), time.perf_counter()
-        for k in keys:
-            client.download_file(bucket, k, str(dest / k.rsplit("/", 1)[1]))
-        boto_s.append(time.perf_counter() - t0)
-        boto_cpu.append(_cpu() - c0)
-        shutil.rmtree(dest)
-
+    sidecar, boto = _Runs(), _Runs()
+    paths = (
+        lambda i: _sidecar_run(settings, store_uri, archive_uri, manifest.identity_hash,
+                               workdir / f"run-{i}", sidecar),
+        lambda i: _boto_run(client, bucket, keys, workdir / f"boto-{i}", boto),
+    )
     for i in range(repeat):
         # Alternate which path goes first (order effects cancel) and start each run with no
         # dirty pages from the previous one.
-        for run in (sidecar_run, boto_run) if i % 2 == 0 else (boto_run, sidecar_run):
+        for run in paths if i % 2 == 0 else paths[::-1]:
             os.sync()
             run(i)
 
     for k in [*keys, f"{prefix}/archives/{manifest.identity_hash}/manifest"]:
         client.delete_object(Bucket=bucket, Key=k)
+    return _figures(endpoint, manifest, repeat, settings, sidecar, boto)
+
+
+def _figures(endpoint: str, manifest: Manifest, repeat: int, settings: Any, sidecar: _Runs,
+             boto: _Runs) -> dict[str, Any]:
+    """The result record (benchmarks/results/sidecar-local.json) of both paths' runs."""
+    total = manifest.total_bytes
+    sidecar_s, boto_s = sidecar.seconds, boto.seconds
     med_s, med_b = statistics.median(sidecar_s), statistics.median(boto_s)
     pairs = [a / b for a, b in zip(sidecar_s, boto_s, strict=True)]
     return {
@@ -212,11 +233,11 @@ def run_bench(endpoint: str, bucket: str, mb: float, repeat: int, workdir: Path)
         "boto3_min_s": min(boto_s),
         "sidecar_MBps": total / med_s / 1e6,
         "boto3_MBps": total / med_b / 1e6,
-        "sidecar_stage_s": stages,
-        "sidecar_cpu_s": sidecar_cpu,
-        "boto3_cpu_s": boto_cpu,
-        "sidecar_cpu_median_s": statistics.median(sidecar_cpu),
-        "boto3_cpu_median_s": statistics.median(boto_cpu),
+        "sidecar_stage_s": sidecar.stages,
+        "sidecar_cpu_s": sidecar.cpu,
+        "boto3_cpu_s": boto.cpu,
+        "sidecar_cpu_median_s": statistics.median(sidecar.cpu),
+        "boto3_cpu_median_s": statistics.median(boto.cpu),
         "load_average": os.getloadavg(),
         "goal_ratio": 1.1,
         "sidecar_concurrency": settings.s3_max_concurrency,

@@ -28,7 +28,9 @@ from ember import native
 H, NH, KV, INTER, VOCAB = 4096, 32, 8, 14336, 128256
 GIB = 1 << 30
 RESULTS = Path("benchmarks/results")
-CONFIGS = (("native", {}), ("pass-through", {"EMBER_MODE": "off"}), ("save", {"EMBER_MODE": "save"}))
+CONFIGS: tuple[tuple[str, dict[str, str]], ...] = (
+    ("native", {}), ("pass-through", {"EMBER_MODE": "off"}), ("save", {"EMBER_MODE": "save"}),
+)
 
 
 # ---------------------------------------------------------------- workers (run on the GPU)
