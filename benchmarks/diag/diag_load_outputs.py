@@ -1,7 +1,7 @@
 """Diagnose restored outputs that differ from SAVE's: which way of launching a restored graph
 gives SAVE's outputs (run like `ember load`: under libember in load mode, after `ember save`).
 
-    LD_PRELOAD=$EMBER_LIB EMBER_MODE=load python3 benchmarks/diag_load_outputs.py STORE_URI [workload]
+    LD_PRELOAD=$EMBER_LIB EMBER_MODE=load python3 benchmarks/diag/diag_load_outputs.py STORE_URI [workload]
 
 For every key, from one reset state, in SAVE's order: (a) the group template updated to the key
 (what LOAD serves), (b) a dedicated exec of the key's graph, (c) the key's graph rebuilt by the
@@ -16,11 +16,11 @@ import sys
 
 import torch
 
+from ember.engines.decode.adapter import load_workload
 from ember.engines.decode.commands import make_workload, parse_sizes
 from ember.engines.decode.model import fingerprint
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.driver import check, torch_stream_handle
-from ember.runtime.load import run_load
 from ember.runtime.save import identity_for
 
 
@@ -30,7 +30,7 @@ def main() -> None:
     store = sys.argv[1]
     workload = sys.argv[2] if len(sys.argv) > 2 else "llama3-8b"
     ident = identity_for(make_workload(workload, 0, parse_sizes("all"))).hash()
-    loaded = run_load(store, ident, log=lambda m: print(m, file=sys.stderr))
+    loaded = load_workload(store, ident, log=lambda m: print(m, file=sys.stderr))
     lib, w = loaded.library, loaded.workload
     want = loaded.archive.engine.get("fingerprints", {})
     keys = [tuple(k) for k in lib.keys]

@@ -1,9 +1,9 @@
 """Where a template switch goes: how many nodes differ between two graphs of a group, and what
 setting only those on the exec costs next to cuGraphExecUpdate of the whole graph.
 
-    gcc -O2 -shared -fPIC -I<cuda.h dir> benchmarks/diag_switch_set.c -o /tmp/dss.so -ldl
+    gcc -O2 -shared -fPIC -I<cuda.h dir> benchmarks/diag/diag_switch_set.c -o /tmp/dss.so -ldl
     LD_PRELOAD=$EMBER_LIB EMBER_MODE=load EMBER_ARM=manual \
-        python benchmarks/diag_switch.py STORE IDENTITY OUT.json /tmp/dss.so
+        python benchmarks/diag/diag_switch.py STORE IDENTITY OUT.json /tmp/dss.so
 
 For each group with more than one member and each switch a -> b in member order: nodes, changed
 nodes (GraphTable.changed_nodes), cuGraphExecUpdate ms, the node-by-node set of the changed nodes
@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from cuda.bindings import driver as cu
 
+from ember.engines.decode.adapter import load_workload
 from ember.engines.decode.model import fingerprint
 from ember.runtime.graphs.driver import check, graph_nodes
-from ember.runtime.load import run_load
 
 KINDS = tuple(
     int(getattr(cu.CUgraphNodeType, f"CU_GRAPH_NODE_TYPE_{t}")) for t in ("KERNEL", "MEMSET", "MEMCPY")
@@ -38,7 +38,7 @@ def nodes_of(graph: object) -> np.ndarray:
 
 def main() -> None:
     store, identity, out_path, helper = sys.argv[1:5]
-    loaded = run_load(store, identity, perturb_first=True, log=lambda m: None)
+    loaded = load_workload(store, identity, perturb_first=True, log=lambda m: None)
     lib, w, table = loaded.library, loaded.workload, loaded.library.source
     lib._hot_after = 0
     h = ctypes.CDLL(helper)

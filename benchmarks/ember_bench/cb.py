@@ -5,7 +5,7 @@ model (seeded random weights), same serving sizing:
 
 - native:  engine start (manager → the engine's warm-up capture) → first token, then a mixed
            workload; graphs captured while serving are counted;
-- save:    every key of the sizing captured once through the engine (`CBAdapter.capture_all`),
+- save:    every key of the sizing captured once through the engine (`ManagerHooks.capture_all`),
            the archive written by the graph runtime; the same workload served from the full set
            (captures while serving must be 0: the key enumeration is complete);
 - load:    the recorded sizing, graphs restored and installed → first token, the workload;
@@ -143,7 +143,7 @@ def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
         result["first_token"], result["start_to_first_token_s"] = _first_token(engine, t0)
         result.update(startup=info.seconds, startup_graphs=info.graphs, sizing=info.sizing)
     elif phase == "save":
-        summary = cb_runtime.save_engine(
+        saved, captured = cb_runtime.save_engine(
             model,
             engine.gen_config,
             sizing_kwargs,
@@ -152,18 +152,19 @@ def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
             ip,
             max_graphs=int(opts.get("max_graphs", 512)),
         )
-        manager, adapter, graphs = summary.pop("engine")
+        graphs, hooks = saved.captured, captured.hooks
+        assert hooks is not None
         result["keys"] = len(graphs)
-        result["capture_all_s"] = summary["durations"]["capture_s"]
-        result["capture_s_per_graph"] = [round(s, 4) for _, s in adapter.captures.events]
-        result["sizing"] = adapter.sizing.to_json()
-        result["graph_stats"] = {**_edge_stats(graphs), **summary.get("graph_stats", {})}
+        result["capture_all_s"] = saved.durations["capture_s"]
+        result["capture_s_per_graph"] = [round(s, 4) for _, s in hooks.captures.events]
+        result["sizing"] = hooks.sizing.to_json()
+        result["graph_stats"] = {**_edge_stats(graphs), **saved.graph_stats}
         result["edge_data"] = edge_data_per_key(graphs)
-        result["archive"] = summary
+        result["archive"] = saved.summary()
         # Serve from the complete set in this process: proves the enumeration covers the scheduler.
-        engine.manager, engine.adapter = manager, adapter
-        manager.warmed_up = True
-        engine._start(StartInfo("captured-all", {"capture_all": result["capture_all_s"]}, len(graphs)))
+        engine.manager, engine.hooks = captured.manager, hooks
+        captured.manager.warmed_up = True
+        engine.start(StartInfo("captured-all", {"capture_all": result["capture_all_s"]}, len(graphs)))
         result["first_token"], _ = _first_token(engine, t0)
     elif phase == "load":
         archive_dir = Path(opts["store_dir"]) / "archives" / opts["identity"]
@@ -219,9 +220,9 @@ def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
     result["reference"] = engine.generate(REF_PROMPT, max_new_tokens=8)
     result["tokens"], result["workload_s"] = _serve_workload(engine, vocab, mbt)
     result["captures_while_serving"] = engine.captures_while_serving
-    if engine.adapter is not None:
-        expected = set(engine.adapter.expected_keys())
-        seen = [k for k, _ in engine.adapter.captures.events]
+    if engine.hooks is not None:
+        expected = set(engine.hooks.expected_keys())
+        seen = [k for k, _ in engine.hooks.captures.events]
         result["captured_keys"] = len(seen)
         result["captured_keys_not_enumerated"] = [list(k) for k in seen if k not in expected]
     result["serving_capture_keys"] = [list(k) for k in engine.serving_capture_keys()][:20]

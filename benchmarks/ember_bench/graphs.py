@@ -93,13 +93,15 @@ def _tpot_reinstantiated(w: Any, batches: list[int]) -> dict[str, float]:
 
 
 def role_load(args: dict[str, Any]) -> dict[str, Any]:
+    from ember.engines.decode.adapter import load_workload
     from ember.engines.decode.commands import replay_verify_loaded
-    from ember.runtime.load import LoadRefused, attempt_marker, run_load
+    from ember.runtime.adapter import Refused
+    from ember.runtime.load import attempt_marker
     from ember.runtime.proof.prove import decode_trace, tpot_ms
 
     try:
-        loaded = run_load(args["store"], args["identity"], perturb_first=True, log=lambda m: None)
-    except LoadRefused as exc:
+        loaded = load_workload(args["store"], args["identity"], perturb_first=True, log=lambda m: None)
+    except Refused as exc:
         return {"refused": exc.reason}
     out: dict[str, Any] = {"timings": loaded.timings, "load_ms": loaded.timings["load_ms"]}
     lib, w = loaded.library, loaded.workload

@@ -1,17 +1,15 @@
-"""LOAD in a fresh process (LD_PRELOAD=libember.so EMBER_MODE=load): restore the graphs SAVE
-proved, at the same addresses, without capturing.
+"""LOAD, for any engine adapter, in a fresh process (LD_PRELOAD=libember.so EMBER_MODE=load):
+restore the graphs SAVE proved, at the same addresses, without capturing.
 
-Order matters and every check comes before anything is launched (`ember.runtime.restore`):
-1. compatibility key against the real GPU/driver/CUDA/torch/env → `LoadRefused(reason)`;
-2. the allocation log read and imported; on a background thread from here on: every other blob
-   fetched and its digest verified, kernel images handed to libember for proactive loading
-   (execution order), one template per topology group built and instantiated (`GraphLibrary`),
-   while
-4. the workload is built in SAVE's order (weights, the KV cache at the recorded size: no memory
-   profiling), static buffers checked against SAVE's addresses, the capture window replayed
-   (divergence → refuse);
-5. the templates handed over once the background thread is done.
-Any refusal means: capture natively instead. Never a wrong graph.
+Order matters and every check comes before anything is launched:
+1. `open_restore()` — before the engine builds its model: the manifest, the compatibility key,
+   the adapter's `accept(facts)`, the allocation log imported; from here on a background thread
+   reads and verifies every other blob, preloads the kernel images and builds the templates
+   (`ember.runtime.restore.ArchiveRestore`);
+2. `load()` — the adapter allocates in SAVE's order, sized from the archive's facts (no memory
+   profiling); static buffers are checked against SAVE's addresses, the capture window replayed
+   (divergence → refuse), the templates taken over and installed in the engine.
+Any refusal is `Refused(stage, reason)`: capture natively instead. Never a wrong graph.
 
 Crash safety: a launch of a bad graph can kill the process with a sticky CUDA error, and a
 restarted engine must not try again. `attempt_marker(run_dir)` writes the handoff marker
@@ -31,32 +29,24 @@ from typing import TYPE_CHECKING, Any
 
 from ember import handoff
 from ember.native import Interposer
-from ember.runtime.restore import ArchiveRestore, LoadRefused, release_cached_memory
+from ember.runtime.adapter import COMPAT, LOAD, EngineAdapter, Refused
+from ember.runtime.restore import ArchiveRestore, release_cached_memory
 
-__all__ = ["LoadRefused", "Loaded", "attempt_marker", "release_cached_memory", "run_load"]
+__all__ = ["Restored", "attempt_marker", "load", "open_restore", "release_cached_memory"]
 
-if TYPE_CHECKING:  # torch and CUDA modules are imported where LOAD runs, not for the marker helpers
-    import torch
-
-    from ember.engines.decode.model import DecodeWorkload
-    from ember.runtime import publish
-    from ember.runtime.graphs.templates import GraphLibrary, RestoredGraph
+if TYPE_CHECKING:
+    from ember.runtime.graphs.templates import GraphLibrary
+    from ember.runtime.publish import ArchiveContent
 
 
 @dataclass
-class Loaded:
+class Restored:
+    """An archive restored into the engine: its templates, its content, what each step took."""
+
     library: GraphLibrary
-    workload: DecodeWorkload
-    archive: publish.Archive
-    outputs: dict[tuple[int, ...], list[torch.Tensor]]
-    timings: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def graphs(self) -> dict[tuple[int, ...], RestoredGraph]:
-        return self.library.all_restored()
-
-    def launch(self, key: tuple[int, ...]) -> None:
-        self.library.launch(self.library.key_index(key))
+    archive: ArchiveContent
+    graphs: int
+    timings: dict[str, Any] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -83,66 +73,45 @@ def previous_attempt_crashed(run_dir: str | os.PathLike[str] | None) -> dict[str
     return handoff.read_json(handoff.run_dir_from_env(run_dir) / handoff.MARKER_FILE)
 
 
-def run_load(
-    store_uri: str,
-    identity_hash: str,
-    *,
-    interposer: Interposer | None = None,
-    perturb_first: bool = False,
-    log: Any = print,
-    model_dir: str | None = None,
-) -> Loaded:
-    """LOAD one archive into this process. Raises LoadRefused (caller captures natively).
+def open_restore(
+    adapter: EngineAdapter, ip: Interposer | None, store_uri: str, identity_hash: str
+) -> ArchiveRestore:
+    """Step 1, before the engine builds its model (Refused on any problem)."""
+    problems = adapter.check_version()
+    if problems:
+        raise Refused(COMPAT, f"{adapter.kind}: " + "; ".join(problems))
+    return ArchiveRestore.open(ip, store_uri, identity_hash, adapter.engine, accept=adapter.accept)
 
-    `model_dir`: where this machine holds the checkpoint of a `--model DIR` archive (default:
-    the path SAVE read it from)."""
-    import numpy as np
-    import torch
 
-    from ember.engines.decode.model import DecodeWorkload, OutputSpec
-    from ember.runtime.save import ENGINE
-    from ember.runtime.session import native_session
-
+def load(adapter: EngineAdapter, restore: ArchiveRestore) -> Restored:
+    """Step 2: allocate, check, replay, take the templates over, install. Refused on any problem;
+    what the background built is dropped then."""
     tm: dict[str, Any] = {}
-    t_all = time.perf_counter()
-    ip = interposer or native_session("load", perturb_first=perturb_first)
-    tm["session_ms"] = (time.perf_counter() - t_all) * 1e3
-    restore = ArchiveRestore.open(ip, store_uri, identity_hash, ENGINE)
+    facts = dict(restore.manifest.engine)
     try:
-        engine = dict(restore.manifest.engine)
-        if model_dir:  # the checkpoint lives elsewhere on this machine than where SAVE read it
-            engine["weights"] = str(model_dir)
         t = time.perf_counter()
-        workload = DecodeWorkload.from_config(engine)
-        try:
-            workload.build(kv_cache_bytes=int(engine["kv_cache_bytes"]), compile_fn=False)
-        except (OSError, ValueError) as exc:  # CheckpointError included: weights missing or other shape
-            raise LoadRefused(f"model weights not usable: {exc}") from exc
-        tm["build_workload_ms"] = (time.perf_counter() - t) * 1e3
-        if div := ip.divergence():
-            raise LoadRefused(f"allocation sequence diverged from SAVE: {div}")
-        here = workload.input_addresses()
-        moved = {k: (hex(v), hex(here.get(k, 0))) for k, v in engine["inputs"].items() if here.get(k) != v}
+        adapter.prepare(facts)
+        tm["prepare_ms"] = (time.perf_counter() - t) * 1e3
+        t = time.perf_counter()
+        if div := restore.ip.divergence():
+            raise Refused(LOAD, f"allocation sequence diverged from SAVE: {div}")
+        here = adapter.static_addresses()
+        moved = {
+            k: (hex(v), hex(here.get(k, 0))) for k, v in facts.get("inputs", {}).items() if here.get(k) != v
+        }
         if moved:
-            raise LoadRefused(f"static buffers are not where SAVE had them: {moved}")
+            raise Refused(LOAD, f"static buffers are not where SAVE had them: {moved}")
         restore.replay()
         lib = restore.library()
         archive = restore.archive
         assert archive is not None  # read in full before library() returns
-    except BaseException:
+        count = adapter.install(lib, archive)
+        tm["restore_ms"] = (time.perf_counter() - t) * 1e3
+    except Refused:
         restore.abandon()
         raise
+    except Exception as exc:  # the engine refused what LOAD built: still before any launch
+        restore.abandon()
+        raise Refused(LOAD, f"{type(exc).__name__}: {exc}") from exc
     tm.update(restore.timings)
-    if archive.rng_state:
-        torch.cuda.set_rng_state(torch.from_numpy(np.frombuffer(archive.rng_state, dtype=np.uint8).copy()))
-    outputs = {
-        tuple(int(x) for x in k.split(",")): [OutputSpec(**o).tensor() for o in v]
-        for k, v in engine["outputs"].items()
-    }
-    tm["total_ms"] = (time.perf_counter() - t_all) * 1e3
-    tm["load_ms"] = tm["total_ms"] - tm["build_workload_ms"] - tm["session_ms"]
-    log(
-        f"Loaded {len(lib.keys)} graphs ({len(lib.groups)} templates) in {tm['load_ms']:.1f} ms "
-        f"(+{tm['build_workload_ms']:.0f} ms building the model)"
-    )
-    return Loaded(lib, workload, archive, outputs, tm)
+    return Restored(lib, archive, count, tm)

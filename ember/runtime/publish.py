@@ -1,7 +1,7 @@
 """The runtime's side of archives: what SAVE hands to `ember.archive.bundle` and what LOAD reads.
 
 The formats and the store protocol are the archive engineer's (`ember.archive.bundle`,
-`format`, `manifest`, `ember.store`): this module only adds what the runtime needs on top, kept in
+`graph_table`, `manifest`, `ember.store`): this module only adds what the runtime needs on top, kept in
 the manifest's free-form `engine` facts:
 - `image_order`: the kernel images in execution order (templates first), for proactive loading;
 - `image_options`: libember's recorded load options per image (JIT and library options).
@@ -33,8 +33,9 @@ class Image:
 
 
 @dataclass
-class Archive:
-    """An archive in memory, as SAVE assembles it and LOAD reads it back."""
+class ArchiveContent:
+    """An archive's content in memory, as SAVE assembles it and LOAD reads it back (the archive
+    opened in a store, its blobs read on first use, is `ember.archive.bundle.Archive`)."""
 
     identity: ArchiveIdentity
     compat: CompatKey
@@ -46,7 +47,7 @@ class Archive:
     manifest: Manifest | None = None
 
 
-def write(store_uri: str, archive: Archive, graph_set: GraphSet) -> tuple[str, str, int]:
+def write(store_uri: str, archive: ArchiveContent, graph_set: GraphSet) -> tuple[str, str, int]:
     """Publish through bundle.write_archive; returns (manifest URI, manifest sha256, stored bytes)."""
     if archive_format.encode(graph_set) != archive.graph_table:
         raise ArchiveError(
@@ -78,13 +79,13 @@ def open_archive(store_uri: str, identity_hash: str) -> bundle.Archive:
     return bundle.open_archive(store_uri, identity_hash)
 
 
-def read(store_uri: str, identity_hash: str) -> Archive:
+def read(store_uri: str, identity_hash: str) -> ArchiveContent:
     """Fetch every blob (in parallel), verify digests and sizes, return the runtime's view."""
     arc = bundle.read_archive(store_uri, identity_hash)
     return view(arc)
 
 
-def view(arc: bundle.Archive) -> Archive:
+def view(arc: bundle.Archive) -> ArchiveContent:
     """The runtime's view of an opened archive: every blob fetched (in parallel) and verified."""
     arc.load_all()
     m = arc.manifest
@@ -101,7 +102,7 @@ def view(arc: bundle.Archive) -> Archive:
         )
         for h in order
     ]
-    return Archive(
+    return ArchiveContent(
         identity=m.identity,
         compat=m.compat,
         graph_table=arc.blob_bytes(m.graphs.table),

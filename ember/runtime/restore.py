@@ -11,13 +11,12 @@ imported, so every address a node refers to is mapped already, and nothing is la
 `library()` hands the templates over after `replay()`. A damaged blob found in the background
 refuses the archive there, still before any launch.
 
-Engine code (the decode workload in `ember.runtime.load`, the continuous-batching engine in
-`ember.engines.transformers_cb.adapter`)::
+`ember.runtime.load` drives it for every engine adapter::
 
-    restore = ArchiveRestore.open(ip, store_uri, identity, engine_name)   # LoadRefused
-    ... build the model and the KV cache, check static addresses ...
-    restore.replay()                                                      # LoadRefused
-    lib = restore.library()                                               # LoadRefused
+    restore = ArchiveRestore.open(ip, store_uri, identity, engine, accept=...)   # Refused
+    ... the adapter builds the model and the KV cache; static addresses checked ...
+    restore.replay()                                                             # Refused
+    lib = restore.library()                                                      # Refused
 
 Any refusal means: capture natively. A background build the driver refused is tried once more on
 the caller's thread after the replay; only a second refusal refuses the archive.
@@ -32,6 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ember.native import EmberDivergence, EmberError, Interposer
+from ember.runtime.adapter import COMPAT, LOAD, Refused
 
 if TYPE_CHECKING:
     from ember.archive import bundle
@@ -39,18 +39,6 @@ if TYPE_CHECKING:
     from ember.archive.manifest import Manifest
     from ember.runtime import publish
     from ember.runtime.graphs.templates import GraphLibrary
-
-
-class LoadRefused(Exception):
-    """LOAD will not restore this archive here; `reason` says why. Capture natively instead.
-
-    `stage`: "compat" (the archive is for other hardware/software: expected, not a fault) or
-    "load" (the archive or this process is not as SAVE left it)."""
-
-    def __init__(self, reason: str, stage: str = "load") -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.stage = stage
 
 
 def release_cached_memory(ip: Interposer | None = None) -> dict[str, float]:
@@ -90,7 +78,7 @@ class ArchiveRestore:
     def __init__(self, ip: Interposer, opened: bundle.Archive, timings: dict[str, Any]) -> None:
         self.ip = ip
         self.opened = opened
-        self.archive: publish.Archive | None = None  # every blob, read and verified (background)
+        self.archive: publish.ArchiveContent | None = None  # every blob, read and verified (background)
         self.accepted: Any = None
         self.timings = timings
         self._lib: GraphLibrary | None = None
@@ -114,40 +102,40 @@ class ArchiveRestore:
     ) -> ArchiveRestore:
         """Everything before the engine builds its model. `engine` is the compat key's engine
         string of this process (`compat.current(engine)`); `accept(manifest.engine)` may refuse
-        (LoadRefused) an archive from another engine before its blobs are read; what it returns
+        (Refused) an archive from another engine before its blobs are read; what it returns
         is kept as `accepted` (e.g. the engine's sizing parsed from the facts). `background`
         (default: unless EMBER_LOAD_BACKGROUND=0) builds the templates while the model builds."""
         from ember.runtime import compat, publish
 
         if ip is None:
-            raise LoadRefused("libember is not preloaded with EMBER_MODE=load")
+            raise Refused(LOAD, "libember is not preloaded with EMBER_MODE=load")
         tm: dict[str, Any] = {}
         t0 = t = time.perf_counter()
         try:
             opened = publish.open_archive(store_uri, identity_hash)
         except Exception as exc:
-            raise LoadRefused(f"archive not readable: {exc}") from exc
+            raise Refused(LOAD, f"archive not readable: {exc}") from exc
         manifest = opened.manifest
         tm["read_manifest_ms"] = (time.perf_counter() - t) * 1e3
         problems = compat.check_compat(manifest.compat, compat.current(engine))
         tm["read_compat_ms"] = (time.perf_counter() - t) * 1e3 - tm["read_manifest_ms"]
         if problems:
-            raise LoadRefused("compatibility key differs: " + "; ".join(problems), "compat")
+            raise Refused(COMPAT, "compatibility key differs: " + "; ".join(problems))
         if manifest.engine.get("in_process_only"):
-            raise LoadRefused("archive was saved without libember (in-process only)", "compat")
+            raise Refused(COMPAT, "archive was saved without libember (in-process only)")
         accepted = accept(dict(manifest.engine)) if accept is not None else None
         t = time.perf_counter()
         try:
             alloc_log = opened.alloc_log or b""
         except Exception as exc:
-            raise LoadRefused(f"archive damaged: {exc}") from exc
+            raise Refused(LOAD, f"archive damaged: {exc}") from exc
         tm["read_alloc_log_ms"] = (time.perf_counter() - t) * 1e3
         tm["read_ms"] = (time.perf_counter() - t0) * 1e3  # manifest, compat, allocation log
         t = time.perf_counter()
         try:
             ip.import_alloc_log(alloc_log)  # also maps the heap's saved extent
         except EmberError as exc:
-            raise LoadRefused(f"libember refused the archive: {exc}") from exc
+            raise Refused(LOAD, f"libember refused the archive: {exc}") from exc
         tm["import_alloc_log_ms"] = (time.perf_counter() - t) * 1e3
         self = cls(ip, opened, tm)
         self.accepted = accepted
@@ -169,60 +157,14 @@ class ArchiveRestore:
         on the caller's, they propagate. Timings are kept under `prefix`."""
         from cuda.bindings import driver as cu
 
-        from ember.archive import graph_table as archive_format
-        from ember.runtime import publish
-        from ember.runtime.graphs.templates import GraphLibrary
-
         tm: dict[str, float] = {}
         t_all = time.perf_counter()
         try:
             if ctx is not None:
                 cu.cuCtxSetCurrent(ctx)
-            t = time.perf_counter()
-            if self.archive is None:
-                try:
-                    self.archive = publish.view(self.opened)
-                except Exception as exc:
-                    raise LoadRefused(f"archive damaged: {exc}") from exc
-            tm["read_blobs_ms"] = (time.perf_counter() - t) * 1e3
-            t = time.perf_counter()
-            try:  # images load on libember's worker threads from here on, in execution order
-                self.ip.preload([(im.content_hash, im.data, im.options) for im in self.archive.images])
-            except EmberError as exc:
-                raise LoadRefused(f"libember refused the archive: {exc}") from exc
-            tm["preload_start_ms"] = (time.perf_counter() - t) * 1e3
-            t = time.perf_counter()
-            try:
-                table: GraphTable = archive_format.decode(self.archive.graph_table)
-                for g in table.groups:
-                    table.chunk(g.template)
-            except Exception as exc:
-                raise LoadRefused(f"archive damaged: {exc}") from exc
-            tm["decode_ms"] = (time.perf_counter() - t) * 1e3
-            t = time.perf_counter()
-            try:
-                functions = [self.ip.function(k.image, k.name) for k in table.kernels]
-            except EmberError as exc:
-                raise LoadRefused(f"kernel not found after preload: {exc}") from exc
-            tm["functions_ms"] = (time.perf_counter() - t) * 1e3
-            t = time.perf_counter()
-            lib = GraphLibrary(table, functions)
-            try:
-                lib.build_templates()
-            except BaseException:
-                lib.close()
-                raise
-            tm["templates_ms"] = (time.perf_counter() - t) * 1e3
-            lt = lib.timings
-            tm.update(
-                templates_prepare_ms=lt.prepare_ms,
-                templates_build_ms=lt.build_ms,
-                templates_instantiate_ms=lt.instantiate_ms,
-                templates_native_ms=lt.native_ms,
-                templates_threads=lt.threads,
-                function_attrs_ms=lt.function_attrs_ms,
-            )
-            self._lib = lib
+            self._read_and_preload(tm)
+            table = self._decode(tm)
+            self._lib = self._build(table, tm)
         except BaseException as exc:
             if ctx is None:
                 raise
@@ -231,11 +173,72 @@ class ArchiveRestore:
             tm["reconstruct_ms"] = (time.perf_counter() - t_all) * 1e3
             self.timings.update({prefix + k: v for k, v in tm.items()})
 
+    def _read_and_preload(self, tm: dict[str, float]) -> None:
+        """Every blob read and verified; kernel images handed to libember's loader threads."""
+        from ember.runtime import publish
+
+        t = time.perf_counter()
+        if self.archive is None:
+            try:
+                self.archive = publish.view(self.opened)
+            except Exception as exc:
+                raise Refused(LOAD, f"archive damaged: {exc}") from exc
+        tm["read_blobs_ms"] = (time.perf_counter() - t) * 1e3
+        t = time.perf_counter()
+        try:  # images load on libember's worker threads from here on, in execution order
+            self.ip.preload([(im.content_hash, im.data, im.options) for im in self.archive.images])
+        except EmberError as exc:
+            raise Refused(LOAD, f"libember refused the archive: {exc}") from exc
+        tm["preload_start_ms"] = (time.perf_counter() - t) * 1e3
+
+    def _decode(self, tm: dict[str, float]) -> GraphTable:
+        from ember.archive import graph_table as archive_format
+
+        assert self.archive is not None
+        t = time.perf_counter()
+        try:
+            table: GraphTable = archive_format.decode(self.archive.graph_table)
+            for g in table.groups:
+                table.chunk(g.template)
+        except Exception as exc:
+            raise Refused(LOAD, f"archive damaged: {exc}") from exc
+        tm["decode_ms"] = (time.perf_counter() - t) * 1e3
+        return table
+
+    def _build(self, table: GraphTable, tm: dict[str, float]) -> GraphLibrary:
+        """Kernel functions resolved, one template per topology group built and instantiated."""
+        from ember.runtime.graphs.templates import GraphLibrary
+
+        t = time.perf_counter()
+        try:
+            functions = [self.ip.function(k.image, k.name) for k in table.kernels]
+        except EmberError as exc:
+            raise Refused(LOAD, f"kernel not found after preload: {exc}") from exc
+        tm["functions_ms"] = (time.perf_counter() - t) * 1e3
+        t = time.perf_counter()
+        lib = GraphLibrary(table, functions)
+        try:
+            lib.build_templates()
+        except BaseException:
+            lib.close()
+            raise
+        tm["templates_ms"] = (time.perf_counter() - t) * 1e3
+        lt = lib.timings
+        tm.update(
+            templates_prepare_ms=lt.prepare_ms,
+            templates_build_ms=lt.build_ms,
+            templates_instantiate_ms=lt.instantiate_ms,
+            templates_native_ms=lt.native_ms,
+            templates_threads=lt.threads,
+            function_attrs_ms=lt.function_attrs_ms,
+        )
+        return lib
+
     def replay(self) -> None:
         """After the engine's own allocations: release torch's cache, replay the capture window."""
         ip = self.ip
         if div := ip.divergence():
-            raise LoadRefused(f"allocation sequence diverged from SAVE: {div}")
+            raise Refused(LOAD, f"allocation sequence diverged from SAVE: {div}")
         t = time.perf_counter()
         self.timings.update(release_cached_memory(ip))
         self.timings["release_cache_ms"] = (time.perf_counter() - t) * 1e3
@@ -243,17 +246,17 @@ class ArchiveRestore:
         try:
             ip.replay_window()
         except EmberDivergence as exc:
-            raise LoadRefused(f"allocation sequence diverged from SAVE: {exc}") from exc
+            raise Refused(LOAD, f"allocation sequence diverged from SAVE: {exc}") from exc
         except EmberError as exc:
-            raise LoadRefused(f"capture window replay failed: {exc}") from exc
+            raise Refused(LOAD, f"capture window replay failed: {exc}") from exc
         if div := ip.divergence():
-            raise LoadRefused(f"allocation sequence diverged from SAVE: {div}")
+            raise Refused(LOAD, f"allocation sequence diverged from SAVE: {div}")
         self.timings["replay_window_ms"] = (time.perf_counter() - t) * 1e3
 
     def library(self) -> GraphLibrary:
         """The templates, instantiated. Waits for the background thread (`join_ms`), or builds
         them here when there was none; retries a refused background build once here (the
-        driver may have refused for a reason the replay removed); LoadRefused when the archive
+        driver may have refused for a reason the replay removed); Refused when the archive
         cannot be restored."""
         from ember.runtime.graphs.driver import CudaError
         from ember.runtime.graphs.rebuild import RebuildError
@@ -264,7 +267,7 @@ class ArchiveRestore:
         if self._lib is not None:
             return self._lib
         first = self._error
-        if isinstance(first, LoadRefused):
+        if isinstance(first, Refused):
             raise first  # damaged table or a missing kernel: the same on this thread
         if first is not None:
             self.timings["background_error"] = f"{type(first).__name__}: {first}"
@@ -273,7 +276,7 @@ class ArchiveRestore:
         try:
             self._reconstruct(None, "retry_" if first is not None else "")
         except (RebuildError, EmberError, CudaError) as exc:  # e.g. a driver that drops edge data
-            raise LoadRefused(f"graphs could not be rebuilt here: {exc}") from exc
+            raise Refused(LOAD, f"graphs could not be rebuilt here: {exc}") from exc
         self.timings["foreground_ms"] = (time.perf_counter() - t) * 1e3
         assert self._lib is not None
         return self._lib

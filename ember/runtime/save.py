@@ -1,53 +1,42 @@
-"""SAVE, one pass: build the workload, capture inside the native capture window, walk every
-graph, PROVE the archive (rebuild from the serialized form, replay, bitwise compare), then
-publish it through the store. An archive that fails any step is not published.
+"""SAVE, one pass, for any engine adapter: capture inside libember's capture window, walk every
+graph, PROVE the archive (rebuild from the serialized form, replay, bitwise compare), then publish
+it. An archive that fails any step is not published.
 
-Runs in a process started with LD_PRELOAD=libember.so EMBER_MODE=save (`ember save` re-execs
-itself that way). What LOAD needs to skip work is recorded too: the allocation log (so the
-capture window's addresses come back without capturing), the kernel images the graphs use (only
-those, in execution order), the KV-cache size (no memory profiling at LOAD), the RNG state,
-the static buffers' addresses and the graph outputs' layouts, plus reference fingerprints of
-every graph's outputs and of greedy decode histories that `ember verify --replay` and the
-benchmark check in other processes.
+Runs in a process started with LD_PRELOAD=libember.so EMBER_MODE=save (armed before the model was
+built: `ember.runtime.session.native_session`). What LOAD needs to skip work is recorded too: the
+allocation log (the capture window's addresses come back without capturing), the kernel images
+the graphs use (only those, in execution order), the RNG state, and the adapter's engine facts
+(sizing hints so LOAD does not profile memory, static buffer addresses, reference results).
+
+    adapter = SomeEngineAdapter(...)          # model built after the session was armed
+    result = save(adapter, ip, store_uri)     # ProofFailed / Refused: nothing published
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-import ember
 from ember.archive.graphs import GraphSet
-from ember.engines.decode.model import DecodeWorkload
 from ember.identity import ArchiveIdentity
+from ember.native import Interposer
 from ember.runtime import compat, publish
+from ember.runtime.adapter import ENGINE, EngineAdapter, Refused
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.kernels import KernelResolver, LiveResolver, NativeResolver
 from ember.runtime.graphs.walk import GraphWalker
-from ember.runtime.proof.prove import (
-    ProofFailed,
-    ProofReport,
-    decode_trace,
-    prove,
-    replay_fingerprints,
-    rng_consumers,
-    tpot_ms,
-)
-from ember.runtime.session import native_session
-
-ENGINE = "ember-decode"
-DECODE_CHECK_BATCHES = (1, 8, 64)
+from ember.runtime.proof.prove import ProofFailed, ProofReport, prove, rng_consumers
 
 
 @dataclass
-class SaveOutcome:
+class SaveResult:
+    """One SAVE: what was captured, proven and (when a store was given) published."""
+
     identity: ArchiveIdentity
     graphs: int
     groups: int
@@ -57,11 +46,13 @@ class SaveOutcome:
     manifest_digest: str = ""
     bytes: int = 0
     published: bool = False
-    archive: publish.Archive | None = None
-    tpot_ms: dict[str, float] = field(default_factory=dict)  # captured graphs, under libember
+    reason: str = ""  # why nothing was published although a store was given
+    archive: publish.ArchiveContent | None = None
+    captured: dict[tuple[int, ...], Any] = field(default_factory=dict)  # the native graphs, still live
+    graph_stats: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
-        """The SAVE Job's termination-message JSON."""
+        """The SAVE Job's termination-message JSON (also printed by `ember save`)."""
         return {
             "manifest_digest": self.manifest_digest,
             "bytes": self.bytes,
@@ -70,8 +61,10 @@ class SaveOutcome:
             "identity": self.identity.hash(),
             **proof_facts(self.proof),
             "manifest": self.manifest_uri,
+            "published": self.published,
+            **({"reason": self.reason} if self.reason else {}),
             "durations": {k: round(v, 4) for k, v in self.durations.items()},
-            **({"tpot_ms": self.tpot_ms} if self.tpot_ms else {}),
+            **({"graph_stats": self.graph_stats} if self.graph_stats else {}),
         }
 
 
@@ -100,74 +93,57 @@ def proof_facts(rep: ProofReport) -> dict[str, Any]:
     }
 
 
-def identity_for(workload: DecodeWorkload) -> ArchiveIdentity:
-    """The identity a built-in workload's archive is saved under (LOAD derives the same)."""
-    revision = f"seed-{workload.seed}-layers-{workload.spec.layers}"
-    if workload.weights:  # a local checkpoint: its config names the shape (the graphs never read
-        # weight values, only their addresses, so the weights themselves are not part of it)
-        config = (Path(workload.weights) / "config.json").read_bytes()
-        revision = f"config-{hashlib.sha256(config).hexdigest()[:16]}-layers-{workload.spec.layers}"
-    return ArchiveIdentity(
-        model=f"ember-workload/{workload.name}",
-        revision=revision,
-        engine=ENGINE,
-        engine_version=ember.__version__,
-        capture_sizes=tuple(workload.sizes),
-        graph_mode="full",
-        compile={"backend": "inductor", "dynamic": "true"} if workload.compiled else {},
-        dtype="bfloat16",
-        max_batch=workload.max_batch,
-        gpu_product=torch.cuda.get_device_name(),
-    )
-
-
 def execution_order(graph_set: GraphSet, first: list[int]) -> list[str]:
     """Image hashes in the order kernels run: template graphs first, then the rest."""
     seen: dict[str, None] = {}
     order = first + [i for i in range(len(graph_set.graphs)) if i not in set(first)]
     for i in order:
         for node in graph_set.graphs[i].nodes:
-            p = node.params
-            k = getattr(p, "kernel", None)
+            k = getattr(node.params, "kernel", None)
             if k is not None:
                 seen.setdefault(graph_set.kernels[k].image, None)
     return list(seen)
 
 
-def run_save(
-    workload: DecodeWorkload,
-    *,
-    store_uri: str | None,
-    identity: ArchiveIdentity | None = None,
-    allow_in_process: bool = False,
-    tpot_batches: tuple[int, ...] = (),
-    log: Any = print,
-) -> SaveOutcome:
-    """SAVE one workload. `store_uri=None` proves without publishing. `tpot_batches`: also time
-    the captured graphs' decode step at these batch sizes (a control for `ember bench graphs`:
-    native capture in libember's memory layout)."""
-    d: dict[str, float] = {}
-    t_all = time.perf_counter()
-    ip = native_session("save")
-    if ip is None and not allow_in_process:
-        raise RuntimeError(
-            "SAVE needs libember preloaded with EMBER_MODE=save (use `ember save`, which "
-            "re-executes itself that way)"
+def kernel_images(ip: Interposer, graph_set: GraphSet, templates: list[int]) -> list[publish.Image]:
+    """The kernel images the graphs use (only those), in execution order, with libember's load
+    options, for LOAD's proactive loading."""
+    catalog = {e["hash"]: e for e in ip.catalog()}
+    per_image: dict[str, int] = {}
+    for k in graph_set.kernels:
+        per_image[k.image] = per_image.get(k.image, 0) + 1
+    images = []
+    for h in execution_order(graph_set, templates):
+        e = catalog.get(h, {})
+        opts = {"jit": e.get("jit_options", {}), "library": e.get("library_options", {})}
+        images.append(
+            publish.Image(h, ip.image_bytes(h), e.get("kind", "unknown"), opts, per_image.get(h, 0))
         )
-    resolver: KernelResolver = NativeResolver(ip) if ip is not None else LiveResolver()
+    return images
 
+
+def capture(
+    adapter: EngineAdapter, ip: Interposer | None, d: dict[str, float], log: Callable[[str], None]
+) -> Any:
+    """prepare → capture window → every key captured; refuses graphs that draw random numbers."""
+    problems = adapter.check_version()
+    if problems:
+        raise Refused(ENGINE, f"{adapter.kind}: " + "; ".join(problems))
     t = time.perf_counter()
-    workload.build()
+    adapter.prepare(None)
     d["build_s"] = time.perf_counter() - t
     if ip is not None:
         ip.capture_begin()
     t = time.perf_counter()
-    workload.capture()
+    try:
+        graphs = adapter.capture()
+        torch.cuda.synchronize()
+    finally:
+        if ip is not None:
+            ip.capture_end()
     d["capture_s"] = time.perf_counter() - t
-    if ip is not None:
-        ip.capture_end()
-    log(f"Captured {len(workload.graphs)} graphs in {d['capture_s']:.2f} s")
-    random = rng_consumers(workload.graphs)
+    log(f"Captured {len(graphs)} graphs in {d['capture_s']:.2f} s")
+    random = rng_consumers(graphs)
     if random:
         key, inc = next(iter(random.items()))
         raise ProofFailed(
@@ -175,27 +151,20 @@ def run_save(
             f"Philox offset +{inc} per replay); restored graphs do not advance the generator yet, "
             "so they would repeat the same numbers on every replay. The engine captures natively."
         )
+    return graphs
 
-    t = time.perf_counter()
+
+def walk(graphs: dict[tuple[int, ...], Any], resolver: KernelResolver) -> GraphSet:
+    """Every captured graph in the archive's form; every kernel must have a catalog entry."""
     walker = GraphWalker(resolver)
-    graphs = [walker.walk(workload.graphs[(b,)].raw_cuda_graph(), (b,)) for b in workload.sizes]
-    graph_set = walker.graph_set(graphs)
-    d["walk_s"] = time.perf_counter() - t
+    graph_set = walker.graph_set([walker.walk(g.raw_cuda_graph(), key) for key, g in graphs.items()])
     missing = [k for k in graph_set.kernels if not k.image]
     if missing:
         raise ProofFailed(f"{len(missing)} kernels have no catalog entry, e.g. {missing[0].name}")
+    return graph_set
 
-    t = time.perf_counter()
-    rep, table_blob, lib = prove(workload, graph_set, lambda refs: [resolver.function(r) for r in refs])
-    d["prove_s"] = time.perf_counter() - t
-    if not rep.ok:
-        lib.close()
-        raise ProofFailed(
-            "archive NOT published: "
-            + "; ".join(rep.mismatches[:5])
-            + "".join(f" [note: {n}]" for n in rep.notes[:2])
-            + (f" [kernels only in non-bit-stable graphs: {rep.suspects[:5]}]" if rep.suspects else "")
-        )
+
+def _log_proof(rep: ProofReport, log: Callable[[str], None]) -> None:
     log(
         f"Proved {rep.graphs} graphs ({rep.templates} templates, {rep.programmatic_edges} programmatic "
         f"edges kept) in {rep.seconds:.2f} s: {rep.bitwise} bit-identical, {rep.within_spread} within "
@@ -206,84 +175,76 @@ def run_save(
     if rep.suspects:
         log(f"Warning: kernels used only by the non-bit-stable graphs: {', '.join(rep.suspects[:8])}")
 
-    # Reference results for other processes, computed with the NATIVE graphs.
-    t = time.perf_counter()
-    native = lambda k: workload.graphs[k].replay()  # noqa: E731
-    keys: list[tuple[int, ...]] = [(b,) for b in workload.sizes]
-    prints = replay_fingerprints(workload, native, keys, lambda k: list(workload.outs[k]))
-    traces = {str(b): decode_trace(workload, native, b) for b in DECODE_CHECK_BATCHES if b in workload.sizes}
-    decode_ref = {b: tr["sha256"] for b, tr in traces.items()}
-    tpot = {str(b): tpot_ms(workload, native, b) for b in tpot_batches if b in workload.sizes}
-    d["reference_s"] = time.perf_counter() - t
-    template_idx = [g.template for g in lib.groups]
-    lib.close()
 
-    identity = identity or identity_for(workload)
-    images: list[publish.Image] = []
-    if ip is not None:
-        catalog = {e["hash"]: e for e in ip.catalog()}
-        per_image: dict[str, int] = {}
-        for k in graph_set.kernels:
-            per_image[k.image] = per_image.get(k.image, 0) + 1
-        for h in execution_order(graph_set, template_idx):
-            e = catalog.get(h, {})
-            opts = {"jit": e.get("jit_options", {}), "library": e.get("library_options", {})}
-            images.append(
-                publish.Image(h, ip.image_bytes(h), e.get("kind", "unknown"), opts, per_image.get(h, 0))
-            )
-    engine = {
-        **workload.config(),
-        "kv_cache_bytes": workload.kv_cache_bytes,
-        "inputs": workload.input_addresses(),
-        "outputs": {
-            ",".join(map(str, k)): [o.__dict__ for o in v] for k, v in workload.output_specs().items()
-        },
-        "fingerprints": prints,
-        "decode_sha256": decode_ref,
-        "decode_steps": {b: tr["steps"] for b, tr in traces.items()},
+def _refuse_unproven(rep: ProofReport) -> None:
+    raise ProofFailed(
+        "archive NOT published: "
+        + "; ".join(rep.mismatches[:5])
+        + "".join(f" [note: {n}]" for n in rep.notes[:2])
+        + (f" [kernels only in non-bit-stable graphs: {rep.suspects[:5]}]" if rep.suspects else "")
+    )
+
+
+def save(
+    adapter: EngineAdapter,
+    ip: Interposer | None,
+    store_uri: str | None,
+    *,
+    log: Callable[[str], None] = print,
+) -> SaveResult:
+    """SAVE the adapter's engine. `store_uri=None` proves without publishing; without libember
+    (`ip=None`) the graphs are proven in-process but never published (LOAD could not find their
+    kernels). Raises ProofFailed or Refused; nothing is published then."""
+    d: dict[str, float] = {}
+    t_all = time.perf_counter()
+    resolver: KernelResolver = NativeResolver(ip) if ip is not None else LiveResolver()
+    graphs = capture(adapter, ip, d, log)
+    t = time.perf_counter()
+    graph_set = walk(graphs, resolver)
+    d["walk_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    subject = adapter.proof_subject(graphs)
+    rep, table_blob, lib = prove(subject, graph_set, lambda refs: [resolver.function(r) for r in refs])
+    d["prove_s"] = time.perf_counter() - t
+    templates = [g.template for g in lib.groups]
+    lib.close()
+    if not rep.ok:
+        _refuse_unproven(rep)
+    _log_proof(rep, log)
+    t = time.perf_counter()
+    facts = {
+        **adapter.facts(graphs),  # reference results are computed with the NATIVE graphs here
+        "graphs": len(graphs),
         "in_process_only": ip is None,
         **proof_facts(rep),
         "region": list(ip.region()) if ip is not None else None,
     }
-    archive = publish.Archive(
-        identity=identity,
-        compat=compat.current(ENGINE),
-        graph_table=table_blob,
-        images=images,
-        alloc_log=ip.export_alloc_log() if ip is not None else b"",
-        rng_state=bytes(torch.cuda.get_rng_state().numpy().tobytes()),
-        engine=engine,
-    )
-    out = SaveOutcome(
-        identity=identity,
+    d["facts_s"] = time.perf_counter() - t
+    out = SaveResult(
+        identity=adapter.identity(),
         graphs=len(graphs),
         groups=rep.templates,
         proof=rep,
         durations=d,
-        archive=archive,
-        tpot_ms=tpot,
+        captured=graphs,
+        graph_stats={"nodes": sum(len(g.nodes) for g in graph_set.graphs), "kernels": len(graph_set.kernels)},
     )
-    if store_uri is not None:
-        if ip is None:
-            raise RuntimeError(
-                "an in-process (no libember) SAVE cannot be published: LOAD could not find its kernels"
-            )
+    out.archive = publish.ArchiveContent(
+        identity=out.identity,
+        compat=compat.current(adapter.engine),
+        graph_table=table_blob,
+        images=kernel_images(ip, graph_set, templates) if ip is not None else [],
+        alloc_log=ip.export_alloc_log() if ip is not None else b"",
+        rng_state=bytes(torch.cuda.get_rng_state().numpy().tobytes()),
+        engine=facts,
+    )
+    if store_uri is not None and ip is None:
+        out.reason = "not published: libember is not preloaded (EMBER_MODE=save), LOAD could not find kernels"
+    elif store_uri is not None:
         t = time.perf_counter()
-        out.manifest_uri, out.manifest_digest, out.bytes = publish.write(store_uri, archive, graph_set)
+        out.manifest_uri, out.manifest_digest, out.bytes = publish.write(store_uri, out.archive, graph_set)
         d["publish_s"] = time.perf_counter() - t
         out.published = True
         log(f"Published {out.manifest_uri} ({out.bytes / 1e6:.1f} MB)")
     d["total_s"] = time.perf_counter() - t_all
     return out
-
-
-def termination_log(summary: dict[str, Any] | str, path: str = "/dev/termination-log") -> None:
-    """Best effort: the operator reads this from the pod status."""
-    import json
-
-    text = summary if isinstance(summary, str) else json.dumps(summary, sort_keys=True)
-    try:
-        with open(os.environ.get("EMBER_TERMINATION_LOG", path), "w") as f:
-            f.write(text[:4000])
-    except OSError:
-        pass

@@ -30,7 +30,7 @@ from typing import Annotated, Any, Protocol
 import typer
 
 from ember import handoff
-from ember.engines.transformers_cb.adapter import RestoreRefused
+from ember.runtime.adapter import Refused
 
 log = logging.getLogger("ember.serving.server")
 
@@ -91,7 +91,7 @@ class StartupResult:
 @dataclass
 class EngineStarters:
     """`restore(archive_dir)` → (facts, seconds per stage, "compat"/"load" among them), raising
-    RestoreRefused or anything else to refuse; `native()` → (facts, capture seconds);
+    Refused or anything else to refuse; `native()` → (facts, capture seconds);
     `first_token()` runs one token through the started engine."""
 
     restore: Callable[[Path], tuple[dict[str, Any], dict[str, float]]]
@@ -178,8 +178,8 @@ def _restore(
     try:
         facts, seconds = starters.restore(archive_dir)
     except Exception as exc:
-        stage = exc.stage if isinstance(exc, RestoreRefused) else "load"
-        out.reason = str(exc) if isinstance(exc, RestoreRefused) else f"{type(exc).__name__}: {exc}"
+        stage = exc.stage if isinstance(exc, Refused) else "load"
+        out.reason = str(exc) if isinstance(exc, Refused) else f"{type(exc).__name__}: {exc}"
         handoff.report(stage, time.monotonic() - t, "fallback", out.reason, run_dir=run_dir)
         log.warning("Archive refused at %s, capturing natively: %s", stage, out.reason)
         return False
@@ -498,10 +498,9 @@ def serve(
     if save_to:
         ip = cb_runtime.session("save")  # armed before the model, as LOAD will be
         lm = cb_engine.build_model(model, model_config, layers=layers, seed=seed)
-        summary = cb_runtime.save_engine(lm, cb_engine.generation_config(), sizing, save_to, name, ip)
-        summary.pop("engine")
-        typer.echo(json.dumps(summary, default=str))
-        raise typer.Exit(0 if summary["published"] else 1)
+        result, _ = cb_runtime.save_engine(lm, cb_engine.generation_config(), sizing, save_to, name, ip)
+        typer.echo(json.dumps(result.summary(), default=str))
+        raise typer.Exit(0 if result.published else 1)
     state = ServerState(model_name=name, max_tokens_limit=max_tokens_limit)
     server = make_server(state, host, port)
     threading.Thread(target=server.serve_forever, name="ember-http", daemon=True).start()

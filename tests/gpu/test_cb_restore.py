@@ -79,4 +79,4 @@ def test_damaged_archive_is_refused_before_any_launch(cb_runs: dict[str, Any], t
     table.write_bytes(bytes(data))
     opts.update(store=store.as_uri(), store_dir=str(store))
     bad = run_child("load", opts, tmp_path, 240, env=_phase_env("load"))
-    assert "error" in bad and "RestoreRefused" in bad["error"], bad
+    assert "error" in bad and "Refused" in bad["error"], bad

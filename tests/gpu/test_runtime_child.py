@@ -18,8 +18,9 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     import torch
 
+    from ember.engines.decode.adapter import load_workload
     from ember.engines.decode.commands import make_workload, parse_sizes
-    from ember.runtime.load import LoadRefused, run_load
+    from ember.runtime.adapter import Refused
     from ember.runtime.proof.prove import decode_tokens
     from ember.runtime.session import native_session
 
@@ -29,14 +30,14 @@ def main() -> None:
         keep.append(torch.empty(8 << 20, dtype=torch.uint8, device="cuda"))  # SAVE made no such allocation
     out: dict = {}
     try:
-        loaded = run_load(args["store"], args["identity"], interposer=ip, log=lambda m: None)
+        loaded = load_workload(args["store"], args["identity"], interposer=ip, log=lambda m: None)
         out["path"] = "restored"
         tm = loaded.timings
         # templates built on the background thread while the model built, not redone after
         out["background"] = "join_ms" in tm and "foreground_ms" not in tm and "background_error" not in tm
         out["tokens_sha256"] = decode_tokens(loaded.workload, loaded.launch, args["batch"])[0]
         out["saved_sha256"] = loaded.archive.engine["decode_sha256"].get(str(args["batch"]))
-    except LoadRefused as exc:
+    except Refused as exc:
         out["refused"] = exc.reason
         out["path"] = "native"
         w = make_workload(args["workload"], args["layers"], parse_sizes(args["sizes"]))

@@ -264,7 +264,7 @@ def test_programmatic_edge_data_restored(tmp_path: Path) -> None:
 
 
 class _RandomWorkload:
-    """What run_save touches before its walk: build(), capture(), sizes, graphs. Graph (1,)
+    """What the decode SAVE touches before its walk: build(), capture(), sizes, graphs. Graph (1,)
     draws random numbers, graph (2,) does not."""
 
     sizes = (1, 2)
@@ -275,18 +275,19 @@ class _RandomWorkload:
     def build(self) -> None:
         self.x = torch.zeros(4, 64, device="cuda")
 
-    def capture(self) -> None:
+    def capture(self) -> dict[tuple[int, ...], object]:
         steps = {(1,): lambda: self.x.add_(torch.rand_like(self.x)), (2,): lambda: self.x.mul_(2)}
         for key, step in steps.items():
             graph = torch.cuda.CUDAGraph(keep_graph=True)
             with torch.cuda.graph(graph):
                 step()
             self.graphs[key] = graph
+        return self.graphs
 
 
 def test_graphs_that_draw_random_numbers_are_found_and_not_published() -> None:
+    from ember.engines.decode.adapter import save_workload
     from ember.runtime.proof.prove import ProofFailed, rng_consumers
-    from ember.runtime.save import run_save
 
     w = _RandomWorkload()
     w.build()
@@ -294,4 +295,4 @@ def test_graphs_that_draw_random_numbers_are_found_and_not_published() -> None:
     found = rng_consumers(w.graphs)
     assert list(found) == [(1,)] and found[(1,)] > 0
     with pytest.raises(ProofFailed, match=r"1 graphs draw random numbers \(e.g. graph \(1,\)"):
-        run_save(_RandomWorkload(), store_uri=None, allow_in_process=True, log=lambda m: None)  # type: ignore[arg-type]
+        save_workload(_RandomWorkload(), store_uri=None, allow_in_process=True, log=lambda m: None)  # type: ignore[arg-type]

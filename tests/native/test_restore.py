@@ -159,7 +159,8 @@ from ember.archive.graphs import GraphSet, KernelRef
 from ember_bench.synthetic import synthetic_graphset
 from ember.identity import ArchiveIdentity
 from ember.runtime import compat, publish
-from ember.runtime.restore import ArchiveRestore, LoadRefused
+from ember.runtime.adapter import Refused
+from ember.runtime.restore import ArchiveRestore
 for name in ("standin_graph_launches", "standin_events_alive", "standin_execs_alive", "standin_exec_updates"):
     getattr(cuda, name).restype = ctypes.c_int
 cuda.standin_last_launched.restype = ctypes.c_uint64
@@ -210,7 +211,7 @@ ip.capture_end()
 key = compat.current(ENGINE)
 if os.environ.get("TEST_FOREIGN_GPU") == "1":
     key = key.model_copy(update={"gpu_name": "NVIDIA H100 80GB HBM3"})
-arc = publish.Archive(IDENTITY, key, F.encode(gs), images, alloc_log=ip.export_alloc_log())
+arc = publish.ArchiveContent(IDENTITY, key, F.encode(gs), images, alloc_log=ip.export_alloc_log())
 publish.write(STORE, arc, gs)
 last_json({"identity": IDENTITY.hash(), "key": key.model_dump()})
 """
@@ -329,7 +330,7 @@ DAMAGED = COMMON + """
 result = {}
 try:
     restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
-except LoadRefused as exc:
+except Refused as exc:
     result.update(refused_in="open", reason=exc.reason, stage=exc.stage)
 else:
     model()
@@ -337,7 +338,7 @@ else:
     try:
         restore.library()
         result["refused_in"] = None
-    except LoadRefused as exc:
+    except Refused as exc:
         result.update(refused_in="library", reason=exc.reason, stage=exc.stage)
     restore.abandon()
 last_json({**result, "launches": cuda.standin_graph_launches(), "execs": cuda.standin_execs_alive(),
@@ -369,7 +370,7 @@ FOREIGN = COMMON + """
 try:
     ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
     result = {"refused": False}
-except LoadRefused as exc:
+except Refused as exc:
     result = {"refused": True, "reason": exc.reason, "stage": exc.stage}
 result["first_import"] = first_import()
 last_json(result)
@@ -394,12 +395,12 @@ def test_compat_mismatch_is_refused_before_any_blob_is_read(run_py, tmp_path: Pa
 ACCEPT = COMMON + """
 def accept(facts):
     if os.environ.get("TEST_REFUSE") == "1":
-        raise LoadRefused("archive is not for this engine", "compat")
+        raise Refused("compat", "archive is not for this engine")
     return ("sizing", sorted(facts)[:1])
 try:
     restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE, accept=accept, background=False)
     result = {"accepted": list(restore.accepted)}
-except LoadRefused as exc:
+except Refused as exc:
     result = {"refused": exc.reason, "stage": exc.stage}
 result["first_import"] = first_import()
 last_json(result)

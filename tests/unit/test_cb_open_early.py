@@ -1,7 +1,8 @@
-"""cb_runtime.open_early → restore_into: which opened archive the engine's start takes over.
+"""open_early → the engine's start (`restore_into` → `_take_early`): which opened archive it takes over.
 
-`_open` (ArchiveRestore.open with the CB engine's checks) is replaced by a recorder: what is under
-test is the hand-over, not the open itself (tests/native/test_restore.py covers that).
+`_open` (the pipeline's open_restore with the CB engine's checks) is replaced by a recorder: what is
+under test is the hand-over, not the open itself (tests/native/test_restore.py covers that), nor
+the engine start that follows (the GPU test tests/gpu/test_cb_restore.py runs it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from ember.engines.transformers_cb import adapter as cb_runtime
-from ember.engines.transformers_cb.adapter import RestoreRefused
+from ember.runtime.adapter import COMPAT, Refused
 
 
 class _Restore:
@@ -28,17 +29,6 @@ class _Restore:
         self.abandoned = True
 
 
-class _Engine:
-    """Starts restored without launching anything: returns what restore_into reports on."""
-
-    def __init__(self) -> None:
-        self.accepted: Any = None
-
-    def start_restored(self, accepted: Any, load: Any) -> Any:
-        self.accepted = accepted
-        return SimpleNamespace(seconds={}, graphs=0)
-
-
 @pytest.fixture
 def opened(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     calls: list[Any] = []
@@ -46,7 +36,7 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     def fake_open(archive_dir: Path, ip: Any) -> _Restore:
         if archive_dir.name == "foreign":
             calls.append(("refused", archive_dir))
-            raise RestoreRefused("compat", "compatibility key differs")
+            raise Refused(COMPAT, "compatibility key differs")
         restore = _Restore(archive_dir)
         calls.append(restore)
         return restore
@@ -59,26 +49,24 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 def test_the_engine_start_takes_over_the_early_archive(opened: list[Any], tmp_path: Path) -> None:
     cb_runtime.open_early(tmp_path / "a")
     assert len(opened) == 1  # opened now, before any engine exists
-    engine = _Engine()
-    cb_runtime.restore_into(engine, tmp_path / "a")
-    assert len(opened) == 1 and engine.accepted == ("sizing", "a")  # not opened a second time
+    taken = cb_runtime._take_early(tmp_path / "a", None)
+    assert len(opened) == 1 and taken is opened[0]  # not opened a second time
     assert not opened[0].abandoned
-    cb_runtime.restore_into(_Engine(), tmp_path / "a")  # taken once: a later start opens afresh
-    assert len(opened) == 2
+    again = cb_runtime._take_early(tmp_path / "a", None)  # taken once: a later start opens afresh
+    assert len(opened) == 2 and again is opened[1]
 
 
 def test_an_early_refusal_is_the_engine_starts_refusal(opened: list[Any], tmp_path: Path) -> None:
     cb_runtime.open_early(tmp_path / "foreign")  # does not raise: the model still gets built
-    with pytest.raises(RestoreRefused, match="compatibility key differs") as refused:
-        cb_runtime.restore_into(_Engine(), tmp_path / "foreign")
+    with pytest.raises(Refused, match="compatibility key differs") as refused:
+        cb_runtime._take_early(tmp_path / "foreign", None)
     assert refused.value.stage == "compat"
     assert opened == [("refused", tmp_path / "foreign")]  # refused once, not opened again
 
 
 def test_another_archive_handed_over_abandons_the_early_one(opened: list[Any], tmp_path: Path) -> None:
     cb_runtime.open_early(tmp_path / "a")
-    engine = _Engine()
-    cb_runtime.restore_into(engine, tmp_path / "b")
+    taken = cb_runtime._take_early(tmp_path / "b", None)
     early, used = opened
     assert early.abandoned and not used.abandoned
-    assert engine.accepted == ("sizing", "b")
+    assert taken is used and used.archive_dir == tmp_path / "b"

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from ember import handoff
-from ember.runtime.load import LoadRefused, attempt_marker, previous_attempt_crashed
+from ember.runtime.adapter import LOAD, Refused
+from ember.runtime.load import attempt_marker, previous_attempt_crashed
 
 
 def test_marker_present_only_inside(tmp_path: Path) -> None:
@@ -21,8 +22,8 @@ def test_marker_present_only_inside(tmp_path: Path) -> None:
 def test_python_error_clears_the_marker(tmp_path: Path) -> None:
     try:
         with attempt_marker(tmp_path, "abc"):
-            raise LoadRefused("divergence")
-    except LoadRefused as exc:
+            raise Refused(LOAD, "divergence")
+    except Refused as exc:
         assert exc.reason == "divergence"
     assert previous_attempt_crashed(tmp_path) is None
 

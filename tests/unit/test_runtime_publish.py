@@ -17,7 +17,7 @@ from ember.store import open_store
 from ember_bench.synthetic import synthetic_graphset, synthetic_images
 
 
-def _archive() -> tuple[publish.Archive, object]:
+def _archive() -> tuple[publish.ArchiveContent, object]:
     gs = synthetic_graphset(graphs=4, nodes=120, groups=2)
     used = sorted({k.image for k in gs.kernels})
     pool = synthetic_images(len(used) + 1)
@@ -33,7 +33,7 @@ def _archive() -> tuple[publish.Archive, object]:
     key = CompatKey(
         gpu_name="NVIDIA H100 80GB HBM3", compute_capability="9.0", driver="580.159.04", cuda="13.0"
     )
-    arc = publish.Archive(
+    arc = publish.ArchiveContent(
         ident,
         key,
         fmt.encode(gs),

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from ember import handoff
+from ember.runtime.adapter import Refused
 from ember.serving.server import (
     ByteTokenizer,
     EngineStarters,
-    RestoreRefused,
     ServerState,
     StartupResult,
     make_server,
@@ -243,7 +243,7 @@ def test_restored_start_reports_every_stage_in_order(tmp_path: Path) -> None:
 
 def test_compat_refusal_falls_back_to_native_capture(tmp_path: Path) -> None:
     _publish(tmp_path)
-    s = Starters(restore_error=RestoreRefused("compat", "compat: driver archive=575 here=580"))
+    s = Starters(restore_error=Refused("compat", "compat: driver archive=575 here=580"))
     out = run_startup(s.bundle(), run_dir=tmp_path, deadline=5)
     assert out.mode == "native" and "driver" in out.reason and s.calls == ["restore", "native", "first_token"]
     reports = _reports(tmp_path)

@@ -42,6 +42,16 @@ StoreOpt = Annotated[
 ]
 
 
+def termination_log(summary: dict[str, Any] | str, path: str = "/dev/termination-log") -> None:
+    """Best effort: the operator reads this from the pod status."""
+    text = summary if isinstance(summary, str) else json.dumps(summary, sort_keys=True)
+    try:
+        with open(os.environ.get("EMBER_TERMINATION_LOG", path), "w") as f:
+            f.write(text[:4000])
+    except OSError:
+        pass
+
+
 def parse_sizes(text: str) -> tuple[int, ...]:
     from ember.engines.decode.model import DEFAULT_SIZES
 
@@ -121,7 +131,7 @@ def save(
     from ember.runtime.session import reexec_under_libember
 
     reexec_under_libember("save")
-    from ember.runtime.save import run_save, termination_log
+    from ember.engines.decode.adapter import save_workload
 
     try:
         if job:
@@ -134,7 +144,7 @@ def save(
             identity = None
             if not store and not prove_only:
                 raise RuntimeError("no store: pass --store or set EMBER_STORE (or use --prove-only)")
-        out = run_save(
+        out = save_workload(
             w,
             store_uri=None if prove_only else store,
             identity=identity,
@@ -170,9 +180,10 @@ def load(
     from ember.runtime.session import reexec_under_libember
 
     reexec_under_libember("load")
-    from ember.runtime.load import LoadRefused, attempt_marker, run_load
+    from ember.engines.decode.adapter import identity_for, load_workload
+    from ember.runtime.adapter import Refused
+    from ember.runtime.load import attempt_marker
     from ember.runtime.proof.prove import decode_tokens
-    from ember.runtime.save import identity_for
 
     ident = (
         identity
@@ -181,8 +192,8 @@ def load(
         ).hash()
     )
     try:
-        loaded = run_load(store, ident, log=lambda m: console.print(m), model_dir=model or None)
-    except LoadRefused as exc:
+        loaded = load_workload(store, ident, log=lambda m: console.print(m), model_dir=model or None)
+    except Refused as exc:
         console.print(f"[yellow]LOAD refused, capture natively: {exc.reason}[/yellow]")
         raise typer.Exit(3) from exc
     w = loaded.workload
@@ -231,11 +242,12 @@ def replay_verify(store_uri: str, identity_hash: str) -> dict[str, Any]:
 
     Returns {"ok": bool, "graphs": n, "identical": n, "differ": [...]} or {"ok": False, "refused": reason}.
     """
-    from ember.runtime.load import LoadRefused, run_load
+    from ember.engines.decode.adapter import load_workload
+    from ember.runtime.adapter import Refused
 
     try:
-        loaded = run_load(store_uri, identity_hash, log=lambda m: console.print(m))
-    except LoadRefused as exc:
+        loaded = load_workload(store_uri, identity_hash, log=lambda m: console.print(m))
+    except Refused as exc:
         return {"ok": False, "refused": exc.reason}
     return replay_verify_loaded(loaded)
 

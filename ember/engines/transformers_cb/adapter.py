@@ -1,50 +1,61 @@
-"""SAVE and LOAD of transformers continuous-batching graphs through ember's graph runtime.
+"""transformers' continuous-batching engine as an engine adapter, and its SAVE/LOAD entry points.
 
-The same building blocks as `ember.runtime.save` / `ember.runtime.load` (libember session and
-capture window, GraphWalker, prove, publish, compat, GraphLibrary), with the engine in place of
-the built-in decode workload:
+`CBEngineAdapter` puts one `CBEngine` (`engine.py`) behind `ember.runtime.adapter.EngineAdapter`;
+the one pipeline (`ember.runtime.save` / `ember.runtime.load`) does the rest. Callers
+(`ember serve`, `ember bench cb`, the GPU tests) use the functions below:
 
 SAVE (process under LD_PRELOAD=libember.so EMBER_MODE=save EMBER_ARM=manual)::
 
     ip = session("save")                        # arm BEFORE the model is built
     model = build_model(...)
-    outcome = save_engine(model, gen_config, sizing_overrides, store_uri, model_name, ip)
+    result = save_engine(model, gen_config, sizing_overrides, store_uri, model_name, ip)
 
 LOAD (fresh process, EMBER_MODE=load)::
 
-    ip = session("load")                        # arm BEFORE the model is built
+    session("load")                             # arm BEFORE the model is built
+    open_early(archive_dir)                     # optional: the archive is on the node already
     model = build_model(...)                    # same allocations, same order as SAVE
     engine = CBEngine(model)
-    info = restore_into(engine, archive_dir)    # raises RestoreRefused → capture natively
+    info = restore_into(engine, archive_dir)    # Refused → capture natively
 
 LOAD checks, in order, before anything launches: the compatibility key, the engine facts (kind,
-version, sizing), blob digests, the static buffers' addresses against SAVE's, the capture
-window's allocation replay; then one template per topology group is instantiated and every key
-is installed in the engine's graph buffers.
+sizing), blob digests, the static buffers' addresses against SAVE's, the capture window's
+allocation replay; then the templates are taken over and every key is installed in the engine's
+graph buffers.
 """
 
 from __future__ import annotations
 
 import gc
 import importlib
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ember.engines.transformers_cb.facts import cb_identity
-from ember.engines.transformers_cb.hooks import ENGINE, CBAdapter, cb_config_for, engine_version, new_manager
-from ember.engines.transformers_cb.keys import CBSizing
+from ember.engines.transformers_cb.engine import CBEngine, StartInfo
+from ember.engines.transformers_cb.hooks import (
+    DEFAULT_MAX_GRAPHS,
+    ENGINE,
+    ManagerHooks,
+    cb_config_for,
+    check_engine,
+    engine_version,
+    new_manager,
+)
+from ember.engines.transformers_cb.keys import CBSizing, enumerate_keys
+from ember.identity import ArchiveIdentity
+from ember.runtime.adapter import COMPAT, LOAD, GraphKey, Refused
 
+if TYPE_CHECKING:
+    from ember.runtime.graphs.templates import GraphLibrary
+    from ember.runtime.publish import ArchiveContent
+    from ember.runtime.restore import ArchiveRestore
+    from ember.runtime.save import SaveResult
+
+log = logging.getLogger(__name__)
 _SESSION: Any = None
-
-
-class RestoreRefused(RuntimeError):
-    """LOAD refused at `stage` ("compat" or "load"); the caller captures natively."""
-
-    def __init__(self, stage: str, reason: str) -> None:
-        super().__init__(reason)
-        self.stage = stage
 
 
 def compat_engine() -> str:
@@ -65,21 +76,51 @@ def session(mode: str) -> Any:
 def import_load_path() -> None:
     """Import what LOAD runs now, at process start, not when the engine starts: first imports of
     the archive and restore modules took ~40 ms of the engine's start on H100's host."""
-    for name in ("restore", "publish", "library", "compat"):
+    for name in ("restore", "publish", "graphs.templates", "compat", "load"):
         importlib.import_module(f"ember.runtime.{name}")
 
 
-def static_addresses(adapter: CBAdapter) -> dict[str, int]:
+def cb_identity(
+    model: str,
+    sizing: CBSizing,
+    *,
+    revision: str = "random-weights",
+    dtype: str = "bfloat16",
+    gpu_product: str = "",
+) -> ArchiveIdentity:
+    """The identity of a continuous-batching archive: the key set follows from the sizing."""
+    q_sizes = sorted({k[0] for k in enumerate_keys(sizing)})
+    return ArchiveIdentity(
+        model=model,
+        revision=revision,
+        engine=ENGINE,
+        engine_version=engine_version() or "unknown",
+        capture_sizes=tuple(q_sizes),
+        graph_mode="cb-varlen+decode" if sizing.decode_path else "cb-varlen",
+        compile={
+            "q_interval": str(sizing.q_padding_interval_size),
+            "kv_interval": str(sizing.kv_padding_interval_size),
+            "num_blocks": str(sizing.num_blocks),
+            "block_size": str(sizing.block_size),
+        },
+        dtype=dtype,
+        max_num_tokens=sizing.max_batch_tokens,
+        max_batch=sizing.max_requests_per_batch,
+        gpu_product=gpu_product,
+    )
+
+
+def static_addresses(hooks: ManagerHooks) -> dict[str, int]:
     """Addresses the graphs bake in and LOAD must find again: weights, KV cache, static IO."""
-    cache = adapter.processor.cache
-    params = list(adapter.manager.model.parameters())
+    cache = hooks.processor.cache
+    params = list(hooks.manager.model.parameters())
     out = {
         "param.first": params[0].data_ptr(),
         "param.last": params[-1].data_ptr(),
         "key_cache.first": cache.key_cache[0].data_ptr(),
         "value_cache.last": cache.value_cache[-1].data_ptr(),
     }
-    for pair, io in enumerate(adapter.device_ios()):
+    for pair, io in enumerate(hooks.device_ios()):
         out[f"io{pair}.bulk"] = io._bulk_input_tensor.data_ptr()
         out[f"io{pair}.output_ids"] = io.output_ids.data_ptr()
         out[f"io{pair}.write_index"] = io.write_index_storage.data_ptr()
@@ -94,17 +135,17 @@ class _ProofView:
     """What `ember.runtime.proof.prove.prove` needs, over the engine: state (KV cache) restored between
     replays, outputs compared bitwise (the sampled tokens), the captured graphs as reference."""
 
-    def __init__(self, adapter: CBAdapter, graphs: dict[tuple[int, ...], Any]) -> None:
+    def __init__(self, hooks: ManagerHooks, graphs: dict[tuple[int, ...], Any]) -> None:
         import torch
 
         self.graphs = graphs
-        ios = adapter.device_ios()
+        ios = hooks.device_ios()
         self.outs = {k: (ios[k[0]].output_ids,) for k in graphs}
-        cache = adapter.processor.cache
+        cache = hooks.processor.cache
         self._state = (*cache.key_cache, *cache.value_cache)
         # Distinct tokens and one logit row per request slot, so the compared tokens depend on
         # many positions of the forward pass (the synthetic capture batch had a single request).
-        vocab = int(adapter.manager.model.config.get_text_config().vocab_size)
+        vocab = int(hooks.manager.model.config.get_text_config().vocab_size)
         gen = torch.Generator(device="cpu").manual_seed(3)
         for io in ios:
             # prove() poisons the outputs before each rebuilt launch and compares whole tensors; the
@@ -118,6 +159,86 @@ class _ProofView:
         return self._state
 
 
+class CBEngineAdapter:
+    """One CBEngine (not started) behind the EngineAdapter protocol. `engine` may be bound later:
+    LOAD opens the archive (check_version, accept) before the model exists."""
+
+    kind = ENGINE
+
+    def __init__(
+        self,
+        cb: CBEngine | None = None,
+        *,
+        model_name: str = "",
+        sizing_overrides: Mapping[str, Any] | None = None,
+        max_graphs: int = DEFAULT_MAX_GRAPHS,
+    ) -> None:
+        self.cb = cb
+        self.model_name = model_name
+        self.sizing_overrides = dict(sizing_overrides or {})
+        self.max_graphs = max_graphs
+
+    @property
+    def engine(self) -> str:
+        return compat_engine()
+
+    @property
+    def hooks(self) -> ManagerHooks:
+        assert self.cb is not None and self.cb.hooks is not None, "prepare() first"
+        return self.cb.hooks
+
+    def check_version(self) -> list[str]:
+        return check_engine()
+
+    def keys(self) -> list[GraphKey]:
+        return self.hooks.expected_keys()
+
+    def identity(self) -> ArchiveIdentity:
+        import torch
+
+        return cb_identity(self.model_name, self.hooks.sizing, gpu_product=torch.cuda.get_device_name())
+
+    def prepare(self, facts: Mapping[str, Any] | None) -> None:
+        """The manager and its batch processor (KV cache, static IO): sized from the overrides at
+        SAVE, from the archive's recorded sizing at LOAD (no memory-based sizing)."""
+        assert self.cb is not None
+        sizing = self.accept(facts) if facts is not None else None
+        cb = self.cb
+        config = cb_config_for(sizing) if sizing is not None else cb_config_for(None, **self.sizing_overrides)
+        cb.manager = new_manager(cb.model, cb.gen_config, config)
+        cb.hooks = ManagerHooks(cb.manager)
+        if sizing is not None and cb.hooks.sizing != sizing:
+            raise Refused(LOAD, f"engine resolved a different sizing: {cb.hooks.sizing} != archive {sizing}")
+
+    def capture(self) -> dict[GraphKey, Any]:
+        return self.hooks.capture_all(max_graphs=self.max_graphs)
+
+    def proof_subject(self, graphs: Mapping[GraphKey, Any]) -> _ProofView:
+        return _ProofView(self.hooks, dict(graphs))
+
+    def facts(self, graphs: Mapping[GraphKey, Any]) -> dict[str, Any]:
+        return {**self.hooks.engine_facts(), "inputs": static_addresses(self.hooks)}
+
+    def accept(self, facts: Mapping[str, Any]) -> CBSizing:
+        if facts.get("kind") != ENGINE:
+            raise Refused(COMPAT, f"archive is not a libember-saved {ENGINE} archive ({facts.get('kind')})")
+        try:
+            return CBSizing.from_json(facts["sizing"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise Refused(COMPAT, f"archive has no usable engine sizing: {exc}") from exc
+
+    def static_addresses(self) -> dict[str, int]:
+        return static_addresses(self.hooks)
+
+    def install(self, library: GraphLibrary, archive: ArchiveContent) -> int:
+        assert self.cb is not None
+        self.cb.library = library  # keeps every exec and argument buffer alive while serving
+        return self.hooks.install(library.all_restored())
+
+    def report(self, stage: str, **fields: Any) -> None:
+        log.info("%s: %s", stage, fields)
+
+
 def save_engine(
     model: Any,
     gen_config: Any,
@@ -126,105 +247,20 @@ def save_engine(
     model_name: str,
     ip: Any = None,
     *,
-    max_graphs: int = 512,
+    max_graphs: int = DEFAULT_MAX_GRAPHS,
     log: Callable[[str], None] = print,
-) -> dict[str, Any]:
-    """Capture every key in the capture window, walk, prove, publish. Returns a summary with the
-    manager/adapter still alive (key "engine") so the caller may serve from the captured set."""
-    import torch
+) -> tuple[SaveResult, CBEngine]:
+    """Capture every key in the capture window, walk, prove, publish. Returns the pipeline's
+    result and the (not started) engine holding the captured set, so the caller may serve from it."""
+    from ember.runtime.save import save
 
-    from ember.runtime import compat, publish
-    from ember.runtime.graphs.kernels import LiveResolver, NativeResolver
-    from ember.runtime.graphs.walk import GraphWalker
-    from ember.runtime.proof.prove import ProofFailed, prove
-    from ember.runtime.save import execution_order
-
-    ip = ip if ip is not None else _SESSION
-    d: dict[str, float] = {}
-    t = time.perf_counter()
-    manager = new_manager(model, gen_config, cb_config_for(None, **sizing_overrides))
-    adapter = CBAdapter(manager)
-    d["engine_s"] = time.perf_counter() - t
-    if ip is not None:
-        ip.capture_begin()
-    t = time.perf_counter()
-    graphs = adapter.capture_all(max_graphs=max_graphs)
-    torch.cuda.synchronize()
-    d["capture_s"] = time.perf_counter() - t
-    if ip is not None:
-        ip.capture_end()
-    log(f"Captured {len(graphs)} graphs in {d['capture_s']:.2f} s")
-
-    resolver = NativeResolver(ip) if ip is not None else LiveResolver()
-    t = time.perf_counter()
-    walker = GraphWalker(resolver)
-    walked = [walker.walk(g.raw_cuda_graph(), key) for key, g in graphs.items()]
-    graph_set = walker.graph_set(walked)
-    d["walk_s"] = time.perf_counter() - t
-    missing = [k for k in graph_set.kernels if not k.image]
-    if missing:
-        raise ProofFailed(f"{len(missing)} kernels have no catalog entry, e.g. {missing[0].name}")
-    # The kernels' node params are captured; what the proof compares are sampled tokens.
-    t = time.perf_counter()
-    view = _ProofView(adapter, graphs)
-    rep, table_blob, lib = prove(view, graph_set, lambda refs: [resolver.function(r) for r in refs])  # type: ignore[arg-type]
-    d["prove_s"] = time.perf_counter() - t
-    templates = [g.template for g in lib.groups]
-    lib.close()
-    if not rep.ok:
-        raise ProofFailed("archive NOT published: " + "; ".join(rep.mismatches[:5]))
-    log(f"Proved {rep.graphs} graphs ({rep.templates} templates) bit-identical in {rep.seconds:.2f} s")
-
-    sizing = adapter.sizing
-    identity = cb_identity(model_name, sizing, gpu_product=torch.cuda.get_device_name())
-    images: list[Any] = []
-    if ip is not None:
-        catalog = {e["hash"]: e for e in ip.catalog()}
-        per_image: dict[str, int] = {}
-        for k in graph_set.kernels:
-            per_image[k.image] = per_image.get(k.image, 0) + 1
-        for h in execution_order(graph_set, templates):
-            e = catalog.get(h, {})
-            opts = {"jit": e.get("jit_options", {}), "library": e.get("library_options", {})}
-            images.append(
-                publish.Image(h, ip.image_bytes(h), e.get("kind", "unknown"), opts, per_image.get(h, 0))
-            )
-    facts = {
-        **adapter.engine_facts(),
-        "inputs": static_addresses(adapter),
-        "graphs": len(graphs),
-        "in_process_only": ip is None,
-        "region": list(ip.region()) if ip is not None else None,
-    }
-    summary: dict[str, Any] = {
-        "graphs": len(graphs),
-        "groups": rep.templates,
-        "identity": identity.hash(),
-        "durations": d,
-        "published": False,
-        "engine": (manager, adapter, graphs),
-        "graph_stats": {"nodes": sum(len(g.nodes) for g in walked), "kernels": len(graph_set.kernels)},
-    }
-    if store_uri is not None and ip is not None:
-        archive = publish.Archive(
-            identity=identity,
-            compat=compat.current(compat_engine()),
-            graph_table=table_blob,
-            images=images,
-            alloc_log=ip.export_alloc_log(),
-            engine=facts,
-        )
-        t = time.perf_counter()
-        uri, digest, size = publish.write(store_uri, archive, graph_set)
-        summary["manifest"], summary["manifest_digest"], summary["bytes"] = uri, digest, size
-        d["publish_s"] = time.perf_counter() - t
-        summary["published"] = True
-        log(f"Published {summary['manifest']} ({summary['bytes'] / 1e6:.1f} MB)")
-    elif store_uri is not None:
-        summary["reason"] = (
-            "not published: libember is not preloaded (EMBER_MODE=save), LOAD could not find kernels"
-        )
-    return summary
+    cb = CBEngine(model)
+    cb.gen_config = gen_config
+    adapter = CBEngineAdapter(
+        cb, model_name=model_name, sizing_overrides=sizing_overrides, max_graphs=max_graphs
+    )
+    result = save(adapter, ip if ip is not None else _SESSION, store_uri, log=log)
+    return result, cb
 
 
 def store_of(archive_dir: str | Path) -> tuple[str, str]:
@@ -233,104 +269,75 @@ def store_of(archive_dir: str | Path) -> tuple[str, str]:
     if path.name == "manifest":
         path = path.parent
     if path.parent.name != "archives":
-        raise RestoreRefused("load", f"{archive_dir} is not <store>/archives/<identity-hash>")
+        raise Refused(LOAD, f"{archive_dir} is not <store>/archives/<identity-hash>")
     return path.parent.parent.as_uri(), path.name
 
 
-_EARLY: tuple[Path, Any] | None = None  # (archive dir, ArchiveRestore or RestoreRefused): open_early
+_EARLY: tuple[Path, Any] | None = None  # (archive dir, ArchiveRestore or Refused): open_early
 
 
 def open_early(archive_dir: str | Path) -> None:
     """Open an archive that is on the node before the model is built (a pod that starts with its
-    archive): its reconstruction then runs while the model builds, as the decode LOAD does, and
-    `restore_into` with the same directory takes it over. A refusal is kept for restore_into."""
+    archive): its reconstruction then runs while the model builds, and `restore_into` with the
+    same directory takes it over. A refusal is kept for restore_into."""
     global _EARLY
     restore: Any
     try:
         restore = _open(Path(archive_dir), _SESSION)
-    except RestoreRefused as exc:
+    except Refused as exc:
         restore = exc
     _EARLY = (Path(archive_dir).resolve(), restore)
 
 
-def _open(archive_dir: Path, ip: Any) -> Any:
-    """ArchiveRestore.open with the CB engine's checks (kind, sizing); RestoreRefused."""
-    from ember.runtime.restore import ArchiveRestore, LoadRefused
+def _open(archive_dir: Path, ip: Any) -> ArchiveRestore:
+    from ember.runtime.load import open_restore
 
     store_uri, identity = store_of(archive_dir)
-
-    def accept(facts: dict[str, Any]) -> CBSizing:
-        if facts.get("kind") != ENGINE:
-            kind = facts.get("kind")
-            raise LoadRefused(f"archive is not a libember-saved {ENGINE} archive ({kind})", "compat")
-        try:
-            return CBSizing.from_json(facts["sizing"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise LoadRefused(f"archive has no usable engine sizing: {exc}", "compat") from exc
-
-    try:
-        return ArchiveRestore.open(ip, store_uri, identity, compat_engine(), accept=accept)
-    except LoadRefused as exc:
-        raise RestoreRefused(exc.stage, exc.reason) from exc
+    return open_restore(CBEngineAdapter(), ip, store_uri, identity)
 
 
-def restore_into(engine: Any, archive_dir: str | Path, ip: Any = None) -> Any:
-    """LOAD the archive into a not-yet-started CBEngine and start it; RestoreRefused on any refusal.
+def _take_early(archive_dir: str | Path, ip: Any) -> ArchiveRestore:
+    """The early-opened archive if it is this one (or its refusal), else a fresh open."""
+    global _EARLY
+    early, _EARLY = _EARLY, None
+    if early is not None and early[0] == Path(archive_dir).resolve():
+        if isinstance(early[1], Refused):
+            raise early[1]
+        return early[1]
+    if early is not None and not isinstance(early[1], Refused):
+        early[1].abandon()  # opened for another archive than the one handed over
+    return _open(Path(archive_dir), ip)
+
+
+def restore_into(engine: CBEngine, archive_dir: str | Path, ip: Any = None) -> StartInfo:
+    """LOAD the archive into a not-yet-started CBEngine and start it; Refused on any refusal.
 
     The templates are built on a background thread (`ember.runtime.restore`) while the engine
     allocates its KV cache and static buffers (and while the model builds, after open_early)."""
-    from ember.runtime.restore import LoadRefused
+    from ember.runtime.load import load
 
-    global _EARLY
-    ip = ip if ip is not None else _SESSION
     t0 = time.perf_counter()
-    early, _EARLY = _EARLY, None
-    if early is not None and early[0] == Path(archive_dir).resolve():
-        if isinstance(early[1], RestoreRefused):
-            raise early[1]
-        restore = early[1]
-    else:
-        if early is not None and not isinstance(early[1], RestoreRefused):
-            early[1].abandon()  # opened for another archive than the one handed over
-        restore = _open(Path(archive_dir), ip)
-    facts = dict(restore.manifest.engine)
+    restore = _take_early(archive_dir, ip if ip is not None else _SESSION)
     t_compat = time.perf_counter() - t0
-
-    def load(adapter: CBAdapter) -> dict[tuple[int, ...], Any]:
-        here = static_addresses(adapter)
-        moved = {
-            k: (hex(v), hex(here.get(k, 0))) for k, v in facts.get("inputs", {}).items() if here.get(k) != v
-        }
-        if moved:
-            raise RestoreRefused("load", f"static buffers are not where SAVE had them: {moved}")
-        try:
-            restore.replay()
-            lib = restore.library()
-        except LoadRefused as exc:
-            raise RestoreRefused(exc.stage, exc.reason) from exc
-        engine.library = lib  # keeps every exec and argument buffer alive while serving
-        return lib.all_restored()
-
+    adapter = CBEngineAdapter(engine)
     try:
-        info = engine.start_restored(restore.accepted, load)
-    except RestoreRefused:
-        restore.abandon()
+        restored = load(adapter, restore)
+    except Refused:
         _abandon(engine)
         raise
-    except Exception as exc:
-        restore.abandon()
-        _abandon(engine)
-        raise RestoreRefused("load", f"{type(exc).__name__}: {exc}") from exc
-    info.seconds["compat"] = t_compat
-    info.seconds["load"] = time.perf_counter() - t0 - t_compat
-    info.seconds.update({f"restore.{k}": v / 1e3 for k, v in restore.timings.items() if k.endswith("_ms")})
+    t_load = time.perf_counter() - t0 - t_compat
+    sizing = adapter.hooks.sizing.to_json()
+    seconds = {"compat": t_compat, "manager": restored.timings["prepare_ms"] / 1e3, "load": t_load}
+    info = StartInfo("restored", seconds, graphs=restored.graphs, sizing=sizing)
+    info.seconds.update({f"restore.{k}": v / 1e3 for k, v in restored.timings.items() if k.endswith("_ms")})
+    engine.start(info)
     return info
 
 
-def _abandon(engine: Any) -> None:
+def _abandon(engine: CBEngine) -> None:
     """Drop a half-built restored engine so a native start gets its memory back."""
     import torch
 
-    engine.manager, engine.adapter, engine.library = None, None, None
+    engine.manager, engine.hooks, engine.library = None, None, None
     gc.collect()
     torch.cuda.empty_cache()

@@ -1,11 +1,12 @@
 """A transformers continuous-batching engine ready to serve: model, manager, start-up, requests.
 
 Used by `ember serve`, `ember bench cb` and the GPU tests. Start-up comes in two kinds, and both
-go through `ember.engines.transformers_cb.hooks.CBAdapter` so every capture is counted:
+go through `ember.engines.transformers_cb.hooks.ManagerHooks` so every capture is counted:
 
 - `start_native()`: the engine's own behaviour (memory-based cache sizing unless given, warm-up
   capture of its largest graphs, then lazy capture on the request path);
-- `start_restored(archive)`: the recorded sizing, restored graphs installed, no capture.
+- restored (`ember.engines.transformers_cb.adapter.restore_into`): the recorded sizing, restored
+  graphs installed by the one LOAD pipeline, no capture.
 
 Models have random weights from a transformers config (a built-in shape name or a config JSON
 file) or come from a local checkpoint directory; nothing is downloaded. The same seed gives the
@@ -18,13 +19,12 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ember.engines.transformers_cb.hooks import CBAdapter, cb_config_for, check_engine, new_manager
+from ember.engines.transformers_cb.hooks import ManagerHooks, cb_config_for, check_engine, new_manager
 from ember.engines.transformers_cb.keys import CBSizing
 
 # Built-in shapes (random weights). "tiny-llama" keeps tests and smoke runs fast.
@@ -151,7 +151,7 @@ class CBEngine:
         self.model = model
         self.gen_config = generation_config(max_new_tokens)
         self.manager: Any = None
-        self.adapter: CBAdapter | None = None
+        self.hooks: ManagerHooks | None = None
         self.library: Any = None  # the restored graphs' GraphLibrary (kept alive while serving)
         self.info: StartInfo | None = None
         self._futures: dict[str, Future[list[int]]] = {}
@@ -173,7 +173,7 @@ class CBEngine:
         """The engine's own start-up: its warm-up captures, then lazy capture while serving."""
         t0 = time.perf_counter()
         self.manager = new_manager(self.model, self.gen_config, cb_config_for(sizing, **cb_overrides))
-        self.adapter = CBAdapter(self.manager) if not check_engine() else None
+        self.hooks = ManagerHooks(self.manager) if not check_engine() else None
         t1 = time.perf_counter()
         if warmup:
             self.manager.warmup()
@@ -181,38 +181,16 @@ class CBEngine:
         info = StartInfo(
             "native",
             {"manager": t1 - t0, "warmup_capture": t2 - t1},
-            graphs=self.adapter.captures.count if self.adapter else 0,
-            sizing=self.adapter.sizing.to_json() if self.adapter else {},
+            graphs=self.hooks.captures.count if self.hooks else 0,
+            sizing=self.hooks.sizing.to_json() if self.hooks else {},
         )
-        self._start(info)
+        self.start(info)
         return info
 
-    def start_restored(
-        self, sizing: CBSizing, load: Callable[[CBAdapter], dict[tuple[int, ...], Any]]
-    ) -> StartInfo:
-        """Recorded sizing, graphs from `load(adapter)` installed; raises if anything is off."""
-        t0 = time.perf_counter()
-        self.manager = new_manager(self.model, self.gen_config, cb_config_for(sizing))
-        self.adapter = CBAdapter(self.manager)
-        if self.adapter.sizing != sizing:
-            raise ValueError(f"engine resolved a different sizing: {self.adapter.sizing} != archive {sizing}")
-        t1 = time.perf_counter()
-        graphs = load(self.adapter)
-        t2 = time.perf_counter()
-        count = self.adapter.install(graphs)
-        t3 = time.perf_counter()
-        info = StartInfo(
-            "restored",
-            {"manager": t1 - t0, "load": t2 - t1, "install": t3 - t2},
-            graphs=count,
-            sizing=sizing.to_json(),
-        )
-        self._start(info)
-        return info
-
-    def _start(self, info: StartInfo) -> None:
+    def start(self, info: StartInfo) -> None:
+        """Start serving (the manager is built: natively, or restored by `adapter.restore_into`)."""
         self.info = info
-        self._serving_mark = self.adapter.serving_mark() if self.adapter else 0
+        self._serving_mark = self.hooks.serving_mark() if self.hooks else 0
         self.manager.start()
         self._dispatcher = threading.Thread(target=self._dispatch, name="ember-cb-results", daemon=True)
         self._dispatcher.start()
@@ -279,10 +257,10 @@ class CBEngine:
 
     @property
     def captures_while_serving(self) -> int:
-        return len(self.adapter.captures_since(self._serving_mark)) if self.adapter else -1
+        return len(self.hooks.captures_since(self._serving_mark)) if self.hooks else -1
 
     def serving_capture_keys(self) -> list[tuple[int, ...]]:
-        return [k for k, _ in self.adapter.captures_since(self._serving_mark)] if self.adapter else []
+        return [k for k, _ in self.hooks.captures_since(self._serving_mark)] if self.hooks else []
 
     def stop(self) -> None:
         self._stopping.set()

@@ -6,13 +6,13 @@ lazily on the request path (`model_runner.py` `ModelRunner._capture_graph`, call
 `CudaGraphBuffer` (`utils.py`: key → object with `replay()`/`reset()`). This adapter touches only
 those two places, on one manager instance, never the classes:
 
-- SAVE (`CBAdapter.capture_all`): enumerate every key the scheduler can produce for the resolved
+- SAVE (`ManagerHooks.capture_all`): enumerate every key the scheduler can produce for the resolved
   sizing (`ember.engines.transformers_cb.keys`), drive the engine's own `compute_batch` once per key with a
   synthetic batch (the engine's warm-up states, padded to the key), so the engine captures with
   its own code into its own shared pool; graphs are kept (`keep_graph=True`) for the runtime's
   SAVE. The resolved cache sizing (num_blocks, max_batch_tokens, ...) goes into the archive so
   LOAD builds the same cache without sizing it from free memory.
-- LOAD (`CBAdapter.install`): in a fresh process, configure the manager with the recorded sizing
+- LOAD (`ManagerHooks.install`): in a fresh process, configure the manager with the recorded sizing
   (`cb_config_for`), create its batch processor (cache and static IO tensors, allocated in the
   same order as at SAVE), and put the runtime's restored graphs into the graph buffers.
 - Serving: every capture the engine makes goes through an observer on the runner instance
@@ -231,7 +231,7 @@ keep_graph = _KeepGraph()
 # ---------------------------------------------------------------------------------------------
 
 
-class CBAdapter:
+class ManagerHooks:
     """One ContinuousBatchingManager, its batch processor created, its captures observed.
 
     Create it after the manager (and before `manager.start()`): it creates the batch processor

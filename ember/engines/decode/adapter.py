@@ -1,0 +1,262 @@
+"""The built-in decode workloads as an engine adapter: `ember save` / `ember load`, the GPU tests
+and `ember bench graphs` SAVE and LOAD them through the one pipeline (`ember.runtime.save`,
+`ember.runtime.load`).
+
+Keys are `(batch,)` for every capture size. The engine facts hold what LOAD needs to build the
+same workload (`DecodeWorkload.config()`), the KV-cache size, the static buffers' addresses, the
+graph outputs' layouts, and reference results computed with the NATIVE graphs at SAVE: output
+fingerprints of every key and greedy decode histories, which `ember load --verify`,
+`ember verify --replay` and the benchmark check in other processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import ember
+from ember.engines.decode.model import DecodeWorkload, OutputSpec
+from ember.identity import ArchiveIdentity
+from ember.native import Interposer
+from ember.runtime.adapter import COMPAT, LOAD, GraphKey, Refused
+from ember.runtime.graphs.templates import GraphLibrary
+from ember.runtime.load import Restored, load, open_restore
+from ember.runtime.proof.prove import decode_trace, replay_fingerprints, tpot_ms
+from ember.runtime.publish import ArchiveContent
+from ember.runtime.save import SaveResult, save
+
+KIND = "ember-decode"
+DECODE_CHECK_BATCHES = (1, 8, 64)
+
+
+class DecodeAdapter:
+    """One `DecodeWorkload`: built, captured and proven at SAVE; rebuilt from the facts at LOAD."""
+
+    kind = KIND
+
+    def __init__(
+        self,
+        workload: DecodeWorkload | None = None,
+        *,
+        model_dir: str | None = None,
+        identity: ArchiveIdentity | None = None,
+    ) -> None:
+        self.workload = workload  # None at LOAD until prepare() builds it from the archive's facts
+        self.model_dir = model_dir  # where this machine holds a `--model DIR` checkpoint (LOAD)
+        self.tpot_batches: tuple[int, ...] = ()  # SAVE: also time the captured graphs' decode step
+        self.tpot_ms: dict[str, float] = {}
+        self.outputs: dict[GraphKey, list[torch.Tensor]] = {}
+        self.library: GraphLibrary | None = None
+        self.build_ms = 0.0
+        self._identity = identity  # the SAVE Job's, when it names one
+
+    @property
+    def engine(self) -> str:
+        return KIND
+
+    def _w(self) -> DecodeWorkload:
+        assert self.workload is not None, "prepare() first"
+        return self.workload
+
+    def check_version(self) -> list[str]:
+        return []  # ember's own workload: always the version it knows
+
+    def keys(self) -> list[GraphKey]:
+        return [(b,) for b in self._w().sizes]
+
+    def identity(self) -> ArchiveIdentity:
+        return self._identity or identity_for(self._w())
+
+    def prepare(self, facts: Mapping[str, Any] | None) -> None:
+        t = time.perf_counter()
+        if facts is None:
+            self._w().build()
+        else:
+            cfg = dict(facts)
+            if self.model_dir:  # the checkpoint lives elsewhere on this machine than where SAVE read it
+                cfg["weights"] = str(self.model_dir)
+            self.workload = DecodeWorkload.from_config(cfg)
+            try:
+                self.workload.build(kv_cache_bytes=int(cfg["kv_cache_bytes"]), compile_fn=False)
+            except (OSError, ValueError) as exc:  # CheckpointError included: weights missing or other shape
+                raise Refused(LOAD, f"model weights not usable: {exc}") from exc
+        self.build_ms = (time.perf_counter() - t) * 1e3
+
+    def capture(self) -> dict[GraphKey, Any]:
+        return self._w().capture()
+
+    def proof_subject(self, graphs: Mapping[GraphKey, Any]) -> DecodeWorkload:
+        return self._w()  # its graphs, outputs and state tensors are what the proof replays
+
+    def facts(self, graphs: Mapping[GraphKey, Any]) -> dict[str, Any]:
+        w = self._w()
+        native = lambda k: w.graphs[k].replay()  # noqa: E731
+        keys = self.keys()
+        prints = replay_fingerprints(w, native, keys, lambda k: list(w.outs[k]))
+        traces = {str(b): decode_trace(w, native, b) for b in DECODE_CHECK_BATCHES if b in w.sizes}
+        self.tpot_ms = {str(b): tpot_ms(w, native, b) for b in self.tpot_batches if b in w.sizes}
+        return {
+            "kind": KIND,
+            **w.config(),
+            "kv_cache_bytes": w.kv_cache_bytes,
+            "inputs": w.input_addresses(),
+            "outputs": {",".join(map(str, k)): [o.__dict__ for o in v] for k, v in w.output_specs().items()},
+            "fingerprints": prints,
+            "decode_sha256": {b: tr["sha256"] for b, tr in traces.items()},
+            "decode_steps": {b: tr["steps"] for b, tr in traces.items()},
+        }
+
+    def accept(self, facts: Mapping[str, Any]) -> None:
+        # Archives from before the engine facts named their kind have "workload" and no "kind".
+        if facts.get("kind", KIND) != KIND or "workload" not in facts:
+            raise Refused(COMPAT, f"archive is not an {KIND} archive ({facts.get('kind')})")
+
+    def static_addresses(self) -> dict[str, int]:
+        return self._w().input_addresses()
+
+    def install(self, library: GraphLibrary, archive: ArchiveContent) -> int:
+        if archive.rng_state:
+            state = np.frombuffer(archive.rng_state, dtype=np.uint8).copy()
+            torch.cuda.set_rng_state(torch.from_numpy(state))
+        self.outputs = {
+            tuple(int(x) for x in k.split(",")): [OutputSpec(**o).tensor() for o in v]
+            for k, v in archive.engine["outputs"].items()
+        }
+        self.library = library
+        return len(library.keys)
+
+    def report(self, stage: str, **fields: Any) -> None:
+        pass  # the commands and the benchmark print their own summaries
+
+    def launch(self, key: GraphKey) -> None:
+        assert self.library is not None
+        self.library.launch(self.library.key_index(key))
+
+
+def identity_for(workload: DecodeWorkload) -> ArchiveIdentity:
+    """The identity a built-in workload's archive is saved under (LOAD derives the same)."""
+    revision = f"seed-{workload.seed}-layers-{workload.spec.layers}"
+    if workload.weights:  # a local checkpoint: its config names the shape (the graphs never read
+        # weight values, only their addresses, so the weights themselves are not part of it)
+        config = (Path(workload.weights) / "config.json").read_bytes()
+        revision = f"config-{hashlib.sha256(config).hexdigest()[:16]}-layers-{workload.spec.layers}"
+    return ArchiveIdentity(
+        model=f"ember-workload/{workload.name}",
+        revision=revision,
+        engine=KIND,
+        engine_version=ember.__version__,
+        capture_sizes=tuple(workload.sizes),
+        graph_mode="full",
+        compile={"backend": "inductor", "dynamic": "true"} if workload.compiled else {},
+        dtype="bfloat16",
+        max_batch=workload.max_batch,
+        gpu_product=torch.cuda.get_device_name(),
+    )
+
+
+@dataclass
+class Saved:
+    """A decode SAVE: the pipeline's result plus the workload's TPOT control."""
+
+    result: SaveResult
+    adapter: DecodeAdapter
+    tpot_ms: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        return {**self.result.summary(), **({"tpot_ms": self.tpot_ms} if self.tpot_ms else {})}
+
+
+def save_workload(
+    workload: DecodeWorkload,
+    *,
+    store_uri: str | None,
+    identity: ArchiveIdentity | None = None,
+    allow_in_process: bool = False,
+    tpot_batches: tuple[int, ...] = (),
+    log: Callable[[str], None] = print,
+) -> Saved:
+    """SAVE one workload (`store_uri=None` proves without publishing). `tpot_batches`: also time
+    the captured graphs' decode step at these batch sizes (a control for `ember bench graphs`:
+    native capture in libember's memory layout). `identity`: the SAVE Job's, when given."""
+    from ember.runtime.session import native_session
+
+    ip = native_session("save")
+    if ip is None and not allow_in_process:
+        raise RuntimeError(
+            "SAVE needs libember preloaded with EMBER_MODE=save (use `ember save`, which "
+            "re-executes itself that way)"
+        )
+    if ip is None and store_uri is not None:
+        raise RuntimeError(
+            "an in-process (no libember) SAVE cannot be published: LOAD could not find its kernels"
+        )
+    adapter = DecodeAdapter(workload, identity=identity)
+    adapter.tpot_batches = tpot_batches
+    result = save(adapter, ip, store_uri, log=log)
+    return Saved(result, adapter, adapter.tpot_ms)
+
+
+@dataclass
+class Loaded:
+    """A decode LOAD: the workload rebuilt, its graphs restored, SAVE's reference results."""
+
+    adapter: DecodeAdapter
+    restored: Restored
+    timings: dict[str, Any]
+
+    @property
+    def workload(self) -> DecodeWorkload:
+        return self.adapter._w()
+
+    @property
+    def library(self) -> GraphLibrary:
+        return self.restored.library
+
+    @property
+    def archive(self) -> ArchiveContent:
+        return self.restored.archive
+
+    @property
+    def outputs(self) -> dict[GraphKey, list[torch.Tensor]]:
+        return self.adapter.outputs
+
+    def launch(self, key: GraphKey) -> None:
+        self.adapter.launch(key)
+
+
+def load_workload(
+    store_uri: str,
+    identity_hash: str,
+    *,
+    interposer: Interposer | None = None,
+    perturb_first: bool = False,
+    log: Callable[[str], None] = print,
+    model_dir: str | None = None,
+) -> Loaded:
+    """LOAD one archive into this process (Refused: capture natively). `model_dir`: where this
+    machine holds the checkpoint of a `--model DIR` archive (default: where SAVE read it)."""
+    from ember.runtime.session import native_session
+
+    tm: dict[str, Any] = {}
+    t_all = time.perf_counter()
+    ip = interposer or native_session("load", perturb_first=perturb_first)
+    tm["session_ms"] = (time.perf_counter() - t_all) * 1e3
+    adapter = DecodeAdapter(model_dir=model_dir)
+    restored = load(adapter, open_restore(adapter, ip, store_uri, identity_hash))
+    tm.update(restored.timings)
+    tm["build_workload_ms"] = adapter.build_ms
+    tm["total_ms"] = (time.perf_counter() - t_all) * 1e3
+    tm["load_ms"] = tm["total_ms"] - tm["build_workload_ms"] - tm["session_ms"]
+    log(
+        f"Loaded {restored.graphs} graphs ({len(restored.library.groups)} templates) "
+        f"in {tm['load_ms']:.1f} ms "
+        f"(+{tm['build_workload_ms']:.0f} ms building the model)"
+    )
+    return Loaded(adapter, restored, tm)
