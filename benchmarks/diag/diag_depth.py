@@ -1,6 +1,6 @@
 """Why are native Llama-3-8B decode graphs not bit-stable at 32 layers? (pure torch, no libember)
 
-    python3 benchmarks/diag_depth.py [sizes] [layer counts] [probed sizes]  # default: 1,24,64  8,32
+    python3 benchmarks/diag/diag_depth.py [sizes] [layer counts] [probed sizes]  # default: 1,24,64  8,32
 
 One model is built; for each layer count the first L layers are captured (own pool, shared
 by the sizes, like an engine) and each hypothesis is tested on its own:
@@ -148,11 +148,7 @@ def probe_depth(
         torch.cuda.synchronize()
         return [o.clone() for o in w.outs[(b,)]]
 
-    fills: dict[str, Callable[[], object]] = {
-        "zero": lambda: [x.zero_() for x in blocks],
-        "a5": lambda: [x.fill_(0xA5) for x in blocks],
-        "rand": lambda: [x.random_(0, 256) for x in blocks],
-    }
+    fills = pool_fills(blocks)
     for b in probed:
         g = w.graphs[(b,)]
         ref = run(g.replay, b)
@@ -187,7 +183,20 @@ def probe_depth(
         rec["no_pdl_stable"] = sum(same(n[0], x) for x in n[1:])
         rec["no_pdl_equals_graph"] = same(n[0], ref)
         emit(**rec)
-    # Decode twice at the smallest size with the other graphs replayed in between.
+    decode_repeat(w, depth, probed)
+
+
+def pool_fills(blocks: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
+    """Ways to overwrite every block of the graph pool before a replay."""
+    return {
+        "zero": lambda: [x.zero_() for x in blocks],
+        "a5": lambda: [x.fill_(0xA5) for x in blocks],
+        "rand": lambda: [x.random_(0, 256) for x in blocks],
+    }
+
+
+def decode_repeat(w: DecodeWorkload, depth: int, probed: tuple[int, ...]) -> None:
+    """Decode twice at the smallest size with the other graphs replayed in between."""
     b0 = min(probed)
     hist = []
     for _ in range(2):
