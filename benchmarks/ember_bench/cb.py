@@ -119,7 +119,7 @@ def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
     from ember.engines.transformers_cb import adapter as cb_runtime
     from ember.engines.transformers_cb import engine as cb_engine
     from ember.engines.transformers_cb.engine import StartInfo
-    from ember.serving import server as serve
+    from ember.serving import startup as serve
 
     result: dict[str, Any] = {"phase": phase, "device": _device_name(), "model": opts["model"]}
     mode = {"save": "save", "load": "load", "claim-restored": "load"}.get(phase)

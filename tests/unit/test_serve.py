@@ -21,14 +21,8 @@ import pytest
 
 from ember import handoff
 from ember.runtime.adapter import Refused
-from ember.serving.server import (
-    ByteTokenizer,
-    EngineStarters,
-    ServerState,
-    StartupResult,
-    make_server,
-    run_startup,
-)
+from ember.serving.http import ByteTokenizer, ServerState, make_server
+from ember.serving.startup import EngineStarters, StartupResult, run_startup
 
 
 class FakeEngine:

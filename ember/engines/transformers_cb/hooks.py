@@ -23,7 +23,7 @@ callers (`ember serve`, `ember bench cb`) run the engine natively instead.
 
 What this module deliberately does not do: walk, serialize, rebuild or verify graphs (the graph
 runtime: `ember.runtime.save` / `ember.runtime.load`), or decide between LOAD and native capture
-(`ember.serving.server` does, from the sidecar handoff).
+(`ember.serving.startup` does, from the sidecar handoff).
 """
 
 from __future__ import annotations

@@ -1,0 +1,162 @@
+"""Start-up of a serving engine, by the pod protocol (`ember.handoff`): wait for the sidecar's
+archive up to a deadline → LOAD it inside the crash-safety marker (stages `compat`, `load`) → on
+any refusal, report the fallback with its reason and capture natively (`capture`) → one token
+(`first_token`) → only then `ready`.
+
+The sequence only sees `EngineStarters` (restore / native / first token), so it is tested on CPU
+with a fake engine; `cb_starters` puts the real transformers engine behind it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ember import handoff
+from ember.runtime.adapter import Refused
+
+log = logging.getLogger("ember.serving")
+
+@dataclass
+class StartupResult:
+    mode: str = "starting"  # starting | restored | native | failed
+    reason: str = ""  # why native; empty when restored
+    stages: dict[str, float] = field(default_factory=dict)
+    graphs: int = 0
+    identity: str = ""
+
+
+@dataclass
+class EngineStarters:
+    """`restore(archive_dir)` → (facts, seconds per stage, "compat"/"load" among them), raising
+    Refused or anything else to refuse; `native()` → (facts, capture seconds);
+    `first_token()` runs one token through the started engine."""
+
+    restore: Callable[[Path], tuple[dict[str, Any], dict[str, float]]]
+    native: Callable[[], tuple[dict[str, Any], float]]
+    first_token: Callable[[], list[int]]
+
+
+def run_startup(
+    starters: EngineStarters,
+    *,
+    run_dir: str | Path | None = None,
+    use_handoff: bool = True,
+    archive: Path | None = None,
+    deadline: float | None = 30.0,
+    claim_timeout: float | None = None,
+) -> StartupResult:
+    """Wait → LOAD or capture → first token → ready. Never raises for a refused archive."""
+    out = StartupResult()
+    t0 = time.time()
+    result: handoff.HandoffResult | None = None
+    archive_dir: Path | None = archive
+    if archive is None and use_handoff:
+        handoff.report("standby", 0.0, "ok", run_dir=run_dir)
+        result = handoff.wait_for_archive(run_dir, deadline, claim_timeout=claim_timeout)
+        archive_dir, out.identity, out.reason = result.archive_dir, result.identity, result.reason
+        status = handoff.read_json(result.run_dir / handoff.STATUS_FILE) or {}
+        # A warm pod's clock starts at the claim, not at process start.
+        t0 = max(t0, float(status.get("claimed_at") or 0.0))
+    elif archive is None:
+        out.reason = "handoff disabled"
+
+    marker = None
+    if archive_dir is not None and result is not None:
+        # A process death from here to the first token leaves this marker: the next start in the
+        # pod captures natively instead of loading again (ember.handoff.wait_for_archive).
+        marker = result.run_dir / handoff.MARKER_FILE
+        handoff.write_json_atomic(
+            marker,
+            {
+                "identity": result.identity,
+                "pid": os.getpid(),
+                "started_at": time.time(),
+                "archive_dir": str(archive_dir),
+            },
+        )
+    if archive_dir is not None and _restore(starters, archive_dir, run_dir, out):
+        out.mode = "restored"
+        _first_token(starters, out, t0)  # an exception here keeps the marker: restored graphs failed
+    if marker is not None:
+        marker.unlink(missing_ok=True)
+    if out.mode != "restored":
+        _start_native(starters, out, run_dir)
+        _first_token(starters, out, t0)
+    handoff.report("first_token", out.stages["first_token"], "ok", run_dir=run_dir, mode=out.mode)
+    handoff.report("ready", out.stages["first_token"], "ok", out.reason, run_dir=run_dir, mode=out.mode)
+    log.info("Engine became ready: mode=%s reason=%r stages=%s", out.mode, out.reason, out.stages)
+    return out
+
+
+def _start_native(starters: EngineStarters, out: StartupResult, run_dir: str | Path | None) -> None:
+    """Native capture (the engine's own start-up); reports `capture`."""
+    t = time.monotonic()
+    try:
+        facts, seconds = starters.native()
+    except Exception as exc:
+        out.mode, out.reason = "failed", f"native start failed: {exc}"
+        handoff.report("capture", time.monotonic() - t, "failed", out.reason, run_dir=run_dir)
+        raise
+    out.stages["capture"], out.graphs, out.mode = seconds, int(facts.get("graphs", 0)), "native"
+    handoff.report("capture", seconds, "ok", out.reason, run_dir=run_dir)
+
+
+def _first_token(starters: EngineStarters, out: StartupResult, t0: float) -> None:
+    t = time.monotonic()
+    starters.first_token()
+    out.stages["first_token_run"] = time.monotonic() - t
+    out.stages["first_token"] = time.time() - t0
+
+
+def _restore(
+    starters: EngineStarters, archive_dir: Path, run_dir: str | Path | None, out: StartupResult
+) -> bool:
+    t = time.monotonic()
+    try:
+        facts, seconds = starters.restore(archive_dir)
+    except Exception as exc:
+        stage = exc.stage if isinstance(exc, Refused) else "load"
+        out.reason = str(exc) if isinstance(exc, Refused) else f"{type(exc).__name__}: {exc}"
+        handoff.report(stage, time.monotonic() - t, "fallback", out.reason, run_dir=run_dir)
+        log.warning("Archive refused at %s, capturing natively: %s", stage, out.reason)
+        return False
+    for stage in ("compat", "load"):
+        if stage in seconds:
+            out.stages[stage] = seconds[stage]
+            handoff.report(stage, seconds[stage], "ok", run_dir=run_dir)
+    out.graphs = int(facts.get("graphs", 0))
+    return True
+
+
+
+# ---------------------------------------------------------------------------------------------
+# The real engine behind the seams
+# ---------------------------------------------------------------------------------------------
+
+
+def cb_starters(engine: Any, sizing_overrides: dict[str, Any]) -> EngineStarters:
+    """EngineStarters over a CBEngine (imports torch/transformers lazily)."""
+    from ember.engines.transformers_cb.adapter import restore_into
+
+    def restore(archive_dir: Path) -> tuple[dict[str, Any], dict[str, float]]:
+        info = restore_into(engine, archive_dir)
+        return {"graphs": info.graphs}, info.seconds
+
+    def native() -> tuple[dict[str, Any], float]:
+        info = engine.start_native(**sizing_overrides)
+        return {"graphs": info.graphs}, sum(info.seconds.values())
+
+    def first_token() -> list[int]:
+        return engine.generate(FIRST_TOKEN_PROMPT, max_new_tokens=1)
+
+    return EngineStarters(restore, native, first_token)
+
+
+FIRST_TOKEN_PROMPT = list(range(11, 27))
+
