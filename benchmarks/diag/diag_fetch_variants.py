@@ -185,7 +185,7 @@ variants = {
     "tm+hash switch 0.5ms": lambda d: one_tm("hash", d, switch=5e-4),
     "boto3 download_file": plain,
 }
-res = {k: [] for k in variants}
+res: dict[str, list[float]] = {k: [] for k in variants}
 for i in range(int(sys.argv[1]) if len(sys.argv) > 1 else 8):
     for name, fn in variants.items() if i % 2 == 0 else reversed(list(variants.items())):
         d = Path(tempfile.mkdtemp())

@@ -1,6 +1,7 @@
 """Why does a restored graph's token output differ from the argmax of its own logits? (LOAD side)
 
-    LD_PRELOAD=$EMBER_LIB EMBER_MODE=load EMBER_ARM=manual python3 benchmarks/diag/diag_load_order.py STORE [key]
+    LD_PRELOAD=$EMBER_LIB EMBER_MODE=load EMBER_ARM=manual \\
+        python3 benchmarks/diag/diag_load_order.py STORE [key]
 
 For one key (default 136) of a LOADed llama3-8b archive: which rows are wrong; does it depend on
 the graph replayed before it (cross-graph memory); does zeroing or poisoning one window
@@ -15,11 +16,10 @@ import sys
 import torch
 from cuda.bindings import driver as cu
 
-from ember.engines.decode.adapter import load_workload
+from ember.engines.decode.adapter import identity_for, load_workload
 from ember.engines.decode.commands import make_workload, parse_sizes
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.driver import check, torch_stream_handle
-from ember.runtime.save import identity_for
 
 
 def ip_stats() -> dict:
@@ -28,6 +28,8 @@ def ip_stats() -> dict:
     return Interposer.attach().stats()
 
 
+# long: one diagnostic run, read top to bottom: each experiment replays from the same
+# loaded library and reset state and adds its finding to one record
 def main() -> None:
     store = sys.argv[1]
     key = (int(sys.argv[2]) if len(sys.argv) > 2 else 136,)

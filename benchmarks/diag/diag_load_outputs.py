@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import torch
 
-from ember.engines.decode.adapter import load_workload
+from ember.engines.decode.adapter import identity_for, load_workload
 from ember.engines.decode.commands import make_workload, parse_sizes
 from ember.engines.decode.model import fingerprint
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.driver import check, torch_stream_handle
-from ember.runtime.save import identity_for
 
 
+# long: one diagnostic run, read top to bottom: the launch ways share the loaded library,
+# the saved fingerprints and one reset state
 def main() -> None:
     from cuda.bindings import driver as cu
 
@@ -71,7 +73,7 @@ def main() -> None:
         "dedicated": run(dedicated),
         "python": run(python_built),
     }
-    summary = {
+    summary: dict[str, Any] = {
         way: {
             "saved": sum(v["saved"] for v in r.values()),
             "argmax_ok": sum(bool(v["argmax"]) for v in r.values()),

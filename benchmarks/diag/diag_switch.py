@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,10 +37,13 @@ def nodes_of(graph: object) -> np.ndarray:
     return np.array([int(x) for x in graph_nodes(graph)], dtype=np.uint64)
 
 
+# long: one diagnostic run, read top to bottom: the per-switch steps share the loaded library,
+# the template's node arrays and the C helper
 def main() -> None:
     store, identity, out_path, helper = sys.argv[1:5]
     loaded = load_workload(store, identity, perturb_first=True, log=lambda m: None)
-    lib, w, table = loaded.library, loaded.workload, loaded.library.source
+    lib, w = loaded.library, loaded.workload
+    table: Any = lib.source  # a LOADed library reads the archive's GraphTable (node_types, changed_nodes)
     lib._hot_after = 0
     h = ctypes.CDLL(helper)
     h.set_nodes.restype = ctypes.c_int64
@@ -54,7 +58,7 @@ def main() -> None:
     ]
     ctx = int(lib.ctx)
 
-    def put(exec_: object, dst: np.ndarray, src: np.ndarray, types: np.ndarray) -> tuple[float, float]:
+    def put(exec_: Any, dst: np.ndarray, src: np.ndarray, types: np.ndarray) -> tuple[float, float]:
         times = (ctypes.c_int64 * 2)()
         dst, src = np.ascontiguousarray(dst), np.ascontiguousarray(src)
         types = np.ascontiguousarray(types, dtype=np.int32)
