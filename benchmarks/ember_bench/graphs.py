@@ -481,7 +481,7 @@ def bench_graphs(
     ] = "",
 ) -> None:
     """Native capture vs SAVE→LOAD in a fresh process, per workload; writes JSON + markdown."""
-    from ember.archive.graph_table import parse_ms_512
+    from ember_bench.parse import parse_ms_512
 
     store = store or Path(tempfile.mkdtemp(prefix="ember-bench-store-")).as_uri()
     results: list[dict[str, Any]] = []

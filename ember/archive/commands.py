@@ -1,4 +1,4 @@
-"""`ember inspect`, `ember verify` and `ember bench parse`: archives read without a GPU.
+"""`ember inspect` and `ember verify`: archives read without a GPU.
 
 Registered in ember/cli.py. `verify --replay` first re-executes the process under libember in
 load mode (`ember.runtime.session.reexec_under_libember`), checks integrity, then calls the
@@ -20,7 +20,6 @@ from rich.console import Console
 from rich.table import Table
 
 from ember.archive import bundle
-from ember.archive import graph_table as fmt
 from ember.store import Store, StoreError, StoreUnavailable, open_store
 
 console = Console()
@@ -262,12 +261,3 @@ def verify(
         console.print(f"[green]archive OK[/green] ({which})")
     raise typer.Exit(1 if problems else 0)
 
-
-def bench_parse(
-    graphs: Annotated[int, typer.Option(help="Graphs in the synthetic archive.")] = 512,
-    nodes: Annotated[int, typer.Option(help="Nodes per graph.")] = 1800,
-    groups: Annotated[int, typer.Option(help="Topology groups.")] = 7,
-    repeat: Annotated[int, typer.Option(help="Timing repetitions (best is reported).")] = 5,
-) -> None:
-    """Graph-table decode speed on a synthetic archive (parse_ms_512 and full decode), as JSON."""
-    console.print_json(json.dumps(fmt.parse_ms_512(graphs=graphs, nodes=nodes, groups=groups, repeat=repeat)))

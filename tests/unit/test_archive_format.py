@@ -192,11 +192,11 @@ def test_newer_minor_with_extra_sections_and_wider_rows_is_read() -> None:
     """A minor version may append row fields and add sections; this reader keeps what it knows."""
     gs = small_set()
     blob = fmt.encode(gs)
-    _minor, _flags, ioff, ilen, iraw, coff = fmt._open_outer(blob)
+    _minor, _flags, ioff, ilen, iraw, coff = fmt.read_header(blob)
     import zstandard as zstd
 
     index = zstd.ZstdDecompressor().decompress(blob[ioff:ioff + ilen], max_output_size=iraw)
-    sections = fmt._unpack_container(index, fmt.INDEX_SECTIONS, "index")
+    sections = fmt.unpack_container(index, fmt.INDEX_SECTIONS, "index")
     # Rebuild the index with GRPH rows 8 bytes wider and an unknown section.
     names = list(fmt.GRPH_DT.names)
     wide = np.dtype({"names": [*names, "future"],
@@ -209,7 +209,7 @@ def test_newer_minor_with_extra_sections_and_wider_rows_is_read() -> None:
     grph["future"] = 0xFEEDFACE
     parts = {sid: (np.array(v) if sid != b"GRPH" else grph) for sid, v in sections.items()}
     parts[b"ZZZZ"] = b"something a later minor adds"
-    new_index = fmt._pack_container(parts)
+    new_index = fmt.pack_container(parts)
     frame = zstd.ZstdCompressor().compress(new_index)
     chunks = blob[coff:]
     header = fmt.OUTER.pack(fmt.MAGIC, fmt.MAJOR, fmt.MINOR + 3, fmt.OUTER.size, 0, fmt.OUTER.size,
@@ -222,13 +222,13 @@ def test_newer_minor_with_extra_sections_and_wider_rows_is_read() -> None:
 def test_index_pointing_outside_its_pools_is_refused() -> None:
     gs = small_set()
     blob = fmt.encode(gs)
-    _minor, _flags, ioff, ilen, iraw, coff = fmt._open_outer(blob)
+    _minor, _flags, ioff, ilen, iraw, coff = fmt.read_header(blob)
     import zstandard as zstd
 
     index = zstd.ZstdDecompressor().decompress(blob[ioff:ioff + ilen], max_output_size=iraw)
-    sections = {k: np.array(v) for k, v in fmt._unpack_container(index, fmt.INDEX_SECTIONS, "i").items()}
+    sections = {k: np.array(v) for k, v in fmt.unpack_container(index, fmt.INDEX_SECTIONS, "i").items()}
     sections[b"GRPH"]["node_count"][0] = 10_000
-    new_index = fmt._pack_container(sections)
+    new_index = fmt.pack_container(sections)
     frame = zstd.ZstdCompressor().compress(new_index)
     header = fmt.OUTER.pack(fmt.MAGIC, fmt.MAJOR, fmt.MINOR, fmt.OUTER.size, 0, fmt.OUTER.size, len(frame),
                             len(new_index), fmt.OUTER.size + len(frame))
@@ -237,7 +237,7 @@ def test_index_pointing_outside_its_pools_is_refused() -> None:
 
 
 def test_open_is_cheap_for_many_graphs() -> None:
-    """Loose check only; real numbers come from `ember bench parse` (fmt.parse_ms_512)."""
+    """Loose check only; real numbers come from `ember bench parse` (ember_bench.parse.parse_ms_512)."""
     blob = fmt.encode(synthetic_graphset(graphs=128, nodes=300, groups=4))
     t = time.perf_counter()
     table = fmt.GraphTable(blob)
