@@ -17,6 +17,8 @@ COPY pyproject.toml README.md ./
 COPY ember ember
 COPY operator operator
 COPY sidecar sidecar
+# The wheel carries the benchmarks too (`ember bench ...`, pyproject.toml wheel.packages).
+COPY benchmarks/ember_bench benchmarks/ember_bench
 COPY native native
 # CUDA headers come from the nvidia-cuda-runtime build requirement: no toolkit, no libcuda.
 RUN python -m pip wheel --no-cache-dir --wheel-dir /wheels '.[operator,sidecar]'
