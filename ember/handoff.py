@@ -4,7 +4,8 @@ Both sides of the protocol live here. The sidecar (``ember_sidecar``) fetches an
 archive, then publishes it; the engine process (``ember.runtime``, ``ember.serving.server`` or a vLLM
 plugin) waits for it, LOADs or captures natively, and reports each stage back. No sockets, no
 daemons: files in ``EMBER_RUN_DIR`` (default ``/var/run/ember``, an emptyDir shared by the engine
-and sidecar containers, which outlives container restarts but not the pod)::
+and sidecar containers, which outlives container restarts but not the pod). The names are the pod
+contract's (``ember.contract``)::
 
     <run_dir>/status.json                  written by the sidecar (atomic replace)
     <run_dir>/store/                       a local store (same layout as ember.store), the cache:
@@ -48,11 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_RUN_DIR = "/var/run/ember"
-STATUS_FILE = "status.json"
-MARKER_FILE = "load-attempt.json"
-REPORTS_DIR = "reports"
-CACHE_DIR = "store"
+from ember.contract import CACHE_DIR, ENV_RUN_DIR, MARKER_FILE, REPORTS_DIR, RUN_DIR, STATUS_FILE
 
 # Sidecar states.
 UNCLAIMED, FETCHING, READY, FALLBACK = "unclaimed", "fetching", "ready", "fallback"
@@ -71,7 +68,7 @@ REASON_NO_SIDECAR = "no-sidecar"
 
 def run_dir_from_env(run_dir: str | os.PathLike[str] | None = None) -> Path:
     """The run directory: the argument, else ``EMBER_RUN_DIR``, else ``/var/run/ember``."""
-    return Path(run_dir or os.environ.get("EMBER_RUN_DIR") or DEFAULT_RUN_DIR)
+    return Path(run_dir or os.environ.get(ENV_RUN_DIR) or RUN_DIR)
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from ember.contract import SaveResult
 from ember_operator import conditions, naming
 from ember_operator.api import CompatKeySummary, GAPhase, GraphArchiveSpec, GraphArchiveStatus
 from ember_operator.conditions import Event, parse_time, rfc3339
-from ember_operator.jobs import SaveResult, job_failure, job_state
+from ember_operator.jobs import job_failure, job_state
 
 SAVED = "Saved"
 

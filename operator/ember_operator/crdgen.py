@@ -19,7 +19,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from ember_operator import GROUP, VERSION, api
+from ember import contract
+from ember_operator import api
 
 ROOT = Path(__file__).resolve().parents[2]
 OUTPUT_DIRS = (ROOT / "crds", ROOT / "charts" / "ember" / "crds")
@@ -113,7 +114,7 @@ def _root(spec: dict[str, Any], status: dict[str, Any], description: str,
         "description": description,
         "required": ["spec"],
         "properties": {
-            "apiVersion": {"type": "string", "description": "API version (ember.dev/v1alpha1)."},
+            "apiVersion": {"type": "string", "description": f"API version ({contract.API_VERSION})."},
             "kind": {"type": "string", "description": "Kind of the object."},
             "metadata": {"type": "object"},
             "spec": spec,
@@ -130,16 +131,16 @@ def _crd(kind: str, plural: str, short: list[str], scope: str, schema: dict[str,
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{plural}.{GROUP}", "labels": {"app.kubernetes.io/part-of": "ember"}},
+        "metadata": {"name": f"{plural}.{contract.GROUP}", "labels": {"app.kubernetes.io/part-of": "ember"}},
         "spec": {
-            "group": GROUP,
+            "group": contract.GROUP,
             "scope": scope,
             "names": {
                 "kind": kind, "listKind": f"{kind}List", "plural": plural,
                 "singular": kind.lower(), "shortNames": short, "categories": ["ember"],
             },
             "versions": [{
-                "name": VERSION, "served": True, "storage": True,
+                "name": contract.VERSION, "served": True, "storage": True,
                 "schema": {"openAPIV3Schema": schema},
                 "subresources": subresources,
                 "additionalPrinterColumns": columns,

@@ -17,14 +17,16 @@ from typing import Any
 
 import kopf
 
-from ember_operator import GROUP, VERSION, metrics, naming
+from ember import contract
+from ember_operator import metrics
 from ember_operator.kube import Kube, KubeError
 from ember_operator.reconcilers import Reconciler
 from ember_operator.settings import Settings
 
 log = logging.getLogger("ember_operator")
-MD = (GROUP, VERSION, "modeldeployments")
-GA = (GROUP, VERSION, "grapharchives")
+MD = (contract.GROUP, contract.VERSION, contract.MODEL_DEPLOYMENTS)
+GA = (contract.GROUP, contract.VERSION, contract.GRAPH_ARCHIVES)
+KOPF_PREFIX = f"kopf.{contract.GROUP}"  # kopf's own annotations on our objects
 
 
 class Runner:
@@ -132,23 +134,25 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | N
     @kopf.on.event(*GA, registry=registry)
     async def ga_event(namespace: str, labels: dict[str, str], type: str | None, **_: Any) -> None:
         # Status changes of an archive move the deployments that use it.
-        short = labels.get(naming.IDENTITY)
+        short = labels.get(contract.LABEL_IDENTITY)
         if short and type in ("MODIFIED", "ADDED", None):
             loop = asyncio.get_running_loop()
             users = await loop.run_in_executor(None, rec.deployments_using, namespace, short)
             for md in users:
                 deployments.poke(namespace, md)
 
-    @kopf.on.event("batch", "v1", "jobs", labels={naming.ARCHIVE_LABEL: kopf.PRESENT}, registry=registry)
+    @kopf.on.event("batch", "v1", "jobs", labels={contract.LABEL_ARCHIVE: kopf.PRESENT}, registry=registry)
     async def job_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
-        archives.poke(namespace, labels[naming.ARCHIVE_LABEL])
+        archives.poke(namespace, labels[contract.LABEL_ARCHIVE])
 
-    @kopf.on.event("", "v1", "pods", labels={naming.MANAGED_BY: naming.OPERATOR_NAME}, registry=registry)
+    ours = {contract.LABEL_MANAGED_BY: contract.MANAGED_BY_OPERATOR}
+
+    @kopf.on.event("", "v1", "pods", labels=ours, registry=registry)
     async def pod_event(namespace: str, labels: dict[str, str], type: str | None, **_: Any) -> None:
-        md = labels.get(naming.DEPLOYMENT)
+        md = labels.get(contract.LABEL_DEPLOYMENT)
         if md:
             deployments.poke(namespace, md)
-        elif labels.get(naming.POOL) == naming.POOL_WARM and type == "DELETED":
+        elif labels.get(contract.LABEL_POOL) == contract.POOL_WARM and type == "DELETED":
             await asyncio.get_running_loop().run_in_executor(None, rec.reconcile_pools, namespace)
 
     return rec
@@ -156,10 +160,10 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | N
 
 def configure(settings: kopf.OperatorSettings, ours: Settings) -> kopf.OperatorSettings:
     """kopf settings: our finalizer and annotation prefixes, quick batching, peering."""
-    settings.persistence.finalizer = naming.FINALIZER
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.ember.dev")
+    settings.persistence.finalizer = contract.FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="kopf.ember.dev", key="last-handled-configuration",
+        prefix=KOPF_PREFIX, key="last-handled-configuration",
     )
     settings.posting.level = logging.WARNING  # our own events are posted by the reconcilers
     settings.queueing.batch_window = ours.batch_window_seconds

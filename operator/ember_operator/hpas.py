@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ember_operator import API_VERSION, naming
+from ember import contract
+from ember_operator import naming
 from ember_operator.api import AutoscalingSpec, MetricTarget
+from ember_operator.pods import owner_reference
 
 
 def _metric(t: MetricTarget) -> dict[str, Any]:
@@ -26,14 +28,13 @@ def hpa(*, md_name: str, md_uid: str, namespace: str, spec: AutoscalingSpec) -> 
         "metadata": {
             "name": naming.hpa_name(md_name),
             "namespace": namespace,
-            "labels": {naming.MANAGED_BY: naming.OPERATOR_NAME, naming.DEPLOYMENT: md_name},
-            "ownerReferences": [{
-                "apiVersion": API_VERSION, "kind": "ModelDeployment", "name": md_name, "uid": md_uid,
-                "controller": True, "blockOwnerDeletion": True,
-            }],
+            "labels": {contract.LABEL_MANAGED_BY: contract.MANAGED_BY_OPERATOR,
+                       contract.LABEL_DEPLOYMENT: md_name},
+            "ownerReferences": [owner_reference(md_name, md_uid)],
         },
         "spec": {
-            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": "ModelDeployment", "name": md_name},
+            "scaleTargetRef": {"apiVersion": contract.API_VERSION, "kind": contract.KIND_MODEL_DEPLOYMENT,
+                               "name": md_name},
             "minReplicas": spec.min_replicas,
             "maxReplicas": spec.max_replicas,
             "metrics": [_metric(t) for t in spec.targets],

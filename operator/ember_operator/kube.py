@@ -15,6 +15,8 @@ from typing import Any
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
+from ember import contract
+
 log = logging.getLogger(__name__)
 
 MERGE = "application/merge-patch+json"
@@ -112,12 +114,12 @@ class Kube:
 
 # ---- paths
 def md_path(ns: str, name: str = "") -> str:
-    base = f"/apis/ember.dev/v1alpha1/namespaces/{ns}/modeldeployments"
+    base = f"/apis/{contract.API_VERSION}/namespaces/{ns}/{contract.MODEL_DEPLOYMENTS}"
     return f"{base}/{name}" if name else base
 
 
 def ga_path(ns: str, name: str = "") -> str:
-    base = f"/apis/ember.dev/v1alpha1/namespaces/{ns}/grapharchives"
+    base = f"/apis/{contract.API_VERSION}/namespaces/{ns}/{contract.GRAPH_ARCHIVES}"
     return f"{base}/{name}" if name else base
 
 

@@ -19,11 +19,13 @@ Rules, in order:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
+from ember import contract
+from ember.contract import Claim
 from ember.identity import canonical_json
-from ember_operator import API_VERSION, conditions, hpas, naming
+from ember_operator import conditions, hpas, naming
 from ember_operator.api import (
     ArchiveRef,
     GraphArchiveSpec,
@@ -35,7 +37,7 @@ from ember_operator.api import (
     StoreSpec,
 )
 from ember_operator.conditions import Event
-from ember_operator.pods import Claim, PodTemplate, StoreAccess, claim_patch, serving_pod
+from ember_operator.pods import PodTemplate, StoreAccess, claim_patch, serving_pod
 from ember_operator.views import ArchiveView, PodView
 
 ARCHIVE_READY = "ArchiveReady"
@@ -124,15 +126,15 @@ def archive_object(name: str, namespace: str, spec: ModelDeploymentSpec, ctx: Co
         ),
     )
     return {
-        "apiVersion": API_VERSION,
+        "apiVersion": contract.API_VERSION,
         "kind": "GraphArchive",
         "metadata": {
             "name": name,
             "namespace": namespace,
             "labels": {
-                naming.MANAGED_BY: naming.OPERATOR_NAME,
-                naming.IDENTITY: ident.short(),
-                naming.GPU_PRODUCT: spec.gpu.product,
+                contract.LABEL_MANAGED_BY: contract.MANAGED_BY_OPERATOR,
+                contract.LABEL_IDENTITY: ident.short(),
+                contract.LABEL_GPU_PRODUCT: spec.gpu.product,
             },
         },
         "spec": ga.wire(),
@@ -170,25 +172,57 @@ def _archive_condition(archive: ArchiveView | None) -> tuple[bool | None, str, s
 
 
 def plan_deployment(obs: Observed, ctx: Context) -> Plan:
+    """The whole decision for one ModelDeployment (see the module docstring for the rules)."""
     spec = obs.spec
     ident = spec.identity()
     ident_hash = ident.hash()
-    ga_name = naming.archive_name(ident_hash)
     template = template_of(obs.namespace, spec, ctx)
     revision = revision_of(ident_hash, template, spec)
     plan = Plan(status=obs.status.model_copy(deep=True))
-    now = obs.now
-    stamp = now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")  # fractional: the sidecar times from it
 
-    if obs.labels.get(naming.IDENTITY) != ident.short():
-        plan.labels[naming.IDENTITY] = ident.short()
+    if obs.labels.get(contract.LABEL_IDENTITY) != ident.short():
+        plan.labels[contract.LABEL_IDENTITY] = ident.short()
     archive = obs.archive
     if archive is None:
-        plan.archive_create = archive_object(ga_name, obs.namespace, spec, ctx)
+        plan.archive_create = archive_object(naming.archive_name(ident_hash), obs.namespace, spec, ctx)
 
-    arch_status, arch_reason, arch_message = _archive_condition(archive)
+    arch_condition = _archive_condition(archive)
     archive_uri = archive.uri if archive is not None and archive.available else ""
+    plan.claim = Claim(
+        archive_uri=archive_uri, identity=ident_hash,
+        claimed_at=obs.now.timestamp(),  # written with microseconds: the sidecar times from it
+        deployment=obs.name, revision=revision,
+        identity_spec=canonical_json(ident.canonical()).decode(), engine_args=tuple(spec.engine.args),
+        native_reason="" if archive_uri else arch_condition[1],
+    )
+    rollout = _plan_pods(obs, plan, plan.claim, template)
+    _set_replica_status(obs, plan, rollout)
+    _set_conditions(obs, plan, rollout, arch_condition)
+    _plan_hpa(obs, plan)
+    return plan
 
+
+@dataclass
+class _Rollout:
+    """What the pod plan decided, for the status and the conditions."""
+
+    claim: Claim
+    live: list[PodView]  # serving pods not being deleted (any revision)
+    current: list[PodView]  # pods of the current revision that have not exited
+    can_deploy: bool
+    claimed: int = 0  # warm pods claimed in this pass
+    claimed_ready: int = 0  # ... of which were ready
+    remaining: list[PodView] = field(default_factory=list)  # live pods this plan keeps
+
+    @property
+    def revision(self) -> str:
+        return self.claim.revision
+
+
+def _plan_pods(obs: Observed, plan: Plan, claim: Claim, template: PodTemplate) -> _Rollout:
+    """Claims, cold pods and deletions (rules 2-4)."""
+    archive = obs.archive
+    revision = claim.revision
     live = [p for p in obs.pods if not p.deleting]
     current = [p for p in live if p.revision == revision]
     # Deploy when pods can restore (Available) or must capture natively (failing). A retried SAVE
@@ -196,105 +230,78 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
     can_deploy = archive is not None and (archive.available or archive.failing or bool(current))
     old = [p for p in live if p.revision != revision]
     # Pods that exited (Failed/Succeeded) never come back: replace them.
-    dead = [p for p in current if p.failed]
-    plan.deletes += [p.name for p in dead]
+    plan.deletes += [p.name for p in current if p.failed]
     current = [p for p in current if not p.failed]
-    want = spec.replicas
-
-    claim = Claim(
-        deployment=obs.name, deployment_uid=obs.uid, identity_hash=ident_hash,
-        identity_json=canonical_json(ident.canonical()).decode(), revision=revision,
-        archive_uri=archive_uri, engine_args=tuple(spec.engine.args), claimed_at=stamp,
-        native_reason="" if archive_uri else arch_reason,
-    )
-    plan.claim = claim
-    claimed = claimed_ready = 0
-    if can_deploy:
-        missing = want - len(current)
-        if missing > 0:
-            warm = sorted((p for p in obs.warm if not p.deleting and not p.failed),
-                          key=lambda p: (not p.ready, p.created, p.name))
-            for pod in warm[:missing]:
-                plan.claims.append((pod.name, claim_patch(claim, pod.resource_version)))
-            claimed = min(missing, len(warm))
-            claimed_ready = sum(p.ready for p in warm[:missing])
-            taken = {p.name for p in obs.pods}
-            for name in free_names(obs.name, revision, taken, missing - claimed):
-                plan.creates.append(serving_pod(template, claim, name))
-        elif missing < 0:
-            plan.deletes += [p.name for p in _deletion_order(current)[: -missing]]
-        ready_current = sum(p.ready for p in current)
-        keep_old = max(0, want - ready_current)
-        plan.deletes += [p.name for p in _deletion_order(old)[: max(0, len(old) - keep_old)]]
-    else:
+    rollout = _Rollout(claim, live, current, can_deploy)
+    want = obs.spec.replicas
+    if not can_deploy:
         # Waiting for the archive: keep what serves, but never more than asked for.
         serving = _deletion_order(old + current)
         plan.deletes += [p.name for p in serving[: max(0, len(serving) - want)]]
+        return rollout
+    missing = want - len(current)
+    if missing > 0:
+        _claim_or_create(obs, plan, template, rollout, missing)
+    elif missing < 0:
+        plan.deletes += [p.name for p in _deletion_order(current)[: -missing]]
+    ready_current = sum(p.ready for p in current)
+    keep_old = max(0, want - ready_current)
+    plan.deletes += [p.name for p in _deletion_order(old)[: max(0, len(old) - keep_old)]]
+    return rollout
 
-    # ---- status
+
+def _claim_or_create(
+    obs: Observed, plan: Plan, template: PodTemplate, rollout: _Rollout, missing: int
+) -> None:
+    """Claim warm pods first (ready ones first), create the rest cold."""
+    warm = sorted((p for p in obs.warm if not p.deleting and not p.failed),
+                  key=lambda p: (not p.ready, p.created, p.name))
+    for pod in warm[:missing]:
+        plan.claims.append((pod.name, claim_patch(rollout.claim, pod.resource_version, obs.uid)))
+    rollout.claimed = min(missing, len(warm))
+    rollout.claimed_ready = sum(p.ready for p in warm[:missing])
+    taken = {p.name for p in obs.pods}
+    for name in free_names(obs.name, rollout.revision, taken, missing - rollout.claimed):
+        plan.creates.append(serving_pod(template, rollout.claim, name, obs.uid))
+
+
+def _set_replica_status(obs: Observed, plan: Plan, rollout: _Rollout) -> None:
+    """Replica counts, restore counts and the archive reference, as they will be after the plan."""
     deleted = set(plan.deletes)
-    remaining = [p for p in live if p.name not in deleted]
+    remaining = rollout.remaining = [p for p in rollout.live if p.name not in deleted]
+    claimed, revision = rollout.claimed, rollout.revision
     st = plan.status
     st.observed_generation = obs.generation
     st.selector = naming.selector(obs.name)
     st.revision = revision
     st.replicas = len(remaining) + len(plan.creates) + claimed
-    st.ready_replicas = sum(p.ready for p in remaining) + claimed_ready
+    st.ready_replicas = sum(p.ready for p in remaining) + rollout.claimed_ready
     st.updated_replicas = sum(p.revision == revision for p in remaining) + len(plan.creates) + claimed
     st.restored_replicas = sum(p.restored for p in remaining)
     st.fallback_count = sum(p.fell_back for p in remaining)
     st.warm_claims += claimed
-    times = [t for p in remaining if p.restored
-             and (t := p.annotations.get(naming.RESTORE_TIME) or p.annotations.get(naming.CLAIMED_AT))]
+    times = [t for p in remaining if p.restored and (t := p.restore_time)]
     if times:
         st.last_restore_time = max(times)
+    ident_hash = rollout.claim.identity
     st.archive = ArchiveRef(
-        name=ga_name, identity_hash=ident_hash, uri=archive_uri or None,
-        phase=archive.phase if archive is not None else "Pending",
+        name=naming.archive_name(ident_hash), identity_hash=ident_hash, uri=rollout.claim.archive_uri or None,
+        phase=obs.archive.phase if obs.archive is not None else "Pending",
     )
 
-    conds = list(st.conditions)
-    gen = obs.generation
-    conds = conditions.put(conds, ARCHIVE_READY, arch_status, arch_reason, arch_message, gen, now)
 
-    ready_current = sum(p.ready for p in remaining if p.revision == revision) + claimed_ready
-    old_left = sum(p.revision != revision for p in remaining)
-    if want == 0:
-        avail = (True, "ScaledToZero", "replicas is 0")
-    elif st.ready_replicas == 0 and not can_deploy:
-        avail = (False, "WaitingForArchive", f"0/{want} replicas ready; waiting for the archive")
-    elif st.ready_replicas == 0:
-        avail = (False, "ReplicasNotReady", f"0/{want} replicas ready")
-    elif st.fallback_count or (archive is not None and archive.failing):
-        n = st.fallback_count
-        why = f"{n} pod(s) fell back to native capture" if n else "archive unavailable"
-        avail = (True, "NativeCapture" if not n or n >= st.ready_replicas else "PartialFallback",
-                 f"{st.ready_replicas}/{want} replicas ready; {why}")
-    else:
-        avail = (True, "ReplicasReady", f"{st.ready_replicas}/{want} replicas ready")
-    conds = conditions.put(conds, AVAILABLE, *avail, gen, now)
+_Condition = tuple[bool | None, str, str]  # status, reason, message
 
-    if archive is None or (not can_deploy and archive.phase == "Pending" and not old_left and not current):
-        prog = (True, MDPhase.pending.value, "waiting for the GraphArchive")
-    elif not can_deploy and old_left:
-        prog = (True, MDPhase.reconfiguring.value,
-                f"new identity {ident.short()}: SAVE running; "
-                f"{old_left} pod(s) keep serving the previous one")
-    elif not can_deploy:
-        prog = (True, MDPhase.saving.value, f"waiting for the SAVE of {ga_name}")
-    elif old_left:
-        prog = (True, MDPhase.reconfiguring.value,
-                f"moving pods to revision {revision}: {ready_current}/{want} ready, {old_left} old left")
-    elif ready_current < want or st.updated_replicas != want or st.replicas != want:
-        if ready_current == 0 and not any(p.ready for p in obs.pods):
-            prog = (True, MDPhase.deploying.value, f"{ready_current}/{want} replicas ready")
-        else:
-            prog = (True, MDPhase.scaling.value, f"{ready_current}/{want} replicas ready")
-    else:
-        prog = (False, "Complete", f"{want} replica(s) of revision {revision} ready")
-    conds = conditions.put(conds, PROGRESSING, *prog, gen, now)
-    st.conditions = sorted(conds, key=lambda c: [ARCHIVE_READY, AVAILABLE, PROGRESSING].index(c.type)
-                           if c.type in (ARCHIVE_READY, AVAILABLE, PROGRESSING) else 9)
+
+def _set_conditions(obs: Observed, plan: Plan, rollout: _Rollout, archive_ready: _Condition) -> None:
+    """ArchiveReady, Available, Progressing; the phase derived from them; their events."""
+    st = plan.status
+    gen, now = obs.generation, obs.now
+    conds = conditions.put(list(st.conditions), ARCHIVE_READY, *archive_ready, gen, now)
+    conds = conditions.put(conds, AVAILABLE, *_available(obs, plan.status, rollout), gen, now)
+    conds = conditions.put(conds, PROGRESSING, *_progressing(obs, plan.status, rollout), gen, now)
+    order = [ARCHIVE_READY, AVAILABLE, PROGRESSING]
+    st.conditions = sorted(conds, key=lambda c: order.index(c.type) if c.type in order else 9)
     old_phase = obs.status.phase
     st.phase = derive_phase(st.conditions)
     plan.events = conditions.transitions(obs.status.conditions, st.conditions)
@@ -302,17 +309,58 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
     if old_phase != st.phase and st.phase in (MDPhase.ready, MDPhase.degraded):
         plan.events.append(Event("Normal" if st.phase is MDPhase.ready else "Warning", "Phase",
                                  f"phase {old_phase.value if old_phase else 'None'} → {st.phase.value}"))
-    if claimed:
-        plan.events.append(Event("Normal", "Claimed", f"claimed {claimed} warm pod(s)"))
+    if rollout.claimed:
+        plan.events.append(Event("Normal", "Claimed", f"claimed {rollout.claimed} warm pod(s)"))
 
-    # ---- HPA
+
+def _available(obs: Observed, st: ModelDeploymentStatus, rollout: _Rollout) -> _Condition:
+    want = obs.spec.replicas
+    if want == 0:
+        return (True, "ScaledToZero", "replicas is 0")
+    if st.ready_replicas == 0 and not rollout.can_deploy:
+        return (False, "WaitingForArchive", f"0/{want} replicas ready; waiting for the archive")
+    if st.ready_replicas == 0:
+        return (False, "ReplicasNotReady", f"0/{want} replicas ready")
+    if st.fallback_count or (obs.archive is not None and obs.archive.failing):
+        n = st.fallback_count
+        why = f"{n} pod(s) fell back to native capture" if n else "archive unavailable"
+        return (True, "NativeCapture" if not n or n >= st.ready_replicas else "PartialFallback",
+                f"{st.ready_replicas}/{want} replicas ready; {why}")
+    return (True, "ReplicasReady", f"{st.ready_replicas}/{want} replicas ready")
+
+
+def _progressing(obs: Observed, st: ModelDeploymentStatus, rollout: _Rollout) -> _Condition:
+    want, archive, revision = obs.spec.replicas, obs.archive, rollout.revision
+    ready_current = sum(p.ready for p in rollout.remaining if p.revision == revision) + rollout.claimed_ready
+    old_left = sum(p.revision != revision for p in rollout.remaining)
+    can_deploy, ident_hash = rollout.can_deploy, rollout.claim.identity
+    if archive is None or (not can_deploy and archive.phase == "Pending" and not old_left
+                           and not rollout.current):
+        return (True, MDPhase.pending.value, "waiting for the GraphArchive")
+    if not can_deploy and old_left:
+        return (True, MDPhase.reconfiguring.value,
+                f"new identity {ident_hash[:16]}: SAVE running; "
+                f"{old_left} pod(s) keep serving the previous one")
+    if not can_deploy:
+        return (True, MDPhase.saving.value, f"waiting for the SAVE of {naming.archive_name(ident_hash)}")
+    if old_left:
+        return (True, MDPhase.reconfiguring.value,
+                f"moving pods to revision {revision}: {ready_current}/{want} ready, {old_left} old left")
+    if ready_current < want or st.updated_replicas != want or st.replicas != want:
+        if ready_current == 0 and not any(p.ready for p in obs.pods):
+            return (True, MDPhase.deploying.value, f"{ready_current}/{want} replicas ready")
+        return (True, MDPhase.scaling.value, f"{ready_current}/{want} replicas ready")
+    return (False, "Complete", f"{want} replica(s) of revision {revision} ready")
+
+
+def _plan_hpa(obs: Observed, plan: Plan) -> None:
+    spec = obs.spec
     if spec.autoscaling is not None:
         desired = hpas.hpa(md_name=obs.name, md_uid=obs.uid, namespace=obs.namespace, spec=spec.autoscaling)
         if hpas.needs_update(obs.hpa, desired):
             plan.hpa_apply = desired
     elif obs.hpa is not None:
         plan.hpa_delete = True
-    return plan
 
 
 def derive_phase(conds: list[Any]) -> MDPhase:

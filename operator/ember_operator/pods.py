@@ -15,19 +15,15 @@ Every pod has:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from ember import contract
+from ember.contract import Claim
 from ember_operator import naming
 from ember_operator.api import StoreSpec
 
-RUN_DIR = "/var/run/ember"
-LIB_DIR = "/opt/ember/lib"
-LIB_PATH = f"{LIB_DIR}/libember.so"
-LIB_MOUNT = "/ember-lib"
-PODINFO_DIR = "/etc/ember/podinfo"
-SIDECAR_PORT = 9400  # the sidecar's /readyz, /livez, /metrics
+LIB_MOUNT = "/ember-lib"  # where the lib init container copies libember.so to
 RUN_AS_USER = 65532
 
 
@@ -65,9 +61,9 @@ class StoreAccess:
         return opts
 
     def env(self) -> list[dict[str, Any]]:
-        env = [{"name": "EMBER_STORE", "value": self.uri}]
+        env = [{"name": contract.ENV_STORE, "value": self.uri}]
         if self.endpoint:
-            env.append({"name": "EMBER_S3_ENDPOINT", "value": self.endpoint})
+            env.append({"name": contract.ENV_S3_ENDPOINT, "value": self.endpoint})
         if self.region:
             env.append({"name": "AWS_REGION", "value": self.region})
         return env
@@ -111,48 +107,12 @@ class PodTemplate:
         )
 
 
-@dataclass(frozen=True)
-class Claim:
-    """What a claim writes onto a pod (team.md pod protocol)."""
-
-    deployment: str
-    deployment_uid: str
-    identity_hash: str
-    identity_json: str
-    revision: str
-    archive_uri: str  # "" → native capture
-    engine_args: tuple[str, ...] = ()
-    claimed_at: str = ""
-    native_reason: str = ""  # why archive_uri is empty (the ArchiveReady reason), for the sidecar
-
-    def labels(self) -> dict[str, str]:
-        return {
-            naming.POOL: naming.POOL_SERVING,
-            naming.DEPLOYMENT: self.deployment,
-            naming.IDENTITY: self.identity_hash[:16],
-            naming.REVISION: self.revision,
-        }
-
-    def annotations(self) -> dict[str, str]:
-        out = {
-            naming.ARCHIVE: self.archive_uri,
-            naming.IDENTITY: self.identity_hash,
-            naming.IDENTITY_SPEC: self.identity_json,
-            naming.ENGINE_ARGS: json.dumps(list(self.engine_args)),
-            naming.RANK: "0",
-            naming.WORLD: "1",
-        }
-        if self.claimed_at:
-            out[naming.CLAIMED_AT] = self.claimed_at
-        if not self.archive_uri:
-            out[naming.NATIVE_REASON] = self.native_reason or "NoArchive"
-        return out
-
-    def owner_reference(self) -> dict[str, Any]:
-        return {
-            "apiVersion": "ember.dev/v1alpha1", "kind": "ModelDeployment", "name": self.deployment,
-            "uid": self.deployment_uid, "controller": True, "blockOwnerDeletion": True,
-        }
+def owner_reference(deployment: str, uid: str) -> dict[str, Any]:
+    """The ModelDeployment owns its serving pods (deleted with it; one controller)."""
+    return {
+        "apiVersion": contract.API_VERSION, "kind": contract.KIND_MODEL_DEPLOYMENT, "name": deployment,
+        "uid": uid, "controller": True, "blockOwnerDeletion": True,
+    }
 
 
 def _restricted(read_only_root: bool) -> dict[str, Any]:
@@ -165,89 +125,124 @@ def _restricted(read_only_root: bool) -> dict[str, Any]:
     }
 
 
+def downward_pod_env() -> list[dict[str, Any]]:
+    """The pod's name and namespace (downward API)."""
+    return [
+        {"name": contract.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": contract.ENV_POD_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+
+
 def _downward_env() -> list[dict[str, Any]]:
     return [
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
-        {"name": "EMBER_RUN_DIR", "value": RUN_DIR},
-        {"name": "EMBER_PODINFO_DIR", "value": PODINFO_DIR},
+        *downward_pod_env(),
+        {"name": contract.ENV_POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+        {"name": contract.ENV_RUN_DIR, "value": contract.RUN_DIR},
+        {"name": contract.ENV_PODINFO_DIR, "value": contract.PODINFO_DIR},
+    ]
+
+
+def libember_env() -> list[dict[str, Any]]:
+    """An engine process under libember: preloaded, and told where the library is."""
+    return [
+        {"name": "LD_PRELOAD", "value": contract.LIB_PATH},
+        {"name": contract.ENV_LIB, "value": contract.LIB_PATH},
     ]
 
 
 def gpu_placement(product: str) -> dict[str, Any]:
     """Node selector and toleration that put a pod on the named GPU product."""
     return {
-        "nodeSelector": {naming.GPU_PRODUCT_NODE_LABEL: product},
-        "tolerations": [{"key": naming.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+        "nodeSelector": {contract.GPU_PRODUCT_NODE_LABEL: product},
+        "tolerations": [{"key": contract.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
     }
 
 
 def lib_init_container(sidecar_image: str) -> dict[str, Any]:
     """Copies libember.so from the ember image into the shared volume (for LD_PRELOAD)."""
     return {
-        "name": "ember-lib",
+        "name": contract.LIB_CONTAINER,
         "image": sidecar_image,
-        "command": ["cp", LIB_PATH, f"{LIB_MOUNT}/libember.so"],
+        "command": ["cp", contract.LIB_PATH, f"{LIB_MOUNT}/{contract.LIB_NAME}"],
         "volumeMounts": [{"name": "ember-lib", "mountPath": LIB_MOUNT}],
         "securityContext": _restricted(read_only_root=True),
         "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
     }
 
 
-def pod_spec(t: PodTemplate) -> dict[str, Any]:
-    shared_mounts = [
-        {"name": "ember-run", "mountPath": RUN_DIR},
-        {"name": "ember-podinfo", "mountPath": PODINFO_DIR, "readOnly": True},
+def _shared_mounts() -> list[dict[str, Any]]:
+    """The run directory and the downward API files, in the engine and the sidecar."""
+    return [
+        {"name": "ember-run", "mountPath": contract.RUN_DIR},
+        {"name": "ember-podinfo", "mountPath": contract.PODINFO_DIR, "readOnly": True},
     ]
-    sidecar = {
-        "name": "ember-sidecar",
+
+
+def sidecar_container(t: PodTemplate) -> dict[str, Any]:
+    """The sidecar, a native sidecar (init container with restartPolicy Always)."""
+    port = contract.SIDECAR_PORT
+    return {
+        "name": contract.SIDECAR_CONTAINER,
         "image": t.sidecar_image,
         "command": ["ember-sidecar"],
         "restartPolicy": "Always",
-        "env": [*_downward_env(), *t.store.env(),
-                {"name": "EMBER_SIDECAR_PORT", "value": str(SIDECAR_PORT)}],
+        "env": [*_downward_env(), *t.store.env(), {"name": contract.ENV_SIDECAR_PORT, "value": str(port)}],
         "envFrom": t.store.env_from(optional=True),
-        "ports": [{"name": "ember-sidecar", "containerPort": SIDECAR_PORT}],
+        "ports": [{"name": "ember-sidecar", "containerPort": port}],
         # Ready when the engine took the restored graphs (or captured natively) and serves.
-        "readinessProbe": {"httpGet": {"path": "/readyz", "port": SIDECAR_PORT}, "periodSeconds": 2},
-        "livenessProbe": {"httpGet": {"path": "/livez", "port": SIDECAR_PORT}, "periodSeconds": 10,
+        "readinessProbe": {"httpGet": {"path": contract.READYZ, "port": port}, "periodSeconds": 2},
+        "livenessProbe": {"httpGet": {"path": contract.LIVEZ, "port": port}, "periodSeconds": 10,
                           "failureThreshold": 6},
-        "volumeMounts": [*shared_mounts, {"name": "ember-tmp", "mountPath": "/tmp"}, *t.store.mounts()],
+        "volumeMounts": [*_shared_mounts(), {"name": "ember-tmp", "mountPath": "/tmp"}, *t.store.mounts()],
         "securityContext": _restricted(read_only_root=True),
         "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "1Gi"}},
     }
-    engine = {
-        "name": "engine",
+
+
+def engine_container(t: PodTemplate) -> dict[str, Any]:
+    """The engine image, under libember, with the run directory and the pod's labels/annotations."""
+    return {
+        "name": contract.ENGINE_CONTAINER,
         "image": t.engine_image,
         "env": [
             *_downward_env(),
-            {"name": "LD_PRELOAD", "value": f"{LIB_DIR}/libember.so"},
-            {"name": "EMBER_LIB", "value": f"{LIB_DIR}/libember.so"},
-            {"name": "EMBER_ENGINE", "value": t.engine_kind},
+            *libember_env(),
+            {"name": contract.ENV_ENGINE, "value": t.engine_kind},
             {"name": "NCCL_CUMEM_ENABLE", "value": "0"},
         ],
-        "volumeMounts": [*shared_mounts, {"name": "ember-lib", "mountPath": LIB_DIR, "readOnly": True}],
-        "resources": {"limits": {naming.GPU_RESOURCE: str(t.gpu_count)}},
+        "volumeMounts": [*_shared_mounts(),
+                         {"name": "ember-lib", "mountPath": contract.LIB_DIR, "readOnly": True}],
+        "resources": {"limits": {contract.GPU_RESOURCE: str(t.gpu_count)}},
         "securityContext": _restricted(read_only_root=False),
     }
+
+
+def _pod_volumes(t: PodTemplate) -> list[dict[str, Any]]:
+    return [
+        {"name": "ember-lib", "emptyDir": {"sizeLimit": "256Mi"}},
+        {"name": "ember-run", "emptyDir": {}},
+        {"name": "ember-tmp", "emptyDir": {"sizeLimit": "256Mi"}},
+        {"name": "ember-podinfo", "downwardAPI": {"items": [
+            {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
+            {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}},
+        ]}},
+        *t.store.volumes(),
+    ]
+
+
+def pod_security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def pod_spec(t: PodTemplate) -> dict[str, Any]:
     spec: dict[str, Any] = {
-        "initContainers": [lib_init_container(t.sidecar_image), sidecar],
-        "containers": [engine],
-        "volumes": [
-            {"name": "ember-lib", "emptyDir": {"sizeLimit": "256Mi"}},
-            {"name": "ember-run", "emptyDir": {}},
-            {"name": "ember-tmp", "emptyDir": {"sizeLimit": "256Mi"}},
-            {"name": "ember-podinfo", "downwardAPI": {"items": [
-                {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
-                {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}},
-            ]}},
-            *t.store.volumes(),
-        ],
-        "securityContext": {
-            "runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "initContainers": [lib_init_container(t.sidecar_image), sidecar_container(t)],
+        "containers": [engine_container(t)],
+        "volumes": _pod_volumes(t),
+        "securityContext": pod_security_context(),
         "restartPolicy": "Always",
         "terminationGracePeriodSeconds": 30,
         "enableServiceLinks": False,
@@ -260,15 +255,11 @@ def pod_spec(t: PodTemplate) -> dict[str, Any]:
 
 def base_labels(t: PodTemplate) -> dict[str, str]:
     return {
-        naming.MANAGED_BY: naming.OPERATOR_NAME,
-        naming.COMPONENT: "engine",
-        naming.GPU_PRODUCT: t.gpu_product,
-        naming.POOL_KEY: t.pool_key,
+        contract.LABEL_MANAGED_BY: contract.MANAGED_BY_OPERATOR,
+        contract.LABEL_COMPONENT: "engine",
+        contract.LABEL_GPU_PRODUCT: t.gpu_product,
+        contract.LABEL_POOL_KEY: t.pool_key,
     }
-
-
-def prefetch_annotation(uris: list[str]) -> str:
-    return json.dumps(sorted(set(uris)))
 
 
 def warm_pod(t: PodTemplate, prefetch: list[str] | None = None) -> dict[str, Any]:
@@ -283,14 +274,14 @@ def warm_pod(t: PodTemplate, prefetch: list[str] | None = None) -> dict[str, Any
         "metadata": {
             "generateName": naming.warm_pod_prefix(t.pool_key),
             "namespace": t.namespace,
-            "labels": {**base_labels(t), naming.POOL: naming.POOL_WARM},
-            "annotations": {naming.PREFETCH: prefetch_annotation(prefetch or [])},
+            "labels": {**base_labels(t), contract.LABEL_POOL: contract.POOL_WARM},
+            "annotations": {contract.ANN_PREFETCH: contract.prefetch_annotation(prefetch or [])},
         },
         "spec": pod_spec(t),
     }
 
 
-def serving_pod(t: PodTemplate, claim: Claim, name: str) -> dict[str, Any]:
+def serving_pod(t: PodTemplate, claim: Claim, name: str, owner_uid: str) -> dict[str, Any]:
     """A cold pod: created already claimed, with a deterministic name."""
     return {
         "apiVersion": "v1",
@@ -300,13 +291,13 @@ def serving_pod(t: PodTemplate, claim: Claim, name: str) -> dict[str, Any]:
             "namespace": t.namespace,
             "labels": {**base_labels(t), **claim.labels()},
             "annotations": claim.annotations(),
-            "ownerReferences": [claim.owner_reference()],
+            "ownerReferences": [owner_reference(claim.deployment, owner_uid)],
         },
         "spec": pod_spec(t),
     }
 
 
-def claim_patch(claim: Claim, resource_version: str) -> dict[str, Any]:
+def claim_patch(claim: Claim, resource_version: str, owner_uid: str) -> dict[str, Any]:
     """Merge patch turning a warm pod into a serving pod of `claim.deployment`.
 
     `resourceVersion` makes it conditional: if another deployment claimed the pod first, the
@@ -317,6 +308,6 @@ def claim_patch(claim: Claim, resource_version: str) -> dict[str, Any]:
             "resourceVersion": resource_version,
             "labels": claim.labels(),
             "annotations": claim.annotations(),
-            "ownerReferences": [claim.owner_reference()],
+            "ownerReferences": [owner_reference(claim.deployment, owner_uid)],
         }
     }

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ember_operator import naming
-from ember_operator.pods import PodTemplate, prefetch_annotation, warm_pod
+from ember import contract
+from ember_operator.pods import PodTemplate, warm_pod
 from ember_operator.views import PodView
 
 
@@ -38,7 +38,7 @@ def plan_pools(wanted: list[tuple[PodTemplate, int, str]], warm: list[PodView]) 
     for pod in warm:
         if pod.deleting:
             continue
-        by_key.setdefault(pod.labels.get(naming.POOL_KEY, ""), []).append(pod)
+        by_key.setdefault(pod.labels.get(contract.LABEL_POOL_KEY, ""), []).append(pod)
     plan = PoolPlan()
     for key, pods in by_key.items():
         dead = [p for p in pods if p.failed]
@@ -50,11 +50,11 @@ def plan_pools(wanted: list[tuple[PodTemplate, int, str]], warm: list[PodView]) 
             order = sorted(alive, key=lambda p: (p.ready, p.created, p.name))
             plan.deletes += [p.name for p in order[: len(alive) - target]]
         by_key[key] = alive
-        want = prefetch_annotation(sorted(uris.get(key, set())))
+        want = contract.prefetch_annotation(sorted(uris.get(key, set())))
         kept = set(plan.deletes)
         plan.patches += [
-            (p.name, {"metadata": {"annotations": {naming.PREFETCH: want}}})
-            for p in alive if p.name not in kept and p.annotations.get(naming.PREFETCH, "[]") != want
+            (p.name, {"metadata": {"annotations": {contract.ANN_PREFETCH: want}}})
+            for p in alive if p.name not in kept and p.annotations.get(contract.ANN_PREFETCH, "[]") != want
         ]
     for key, (template, size) in targets.items():
         have = len(by_key.get(key, []))

@@ -21,7 +21,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ember_operator import API_VERSION, metrics, naming
+from ember import contract
+from ember_operator import metrics, naming
 from ember_operator.api import (
     GAPhase,
     GraphArchiveSpec,
@@ -96,14 +97,14 @@ class Reconciler:
                 "kind": "Event",
                 "metadata": {"name": f"{meta.get('name', 'ember')}.{uuid.uuid4().hex[:16]}", "namespace": ns},
                 "eventTime": stamp,
-                "reportingController": "ember.dev/operator",
+                "reportingController": f"{contract.GROUP}/operator",
                 "reportingInstance": self.instance[:128],
                 "action": ev.reason[:128] or "Reconcile",
                 "reason": ev.reason[:128] or "Reconcile",
                 "note": ev.message[:1024],
                 "type": ev.type,
                 "regarding": {
-                    "apiVersion": obj.get("apiVersion", API_VERSION), "kind": obj.get("kind", ""),
+                    "apiVersion": obj.get("apiVersion", contract.API_VERSION), "kind": obj.get("kind", ""),
                     "name": meta.get("name", ""), "namespace": ns, "uid": meta.get("uid", ""),
                 },
             }
@@ -154,7 +155,7 @@ class Reconciler:
             self.post_events(md, [Event("Warning", "InvalidSpec", str(exc)[:1024])])
             return
         ident_hash = spec.identity().hash()
-        warm_selector = f"{naming.POOL}={naming.POOL_WARM},{naming.POOL_KEY}={template.pool_key}"
+        warm_selector = naming.warm_selector(template.pool_key)
         # Independent reads in parallel: they are most of a reconcile's latency (claims wait on it).
         reads = [
             self.pool.submit(self.kube.get, ga_path(ns, naming.archive_name(ident_hash))),
@@ -188,7 +189,7 @@ class Reconciler:
         if lost and plan.claim is not None:
             # Pods whose claim was lost to another deployment are made cold instead.
             taken = {p.name for p in obs.pods} | {c["metadata"]["name"] for c in creates}
-            creates += [serving_pod(template, plan.claim, pod)
+            creates += [serving_pod(template, plan.claim, pod, obs.uid)
                         for pod in free_names(name, plan.claim.revision, taken, lost)]
         self._parallel(lambda body: self.kube.create(pods_path(ns), body), creates)
         if creates:
@@ -242,13 +243,13 @@ class Reconciler:
     def cleanup_deployment(self, ns: str, name: str) -> None:
         """Finalizer: the deployment's pods and HPA go with it (owner references would too, later)."""
         self.kube.delete(hpa_path(ns, naming.hpa_name(name)))
-        pods = self.kube.list(pods_path(ns), f"{naming.DEPLOYMENT}={name}")
+        pods = self.kube.list(pods_path(ns), f"{contract.LABEL_DEPLOYMENT}={name}")
         self._parallel(lambda p: self.kube.delete(pods_path(ns, p["metadata"]["name"])), pods)
         log.info("ModelDeployment %s/%s deleted: removed %d pod(s) and its HPA", ns, name, len(pods))
         self.reconcile_pools(ns)
 
     def deployments_using(self, ns: str, identity_short: str) -> list[str]:
-        mds = self.kube.list(md_path(ns), f"{naming.IDENTITY}={identity_short}")
+        mds = self.kube.list(md_path(ns), f"{contract.LABEL_IDENTITY}={identity_short}")
         return [m["metadata"]["name"] for m in mds]
 
     # ------------------------------------------------------------------ warm pools
@@ -264,7 +265,7 @@ class Reconciler:
                 wanted.append((template_of(ns, spec, self.ctx), spec.warm_pool.size, uri))
             except (ValidationError, ValueError):
                 continue
-        warm = [PodView.of(p) for p in self.kube.list(pods_path(ns), f"{naming.POOL}={naming.POOL_WARM}")]
+        warm = [PodView.of(p) for p in self.kube.list(pods_path(ns), naming.warm_selector())]
         plan = plan_pools(wanted, warm)
         self._parallel(lambda body: self.kube.create(pods_path(ns), body), plan.creates)
         self._parallel(lambda pod: self.kube.delete(pods_path(ns, pod)), plan.deletes)
@@ -299,10 +300,10 @@ class Reconciler:
             return None
         short = spec.identity_hash[:16]
         refs = len(self.deployments_using(ns, short)) + len(
-            self.kube.list(pods_path(ns), f"{naming.IDENTITY}={short}")
+            self.kube.list(pods_path(ns), f"{contract.LABEL_IDENTITY}={short}")
         )
         probe = self.probe(ns, spec, status)
-        listed = self.kube.list(jobs_path(ns), f"{naming.ARCHIVE_LABEL}={name}")
+        listed = self.kube.list(jobs_path(ns), f"{contract.LABEL_ARCHIVE}={name}")
         jobs = {j["metadata"]["name"]: j for j in listed}
         current = naming.save_job_name(spec.identity_hash, status.attempt)
         result = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ember_operator import naming
+from ember import contract
 
 
 @dataclass(frozen=True)
@@ -42,19 +42,25 @@ class PodView:
 
     @property
     def revision(self) -> str:
-        return self.labels.get(naming.REVISION, "")
+        return self.labels.get(contract.LABEL_REVISION, "")
 
     @property
     def restore(self) -> str:
-        return self.annotations.get(naming.RESTORE, "")
+        return self.annotations.get(contract.ANN_RESTORE, "")
+
+    @property
+    def restore_time(self) -> str:
+        """When the sidecar reported the restore (else when the pod was claimed); "" if neither."""
+        ann = self.annotations
+        return ann.get(contract.ANN_RESTORE_TIME) or ann.get(contract.ANN_CLAIMED_AT, "")
 
     @property
     def restored(self) -> bool:
-        return self.restore == "restored"
+        return self.restore == contract.RESTORED
 
     @property
     def fell_back(self) -> bool:
-        return self.restore.startswith("fallback")
+        return self.restore.startswith(contract.FALLBACK)
 
     @property
     def failed(self) -> bool:

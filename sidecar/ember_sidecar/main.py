@@ -24,8 +24,10 @@ from typing import Annotated, Any
 
 import typer
 
+from ember import contract
+from ember.contract import Claim
 from ember.handoff import HandoffWriter
-from ember_sidecar.claims import Claim, manifest_identity
+from ember_sidecar.claims import manifest_identity
 from ember_sidecar.fetching import ArchiveCache
 from ember_sidecar.metrics import Metrics
 from ember_sidecar.reporting import KubeReporter, LogReporter, Reporter
@@ -72,7 +74,7 @@ def run(settings: Settings, stop: threading.Event | None = None) -> int:
     log.info("Sidecar started: run dir %s, HTTP on %s:%d, %s", settings.run_dir, settings.host, server.port,
              "standalone" if settings.standalone else f"pod {settings.namespace}/{settings.pod_name}")
     with contextlib.suppress(OSError):  # lets scripts find the port when started with --port 0
-        (settings.run_dir / "sidecar.port").write_text(str(server.port))
+        (settings.run_dir / contract.SIDECAR_PORT_FILE).write_text(str(server.port))
 
     def poll() -> None:
         while not stop.is_set():

@@ -12,11 +12,11 @@ import datetime as dt
 import logging
 from typing import Any, Protocol
 
-from ember_sidecar.claims import DEPLOYMENT_LABEL, RESTORE, RESTORE_TIME
+from ember import contract
+from ember.contract import ANN_RESTORE, ANN_RESTORE_TIME, LABEL_DEPLOYMENT
 
 log = logging.getLogger(__name__)
 
-MD_GROUP, MD_VERSION, MD_PLURAL, MD_KIND = "ember.dev", "v1alpha1", "modeldeployments", "ModelDeployment"
 COMPONENT = "ember-sidecar"
 MAX_ANNOTATION = 1024
 
@@ -64,16 +64,16 @@ class KubeReporter:
         """Remember the pod's uid and its ModelDeployment label (called on every watch event)."""
         meta = pod.get("metadata") or {}
         self.pod_uid = meta.get("uid") or self.pod_uid
-        self.deployment = (meta.get("labels") or {}).get(DEPLOYMENT_LABEL, "") or self.deployment
+        self.deployment = (meta.get("labels") or {}).get(LABEL_DEPLOYMENT, "") or self.deployment
 
     def result(self, value: str) -> None:
-        body = {"metadata": {"annotations": {RESTORE: value[:MAX_ANNOTATION],
-                                             RESTORE_TIME: _now()}}}
+        body = {"metadata": {"annotations": {ANN_RESTORE: value[:MAX_ANNOTATION],
+                                             ANN_RESTORE_TIME: _now()}}}
         try:
             self.core.patch_namespaced_pod(self.pod_name, self.namespace, body)
         except Exception as exc:  # never let reporting take the sidecar down
             log.warning("Could not annotate pod %s/%s with %s: %s",
-                        self.namespace, self.pod_name, RESTORE, exc)
+                        self.namespace, self.pod_name, ANN_RESTORE, exc)
 
     def _md_ref(self) -> dict[str, str] | None:
         name = self.deployment
@@ -82,14 +82,14 @@ class KubeReporter:
         if name not in self._md_uid:
             try:
                 obj = self.custom.get_namespaced_custom_object(
-                    MD_GROUP, MD_VERSION, self.namespace, MD_PLURAL, name
+                    contract.GROUP, contract.VERSION, self.namespace, contract.MODEL_DEPLOYMENTS, name
                 )
                 self._md_uid[name] = obj.get("metadata", {}).get("uid", "")
             except Exception as exc:
                 log.info("ModelDeployment %s/%s not readable (%s); event without uid",
                          self.namespace, name, exc)
                 self._md_uid[name] = ""
-        ref = {"apiVersion": f"{MD_GROUP}/{MD_VERSION}", "kind": MD_KIND, "name": name,
+        ref = {"apiVersion": contract.API_VERSION, "kind": contract.KIND_MODEL_DEPLOYMENT, "name": name,
                "namespace": self.namespace}
         if uid := self._md_uid[name]:
             ref["uid"] = uid
@@ -111,7 +111,7 @@ class KubeReporter:
                 "reason": reason,
                 "message": (f"pod {self.pod_name}: " if ref["kind"] != "Pod" else "") + message[:900],
                 "source": {"component": COMPONENT},
-                "reportingComponent": f"ember.dev/{COMPONENT}",
+                "reportingComponent": f"{contract.GROUP}/{COMPONENT}",
                 "reportingInstance": self.pod_name,
                 "firstTimestamp": now,
                 "lastTimestamp": now,

@@ -22,23 +22,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ember import contract
+from ember.contract import FALLBACK_PREFIX, RESTORED, Claim, ClaimError
 from ember.handoff import HandoffWriter
-from ember_sidecar.claims import (
-    Claim,
-    ClaimError,
-    manifest_identity,
-    parse_claim,
-    parse_prefetch,
-    reason_class,
-)
+from ember_sidecar.claims import manifest_identity, parse_claim, parse_prefetch, reason_class
 from ember_sidecar.fetching import ArchiveCache, Cancelled, FetchFailed
 from ember_sidecar.metrics import STAGES, Metrics
 from ember_sidecar.reporting import Reporter
 
 log = logging.getLogger(__name__)
 
-RESTORED = "restored"
-FALLBACK_PREFIX = "fallback: "
 MAX_CLAIM_LAG_S = 60.0
 
 
@@ -95,7 +88,7 @@ class Restorer:
                     return
                 self._bad_claims.add(key)
             reason = str(exc) if str(exc).startswith("identity-mismatch") else f"claim-invalid: {exc}"
-            self._fallback(None, reason, identity=(annotations or {}).get("ember.dev/identity", ""))
+            self._fallback(None, reason, identity=(annotations or {}).get(contract.ANN_IDENTITY, ""))
             return
         if claim is not None:
             self.claim(claim, observed_at)

@@ -15,6 +15,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ember import contract
 from ember_sidecar.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -36,14 +37,14 @@ class HealthServer:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
-                if path == "/metrics":
+                if path == contract.METRICS:
                     ok, _ = readiness()
                     metrics.ready.set(1 if ok else 0)
                     self._send(200, metrics.render(), CONTENT_TYPE_LATEST)
-                elif path == "/readyz":
+                elif path == contract.READYZ:
                     ok, why = readiness()
                     self._send(200 if ok else 503, f"{'ok' if ok else 'not ready'}: {why}\n".encode())
-                elif path == "/livez":
+                elif path == contract.LIVEZ:
                     live = alive()
                     self._send(200 if live else 503, b"ok\n" if live else b"dead\n")
                 elif path == "/status":

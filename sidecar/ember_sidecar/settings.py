@@ -1,7 +1,9 @@
 """Typed sidecar settings, read from the environment (CLI flags of `ember-sidecar` override them).
 
-Every field names its variable. In a pod, the operator sets EMBER_POD_NAME / EMBER_POD_NAMESPACE
-from the downward API (POD_NAME / POD_NAMESPACE are accepted too).
+Every field names its variable. In a pod, the operator sets the variables of the pod contract
+(`ember.contract`: POD_NAME / POD_NAMESPACE from the downward API, EMBER_RUN_DIR, EMBER_STORE,
+EMBER_S3_ENDPOINT, EMBER_SIDECAR_PORT); EMBER_POD_NAME / EMBER_POD_NAMESPACE are accepted too.
+The others tune the sidecar and have defaults.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ember.handoff import DEFAULT_RUN_DIR
+from ember import contract
 
 
 def _env(*names: str) -> str | None:
@@ -36,8 +38,10 @@ class Settings(BaseModel):
 
     pod_name: str = Field("", description="EMBER_POD_NAME | POD_NAME: this pod (downward API)")
     namespace: str = Field("default", description="EMBER_POD_NAMESPACE | POD_NAMESPACE")
-    run_dir: Path = Field(Path(DEFAULT_RUN_DIR), description="EMBER_RUN_DIR: the shared emptyDir")
-    port: int = Field(9400, ge=0, le=65535, description="EMBER_SIDECAR_PORT: /readyz /livez /metrics")
+    run_dir: Path = Field(Path(contract.RUN_DIR), description="EMBER_RUN_DIR: the shared emptyDir")
+    port: int = Field(
+        contract.SIDECAR_PORT, ge=0, le=65535, description="EMBER_SIDECAR_PORT: /readyz /livez /metrics"
+    )
     host: str = Field("0.0.0.0", description="EMBER_SIDECAR_HOST: address the HTTP server binds")
     standalone: bool = Field(False, description="EMBER_STANDALONE: no Kubernetes; claim from the flags")
     archive: str = Field("", description="EMBER_ARCHIVE: manifest URI (standalone)")
@@ -67,17 +71,17 @@ class Settings(BaseModel):
     def from_env(cls, **overrides: Any) -> Settings:
         """Settings from os.environ; keyword overrides (e.g. CLI flags) win when not None."""
         env: dict[str, Any] = {
-            "pod_name": _env("EMBER_POD_NAME", "POD_NAME"),
-            "namespace": _env("EMBER_POD_NAMESPACE", "POD_NAMESPACE"),
-            "run_dir": _env("EMBER_RUN_DIR"),
-            "port": _env("EMBER_SIDECAR_PORT"),
+            "pod_name": _env("EMBER_POD_NAME", contract.ENV_POD_NAME),
+            "namespace": _env("EMBER_POD_NAMESPACE", contract.ENV_POD_NAMESPACE),
+            "run_dir": _env(contract.ENV_RUN_DIR),
+            "port": _env(contract.ENV_SIDECAR_PORT),
             "host": _env("EMBER_SIDECAR_HOST"),
             "standalone": _bool(_env("EMBER_STANDALONE")),
             "archive": _env("EMBER_ARCHIVE"),
-            "store": _env("EMBER_STORE"),
+            "store": _env(contract.ENV_STORE),
             "identity": _env("EMBER_ARCHIVE_IDENTITY"),
             "kubeconfig": _env("KUBECONFIG"),
-            "s3_endpoint": _env("EMBER_S3_ENDPOINT"),
+            "s3_endpoint": _env(contract.ENV_S3_ENDPOINT),
             "s3_max_attempts": _env("EMBER_S3_MAX_ATTEMPTS"),
             "s3_connect_timeout": _env("EMBER_S3_CONNECT_TIMEOUT"),
             "s3_read_timeout": _env("EMBER_S3_READ_TIMEOUT"),

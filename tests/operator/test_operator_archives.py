@@ -6,6 +6,7 @@ from datetime import timedelta
 
 from operator_helpers import CTX, NOW, md_spec
 
+from ember.contract import SaveResult
 from ember_operator import naming
 from ember_operator.api import GAPhase, GraphArchiveSpec, GraphArchiveStatus
 from ember_operator.archive_planning import (
@@ -15,7 +16,6 @@ from ember_operator.archive_planning import (
     StoreProbe,
     plan_archive,
 )
-from ember_operator.jobs import SaveResult
 from ember_operator.planning import archive_object
 
 SPEC = GraphArchiveSpec.model_validate(archive_object("ga-x", "default", md_spec(), CTX)["spec"])

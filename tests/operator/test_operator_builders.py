@@ -6,25 +6,27 @@ import json
 
 from operator_helpers import CTX, md_spec
 
+from ember import contract
+from ember.contract import Claim
 from ember.identity import canonical_json
 from ember_operator import naming
 from ember_operator.api import AutoscalingSpec, GraphArchiveSpec
 from ember_operator.hpas import hpa
 from ember_operator.jobs import job_state, read_termination, save_job
 from ember_operator.planning import archive_object, template_of
-from ember_operator.pods import Claim, StoreAccess, claim_patch, serving_pod, warm_pod
+from ember_operator.pods import StoreAccess, claim_patch, serving_pod, warm_pod
 
 
 def _claim() -> Claim:
     ident = md_spec().identity()
-    return Claim(deployment="qwen", deployment_uid="u", identity_hash=ident.hash(),
-                 identity_json=canonical_json(ident.canonical()).decode(), revision="abc123",
+    return Claim(deployment="qwen", identity=ident.hash(),
+                 identity_spec=canonical_json(ident.canonical()).decode(), revision="abc123",
                  archive_uri="s3://ember/ember/archives/x/manifest", engine_args=("--x", "1"))
 
 
 def test_serving_pod_has_native_sidecar_lib_and_protocol() -> None:
     t = template_of("default", md_spec(), CTX)
-    pod = serving_pod(t, _claim(), "qwen-abc-0")
+    pod = serving_pod(t, _claim(), "qwen-abc-0", "u")
     spec = pod["spec"]
     inits = {c["name"]: c for c in spec["initContainers"]}
     assert [c["name"] for c in spec["initContainers"]] == ["ember-lib", "ember-sidecar"]
@@ -44,10 +46,12 @@ def test_serving_pod_has_native_sidecar_lib_and_protocol() -> None:
     assert side_env["EMBER_S3_ENDPOINT"] == "http://127.0.0.1:19000"
     assert inits["ember-sidecar"]["envFrom"] == [{"secretRef": {"name": "s3", "optional": True}}]
     meta = pod["metadata"]
-    assert meta["labels"][naming.POOL] == "serving" and meta["labels"][naming.DEPLOYMENT] == "qwen"
-    assert meta["annotations"][naming.ARCHIVE].endswith("/manifest")
-    assert json.loads(meta["annotations"][naming.ENGINE_ARGS]) == ["--x", "1"]
+    assert meta["labels"][contract.LABEL_POOL] == "serving"
+    assert meta["labels"][contract.LABEL_DEPLOYMENT] == "qwen"
+    assert meta["annotations"][contract.ANN_ARCHIVE].endswith("/manifest")
+    assert json.loads(meta["annotations"][contract.ANN_ENGINE_ARGS]) == ["--x", "1"]
     assert meta["ownerReferences"][0]["kind"] == "ModelDeployment"
+    assert meta["ownerReferences"][0]["uid"] == "u"
     assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
 
@@ -69,13 +73,13 @@ def test_pods_are_restricted() -> None:
 def test_warm_pod_is_unclaimed_and_claim_patch_is_conditional() -> None:
     t = template_of("default", md_spec(), CTX)
     pod = warm_pod(t)
-    assert pod["metadata"]["labels"][naming.POOL] == "warm"
-    assert naming.DEPLOYMENT not in pod["metadata"]["labels"]
+    assert pod["metadata"]["labels"][contract.LABEL_POOL] == "warm"
+    assert contract.LABEL_DEPLOYMENT not in pod["metadata"]["labels"]
     assert pod["metadata"]["generateName"].startswith("ember-warm-")
-    patch = claim_patch(_claim(), "42")
+    patch = claim_patch(_claim(), "42", "u")
     assert patch["metadata"]["resourceVersion"] == "42"
-    assert patch["metadata"]["labels"][naming.POOL] == "serving"
-    assert patch["metadata"]["annotations"][naming.IDENTITY] == _claim().identity_hash
+    assert patch["metadata"]["labels"][contract.LABEL_POOL] == "serving"
+    assert patch["metadata"]["annotations"][contract.ANN_IDENTITY] == _claim().identity
 
 
 def test_pool_key_depends_on_gpu_engine_and_store_not_model() -> None:

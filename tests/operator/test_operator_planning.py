@@ -7,6 +7,7 @@ from typing import Any
 
 from operator_helpers import CTX, NOW, md_spec, observed
 
+from ember import contract
 from ember_operator import naming
 from ember_operator.api import MDPhase
 from ember_operator.planning import Plan, plan_deployment, revision_of, template_of
@@ -25,14 +26,14 @@ def _revision(spec: Any = None) -> str:
 
 
 def _pod(name: str, revision: str, ready: bool = True, restore: str = "") -> PodView:
-    return PodView(name=name, labels={naming.REVISION: revision, naming.DEPLOYMENT: "qwen",
-                                      naming.POOL: "serving"},
-                   annotations={naming.RESTORE: restore} if restore else {}, ready=ready, phase="Running",
-                   created=name)
+    return PodView(name=name, labels={contract.LABEL_REVISION: revision, contract.LABEL_DEPLOYMENT: "qwen",
+                                      contract.LABEL_POOL: "serving"},
+                   annotations={contract.ANN_RESTORE: restore} if restore else {}, ready=ready,
+                   phase="Running", created=name)
 
 
 def _warm(name: str, ready: bool = True) -> PodView:
-    return PodView(name=name, labels={naming.POOL: "warm"}, resource_version="7", ready=ready,
+    return PodView(name=name, labels={contract.LABEL_POOL: "warm"}, resource_version="7", ready=ready,
                    phase="Running" if ready else "Pending", created=name)
 
 
@@ -49,7 +50,7 @@ def test_first_reconcile_creates_the_archive_and_waits() -> None:
     assert plan.status.phase is MDPhase.pending
     assert plan.status.observed_generation == 1
     assert all(c.observed_generation == 1 for c in plan.status.conditions)
-    assert plan.labels == {naming.IDENTITY: md_spec().identity().short()}
+    assert plan.labels == {contract.LABEL_IDENTITY: md_spec().identity().short()}
     assert plan.status.selector == "ember.dev/deployment=qwen,ember.dev/pool=serving"
 
 
@@ -65,7 +66,7 @@ def test_available_archive_creates_restoring_pods() -> None:
     assert len(plan.creates) == 2
     names = [p["metadata"]["name"] for p in plan.creates]
     assert names == [naming.serving_pod_name("qwen", _revision(), i) for i in (0, 1)]
-    assert all(p["metadata"]["annotations"][naming.ARCHIVE] == URI for p in plan.creates)
+    assert all(p["metadata"]["annotations"][contract.ANN_ARCHIVE] == URI for p in plan.creates)
     assert plan.status.phase is MDPhase.deploying
     assert plan.status.archive is not None and plan.status.archive.uri == URI
     assert _cond(plan, "ArchiveReady").status.value == "True"
@@ -116,8 +117,8 @@ def test_scale_up_is_phase_scaling() -> None:
 def test_failed_archive_serves_natively_and_says_so() -> None:
     plan = plan_deployment(observed(archive=FAILED), CTX)
     assert len(plan.creates) == 2
-    assert all(p["metadata"]["annotations"][naming.ARCHIVE] == "" for p in plan.creates)
-    assert all(p["metadata"]["annotations"][naming.NATIVE_REASON] == "SaveFailed" for p in plan.creates)
+    assert all(p["metadata"]["annotations"][contract.ANN_ARCHIVE] == "" for p in plan.creates)
+    assert all(p["metadata"]["annotations"][contract.ANN_NATIVE_REASON] == "SaveFailed" for p in plan.creates)
     cond = _cond(plan, "ArchiveReady")
     assert cond.status.value == "False" and cond.reason == "SaveFailed"
     assert "native capture" in cond.message and "retrying at" in cond.message

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ember_sidecar.claims import ClaimError, parse_claim, parse_claimed_at, parse_prefetch, reason_class
+from ember.contract import ANN_ARCHIVE, ANN_IDENTITY, ANN_NATIVE_REASON, ClaimError, parse_claimed_at
+from ember_sidecar.claims import parse_claim, parse_prefetch, reason_class
 
 H = "ab" * 32
 URI = f"s3://bucket/prefix/archives/{H}/manifest"
@@ -72,11 +73,10 @@ def test_claimed_at_formats() -> None:
 
 
 def test_claim_without_archive_carries_the_operators_native_reason() -> None:
-    from ember_sidecar.claims import ARCHIVE, IDENTITY, NATIVE_REASON
-
-    annotations = {IDENTITY: "ab" * 32, ARCHIVE: "", NATIVE_REASON: "archive not ready: SaveFailed"}
+    annotations = {ANN_IDENTITY: "ab" * 32, ANN_ARCHIVE: "",
+                   ANN_NATIVE_REASON: "archive not ready: SaveFailed"}
     with pytest.raises(ClaimError, match="native capture chosen by the operator: archive not ready"):
         parse_claim(annotations)
-    del annotations[NATIVE_REASON]
+    del annotations[ANN_NATIVE_REASON]
     with pytest.raises(ClaimError, match="but no"):
         parse_claim(annotations)
