@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ember.archive import bundle
+from ember.archive.gc import unreferenced_blobs
 from ember.cli import app
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import BlobCorrupt, BlobMissing, S3Store, StoreUnavailable, open_manifest_uri, open_store
@@ -126,8 +127,8 @@ def test_manifests_list_delete_and_gc(store: S3Store) -> None:
     assert store.get_manifest(h1) is not None
     assert store.list_archives() == [h1, h2]
     assert store.manifest_uri(h1) == f"s3://{store.bucket}/{store.prefix}/archives/{h1}/manifest"
-    assert store.unreferenced_blobs(min_age_s=0) == [orphan]
-    assert store.unreferenced_blobs(min_age_s=3600) == []  # too young to collect
+    assert unreferenced_blobs(store, min_age_s=0) == [orphan]
+    assert unreferenced_blobs(store, min_age_s=3600) == []  # too young to collect
     assert store.delete_archive(h1) is True and store.delete_archive(h1) is False
     assert store.list_archives() == [h2]
     store.delete_blob(orphan)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from pathlib import Path
@@ -107,23 +106,6 @@ def test_manifests_list_uri_and_delete(tmp_path: Path) -> None:
     assert store.delete_archive(H1) is False
     assert store.list_archives() == [H2]
     assert leftovers(tmp_path) == []
-
-
-def test_unreferenced_blobs_respects_manifests_and_age(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path)
-    kept = store.put_blob(b"kept")
-    orphan = store.put_blob(b"orphan")
-    young = store.put_blob(b"young")
-    old = time.time() - 7200
-    for d in (kept, orphan):
-        os.utime(store.blob_path(d), (old, old))
-    store.put_manifest(H1, json.dumps({"blobs": [{"name": "x", "sha256": kept}]}).encode())
-    assert store.unreferenced_blobs(min_age_s=3600) == [orphan]
-    assert sorted(store.unreferenced_blobs(min_age_s=0)) == sorted([orphan, young])
-    store.delete_blob(orphan)
-    assert not store.has_blob(orphan)
-    store.delete_archive(H1)
-    assert store.unreferenced_blobs(min_age_s=3600) == [kept]
 
 
 def test_bad_names_are_refused(tmp_path: Path) -> None:
