@@ -1,5 +1,5 @@
 """libember's graph builder (ember_build_graphs) against the stand-in driver: graphs prepared
-from an archive's graph table by rebuild.prepare_from_table are built on worker threads with
+from an archive's graph table by prepare_table.prepare_from_table are built on worker threads with
 every node (in order, with its function, dimensions and attributes) and every edge with its edge
 data; edge data a driver drops and nodes it refuses come back as named failures, leaking nothing."""
 
@@ -24,7 +24,7 @@ class Events(dict):
 gs = synthetic_graphset(graphs=6, nodes=300, groups=3, child_graphs=False)
 table = F.decode(F.encode(gs))
 functions = [0x7000 + k for k in range(len(table.kernels))]
-attrs = rebuild._AttrSets(table)
+attrs = rebuild.AttrSets(table)
 
 def dump(g):
     buf = ctypes.create_string_buffer(1 << 20)

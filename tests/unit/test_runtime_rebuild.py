@@ -14,7 +14,8 @@ pytest.importorskip("cuda.bindings")
 
 from ember.archive import graph_table as fmt
 from ember.archive.graphs import Edge, Graph, GraphSet, KernelParams, KernelRef, Node, NodeType
-from ember.runtime.graphs import rebuild
+from ember.runtime.graphs import build_graph, rebuild
+from ember.runtime.graphs.prepared import OP_KERNEL
 from ember.runtime.graphs.walk import KERNEL_PARAMS
 from ember_bench.synthetic import synthetic_graphset
 
@@ -98,7 +99,7 @@ def test_kernel_index_out_of_range_names_graph_and_node() -> None:
 def _summary(prep: rebuild.PreparedGraph) -> list:
     out = []
     for op in prep.ops:
-        if op[0] != rebuild.OP_KERNEL:
+        if op[0] != OP_KERNEL:
             out.append(op[0])
             continue
         v = _kernel_struct(op)
@@ -119,7 +120,7 @@ def test_table_fast_path_matches_object_path() -> None:
     gs = synthetic_graphset(graphs=5, nodes=240, groups=2)
     table = fmt.decode(fmt.encode(gs))
     functions = [0x7000 + 16 * i for i in range(len(table.kernels))]
-    sets = rebuild._AttrSets(table)
+    sets = rebuild.AttrSets(table)
     for i in range(table.count):
         slow = rebuild.prepare(table.graph(i), functions, None)
         fast = rebuild.prepare_from_table(table, i, functions, None, sets)
@@ -167,8 +168,8 @@ class _FakeDriverEdges:
 
 def _fake(monkeypatch: pytest.MonkeyPatch) -> _FakeDriverEdges:
     fake = _FakeDriverEdges()
-    monkeypatch.setattr(rebuild.driver, "add_dependencies", fake.add)
-    monkeypatch.setattr(rebuild.driver, "graph_edges", fake.read)
+    monkeypatch.setattr(build_graph.driver, "add_dependencies", fake.add)
+    monkeypatch.setattr(build_graph.driver, "graph_edges", fake.read)
     return fake
 
 
@@ -181,11 +182,11 @@ def test_nondefault_edges_go_one_per_call_before_the_default_batch(monkeypatch: 
     edges = [Edge(0, 1), Edge(1, 2, from_port=1, type=1), Edge(0, 2), Edge(2, 3, from_port=1, type=1)]
     prep = rebuild.prepare(_graph([k, k, k, k], edges), [0x1000], None)
     assert prep.edge_data == bytes(8) + PROG + bytes(8) + PROG  # grouped by destination, stable
-    rebuild.add_edges(object(), prep, [10, 11, 12, 13], "nondefault-single-first")
+    build_graph.add_edges(object(), prep, [10, 11, 12, 13], "nondefault-single-first")
     assert fake.calls == [([11], [12], PROG), ([12], [13], PROG), ([10, 10], [11, 12], None)]
     fake2 = _fake(monkeypatch)
     prep_default = rebuild.prepare(_graph([k, k], [Edge(0, 1)]), [0x1000], None)
-    rebuild.add_edges(object(), prep_default, [20, 21], "nondefault-single-first")
+    build_graph.add_edges(object(), prep_default, [20, 21], "nondefault-single-first")
     assert fake2.calls == [([20], [21], None)]  # no edge data at all: one call, nothing to read back
 
 
@@ -194,9 +195,9 @@ def test_batched_edges_losing_their_data_is_detected(monkeypatch: pytest.MonkeyP
     k = KernelParams(kernel=0, grid=(1, 1, 1), block=(1, 1, 1), shared_mem=0)
     prep = rebuild.prepare(_graph([k, k, k], [Edge(0, 1), Edge(1, 2, from_port=1, type=1)]), [0x1000], None)
     with pytest.raises(rebuild.EdgeDataLost, match=r"\(batched\).*0 non-default\) read back, 2 \(1 non"):
-        rebuild.add_edges(object(), prep, [1, 2, 3], "batched")
+        build_graph.add_edges(object(), prep, [1, 2, 3], "batched")
     fake = _fake(monkeypatch)
-    rebuild.add_edges(object(), prep, [1, 2, 3], "all-single")
+    build_graph.add_edges(object(), prep, [1, 2, 3], "all-single")
     assert [len(c[0]) for c in fake.calls] == [1, 1]
 
 
@@ -209,13 +210,15 @@ def test_build_falls_back_to_the_next_edge_strategy(monkeypatch: pytest.MonkeyPa
 
     def create(flags: int) -> tuple:
         fakes.append(_fake(monkeypatch))
-        return (rebuild.OK, f"graph{len(fakes)}")
+        return (build_graph.OK, f"graph{len(fakes)}")
 
-    monkeypatch.setattr(rebuild.cu, "cuGraphCreate", create)
-    monkeypatch.setattr(rebuild.cu, "cuGraphDestroy", destroyed.append)
-    monkeypatch.setattr(rebuild.cu, "cuGraphAddEmptyNode", lambda g, deps, n: (rebuild.OK, next(handles)))
-    monkeypatch.setattr(rebuild, "EDGE_STRATEGIES", ("batched", "nondefault-single-first"))
-    monkeypatch.setattr(rebuild, "_edge_strategy", [0])
+    monkeypatch.setattr(build_graph.cu, "cuGraphCreate", create)
+    monkeypatch.setattr(build_graph.cu, "cuGraphDestroy", destroyed.append)
+    monkeypatch.setattr(
+        build_graph.cu, "cuGraphAddEmptyNode", lambda g, deps, n: (build_graph.OK, next(handles))
+    )
+    monkeypatch.setattr(build_graph, "EDGE_STRATEGIES", ("batched", "nondefault-single-first"))
+    monkeypatch.setattr(build_graph, "_edge_strategy", [0])
     g = Graph((3,), [Node(NodeType.EMPTY)] * 3, [Edge(0, 1), Edge(1, 2, from_port=1, type=1)])
     built = rebuild.build(rebuild.prepare(g, [], None), None, [])
     assert built == "graph2" and destroyed == ["graph1"]
@@ -223,8 +226,8 @@ def test_build_falls_back_to_the_next_edge_strategy(monkeypatch: pytest.MonkeyPa
     assert fakes[-1].data.count(1) == 2  # the programmatic edge's from_port and type survived
     rebuild.build(rebuild.prepare(g, [], None), None, [])  # the next graph starts with what works
     assert destroyed == ["graph1"]
-    monkeypatch.setattr(rebuild, "EDGE_STRATEGIES", ("batched",))
-    monkeypatch.setattr(rebuild, "_edge_strategy", [0])
+    monkeypatch.setattr(build_graph, "EDGE_STRATEGIES", ("batched",))
+    monkeypatch.setattr(build_graph, "_edge_strategy", [0])
     with pytest.raises(rebuild.RebuildError, match="every edge strategy tried: batched"):
         rebuild.build(rebuild.prepare(g, [], None), None, [])
 
@@ -233,15 +236,15 @@ def test_edge_data_lost_by_the_driver_is_a_rebuild_error(monkeypatch: pytest.Mon
     """What happened through cuda.bindings: edges added, programmatic data gone. Never silent."""
     held: dict[str, tuple] = {}
     monkeypatch.setattr(
-        rebuild.driver,
+        build_graph.driver,
         "add_dependencies",
         lambda g, frm, to, data: held.update(edges=(list(frm), list(to), bytes(8 * len(frm)))),
     )
-    monkeypatch.setattr(rebuild.driver, "graph_edges", lambda g: held["edges"])
+    monkeypatch.setattr(build_graph.driver, "graph_edges", lambda g: held["edges"])
     k = KernelParams(kernel=0, grid=(1, 1, 1), block=(1, 1, 1), shared_mem=0)
     prep = rebuild.prepare(_graph([k, k, k], [Edge(0, 1), Edge(1, 2, from_port=1, type=1)]), [0x1000], None)
     with pytest.raises(rebuild.RebuildError, match=r"edge data lost.*\(1 non-default\) added"):
-        rebuild.add_edges(object(), prep, [1, 2, 3], "all-single")
+        build_graph.add_edges(object(), prep, [1, 2, 3], "all-single")
 
 
 def test_edge_data_problem_compares_multisets() -> None:
@@ -249,9 +252,9 @@ def test_edge_data_problem_compares_multisets() -> None:
     prep = rebuild.prepare(_graph([k, k, k], [Edge(0, 1), Edge(1, 2, from_port=1, type=1)]), [0x1000], None)
     prog = bytes([1, 0, 1, 0, 0, 0, 0, 0])
     # The driver may list edges in another order: same multiset, no problem.
-    assert rebuild.edge_data_problem(prep, [7, 8, 9], ([8, 7], [9, 8], prog + bytes(8))) == ""
-    assert "names a node" in rebuild.edge_data_problem(prep, [7, 8, 9], ([8, 5], [9, 8], prog + bytes(8)))
-    assert rebuild.edge_data_problem(prep, [7, 8, 9], ([7, 8], [8, 9], bytes(16)))
+    assert build_graph.edge_data_problem(prep, [7, 8, 9], ([8, 7], [9, 8], prog + bytes(8))) == ""
+    assert "names a node" in build_graph.edge_data_problem(prep, [7, 8, 9], ([8, 5], [9, 8], prog + bytes(8)))
+    assert build_graph.edge_data_problem(prep, [7, 8, 9], ([7, 8], [8, 9], bytes(16)))
 
 
 def test_edge_data_is_packed_as_cugraphedgedata() -> None:

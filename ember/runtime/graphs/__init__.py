@@ -1,1 +1,2 @@
-"""CUDA graph mechanics: driver calls, walk (graph → archive form), rebuild, kernels, templates."""
+"""CUDA graph mechanics: driver calls, walk (graph → archive form), rebuild (prepare, then build),
+kernels, templates (the restored graphs of one archive and how they are launched)."""

@@ -1,7 +1,8 @@
-"""Thin helpers over cuda.bindings.driver shared by walk, rebuild and the graph library.
+"""Thin helpers over cuda.bindings.driver shared by walk, the rebuild (prepare_*, build_*) and
+the templates.
 
-Only error checking and a few handles live here; the hot loops in `walk` and `rebuild` call the
-driver directly and compare against `OK` inline to keep Python overhead per node low.
+Only error checking and a few handles live here; the hot loops in `walk` and `build_graph` call
+the driver directly and compare against `OK` inline to keep Python overhead per node low.
 """
 
 from __future__ import annotations

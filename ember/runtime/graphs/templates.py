@@ -5,8 +5,10 @@ served by `cuGraphExecUpdate` of the template exec with that graph (the update i
 when the key differs from what the exec holds now). A key the template was switched to gets a
 dedicated exec, instantiated from its own graph in the background after `hot_after` launches
 through an updated template (default one): on H100 an exec updated to a graph ran its decode
-step up to 24 % slower than an exec instantiated from that same graph (docs/runtime.md, "TPOT"),
-so the template only bridges a key's first steps.
+step up to 24 % slower than an exec instantiated from that same graph (gemma3, B=1: 10.536 vs
+8.509 ms, benchmarks/results/graphs-NVIDIA_H100_80GB_HBM3-20261122-114613.md; one exec measured
+both ways: benchmarks/results/switch-diag-H100-20261122-qwen3-8b.json), so the template only
+bridges a key's first steps.
 
 `RestoredGraph` is the small object engines hold: `replay(stream=None)` and `reset()`, like
 torch.cuda.CUDAGraph (transformers' continuous batching registry calls exactly these two).
@@ -35,7 +37,8 @@ from ember.runtime.graphs.driver import OK, CudaError, check, current_context, t
 
 
 class GraphSource(Protocol):
-    """What the library reads graphs from: a GraphSet (via SetSource) or a lazy format.GraphTable."""
+    """What the library reads graphs from: a GraphSet (via SetSource) or a lazily decoded
+    `ember.archive.graph_table.GraphTable`."""
 
     @property
     def keys(self) -> list[tuple[int, ...]]: ...
@@ -143,7 +146,7 @@ class GraphLibrary:
         self.ctx = current_context()
         self.events = _Events()
         # A decoded graph table is prepared straight from its chunks (no Python node objects).
-        self._attr_sets = rebuild._AttrSets(self.source) if hasattr(self.source, "chunk") else None
+        self._attr_sets = rebuild.AttrSets(self.source) if hasattr(self.source, "chunk") else None
         self._prepared: dict[int, rebuild.PreparedGraph] = {}
         self._graphs: dict[int, Any] = {}
         self._templates: dict[int, _Exec] = {}
@@ -194,13 +197,13 @@ class GraphLibrary:
 
     def build_templates(self) -> None:
         """Prepare, build and instantiate one template per group (libember builds and
-        instantiates them in one call, see rebuild.build_native).
+        instantiates them in one call, see build_native.build_native).
 
         Nothing else is started: any other key is prepared and built when it is first asked for
         (one graph: ~10-20 ms at 2,000 nodes). Preparing every graph on worker threads right away
         made the engine's first request wait: its foreground build took turns for the GIL with
-        seconds of background preparation (see docs/runtime.md). `start_background()` builds
-        the rest off the request path when an engine wants it.
+        ~1 s of background preparation (benchmarks/results/cb-nvidia-h200.md: first token 0.89 s).
+        `start_background()` builds the rest off the request path when an engine wants it.
         """
         self.apply_function_attrs()
         t = time.perf_counter()
