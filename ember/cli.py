@@ -1,7 +1,16 @@
-"""The `ember` command line: version, doctor, and the archive and runtime commands."""
+"""The `ember` command line, the composition root: it may import every layer of the core.
+
+Core commands: version, doctor, inspect and verify (ember/archive/commands.py, no GPU), save and
+load (ember/engines/decode/commands.py), serve (ember/serving/server.py). `verify --replay` is
+composed here: the archive's integrity checks, then the runtime's GPU replay. Other packages add
+command groups through the `ember.commands` entry-point group (`ember bench` comes from the
+benchmarks that way), so the core never imports them. Every module imported here keeps torch out
+of its module level: `ember --help` stays cheap.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -14,11 +23,13 @@ from rich.console import Console
 from rich.table import Table
 
 import ember
+from ember.archive import commands as archive_commands
+from ember.engines.decode.commands import load, replay_verify, save
+from ember.serving.server import serve
 
 app = typer.Typer(help="ember: restore saved CUDA graphs instead of capturing them.", no_args_is_help=True)
 console = Console()
-bench = typer.Typer(help="Benchmarks (run the GPU ones on a GPU machine).", no_args_is_help=True)
-app.add_typer(bench, name="bench")
+err_console = Console(stderr=True)
 
 
 @app.command()
@@ -102,13 +113,56 @@ def doctor(
             table.add_row(key, str(value))
         console.print(table)
     raise typer.Exit(0 if report["healthy"] else 1)
-bench.command("fetch")(importlib.import_module("ember_bench.fetch").bench_fetch)
-bench.command("cb")(importlib.import_module("ember_bench.cb").bench_cb)
-app.command("inspect")(importlib.import_module("ember.archive.commands").inspect)
-app.command("verify")(importlib.import_module("ember.archive.commands").verify)
-app.command("serve")(importlib.import_module("ember.serving.server").serve)
-app.command("save")(importlib.import_module("ember.engines.decode.commands").save)
-app.command("load")(importlib.import_module("ember.engines.decode.commands").load)
-bench.command("graphs")(importlib.import_module("ember_bench.graphs").bench_graphs)
-bench.command("claims")(importlib.import_module("ember_bench.claims").bench_claims)
-bench.command("native")(importlib.import_module("ember_bench.native").bench_native)
+
+
+def replay_problems(store_uri: str, identity_hash: str) -> list[str]:
+    """GPU replay of every graph, compared bitwise with SAVE's outputs, as problem sentences."""
+    try:
+        res = replay_verify(store_uri, identity_hash)
+    except Exception as exc:  # no GPU, no libember, driver errors: a problem to report, not a crash
+        return [f"GPU replay failed: {type(exc).__name__}: {exc}"]
+    if res.get("ok"):
+        return []
+    if "refused" in res:
+        return [f"LOAD refused the archive on this machine: {res['refused']}"]
+    differ = res.get("differ", [])
+    return [f"{len(differ)} of {res.get('graphs', 0)} graph(s) replayed differently from SAVE "
+            f"(first keys: {differ[:5]})" if differ else f"replay checked no graph: {res}"]
+
+
+def _reexec_for_replay() -> None:
+    try:
+        # imported here: the session module loads the CUDA bindings, which `ember --help` need not
+        from ember.runtime.session import reexec_under_libember
+
+        reexec_under_libember("load")
+    except Exception as exc:  # replay_problems then reports why replay cannot run here
+        err_console.print(f"[yellow]cannot run under libember here:[/yellow] {exc}")
+
+
+def verify(
+    store_uri: archive_commands.StoreArg,
+    identity_hash: archive_commands.HashArg = None,
+    expect_identity: archive_commands.ExpectIdentityOpt = None,
+    replay: Annotated[bool, typer.Option("--replay", help="Also replay every graph on this GPU vs native.")]
+    = False,
+    as_json: archive_commands.JsonOpt = False,
+) -> None:
+    """Check an archive's integrity without a GPU: manifest, identity, every blob's size and digest,
+    decompression, the graph table's structure. Exit 0 = intact, 1 = problems, 2 = store unreachable.
+    """
+    if replay:
+        _reexec_for_replay()  # LOAD must run under libember: this process is replaced once
+    archive_commands.verify_and_report(store_uri, identity_hash, expect_identity, as_json,
+                                       more=replay_problems if replay else None)
+
+
+app.command("inspect")(archive_commands.inspect)
+app.command("verify")(verify)
+app.command("serve")(serve)
+app.command("save")(save)
+app.command("load")(load)
+
+# Command groups of other installed packages (pyproject.toml [project.entry-points."ember.commands"]).
+for _plugin in importlib.metadata.entry_points(group="ember.commands"):
+    app.add_typer(_plugin.load(), name=_plugin.name)

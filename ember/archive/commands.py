@@ -1,19 +1,16 @@
-"""`ember inspect` and `ember verify`: archives read without a GPU.
+"""`ember inspect` and `ember verify`: archives read and checked without a GPU.
 
-Registered in ember/cli.py. `verify --replay` first re-executes the process under libember in
-load mode (`ember.runtime.session.reexec_under_libember`), checks integrity, then calls the
-runtime's GPU check `ember.engines.decode.commands.replay_verify(store_uri, identity_hash) -> dict`
-({"ok", "graphs", "identical", "differ"} or {"ok": False, "refused": reason}) through
-`replay_problems`, which turns the result into sentences and says so plainly when the runtime
-part is not installed.
+The commands are registered in ember/cli.py. `verify` checks integrity here; its `--replay` option
+(a GPU replay through the runtime) is composed in ember/cli.py, which passes that check to
+`verify_and_report` as `more`: this package never imports the runtime.
 """
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -25,11 +22,13 @@ from ember.store import Store, StoreError, StoreUnavailable, open_store
 console = Console()
 err_console = Console(stderr=True)
 
-REPLAY_MODULE = "ember.engines.decode.commands"
-
 StoreArg = Annotated[str, typer.Argument(help="Store URI (file:///path, s3://bucket/prefix) or directory.")]
 HashArg = Annotated[str | None, typer.Argument(help="Archive identity hash (optional if the store has one).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+ExpectIdentityOpt = Annotated[
+    str | None, typer.Option("--expect-identity", help="Fail unless the archive has this identity hash.")
+]
+MoreChecks = Callable[[str, str], list[str]]  # (store URI, identity hash) -> problems found
 
 
 def _mb(n: int) -> str:
@@ -76,7 +75,7 @@ def archive_report(archive: bundle.Archive, with_graphs: bool = True) -> dict[st
 
 
 def _list_archives(store: Store, as_json: bool) -> None:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for h in store.list_archives():
         try:
             m, _ = bundle.load_manifest_from(store, h)
@@ -100,7 +99,8 @@ def _list_archives(store: Store, as_json: bool) -> None:
     console.print(table if rows else f"no archives in {store.uri}")
 
 
-def _print_archive(archive: bundle.Archive, show_graphs: bool) -> None:
+def _head_table(archive: bundle.Archive) -> Table:
+    """Identity, compat key, engine facts, sizes: one row each."""
     m = archive.manifest
     ident = m.identity
     head = Table(title=f"archive {m.identity_hash}", show_header=False)
@@ -128,42 +128,44 @@ def _print_archive(archive: bundle.Archive, show_graphs: bool) -> None:
     head.add_row("graphs", f"{m.graphs.count} graphs, {m.graphs.nodes:,} nodes, {m.graphs.kernels} kernels, "
                            f"{len(m.graphs.groups)} topology groups")
     head.add_row("node types", ", ".join(f"{k} {v:,}" for k, v in m.graphs.node_types.items()))
-    console.print(head)
+    return head
 
-    groups = Table(title="topology groups")
-    cols = ("#", "signature", "graphs", "template", "nodes", "edges", "keys", "apart from the group above")
-    for col in cols:
-        groups.add_column(col)
+
+def _table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> Table:
+    out = Table(title=title)
+    for col in columns:
+        out.add_column(col)
+    for row in rows:
+        out.add_row(*row)
+    return out
+
+
+def _print_archive(archive: bundle.Archive, show_graphs: bool) -> None:
+    m = archive.manifest
+    console.print(_head_table(archive))
     apart = groups_apart(archive)
-    for i, g in enumerate(m.graphs.groups):
-        groups.add_row(str(i), g.signature[:16], str(len(g.keys)), "x".join(map(str, g.template)),
-                       str(g.nodes), str(g.edges), _keys_text(g.keys), apart[i])
-    console.print(groups)
-
-    blobs = Table(title="blobs")
-    for col in ("name", "sha256", "stored", "uncompressed", "codec"):
-        blobs.add_column(col)
-    for b in m.blobs:
-        blobs.add_row(b.name, b.sha256[:16], _mb(b.compressed_size), _mb(b.size), b.codec)
-    console.print(blobs)
-
+    console.print(_table(
+        "topology groups", ("#", "signature", "graphs", "template", "nodes", "edges", "keys",
+                            "apart from the group above"),
+        [(str(i), g.signature[:16], str(len(g.keys)), "x".join(map(str, g.template)), str(g.nodes),
+          str(g.edges), _keys_text(g.keys), apart[i]) for i, g in enumerate(m.graphs.groups)],
+    ))
+    console.print(_table(
+        "blobs", ("name", "sha256", "stored", "uncompressed", "codec"),
+        [(b.name, b.sha256[:16], _mb(b.compressed_size), _mb(b.size), b.codec) for b in m.blobs],
+    ))
     if m.kernel_images:
-        images = Table(title="kernel images")
-        for col in ("content hash", "kind", "size", "kernels"):
-            images.add_column(col)
-        for im in m.kernel_images:
-            images.add_row(im.content_hash[:16], im.kind, _mb(im.size), str(im.kernels))
-        console.print(images)
-
+        console.print(_table(
+            "kernel images", ("content hash", "kind", "size", "kernels"),
+            [(im.content_hash[:16], im.kind, _mb(im.size), str(im.kernels)) for im in m.kernel_images],
+        ))
     if show_graphs:
         table = archive.graph_table
-        gt = Table(title="graphs")
-        for col in ("key", "group", "nodes", "edges"):
-            gt.add_column(col)
-        for i, k in enumerate(table.keys):
-            gt.add_row("x".join(map(str, k)), str(table.group_of(i)), str(len(table.node_types(i))),
-                       str(len(table.edges(i))))
-        console.print(gt)
+        console.print(_table(
+            "graphs", ("key", "group", "nodes", "edges"),
+            [("x".join(map(str, k)), str(table.group_of(i)), str(len(table.node_types(i))),
+              str(len(table.edges(i)))) for i, k in enumerate(table.keys)],
+        ))
 
 
 def inspect(
@@ -194,55 +196,21 @@ def inspect(
         raise typer.Exit(1) from None
 
 
-def replay_problems(store_uri: str, identity_hash: str) -> list[str]:
-    """GPU replay of every graph, compared bitwise with SAVE's outputs (the runtime's part)."""
-    try:
-        mod = importlib.import_module(REPLAY_MODULE)
-        replay_verify = mod.replay_verify
-    except (ImportError, AttributeError) as exc:
-        return [f"GPU replay is not available in this build ({REPLAY_MODULE}: {exc})"]
-    try:
-        res = replay_verify(store_uri, identity_hash)
-    except Exception as exc:  # no GPU, no libember, driver errors: a problem to report, not a crash
-        return [f"GPU replay failed: {type(exc).__name__}: {exc}"]
-    if res.get("ok"):
-        return []
-    if "refused" in res:
-        return [f"LOAD refused the archive on this machine: {res['refused']}"]
-    differ = res.get("differ", [])
-    return [f"{len(differ)} of {res.get('graphs', 0)} graph(s) replayed differently from SAVE "
-            f"(first keys: {differ[:5]})" if differ else f"replay checked no graph: {res}"]
-
-
-def _reexec_for_replay() -> None:
-    try:
-        from ember.runtime.session import reexec_under_libember
-
-        reexec_under_libember("load")
-    except Exception as exc:  # replay_problems then reports why replay cannot run here
-        err_console.print(f"[yellow]cannot run under libember here:[/yellow] {exc}")
-
-
-def verify(
-    store_uri: StoreArg,
-    identity_hash: HashArg = None,
-    expect_identity: Annotated[
-        str | None, typer.Option("--expect-identity", help="Fail unless the archive has this identity hash.")
-    ] = None,
-    replay: Annotated[bool, typer.Option("--replay", help="Also replay every graph on this GPU vs native.")]
-    = False,
-    as_json: JsonOpt = False,
-) -> None:
-    """Check an archive's integrity without a GPU: manifest, identity, every blob's size and digest,
-    decompression, the graph table's structure. Exit 0 = intact, 1 = problems, 2 = store unreachable.
-    """
-    if replay:
-        _reexec_for_replay()  # LOAD must run under libember: this process is replaced once
+def verify_and_report(
+    store_uri: str,
+    identity_hash: str | None = None,
+    expect_identity: str | None = None,
+    as_json: bool = False,
+    more: MoreChecks | None = None,
+) -> NoReturn:
+    """What `ember verify` does: the integrity checks of `bundle.verify_archive`, then `more` (the
+    GPU replay of `--replay`) when the archive is intact; prints the problems and exits
+    0 = intact, 1 = problems, 2 = store unreachable."""
     try:
         store = open_store(store_uri)
         problems = bundle.verify_archive(store, identity_hash, expect_identity)
-        if replay and not problems:
-            problems += replay_problems(store_uri, bundle.open_archive(store, identity_hash).identity_hash)
+        if more is not None and not problems:
+            problems += more(store_uri, bundle.open_archive(store, identity_hash).identity_hash)
     except StoreUnavailable as exc:
         err_console.print(f"[red]store unavailable:[/red] {exc}")
         raise typer.Exit(2) from None
@@ -260,4 +228,3 @@ def verify(
         which = f"{store_uri} {identity_hash}" if identity_hash else store_uri
         console.print(f"[green]archive OK[/green] ({which})")
     raise typer.Exit(1 if problems else 0)
-

@@ -235,7 +235,7 @@ class GraphTable:
             if counts is None:
                 counts = per_seg[seg] = np.bincount(self._ntyp[seg[0]:seg[0] + seg[1]], minlength=256)
             total += counts
-        return {_type_name(t): int(total[t]) for t in np.nonzero(total)[0]}
+        return {_type_name(int(t)): int(total[t]) for t in np.nonzero(total)[0]}
 
     @property
     def node_total(self) -> int:

@@ -110,10 +110,11 @@ def _with_itemsize(dt: np.dtype, row: int) -> np.dtype:
     """The known fields of `dt` over rows of `row` bytes (newer minors may append fields)."""
     if row == dt.itemsize:
         return dt
-    if dt.names is None:
+    fields = dt.fields
+    if dt.names is None or fields is None:
         raise FormatError(f"row size {row} for a scalar section of {dt.itemsize}-byte items")
-    return np.dtype({"names": list(dt.names), "formats": [dt.fields[n][0] for n in dt.names],
-                     "offsets": [dt.fields[n][1] for n in dt.names], "itemsize": row})
+    return np.dtype({"names": list(dt.names), "formats": [fields[n][0] for n in dt.names],
+                     "offsets": [fields[n][1] for n in dt.names], "itemsize": row})
 
 
 def unpack_container(buf: bytes | memoryview, known: dict[bytes, np.dtype], what: str) -> dict[bytes, Any]:

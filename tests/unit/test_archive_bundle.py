@@ -227,6 +227,44 @@ def test_cli_inspect_and_verify(saved: Saved) -> None:
     assert "truncated" in bad.output
 
 
+def test_cli_verify_replay_runs_the_gpu_check_only_on_an_intact_archive(
+    saved: Saved, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`verify --replay` (composed in ember/cli.py): re-exec under libember first, integrity
+    checks, then the runtime's replay, whose verdict becomes the exit code and the problems."""
+    import ember.cli
+
+    store, result = saved
+    calls: list[str] = []
+    verdict: dict[str, object] = {"ok": True, "graphs": 6, "identical": 6, "differ": []}
+
+    def replay_verify(store_uri: str, identity_hash: str) -> dict[str, object]:
+        calls.append(f"replay {identity_hash}")
+        return verdict
+
+    monkeypatch.setattr(ember.cli, "_reexec_for_replay", lambda: calls.append("reexec"))
+    monkeypatch.setattr(ember.cli, "replay_verify", replay_verify)
+    runner = CliRunner()
+    ok = runner.invoke(app, ["verify", store.uri, "--replay"])
+    assert ok.exit_code == 0 and "archive OK" in ok.output, ok.output
+    assert calls == ["reexec", f"replay {IDENTITY.hash()}"]
+
+    verdict = {"ok": False, "graphs": 6, "identical": 5, "differ": [[3]]}
+    differ = runner.invoke(app, ["verify", store.uri, "--replay", "--json"])
+    assert differ.exit_code == 1
+    assert json.loads(differ.output)["problems"] == [
+        "1 of 6 graph(s) replayed differently from SAVE (first keys: [[3]])"]
+    verdict = {"ok": False, "refused": "compat: another GPU"}
+    refused = runner.invoke(app, ["verify", store.uri, "--replay", "--json"])
+    assert json.loads(refused.output)["problems"] == [
+        "LOAD refused the archive on this machine: compat: another GPU"]
+
+    calls.clear()
+    blob_file(store, result, "graphs").write_bytes(b"garbage")
+    bad = runner.invoke(app, ["verify", store.uri, "--replay"])
+    assert bad.exit_code == 1 and calls == ["reexec"]  # a damaged archive is never replayed
+
+
 def test_cli_lists_archives_when_several(saved: Saved) -> None:
     store, _ = saved
     other = IDENTITY.model_copy(update={"dtype": "float16"})
