@@ -14,6 +14,7 @@ from ember_bench.claims import bench_claims
 from ember_bench.fetch import bench_fetch
 from ember_bench.graphs import bench_graphs
 from ember_bench.native import bench_native
+from ember_bench.parse import bench_parse
 
 app = typer.Typer(help="Benchmarks (run the GPU ones on a GPU machine).", no_args_is_help=True)
 app.command("graphs")(bench_graphs)
@@ -21,3 +22,4 @@ app.command("cb")(bench_cb)
 app.command("fetch")(bench_fetch)
 app.command("claims")(bench_claims)
 app.command("native")(bench_native)
+app.command("parse")(bench_parse)
