@@ -84,136 +84,152 @@ class ArchivePlan:
 def plan_archive(obs: ArchiveObserved, backoff: Backoff) -> ArchivePlan:
     st = obs.status.model_copy(deep=True)
     plan = ArchivePlan(status=st)
-    now = obs.now
     st.observed_generation = obs.generation
+    if _collect_garbage(obs, plan, backoff):
+        return plan
 
-    # GC clock: an archive nobody uses is deleted after the retention period.
-    if obs.references > 0:
-        st.unreferenced_since = None
-    else:
-        since = parse_time(st.unreferenced_since) or now
-        st.unreferenced_since = rfc3339(since)
-        if backoff.retention_s > 0 and (now - since).total_seconds() >= backoff.retention_s:
-            plan.delete = True
-            plan.events.append(Event("Normal", "GarbageCollected",
-                                     f"unreferenced for {backoff.retention_s:.0f}s; deleting"))
-            return plan
-
-    def set_saved(ok: bool | None, reason: str, message: str) -> None:
-        st.conditions = conditions.put(st.conditions, SAVED, ok, reason, message, obs.generation, now)
-
-    def retry_in(delay: float, renew: bool = True) -> None:
-        """Schedule the next try; `renew` moves a retry time that has passed (probe failures)."""
-        retry_at = parse_time(st.next_retry_time)
-        if retry_at is None or (renew and retry_at < now):
-            retry_at = now + timedelta(seconds=delay)
-            st.next_retry_time = rfc3339(retry_at)
-        plan.requeue_after = max(1.0, (retry_at - now).total_seconds())
-
-    old_conditions = list(obs.status.conditions)
-    old_phase = obs.status.phase
     probe = obs.probe
-    manifest = probe.manifest
-
-    if manifest is not None:
-        if st.phase is not GAPhase.available:
-            plan.saved_now = True
-            st.completion_time = rfc3339(now)
-        st.phase = GAPhase.available
-        st.uri, st.digest, st.bytes = manifest.uri, manifest.digest, manifest.bytes
-        st.graphs = manifest.graphs
-        st.compat_key = CompatKeySummary.model_validate(manifest.compat) if manifest.compat else st.compat_key
-        st.failure_reason = None
-        st.next_retry_time = None
-        if obs.result is not None and obs.result.succeeded and obs.result.durations:
-            st.durations = obs.result.durations  # the SAVE pod's own stage timings
-        set_saved(True, "ManifestFound", f"archive at {manifest.uri}")
+    if probe.manifest is not None:
+        _manifest_found(obs, plan, probe.manifest)
     elif probe.secret_missing:
         secret = obs.spec.store.credentials_secret
-        st.phase = GAPhase.pending
-        st.failure_reason = (f"credentials Secret {secret!r} not found in namespace {obs.namespace}: "
-                             "create it there with keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
-        retry_in(backoff.base_s)
-        set_saved(False, "CredentialsSecretMissing", st.failure_reason)
+        _store_trouble(obs, plan, backoff, "CredentialsSecretMissing",
+                       f"credentials Secret {secret!r} not found in namespace {obs.namespace}: "
+                       "create it there with keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
     elif probe.unreachable:
-        st.phase = GAPhase.pending
-        st.failure_reason = (f"store {obs.spec.store.uri()} unreachable: {probe.unreachable}; check "
-                             "spec.store (bucket, endpoint) and that the operator can reach it")[:1024]
-        retry_in(backoff.base_s)
-        set_saved(False, "StoreUnreachable", st.failure_reason)
+        _store_trouble(obs, plan, backoff, "StoreUnreachable",
+                       (f"store {obs.spec.store.uri()} unreachable: {probe.unreachable}; check "
+                        "spec.store (bucket, endpoint) and that the operator can reach it")[:1024])
     else:
-        _plan_save(obs, plan, backoff, set_saved, retry_in)
+        _plan_save(obs, plan, backoff)
 
-    plan.events = conditions.transitions(old_conditions, st.conditions)
+    old_phase = obs.status.phase
+    plan.events = conditions.transitions(obs.status.conditions, st.conditions)
     if old_phase != st.phase and st.phase is not None:
         plan.events.append(Event("Normal" if st.phase is not GAPhase.failed else "Warning", "Phase",
                                  f"phase {old_phase.value if old_phase else 'None'} → {st.phase.value}"))
     return plan
 
 
-def _plan_save(
-    obs: ArchiveObserved, plan: ArchivePlan, backoff: Backoff, set_saved: Any, retry_in: Any,
-) -> None:
+def _collect_garbage(obs: ArchiveObserved, plan: ArchivePlan, backoff: Backoff) -> bool:
+    """The GC clock: an archive nobody uses is deleted after the retention period. True: delete."""
+    st, now = plan.status, obs.now
+    if obs.references > 0:
+        st.unreferenced_since = None
+        return False
+    since = parse_time(st.unreferenced_since) or now
+    st.unreferenced_since = rfc3339(since)
+    if backoff.retention_s > 0 and (now - since).total_seconds() >= backoff.retention_s:
+        plan.delete = True
+        plan.events.append(Event("Normal", "GarbageCollected",
+                                 f"unreferenced for {backoff.retention_s:.0f}s; deleting"))
+        return True
+    return False
+
+
+def _set_saved(obs: ArchiveObserved, plan: ArchivePlan, ok: bool | None, reason: str, message: str) -> None:
     st = plan.status
-    now = obs.now
+    st.conditions = conditions.put(st.conditions, SAVED, ok, reason, message, obs.generation, obs.now)
+
+
+def _retry_in(obs: ArchiveObserved, plan: ArchivePlan, delay: float, renew: bool = True) -> None:
+    """Schedule the next try; `renew` moves a retry time that has passed (probe failures)."""
+    st, now = plan.status, obs.now
+    retry_at = parse_time(st.next_retry_time)
+    if retry_at is None or (renew and retry_at < now):
+        retry_at = now + timedelta(seconds=delay)
+        st.next_retry_time = rfc3339(retry_at)
+    plan.requeue_after = max(1.0, (retry_at - now).total_seconds())
+
+
+def _manifest_found(obs: ArchiveObserved, plan: ArchivePlan, manifest: ManifestInfo) -> None:
+    st = plan.status
+    if st.phase is not GAPhase.available:
+        plan.saved_now = True
+        st.completion_time = rfc3339(obs.now)
+    st.phase = GAPhase.available
+    st.uri, st.digest, st.bytes = manifest.uri, manifest.digest, manifest.bytes
+    st.graphs = manifest.graphs
+    st.compat_key = CompatKeySummary.model_validate(manifest.compat) if manifest.compat else st.compat_key
+    st.failure_reason = None
+    st.next_retry_time = None
+    if obs.result is not None and obs.result.succeeded and obs.result.durations:
+        st.durations = obs.result.durations  # the SAVE pod's own stage timings
+    _set_saved(obs, plan, True, "ManifestFound", f"archive at {manifest.uri}")
+
+
+def _store_trouble(
+    obs: ArchiveObserved, plan: ArchivePlan, backoff: Backoff, reason: str, message: str
+) -> None:
+    """The store cannot be used (credentials, reachability): Pending, retried soon."""
+    st = plan.status
+    st.phase = GAPhase.pending
+    st.failure_reason = message
+    _retry_in(obs, plan, backoff.base_s)
+    _set_saved(obs, plan, False, reason, message)
+
+
+def _plan_save(obs: ArchiveObserved, plan: ArchivePlan, backoff: Backoff) -> None:
+    """No manifest yet: the current attempt's SAVE Job decides (create, wait, fail, retry)."""
+    st = plan.status
     attempt = st.attempt
     job_name = naming.save_job_name(obs.spec.identity_hash, attempt)
     job = obs.jobs.get(job_name)
-
-    if job is None:
-        if st.phase is GAPhase.failed and st.save_job == job_name:
-            # The failed Job was removed by hand: treat as failed, retry on schedule.
-            state = "Failed"
-        else:
-            plan.create_job_attempt = attempt
-            st.phase = GAPhase.saving
-            st.save_job = job_name
-            st.save_started_time = rfc3339(now)
-            st.failure_reason = None
-            st.next_retry_time = None
-            set_saved(False, "SaveRunning", f"SAVE Job {job_name} (attempt {attempt}) created")
-            return
-    else:
-        state = job_state(job)
-        st.save_job = job_name
-
+    if job is None and not (st.phase is GAPhase.failed and st.save_job == job_name):
+        st.failure_reason = None
+        _create_job(obs, plan, attempt, f"SAVE Job {job_name} (attempt {attempt}) created")
+        return
+    # A failed Job that was removed by hand counts as failed: retried on schedule.
+    state = job_state(job) if job is not None else "Failed"
+    st.save_job = job_name
     if state == "Active":
         st.phase = GAPhase.saving
-        set_saved(False, "SaveRunning", f"SAVE Job {job_name} (attempt {attempt}) running")
+        _set_saved(obs, plan, False, "SaveRunning", f"SAVE Job {job_name} (attempt {attempt}) running")
         return
-
     if state == "Succeeded":
-        done = parse_time(((job or {}).get("status") or {}).get("completionTime")) or now
-        if (now - done).total_seconds() < backoff.grace_s:
+        done = parse_time(((job or {}).get("status") or {}).get("completionTime")) or obs.now
+        if (obs.now - done).total_seconds() < backoff.grace_s:
             st.phase = GAPhase.saving
-            set_saved(False, "Verifying", f"SAVE Job {job_name} succeeded; waiting for its manifest")
+            _set_saved(obs, plan, False, "Verifying",
+                       f"SAVE Job {job_name} succeeded; waiting for its manifest")
             plan.requeue_after = 1.0
             if obs.result is not None:
                 st.durations = obs.result.durations or st.durations
             return
         reason = f"SAVE Job {job_name} succeeded but no manifest appeared in {obs.spec.store.uri()}"
-        kind = "ManifestMissing"
+        _failed_attempt(obs, plan, backoff, reason, "ManifestMissing")
     else:
         detail = (obs.result.reason if obs.result is not None else "") or job_failure(job or {}) or "failed"
-        reason = f"SAVE Job {job_name} failed: {detail}"
-        kind = "SaveFailed"
+        _failed_attempt(obs, plan, backoff, f"SAVE Job {job_name} failed: {detail}", "SaveFailed")
 
-    # Failed attempt: wait out the backoff, then start the next attempt.
+
+def _create_job(obs: ArchiveObserved, plan: ArchivePlan, attempt: int, message: str) -> None:
+    st = plan.status
+    plan.create_job_attempt = attempt
+    st.save_job = naming.save_job_name(obs.spec.identity_hash, attempt)
+    st.save_started_time = rfc3339(obs.now)
+    st.phase = GAPhase.saving
+    st.next_retry_time = None
+    _set_saved(obs, plan, False, "SaveRunning", message)
+
+
+def _failed_attempt(
+    obs: ArchiveObserved, plan: ArchivePlan, backoff: Backoff, reason: str, kind: str
+) -> None:
+    """Failed: wait out the backoff, then start the next attempt."""
+    st = plan.status
+    attempt = st.attempt
     if st.phase is not GAPhase.failed:
         plan.save_failed_now = True
         st.phase = GAPhase.failed
         st.next_retry_time = None
     st.failure_reason = reason[:1024]
-    retry_in(backoff.delay(attempt), renew=False)
+    _retry_in(obs, plan, backoff.delay(attempt), renew=False)
     retry_at = parse_time(st.next_retry_time)
-    if retry_at is not None and now >= retry_at:
+    if retry_at is not None and obs.now >= retry_at:
         st.attempt = attempt + 1
-        st.next_retry_time = None
-        plan.create_job_attempt = st.attempt
-        st.save_job = naming.save_job_name(obs.spec.identity_hash, st.attempt)
-        st.save_started_time = rfc3339(now)
-        st.phase = GAPhase.saving
-        set_saved(False, "SaveRunning", f"retrying: SAVE Job {st.save_job} (attempt {st.attempt}) created")
+        job_name = naming.save_job_name(obs.spec.identity_hash, st.attempt)
+        _create_job(obs, plan, st.attempt, f"retrying: SAVE Job {job_name} (attempt {st.attempt}) created")
         plan.requeue_after = None
         return
-    set_saved(False, kind, f"{reason}; retrying at {st.next_retry_time}")
+    _set_saved(obs, plan, False, kind, f"{reason}; retrying at {st.next_retry_time}")

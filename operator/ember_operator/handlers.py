@@ -86,6 +86,7 @@ async def _reconcile(runner: Runner, namespace: str, name: str) -> None:
         runner.poke_later(namespace, name, float(delay))
 
 
+# long: a flat list of kopf handler registrations; kopf names handlers by qualname (register.<locals>.x)
 def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | None = None) -> Reconciler:
     """Register every handler on `registry`; returns the reconciler they share."""
     rec = Reconciler(kube or Kube(pool_size=max(32, settings.claim_concurrency * 2)), settings)

@@ -50,7 +50,7 @@ from ember_operator.kube import (
     pods_path,
     secret_path,
 )
-from ember_operator.planning import Context, Observed, free_names, plan_deployment, template_of
+from ember_operator.planning import Context, Observed, Plan, free_names, plan_deployment, template_of
 from ember_operator.pods import PodTemplate, StoreAccess, serving_pod
 from ember_operator.pools import plan_pools
 from ember_operator.settings import Settings
@@ -154,22 +154,7 @@ class Reconciler:
                       "fixed: %s", ns, name, exc)
             self.post_events(md, [Event("Warning", "InvalidSpec", str(exc)[:1024])])
             return
-        ident_hash = spec.identity().hash()
-        warm_selector = naming.warm_selector(template.pool_key)
-        # Independent reads in parallel: they are most of a reconcile's latency (claims wait on it).
-        reads = [
-            self.pool.submit(self.kube.get, ga_path(ns, naming.archive_name(ident_hash))),
-            self.pool.submit(self.kube.list, pods_path(ns), naming.selector(name)),
-            self.pool.submit(self.kube.list, pods_path(ns), warm_selector),
-            self.pool.submit(self.kube.get, hpa_path(ns, naming.hpa_name(name))),
-        ]
-        ga, pods, warm, hpa = (r.result() for r in reads)
-        obs = Observed(
-            name=name, namespace=ns, uid=meta["uid"], generation=int(meta.get("generation") or 0),
-            spec=spec, status=status, now=self.clock(), labels=dict(meta.get("labels") or {}),
-            archive=ArchiveView.of(ga) if ga else None,
-            pods=[PodView.of(p) for p in pods], warm=[PodView.of(p) for p in warm], hpa=hpa,
-        )
+        obs = self._observe_deployment(ns, name, meta, spec, status, template)
         plan = plan_deployment(obs, self.ctx)
         planned = time.perf_counter()
 
@@ -177,8 +162,45 @@ class Reconciler:
             self.kube.patch(md_path(ns, name), {"metadata": {"labels": plan.labels}})
         if plan.archive_create is not None:
             self.kube.create(ga_path(ns), plan.archive_create)
+        claimed = self._apply_pods(obs, plan, template, started, planned)
+        self._apply_hpa(ns, name, plan, obs.hpa)
 
-        # Claims first (they are the fast path), then cold pods for what could not be claimed.
+        metrics.RESTORE_FALLBACKS.labels(ns, name).set(plan.status.fallback_count)
+        self._patch_status(md_path(ns, name), md.get("status"), plan.status.wire())
+        self.post_events(md, plan.events)
+        # Pools change when this deployment claimed from one or asks for one, or (spec edits) may
+        # have stopped asking: never on every pass of every deployment (that is O(deployments²)).
+        spec_changed = status.observed_generation != obs.generation
+        if claimed or spec.warm_pool.size or (obs.warm and spec_changed):
+            self.reconcile_pools(ns)
+
+    def _observe_deployment(
+        self, ns: str, name: str, meta: dict[str, Any], spec: ModelDeploymentSpec,
+        status: ModelDeploymentStatus, template: PodTemplate,
+    ) -> Observed:
+        """Everything planning needs, read in parallel (the reads are most of a reconcile's
+        latency, and claims wait on them)."""
+        ident_hash = spec.identity().hash()
+        reads = [
+            self.pool.submit(self.kube.get, ga_path(ns, naming.archive_name(ident_hash))),
+            self.pool.submit(self.kube.list, pods_path(ns), naming.selector(name)),
+            self.pool.submit(self.kube.list, pods_path(ns), naming.warm_selector(template.pool_key)),
+            self.pool.submit(self.kube.get, hpa_path(ns, naming.hpa_name(name))),
+        ]
+        ga, pods, warm, hpa = (r.result() for r in reads)
+        return Observed(
+            name=name, namespace=ns, uid=meta["uid"], generation=int(meta.get("generation") or 0),
+            spec=spec, status=status, now=self.clock(), labels=dict(meta.get("labels") or {}),
+            archive=ArchiveView.of(ga) if ga else None,
+            pods=[PodView.of(p) for p in pods], warm=[PodView.of(p) for p in warm], hpa=hpa,
+        )
+
+    def _apply_pods(
+        self, obs: Observed, plan: Plan, template: PodTemplate, started: float, planned: float
+    ) -> int:
+        """Claims first (they are the fast path), then cold pods for what could not be claimed,
+        then deletions. Returns the number of warm pods claimed."""
+        ns, name = obs.namespace, obs.name
         claimed, lost = self._claim(ns, plan.claims, started)
         if plan.claims:
             log.info("ModelDeployment %s/%s claimed %d warm pod(s) (%d lost): read+plan %.0f ms, "
@@ -195,7 +217,9 @@ class Reconciler:
         if creates:
             metrics.COLD_PODS_TOTAL.inc(len(creates))
         self._parallel(lambda pod: self.kube.delete(pods_path(ns, pod)), plan.deletes)
+        return claimed
 
+    def _apply_hpa(self, ns: str, name: str, plan: Plan, hpa: dict[str, Any] | None) -> None:
         if plan.hpa_apply is not None:
             if hpa is None:
                 self.kube.create(hpa_path(ns), plan.hpa_apply)
@@ -203,15 +227,6 @@ class Reconciler:
                 self.kube.patch(hpa_path(ns, naming.hpa_name(name)), {"spec": plan.hpa_apply["spec"]})
         elif plan.hpa_delete:
             self.kube.delete(hpa_path(ns, naming.hpa_name(name)))
-
-        metrics.RESTORE_FALLBACKS.labels(ns, name).set(plan.status.fallback_count)
-        self._patch_status(md_path(ns, name), md.get("status"), plan.status.wire())
-        self.post_events(md, plan.events)
-        # Pools change when this deployment claimed from one or asks for one, or (spec edits) may
-        # have stopped asking: never on every pass of every deployment (that is O(deployments²)).
-        spec_changed = status.observed_generation != obs.generation
-        if claimed or spec.warm_pool.size or (obs.warm and spec_changed):
-            self.reconcile_pools(ns)
 
     def _claim(self, ns: str, claims: list[tuple[str, dict[str, Any]]], started: float) -> tuple[int, int]:
         def one(item: tuple[str, dict[str, Any]]) -> bool:

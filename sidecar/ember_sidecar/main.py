@@ -56,8 +56,8 @@ def run(settings: Settings, stop: threading.Event | None = None) -> int:
     if settings.store:
         cache.warm(settings.store)  # the pool's store (EMBER_STORE): client ready before a claim
     metrics = Metrics()
-    reporter: Reporter
     api_client: Any = None
+    reporter: Reporter
     if settings.standalone:
         reporter = LogReporter()
     else:
@@ -75,39 +75,15 @@ def run(settings: Settings, stop: threading.Event | None = None) -> int:
              "standalone" if settings.standalone else f"pod {settings.namespace}/{settings.pod_name}")
     with contextlib.suppress(OSError):  # lets scripts find the port when started with --port 0
         (settings.run_dir / contract.SIDECAR_PORT_FILE).write_text(str(server.port))
-
-    def poll() -> None:
-        while not stop.is_set():
-            try:
-                restorer.poll_engine()
-            except Exception:
-                log.exception("Polling engine reports failed")
-            stop.wait(0.05)
-
-    threading.Thread(target=poll, name="ember-engine-poll", daemon=True).start()
+    _start_thread(_poll_engine, restorer, stop, name="ember-engine-poll")
 
     if settings.standalone:
-        archive = settings.standalone_archive()
-        identity = settings.identity or manifest_identity(archive) or ""
-        if not archive or not identity:
-            log.error("Standalone mode needs --archive MANIFEST_URI or --store URI --identity HASH")
+        if not _claim_standalone(settings, restorer):
             server.close()
             return 2
-        restorer.claim(Claim(archive, identity))
     else:
-        from ember_sidecar.watching import PodWatcher
-
-        def on_pod(pod: dict[str, Any], observed_at: float) -> None:
-            assert isinstance(reporter, KubeReporter)
-            reporter.update_pod(pod)
-            restorer.on_annotations((pod.get("metadata") or {}).get("annotations") or {}, observed_at)
-
-        def on_gone(why: str) -> None:
-            log.info("Pod %s/%s is %s: stopping", settings.namespace, settings.pod_name, why)
-            stop.set()
-
-        watcher = PodWatcher(api_client, settings.namespace, settings.pod_name, on_pod, on_gone, stop)
-        threading.Thread(target=watcher.run, name="ember-pod-watch", daemon=True).start()
+        assert isinstance(reporter, KubeReporter)
+        _watch_own_pod(settings, api_client, reporter, restorer, stop)
 
     while not stop.wait(0.5):
         pass
@@ -115,6 +91,49 @@ def run(settings: Settings, stop: threading.Event | None = None) -> int:
     server.close()
     log.info("Sidecar stopped (%d partial files removed)", removed)
     return 0
+
+
+def _start_thread(fn: Any, *args: Any, name: str) -> None:
+    threading.Thread(target=fn, args=args, name=name, daemon=True).start()
+
+
+def _poll_engine(restorer: Restorer, stop: threading.Event) -> None:
+    """Engine reports → metrics, results, readiness; every 50 ms until stopped."""
+    while not stop.is_set():
+        try:
+            restorer.poll_engine()
+        except Exception:
+            log.exception("Polling engine reports failed")
+        stop.wait(0.05)
+
+
+def _claim_standalone(settings: Settings, restorer: Restorer) -> bool:
+    """No Kubernetes: the claim comes from the settings. False when they name no archive."""
+    archive = settings.standalone_archive()
+    identity = settings.identity or manifest_identity(archive) or ""
+    if not archive or not identity:
+        log.error("Standalone mode needs --archive MANIFEST_URI or --store URI --identity HASH")
+        return False
+    restorer.claim(Claim(archive, identity))
+    return True
+
+
+def _watch_own_pod(
+    settings: Settings, api_client: Any, reporter: KubeReporter, restorer: Restorer, stop: threading.Event
+) -> None:
+    """Every version of this pod goes to the restorer (claims, prefetch); its deletion stops us."""
+    from ember_sidecar.watching import PodWatcher
+
+    def on_pod(pod: dict[str, Any], observed_at: float) -> None:
+        reporter.update_pod(pod)
+        restorer.on_annotations((pod.get("metadata") or {}).get("annotations") or {}, observed_at)
+
+    def on_gone(why: str) -> None:
+        log.info("Pod %s/%s is %s: stopping", settings.namespace, settings.pod_name, why)
+        stop.set()
+
+    watcher = PodWatcher(api_client, settings.namespace, settings.pod_name, on_pod, on_gone, stop)
+    _start_thread(watcher.run, name="ember-pod-watch")
 
 
 cli = typer.Typer(add_completion=False)
