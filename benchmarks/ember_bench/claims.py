@@ -37,8 +37,13 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from ember import contract
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH_PRODUCT = "NVIDIA-EMBER-BENCH"
+MD = (contract.GROUP, contract.VERSION)  # the ModelDeployment API (with contract.MODEL_DEPLOYMENTS)
+WARM = f"{contract.LABEL_POOL}={contract.POOL_WARM}"  # label selectors of warm and claimed pods
+SERVING = f"{contract.LABEL_POOL}={contract.POOL_SERVING}"
 console = Console()
 
 
@@ -47,7 +52,7 @@ def fake_gpu_nodes(prefix: str, product: str, count: int = 2, gpus: int = 512) -
     nodes = []
     for i in range(count):
         name = f"{prefix}-{i}"
-        capacity = {"cpu": "4096", "memory": "64Ti", "pods": str(gpus * 4), "nvidia.com/gpu": str(gpus)}
+        capacity = {"cpu": "4096", "memory": "64Ti", "pods": str(gpus * 4), contract.GPU_RESOURCE: str(gpus)}
         nodes.append({
             "apiVersion": "v1",
             "kind": "Node",
@@ -56,9 +61,9 @@ def fake_gpu_nodes(prefix: str, product: str, count: int = 2, gpus: int = 512) -
                 "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
                 "labels": {"type": "kwok", "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
                            "kubernetes.io/arch": "amd64", "nvidia.com/gpu.present": "true",
-                           "nvidia.com/gpu.product": product},
+                           contract.GPU_PRODUCT_NODE_LABEL: product},
             },
-            "spec": {"taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]},
+            "spec": {"taints": [{"key": contract.GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}]},
             "status": {"capacity": capacity, "allocatable": capacity},
         })
     return nodes
@@ -210,7 +215,7 @@ class _Bench:
             # The operator is gone: drop its cleanup finalizers so the namespace can be deleted.
             for md in self.deployments():
                 self.custom.patch_namespaced_custom_object(
-                    "ember.dev", "v1alpha1", self.ns, "modeldeployments", md["metadata"]["name"],
+                    *MD, self.ns, contract.MODEL_DEPLOYMENTS, md["metadata"]["name"],
                     {"metadata": {"finalizers": None}})
         with contextlib.suppress(Exception):
             self.core.delete_namespace(self.ns)
@@ -239,15 +244,15 @@ class _Bench:
                       kernel_images=synthetic_images())
 
     def create_md(self, name: str, spec: dict[str, Any]) -> None:
-        body = {"apiVersion": "ember.dev/v1alpha1", "kind": "ModelDeployment",
+        body = {"apiVersion": contract.API_VERSION, "kind": contract.KIND_MODEL_DEPLOYMENT,
                 "metadata": {"name": name}, "spec": spec}
         self.custom.create_namespaced_custom_object(
-            "ember.dev", "v1alpha1", self.ns, "modeldeployments", body)
+            *MD, self.ns, contract.MODEL_DEPLOYMENTS, body)
 
     def deployments(self) -> list[dict[str, Any]]:
         """The ModelDeployments of the bench's namespace (plain dicts)."""
         body: Any = self.custom.list_namespaced_custom_object(
-            "ember.dev", "v1alpha1", self.ns, "modeldeployments")
+            *MD, self.ns, contract.MODEL_DEPLOYMENTS)
         return list(body["items"])
 
     def pods(self, selector: str) -> list[Any]:
@@ -270,7 +275,7 @@ class _Bench:
         self.create_md("claims", spec)
 
         def warm_ready() -> bool:
-            pods = self.pods("ember.dev/pool=warm")
+            pods = self.pods(WARM)
             ready = sum(any(c.type == "Ready" and c.status == "True" for c in (p.status.conditions or []))
                         for p in pods)
             return len(pods) >= replicas and ready >= replicas
@@ -290,15 +295,15 @@ class _Bench:
         time.sleep(0.5)
         t0 = time.monotonic()
         self.custom.patch_namespaced_custom_object_scale(
-            "ember.dev", "v1alpha1", self.ns, "modeldeployments", "claims", {"spec": {"replicas": replicas}})
+            *MD, self.ns, contract.MODEL_DEPLOYMENTS, "claims", {"spec": {"replicas": replicas}})
         thread.join(timeout=120)
         done.set()
         latencies = sorted((t - t0) * 1000 for t in seen.values())
-        serving = self.pods("ember.dev/deployment=claims,ember.dev/pool=serving")
+        serving = self.pods(f"{contract.LABEL_DEPLOYMENT}=claims,{SERVING}")
         cold = [p for p in serving if not p.metadata.name.startswith("ember-warm-")]
         metrics = _scrape(self.metrics_port)
         t = time.monotonic()
-        self.wait(lambda: len(self.pods("ember.dev/pool=warm")) >= replicas, "pool replenished", 300)
+        self.wait(lambda: len(self.pods(WARM)) >= replicas, "pool replenished", 300)
         return {
             "replicas": replicas,
             "claimed": len(seen),
@@ -320,8 +325,8 @@ class _Bench:
                               timeout_seconds=300):
             pod = event["object"]
             labels = pod.metadata.labels or {}
-            ours = labels.get("ember.dev/deployment") == deployment
-            if ours and labels.get("ember.dev/pool") == "serving":
+            ours = labels.get(contract.LABEL_DEPLOYMENT) == deployment
+            if ours and labels.get(contract.LABEL_POOL) == contract.POOL_SERVING:
                 seen.setdefault(pod.metadata.name, time.monotonic())
             if len(seen) >= replicas or done.is_set():
                 w.stop()

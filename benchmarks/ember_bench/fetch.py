@@ -135,8 +135,8 @@ class _Runs:
 def _sidecar_run(settings: Any, store_uri: str, archive_uri: str, identity_hash: str, run_dir: Path,
                  runs: _Runs) -> None:
     """One claim through the sidecar's own `Restorer`, timed until the engine side has the archive."""
+    from ember.contract import Claim
     from ember.handoff import HandoffWriter, wait_for_archive
-    from ember_sidecar.claims import Claim
     from ember_sidecar.fetching import ArchiveCache
     from ember_sidecar.metrics import Metrics
     from ember_sidecar.reporting import LogReporter
