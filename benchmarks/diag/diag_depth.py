@@ -36,7 +36,7 @@ from torch import nn
 from ember.engines.decode.model import DecodeWorkload, tensor_at
 from ember.runtime.graphs.driver import add_dependencies, check, graph_edges, torch_stream_handle
 from ember.runtime.proof.measures import first_divergence
-from ember.runtime.proof.prove import decode_trace, fingerprint, tpot_ms
+from ember.runtime.proof.replay import decode_trace, fingerprint, tpot_ms
 
 REPLAYS = 6
 

@@ -22,7 +22,8 @@ from ember.engines.decode.model import DEFAULT_SIZES, DecodeWorkload
 from ember.runtime.graphs.kernels import LiveResolver
 from ember.runtime.graphs.templates import GraphLibrary
 from ember.runtime.graphs.walk import GraphWalker
-from ember.runtime.proof.prove import decode_tokens, prove, tpot_ms
+from ember.runtime.proof.prove import prove
+from ember.runtime.proof.replay import decode_tokens, tpot_ms
 
 
 def load_like(blob: bytes, resolver: LiveResolver, out: dict[str, Any]) -> GraphLibrary:

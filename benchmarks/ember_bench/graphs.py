@@ -44,7 +44,7 @@ def role_native(args: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from ember.engines.decode.commands import make_workload, parse_sizes
-    from ember.runtime.proof.prove import decode_trace, replay_fingerprints, tpot_ms
+    from ember.runtime.proof.replay import decode_trace, replay_fingerprints, tpot_ms
     from ember.runtime.session import ensure_context
 
     ensure_context()
@@ -76,7 +76,7 @@ def _tpot_reinstantiated(w: Any, batches: list[int]) -> dict[str, float]:
 
     from ember.runtime.graphs.driver import OK, torch_stream_handle
     from ember.runtime.graphs.rebuild import instantiate
-    from ember.runtime.proof.prove import tpot_ms
+    from ember.runtime.proof.replay import tpot_ms
 
     execs: dict[tuple[int, ...], Any] = {
         (b,): instantiate(cu.CUgraph(int(w.graphs[(b,)].raw_cuda_graph()))) for b in batches
@@ -97,7 +97,7 @@ def role_load(args: dict[str, Any]) -> dict[str, Any]:
     from ember.engines.decode.commands import replay_verify_loaded
     from ember.runtime.adapter import Refused
     from ember.runtime.load import attempt_marker
-    from ember.runtime.proof.prove import decode_trace, tpot_ms
+    from ember.runtime.proof.replay import decode_trace, tpot_ms
 
     try:
         loaded = load_workload(args["store"], args["identity"], perturb_first=True, log=lambda m: None)
@@ -128,7 +128,7 @@ def role_load(args: dict[str, Any]) -> dict[str, Any]:
         out["decode_sha256"] = {b: t["sha256"] for b, t in traces.items()}
         out["decode_steps"] = {b: t["steps"] for b, t in traces.items()}
         out["replay"] = replay_verify_loaded(loaded)
-    from ember.runtime.proof.prove import replay_fingerprints
+    from ember.runtime.proof.replay import replay_fingerprints
 
     out["fingerprints"] = replay_fingerprints(
         w, loaded.launch, [tuple(k) for k in lib.keys], lambda k: loaded.outputs[k]

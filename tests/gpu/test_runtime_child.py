@@ -21,7 +21,7 @@ def main() -> None:
     from ember.engines.decode.adapter import load_workload
     from ember.engines.decode.commands import make_workload, parse_sizes
     from ember.runtime.adapter import Refused
-    from ember.runtime.proof.prove import decode_tokens
+    from ember.runtime.proof.replay import decode_tokens
     from ember.runtime.session import native_session
 
     ip = native_session("load", perturb_first=args.get("perturb", True))

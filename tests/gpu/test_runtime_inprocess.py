@@ -37,7 +37,7 @@ def _prove(name: str, layers: int, sizes: tuple[int, ...]) -> None:
     assert rep.template_ok == len(sizes)
     assert len(blob) > 0 and rep.templates <= len(sizes)
     # A restored library can decode greedily by replay alone, identically to the native graphs.
-    from ember.runtime.proof.prove import decode_tokens
+    from ember.runtime.proof.replay import decode_tokens
 
     native, _ = decode_tokens(w, lambda k: w.graphs[k].replay(), sizes[-1], steps=16)
     restored, _ = decode_tokens(w, lambda k: lib.launch(lib.key_index(k)), sizes[-1], steps=16)
@@ -78,7 +78,7 @@ def test_native_decoding_is_reproducible_past_one_attention_block() -> None:
     """Two 160-step greedy decodes by replay from one state give the same tokens (the SDPA kernel
     used before did not, from about step 64 on, so nothing could be proven against it)."""
     from ember.engines.decode.model import DecodeWorkload
-    from ember.runtime.proof.prove import decode_tokens
+    from ember.runtime.proof.replay import decode_tokens
 
     w = DecodeWorkload.from_name("llama3-8b", layers=4, sizes=(1, 8))
     w.build()

@@ -28,7 +28,7 @@ from ember.native import Interposer
 from ember.runtime.adapter import COMPAT, LOAD, GraphKey, Refused
 from ember.runtime.graphs.templates import GraphLibrary
 from ember.runtime.load import Restored, load, open_restore
-from ember.runtime.proof.prove import decode_trace, replay_fingerprints, tpot_ms
+from ember.runtime.proof.replay import decode_trace, replay_fingerprints, tpot_ms
 from ember.runtime.publish import ArchiveContent
 from ember.runtime.save import SaveResult, save
 

@@ -183,7 +183,7 @@ def load(
     from ember.engines.decode.adapter import identity_for, load_workload
     from ember.runtime.adapter import Refused
     from ember.runtime.load import attempt_marker
-    from ember.runtime.proof.prove import decode_tokens
+    from ember.runtime.proof.replay import decode_tokens
 
     ident = (
         identity
@@ -217,7 +217,7 @@ def load(
 
 def replay_verify_loaded(loaded: Any) -> dict[str, Any]:
     """Replay every restored graph in SAVE's order and compare output fingerprints bitwise."""
-    from ember.runtime.proof.prove import replay_fingerprints
+    from ember.runtime.proof.replay import replay_fingerprints
 
     w, lib = loaded.workload, loaded.library
     keys = [tuple(k) for k in lib.keys]

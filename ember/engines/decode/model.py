@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.runtime.proof.replay import fingerprint as fingerprint  # re-exported: the diagnostics use it
+
 DEFAULT_SIZES: tuple[int, ...] = (1, 2, 4, *range(8, 513, 8))
 DECODE_STEPS = 256
 
@@ -315,19 +317,6 @@ def tensor_at(ptr: int, shape: tuple[int, ...], stride: tuple[int, ...], dtype: 
 
     t = torch.as_tensor(_Mem(), device="cuda")
     return t.view(view_as) if view_as is not None else t
-
-
-def fingerprint(tensors: list[torch.Tensor]) -> list[int]:
-    """An exact, order-sensitive integer fingerprint of tensors' bytes, computed on the GPU."""
-    out = []
-    for t in tensors:
-        b = t.contiguous().view(torch.uint8).view(-1)
-        n = b.numel() - b.numel() % 8
-        w = b[:n].view(torch.int64)
-        weights = torch.arange(1, w.numel() + 1, device=w.device, dtype=torch.int64) * 2654435761
-        tail = int(b[n:].to(torch.int64).sum()) if n < b.numel() else 0
-        out.append(int((w * weights).sum()) ^ int(w.sum()) ^ tail)
-    return out
 
 
 class DecodeWorkload:

@@ -9,29 +9,49 @@ structurally identical (every node, parameter, attribute and edge with its edge 
 back from the driver) AND its outputs lie within the native run-to-run spread, and the report
 names it (`ProofReport.nondeterministic`, kernels only those graphs use in `suspects`).
 
-Also the replay measurements shared by SAVE, LOAD, `ember verify --replay` and the benchmark:
-output fingerprints over all keys in a fixed order, greedy decode token histories, and TPOT.
+The proof knows no engine: what it replays and compares is a `ProofSubject` (an engine adapter's
+`proof_subject()`, see ember.runtime.adapter). The torch-free half of the comparison is
+`measures`; the replay measurements every process shares (fingerprints, decode traces, TPOT)
+are `replay`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from ember.archive import graph_table as archive_format
+from ember.archive import graph_table
 from ember.archive.graphs import Graph, GraphSet, KernelRef, NodeType
-from ember.engines.decode.model import DECODE_STEPS, DecodeWorkload, fingerprint
 from ember.runtime.graphs.templates import GraphLibrary
 from ember.runtime.graphs.walk import GraphWalker
-from ember.runtime.proof.measures import edge_problems, spread_of, step_hashes, suspect_kernels
+from ember.runtime.proof.measures import edge_problems, spread_of, suspect_kernels
 from ember.runtime.proof.measures import within_spread as _within
 
 NATIVE_REPEATS = 3
+GraphKey = tuple[int, ...]
+
+
+class ProofSubject(Protocol):
+    """What SAVE's proof replays and compares, for any engine: the captured graphs (the
+    reference), each graph's outputs (compared bitwise), and the state every replay starts from."""
+
+    @property
+    def graphs(self) -> Mapping[GraphKey, Any]:
+        """The captured graphs by key, each with `replay()` (torch.cuda.CUDAGraph)."""
+        ...
+
+    @property
+    def outs(self) -> Mapping[GraphKey, Sequence[torch.Tensor]]:
+        """The tensors each graph writes, compared after every replay."""
+        ...
+
+    def state_tensors(self) -> Sequence[torch.Tensor]:
+        """Tensors the graphs read and update (saved once, restored before every replay)."""
+        ...
 
 
 class ProofFailed(RuntimeError):
@@ -178,7 +198,7 @@ def native_spread(samples: list[list[torch.Tensor]]) -> list[float]:
 def within_spread(
     rebuilt: list[torch.Tensor], natives: list[list[torch.Tensor]], spread: list[float]
 ) -> tuple[bool, list[float]]:
-    """proofmath.within_spread over the deviations of one rebuilt replay from each native one."""
+    """measures.within_spread over the deviations of one rebuilt replay from each native one."""
     return _within([deviation(rebuilt, s) for s in natives], spread)
 
 
@@ -195,7 +215,7 @@ class _Runner:
     """One graph key's replays from one saved state, outputs poisoned before each replay (a graph
     that skips writing an output cannot pass); returns copies of the outputs."""
 
-    def __init__(self, state: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+    def __init__(self, state: Sequence[torch.Tensor], outs: list[torch.Tensor]) -> None:
         self.state, self.outs = state, outs
         self.snap = [s.clone() for s in state]
 
@@ -222,7 +242,7 @@ def _compare(
 
 
 def prove(
-    workload: DecodeWorkload,
+    subject: ProofSubject,
     graph_set: GraphSet,
     functions_of: Callable[[list[Any]], list[int]],
     *,
@@ -234,154 +254,140 @@ def prove(
 
     `functions_of(kernel_refs)` resolves the decoded KernelRefs to CUfunctions. Returns the
     report, the encoded graph table (what gets published) and the proven library.
+    Steps: serialize and read back (`_encode_decode`), structure (`_StructureCheck`), replay and
+    compare per key (`_prove_key`), report the graphs that are not bit-stable (`_note_unstable`).
     """
     rep = ProofReport(graphs=len(graph_set.graphs))
     rep.programmatic_edges = sum(e.type == 1 for g in graph_set.graphs for e in g.edges)
     t0 = time.perf_counter()
-    blob = archive_format.encode(graph_set)
-    rep.encode_ms = (time.perf_counter() - t0) * 1e3
-    rep.table_bytes = len(blob)
-    t = time.perf_counter()
-    table = archive_format.decode(blob)
-    table.validate()
-    rep.decode_ms = (time.perf_counter() - t) * 1e3
+    blob, table = _encode_decode(graph_set, rep)
     functions = functions_of(table.kernels)
     lib = GraphLibrary(table, functions, hot_after=0)  # the proof dedicates itself
     lib.build_templates()
     rep.templates = len(lib.groups)
-    back = GraphWalker(_HandleResolver(functions, table.kernels))
-
-    def full_structure(i: int) -> list[str]:
-        rebuilt = back.walk(lib.graph(i), lib.keys[i])
-        return structure_problems(graph_set.graphs[i], rebuilt, graph_set.kernels, back.kernels)
-
-    # Structure first: every template walked back from the driver equals what was captured; the
-    # edges (with edge data) of EVERY graph too (one driver call each).
-    templates = {g.template for g in lib.groups}
-    for i in sorted(templates):
-        rep.mismatches.extend(f"graph {lib.keys[i]}: rebuilt structure: {p}" for p in full_structure(i))
-    lib.prebuild_all()
-    for i in range(len(lib.keys)):
-        if i not in templates:
-            for p in edge_problems(graph_set.graphs[i].edges, rebuilt_edges(lib.graph(i))):
-                rep.mismatches.append(f"graph {lib.keys[i]}: rebuilt structure: {p}")
-    state = workload.state_tensors()
-    unstable: set[tuple[int, ...]] = set()
+    structure = _StructureCheck(graph_set, lib, GraphWalker(_HandleResolver(functions, table.kernels)))
+    rep.mismatches.extend(structure.check_all())
+    state = subject.state_tensors()
+    unstable: set[GraphKey] = set()
     for i, key in enumerate(lib.keys):
-        run = _Runner(state, list(workload.outs[key]))
-        # The captured graph, several times from the same state: is it bit-stable on its own?
-        natives = [run(workload.graphs[key].replay) for _ in range(max(native_repeats, 2))]
-        spread = native_spread(natives)
-        stable = not any(spread)
+        run = _Runner(state, list(subject.outs[key]))
+        replay = subject.graphs[key].replay
+        stable = _prove_key(
+            rep, lib, structure, run, i, replay,
+            dedicated=dedicated, repeats=repeats, native_repeats=native_repeats,
+        )
         if not stable:
             unstable.add(tuple(key))
-            problems = full_structure(i) if i not in templates else []
-            rep.mismatches.extend(f"graph {key}: rebuilt structure: {p}" for p in problems)
-        worst = [0.0] * len(natives[0])
-        ok = True
-        for _ in range(repeats):  # a race would not show every time: replay the serving path again
-            good, dev = _compare(run(lambda i=i: lib.launch_template(i)), natives, spread)
-            ok, worst = ok and good, [max(a, b) for a, b in zip(worst, dev, strict=True)]
-        differs = "output differs from the captured graph" + (
-            f" (deviation per output {worst})" if stable else f" beyond the native spread {spread}"
-        )
-        if ok:
-            rep.template_ok += 1
-        else:
-            rep.mismatches.append(f"graph {key}: template path {differs}")
-        good = True
-        if dedicated:
-            lib.dedicate(i)
-            good, dev = _compare(run(lambda i=i: lib.launch(i)), natives, spread)
-            worst = [max(a, b) for a, b in zip(worst, dev, strict=True)]
-            lib.drop_dedicated(i)
-            if not good:
-                rep.mismatches.append(f"graph {key}: dedicated exec {differs} (deviation {dev})")
-        rep.dedicated_ok += good
-        if ok and good:
-            rep.bitwise += stable
-            rep.within_spread += not stable
-        if not stable:
-            rep.nondeterministic[",".join(map(str, key))] = {
-                "native_spread": spread,
-                "rebuilt_deviation": worst,
-                "native_replays": len(natives),
-            }
         run.restore()
+    _note_unstable(rep, graph_set, unstable)
+    rep.seconds = time.perf_counter() - t0
+    return rep, blob, lib
+
+
+def _encode_decode(graph_set: GraphSet, rep: ProofReport) -> tuple[bytes, graph_table.GraphTable]:
+    """The graph table as it will be published, and decoded again as LOAD reads it."""
+    t = time.perf_counter()
+    blob = graph_table.encode(graph_set)
+    rep.encode_ms = (time.perf_counter() - t) * 1e3
+    rep.table_bytes = len(blob)
+    t = time.perf_counter()
+    table = graph_table.decode(blob)
+    table.validate()
+    rep.decode_ms = (time.perf_counter() - t) * 1e3
+    return blob, table
+
+
+class _StructureCheck:
+    """The rebuilt graphs walked back from the driver, against the captured ones."""
+
+    def __init__(self, graph_set: GraphSet, lib: GraphLibrary, walker: GraphWalker) -> None:
+        self.graph_set, self.lib, self.walker = graph_set, lib, walker
+        self.templates = {g.template for g in lib.groups}
+
+    def _problems(self, i: int) -> list[str]:
+        rebuilt = self.walker.walk(self.lib.graph(i), self.lib.keys[i])
+        gs = self.graph_set
+        found = structure_problems(gs.graphs[i], rebuilt, gs.kernels, self.walker.kernels)
+        return [f"graph {self.lib.keys[i]}: rebuilt structure: {p}" for p in found]
+
+    def check_all(self) -> list[str]:
+        """Every template in full (nodes, parameters, attributes, edges with their edge data);
+        the edges of EVERY graph (one driver call each). Builds every graph's CUgraph."""
+        out: list[str] = []
+        for i in sorted(self.templates):
+            out.extend(self._problems(i))
+        self.lib.prebuild_all()
+        for i in range(len(self.lib.keys)):
+            if i not in self.templates:
+                for p in edge_problems(self.graph_set.graphs[i].edges, rebuilt_edges(self.lib.graph(i))):
+                    out.append(f"graph {self.lib.keys[i]}: rebuilt structure: {p}")
+        return out
+
+    def in_full(self, i: int) -> list[str]:
+        """Graph i in full, unless check_all already did (a template)."""
+        return self._problems(i) if i not in self.templates else []
+
+
+def _prove_key(
+    rep: ProofReport,
+    lib: GraphLibrary,
+    structure: _StructureCheck,
+    run: _Runner,
+    i: int,
+    replay: Callable[[], None],
+    *,
+    dedicated: bool,
+    repeats: int,
+    native_repeats: int,
+) -> bool:
+    """Graph i: the captured graph replayed several times from the same state (is it bit-stable
+    on its own?), then the rebuilt one through its group template and a dedicated exec, compared
+    with it. Records the outcome in `rep`; returns whether the captured graph is bit-stable."""
+    key = lib.keys[i]
+    natives = [run(replay) for _ in range(max(native_repeats, 2))]
+    spread = native_spread(natives)
+    stable = not any(spread)
+    if not stable:
+        rep.mismatches.extend(structure.in_full(i))
+    worst = [0.0] * len(natives[0])
+    ok = True
+    for _ in range(repeats):  # a race would not show every time: replay the serving path again
+        good, dev = _compare(run(lambda: lib.launch_template(i)), natives, spread)
+        ok, worst = ok and good, [max(a, b) for a, b in zip(worst, dev, strict=True)]
+    differs = "output differs from the captured graph" + (
+        f" (deviation per output {worst})" if stable else f" beyond the native spread {spread}"
+    )
+    if ok:
+        rep.template_ok += 1
+    else:
+        rep.mismatches.append(f"graph {key}: template path {differs}")
+    good = True
+    if dedicated:
+        lib.dedicate(i)
+        good, dev = _compare(run(lambda: lib.launch(i)), natives, spread)
+        worst = [max(a, b) for a, b in zip(worst, dev, strict=True)]
+        lib.drop_dedicated(i)
+        if not good:
+            rep.mismatches.append(f"graph {key}: dedicated exec {differs} (deviation {dev})")
+    rep.dedicated_ok += good
+    if ok and good:
+        rep.bitwise += stable
+        rep.within_spread += not stable
+    if not stable:
+        rep.nondeterministic[",".join(map(str, key))] = {
+            "native_spread": spread,
+            "rebuilt_deviation": worst,
+            "native_replays": len(natives),
+        }
+    return stable
+
+
+def _note_unstable(rep: ProofReport, graph_set: GraphSet, unstable: set[GraphKey]) -> None:
+    """Name the graphs proven by structure + native spread instead of bitwise, and the kernels
+    only they use."""
     if unstable:
         rep.suspects = suspect_kernels(graph_set, unstable)
         rep.notes.append(
             f"{len(unstable)} captured graphs are not bit-stable on their own (native replays from one "
             f"state differ): {sorted(unstable)[:12]}; proven by structure + native spread, not bitwise"
         )
-    rep.seconds = time.perf_counter() - t0
-    return rep, blob, lib
-
-
-# ---- replay measurements (same in every process) ----------------------------------------------
-def replay_fingerprints(
-    workload: DecodeWorkload,
-    launch: Callable[[tuple[int, ...]], None],
-    keys: list[tuple[int, ...]],
-    outputs: Callable[[tuple[int, ...]], list[torch.Tensor]],
-    seed: int = 7,
-) -> dict[str, list[int]]:
-    """Reset the state, replay every key once in order, fingerprint each graph's outputs."""
-    workload.reset_state(seed)
-    out = {}
-    for key in keys:
-        launch(key)
-        torch.cuda.synchronize()
-        out[",".join(map(str, key))] = fingerprint(outputs(key))
-    return out
-
-
-def decode_tokens(
-    workload: DecodeWorkload,
-    launch: Callable[[tuple[int, ...]], None],
-    batch: int,
-    steps: int = DECODE_STEPS,
-    seed: int = 11,
-) -> tuple[str, list[int]]:
-    """Greedy decode by replay alone; returns sha256 of the token history and its first row."""
-    workload.reset_state(seed)
-    for _ in range(steps):
-        launch((batch,))
-    torch.cuda.synchronize()
-    hist = workload.history[:steps, :batch].cpu()
-    return hashlib.sha256(hist.numpy().tobytes()).hexdigest(), hist[:, 0].tolist()[:16]
-
-
-def decode_trace(
-    workload: DecodeWorkload,
-    launch: Callable[[tuple[int, ...]], None],
-    batch: int,
-    steps: int = DECODE_STEPS,
-    seed: int = 11,
-) -> dict[str, Any]:
-    """decode_tokens plus per-step hashes: {"sha256", "steps"} (what SAVE/LOAD/bench compare)."""
-    sha, _ = decode_tokens(workload, launch, batch, steps, seed)
-    return {"sha256": sha, "steps": step_hashes(workload.history[:steps, :batch].cpu().numpy())}
-
-
-def tpot_ms(
-    workload: DecodeWorkload,
-    launch: Callable[[tuple[int, ...]], None],
-    batch: int,
-    steps: int = 64,
-    repeat: int = 3,
-) -> float:
-    """Mean milliseconds per decode step (graph replay), best of `repeat` runs."""
-    best = float("inf")
-    for _ in range(repeat):
-        workload.reset_state()
-        launch((batch,))  # a switch, if any, is not part of the token time
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            launch((batch,))
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / steps)
-    return best

@@ -1,0 +1,124 @@
+"""Replay measurements shared by SAVE, LOAD, `ember verify --replay` and the benchmark: output
+fingerprints over all keys in a fixed order, greedy decode token histories, and TPOT.
+
+`fingerprint` is engine-agnostic (a pure tensor hash). The others replay a DECODE workload: keys
+are `(batch,)`, one replay is one decode step, and the workload keeps the tokens it decoded in a
+`[steps + 1, batch]` history (`DecodeReplay`; ember's built-in decode workload,
+`ember.engines.decode.model.DecodeWorkload`, is the one that has it). They live here, next to
+the proof, because they are what a restored graph is measured with in every process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from ember.runtime.proof.measures import step_hashes
+
+GraphKey = tuple[int, ...]
+
+
+class DecodeReplay(Protocol):
+    """A decode workload as the replay measurements drive it."""
+
+    @property
+    def history(self) -> torch.Tensor:
+        """Tokens decoded so far, one row per step ([steps + 1, max batch]; all steps' worth)."""
+        ...
+
+    def reset_state(self, seed: int | None = None) -> None:
+        """Everything a decode run reads back to one state (seeded input ids)."""
+        ...
+
+
+def fingerprint(tensors: list[torch.Tensor]) -> list[int]:
+    """An exact, order-sensitive integer fingerprint of tensors' bytes, computed on the GPU."""
+    out = []
+    for t in tensors:
+        b = t.contiguous().view(torch.uint8).view(-1)
+        n = b.numel() - b.numel() % 8
+        w = b[:n].view(torch.int64)
+        weights = torch.arange(1, w.numel() + 1, device=w.device, dtype=torch.int64) * 2654435761
+        tail = int(b[n:].to(torch.int64).sum()) if n < b.numel() else 0
+        out.append(int((w * weights).sum()) ^ int(w.sum()) ^ tail)
+    return out
+
+
+def _all_steps(workload: DecodeReplay) -> int:
+    """The steps a decode run takes by default: as many as the history holds (its first row is
+    the start)."""
+    return int(workload.history.shape[0]) - 1
+
+
+def replay_fingerprints(
+    workload: DecodeReplay,
+    launch: Callable[[GraphKey], None],
+    keys: list[GraphKey],
+    outputs: Callable[[GraphKey], list[torch.Tensor]],
+    seed: int = 7,
+) -> dict[str, list[int]]:
+    """Reset the state, replay every key once in order, fingerprint each graph's outputs."""
+    workload.reset_state(seed)
+    out = {}
+    for key in keys:
+        launch(key)
+        torch.cuda.synchronize()
+        out[",".join(map(str, key))] = fingerprint(outputs(key))
+    return out
+
+
+def decode_tokens(
+    workload: DecodeReplay,
+    launch: Callable[[GraphKey], None],
+    batch: int,
+    steps: int | None = None,
+    seed: int = 11,
+) -> tuple[str, list[int]]:
+    """Greedy decode by replay alone (`steps`: default all the history holds); returns sha256 of
+    the token history and its first row."""
+    steps = _all_steps(workload) if steps is None else steps
+    workload.reset_state(seed)
+    for _ in range(steps):
+        launch((batch,))
+    torch.cuda.synchronize()
+    hist = workload.history[:steps, :batch].cpu()
+    return hashlib.sha256(hist.numpy().tobytes()).hexdigest(), hist[:, 0].tolist()[:16]
+
+
+def decode_trace(
+    workload: DecodeReplay,
+    launch: Callable[[GraphKey], None],
+    batch: int,
+    steps: int | None = None,
+    seed: int = 11,
+) -> dict[str, Any]:
+    """decode_tokens plus per-step hashes: {"sha256", "steps"} (what SAVE/LOAD/bench compare)."""
+    steps = _all_steps(workload) if steps is None else steps
+    sha, _ = decode_tokens(workload, launch, batch, steps, seed)
+    return {"sha256": sha, "steps": step_hashes(workload.history[:steps, :batch].cpu().numpy())}
+
+
+def tpot_ms(
+    workload: DecodeReplay,
+    launch: Callable[[GraphKey], None],
+    batch: int,
+    steps: int = 64,
+    repeat: int = 3,
+) -> float:
+    """Mean milliseconds per decode step (graph replay), best of `repeat` runs."""
+    best = float("inf")
+    for _ in range(repeat):
+        workload.reset_state()
+        launch((batch,))  # a switch, if any, is not part of the token time
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            launch((batch,))
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / steps)
+    return best
