@@ -31,6 +31,9 @@ CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 PRIORITY = 8  # CU_LAUNCH_ATTRIBUTE_PRIORITY
 _ATTR_VALUE = 64  # sizeof(CUlaunchAttributeValue)
 _BASE = 0x7F00_0000_0000
+_KERNELS = 48
+_HEADER_NODES = 6  # memset, memcpy, event record, event wait, empty, child graph
+_Plan = list[tuple[int, bool, dict[int, bytes]]]  # per kernel node: kernel id, gemm-like, attributes
 
 
 def fake_image(n: int, size: int = 4096) -> bytes:
@@ -63,62 +66,68 @@ def synthetic_graphset(
     """
     rng = random.Random(seed)
     images = list(synthetic_images())
-    n_kernels = 48
-    kernels = [KernelRef(images[k % len(images)], f"_Z6kernel{k}Pfi") for k in range(n_kernels)]
+    kernels = [KernelRef(images[k % len(images)], f"_Z6kernel{k}Pfi") for k in range(_KERNELS)]
     fattrs = [
         FunctionAttrs(max_dynamic_shared=(k % 4) * 16384,
                       required_cluster=(2, 1, 1) if k % 11 == 0 else (0, 0, 0))
-        for k in range(n_kernels)
+        for k in range(_KERNELS)
     ]
-    cluster = {CLUSTER_DIMENSION: _attr(struct.pack("<3I", 2, 1, 1))}
-    prio = {PRIORITY: _attr(struct.pack("<i", 1))}
     groups = max(1, min(groups, graphs))
-    # Per group: a fixed node plan (kernel ids, argument form, attributes); per layer weights.
-    header_nodes = 6  # memset, memcpy, event record, event wait, empty, child graph
-    body = max(1, nodes - header_nodes)
+    body = max(1, nodes - _HEADER_NODES)
     per_layer = max(1, body // layers)
-    plans = []
-    for g in range(groups):
-        plan = []
-        for j in range(per_layer * layers + g):  # +g: groups differ in node count
-            k = rng.randrange(n_kernels)
-            gemm = j % per_layer in (0, 2) and per_layer > 2
-            plan.append((k, gemm, cluster if gemm and k % 2 == 0 else (prio if j % 97 == 0 else {})))
-        plans.append(plan)
+    plans = [_node_plan(rng, per_layer, layers, extra=g) for g in range(groups)]  # groups differ in size
     weights = [_BASE + 0x1_0000_0000 + i * 0x10_0000 for i in range(per_layer * layers + groups)]
     out = []
     for i in range(graphs):
-        batch = i + 1
         g = i * groups // graphs
-        act = _BASE + 0x4000_0000 + g * 0x100_0000  # activations: shared within a group
-        nodes_: list[Node] = [
-            Node(NodeType.MEMSET, MemsetParams(act, 0, 0, 4, 256 * batch, 1)),
-            Node(NodeType.MEMCPY, MemcpyParams(act + 0x1000, _BASE + 0x2000, 8 * batch)),
-            Node(NodeType.EVENT_RECORD, EventParams(0)),
-            Node(NodeType.WAIT_EVENT, EventParams(0)),
-            Node(NodeType.EMPTY),
-        ]
-        child = Graph((), [
-            Node(NodeType.KERNEL, KernelParams(1, (batch, 1, 1), (128, 1, 1), 0,
-                                               args=struct.pack("<Qi", act, batch),
-                                               arg_offsets=(0, 8), arg_sizes=(8, 4))),
-            Node(NodeType.MEMSET, MemsetParams(act + 0x2000, 512, 7, 1, 64, 2 + g % 2)),
-        ], [Edge(0, 1)])
-        nodes_.append(Node(NodeType.GRAPH, child) if child_graphs else Node(NodeType.EMPTY))
-        for j, (k, gemm, attrs) in enumerate(plans[g]):
-            w = weights[j]
-            if gemm:
-                extra = struct.pack("<QQQi", w, act, act + 0x8000, batch).ljust(1720, b"\x11")
-                p = KernelParams(k, (max(1, batch // 64), 132, 1), (384, 1, 1), 200704, extra=extra,
-                                 attrs=dict(attrs))
-            else:
-                scalar = batch if j % 3 else 4096  # some kernels do not see the batch size
-                args = struct.pack("<QQQif", w, act, act + 0x8000, scalar, 1e-5)
-                p = KernelParams(k, (scalar, 1, 1), (256, 1, 1), 0, args=args, arg_offsets=(0, 8, 16, 24, 28),
-                                 arg_sizes=(8, 8, 8, 4, 4), attrs=dict(attrs))
-            nodes_.append(Node(NodeType.KERNEL, p))
-        n = len(nodes_)
-        edges = [Edge(a, a + 1, 0, 0, 1 if (a % 50 == 49) else 0) for a in range(n - 1)]
-        edges.append(Edge(0, 5))  # the child graph also waits on the memset
-        out.append(Graph((batch,), nodes_, edges))
+        out.append(_graph(i + 1, g, plans[g], weights, child_graphs))
     return GraphSet(out, kernels, fattrs)
+
+
+def _node_plan(rng: random.Random, per_layer: int, layers: int, extra: int) -> _Plan:
+    """One group's fixed kernel nodes: kernel ids, argument form (gemm-like nodes pass an `extra`
+    buffer) and launch attributes; every graph of the group has these nodes."""
+    cluster = {CLUSTER_DIMENSION: _attr(struct.pack("<3I", 2, 1, 1))}
+    prio = {PRIORITY: _attr(struct.pack("<i", 1))}
+    plan: _Plan = []
+    for j in range(per_layer * layers + extra):
+        k = rng.randrange(_KERNELS)
+        gemm = j % per_layer in (0, 2) and per_layer > 2
+        plan.append((k, gemm, cluster if gemm and k % 2 == 0 else (prio if j % 97 == 0 else {})))
+    return plan
+
+
+def _graph(batch: int, g: int, plan: _Plan, weights: list[int], child_graphs: bool) -> Graph:
+    """The graph of capture size `batch` in group `g`: header nodes, then the plan's kernels with
+    the batch in their grids and arguments, chained by edges (some programmatic)."""
+    act = _BASE + 0x4000_0000 + g * 0x100_0000  # activations: shared within a group
+    nodes: list[Node] = [
+        Node(NodeType.MEMSET, MemsetParams(act, 0, 0, 4, 256 * batch, 1)),
+        Node(NodeType.MEMCPY, MemcpyParams(act + 0x1000, _BASE + 0x2000, 8 * batch)),
+        Node(NodeType.EVENT_RECORD, EventParams(0)),
+        Node(NodeType.WAIT_EVENT, EventParams(0)),
+        Node(NodeType.EMPTY),
+    ]
+    child = Graph((), [
+        Node(NodeType.KERNEL, KernelParams(1, (batch, 1, 1), (128, 1, 1), 0,
+                                           args=struct.pack("<Qi", act, batch),
+                                           arg_offsets=(0, 8), arg_sizes=(8, 4))),
+        Node(NodeType.MEMSET, MemsetParams(act + 0x2000, 512, 7, 1, 64, 2 + g % 2)),
+    ], [Edge(0, 1)])
+    nodes.append(Node(NodeType.GRAPH, child) if child_graphs else Node(NodeType.EMPTY))
+    for j, (k, gemm, attrs) in enumerate(plan):
+        w = weights[j]
+        if gemm:
+            extra = struct.pack("<QQQi", w, act, act + 0x8000, batch).ljust(1720, b"\x11")
+            p = KernelParams(k, (max(1, batch // 64), 132, 1), (384, 1, 1), 200704, extra=extra,
+                             attrs=dict(attrs))
+        else:
+            scalar = batch if j % 3 else 4096  # some kernels do not see the batch size
+            args = struct.pack("<QQQif", w, act, act + 0x8000, scalar, 1e-5)
+            p = KernelParams(k, (scalar, 1, 1), (256, 1, 1), 0, args=args, arg_offsets=(0, 8, 16, 24, 28),
+                             arg_sizes=(8, 8, 8, 4, 4), attrs=dict(attrs))
+        nodes.append(Node(NodeType.KERNEL, p))
+    n = len(nodes)
+    edges = [Edge(a, a + 1, 0, 0, 1 if (a % 50 == 49) else 0) for a in range(n - 1)]
+    edges.append(Edge(0, 5))  # the child graph also waits on the memset
+    return Graph((batch,), nodes, edges)

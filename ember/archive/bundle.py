@@ -2,7 +2,8 @@
 
 - SAVE calls `write_archive(store, graphset, identity, compat, kernel_images=..., ...)`: graph
   table, kernel images, allocation log and RNG state become content-addressed blobs, uploaded in
-  parallel; the manifest goes in LAST. Returns what the SAVE Job's termination summary needs.
+  parallel; the manifest goes in LAST. Returns a `PublishedArchive` (where, digest, sizes,
+  timings: what the SAVE Job's termination summary needs).
 - The sidecar calls `fetch_archive(src, identity_hash, cache_dir, expected_identity=...)`: every
   blob copied into a local store (digest-verified), manifest last; the engine opens that copy.
 - LOAD calls `open_archive(store_or_uri, identity_hash, expected_identity=...)` and reads
@@ -25,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import zstandard as zstd
 
@@ -92,7 +93,9 @@ def _load_bytes(data: bytes | str | os.PathLike[str]) -> bytes:
 
 
 @dataclass
-class SaveResult:
+class PublishedArchive:
+    """What `write_archive` stored: the manifest, where it is, its digest, sizes and timings."""
+
     manifest: Manifest
     manifest_digest: str  # sha256 of the manifest bytes as stored
     manifest_uri: str
@@ -109,6 +112,17 @@ class SaveResult:
             "graphs": self.manifest.graphs.count,
             "durations": {k: round(v, 3) for k, v in self.durations.items()},
         }
+
+
+@dataclass(frozen=True)
+class _PackedBlob:
+    """A blob ready to upload: its bytes as stored and what the manifest says about it."""
+
+    name: str
+    data: bytes  # as stored (compressed unless codec is "none")
+    size: int  # raw size
+    codec: Literal["zstd", "none"]
+    raw_sha256: str | None
 
 
 def summarize_graphs(gs: GraphSet, groups: list[TopologyGroup], table: fmt.GraphTable) -> GraphsSummary:
@@ -147,7 +161,7 @@ def write_archive(
     groups: list[TopologyGroup] | None = None,
     level: int = DEFAULT_LEVEL,
     max_workers: int = 8,
-) -> SaveResult:
+) -> PublishedArchive:
     """Encode, compress and upload an archive; the manifest is written last.
 
     `kernel_images` maps the content hash used in `KernelRef.image` to the image bytes (or a
@@ -164,54 +178,13 @@ def write_archive(
     table = fmt.GraphTable(table_bytes)
     durations["encode"] = time.perf_counter() - t0
 
-    used: dict[str, int] = {}
-    for k in graphset.kernels:
-        used[k.image] = used.get(k.image, 0) + 1
-    missing = sorted(set(used) - set(kernel_images))
-    if missing:
-        names = [k.name for k in graphset.kernels if k.image == missing[0]][:3]
-        raise ArchiveError(
-            f"{len(missing)} kernel image(s) used by the graphs were not provided, e.g. {missing[0]} "
-            f"(kernels {', '.join(names)}): the native library did not record their load"
-        )
-
-    # (name, stored bytes, raw size, codec, raw sha256)
+    used = _images_used(graphset, kernel_images)
     t = time.perf_counter()
-    comp = zstd.ZstdCompressor(level=level)
-    pending: list[tuple[str, bytes, int, str, str | None]] = [
-        (GRAPH_TABLE, table_bytes, len(table_bytes), "none", None)
-    ]
-    images: list[KernelImage] = []
-
-    def pack(name: str, raw: bytes) -> tuple[str, bytes, int, str, str | None]:
-        return (name, comp.compress(raw), len(raw), "zstd", sha256_bytes(raw))
-
-    for content_hash in sorted(kernel_images):
-        raw = _load_bytes(kernel_images[content_hash])
-        name = IMAGE_PREFIX + content_hash
-        pending.append(pack(name, raw))
-        images.append(KernelImage(content_hash=content_hash, blob=name, size=len(raw), kind=image_kind(raw),
-                                  kernels=used.get(content_hash, 0)))
-    if alloc_log is not None:
-        pending.append(pack(ALLOC_LOG, alloc_log))
-    if rng_state is not None:
-        pending.append(pack(RNG_STATE, rng_state))
+    pending, images = _pack_blobs(table_bytes, kernel_images, used, alloc_log, rng_state, level)
     durations["compress"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    uploaded = 0
-
-    def upload(item: tuple[str, bytes, int, str, str | None]) -> tuple[BlobEntry, int]:
-        name, data, size, codec, raw_sha = item
-        present = store.has_blob(sha256_bytes(data))
-        digest = store.put_blob(data)
-        return BlobEntry(name=name, sha256=digest, size=size, compressed_size=len(data), codec=codec,
-                         raw_sha256=raw_sha), 0 if present else len(data)
-
-    with ThreadPoolExecutor(max(1, min(max_workers, len(pending)))) as pool:
-        results = list(pool.map(upload, pending))
-    blobs = [b for b, _ in results]
-    uploaded = sum(n for _, n in results)
+    blobs, uploaded = _upload(store, pending, max_workers)
     durations["upload"] = time.perf_counter() - t
 
     manifest = Manifest(
@@ -225,10 +198,75 @@ def write_archive(
         rng_state=RNG_STATE if rng_state is not None else None,
         blobs=blobs,
     )
+    return _publish_manifest(store, manifest, uploaded, durations, t0)
+
+
+def _images_used(graphset: GraphSet, kernel_images: Mapping[str, object]) -> dict[str, int]:
+    """Kernels per image content hash; ArchiveError when an image the kernels use is missing."""
+    used: dict[str, int] = {}
+    for k in graphset.kernels:
+        used[k.image] = used.get(k.image, 0) + 1
+    missing = sorted(set(used) - set(kernel_images))
+    if missing:
+        names = [k.name for k in graphset.kernels if k.image == missing[0]][:3]
+        raise ArchiveError(
+            f"{len(missing)} kernel image(s) used by the graphs were not provided, e.g. {missing[0]} "
+            f"(kernels {', '.join(names)}): the native library did not record their load"
+        )
+    return used
+
+
+def _pack_blobs(
+    table_bytes: bytes,
+    kernel_images: Mapping[str, bytes | str | os.PathLike[str]],
+    used: dict[str, int],
+    alloc_log: bytes | None,
+    rng_state: bytes | None,
+    level: int,
+) -> tuple[list[_PackedBlob], list[KernelImage]]:
+    """Every blob of the archive as stored (the graph table as is: it is compressed inside; the
+    rest zstd), and the manifest's kernel-image entries."""
+    comp = zstd.ZstdCompressor(level=level)
+
+    def pack(name: str, raw: bytes) -> _PackedBlob:
+        return _PackedBlob(name, comp.compress(raw), len(raw), "zstd", sha256_bytes(raw))
+
+    pending = [_PackedBlob(GRAPH_TABLE, table_bytes, len(table_bytes), "none", None)]
+    images: list[KernelImage] = []
+    for content_hash in sorted(kernel_images):
+        raw = _load_bytes(kernel_images[content_hash])
+        pending.append(pack(IMAGE_PREFIX + content_hash, raw))
+        images.append(KernelImage(content_hash=content_hash, blob=IMAGE_PREFIX + content_hash, size=len(raw),
+                                  kind=image_kind(raw), kernels=used.get(content_hash, 0)))
+    if alloc_log is not None:
+        pending.append(pack(ALLOC_LOG, alloc_log))
+    if rng_state is not None:
+        pending.append(pack(RNG_STATE, rng_state))
+    return pending, images
+
+
+def _upload(store: Store, pending: list[_PackedBlob], max_workers: int) -> tuple[list[BlobEntry], int]:
+    """Upload every blob in parallel (blobs already stored are skipped); entries in `pending`'s
+    order and the bytes actually sent."""
+
+    def one(b: _PackedBlob) -> tuple[BlobEntry, int]:
+        present = store.has_blob(sha256_bytes(b.data))
+        digest = store.put_blob(b.data)
+        return BlobEntry(name=b.name, sha256=digest, size=b.size, compressed_size=len(b.data), codec=b.codec,
+                         raw_sha256=b.raw_sha256), 0 if present else len(b.data)
+
+    with ThreadPoolExecutor(max(1, min(max_workers, len(pending)))) as pool:
+        results = list(pool.map(one, pending))
+    return [e for e, _ in results], sum(n for _, n in results)
+
+
+def _publish_manifest(store: Store, manifest: Manifest, uploaded: int, durations: dict[str, float],
+                      t0: float) -> PublishedArchive:
+    """Write the manifest (last: it makes the archive visible) and say what was stored."""
     data = manifest.to_json()
     store.put_manifest(manifest.identity_hash, data)
     durations["total"] = time.perf_counter() - t0
-    return SaveResult(
+    return PublishedArchive(
         manifest=manifest,
         manifest_digest=sha256_bytes(data),
         manifest_uri=store.manifest_uri(manifest.identity_hash),

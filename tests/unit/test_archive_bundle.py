@@ -21,11 +21,11 @@ COMPAT = CompatKey(gpu_name="NVIDIA H200", compute_capability="9.0", driver="580
                    torch="2.11.0", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
 
 
-Saved = tuple[LocalStore, bundle.SaveResult]
+Saved = tuple[LocalStore, bundle.PublishedArchive]
 
 
 @pytest.fixture
-def saved(tmp_path: Path) -> tuple[LocalStore, bundle.SaveResult]:
+def saved(tmp_path: Path) -> tuple[LocalStore, bundle.PublishedArchive]:
     store = LocalStore(tmp_path / "store")
     gs = synthetic_graphset(graphs=6, nodes=90, groups=2)
     result = bundle.write_archive(store, gs, IDENTITY, COMPAT, kernel_images=synthetic_images(),
@@ -34,7 +34,7 @@ def saved(tmp_path: Path) -> tuple[LocalStore, bundle.SaveResult]:
     return store, result
 
 
-def blob_file(store: LocalStore, result: bundle.SaveResult, name: str) -> Path:
+def blob_file(store: LocalStore, result: bundle.PublishedArchive, name: str) -> Path:
     return store.blob_path(result.manifest.blob(name).sha256)
 
 
