@@ -423,6 +423,11 @@ def _window_run(res: dict[str, Any], load: bool) -> None:
         res["extra"] = p.value
     _capture(m, kc, vc, ids, pos, [1], ip, capture=not load)
     if load:
+        from ember.runtime.restore import release_cached_memory
+
+        # As LOAD does: SAVE's capture emptied torch's cache inside the window, so the blocks the
+        # replay frees at SAVE's places must not still be held by torch's cache here.
+        release_cached_memory(ip)
         try:
             ip.replay_window()
             res["replayed"], res["raised"] = True, None
