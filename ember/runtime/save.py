@@ -34,8 +34,9 @@ from ember.runtime.proof.prove import ProofFailed, ProofReport, prove, rng_consu
 
 
 @dataclass
-class SaveResult:
-    """One SAVE: what was captured, proven and (when a store was given) published."""
+class SaveOutcome:
+    """One SAVE in this process: what was captured (the native graphs, still live), proven and
+    (when a store was given) published; `summary()` is what the SAVE Job reports."""
 
     identity: ArchiveIdentity
     graphs: int
@@ -191,7 +192,7 @@ def save(
     store_uri: str | None,
     *,
     log: Callable[[str], None] = print,
-) -> SaveResult:
+) -> SaveOutcome:
     """SAVE the adapter's engine. `store_uri=None` proves without publishing; without libember
     (`ip=None`) the graphs are proven in-process but never published (LOAD could not find their
     kernels). Raises ProofFailed or Refused; nothing is published then."""
@@ -220,7 +221,7 @@ def save(
         "region": list(ip.region()) if ip is not None else None,
     }
     d["facts_s"] = time.perf_counter() - t
-    out = SaveResult(
+    out = SaveOutcome(
         identity=adapter.identity(),
         graphs=len(graphs),
         groups=rep.templates,

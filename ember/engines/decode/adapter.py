@@ -30,7 +30,7 @@ from ember.runtime.graphs.templates import GraphLibrary
 from ember.runtime.load import Restored, load, open_restore
 from ember.runtime.proof.replay import decode_trace, replay_fingerprints, tpot_ms
 from ember.runtime.publish import ArchiveContent
-from ember.runtime.save import SaveResult, save
+from ember.runtime.save import SaveOutcome, save
 
 KIND = "ember-decode"
 DECODE_CHECK_BATCHES = (1, 8, 64)
@@ -165,7 +165,7 @@ def identity_for(workload: DecodeWorkload) -> ArchiveIdentity:
 class Saved:
     """A decode SAVE: the pipeline's result plus the workload's TPOT control."""
 
-    result: SaveResult
+    result: SaveOutcome
     adapter: DecodeAdapter
     tpot_ms: dict[str, float] = field(default_factory=dict)
 

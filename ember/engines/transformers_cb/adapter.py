@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from ember.runtime.graphs.templates import GraphLibrary
     from ember.runtime.publish import ArchiveContent
     from ember.runtime.restore import ArchiveRestore
-    from ember.runtime.save import SaveResult
+    from ember.runtime.save import SaveOutcome
 
 log = logging.getLogger(__name__)
 _SESSION: Any = None
@@ -249,7 +249,7 @@ def save_engine(
     *,
     max_graphs: int = DEFAULT_MAX_GRAPHS,
     log: Callable[[str], None] = print,
-) -> tuple[SaveResult, CBEngine]:
+) -> tuple[SaveOutcome, CBEngine]:
     """Capture every key in the capture window, walk, prove, publish. Returns the pipeline's
     result and the (not started) engine holding the captured set, so the caller may serve from it."""
     from ember.runtime.save import save
