@@ -1,8 +1,9 @@
 """Size limits of the code (issue 14): no module over 600 lines, no function over 60 lines unless
 a comment says why.
 
-The reason is a `# long: <reason>` comment on the line right above the `def` (or above its first
-decorator), or a line of the function's docstring that starts with `long:`. Every Python file of
+The reason is a `# long: <reason>` comment right above the `def` (or above its first decorator;
+the reason may go on over the comment lines that follow), or a line of the function's docstring
+that starts with `long:`. Every Python file of
 the packages is checked: ember/, operator/, sidecar/, benchmarks/ (tests are not).
 """
 
@@ -40,9 +41,19 @@ def function_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     return (fn.end_lineno or fn.lineno) - fn.lineno + 1
 
 
+def comment_block_above(lines: list[str], lineno: int) -> list[str]:
+    """The comment lines right above 1-based line `lineno` (a reason may run over several lines)."""
+    block = []
+    n = lineno - 1
+    while n >= 1 and lines[n - 1].strip().startswith("#"):
+        block.append(lines[n - 1].strip())
+        n -= 1
+    return block
+
+
 def has_reason(fn: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> bool:
     first = min([fn.lineno, *(d.lineno for d in fn.decorator_list)])
-    above = {lines[n - 2].strip() for n in (first, fn.lineno) if n >= 2}
+    above = comment_block_above(lines, first) + comment_block_above(lines, fn.lineno)
     if any(line.startswith(REASON) and line[len(REASON):].strip() for line in above):
         return True
     doc = ast.get_docstring(fn) or ""
@@ -100,11 +111,13 @@ def test_the_checks_catch_what_they_should(tmp_path: Path) -> None:
     src.write_text(
         f"def long_one():\n{body}\n\n\n"
         f"# long: a table, one row a line\n@staticmethod\ndef with_reason():\n{body}\n\n\n"
+        f"# long: one run, read top to bottom:\n# the steps share state\ndef two_line_reason():\n{body}\n\n\n"
+        f"# long:\ndef empty_reason():\n{body}\n\n\n"
         f"def with_doc_reason():\n    '''Does it.\n\n    long: one step a line\n    '''\n{body}\n\n\n"
         f"def short():\n    return 1\n"
     )
     found = long_functions([src])
-    assert [line.split()[1] for line in found] == ["long_one:"]
+    assert [line.split()[1] for line in found] == ["long_one:", "empty_reason:"]
     assert found[0].endswith(f"{MAX_FUNCTION_LINES + 1} lines")
     assert long_modules([src]) == []
     src.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
