@@ -186,6 +186,20 @@ def _refuse_unproven(rep: ProofReport) -> None:
     )
 
 
+def _publish(
+    out: SaveOutcome, ip: Interposer | None, store_uri: str, graph_set: GraphSet, log: Callable[[str], None]
+) -> None:
+    if ip is None:
+        out.reason = "not published: libember is not preloaded (EMBER_MODE=save), LOAD could not find kernels"
+        return
+    assert out.archive is not None
+    t = time.perf_counter()
+    out.manifest_uri, out.manifest_digest, out.bytes = publish.write(store_uri, out.archive, graph_set)
+    out.durations["publish_s"] = time.perf_counter() - t
+    out.published = True
+    log(f"Published {out.manifest_uri} ({out.bytes / 1e6:.1f} MB)")
+
+
 def save(
     adapter: EngineAdapter,
     ip: Interposer | None,
@@ -239,13 +253,7 @@ def save(
         rng_state=bytes(torch.cuda.get_rng_state().numpy().tobytes()),
         engine=facts,
     )
-    if store_uri is not None and ip is None:
-        out.reason = "not published: libember is not preloaded (EMBER_MODE=save), LOAD could not find kernels"
-    elif store_uri is not None:
-        t = time.perf_counter()
-        out.manifest_uri, out.manifest_digest, out.bytes = publish.write(store_uri, out.archive, graph_set)
-        d["publish_s"] = time.perf_counter() - t
-        out.published = True
-        log(f"Published {out.manifest_uri} ({out.bytes / 1e6:.1f} MB)")
+    if store_uri is not None:
+        _publish(out, ip, store_uri, graph_set, log)
     d["total_s"] = time.perf_counter() - t_all
     return out

@@ -65,8 +65,6 @@ class ByteTokenizer:
 # ---------------------------------------------------------------------------------------------
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # HTTP
 # ---------------------------------------------------------------------------------------------
@@ -219,73 +217,78 @@ def _usage(prompts: list[list[int]], outputs: list[list[int]]) -> dict[str, int]
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+ROUTES: dict[str, Callable[[ServerState, dict[str, Any]], dict[str, Any]]] = {
+    "/v1/completions": completions,
+    "/v1/chat/completions": chat_completions,
+}
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One request; `state` is bound per server by `make_handler`."""
+
+    state: ServerState
+
+    server_version = "ember-serve"
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        log.debug("%s - %s", self.address_string(), fmt % args)
+
+    def _send(self, code: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, code: int, message: str, kind: str = "invalid_request_error") -> None:
+        self._send(code, {"error": {"message": message, "type": kind, "code": code}})
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path in ("/health", "/healthz", "/readyz"):
+            self._send(*self.state.health())
+        elif path == "/v1/models":
+            self._send(
+                200,
+                {
+                    "object": "list",
+                    "data": [
+                        {"id": self.state.model_name, "object": "model", "created": 0, "owned_by": "ember"}
+                    ],
+                },
+            )
+        else:
+            self._error(404, f"no route {path}", "not_found_error")
+
+    def do_POST(self) -> None:
+        path = self.path.split("?", 1)[0]
+        handler = ROUTES.get(path)
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length > 0 else b""
+        if handler is None:
+            return self._error(404, f"no route {path}", "not_found_error")
+        if not self.state.ready.is_set():
+            return self._error(503, "engine is starting; retry when /health is ready", "unavailable")
+        try:
+            body = json.loads(raw or b"null")
+            if not isinstance(body, dict):
+                raise BadRequest("request body must be a JSON object")
+            self._send(200, handler(self.state, body))
+        except (BadRequest, ValueError) as exc:
+            self._error(400, str(exc))
+        except Exception as exc:  # the engine failed this request; the server stays up
+            log.exception("Request failed")
+            self._error(500, f"{type(exc).__name__}: {exc}", "server_error")
+        return None
+
+
 def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
-    routes: dict[str, Callable[[ServerState, dict[str, Any]], dict[str, Any]]] = {
-        "/v1/completions": completions,
-        "/v1/chat/completions": chat_completions,
-    }
-
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "ember-serve"
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt: str, *args: Any) -> None:
-            log.debug("%s - %s", self.address_string(), fmt % args)
-
-        def _send(self, code: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _error(self, code: int, message: str, kind: str = "invalid_request_error") -> None:
-            self._send(code, {"error": {"message": message, "type": kind, "code": code}})
-
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path in ("/health", "/healthz", "/readyz"):
-                self._send(*state.health())
-            elif path == "/v1/models":
-                self._send(
-                    200,
-                    {
-                        "object": "list",
-                        "data": [
-                            {"id": state.model_name, "object": "model", "created": 0, "owned_by": "ember"}
-                        ],
-                    },
-                )
-            else:
-                self._error(404, f"no route {path}", "not_found_error")
-
-        def do_POST(self) -> None:
-            path = self.path.split("?", 1)[0]
-            handler = routes.get(path)
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length > 0 else b""
-            if handler is None:
-                return self._error(404, f"no route {path}", "not_found_error")
-            if not state.ready.is_set():
-                return self._error(503, "engine is starting; retry when /health is ready", "unavailable")
-            try:
-                body = json.loads(raw or b"null")
-                if not isinstance(body, dict):
-                    raise BadRequest("request body must be a JSON object")
-                self._send(200, handler(state, body))
-            except (BadRequest, ValueError) as exc:
-                self._error(400, str(exc))
-            except Exception as exc:  # the engine failed this request; the server stays up
-                log.exception("Request failed")
-                self._error(500, f"{type(exc).__name__}: {exc}", "server_error")
-            return None
-
-    return Handler
+    return type("BoundHandler", (Handler,), {"state": state})
 
 
 def make_server(state: ServerState, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
     server = ThreadingHTTPServer((host, port), make_handler(state))
     server.daemon_threads = True
     return server
-

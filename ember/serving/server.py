@@ -24,6 +24,7 @@ from ember.serving.startup import cb_starters, run_startup
 log = logging.getLogger("ember.serving")
 
 
+# long: typer declares every option in the signature; the body is a few steps
 def serve(
     model: Annotated[
         str | None,

@@ -1,5 +1,5 @@
 // ember_build_graphs: LOAD's hot path. Python prepares each graph as flat arrays (op codes,
-// argument addresses, attributes, edges; ember/runtime/rebuild.py) and this file turns them
+// argument addresses, attributes, edges; ember/runtime/graphs/prepare_table.py) and this file turns them
 // into CUgraphs (and execs) on worker threads. Per node it is one driver call: doing the same
 // through ctypes cost ~6 us a node, and the driver builds and instantiates independent graphs
 // on several threads at once.
