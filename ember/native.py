@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ember import contract
+
 LIB_NAME = "libember.so"
 _HERE = Path(__file__).resolve().parent
 
@@ -20,7 +22,7 @@ _HERE = Path(__file__).resolve().parent
 def candidate_paths() -> list[Path]:
     """Where the library may be, most specific first."""
     paths: list[Path] = []
-    if env := os.environ.get("EMBER_LIB"):
+    if env := os.environ.get(contract.ENV_LIB):
         paths.append(Path(env))
     paths.append(_HERE / "lib" / LIB_NAME)  # inside an installed wheel
     # Editable installs put built files under site-packages/ember/lib.

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -111,6 +112,20 @@ def _edge_stats(graphs: dict[tuple[int, ...], Any]) -> dict[str, Any]:
 REF_PROMPT = [7, 99, 1234, 5, 42, 3000, 17, 8]
 
 
+@dataclass
+class _Phase:
+    """One phase's process: its engine (not started), options, figures so far."""
+
+    name: str
+    opts: dict[str, Any]
+    result: dict[str, Any]
+    engine: Any
+    model: Any
+    sizing: dict[str, Any]
+    ip: Any
+    t0: float = 0.0
+
+
 def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
     """Run one phase in this process; returns its figures."""
     t_process = float(opts.get("t_process", time.perf_counter()))
@@ -118,9 +133,11 @@ def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
 
     from ember.engines.transformers_cb import adapter as cb_runtime
     from ember.engines.transformers_cb import engine as cb_engine
-    from ember.engines.transformers_cb.engine import StartInfo
-    from ember.serving import startup as serve
 
+    starts = {"native": _start_native, "save": _start_save, "load": _start_load}
+    start = _start_claim if phase in ("claim-restored", "claim-native") else starts.get(phase)
+    if start is None:
+        raise ValueError(f"unknown phase {phase!r}")
     result: dict[str, Any] = {"phase": phase, "device": _device_name(), "model": opts["model"]}
     mode = {"save": "save", "load": "load", "claim-restored": "load"}.get(phase)
     ip = cb_runtime.session(mode) if mode else None  # armed before the model: same allocation order
@@ -133,92 +150,108 @@ def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
     )
     torch.cuda.synchronize()
     result["model_init_s"] = time.perf_counter() - t
-    sizing_kwargs = dict(cb_engine.DEFAULT_SERVE_SIZING, **opts.get("sizing", {}))
+    sizing = dict(cb_engine.DEFAULT_SERVE_SIZING, **opts.get("sizing", {}))
     engine = cb_engine.CBEngine(model, max_new_tokens=16)
-    vocab, mbt = engine.vocab_size, sizing_kwargs["max_batch_tokens"]
-    t0 = time.perf_counter()
+    run = _Phase(phase, opts, result, engine, model, sizing, ip, time.perf_counter())
+    start(run)
+    _serve_and_count(run)
+    if "start_to_first_token_s" in result:
+        result["process_to_first_token_s"] = result["start_to_first_token_s"] + (run.t0 - t_process)
+    engine.stop()
+    return result
 
-    if phase == "native":
-        info = engine.start_native(**sizing_kwargs)
-        result["first_token"], result["start_to_first_token_s"] = _first_token(engine, t0)
-        result.update(startup=info.seconds, startup_graphs=info.graphs, sizing=info.sizing)
-    elif phase == "save":
-        saved, captured = cb_runtime.save_engine(
-            model,
-            engine.gen_config,
-            sizing_kwargs,
-            opts.get("store"),
-            opts["model"],
-            ip,
-            max_graphs=int(opts.get("max_graphs", 512)),
-        )
-        graphs, hooks = saved.captured, captured.hooks
-        assert hooks is not None
-        result["keys"] = len(graphs)
-        result["capture_all_s"] = saved.durations["capture_s"]
-        result["capture_s_per_graph"] = [round(s, 4) for _, s in hooks.captures.events]
-        result["sizing"] = hooks.sizing.to_json()
-        result["graph_stats"] = {**_edge_stats(graphs), **saved.graph_stats}
-        result["edge_data"] = edge_data_per_key(graphs)
-        result["archive"] = saved.summary()
-        # Serve from the complete set in this process: proves the enumeration covers the scheduler.
-        engine.manager, engine.hooks = captured.manager, hooks
-        captured.manager.warmed_up = True
-        engine.start(StartInfo("captured-all", {"capture_all": result["capture_all_s"]}, len(graphs)))
-        result["first_token"], _ = _first_token(engine, t0)
-    elif phase == "load":
-        archive_dir = Path(opts["store_dir"]) / "archives" / opts["identity"]
-        info = cb_runtime.restore_into(engine, archive_dir, ip)
-        result["first_token"], result["start_to_first_token_s"] = _first_token(engine, t0)
-        result.update(startup=info.seconds, startup_graphs=info.graphs, sizing=info.sizing)
-        if engine.library is not None:
-            result["library_timings"] = dict(vars(engine.library.timings))
-            lib = engine.library
-            result["edge_data"] = edge_data_per_key({k: lib.graph(lib.key_index(k)) for k in lib.keys})
-    elif phase in ("claim-restored", "claim-native"):
-        # A warm pod: weights loaded; the claim reaches a real standalone sidecar, which fetches and
-        # verifies the archive from the store into the run dir; the engine LOADs (or captures).
-        run_dir = Path(opts["work_dir"]) / f"run-{phase}"
-        # A fresh pod has an empty run dir: a status left by an earlier run would be read before
-        # this run's sidecar writes its own (it once made this phase "fall back" with a stale reason).
-        shutil.rmtree(run_dir, ignore_errors=True)
-        sidecar = None
-        if phase == "claim-restored":
-            sidecar = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "ember_sidecar.main",
-                    "--standalone",
-                    "--store",
-                    opts["store"],
-                    "--identity",
-                    opts["identity"],
-                    "--run-dir",
-                    str(run_dir),
-                    "--port",
-                    "0",
-                    "--host",
-                    "127.0.0.1",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("EMBER_")},
-            )
-        try:
-            starters = serve.cb_starters(engine, sizing_kwargs)
-            out = serve.run_startup(starters, run_dir=run_dir, use_handoff=sidecar is not None, deadline=60)
-        finally:
-            if sidecar is not None:
-                sidecar.terminate()
-        result.update(mode=out.mode, reason=out.reason, stages=out.stages, startup_graphs=out.graphs)
-        result["claim_to_first_token_s"] = out.stages["first_token"]
-        result["first_token"] = engine.generate(FIRST_PROMPT, max_new_tokens=1)
-    else:
-        raise ValueError(f"unknown phase {phase!r}")
 
+def _start_native(run: _Phase) -> None:
+    """The engine's own start: warm-up capture, then lazy capture while serving."""
+    info = run.engine.start_native(**run.sizing)
+    run.result["first_token"], run.result["start_to_first_token_s"] = _first_token(run.engine, run.t0)
+    run.result.update(startup=info.seconds, startup_graphs=info.graphs, sizing=info.sizing)
+
+
+def _start_save(run: _Phase) -> None:
+    """SAVE every key, then serve from the captured set: proves the enumeration covers the scheduler."""
+    from ember.engines.transformers_cb import adapter as cb_runtime
+    from ember.engines.transformers_cb.engine import StartInfo
+
+    saved, captured = cb_runtime.save_engine(
+        run.model,
+        run.engine.gen_config,
+        run.sizing,
+        run.opts.get("store"),
+        run.opts["model"],
+        run.ip,
+        max_graphs=int(run.opts.get("max_graphs", 512)),
+    )
+    graphs, hooks, result = saved.captured, captured.hooks, run.result
+    assert hooks is not None
+    result["keys"] = len(graphs)
+    result["capture_all_s"] = saved.durations["capture_s"]
+    result["capture_s_per_graph"] = [round(s, 4) for _, s in hooks.captures.events]
+    result["sizing"] = hooks.sizing.to_json()
+    result["graph_stats"] = {**_edge_stats(graphs), **saved.graph_stats}
+    result["edge_data"] = edge_data_per_key(graphs)
+    result["archive"] = saved.summary()
+    run.engine.manager, run.engine.hooks = captured.manager, hooks
+    captured.manager.warmed_up = True
+    run.engine.start(StartInfo("captured-all", {"capture_all": result["capture_all_s"]}, len(graphs)))
+    result["first_token"], _ = _first_token(run.engine, run.t0)
+
+
+def _start_load(run: _Phase) -> None:
+    """A pod that starts with its archive on the node (opened before the model build)."""
+    from ember.engines.transformers_cb import adapter as cb_runtime
+
+    engine, result = run.engine, run.result
+    archive_dir = Path(run.opts["store_dir"]) / "archives" / run.opts["identity"]
+    info = cb_runtime.restore_into(engine, archive_dir, run.ip)
+    result["first_token"], result["start_to_first_token_s"] = _first_token(engine, run.t0)
+    result.update(startup=info.seconds, startup_graphs=info.graphs, sizing=info.sizing)
+    if engine.library is not None:
+        lib = engine.library
+        result["library_timings"] = dict(vars(lib.timings))
+        result["edge_data"] = edge_data_per_key({k: lib.graph(lib.key_index(k)) for k in lib.keys})
+
+
+def _sidecar(opts: dict[str, Any], run_dir: Path) -> subprocess.Popen[bytes]:
+    """A real standalone sidecar that fetches and verifies the archive into the run dir."""
+    argv = ["--standalone", "--store", opts["store"], "--identity", opts["identity"]]
+    argv += ["--run-dir", str(run_dir), "--port", "0", "--host", "127.0.0.1"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "ember_sidecar.main", *argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("EMBER_")},
+    )
+
+
+def _start_claim(run: _Phase) -> None:
+    """A warm pod: weights loaded; the claim reaches a sidecar (claim-restored) or none
+    (claim-native); the engine LOADs or captures through `ember serve`'s start-up."""
+    from ember.serving import startup as serve
+
+    run_dir = Path(run.opts["work_dir"]) / f"run-{run.name}"
+    # A fresh pod has an empty run dir: a status left by an earlier run would be read before
+    # this run's sidecar writes its own (it once made this phase "fall back" with a stale reason).
+    shutil.rmtree(run_dir, ignore_errors=True)
+    sidecar = _sidecar(run.opts, run_dir) if run.name == "claim-restored" else None
+    try:
+        starters = serve.cb_starters(run.engine, run.sizing)
+        out = serve.run_startup(starters, run_dir=run_dir, use_handoff=sidecar is not None, deadline=60)
+    finally:
+        if sidecar is not None:
+            sidecar.terminate()
+    run.result.update(mode=out.mode, reason=out.reason, stages=out.stages, startup_graphs=out.graphs)
+    run.result["claim_to_first_token_s"] = out.stages["first_token"]
+    run.result["first_token"] = run.engine.generate(FIRST_PROMPT, max_new_tokens=1)
+
+
+def _serve_and_count(run: _Phase) -> None:
+    """The same workload in every phase: tokens, time, and every capture while serving."""
+    engine, result = run.engine, run.result
     result["reference"] = engine.generate(REF_PROMPT, max_new_tokens=8)
-    result["tokens"], result["workload_s"] = _serve_workload(engine, vocab, mbt)
+    result["tokens"], result["workload_s"] = _serve_workload(
+        engine, engine.vocab_size, run.sizing["max_batch_tokens"]
+    )
     result["captures_while_serving"] = engine.captures_while_serving
     if engine.hooks is not None:
         expected = set(engine.hooks.expected_keys())
@@ -226,10 +259,6 @@ def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
         result["captured_keys"] = len(seen)
         result["captured_keys_not_enumerated"] = [list(k) for k in seen if k not in expected]
     result["serving_capture_keys"] = [list(k) for k in engine.serving_capture_keys()][:20]
-    if "start_to_first_token_s" in result:
-        result["process_to_first_token_s"] = result["start_to_first_token_s"] + (t0 - t_process)
-    engine.stop()
-    return result
 
 
 def _child_main(argv: list[str]) -> None:

@@ -213,6 +213,17 @@ def bench_one(workload: str, layers: int, sizes: str, store: str, timeout: float
         timeout,
     )
     res["load_wall_s"] = time.perf_counter() - t
+    _save_facts(res, native, saved)
+    if "error" in loaded or "refused" in loaded:
+        res["load_error"] = loaded.get("error") or f"refused: {loaded.get('refused')}"
+        res["stderr"] = loaded.get("stderr", "")[-1500:]
+        return res
+    _load_facts(res, native, saved, loaded)
+    return res
+
+
+def _save_facts(res: dict[str, Any], native: dict[str, Any], saved: dict[str, Any]) -> None:
+    """What the SAVE child reported (archive, proof), next to the native child's capture time."""
     res["device"] = native.get("device")
     res["graphs"] = saved["graphs"]
     res["groups"] = saved["groups"]
@@ -230,10 +241,12 @@ def bench_one(workload: str, layers: int, sizes: str, store: str, timeout: float
         "proof_notes",
     ):
         res[k] = saved.get(k)
-    if "error" in loaded or "refused" in loaded:
-        res["load_error"] = loaded.get("error") or f"refused: {loaded.get('refused')}"
-        res["stderr"] = loaded.get("stderr", "")[-1500:]
-        return res
+
+
+def _load_facts(
+    res: dict[str, Any], native: dict[str, Any], saved: dict[str, Any], loaded: dict[str, Any]
+) -> None:
+    """LOAD's figures against native's and SAVE's: time, ratios, switch, TPOT, tokens, outputs."""
     res["load_ms"] = loaded["load_ms"]
     res["load_edge_strategy"] = loaded.get("edge_strategy")
     res["load_timings"] = loaded["timings"]
@@ -266,7 +279,6 @@ def bench_one(workload: str, layers: int, sizes: str, store: str, timeout: float
         "identical": sum(sf.get(k) == v for k, v in nf.items()),
         "differ": [k for k, v in nf.items() if sf.get(k) != v][:10],
     }
-    return res
 
 
 def token_verdicts(native: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
@@ -393,6 +405,38 @@ def _stages(r: dict[str, Any]) -> str:
     return text
 
 
+def _table_row(r: dict[str, Any]) -> str:
+    """One workload's row of the report's table (or its failure)."""
+    if "load_ms" not in r:
+        err = r.get("load_error") or r.get("save_error") or r.get("native_error")
+        tail = [ln for ln in str(r.get("stderr", "")).splitlines() if ln.strip()]
+        err = f"{err}: {tail[-1].strip()[:160]}" if tail else err
+        return (
+            f"| {r['workload']} | {r.get('graphs', '')} | {r.get('groups', '')} | "
+            f"{r.get('native_capture_s', 0):.2f} | FAILED: {err} | | | | | | | | |"
+        )
+    tp = ", ".join(
+        f"{r['tpot_native_ms'][b]:.3f}/{r['tpot_restored_ms'][b]:.3f} ({b})"
+        for b in r["tpot_restored_ms"]
+    )
+    sw = r["switch_ms"]
+    rep = r["outputs_identical_vs_save"]
+    label = r["workload"] if r["layers"] == "model" else f"{r['workload']} ({r['layers']} layers)"
+    return (
+        f"| {label} | {r['graphs']} | "
+        f"{r['groups']} | {r['native_capture_s']:.2f} | {r['load_ms']:.1f} | "
+        f"{r['native_over_load']:.1f} | "
+        f"{sw.get('p50', 0):.3f}/{sw.get('p99', 0):.3f} | {tp} | "
+        f"{_yn(r['tokens_identical'])} | "
+        f"{_yn(r.get('tokens_control_native_vs_save', {}))}, repeat "
+        f"{_yn(r.get('tokens_control_native_repeat', {}))} | "
+        f"{rep['identical']}/{rep['graphs']} "
+        f"({r.get('outputs_control_native_vs_save', {}).get('identical', '?')}/{rep['graphs']}) | "
+        f"{r.get('bitwise_proven')} / {r.get('within_native_spread')} | "
+        f"{r['archive_bytes'] / 1e6:.1f} |"
+    )
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# ember bench graphs — {report['device']} — {report['date']}",
@@ -405,36 +449,7 @@ def markdown(report: dict[str, Any]) -> str:
         "outputs = SAVE (control: native = SAVE) | bitwise / in spread | archive MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in report["results"]:
-        if "load_ms" not in r:
-            err = r.get("load_error") or r.get("save_error") or r.get("native_error")
-            tail = [ln for ln in str(r.get("stderr", "")).splitlines() if ln.strip()]
-            err = f"{err}: {tail[-1].strip()[:160]}" if tail else err
-            lines.append(
-                f"| {r['workload']} | {r.get('graphs', '')} | {r.get('groups', '')} | "
-                f"{r.get('native_capture_s', 0):.2f} | FAILED: {err} | | | | | | | | |"
-            )
-            continue
-        tp = ", ".join(
-            f"{r['tpot_native_ms'][b]:.3f}/{r['tpot_restored_ms'][b]:.3f} ({b})"
-            for b in r["tpot_restored_ms"]
-        )
-        sw = r["switch_ms"]
-        rep = r["outputs_identical_vs_save"]
-        label = r["workload"] if r["layers"] == "model" else f"{r['workload']} ({r['layers']} layers)"
-        lines.append(
-            f"| {label} | {r['graphs']} | "
-            f"{r['groups']} | {r['native_capture_s']:.2f} | {r['load_ms']:.1f} | "
-            f"{r['native_over_load']:.1f} | "
-            f"{sw.get('p50', 0):.3f}/{sw.get('p99', 0):.3f} | {tp} | "
-            f"{_yn(r['tokens_identical'])} | "
-            f"{_yn(r.get('tokens_control_native_vs_save', {}))}, repeat "
-            f"{_yn(r.get('tokens_control_native_repeat', {}))} | "
-            f"{rep['identical']}/{rep['graphs']} "
-            f"({r.get('outputs_control_native_vs_save', {}).get('identical', '?')}/{rep['graphs']}) | "
-            f"{r.get('bitwise_proven')} / {r.get('within_native_spread')} | "
-            f"{r['archive_bytes'] / 1e6:.1f} |"
-        )
+    lines += [_table_row(r) for r in report["results"]]
     lines += ["", "## LOAD stages (ms) and cold start (model build + graphs)", ""]
     for r in report["results"]:
         if "load_ms" in r:

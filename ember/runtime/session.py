@@ -14,7 +14,7 @@ from typing import Any
 
 from cuda.bindings import driver as cu
 
-from ember import native
+from ember import contract, native
 from ember.runtime.graphs.driver import check
 
 
@@ -74,7 +74,7 @@ def preload_env(mode: str, env: dict[str, str] | None = None) -> dict[str, str]:
         env["LD_PRELOAD"] = f"{lib}:{pre}" if pre else str(lib)
     env["EMBER_MODE"] = mode
     env.setdefault("EMBER_ARM", "manual")
-    env["EMBER_LIB"] = str(lib)
+    env[contract.ENV_LIB] = str(lib)
     return env
 
 

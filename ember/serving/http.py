@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
+from ember import contract
 from ember.serving.startup import StartupResult
 
 log = logging.getLogger("ember.serving")
@@ -288,7 +289,9 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
     return type("BoundHandler", (Handler,), {"state": state})
 
 
-def make_server(state: ServerState, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
+def make_server(
+    state: ServerState, host: str = "127.0.0.1", port: int = contract.ENGINE_PORT
+) -> ThreadingHTTPServer:
     server = ThreadingHTTPServer((host, port), make_handler(state))
     server.daemon_threads = True
     return server

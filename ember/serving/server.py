@@ -18,6 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ember import contract
 from ember.serving.http import ByteTokenizer, ServerState, make_server
 from ember.serving.startup import cb_starters, run_startup
 
@@ -36,7 +37,7 @@ def serve(
     layers: Annotated[int | None, typer.Option(help="Override the number of layers.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
     host: Annotated[str, typer.Option(help="Listen address (loopback by default).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Listen port.")] = 8000,
+    port: Annotated[int, typer.Option(help="Listen port.")] = contract.ENGINE_PORT,
     run_dir: Annotated[Path | None, typer.Option(help="Sidecar run dir (EMBER_RUN_DIR).")] = None,
     use_handoff: Annotated[bool, typer.Option("--handoff/--no-handoff", help="Wait for the sidecar.")] = True,
     deadline: Annotated[float, typer.Option(help="Seconds to wait for the archive after the claim.")] = 30.0,

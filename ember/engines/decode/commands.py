@@ -16,6 +16,8 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from ember import contract
+
 console = Console(stderr=True)
 
 WorkloadOpt = Annotated[
@@ -38,18 +40,8 @@ ModelOpt = Annotated[
     ),
 ]
 StoreOpt = Annotated[
-    str, typer.Option("--store", envvar="EMBER_STORE", help="Store URI (file:///... or s3://...).")
+    str, typer.Option("--store", envvar=contract.ENV_STORE, help="Store URI (file:///... or s3://...).")
 ]
-
-
-def termination_log(summary: dict[str, Any] | str, path: str = "/dev/termination-log") -> None:
-    """Best effort: the operator reads this from the pod status."""
-    text = summary if isinstance(summary, str) else json.dumps(summary, sort_keys=True)
-    try:
-        with open(os.environ.get("EMBER_TERMINATION_LOG", path), "w") as f:
-            f.write(text[:4000])
-    except OSError:
-        pass
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
@@ -135,7 +127,7 @@ def save(
 
     try:
         if job:
-            raw = os.environ.get("EMBER_IDENTITY")
+            raw = os.environ.get(contract.ENV_IDENTITY)
             if not raw or not store:
                 raise RuntimeError("job mode needs EMBER_IDENTITY and EMBER_STORE")
             w, identity = _workload_from_identity(raw)
@@ -155,11 +147,11 @@ def save(
         reason = f"SAVE failed: {type(exc).__name__}: {exc}"
         console.print(f"[red]{reason}[/red]")
         if job:
-            termination_log(reason)
+            contract.write_termination_log(reason)
         raise typer.Exit(1) from exc
     summary = out.summary()
     if job:
-        termination_log(summary)
+        contract.write_termination_log(summary)
     print(json.dumps(summary, indent=1))
 
 
@@ -197,7 +189,7 @@ def load(
         console.print(f"[yellow]LOAD refused, capture natively: {exc.reason}[/yellow]")
         raise typer.Exit(3) from exc
     w = loaded.workload
-    with attempt_marker(os.environ.get("EMBER_RUN_DIR", "/tmp/ember-run"), ident):
+    with attempt_marker(None, ident):  # EMBER_RUN_DIR, else the pod contract's run dir
         sha, first = decode_tokens(w, loaded.launch, batch)
     want = loaded.archive.engine.get("decode_sha256", {}).get(str(batch))
     result: dict[str, Any] = {
