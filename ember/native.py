@@ -70,7 +70,7 @@ BUILD_INSTANTIATE = 1
 
 
 class GraphDesc(ctypes.Structure):
-    """struct ember_graph_desc (include/ember.h): one graph for `Interposer.build_graphs`."""
+    """struct ember_graph_desc (native/include/ember.h): one graph for `Interposer.build_graphs`."""
 
     _fields_ = [
         ("nodes", ctypes.c_uint32),

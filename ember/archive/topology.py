@@ -2,7 +2,7 @@
 
 LOAD instantiates one template per group and switches between the group's graphs with
 `cuGraphExecUpdate`. That update fails (or, worse, silently keeps stale state) unless the graphs
-agree on everything it cannot change (../shared/brief/cuda-interposition.md §4, §9):
+agree on everything it cannot change (docs/archive-format.md §5 has the byte-level signature):
 
 - the node count, node types and their order;
 - every edge, in order, WITH its edge data (from/to port, dependency type: programmatic edges);

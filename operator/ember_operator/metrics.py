@@ -1,4 +1,4 @@
-"""Prometheus metrics of the operator (names fixed in team.md), served on the metrics port."""
+"""Prometheus metrics of the operator (names listed in docs/operator.md), served on the metrics port."""
 
 from __future__ import annotations
 
