@@ -155,10 +155,17 @@ def capture(
     return graphs
 
 
-def walk(graphs: dict[tuple[int, ...], Any], resolver: KernelResolver) -> GraphSet:
-    """Every captured graph in the archive's form; every kernel must have a catalog entry."""
+def walk(
+    graphs: dict[tuple[int, ...], Any], keys: list[tuple[int, ...]], resolver: KernelResolver
+) -> GraphSet:
+    """Every captured graph in the archive's form, in the adapter's key order (the table's order:
+    LOAD and the reference results replay in it, and state carries over from key to key); every
+    kernel must have a catalog entry."""
+    if set(keys) != set(graphs):
+        odd = sorted(set(keys) ^ set(graphs))[:5]
+        raise ProofFailed(f"captured graphs and the engine's keys differ, e.g. {odd}")
     walker = GraphWalker(resolver)
-    graph_set = walker.graph_set([walker.walk(g.raw_cuda_graph(), key) for key, g in graphs.items()])
+    graph_set = walker.graph_set([walker.walk(graphs[key].raw_cuda_graph(), key) for key in keys])
     missing = [k for k in graph_set.kernels if not k.image]
     if missing:
         raise ProofFailed(f"{len(missing)} kernels have no catalog entry, e.g. {missing[0].name}")
@@ -215,7 +222,7 @@ def save(
     resolver: KernelResolver = NativeResolver(ip) if ip is not None else LiveResolver()
     graphs = capture(adapter, ip, d, log)
     t = time.perf_counter()
-    graph_set = walk(graphs, resolver)
+    graph_set = walk(graphs, adapter.keys(), resolver)
     d["walk_s"] = time.perf_counter() - t
     t = time.perf_counter()
     subject = adapter.proof_subject(graphs)
