@@ -131,7 +131,7 @@ def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
     t_process = float(opts.get("t_process", time.perf_counter()))
     import torch
 
-    from ember.engines.transformers_cb import adapter as cb_runtime
+    from ember.engines.transformers_cb import adapter as cb_adapter
     from ember.engines.transformers_cb import engine as cb_engine
 
     starts = {"native": _start_native, "save": _start_save, "load": _start_load}
@@ -140,10 +140,10 @@ def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"unknown phase {phase!r}")
     result: dict[str, Any] = {"phase": phase, "device": _device_name(), "model": opts["model"]}
     mode = {"save": "save", "load": "load", "claim-restored": "load"}.get(phase)
-    ip = cb_runtime.session(mode) if mode else None  # armed before the model: same allocation order
+    ip = cb_adapter.session(mode) if mode else None  # armed before the model: same allocation order
     result["libember"] = ip is not None
     if phase == "load":  # a pod that starts with its archive on the node: LOAD overlaps the build
-        cb_runtime.open_early(Path(opts["store_dir"]) / "archives" / opts["identity"])
+        cb_adapter.open_early(Path(opts["store_dir"]) / "archives" / opts["identity"])
     t = time.perf_counter()
     model = cb_engine.build_model(
         opts["model"], opts.get("model_config"), layers=opts.get("layers"), seed=opts.get("seed", 0)
@@ -170,10 +170,10 @@ def _start_native(run: _Phase) -> None:
 
 def _start_save(run: _Phase) -> None:
     """SAVE every key, then serve from the captured set: proves the enumeration covers the scheduler."""
-    from ember.engines.transformers_cb import adapter as cb_runtime
+    from ember.engines.transformers_cb import adapter as cb_adapter
     from ember.engines.transformers_cb.engine import StartInfo
 
-    saved, captured = cb_runtime.save_engine(
+    saved, captured = cb_adapter.save_engine(
         run.model,
         run.engine.gen_config,
         run.sizing,
@@ -199,11 +199,11 @@ def _start_save(run: _Phase) -> None:
 
 def _start_load(run: _Phase) -> None:
     """A pod that starts with its archive on the node (opened before the model build)."""
-    from ember.engines.transformers_cb import adapter as cb_runtime
+    from ember.engines.transformers_cb import adapter as cb_adapter
 
     engine, result = run.engine, run.result
     archive_dir = Path(run.opts["store_dir"]) / "archives" / run.opts["identity"]
-    info = cb_runtime.restore_into(engine, archive_dir, run.ip)
+    info = cb_adapter.restore_into(engine, archive_dir, run.ip)
     result["first_token"], result["start_to_first_token_s"] = _first_token(engine, run.t0)
     result.update(startup=info.seconds, startup_graphs=info.graphs, sizing=info.sizing)
     if engine.library is not None:

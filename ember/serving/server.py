@@ -104,12 +104,12 @@ def serve(
 
 def _save_and_exit(build: dict[str, Any], sizing: dict[str, Any], save_to: str, name: str) -> None:
     """`--save-to`: SAVE every graph key of this engine, print the summary, exit."""
-    from ember.engines.transformers_cb import adapter as cb_runtime
+    from ember.engines.transformers_cb import adapter as cb_adapter
     from ember.engines.transformers_cb import engine as cb_engine
 
-    ip = cb_runtime.session("save")  # armed before the model, as LOAD will be
+    ip = cb_adapter.session("save")  # armed before the model, as LOAD will be
     lm = cb_engine.build_model(**build)
-    result, _ = cb_runtime.save_engine(lm, cb_engine.generation_config(), sizing, save_to, name, ip)
+    result, _ = cb_adapter.save_engine(lm, cb_engine.generation_config(), sizing, save_to, name, ip)
     typer.echo(json.dumps(result.summary(), default=str))
     raise typer.Exit(0 if result.published else 1)
 
@@ -124,13 +124,13 @@ def _start_engine(
     deadline: float,
 ) -> Any:
     """Arm libember, build the model, start the engine restored or native; `state` ready after."""
-    from ember.engines.transformers_cb import adapter as cb_runtime
+    from ember.engines.transformers_cb import adapter as cb_adapter
     from ember.engines.transformers_cb import engine as cb_engine
 
     if use_handoff or archive is not None:
-        cb_runtime.session("load")  # armed before the model: SAVE's allocation order
+        cb_adapter.session("load")  # armed before the model: SAVE's allocation order
     if archive is not None:  # on the node already: its reconstruction overlaps the model build
-        cb_runtime.open_early(archive)
+        cb_adapter.open_early(archive)
     lm = cb_engine.build_model(**build)
     engine = cb_engine.CBEngine(lm)
     state.tokenizer = _tokenizer_for(build["model"], engine.vocab_size)

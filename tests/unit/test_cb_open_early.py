@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from ember.engines.transformers_cb import adapter as cb_runtime
+from ember.engines.transformers_cb import adapter as cb_adapter
 from ember.runtime.adapter import COMPAT, Refused
 
 
@@ -41,32 +41,32 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         calls.append(restore)
         return restore
 
-    monkeypatch.setattr(cb_runtime, "_open", fake_open)
-    monkeypatch.setattr(cb_runtime, "_EARLY", None)
+    monkeypatch.setattr(cb_adapter, "_open", fake_open)
+    monkeypatch.setattr(cb_adapter, "_EARLY", None)
     return calls
 
 
 def test_the_engine_start_takes_over_the_early_archive(opened: list[Any], tmp_path: Path) -> None:
-    cb_runtime.open_early(tmp_path / "a")
+    cb_adapter.open_early(tmp_path / "a")
     assert len(opened) == 1  # opened now, before any engine exists
-    taken = cb_runtime._take_early(tmp_path / "a", None)
+    taken = cb_adapter._take_early(tmp_path / "a", None)
     assert len(opened) == 1 and taken is opened[0]  # not opened a second time
     assert not opened[0].abandoned
-    again = cb_runtime._take_early(tmp_path / "a", None)  # taken once: a later start opens afresh
+    again = cb_adapter._take_early(tmp_path / "a", None)  # taken once: a later start opens afresh
     assert len(opened) == 2 and again is opened[1]
 
 
 def test_an_early_refusal_is_the_engine_starts_refusal(opened: list[Any], tmp_path: Path) -> None:
-    cb_runtime.open_early(tmp_path / "foreign")  # does not raise: the model still gets built
+    cb_adapter.open_early(tmp_path / "foreign")  # does not raise: the model still gets built
     with pytest.raises(Refused, match="compatibility key differs") as refused:
-        cb_runtime._take_early(tmp_path / "foreign", None)
+        cb_adapter._take_early(tmp_path / "foreign", None)
     assert refused.value.stage == "compat"
     assert opened == [("refused", tmp_path / "foreign")]  # refused once, not opened again
 
 
 def test_another_archive_handed_over_abandons_the_early_one(opened: list[Any], tmp_path: Path) -> None:
-    cb_runtime.open_early(tmp_path / "a")
-    taken = cb_runtime._take_early(tmp_path / "b", None)
+    cb_adapter.open_early(tmp_path / "a")
+    taken = cb_adapter._take_early(tmp_path / "b", None)
     early, used = opened
     assert early.abandoned and not used.abandoned
     assert taken is used and used.archive_dir == tmp_path / "b"

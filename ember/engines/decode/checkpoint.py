@@ -1,6 +1,6 @@
 """Weights from a local transformers checkpoint for a decode workload (`--model DIR`).
 
-The directory holds `config.json` (the shape, read by `workloads.spec_from_hf_config`) and
+The directory holds `config.json` (the shape, read by `model.spec_from_hf_config`) and
 `*.safetensors`. The decode step stays ember's own implementation of the architecture (Llama,
 Qwen3, Qwen3-MoE, Gemma-3 families); the checkpoint supplies its weights. `plan()` maps the
 checkpoint's tensor names to the workload's parameters without torch (CPU-testable);
@@ -95,7 +95,7 @@ def tensor_names(model_dir: str | Path) -> dict[str, Path]:
 
 
 def load_into(model: Any, model_dir: str | Path, spec: ModelSpec) -> int:
-    """Copy the checkpoint's weights into `model` (a workloads.DecodeModel); returns tensors read."""
+    """Copy the checkpoint's weights into `model` (a model.DecodeModel); returns tensors read."""
     import torch
     from safetensors import safe_open
 

@@ -63,7 +63,7 @@ BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
     },
 }
 
-# Serving defaults that keep the key set small enough to SAVE in one pass (see cb_keys).
+# Serving defaults that keep the key set small enough to SAVE in one pass (see keys.py).
 DEFAULT_SERVE_SIZING = {
     "block_size": 256,
     "num_blocks": 64,
