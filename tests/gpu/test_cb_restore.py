@@ -52,7 +52,7 @@ def test_restore_in_fresh_process_no_capture_tokens_identical(cb_runs: dict[str,
     assert load["captured_keys"] == 0
     assert load["tokens"] == native["tokens"]
     assert load["reference"] == native["reference"] and load["first_token"] == native["first_token"]
-    # The archive was opened before the model build (cb_runtime.open_early): the reconstruction
+    # The archive was opened before the model build (adapter.open_early): the reconstruction
     # ran during the build, the engine's start waited for little of it.
     timings = load["startup"]
     assert timings["restore.join_ms"] < 0.5 * timings["restore.reconstruct_ms"], timings
