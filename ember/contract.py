@@ -63,6 +63,9 @@ ANN_RANK = _P + "rank"  # this pod's rank ...
 ANN_WORLD = _P + "world"  # ... of this many (multi-GPU); 0 of 1 today
 ANN_CLAIMED_AT = _P + "claimed-at"  # RFC 3339 with fractional seconds (or epoch seconds)
 ANN_NATIVE_REASON = _P + "native-reason"  # claims without an archive: why (capture natively)
+# sha256 of the manifest the operator saw Available: the sidecar refuses a manifest with another
+# digest (a replaced or swapped archive). Required on every claim that names an archive.
+ANN_MANIFEST_DIGEST = _P + "manifest-digest"
 # Warm pods: manifest URIs to cache before any claim (JSON list; comma/space separated accepted).
 ANN_PREFETCH = _P + "prefetch"
 # Written by the sidecar once per claim: RESTORED or FALLBACK_PREFIX + reason, and when.
@@ -135,7 +138,8 @@ class ClaimError(ValueError):
 class Claim:
     """What a claim writes onto a pod: the operator serialises it, the sidecar parses it back.
 
-    `archive_uri` "" means native capture (`native_reason` says why). `rank`/`world` are the
+    `archive_uri` "" means native capture (`native_reason` says why); otherwise `manifest_digest`
+    pins the manifest's sha256 (the sidecar refuses any other). `rank`/`world` are the
     multi-GPU layout (0 of 1 today). `deployment` and `revision` travel as labels, the rest as
     annotations. Two claims with the same `key` are the same restore (watch events repeat).
     """
@@ -150,10 +154,11 @@ class Claim:
     identity_spec: str = ""  # canonical identity JSON
     engine_args: tuple[str, ...] = ()
     native_reason: str = ""
+    manifest_digest: str = ""  # sha256 hex of the manifest bytes
 
     @property
-    def key(self) -> tuple[str, str, int, int]:
-        return (self.archive_uri, self.identity, self.rank, self.world)
+    def key(self) -> tuple[str, str, int, int, str]:
+        return (self.archive_uri, self.identity, self.rank, self.world, self.manifest_digest)
 
     @property
     def native(self) -> bool:
@@ -181,6 +186,8 @@ class Claim:
             out[ANN_CLAIMED_AT] = format_claimed_at(self.claimed_at)
         if self.native:
             out[ANN_NATIVE_REASON] = self.native_reason or "NoArchive"
+        else:
+            out[ANN_MANIFEST_DIGEST] = self.manifest_digest
         return out
 
     @classmethod
@@ -205,6 +212,7 @@ class Claim:
             identity_spec=ann.get(ANN_IDENTITY_SPEC, ""),
             engine_args=_engine_args(ann.get(ANN_ENGINE_ARGS)),
             native_reason=(ann.get(ANN_NATIVE_REASON) or "").strip(),
+            manifest_digest=(ann.get(ANN_MANIFEST_DIGEST) or "").strip().lower(),
         )
 
 

@@ -412,6 +412,8 @@ class ModelDeploymentStatus(ApiModel):
     archive: ArchiveRef | None = Field(None, description="The archive in use.")
     last_restore_time: str | None = Field(None, description="Most recent successful restore (RFC 3339).")
     fallback_count: int = Field(0, description="Pods that fell back to native capture.")
+    native_replicas: int = Field(0, description="Serving pods claimed without an archive (native capture); "
+                                 "replaced by restoring pods once the archive is Available.")
     warm_claims: int = Field(0, description="Warm pods claimed by this deployment (lifetime count).")
 
 

@@ -97,9 +97,15 @@ def plan_archive(obs: ArchiveObserved, backoff: Backoff) -> ArchivePlan:
                        f"credentials Secret {secret!r} not found in namespace {obs.namespace}: "
                        "create it there with keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
     elif probe.unreachable:
-        _store_trouble(obs, plan, backoff, "StoreUnreachable",
-                       (f"store {obs.spec.store.uri()} unreachable: {probe.unreachable}; check "
-                        "spec.store (bucket, endpoint) and that the operator can reach it")[:1024])
+        message = (f"store {obs.spec.store.uri()} unreachable: {probe.unreachable}; check "
+                   "spec.store (bucket, endpoint) and that the operator can reach it")[:1024]
+        if _save_in_flight(obs):
+            # A blip while the SAVE runs: the Job may still write the manifest. Stay Saving (not
+            # failing: deployments keep waiting instead of starting native pods), look again soon.
+            _set_saved(obs, plan, False, "StoreUnreachable", f"SAVE Job {st.save_job} running; {message}")
+            _retry_in(obs, plan, backoff.base_s)
+        else:
+            _store_trouble(obs, plan, backoff, "StoreUnreachable", message)
     else:
         _plan_save(obs, plan, backoff)
 
@@ -109,6 +115,13 @@ def plan_archive(obs: ArchiveObserved, backoff: Backoff) -> ArchivePlan:
         plan.events.append(Event("Normal" if st.phase is not GAPhase.failed else "Warning", "Phase",
                                  f"phase {old_phase.value if old_phase else 'None'} → {st.phase.value}"))
     return plan
+
+
+def _save_in_flight(obs: ArchiveObserved) -> bool:
+    """The current attempt's SAVE Job exists and has not failed."""
+    st = obs.status
+    job = obs.jobs.get(st.save_job or "")
+    return st.phase is GAPhase.saving and job is not None and job_state(job) != "Failed"
 
 
 def _collect_garbage(obs: ArchiveObserved, plan: ArchivePlan, backoff: Backoff) -> bool:

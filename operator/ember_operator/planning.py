@@ -13,7 +13,12 @@ Rules, in order:
    the deployment waits (phase Saving) — or keeps serving from the previous revision
    (phase Reconfiguring).
 3. Missing pods are claimed from the warm pool first (ready pods first), then created cold.
-4. Old-revision pods are deleted as current-revision pods become ready (a rolling move).
+4. Old-revision pods are deleted as current-revision pods become ready (a rolling move). Once the
+   archive is Available, pods that do not restore it (native-capture pods started while it was
+   failing, pods pinned to a manifest digest that was since replaced) count as old: they are
+   rolled onto restoring pods the same way.
+5. Availability comes from the pods' own claims and restore results (`ember.dev/archive` and
+   `ember.dev/restore`), never from the archive's phase alone.
 """
 
 from __future__ import annotations
@@ -194,6 +199,7 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
         deployment=obs.name, revision=revision,
         identity_spec=canonical_json(ident.canonical()).decode(), engine_args=tuple(spec.engine.args),
         native_reason="" if archive_uri else arch_condition[1],
+        manifest_digest=archive.digest if archive is not None and archive_uri else "",
     )
     rollout = _plan_pods(obs, plan, plan.claim, template)
     _set_replica_status(obs, plan, rollout)
@@ -213,22 +219,35 @@ class _Rollout:
     claimed: int = 0  # warm pods claimed in this pass
     claimed_ready: int = 0  # ... of which were ready
     remaining: list[PodView] = field(default_factory=list)  # live pods this plan keeps
+    not_restoring: int = 0  # pods (kept or new) that capture natively: no archive, or fell back
 
     @property
     def revision(self) -> str:
         return self.claim.revision
 
+    def is_current(self, pod: PodView) -> bool:
+        return is_current(pod, self.claim)
+
+
+def is_current(pod: PodView, claim: Claim) -> bool:
+    """The pod serves what this plan wants: its revision, and (archive Available) that archive at
+    the pinned digest. Native pods are current while there is no archive to restore."""
+    if pod.revision != claim.revision:
+        return False
+    if claim.native or not (pod.native or pod.archive_uri):
+        return True  # no archive wanted, or a pod that predates the claim annotations
+    return pod.archive_uri == claim.archive_uri and pod.manifest_digest == claim.manifest_digest
+
 
 def _plan_pods(obs: Observed, plan: Plan, claim: Claim, template: PodTemplate) -> _Rollout:
     """Claims, cold pods and deletions (rules 2-4)."""
     archive = obs.archive
-    revision = claim.revision
     live = [p for p in obs.pods if not p.deleting]
-    current = [p for p in live if p.revision == revision]
+    current = [p for p in live if is_current(p, claim)]
     # Deploy when pods can restore (Available) or must capture natively (failing). A retried SAVE
     # does not stop a deployment that already serves natively from scaling.
     can_deploy = archive is not None and (archive.available or archive.failing or bool(current))
-    old = [p for p in live if p.revision != revision]
+    old = [p for p in live if not is_current(p, claim)]
     # Pods that exited (Failed/Succeeded) never come back: replace them.
     plan.deletes += [p.name for p in current if p.failed]
     current = [p for p in current if not p.failed]
@@ -276,9 +295,12 @@ def _set_replica_status(obs: Observed, plan: Plan, rollout: _Rollout) -> None:
     st.revision = revision
     st.replicas = len(remaining) + len(plan.creates) + claimed
     st.ready_replicas = sum(p.ready for p in remaining) + rollout.claimed_ready
-    st.updated_replicas = sum(p.revision == revision for p in remaining) + len(plan.creates) + claimed
+    st.updated_replicas = sum(rollout.is_current(p) for p in remaining) + len(plan.creates) + claimed
     st.restored_replicas = sum(p.restored for p in remaining)
     st.fallback_count = sum(p.fell_back for p in remaining)
+    new_native = len(plan.creates) + claimed if rollout.claim.native else 0
+    st.native_replicas = sum(p.native for p in remaining) + new_native
+    rollout.not_restoring = sum(p.native or p.fell_back for p in remaining) + new_native
     st.warm_claims += claimed
     times = [t for p in remaining if p.restored and (t := p.restore_time)]
     if times:
@@ -321,18 +343,20 @@ def _available(obs: Observed, st: ModelDeploymentStatus, rollout: _Rollout) -> _
         return (False, "WaitingForArchive", f"0/{want} replicas ready; waiting for the archive")
     if st.ready_replicas == 0:
         return (False, "ReplicasNotReady", f"0/{want} replicas ready")
-    if st.fallback_count or (obs.archive is not None and obs.archive.failing):
-        n = st.fallback_count
-        why = f"{n} pod(s) fell back to native capture" if n else "archive unavailable"
-        return (True, "NativeCapture" if not n or n >= st.ready_replicas else "PartialFallback",
+    # What the pods report (their claim, their sidecar's restore result), not the archive's phase.
+    n = rollout.not_restoring
+    if n:
+        why = (f"{n}/{st.replicas} pod(s) serve with native capture ({st.native_replicas} claimed "
+               f"without an archive, {st.fallback_count} fell back)")
+        return (True, "NativeCapture" if n >= st.ready_replicas else "PartialFallback",
                 f"{st.ready_replicas}/{want} replicas ready; {why}")
     return (True, "ReplicasReady", f"{st.ready_replicas}/{want} replicas ready")
 
 
 def _progressing(obs: Observed, st: ModelDeploymentStatus, rollout: _Rollout) -> _Condition:
     want, archive, revision = obs.spec.replicas, obs.archive, rollout.revision
-    ready_current = sum(p.ready for p in rollout.remaining if p.revision == revision) + rollout.claimed_ready
-    old_left = sum(p.revision != revision for p in rollout.remaining)
+    ready_current = sum(p.ready for p in rollout.remaining if rollout.is_current(p)) + rollout.claimed_ready
+    old_left = sum(not rollout.is_current(p) for p in rollout.remaining)
     can_deploy, ident_hash = rollout.can_deploy, rollout.claim.identity
     if archive is None or (not can_deploy and archive.phase == "Pending" and not old_left
                            and not rollout.current):

@@ -66,6 +66,19 @@ class PodView:
     def failed(self) -> bool:
         return self.phase in ("Failed", "Succeeded")
 
+    @property
+    def native(self) -> bool:
+        """Claimed without an archive (`ember.dev/archive: ""`): the engine captured natively."""
+        return contract.ANN_ARCHIVE in self.annotations and not self.annotations[contract.ANN_ARCHIVE]
+
+    @property
+    def archive_uri(self) -> str:
+        return self.annotations.get(contract.ANN_ARCHIVE, "")
+
+    @property
+    def manifest_digest(self) -> str:
+        return self.annotations.get(contract.ANN_MANIFEST_DIGEST, "")
+
 
 @dataclass(frozen=True)
 class ArchiveView:
@@ -77,6 +90,7 @@ class ArchiveView:
     reason: str = ""
     message: str = ""
     next_retry_time: str = ""
+    digest: str = ""  # sha256 of the manifest (claims pin it)
 
     @classmethod
     def of(cls, ga: dict[str, Any]) -> ArchiveView:
@@ -89,6 +103,7 @@ class ArchiveView:
             reason=saved.get("reason", ""),
             message=saved.get("message", "") or status.get("failureReason") or "",
             next_retry_time=status.get("nextRetryTime") or "",
+            digest=status.get("digest") or "",
         )
 
     @property
@@ -97,5 +112,9 @@ class ArchiveView:
 
     @property
     def failing(self) -> bool:
-        """The archive cannot be had now (retrying): deployments serve with native capture."""
-        return self.phase == "Failed" or self.reason in ("CredentialsSecretMissing", "StoreUnreachable")
+        """The archive cannot be had now (retrying): deployments serve with native capture.
+
+        A store blip while a SAVE Job runs keeps the archive Saving: that is not failing (the Job
+        may still write the manifest), so deployments wait instead of starting native pods."""
+        store_trouble = self.reason in ("CredentialsSecretMissing", "StoreUnreachable")
+        return self.phase == "Failed" or (store_trouble and self.phase != "Saving")

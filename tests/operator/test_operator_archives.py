@@ -115,3 +115,14 @@ def test_available_keeps_the_save_pods_durations() -> None:
     obs = _obs(probe=StoreProbe(manifest=info), jobs=_job(0, "Succeeded"), result=result)
     plan = plan_archive(obs, BACKOFF)
     assert plan.status.durations == {"capture": 3.0}
+
+
+def test_store_blip_while_the_save_runs_stays_saving() -> None:
+    """StoreUnreachable during a running SAVE is not a failing archive (no native pods start)."""
+    started = plan_archive(_obs(), BACKOFF)
+    blip = plan_archive(_obs(status=started.status, jobs=_job(0, "Active"),
+                             probe=StoreProbe(unreachable="connect timeout")), BACKOFF)
+    assert blip.status.phase is GAPhase.saving and _saved(blip) == ("False", "StoreUnreachable")
+    assert blip.create_job_attempt is None and blip.requeue_after == 10
+    back = plan_archive(_obs(status=blip.status, jobs=_job(0, "Active")), BACKOFF)
+    assert back.status.phase is GAPhase.saving and _saved(back) == ("False", "SaveRunning")

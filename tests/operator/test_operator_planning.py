@@ -25,11 +25,17 @@ def _revision(spec: Any = None) -> str:
     return revision_of(spec.identity().hash(), template_of("default", spec, CTX), spec)
 
 
-def _pod(name: str, revision: str, ready: bool = True, restore: str = "") -> PodView:
+def _pod(name: str, revision: str, ready: bool = True, restore: str = "",
+         archive: str | None = None, digest: str = "") -> PodView:
+    """A serving pod; `archive` "" is a native-capture claim, a URI a restoring one pinned to `digest`."""
+    ann = {contract.ANN_RESTORE: restore} if restore else {}
+    if archive is not None:
+        ann[contract.ANN_ARCHIVE] = archive
+        pin = {contract.ANN_MANIFEST_DIGEST: digest}
+        ann |= pin if archive else {contract.ANN_NATIVE_REASON: "SaveFailed"}
     return PodView(name=name, labels={contract.LABEL_REVISION: revision, contract.LABEL_DEPLOYMENT: "qwen",
                                       contract.LABEL_POOL: "serving"},
-                   annotations={contract.ANN_RESTORE: restore} if restore else {}, ready=ready,
-                   phase="Running", created=name)
+                   annotations=ann, ready=ready, phase="Running", created=name)
 
 
 def _warm(name: str, ready: bool = True) -> PodView:
@@ -124,8 +130,10 @@ def test_failed_archive_serves_natively_and_says_so() -> None:
     assert "native capture" in cond.message and "retrying at" in cond.message
     assert any(e.type == "Warning" and e.reason == "SaveFailed" for e in plan.events)
     rev = _revision()
-    serving = plan_deployment(observed(archive=FAILED, pods=[_pod("a", rev), _pod("b", rev)]), CTX)
+    native = [_pod("a", rev, archive=""), _pod("b", rev, archive="")]
+    serving = plan_deployment(observed(archive=FAILED, pods=native), CTX)
     assert serving.status.phase is MDPhase.degraded
+    assert serving.status.native_replicas == 2 and _cond(serving, "Available").reason == "NativeCapture"
 
 
 def test_missing_secret_and_unreachable_store_serve_natively() -> None:
@@ -224,3 +232,37 @@ def test_claiming_ready_warm_pods_counts_them_ready() -> None:
     assert len(plan.claims) == 2 and plan.status.ready_replicas == 2
     assert plan.status.phase is MDPhase.ready
     assert rev == plan.status.revision
+
+
+def test_native_pods_are_replaced_by_restoring_pods_once_the_archive_is_available() -> None:
+    """Pods started natively while the archive failed (S3 outage) do not stay native for ever."""
+    rev = _revision()
+    available = replace(AVAILABLE, digest="d" * 64)
+    native = [_pod("a", rev, archive=""), _pod("b", rev, archive="")]
+    plan = plan_deployment(observed(archive=available, pods=native), CTX)
+    assert len(plan.creates) == 2 and not plan.deletes  # old ones serve until the new are ready
+    for pod in plan.creates:
+        assert pod["metadata"]["annotations"][contract.ANN_ARCHIVE] == URI
+        assert pod["metadata"]["annotations"][contract.ANN_MANIFEST_DIGEST] == "d" * 64
+    assert plan.status.phase is MDPhase.reconfiguring
+    assert _cond(plan, "Available").reason == "NativeCapture"  # the pods say so, not the archive
+    restoring = [_pod(f"r{i}", rev, archive=URI, digest="d" * 64) for i in range(2)]
+    done = plan_deployment(observed(archive=available, pods=native + restoring), CTX)
+    assert sorted(done.deletes) == ["a", "b"] and not done.creates
+    final = plan_deployment(observed(archive=available, pods=restoring), CTX)
+    assert final.status.phase is MDPhase.ready and final.status.native_replicas == 0
+
+
+def test_pods_pinned_to_a_replaced_manifest_are_rolled() -> None:
+    rev = _revision()
+    old = [_pod("a", rev, archive=URI, digest="a" * 64), _pod("b", rev, archive=URI, digest="a" * 64)]
+    plan = plan_deployment(observed(archive=replace(AVAILABLE, digest="b" * 64), pods=old), CTX)
+    assert len(plan.creates) == 2
+    assert all(p["metadata"]["annotations"][contract.ANN_MANIFEST_DIGEST] == "b" * 64 for p in plan.creates)
+
+
+def test_store_blip_during_save_does_not_start_native_pods() -> None:
+    blip = ArchiveView(name="ga-x", phase="Saving", reason="StoreUnreachable", message="timeout")
+    assert not blip.failing
+    plan = plan_deployment(observed(archive=blip), CTX)
+    assert not plan.creates and plan.status.phase is MDPhase.saving

@@ -1,0 +1,184 @@
+"""Status that tells the truth: store outages, replaced manifests, stuck SAVE Jobs, API rejections.
+
+Faults are real: the operator reaches MinIO through `StoreLink`, a TCP relay the test cuts and
+restores (an S3 outage as the operator sees it, without stopping the MinIO other tests share);
+manifests are overwritten or deleted in the bucket; unschedulable SAVE pods come from a GPU
+product no kwok node has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fixtures_cluster import LocalCluster, LocalMinio
+from operator_harness import (
+    Api,
+    OperatorProcess,
+    identity_of,
+    md_spec,
+    operator_env,
+    phase,
+    wait_for,
+    write_test_archive,
+)
+
+pytestmark = [pytest.mark.k8s, pytest.mark.s3]
+
+
+class StoreLink:
+    """A TCP relay 127.0.0.1:<port> → MinIO that can be cut (connections refused) and restored."""
+
+    def __init__(self, target: str) -> None:
+        url = urllib.parse.urlsplit(target)
+        self.target = (url.hostname or "127.0.0.1", url.port or 80)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        self.listener: socket.socket | None = None
+        self.conns: list[socket.socket] = []
+        self.lock = threading.Lock()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def up(self) -> None:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", self.port))
+        sock.listen(64)
+        self.listener = sock
+        threading.Thread(target=self._accept, args=(sock,), daemon=True).start()
+
+    def down(self) -> None:
+        with self.lock:
+            socks, self.conns = [self.listener, *self.conns], []
+            self.listener = None
+        for s in socks:
+            if s is not None:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                with contextlib.suppress(OSError):
+                    s.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self.lock:
+                if self.listener is not listener:
+                    client.close()
+                    upstream.close()
+                    return
+                self.conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.fixture
+def env(
+    k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path,
+) -> Iterator[tuple[Api, OperatorProcess, str]]:
+    with operator_env(k8s, minio, tmp_path, "ops") as env:
+        yield env
+
+
+@pytest.fixture
+def link(minio: LocalMinio) -> Iterator[StoreLink]:
+    relay = StoreLink(minio.endpoint)
+    yield relay
+    relay.down()
+
+
+def _via(spec: dict[str, Any], link: StoreLink) -> dict[str, Any]:
+    spec["store"]["s3"]["endpoint"] = link.endpoint
+    return spec
+
+
+def _archives(api: Api, md: str) -> list[str]:
+    return [(p.metadata.annotations or {}).get("ember.dev/archive", "?") for p in api.serving(md)]
+
+
+def _restoring(api: Api, md: str, count: int, digest: str) -> bool:
+    pods = api.serving(md)
+    return len(pods) == count and all(
+        p.metadata.annotations.get("ember.dev/archive", "").endswith("/manifest")
+        and p.metadata.annotations.get("ember.dev/manifest-digest") == digest for p in pods)
+
+
+def _ga_status(api: Api, spec: dict[str, Any]) -> dict[str, Any]:
+    ga = api.archive(f"ga-{identity_of(spec).hash()[:16]}")
+    return (ga or {}).get("status") or {}
+
+
+def test_native_pods_move_to_the_archive_after_an_outage(
+    env: Any, minio: LocalMinio, link: StoreLink,
+) -> None:
+    """Issue 18 item 1: S3 down at creation → native pods; S3 back with the archive → restoring pods."""
+    api, op, prefix = env
+    spec = _via(md_spec(minio, prefix), link)  # the link is down: the store is unreachable
+    api.create_md("outage", spec)
+    wait_for(lambda: api.condition("outage", "ArchiveReady").get("reason") == "StoreUnreachable",
+             "ArchiveReady=False StoreUnreachable", op)
+    wait_for(lambda: _archives(api, "outage") == ["", ""], "2 native pods", op)
+    wait_for(lambda: api.condition("outage", "Available").get("reason") == "NativeCapture",
+             "Available says NativeCapture (from the pods)", op)
+    assert api.md("outage")["status"]["nativeReplicas"] == 2
+
+    write_test_archive(minio, prefix, spec)
+    link.up()
+    digest = wait_for(lambda: (st := _ga_status(api, spec)).get("phase") == "Available" and st["digest"],
+                      "GraphArchive Available after the outage", op)
+    wait_for(lambda: _restoring(api, "outage", 2, digest), "native pods replaced by restoring pods", op)
+    wait_for(lambda: phase(api, "outage") == "Ready", "Ready", op)
+    st = api.md("outage")["status"]
+    assert st["nativeReplicas"] == 0 and api.condition("outage", "Available")["reason"] == "ReplicasReady"
+
+
+def test_store_blip_during_save_does_not_start_native_pods(
+    env: Any, minio: LocalMinio, link: StoreLink,
+) -> None:
+    """Issue 18 item 1: a StoreUnreachable probe while the SAVE Job runs is not a failing archive."""
+    api, op, prefix = env
+    link.up()
+    spec = _via(md_spec(minio, prefix, save={"podAnnotations": {
+        "pod-complete.stage.kwok.x-k8s.io/delay": "600s"}}), link)  # the SAVE pod keeps running
+    api.create_md("blip", spec)
+    wait_for(lambda: phase(api, "blip") == "Saving" and api.jobs(), "Saving with a SAVE Job", op)
+    link.down()
+    wait_for(lambda: any(c.get("reason") == "StoreUnreachable"
+                         for c in _ga_status(api, spec).get("conditions") or []),
+             "the operator saw the blip", op, timeout=30)
+    for _ in range(12):  # several reconciles (resync 5 s): still no native pod
+        assert api.serving("blip") == [], "native pods started during a store blip"
+        assert _ga_status(api, spec)["phase"] == "Saving"
+        time.sleep(1)
+    write_test_archive(minio, prefix, spec)
+    link.up()
+    digest = wait_for(lambda: (st := _ga_status(api, spec)).get("phase") == "Available" and st["digest"],
+                      "GraphArchive Available", op)
+    wait_for(lambda: _restoring(api, "blip", 2, digest), "2 restoring pods", op)
