@@ -12,6 +12,7 @@ import typer
 from ember_bench.cb import bench_cb
 from ember_bench.claims import bench_claims
 from ember_bench.fetch import bench_fetch
+from ember_bench.fuzz import bench_fuzz
 from ember_bench.graphs import bench_graphs
 from ember_bench.native import bench_native
 from ember_bench.parse import bench_parse
@@ -23,3 +24,4 @@ app.command("fetch")(bench_fetch)
 app.command("claims")(bench_claims)
 app.command("native")(bench_native)
 app.command("parse")(bench_parse)
+app.command("fuzz")(bench_fuzz)

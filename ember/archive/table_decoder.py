@@ -79,6 +79,34 @@ class GroupInfo:
     template: int  # root graph index
 
 
+# No index or chunk comes near this (an 8B decode set's index is a few MB): a larger size is a
+# damaged or hostile header, refused before anything that size is allocated.
+MAX_RAW = 1 << 30
+
+
+def inflate(d: zstd.ZstdDecompressor, frame: bytes | memoryview, raw_size: int, what: str,
+            said_by: str) -> bytes:
+    """One zstd frame of the table → exactly `raw_size` bytes, else FormatError.
+
+    The frame's own content size (SAVE writes it) must equal `raw_size` and stay under MAX_RAW:
+    zstandard raises OverflowError for a size past ssize_t and would allocate whatever is named.
+    """
+    try:
+        declared = zstd.frame_content_size(frame)
+    except zstd.ZstdError as exc:
+        raise FormatError(f"{what}: not a zstd frame ({exc}): damaged archive") from exc
+    if declared != raw_size or not 0 <= raw_size <= MAX_RAW:
+        raise FormatError(f"{what}: the frame holds {declared} bytes, the {said_by} says {raw_size}: "
+                          "damaged archive")
+    try:
+        raw = d.decompress(frame, max_output_size=raw_size)
+    except zstd.ZstdError as exc:
+        raise FormatError(f"{what}: zstd refuses the frame ({exc}): damaged archive") from exc
+    if len(raw) != raw_size:
+        raise FormatError(f"{what}: {len(raw)} bytes, the {said_by} says {raw_size}")
+    return raw
+
+
 def read_header(blob: bytes | memoryview) -> tuple[int, int, int, int, int, int]:
     """The outer header, checked: (minor, flags, index offset, index length, index raw size, chunk area)."""
     mv = memoryview(blob)
@@ -109,13 +137,8 @@ class GraphTable:
     def __init__(self, blob: bytes | memoryview) -> None:
         self.blob = memoryview(blob)
         self.minor, self.flags, ioff, ilen, iraw, coff = read_header(self.blob)
-        try:
-            frame = bytes(self.blob[ioff:ioff + ilen])
-            index = zstd.ZstdDecompressor().decompress(frame, max_output_size=iraw)
-        except zstd.ZstdError as exc:
-            raise FormatError(f"graph table index does not decompress ({exc}): damaged archive") from exc
-        if len(index) != iraw:
-            raise FormatError(f"graph table index is {len(index)} bytes, header says {iraw}")
+        frame = bytes(self.blob[ioff:ioff + ilen])
+        index = inflate(zstd.ZstdDecompressor(), frame, iraw, "graph table index", "header")
         s = unpack_container(index, INDEX_SECTIONS, "graph table index")
         self._chunks_off = coff
         self.rows: np.ndarray = s[b"GRPH"]
@@ -270,14 +293,8 @@ class GraphTable:
         if dict_row == row:
             raise FormatError(f"graph row {row}: chunk compressed against itself")
         off = self._chunks_off + chunk_off
-        try:
-            raw = self._decompressor(dict_row).decompress(self.blob[off:off + chunk_len],
-                                                           max_output_size=chunk_raw)
-        except zstd.ZstdError as exc:
-            msg = f"{self._what(row)}: params do not decompress ({exc}): damaged archive"
-            raise FormatError(msg) from exc
-        if len(raw) != chunk_raw:
-            raise FormatError(f"{self._what(row)}: params are {len(raw)} bytes, index says {chunk_raw}")
+        raw = inflate(self._decompressor(dict_row), self.blob[off:off + chunk_len], chunk_raw,
+                      f"{self._what(row)}: params", "index")
         try:
             s = unpack_container(raw, CHUNK_SECTIONS, "params")
             c = GraphChunk(raw, s[b"REFS"], s[b"KPAR"], s[b"BPOL"], s[b"MSET"], s[b"MCPY"])
