@@ -4,7 +4,10 @@ Order of checks (each failing one is a reason on the `Saved` condition plus a re
 1. the credentials Secret exists (CredentialsSecretMissing);
 2. the store answers (StoreUnreachable);
 3. the manifest is in the store → Available, no Job at all (another namespace, an earlier
-   operator, or this archive's own SAVE put it there);
+   operator, or this archive's own SAVE put it there); a manifest that does not parse is Failed
+   (ManifestInvalid). Once Available the store is still probed on every pass: a manifest deleted
+   since is no longer Available (a new SAVE attempt starts), one replaced since gets its new digest
+   (claims pin it, so pods of the old digest are rolled) and a Warning event;
 4. otherwise the SAVE Job of the current attempt: created when missing (name from the identity
    hash and the attempt, so a restarted operator never creates a second), Saving while it runs,
    Failed with the pod's termination message when it fails, a new attempt after the backoff.
@@ -42,6 +45,7 @@ class StoreProbe:
     secret_missing: bool = False
     unreachable: str = ""  # error text when the store could not be used
     manifest: ManifestInfo | None = None
+    invalid: str = ""  # the manifest exists but does not parse: why
 
 
 @dataclass(frozen=True)
@@ -89,8 +93,16 @@ def plan_archive(obs: ArchiveObserved, backoff: Backoff) -> ArchivePlan:
         return plan
 
     probe = obs.probe
+    available = st.phase is GAPhase.available
     if probe.manifest is not None:
         _manifest_found(obs, plan, probe.manifest)
+    elif probe.invalid:
+        detail = f"manifest in {obs.spec.store.uri()} is not a readable ember manifest: {probe.invalid}"
+        _failed_probe(obs, plan, backoff, "ManifestInvalid", detail)
+    elif available and (probe.unreachable or probe.secret_missing):
+        pass  # already Available: a store blip does not take that back (pods retry their fetches)
+    elif available and not (probe.secret_missing or probe.unreachable):
+        _manifest_lost(obs, plan, backoff)
     elif probe.secret_missing:
         secret = obs.spec.store.credentials_secret
         _store_trouble(obs, plan, backoff, "CredentialsSecretMissing",
@@ -110,7 +122,7 @@ def plan_archive(obs: ArchiveObserved, backoff: Backoff) -> ArchivePlan:
         _plan_save(obs, plan, backoff)
 
     old_phase = obs.status.phase
-    plan.events = conditions.transitions(obs.status.conditions, st.conditions)
+    plan.events += conditions.transitions(obs.status.conditions, st.conditions)
     if old_phase != st.phase and st.phase is not None:
         plan.events.append(Event("Normal" if st.phase is not GAPhase.failed else "Warning", "Phase",
                                  f"phase {old_phase.value if old_phase else 'None'} → {st.phase.value}"))
@@ -160,6 +172,10 @@ def _manifest_found(obs: ArchiveObserved, plan: ArchivePlan, manifest: ManifestI
     if st.phase is not GAPhase.available:
         plan.saved_now = True
         st.completion_time = rfc3339(obs.now)
+    elif st.digest and st.digest != manifest.digest:
+        plan.events.append(Event("Warning", "ManifestReplaced",
+                                 f"manifest {manifest.uri} was replaced: digest {st.digest[:16]}… → "
+                                 f"{manifest.digest[:16]}…; pods pinned to the old digest are replaced"))
     st.phase = GAPhase.available
     st.uri, st.digest, st.bytes = manifest.uri, manifest.digest, manifest.bytes
     st.graphs = manifest.graphs
@@ -169,6 +185,34 @@ def _manifest_found(obs: ArchiveObserved, plan: ArchivePlan, manifest: ManifestI
     if obs.result is not None and obs.result.succeeded and obs.result.durations:
         st.durations = obs.result.durations  # the SAVE pod's own stage timings
     _set_saved(obs, plan, True, "ManifestFound", f"archive at {manifest.uri}")
+
+
+def _manifest_lost(obs: ArchiveObserved, plan: ArchivePlan, backoff: Backoff) -> None:
+    """Available before, no manifest now (deleted from the store): SAVE again as a new attempt."""
+    st = plan.status
+    lost = st.uri
+    st.uri, st.digest, st.bytes, st.graphs, st.completion_time = None, None, None, None, None
+    st.phase = GAPhase.pending
+    if st.save_job:
+        st.attempt += 1  # the old attempt's Job succeeded; a new one writes the archive again
+    plan.events.append(Event("Warning", "ManifestDeleted",
+                             f"manifest {lost} is gone from the store; saving it again"))
+    _plan_save(obs, plan, backoff)
+
+
+def _failed_probe(
+    obs: ArchiveObserved, plan: ArchivePlan, backoff: Backoff, reason: str, message: str
+) -> None:
+    """The store answers but what it holds is unusable: Failed (deployments serve natively)."""
+    st = plan.status
+    if st.phase is not GAPhase.failed:
+        plan.save_failed_now = True
+        st.next_retry_time = None
+    st.phase = GAPhase.failed
+    st.uri, st.digest = None, None
+    st.failure_reason = message[:1024]
+    _retry_in(obs, plan, backoff.base_s)
+    _set_saved(obs, plan, False, reason, st.failure_reason)
 
 
 def _store_trouble(

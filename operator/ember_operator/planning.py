@@ -167,7 +167,7 @@ def _archive_condition(archive: ArchiveView | None) -> tuple[bool | None, str, s
     if archive.available:
         return True, "ArchiveAvailable", f"restoring from {archive.uri}"
     if archive.failing:
-        store_reasons = ("CredentialsSecretMissing", "StoreUnreachable")
+        store_reasons = ("CredentialsSecretMissing", "StoreUnreachable", "ManifestInvalid")
         reason = archive.reason if archive.reason in store_reasons else "SaveFailed"
         retry = f"; retrying at {archive.next_retry_time}" if archive.next_retry_time else ""
         return False, reason, f"{archive.message or archive.phase}; serving with native capture{retry}"

@@ -24,7 +24,6 @@ from pydantic import ValidationError
 from ember import contract
 from ember_operator import metrics, naming
 from ember_operator.api import (
-    GAPhase,
     GraphArchiveSpec,
     GraphArchiveStatus,
     ModelDeploymentSpec,
@@ -357,12 +356,8 @@ class Reconciler:
         return plan.requeue_after
 
     def probe(self, ns: str, spec: GraphArchiveSpec, status: GraphArchiveStatus) -> StoreProbe:
-        """Ask the store whether the manifest exists (skipped once Available)."""
-        if status.phase is GAPhase.available and status.uri:
-            return StoreProbe(manifest=ManifestInfo(
-                uri=status.uri, digest=status.digest or "", bytes=status.bytes or 0, graphs=status.graphs,
-                compat=status.compat_key.wire() if status.compat_key else {},
-            ))
+        """Ask the store whether the manifest exists, and what it is (also once Available: a
+        manifest deleted or replaced since is noticed on the next pass)."""
         access = StoreAccess.of(spec.store)
         opts = access.open_options()
         secret_name = spec.store.credentials_secret
@@ -406,6 +401,9 @@ def probe_store(uri: str, identity_hash: str, opts: dict[str, Any], timeout_s: f
     info: dict[str, Any] = {"bytes": len(data), "graphs": None, "compat": {}}
     try:
         manifest = loads(data)
+        if manifest.identity_hash != identity_hash:
+            raise ManifestError(f"it is the manifest of identity {manifest.identity_hash[:16]}…, "
+                                f"not {identity_hash[:16]}…")
         info["bytes"] = manifest.total_bytes
         info["graphs"] = manifest.graphs.count
         compat = manifest.compat.model_dump()
@@ -416,6 +414,7 @@ def probe_store(uri: str, identity_hash: str, opts: dict[str, Any], timeout_s: f
         }
     except ManifestError as exc:
         log.warning("Manifest of %s in %s is not readable by this operator: %s", identity_hash, uri, exc)
+        return StoreProbe(invalid=str(exc)[:512])
     return StoreProbe(manifest=ManifestInfo(
         uri=store.manifest_uri(identity_hash), digest=hashlib.sha256(data).hexdigest(), **info,
     ))

@@ -108,7 +108,8 @@ class ArchiveView:
 
     @property
     def available(self) -> bool:
-        return self.phase == "Available" and bool(self.uri)
+        """Restorable: claims name the URI and pin the digest (never a claim without a pin)."""
+        return self.phase == "Available" and bool(self.uri) and bool(self.digest)
 
     @property
     def failing(self) -> bool:

@@ -2,8 +2,9 @@
 
 The annotations themselves (keys, formats, `Claim`) are the pod contract's (`ember.contract`);
 here the sidecar decides what it can restore: a manifest URI (…/archives/<hash>/manifest) whose
-hash is the claimed identity, in a valid rank layout. Anything else is a `ClaimError`, which the
-restore logic turns into a fallback to native capture.
+hash is the claimed identity, pinned to a manifest digest (`ember.dev/manifest-digest`, which the
+operator writes on every claim that names an archive), in a valid rank layout. Anything else is a
+`ClaimError`, which the restore logic turns into a fallback to native capture.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ember.store import StoreError, split_manifest_uri
 __all__ = ["Claim", "ClaimError", "manifest_identity", "parse_claim", "parse_prefetch", "reason_class"]
 
 _IDENTITY_RE = re.compile(r"^[0-9a-f]{8,64}$")
+_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 def manifest_identity(uri: str) -> str | None:
@@ -52,6 +54,12 @@ def parse_claim(annotations: dict[str, str] | None) -> Claim | None:
     if in_uri != identity:
         raise ClaimError(f"identity-mismatch: {ann_archive} names {in_uri[:16]}…, "
                          f"{ann_identity} is {identity[:16]}…")
+    ann_digest = contract.ANN_MANIFEST_DIGEST
+    if not claim.manifest_digest:
+        raise ClaimError(f"claim has {ann_archive} but no {ann_digest}: the manifest is not pinned "
+                         "(an operator older than this sidecar?)")
+    if not _DIGEST_RE.match(claim.manifest_digest):
+        raise ClaimError(f"{ann_digest}={claim.manifest_digest!r} is not a sha256 (64 lowercase hex)")
     if claim.world < 1 or not 0 <= claim.rank < claim.world:
         raise ClaimError(f"rank {claim.rank} / world {claim.world} is not a valid rank layout")
     return claim

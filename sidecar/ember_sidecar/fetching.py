@@ -7,13 +7,15 @@ manifest is written last: a manifest in the cache means every blob it names is t
 
 Failures become `FetchFailed(reason)` with a reason of the form `<class>: <detail>` (the class is
 the metric label): store-unavailable, store-error, archive-missing, manifest-invalid,
-identity-mismatch, digest-mismatch, blob-missing, size-mismatch, fetch-timeout. Cancellation
+manifest-digest-mismatch (the manifest's sha256 is not the claim's pin), identity-mismatch,
+digest-mismatch, blob-missing, size-mismatch, fetch-timeout. Cancellation
 (pod deleted, SIGTERM) raises `Cancelled`; partial files are removed by `clean_partials`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -135,17 +137,26 @@ class ArchiveCache:
             return None
         return m
 
-    def fetch(self, archive_uri: str, identity: str, cancel: threading.Event | None = None) -> Fetched:
-        """Get the archive named by the manifest URI into the cache, verified. Thread-safe."""
+    def fetch(
+        self, archive_uri: str, identity: str, cancel: threading.Event | None = None, digest: str = "",
+    ) -> Fetched:
+        """Get the archive named by the manifest URI into the cache, verified. Thread-safe.
+
+        `digest` (the claim's pin, sha256 hex of the manifest bytes): any other manifest is
+        refused, cached or not; "" (prefetches) takes what the store holds."""
         cancel = cancel or threading.Event()
         with self.lock(identity):
             t0 = time.monotonic()
             m = self.cached(identity)
-            if m is not None:
+            if m is not None and (not digest or self._cached_digest(identity) == digest):
                 return Fetched(identity, self.archive_dir(identity), m, 0.0, time.monotonic() - t0, 0, True)
-            return self._fetch(archive_uri, identity, cancel)
+            return self._fetch(archive_uri, identity, cancel, digest)
 
-    def _fetch(self, archive_uri: str, identity: str, cancel: threading.Event) -> Fetched:
+    def _cached_digest(self, identity: str) -> str:
+        data = self.local.get_manifest(identity)
+        return hashlib.sha256(data).hexdigest() if data is not None else ""
+
+    def _fetch(self, archive_uri: str, identity: str, cancel: threading.Event, digest: str = "") -> Fetched:
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         try:
@@ -158,6 +169,10 @@ class ArchiveCache:
         data = self._retry(lambda: store.get_manifest(identity), cancel, deadline)
         if data is None:
             raise FetchFailed(f"archive-missing: no manifest at {archive_uri}")
+        if digest and (actual := hashlib.sha256(data).hexdigest()) != digest:
+            raise FetchFailed(f"manifest-digest-mismatch: manifest at {archive_uri} has sha256 "
+                              f"{actual[:16]}…, the claim pins {digest[:16]}… (replaced since the "
+                              "operator saw it)")
         v0 = time.monotonic()
         m = verify_manifest(data, identity)
         verify_s = time.monotonic() - v0

@@ -153,7 +153,7 @@ class Restorer:
         started = time.time()
         self.metrics.observe("claim_to_fetch", started - self._claim_time(claim, state.observed_at))
         try:
-            fetched = self.cache.fetch(claim.archive_uri, claim.identity, cancel)
+            fetched = self.cache.fetch(claim.archive_uri, claim.identity, cancel, claim.manifest_digest)
         except Cancelled:
             log.info("Restore of %s cancelled", claim.identity[:16])
             return

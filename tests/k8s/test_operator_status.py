@@ -182,3 +182,49 @@ def test_store_blip_during_save_does_not_start_native_pods(
     digest = wait_for(lambda: (st := _ga_status(api, spec)).get("phase") == "Available" and st["digest"],
                       "GraphArchive Available", op)
     wait_for(lambda: _restoring(api, "blip", 2, digest), "2 restoring pods", op)
+
+
+def _manifest_key(prefix: str, spec: dict[str, Any]) -> str:
+    return f"{prefix}/archives/{identity_of(spec).hash()}/manifest"
+
+
+def test_garbage_manifest_is_failed_not_available(env: Any, minio: LocalMinio) -> None:
+    """Issue 18 item 2: a manifest that does not parse is Failed with the reason; pods serve natively."""
+    api, op, prefix = env
+    spec = md_spec(minio, prefix)
+    minio.client().put_object(Bucket=minio.bucket, Key=_manifest_key(prefix, spec), Body=b"{not a manifest")
+    api.create_md("garbage", spec)
+    st = wait_for(lambda: (s := _ga_status(api, spec)).get("phase") == "Failed" and s,
+                  "GraphArchive Failed", op)
+    saved = next(c for c in st["conditions"] if c["type"] == "Saved")
+    assert saved["reason"] == "ManifestInvalid" and "not a readable ember manifest" in saved["message"]
+    assert not st.get("uri")
+    wait_for(lambda: api.condition("garbage", "ArchiveReady").get("reason") == "ManifestInvalid",
+             "ArchiveReady=False ManifestInvalid", op)
+    wait_for(lambda: _archives(api, "garbage") == ["", ""], "2 native pods", op)
+
+
+def test_manifest_replaced_or_deleted_after_available_is_noticed(env: Any, minio: LocalMinio) -> None:
+    """Issue 18 item 2: the timer re-checks an Available archive. Replaced (even by a consistent
+    manifest): new digest, Warning, pods re-pinned; deleted: not Available, SAVE again."""
+    api, op, prefix = env
+    spec = md_spec(minio, prefix)
+    write_test_archive(minio, prefix, spec)
+    api.create_md("swap", spec)
+    first = wait_for(lambda: (st := _ga_status(api, spec)).get("phase") == "Available" and st["digest"],
+                     "Available", op)
+    wait_for(lambda: _restoring(api, "swap", 2, first), "2 pods pinned to the manifest", op)
+    key, s3 = _manifest_key(prefix, spec), minio.client()
+    body = s3.get_object(Bucket=minio.bucket, Key=key)["Body"].read()
+    s3.put_object(Bucket=minio.bucket, Key=key, Body=body + b"\n")  # same archive, other bytes
+    second = wait_for(lambda: (d := _ga_status(api, spec).get("digest")) != first and d,
+                      "the new digest", op, timeout=30)
+    ga_name = f"ga-{identity_of(spec).hash()[:16]}"
+    assert any(e["reason"] == "ManifestReplaced" for e in api.events_for(ga_name))
+    wait_for(lambda: _restoring(api, "swap", 2, second), "pods re-pinned to the new digest", op)
+
+    s3.delete_object(Bucket=minio.bucket, Key=key)
+    wait_for(lambda: _ga_status(api, spec).get("phase") == "Saving" and api.jobs(), "SAVE again", op,
+             timeout=30)
+    assert not _ga_status(api, spec).get("uri")
+    assert api.condition("swap", "ArchiveReady")["reason"] == "Saving"

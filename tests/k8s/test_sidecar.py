@@ -11,6 +11,7 @@ mid-fetch ends the process cleanly (exit 0, no partial files).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -51,6 +52,12 @@ def http_get(port: int, path: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
+def pin(store: Store, identity: str) -> str:
+    """The manifest digest an operator would pin (zeros when there is no manifest)."""
+    data = store.get_manifest(identity)
+    return hashlib.sha256(data).hexdigest() if data is not None else "0" * 64
+
+
 @dataclass
 class SidecarPod:
     """A kwok pod object plus the local sidecar process standing in for its sidecar container."""
@@ -66,10 +73,11 @@ class SidecarPod:
         path = self.run_dir / "sidecar.port"
         return int(wait_until(lambda: path.is_file() and path.read_text(), timeout=30, what="sidecar port"))
 
-    def claim(self, archive_uri: str, identity: str) -> None:
+    def claim(self, archive_uri: str, identity: str, digest: str) -> None:
+        """Claim as the operator does: the manifest URI, the identity and the pinned digest."""
         self.core.patch_namespaced_pod(self.name, self.namespace, {"metadata": {"annotations": {
             "ember.dev/archive": archive_uri, "ember.dev/identity": identity,
-            "ember.dev/claimed-at": f"{time.time():.6f}"}}})
+            "ember.dev/manifest-digest": digest, "ember.dev/claimed-at": f"{time.time():.6f}"}}})
 
     def annotation(self) -> str | None:
         pod = self.core.read_namespaced_pod(self.name, self.namespace)
@@ -137,7 +145,8 @@ def test_claim_fetch_verify_handoff_metrics(sidecar_pod: Any, bucket_store: Stor
     handoff.report("standby", 1.0, run_dir=pod.run_dir)
     wait_until(lambda: http_get(pod.port, "/readyz")[0] == 200, timeout=10, what="warm pod claimable")
 
-    pod.claim(bucket_store.manifest_uri(m.identity_hash), m.identity_hash)
+    pod.claim(bucket_store.manifest_uri(m.identity_hash), m.identity_hash,
+              pin(bucket_store, m.identity_hash))
     res = handoff.wait_for_archive(pod.run_dir, deadline=60)
     assert res.restored, res.reason
     assert http_get(pod.port, "/readyz")[0] == 503, "claimed and not yet serving: not Ready"
@@ -178,8 +187,29 @@ def test_corrupted_blob_falls_back(sidecar_pod: Any, bucket_store: Store, minio:
     key = f"{bucket_store.prefix}/blobs/{m.blobs[1].sha256}"
     minio.client().put_object(Bucket=minio.bucket, Key=key, Body=b"\0" * m.blobs[1].compressed_size)
     pod = sidecar_pod()
-    pod.claim(bucket_store.manifest_uri(m.identity_hash), m.identity_hash)
+    pod.claim(bucket_store.manifest_uri(m.identity_hash), m.identity_hash,
+              pin(bucket_store, m.identity_hash))
     _assert_fallback(pod, "digest-mismatch")
+
+
+def test_manifest_replaced_after_the_pin_falls_back(sidecar_pod: Any, bucket_store: Store) -> None:
+    """Issue 18 item 2: the claim pins the manifest digest; a manifest swapped since is refused,
+    even a consistent one (same identity, valid blobs)."""
+    identity = sample_identity(f"swapped-{uuid.uuid4().hex[:6]}")
+    m = write_blob_archive(bucket_store, SIZES, identity=identity)
+    pinned = pin(bucket_store, m.identity_hash)
+    write_blob_archive(bucket_store, SIZES, identity=identity, seed=1)  # replaced in the bucket
+    assert pin(bucket_store, m.identity_hash) != pinned
+    pod = sidecar_pod()
+    pod.claim(bucket_store.manifest_uri(m.identity_hash), m.identity_hash, pinned)
+    _assert_fallback(pod, "manifest-digest-mismatch")
+
+
+def test_claim_without_a_pin_falls_back(sidecar_pod: Any, bucket_store: Store) -> None:
+    m = write_blob_archive(bucket_store, SIZES)
+    pod = sidecar_pod()
+    pod.claim(bucket_store.manifest_uri(m.identity_hash), m.identity_hash, "")
+    _assert_fallback(pod, "claim-invalid")
 
 
 def test_wrong_identity_falls_back(sidecar_pod: Any, bucket_store: Store) -> None:
@@ -187,7 +217,7 @@ def test_wrong_identity_falls_back(sidecar_pod: Any, bucket_store: Store) -> Non
     write_blob_archive(bucket_store, SIZES, identity=sample_identity("another"),
                        manifest_identity_hash=claimed)
     pod = sidecar_pod()
-    pod.claim(bucket_store.manifest_uri(claimed), claimed)
+    pod.claim(bucket_store.manifest_uri(claimed), claimed, pin(bucket_store, claimed))
     _assert_fallback(pod, "identity-mismatch")
 
 
@@ -199,7 +229,8 @@ def test_s3_outage_falls_back(sidecar_pod: Any, bucket_store: Store, minio: Loca
         proxy.cut()  # MinIO is unreachable for this sidecar
         pod = sidecar_pod(endpoint=proxy.endpoint)
         t0 = time.monotonic()
-        pod.claim(bucket_store.manifest_uri(m.identity_hash), m.identity_hash)
+        pod.claim(bucket_store.manifest_uri(m.identity_hash), m.identity_hash,
+              pin(bucket_store, m.identity_hash))
         _assert_fallback(pod, "store-unavailable")
         assert time.monotonic() - t0 >= 1.5, "retried for EMBER_FETCH_RETRY_S before falling back"
     finally:
@@ -212,7 +243,8 @@ def test_pod_deleted_mid_fetch_ends_cleanly(sidecar_pod: Any, bucket_store: Stor
     proxy = ThrottledProxy(host, int(port), bytes_per_s=2_000_000)  # ~12 s for the archive
     try:
         pod = sidecar_pod(endpoint=proxy.endpoint)
-        pod.claim(bucket_store.manifest_uri(m.identity_hash), m.identity_hash)
+        pod.claim(bucket_store.manifest_uri(m.identity_hash), m.identity_hash,
+              pin(bucket_store, m.identity_hash))
         blobs = pod.run_dir / "store" / "blobs"
         wait_until(lambda: blobs.is_dir() and any(p.name.startswith(".") for p in blobs.iterdir()),
                    timeout=30, what="a partial download in the cache")
@@ -240,7 +272,7 @@ def test_warm_pod_prefetch_then_claim_pays_no_download(sidecar_pod: Any, bucket_
     # The store loses the blobs: a claim can only succeed from the pod's cache.
     for b in m.blobs:
         minio.client().delete_object(Bucket=minio.bucket, Key=f"{bucket_store.prefix}/blobs/{b.sha256}")
-    pod.claim(uris[0], m.identity_hash)
+    pod.claim(uris[0], m.identity_hash, pin(bucket_store, m.identity_hash))
     res = handoff.wait_for_archive(pod.run_dir, deadline=30)
     assert res.restored, res.reason
     assert pod.metric('ember_restore_stage_seconds_sum{stage="fetch"} 0.0')

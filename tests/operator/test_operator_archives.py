@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 
 from operator_helpers import CTX, NOW, md_spec
@@ -126,3 +127,38 @@ def test_store_blip_while_the_save_runs_stays_saving() -> None:
     assert blip.create_job_attempt is None and blip.requeue_after == 10
     back = plan_archive(_obs(status=blip.status, jobs=_job(0, "Active")), BACKOFF)
     assert back.status.phase is GAPhase.saving and _saved(back) == ("False", "SaveRunning")
+
+
+def _available(digest: str = "d" * 64) -> tuple[ManifestInfo, GraphArchiveStatus]:
+    info = ManifestInfo(uri="s3://ember/ember/archives/x/manifest", digest=digest, bytes=10, graphs=4)
+    return info, plan_archive(_obs(probe=StoreProbe(manifest=info)), BACKOFF).status
+
+
+def test_garbage_manifest_is_failed_with_the_reason() -> None:
+    plan = plan_archive(_obs(probe=StoreProbe(invalid="not JSON")), BACKOFF)
+    assert plan.status.phase is GAPhase.failed and _saved(plan) == ("False", "ManifestInvalid")
+    assert "not JSON" in (plan.status.failure_reason or "") and plan.create_job_attempt is None
+    assert plan.status.uri is None and plan.requeue_after == 10
+
+
+def test_manifest_deleted_after_available_saves_again() -> None:
+    _, status = _available()
+    status.save_job, status.attempt = naming.save_job_name(HASH, 0), 0
+    plan = plan_archive(_obs(status=status, probe=StoreProbe(), jobs=_job(0, "Succeeded")), BACKOFF)
+    assert plan.status.phase is GAPhase.saving and plan.status.uri is None and plan.status.digest is None
+    assert plan.create_job_attempt == 1
+    assert any(e.reason == "ManifestDeleted" and e.type == "Warning" for e in plan.events)
+
+
+def test_manifest_replaced_after_available_gets_the_new_digest_and_a_warning() -> None:
+    info, status = _available("a" * 64)
+    swapped = StoreProbe(manifest=replace(info, digest="b" * 64))
+    plan = plan_archive(_obs(status=status, probe=swapped), BACKOFF)
+    assert plan.status.phase is GAPhase.available and plan.status.digest == "b" * 64
+    assert any(e.reason == "ManifestReplaced" for e in plan.events)
+
+
+def test_store_blip_after_available_keeps_it_available() -> None:
+    _, status = _available()
+    plan = plan_archive(_obs(status=status, probe=StoreProbe(unreachable="timeout")), BACKOFF)
+    assert plan.status.phase is GAPhase.available and plan.status.uri

@@ -14,7 +14,7 @@ from ember_operator.planning import Plan, plan_deployment, revision_of, template
 from ember_operator.views import ArchiveView, PodView
 
 URI = "s3://ember/ember/archives/abc/manifest"
-AVAILABLE = ArchiveView(name="ga-x", phase="Available", uri=URI, reason="ManifestFound")
+AVAILABLE = ArchiveView(name="ga-x", phase="Available", uri=URI, reason="ManifestFound", digest="d" * 64)
 SAVING = ArchiveView(name="ga-x", phase="Saving", reason="SaveRunning")
 FAILED = ArchiveView(name="ga-x", phase="Failed", reason="SaveFailed", message="SAVE Job failed: OOM",
                      next_retry_time="2026-11-22T02:01:00Z")

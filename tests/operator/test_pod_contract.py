@@ -71,7 +71,7 @@ def test_engine_and_sidecar_share_the_run_dir_the_engine_side_reads(monkeypatch:
 
 
 def test_claim_the_operator_writes_is_the_claim_the_sidecar_parses() -> None:
-    plan = _serving_plan(ArchiveView(name="ga-x", phase="Available", uri=URI))
+    plan = _serving_plan(ArchiveView(name="ga-x", phase="Available", uri=URI, digest="d" * 64))
     claim = plan.claim
     assert claim is not None and claim.archive_uri == URI and claim.identity == HASH
     assert claim.claimed_at is not None and claim.identity_spec and claim.revision
@@ -95,8 +95,8 @@ def _meta(patch: dict[str, Any]) -> dict[str, Any]:
 def test_claim_patch_round_trips() -> None:
     warm = PodView(name="w", labels={contract.LABEL_POOL: contract.POOL_WARM}, resource_version="7",
                    ready=True, phase="Running")
-    plan = plan_deployment(observed(archive=ArchiveView(name="ga-x", phase="Available", uri=URI),
-                                    warm=[warm]), CTX)
+    available = ArchiveView(name="ga-x", phase="Available", uri=URI, digest="d" * 64)
+    plan = plan_deployment(observed(archive=available, warm=[warm]), CTX)
     (name, patch), = plan.claims
     assert name == "w" and Claim.from_annotations(**_meta(patch)) == plan.claim
 
@@ -118,7 +118,7 @@ def test_claim_stamp_keeps_microseconds() -> None:
 
 
 def test_multi_gpu_rank_layout_round_trips() -> None:
-    claim = Claim(URI, HASH, rank=3, world=4, deployment="d", revision="r")
+    claim = Claim(URI, HASH, rank=3, world=4, deployment="d", revision="r", manifest_digest="d" * 64)
     assert Claim.from_annotations(claim.annotations(), claim.labels()) == claim
     restored = parse_claim(claim.annotations())
     assert restored is not None and (restored.rank, restored.world) == (3, 4)

@@ -9,6 +9,8 @@ from ember_sidecar.claims import parse_claim, parse_prefetch, reason_class
 
 H = "ab" * 32
 URI = f"s3://bucket/prefix/archives/{H}/manifest"
+D = "0f" * 32  # the manifest digest pinned by the claim
+PIN = {"ember.dev/manifest-digest": D}
 
 
 def test_unclaimed_pod_has_no_claim() -> None:
@@ -19,11 +21,12 @@ def test_unclaimed_pod_has_no_claim() -> None:
 
 def test_full_claim() -> None:
     c = parse_claim({"ember.dev/archive": URI, "ember.dev/identity": H, "ember.dev/rank": "1",
-                     "ember.dev/world": "4", "ember.dev/claimed-at": "1700000000.5"})
+                     "ember.dev/world": "4", "ember.dev/claimed-at": "1700000000.5", **PIN})
     assert c is not None
     assert (c.archive_uri, c.identity, c.rank, c.world, c.claimed_at) == (URI, H, 1, 4, 1700000000.5)
+    assert c.manifest_digest == D
     assert c.key == parse_claim({"ember.dev/archive": URI, "ember.dev/identity": H,
-                                 "ember.dev/rank": "1", "ember.dev/world": "4"}).key
+                                 "ember.dev/rank": "1", "ember.dev/world": "4", **PIN}).key
 
 
 @pytest.mark.parametrize(
@@ -36,7 +39,10 @@ def test_full_claim() -> None:
         ({"ember.dev/archive": URI, "ember.dev/identity": "cd" * 32}, "identity-mismatch"),
         ({"ember.dev/archive": URI, "ember.dev/identity": H, "ember.dev/rank": "x"}, "not an integer"),
         ({"ember.dev/archive": URI, "ember.dev/identity": H, "ember.dev/rank": "2",
-          "ember.dev/world": "2"}, "not a valid rank layout"),
+          "ember.dev/world": "2", **PIN}, "not a valid rank layout"),
+        ({"ember.dev/archive": URI, "ember.dev/identity": H}, "no ember.dev/manifest-digest"),
+        ({"ember.dev/archive": URI, "ember.dev/identity": H, "ember.dev/manifest-digest": "abc"},
+         "not a sha256"),
     ],
 )
 def test_bad_claims_raise_with_reason(annotations: dict[str, str], message: str) -> None:
@@ -45,7 +51,8 @@ def test_bad_claims_raise_with_reason(annotations: dict[str, str], message: str)
 
 
 def test_bad_claimed_at_is_ignored() -> None:
-    c = parse_claim({"ember.dev/archive": URI, "ember.dev/identity": H, "ember.dev/claimed-at": "soon"})
+    c = parse_claim({"ember.dev/archive": URI, "ember.dev/identity": H, "ember.dev/claimed-at": "soon",
+                     **PIN})
     assert c is not None and c.claimed_at is None
 
 

@@ -3,8 +3,10 @@ engine reports → result, and every fallback path. No Kubernetes (see tests/k8s
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from ember import handoff
 from ember.store import LocalStore
 from ember_bench.fetch import sample_identity, write_blob_archive
 from ember_sidecar.claims import Claim
-from ember_sidecar.fetching import ArchiveCache
+from ember_sidecar.fetching import ArchiveCache, FetchFailed
 from ember_sidecar.metrics import Metrics
 from ember_sidecar.restoring import Restorer
 
@@ -213,8 +215,10 @@ def test_prefetch_then_claim_pays_no_download(store: LocalStore, tmp_path: Path)
     wait_for(lambda: sample(r.metrics, "ember_prefetches_total", result="ok") == 2, what="prefetches")
     for b in m.blobs:  # prove the claim does not touch the store
         store.delete_blob(b.sha256)
+    manifest = store.get_manifest(m.identity_hash) or b""
     r.on_annotations({"ember.dev/archive": store.manifest_uri(m.identity_hash),
-                      "ember.dev/identity": m.identity_hash})
+                      "ember.dev/identity": m.identity_hash,
+                      "ember.dev/manifest-digest": hashlib.sha256(manifest).hexdigest()})
     assert handoff.wait_for_archive(run_dir, deadline=10).restored
     assert sample(r.metrics, "ember_restore_stage_seconds_sum", stage="fetch") == 0.0
 
@@ -294,3 +298,21 @@ def test_claim_clock_starts_at_the_operators_stamp(store: LocalStore, tmp_path: 
     r2.claim(Claim(store.manifest_uri(m.identity_hash), m.identity_hash, claimed_at=time.time() - 3600))
     wait_for(lambda: sample(r2.metrics, "ember_restore_stage_seconds_count", stage="claim_to_fetch") == 1)
     assert sample(r2.metrics, "ember_restore_stage_seconds_sum", stage="claim_to_fetch") < 60
+
+
+def test_manifest_other_than_the_pinned_digest_is_refused(store: LocalStore, tmp_path: Path) -> None:
+    """Cached or fetched, a manifest whose sha256 is not the claim's pin is not restored."""
+    m = write_blob_archive(store, SIZES)
+    pinned = hashlib.sha256(store.get_manifest(m.identity_hash) or b"").hexdigest()
+    r, _rep, run_dir = make(tmp_path)
+    r.claim(replace(claim_for(store, m.identity_hash), manifest_digest="0" * 64))
+    res = handoff.wait_for_archive(run_dir, deadline=10)
+    assert not res.restored and res.reason.startswith("manifest-digest-mismatch"), res.reason
+    reason = "manifest-digest-mismatch"
+    assert sample(r.metrics, "ember_restores_total", result="fallback", reason=reason) == 1
+    # The pinned digest restores; once cached, a claim pinning another digest is still refused.
+    r2, _rep2, run_dir2 = make(tmp_path / "b")
+    r2.claim(replace(claim_for(store, m.identity_hash), manifest_digest=pinned))
+    assert handoff.wait_for_archive(run_dir2, deadline=10).restored
+    with pytest.raises(FetchFailed, match="manifest-digest-mismatch"):
+        r2.cache.fetch(store.manifest_uri(m.identity_hash), m.identity_hash, digest="1" * 64)
