@@ -177,7 +177,10 @@ def _save_child(
     return json.loads(proc.stdout[proc.stdout.index("{") :])
 
 
-def bench_one(workload: str, layers: int, sizes: str, store: str, timeout: float = 900) -> dict[str, Any]:
+def bench_one(
+    workload: str, layers: int, sizes: str, store: str, timeout: float = 900, repeats: int = 0
+) -> dict[str, Any]:
+    """One workload: native, SAVE, LOAD children; with `repeats`, LOAD's true cost too (true_cost)."""
     from ember.runtime.session import preload_env
 
     base_env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "EMBER_MODE")}
@@ -219,6 +222,14 @@ def bench_one(workload: str, layers: int, sizes: str, store: str, timeout: float
         res["stderr"] = loaded.get("stderr", "")[-1500:]
         return res
     _load_facts(res, native, saved, loaded)
+    if repeats:
+        from ember_bench import true_cost
+
+        tc = true_cost.measure(store, saved["identity"], preload_env("load", base_env), repeats, timeout)
+        res["true_cost"] = tc
+        if "error" not in tc:
+            res["native_over_warm_load"] = res["native_capture_s"] * 1e3 / tc["warm_all_ms"]
+            res["native_over_cold_load"] = res["native_capture_s"] * 1e3 / max(tc["cold_extra_ms"], 1e-3)
     return res
 
 
@@ -416,8 +427,7 @@ def _table_row(r: dict[str, Any]) -> str:
             f"{r.get('native_capture_s', 0):.2f} | FAILED: {err} | | | | | | | | |"
         )
     tp = ", ".join(
-        f"{r['tpot_native_ms'][b]:.3f}/{r['tpot_restored_ms'][b]:.3f} ({b})"
-        for b in r["tpot_restored_ms"]
+        f"{r['tpot_native_ms'][b]:.3f}/{r['tpot_restored_ms'][b]:.3f} ({b})" for b in r["tpot_restored_ms"]
     )
     sw = r["switch_ms"]
     rep = r["outputs_identical_vs_save"]
@@ -437,6 +447,22 @@ def _table_row(r: dict[str, Any]) -> str:
     )
 
 
+def _true_cost_line(r: dict[str, Any]) -> str:
+    tc = r["true_cost"]
+    if "error" in tc:
+        return f"- {r['workload']}: true cost not measured: {tc['error']}"
+    return (
+        f"- {r['workload']} ({tc['repeats']} runs each): warm pod, archive opened → first key "
+        f"{tc['warm_first_ms']:.0f} ms, every key launched once {tc['warm_all_ms']:.0f} ms, the "
+        f"dedicated execs they asked for ready {tc['warm_settled_ms']:.0f} ms; cold, build + LOAD "
+        f"until every key launched {tc['cold_all_ms']:.0f} ms vs a bare build "
+        f"{tc['build_only_ms']:.0f} ms: LOAD adds "
+        f"{tc['cold_extra_ms']:.0f} ms ({tc['cold_extra_settled_ms']:.0f} ms with those execs ready); "
+        f"native capture / warm LOAD {r['native_over_warm_load']:.1f}x, / cold extra "
+        f"{r['native_over_cold_load']:.1f}x (critical-path load_ms {r['load_ms']:.1f})"
+    )
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# ember bench graphs — {report['device']} — {report['date']}",
@@ -450,6 +476,8 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [_table_row(r) for r in report["results"]]
+    lines += ["", "## LOAD's true cost (medians of fresh processes; ember_bench/true_cost.py)", ""]
+    lines += [_true_cost_line(r) for r in report["results"] if r.get("true_cost")]
     lines += ["", "## LOAD stages (ms) and cold start (model build + graphs)", ""]
     for r in report["results"]:
         if "load_ms" in r:
@@ -494,6 +522,9 @@ def bench_graphs(
     store: Annotated[
         str, typer.Option(help="Store URI for the archives (default: a temporary directory).")
     ] = "",
+    repeats: Annotated[
+        int, typer.Option(help="Fresh processes per LOAD true-cost figure (warm, cold, bare build); 0 skips.")
+    ] = 3,
 ) -> None:
     """Native capture vs SAVE→LOAD in a fresh process, per workload; writes JSON + markdown."""
     from ember_bench.parse import parse_ms_512
@@ -506,7 +537,7 @@ def bench_graphs(
     report: dict[str, Any] = {}
     for w in [x.strip() for x in workloads.split(",") if x.strip()]:
         typer.echo(f"bench graphs: {w}", err=True)
-        r = bench_one(w, layers, sizes, store)
+        r = bench_one(w, layers, sizes, store, repeats=repeats)
         r["goals"] = goals(r)
         results.append(r)
         typer.echo(

@@ -78,6 +78,8 @@ class DecodeAdapter:
         t = time.perf_counter()
         if facts is None:
             self._w().build()
+        elif self.workload is not None and self.workload.model is not None:
+            self._check_prebuilt(facts)  # a warm pod: built before the archive came
         else:
             cfg = dict(facts)
             if self.model_dir:  # the checkpoint lives elsewhere on this machine than where SAVE read it
@@ -88,6 +90,15 @@ class DecodeAdapter:
             except (OSError, ValueError) as exc:  # CheckpointError included: weights missing or other shape
                 raise Refused(LOAD, f"model weights not usable: {exc}") from exc
         self.build_ms = (time.perf_counter() - t) * 1e3
+
+    def _check_prebuilt(self, facts: Mapping[str, Any]) -> None:
+        w = self._w()
+        mine = w.config()
+        differ = [k for k in mine if k != "weights" and facts.get(k) != mine[k]]
+        if int(facts.get("kv_cache_bytes", -1)) != w.kv_cache_bytes:
+            differ.append("kv_cache_bytes")
+        if differ:
+            raise Refused(LOAD, f"the model built before the archive came differs from SAVE's: {differ}")
 
     def capture(self) -> dict[GraphKey, Any]:
         return self._w().capture()
@@ -239,16 +250,18 @@ def load_workload(
     perturb_first: bool = False,
     log: Callable[[str], None] = print,
     model_dir: str | None = None,
+    prebuilt: DecodeWorkload | None = None,
 ) -> Loaded:
     """LOAD one archive into this process (Refused: capture natively). `model_dir`: where this
-    machine holds the checkpoint of a `--model DIR` archive (default: where SAVE read it)."""
+    machine holds the checkpoint of a `--model DIR` archive (default: where SAVE read it).
+    `prebuilt`: a workload built before the archive came (a warm pod), checked against SAVE's."""
     from ember.runtime.session import native_session
 
     tm: dict[str, Any] = {}
     t_all = time.perf_counter()
     ip = interposer or native_session("load", perturb_first=perturb_first)
     tm["session_ms"] = (time.perf_counter() - t_all) * 1e3
-    adapter = DecodeAdapter(model_dir=model_dir)
+    adapter = DecodeAdapter(prebuilt, model_dir=model_dir)
     restored = load(adapter, open_restore(adapter, ip, store_uri, identity_hash))
     tm.update(restored.timings)
     tm["build_workload_ms"] = adapter.build_ms
