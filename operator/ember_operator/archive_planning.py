@@ -80,6 +80,7 @@ class ArchivePlan:
     events: list[Event] = field(default_factory=list)
     create_job_attempt: int | None = None
     delete: bool = False
+    delete_jobs: bool = False  # nobody wants this identity any more: its SAVE Jobs go now
     requeue_after: float | None = None
     saved_now: bool = False  # the archive became Available in this pass
     save_failed_now: bool = False
@@ -137,19 +138,30 @@ def _save_in_flight(obs: ArchiveObserved) -> bool:
 
 
 def _collect_garbage(obs: ArchiveObserved, plan: ArchivePlan, backoff: Backoff) -> bool:
-    """The GC clock: an archive nobody uses is deleted after the retention period. True: delete."""
+    """The GC clock: an archive nobody uses (no ModelDeployment, no serving pod of its identity)
+    is deleted after the retention period. One that is not Available stops saving at once (an
+    in-between identity of two quick edits must not SAVE for nobody) and goes after the manifest
+    grace period. True: planning stops here."""
     st, now = plan.status, obs.now
     if obs.references > 0:
         st.unreferenced_since = None
         return False
     since = parse_time(st.unreferenced_since) or now
     st.unreferenced_since = rfc3339(since)
-    if backoff.retention_s > 0 and (now - since).total_seconds() >= backoff.retention_s:
+    unused = st.phase is not GAPhase.available
+    keep = min(backoff.retention_s, backoff.grace_s) if unused else backoff.retention_s
+    if unused:
+        plan.delete_jobs = bool(obs.jobs)
+        if st.phase is GAPhase.saving:
+            st.phase = GAPhase.pending
+        st.next_retry_time = None
+        _set_saved(obs, plan, False, "Unreferenced",
+                   "no ModelDeployment uses this identity: SAVE stopped, the archive is collected")
+    if backoff.retention_s > 0 and (now - since).total_seconds() >= keep:
         plan.delete = True
-        plan.events.append(Event("Normal", "GarbageCollected",
-                                 f"unreferenced for {backoff.retention_s:.0f}s; deleting"))
+        plan.events.append(Event("Normal", "GarbageCollected", f"unreferenced for {keep:.0f}s; deleting"))
         return True
-    return False
+    return unused
 
 
 def _set_saved(obs: ArchiveObserved, plan: ArchivePlan, ok: bool | None, reason: str, message: str) -> None:

@@ -313,8 +313,10 @@ class Reconciler:
                       "version?); delete it and its ModelDeployments recreate it: %s", ns, name, exc)
             return None
         short = spec.identity_hash[:16]
+        # Users: deployments of the identity and serving/warm pods restoring it. SAVE pods carry
+        # the identity label too but are no users (counting them kept archives alive for ever).
         refs = len(self.deployments_using(ns, short)) + len(
-            self.kube.list(pods_path(ns), f"{contract.LABEL_IDENTITY}={short}")
+            self.kube.list(pods_path(ns), f"{contract.LABEL_IDENTITY}={short},{contract.LABEL_POOL}")
         )
         probe = self.probe(ns, spec, status)
         listed = self.kube.list(jobs_path(ns), f"{contract.LABEL_ARCHIVE}={name}")
@@ -330,6 +332,9 @@ class Reconciler:
             references=refs,
         )
         plan = plan_archive(obs, self.backoff)
+        if plan.delete_jobs:
+            log.info("GraphArchive %s/%s: no user; deleting SAVE Job(s) %s", ns, name, sorted(jobs))
+            self._parallel(lambda job: self.kube.delete(jobs_path(ns, job)), sorted(jobs))
         if plan.delete:
             self.post_events(ga, plan.events)
             self.kube.delete(ga_path(ns, name))

@@ -228,3 +228,26 @@ def test_manifest_replaced_or_deleted_after_available_is_noticed(env: Any, minio
              timeout=30)
     assert not _ga_status(api, spec).get("uri")
     assert api.condition("swap", "ArchiveReady")["reason"] == "Saving"
+
+
+def test_in_between_identity_of_two_quick_edits_is_not_saved(env: Any, minio: LocalMinio) -> None:
+    """Issue 18 item 7: edit A → B → C; B's SAVE Job (nobody wants B) is deleted and its
+    GraphArchive collected; A's archive stays while A's pods serve, C saves."""
+    api, op, prefix = env
+    slow = {"podAnnotations": {"pod-complete.stage.kwok.x-k8s.io/delay": "600s"}}
+    spec_a = md_spec(minio, prefix, replicas=1, save=slow)
+    write_test_archive(minio, prefix, spec_a)
+    api.create_md("edits", spec_a)
+    wait_for(lambda: phase(api, "edits") == "Ready", "Ready on A", op)
+    hashes: dict[str, str] = {}
+    for rev in ("b", "c"):
+        spec = {**spec_a, "model": {"name": spec_a["model"]["name"], "revision": rev}}
+        hashes[rev] = identity_of(spec).hash()[:16]
+        api.patch_md("edits", {"spec": {"model": spec["model"]}})
+        wait_for(lambda h=hashes[rev]: any(h in j.metadata.name for j in api.jobs()),
+                 f"SAVE Job of {rev}", op)
+    wait_for(lambda: not any(hashes["b"] in j.metadata.name for j in api.jobs()),
+             "the SAVE Job of the in-between identity deleted", op, timeout=30)
+    wait_for(lambda: api.archive(f"ga-{hashes['b']}") is None, "its GraphArchive collected", op, timeout=60)
+    assert any(hashes["c"] in j.metadata.name for j in api.jobs())
+    assert api.archive(f"ga-{identity_of(spec_a).hash()[:16]}") is not None  # A's pods still serve

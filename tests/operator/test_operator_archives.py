@@ -162,3 +162,22 @@ def test_store_blip_after_available_keeps_it_available() -> None:
     _, status = _available()
     plan = plan_archive(_obs(status=status, probe=StoreProbe(unreachable="timeout")), BACKOFF)
     assert plan.status.phase is GAPhase.available and plan.status.uri
+
+
+def test_save_nobody_wants_stops_at_once_and_is_collected_after_the_grace() -> None:
+    """Two quick edits: the in-between identity's SAVE Job is deleted, no retry, GC after grace."""
+    saving = plan_archive(_obs(), BACKOFF).status
+    p1 = plan_archive(_obs(status=saving, references=0, jobs=_job(0, "Active")), BACKOFF)
+    assert p1.delete_jobs and not p1.delete and p1.create_job_attempt is None
+    assert _saved(p1) == ("False", "Unreferenced") and p1.status.phase is GAPhase.pending
+    failed = plan_archive(_obs(status=p1.status, references=0, jobs=_job(0, "Failed"),
+                               now=NOW + timedelta(seconds=5)), BACKOFF)
+    assert failed.create_job_attempt is None and not failed.delete  # no retry for nobody
+    gone = plan_archive(_obs(status=p1.status, references=0, now=NOW + timedelta(seconds=31)), BACKOFF)
+    assert gone.delete
+    # Available archives keep the retention period.
+    info = ManifestInfo(uri="s3://ember/ember/archives/x/manifest", digest="d" * 64, bytes=10)
+    avail = plan_archive(_obs(probe=StoreProbe(manifest=info)), BACKOFF).status
+    kept = plan_archive(_obs(status=avail, references=0, probe=StoreProbe(manifest=info),
+                             now=NOW + timedelta(seconds=31)), BACKOFF)
+    assert not kept.delete and not kept.delete_jobs
