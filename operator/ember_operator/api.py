@@ -9,7 +9,7 @@ are camelCase on the wire (Kubernetes convention) and snake_case in Python.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -37,6 +37,24 @@ class ApiModel(BaseModel):
 
 
 MAX_NAME = 40  # ModelDeployment names prefix pod, HPA and label values (63-char limits)
+
+# Names the apiserver would refuse later, on the pod or Job the operator builds: refused here.
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+NO_SPACE = r"^\S+$"  # an image reference: no whitespace anywhere (a leading space breaks pulls)
+# A label/annotation key: optional DNS-subdomain prefix and '/', then a name of ≤ 63 characters.
+_QUALIFIED_KEY = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+# Claims and pod templates carry args, compile settings and pod annotations as annotations, whose
+# total the apiserver caps at 256 KiB: each is bounded so that the sum stays far below.
+MAX_ARG = 1024
+MAX_MAP_ENTRIES = 32
+MAX_MAP_VALUE = 1024
+MapValue = Annotated[str, Field(max_length=MAX_MAP_VALUE)]
+LabelValue = Annotated[str, Field(max_length=63)]
+KEYS_RULE = (f"self.all(k, k.matches('{_QUALIFIED_KEY}'))",
+             "annotation keys must be valid label keys ([prefix/]name, name at most 63 characters)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -78,6 +96,36 @@ class ModelRef(ApiModel):
     )
 
 
+_RESOURCE_NAMES = "['cpu', 'memory', 'ephemeral-storage']"
+_QUANTITIES = cel(
+    (f"self.all(k, k in {_RESOURCE_NAMES})", "resources: only cpu, memory and ephemeral-storage"),
+    ("self.all(k, isQuantity(self[k]))", "resources: values must be quantities (e.g. 4, 500m, 16Gi)"),
+)
+ResourceMap = dict[Annotated[str, Field(max_length=32)], Annotated[str, Field(max_length=64)]]
+
+
+class EngineResources(ApiModel):
+    """Requests and limits of the engine container (GPUs come from gpu.count). A CPU or memory
+    utilization HPA target is a percentage of these requests."""
+
+    requests: ResourceMap = Field(
+        default_factory=lambda: {"cpu": "2", "memory": "16Gi"}, max_length=3,
+        description="Requests (cpu, memory, ephemeral-storage).", json_schema_extra=_QUANTITIES,
+    )
+    limits: ResourceMap = Field(
+        default_factory=dict, max_length=3,
+        description="Limits; memory defaults to the memory request (no CPU limit: throttling a "
+        "serving engine costs latency).", json_schema_extra=_QUANTITIES,
+    )
+
+    def resolved_limits(self) -> dict[str, str]:
+        """Limits with the memory limit defaulted to the memory request."""
+        limits = dict(self.limits)
+        if "memory" in self.requests:
+            limits.setdefault("memory", self.requests["memory"])
+        return limits
+
+
 class EngineSpec(ApiModel):
     """The serving engine that runs in the pod's main container and in the SAVE Job."""
 
@@ -88,11 +136,14 @@ class EngineSpec(ApiModel):
     )
     image: str = Field(
         description="Engine container image with ember installed (serves, and runs `ember save --job`).",
-        min_length=1, max_length=512,
+        min_length=1, max_length=512, pattern=NO_SPACE,
     )
-    args: list[str] = Field(
+    args: list[Annotated[str, Field(max_length=MAX_ARG)]] = Field(
         default_factory=list, max_length=64,
         description="Extra engine arguments, delivered with the claim (annotation ember.dev/engine-args).",
+    )
+    resources: EngineResources = Field(
+        default_factory=EngineResources, description="CPU and memory of the engine container.",
     )
 
 
@@ -128,8 +179,8 @@ class CaptureSpec(ApiModel):
         "(1,2,4,8), powers-of-two (1,2,4,… up to maxBatch). Neither set means default.",
     )
     graph_mode: GraphMode = Field(GraphMode.full, description="CUDA graph mode (vLLM cudagraph_mode).")
-    compile: dict[str, str] = Field(
-        default_factory=dict,
+    compile: dict[Annotated[str, Field(max_length=63)], MapValue] = Field(
+        default_factory=dict, max_length=MAX_MAP_ENTRIES,
         description="Compile settings that change the captured kernels (e.g. level, backend, mode).",
     )
     max_num_tokens: int = Field(
@@ -179,12 +230,12 @@ class S3Store(ApiModel):
     bucket: str = Field(min_length=3, max_length=63, description="Bucket name.")
     prefix: str = Field("ember", max_length=512, description="Key prefix under which archives live.")
     endpoint: str | None = Field(
-        None, max_length=512, pattern=r"^https?://",
+        None, max_length=512, pattern=r"^https?://[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?(:[0-9]{1,5})?(/\S*)?$",
         description="Endpoint URL for S3-compatible stores (MinIO); AWS when unset.",
     )
     region: str | None = Field(None, max_length=64, description="Region name.")
     credentials_secret: str | None = Field(
-        None, max_length=253,
+        None, max_length=253, pattern=DNS1123_SUBDOMAIN,
         description="Secret in the same namespace with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; "
         "the standard boto3 credential chain when unset.",
     )
@@ -193,9 +244,15 @@ class S3Store(ApiModel):
 class LocalStore(ApiModel):
     """A directory (on a PersistentVolumeClaim in a cluster, or a plain path for development)."""
 
-    path: str = Field(min_length=1, max_length=512, pattern=r"^/", description="Absolute directory path.")
+    path: str = Field(
+        min_length=1, max_length=512, pattern=r"^/",
+        description="Absolute directory path. Without a PVC the operator itself reads it, so it must "
+        "lie under the operator's local store root (setting local_store_root).",
+        json_schema_extra=cel(("!self.split('/').exists(p, p == '..')",
+                               "store.local.path must not contain '..'")),
+    )
     persistent_volume_claim: str | None = Field(
-        None, max_length=253,
+        None, max_length=253, pattern=DNS1123_SUBDOMAIN,
         description="PVC mounted at path in SAVE Jobs and serving pods; no volume when unset.",
     )
 
@@ -256,12 +313,30 @@ class MetricTarget(ApiModel):
                 "!has(self.averageUtilization) || self.type == 'Resource'",
                 "autoscaling target: averageUtilization applies to Resource metrics only",
             ),
+            (
+                "self.type != 'Resource' || self.name in ['cpu', 'memory']",
+                "autoscaling target: Resource metrics are cpu or memory (GPU use is not a resource "
+                "metric the HPA can read; scale on a Pods or External metric such as requests waiting)",
+            ),
+            (
+                "!has(self.averageValue) || isQuantity(self.averageValue)",
+                "autoscaling target: averageValue must be a quantity (e.g. 8, 500m, 1Gi)",
+            ),
+            (
+                "!has(self.selector) || self.type == 'External'",
+                "autoscaling target: selector applies to External metrics only",
+            ),
         )
     )
-    type: Literal["Resource", "Pods"] = Field(
-        description="Resource (cpu, memory) or Pods (a per-pod metric)."
+    type: Literal["Resource", "Pods", "External"] = Field(
+        description="Resource (cpu, memory; needs resources.requests), Pods (a per-pod custom metric, "
+        "e.g. the engine's requests waiting) or External (a metric not attached to the pods; its "
+        "total is divided by the replicas: averageValue)."
     )
     name: str = Field(min_length=1, max_length=253, description="Metric or resource name.")
+    selector: dict[Annotated[str, Field(max_length=316)], LabelValue] | None = Field(
+        None, max_length=16, description="External metrics: matchLabels of the metric series.",
+    )
     average_value: str | None = Field(
         None, max_length=64, description="Target average value per pod (a quantity, e.g. 8 or 500m)."
     )
@@ -290,8 +365,10 @@ class AutoscalingSpec(ApiModel):
 class SaveOptions(ApiModel):
     """SAVE Job options of a ModelDeployment (the first deployment of an identity sets them)."""
 
-    pod_annotations: dict[str, str] = Field(
-        default_factory=dict, description="Extra annotations on the SAVE pod (e.g. for a mesh or autoscaler)."
+    pod_annotations: dict[str, MapValue] = Field(
+        default_factory=dict, max_length=MAX_MAP_ENTRIES,
+        description="Extra annotations on the SAVE pod (e.g. for a mesh or autoscaler).",
+        json_schema_extra=cel(KEYS_RULE),
     )
     timeout_seconds: int | None = Field(
         None, ge=60, le=86400,
@@ -307,6 +384,11 @@ _MD_SPEC_RULES = cel(
     (
         "(self.parallelism.tensor * self.parallelism.data) % self.parallelism.expert == 0",
         "parallelism.expert must divide parallelism.tensor × parallelism.data",
+    ),
+    (
+        "!has(self.autoscaling) || self.replicas > 0",
+        "replicas 0 turns the HPA off (Kubernetes does not autoscale a target scaled to zero): "
+        "remove autoscaling to scale to zero, or set replicas ≥ autoscaling.minReplicas",
     ),
 )
 

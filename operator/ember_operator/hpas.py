@@ -1,4 +1,9 @@
-"""Pure builder of the autoscaling/v2 HorizontalPodAutoscaler for a ModelDeployment's /scale."""
+"""Pure builder of the autoscaling/v2 HorizontalPodAutoscaler for a ModelDeployment's /scale.
+
+Targets: Resource (cpu/memory utilization of the engine's requests, `engine.resources`), Pods (a
+per-pod custom metric served by a metrics adapter, e.g. the engine's requests waiting) or External
+(a metric not attached to the pods, e.g. a queue depth; selector → matchLabels).
+"""
 
 from __future__ import annotations
 
@@ -18,7 +23,12 @@ def _metric(t: MetricTarget) -> dict[str, Any]:
         target = {"type": "AverageValue", "averageValue": t.average_value}
     if t.type == "Resource":
         return {"type": "Resource", "resource": {"name": t.name, "target": target}}
-    return {"type": "Pods", "pods": {"metric": {"name": t.name}, "target": target}}
+    metric: dict[str, Any] = {"name": t.name}
+    if t.type == "External":
+        if t.selector:
+            metric["selector"] = {"matchLabels": dict(t.selector)}
+        return {"type": "External", "external": {"metric": metric, "target": target}}
+    return {"type": "Pods", "pods": {"metric": metric, "target": target}}
 
 
 def hpa(*, md_name: str, md_uid: str, namespace: str, spec: AutoscalingSpec) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from ember.contract import SaveResult
 from ember.identity import canonical_json
 from ember_operator.api import GraphArchiveSpec
 from ember_operator.pods import (
+    ENGINE_HOME,
     LIB_MOUNT,
     StoreAccess,
     _restricted,
@@ -48,6 +49,7 @@ def save_job(
         "volumes": [
             {"name": "ember-lib", "emptyDir": {"sizeLimit": "256Mi"}},
             {"name": "ember-run", "emptyDir": {}},
+            {"name": "ember-tmp", "emptyDir": {}},
             *store.volumes(),
         ],
         "securityContext": pod_security_context(),
@@ -95,6 +97,7 @@ def save_container(spec: GraphArchiveSpec, store: StoreAccess) -> dict[str, Any]
             *libember_env(),
             {"name": "NCCL_CUMEM_ENABLE", "value": "0"},
             *downward_pod_env(),
+            *ENGINE_HOME,
         ],
         "envFrom": store.env_from(optional=False),
         "resources": {"limits": {contract.GPU_RESOURCE: "1"}},
@@ -103,9 +106,10 @@ def save_container(spec: GraphArchiveSpec, store: StoreAccess) -> dict[str, Any]
         "volumeMounts": [
             {"name": "ember-lib", "mountPath": contract.LIB_DIR, "readOnly": True},
             {"name": "ember-run", "mountPath": contract.RUN_DIR},
+            {"name": "ember-tmp", "mountPath": "/tmp"},
             *store.mounts(),
         ],
-        "securityContext": _restricted(read_only_root=False),
+        "securityContext": _restricted(read_only_root=True),
     }
 
 

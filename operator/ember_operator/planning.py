@@ -111,7 +111,14 @@ def template_of(namespace: str, spec: ModelDeploymentSpec, ctx: Context) -> PodT
         sidecar_image=ctx.sidecar_image,
         store=StoreAccess.of(store_of(spec, ctx)),
         service_account=ctx.pod_service_account,
+        **_engine_resources(spec),
     )
+
+
+def _engine_resources(spec: ModelDeploymentSpec) -> dict[str, tuple[tuple[str, str], ...]]:
+    res = spec.engine.resources
+    return {"engine_requests": tuple(sorted(res.requests.items())),
+            "engine_limits": tuple(sorted(res.resolved_limits().items()))}
 
 
 def revision_of(identity_hash: str, template: PodTemplate, spec: ModelDeploymentSpec) -> str:

@@ -10,7 +10,9 @@ Every pod has:
 - an init container copying libember.so from the sidecar image into a shared emptyDir;
 - the sidecar as a native sidecar (an init container with `restartPolicy: Always`);
 - non-root, no privilege escalation, all capabilities dropped, seccomp RuntimeDefault, no host
-  paths; the sidecar's root filesystem is read-only.
+  paths, read-only root filesystems (writable: emptyDirs at /tmp and the run dir);
+- no automounted service account token: only the sidecar (which watches and annotates its own
+  pod) gets a projected, pod-bound token; the engine container has no API credentials.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from ember_operator import naming
 from ember_operator.api import StoreSpec
 
 LIB_MOUNT = "/ember-lib"  # where the lib init container copies libember.so to
+SA_TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"  # where in-cluster clients look
+SA_TOKEN_SECONDS = 3600  # the kubelet refreshes the projected token at 80 % of its life
+# Writable scratch of engine processes on a read-only root (caches, Hugging Face downloads).
+ENGINE_HOME = [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"}]
 RUN_AS_USER = 65532
 
 
@@ -97,13 +103,16 @@ class PodTemplate:
     sidecar_image: str
     store: StoreAccess
     service_account: str = ""
+    # The engine container's requests and limits (GPUs added from gpu_count), as sorted pairs.
+    engine_requests: tuple[tuple[str, str], ...] = ()
+    engine_limits: tuple[tuple[str, str], ...] = ()
 
     @property
     def pool_key(self) -> str:
         return naming.short_hash(
             self.gpu_product, self.gpu_count, self.engine_kind, self.engine_version, self.engine_image,
             self.sidecar_image, self.store.uri, self.store.endpoint, self.store.credentials_secret,
-            self.store.pvc, length=16,
+            self.store.pvc, list(self.engine_requests), list(self.engine_limits), length=16,
         )
 
 
@@ -193,7 +202,8 @@ def sidecar_container(t: PodTemplate) -> dict[str, Any]:
         "readinessProbe": {"httpGet": {"path": contract.READYZ, "port": port}, "periodSeconds": 2},
         "livenessProbe": {"httpGet": {"path": contract.LIVEZ, "port": port}, "periodSeconds": 10,
                           "failureThreshold": 6},
-        "volumeMounts": [*_shared_mounts(), {"name": "ember-tmp", "mountPath": "/tmp"}, *t.store.mounts()],
+        "volumeMounts": [*_shared_mounts(), {"name": "ember-tmp", "mountPath": "/tmp"}, *t.store.mounts(),
+                         {"name": "ember-sa-token", "mountPath": SA_TOKEN_DIR, "readOnly": True}],
         "securityContext": _restricted(read_only_root=True),
         "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "1Gi"}},
     }
@@ -209,12 +219,21 @@ def engine_container(t: PodTemplate) -> dict[str, Any]:
             *libember_env(),
             {"name": contract.ENV_ENGINE, "value": t.engine_kind},
             {"name": "NCCL_CUMEM_ENABLE", "value": "0"},
+            *ENGINE_HOME,
         ],
         "volumeMounts": [*_shared_mounts(),
-                         {"name": "ember-lib", "mountPath": contract.LIB_DIR, "readOnly": True}],
-        "resources": {"limits": {contract.GPU_RESOURCE: str(t.gpu_count)}},
-        "securityContext": _restricted(read_only_root=False),
+                         {"name": "ember-lib", "mountPath": contract.LIB_DIR, "readOnly": True},
+                         {"name": "ember-engine-tmp", "mountPath": "/tmp"}],
+        "resources": engine_resources(t),
+        # Read-only root: the engine writes only to /tmp, the run dir (emptyDirs) and the store mount.
+        "securityContext": _restricted(read_only_root=True),
     }
+
+
+def engine_resources(t: PodTemplate) -> dict[str, Any]:
+    """Requests give a CPU/memory-utilization HPA something to divide by; GPUs as requests = limits."""
+    gpus = {contract.GPU_RESOURCE: str(t.gpu_count)}
+    return {"requests": {**dict(t.engine_requests), **gpus}, "limits": {**dict(t.engine_limits), **gpus}}
 
 
 def _pod_volumes(t: PodTemplate) -> list[dict[str, Any]]:
@@ -222,12 +241,24 @@ def _pod_volumes(t: PodTemplate) -> list[dict[str, Any]]:
         {"name": "ember-lib", "emptyDir": {"sizeLimit": "256Mi"}},
         {"name": "ember-run", "emptyDir": {}},
         {"name": "ember-tmp", "emptyDir": {"sizeLimit": "256Mi"}},
+        {"name": "ember-engine-tmp", "emptyDir": {}},
+        sa_token_volume(),
         {"name": "ember-podinfo", "downwardAPI": {"items": [
             {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
             {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}},
         ]}},
         *t.store.volumes(),
     ]
+
+
+def sa_token_volume() -> dict[str, Any]:
+    """What automount would give, as a volume mounted into the sidecar only: a pod-bound token
+    (its pod-name claim lets the chart's admission policy limit writes to the pod itself)."""
+    return {"name": "ember-sa-token", "projected": {"defaultMode": 0o444, "sources": [
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": SA_TOKEN_SECONDS}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
+    ]}}
 
 
 def pod_security_context() -> dict[str, Any]:
@@ -246,6 +277,7 @@ def pod_spec(t: PodTemplate) -> dict[str, Any]:
         "restartPolicy": "Always",
         "terminationGracePeriodSeconds": 30,
         "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
         **gpu_placement(t.gpu_product),
     }
     if t.service_account:
