@@ -147,14 +147,16 @@ def verify(
     replay: Annotated[bool, typer.Option("--replay", help="Also replay every graph on this GPU vs native.")]
     = False,
     as_json: archive_commands.JsonOpt = False,
+    trusted_key: archive_commands.TrustedKeyOpt = None,
 ) -> None:
-    """Check an archive's integrity without a GPU: manifest, identity, every blob's size and digest,
+    """Check an archive's integrity without a GPU: signature (verified with --trusted-key, else
+    reported: unsigned or by whom), manifest, identity, every blob's size and digest,
     decompression, the graph table's structure. Exit 0 = intact, 1 = problems, 2 = store unreachable.
     """
     if replay:
         _reexec_for_replay()  # LOAD must run under libember: this process is replaced once
     archive_commands.verify_and_report(store_uri, identity_hash, expect_identity, as_json,
-                                       more=replay_problems if replay else None)
+                                       more=replay_problems if replay else None, trusted_keys=trusted_key)
 
 
 app.command("inspect")(archive_commands.inspect)

@@ -125,6 +125,15 @@ ENV_SIDECAR_PORT = "EMBER_SIDECAR_PORT"  # → SIDECAR_PORT
 ENV_IDENTITY = "EMBER_IDENTITY"  # canonical identity JSON
 ENV_IDENTITY_HASH = "EMBER_IDENTITY_HASH"
 ENV_TERMINATION_LOG = "EMBER_TERMINATION_LOG"  # overrides TERMINATION_LOG (tests, local runs)
+# Archive signatures (ember.archive.signing). SAVE: the PEM ed25519 private key's path (the
+# operator mounts the signing Secret's SIGNING_SECRET_KEY at SIGNING_KEY_DIR). Sidecar and engine:
+# the public keys the deployment trusts, a JSON list of {"id", "publicKey"}; set → an unsigned or
+# wrongly signed archive is refused (native capture), unset → signatures are not checked.
+ENV_SIGNING_KEY = "EMBER_SIGNING_KEY"
+ENV_TRUSTED_KEYS = "EMBER_TRUSTED_KEYS"
+SIGNING_KEY_DIR = "/etc/ember/signing"
+SIGNING_SECRET_KEY = "signing-key.pem"  # the key in the signing Secret's data
+SIGNING_KEY_PATH = f"{SIGNING_KEY_DIR}/{SIGNING_SECRET_KEY}"
 
 
 # ---- The claim -----------------------------------------------------------------------------------

@@ -11,9 +11,13 @@
   `archive.manifest.engine` (each blob fetched, digest- and size-checked, decompressed on first use).
 - `ember verify` and the sidecar call `verify_archive(...)` → a list of problems (empty = good).
 
+Signatures (ember/archive/signing.py): `write_archive(..., signing_key=...)` stores the manifest's
+signature before the manifest; readers given `trusted_keys` check it over the manifest bytes
+before parsing them or reading any blob (`ArchiveUntrusted`); `fetch_archive` copies it too.
+
 Every failure is an `ArchiveError` subclass with a message naming the archive and blob:
 `ArchiveMissing`, `ArchiveCorrupt` (truncated, bit flip, undecodable), `ArchiveVersionError`,
-`ArchiveIdentityMismatch`. Store outages stay `ember.store.StoreUnavailable`.
+`ArchiveIdentityMismatch`, `ArchiveUntrusted`. Store outages stay `ember.store.StoreUnavailable`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -31,6 +35,7 @@ from typing import Any, Literal
 import zstandard as zstd
 
 from ember.archive import graph_table as fmt
+from ember.archive import signing
 from ember.archive.graphs import GraphSet, NodeType
 from ember.archive.manifest import (
     BlobEntry,
@@ -42,6 +47,7 @@ from ember.archive.manifest import (
     TopologyGroupSummary,
 )
 from ember.archive.manifest import loads as load_manifest
+from ember.archive.signing import Ed25519PrivateKey, TrustedKey
 from ember.archive.topology import TopologyGroup, group_graphs
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import BlobCorrupt, BlobMissing, LocalStore, Store, StoreError, open_store, sha256_bytes
@@ -73,6 +79,10 @@ class ArchiveIdentityMismatch(ArchiveError):
     """The manifest describes another identity than the one asked for."""
 
 
+class ArchiveUntrusted(ArchiveError):
+    """Trusted keys were given and the archive is unsigned or not signed by one of them."""
+
+
 def image_kind(image: bytes) -> str:
     """cubin | fatbin | fatbin-wrapper | ptx | unknown, from the magic number."""
     head = image[:8]
@@ -102,6 +112,7 @@ class PublishedArchive:
     bytes: int  # stored bytes of the archive: blobs + manifest
     uploaded_bytes: int  # bytes actually sent (blobs already in the store are skipped)
     durations: dict[str, float] = field(default_factory=dict)
+    signed_by: str | None = None  # the signing key's id; None: unsigned
 
     def summary(self) -> dict[str, Any]:
         """The SAVE Job's termination-log summary (team contract)."""
@@ -161,8 +172,10 @@ def write_archive(
     groups: list[TopologyGroup] | None = None,
     level: int = DEFAULT_LEVEL,
     max_workers: int = 8,
+    signing_key: Ed25519PrivateKey | None = None,
 ) -> PublishedArchive:
-    """Encode, compress and upload an archive; the manifest is written last.
+    """Encode, compress and upload an archive; the manifest is written last (its signature, with
+    `signing_key`, just before it).
 
     `kernel_images` maps the content hash used in `KernelRef.image` to the image bytes (or a
     file). Every image a kernel refers to must be present; extra images are stored too.
@@ -198,7 +211,7 @@ def write_archive(
         rng_state=RNG_STATE if rng_state is not None else None,
         blobs=blobs,
     )
-    return _publish_manifest(store, manifest, uploaded, durations, t0)
+    return _publish_manifest(store, manifest, uploaded, durations, t0, signing_key)
 
 
 def _images_used(graphset: GraphSet, kernel_images: Mapping[str, object]) -> dict[str, int]:
@@ -261,9 +274,14 @@ def _upload(store: Store, pending: list[_PackedBlob], max_workers: int) -> tuple
 
 
 def _publish_manifest(store: Store, manifest: Manifest, uploaded: int, durations: dict[str, float],
-                      t0: float) -> PublishedArchive:
-    """Write the manifest (last: it makes the archive visible) and say what was stored."""
+                      t0: float, signing_key: Ed25519PrivateKey | None = None) -> PublishedArchive:
+    """Write the signature, then the manifest (last: it makes the archive visible); say what was
+    stored. The signature covers the manifest's exact bytes."""
     data = manifest.to_json()
+    signed_by = None
+    if signing_key is not None:
+        store.put_signature(manifest.identity_hash, signing.sign(data, signing_key))
+        signed_by = signing.key_id(signing_key.public_key())
     store.put_manifest(manifest.identity_hash, data)
     durations["total"] = time.perf_counter() - t0
     return PublishedArchive(
@@ -273,6 +291,7 @@ def _publish_manifest(store: Store, manifest: Manifest, uploaded: int, durations
         bytes=manifest.total_bytes + len(data),
         uploaded_bytes=uploaded + len(data),
         durations=durations,
+        signed_by=signed_by,
     )
 
 
@@ -292,8 +311,16 @@ def _expected_hash(expected: ArchiveIdentity | str | None) -> str | None:
     return expected.hash() if isinstance(expected, ArchiveIdentity) else expected
 
 
-def load_manifest_from(store: Store, identity_hash: str | None = None) -> tuple[Manifest, str]:
-    """Fetch and parse a manifest. With no identity hash, the store must hold exactly one archive."""
+def load_manifest_from(store: Store, identity_hash: str | None = None,
+                       trusted_keys: Sequence[TrustedKey] = ()) -> tuple[Manifest, str]:
+    """Fetch and parse a manifest. With no identity hash, the store must hold exactly one archive.
+    With `trusted_keys`, its signature is checked first (ArchiveUntrusted)."""
+    manifest, identity_hash, _ = _read_manifest(store, identity_hash, trusted_keys)
+    return manifest, identity_hash
+
+
+def _read_manifest(store: Store, identity_hash: str | None,
+                   trusted_keys: Sequence[TrustedKey]) -> tuple[Manifest, str, bytes]:
     if identity_hash is None:
         found = store.list_archives()
         if len(found) != 1:
@@ -308,13 +335,25 @@ def load_manifest_from(store: Store, identity_hash: str | None = None) -> tuple[
             f"no archive {identity_hash} in {store.uri}: it was never saved, its SAVE has not "
             "finished, or it was deleted"
         )
+    check_signature(store, identity_hash, data, trusted_keys)
     try:
         manifest = load_manifest(data)
     except ManifestVersionError as exc:
         raise ArchiveVersionError(f"archive {identity_hash}: {exc}") from exc
     except ManifestError as exc:
         raise ArchiveCorrupt(f"archive {identity_hash}: {exc}") from exc
-    return manifest, identity_hash
+    return manifest, identity_hash, data
+
+
+def check_signature(store: Store, identity_hash: str, data: bytes,
+                    trusted_keys: Sequence[TrustedKey]) -> str | None:
+    """With trusted keys: the signing key's id, or ArchiveUntrusted. Without: None (not checked)."""
+    if not trusted_keys:
+        return None
+    try:
+        return signing.verify(data, store.get_signature(identity_hash), trusted_keys).key_id
+    except signing.SignatureError as exc:
+        raise ArchiveUntrusted(f"archive {identity_hash}: {exc}") from exc
 
 
 def check_identity(manifest: Manifest, identity_hash: str, expected: ArchiveIdentity | str | None) -> None:
@@ -416,10 +455,12 @@ def open_archive(
     identity_hash: str | None = None,
     *,
     expected_identity: ArchiveIdentity | str | None = None,
+    trusted_keys: Sequence[TrustedKey] = (),
 ) -> Archive:
-    """Open an archive: manifest fetched, version and identity checked; blobs read lazily."""
+    """Open an archive: manifest fetched (signature checked with `trusted_keys`), version and
+    identity checked; blobs read lazily."""
     st = _as_store(store)
-    manifest, identity_hash = load_manifest_from(st, identity_hash)
+    manifest, identity_hash = load_manifest_from(st, identity_hash, trusted_keys)
     check_identity(manifest, identity_hash, expected_identity)
     return Archive(st, manifest, identity_hash)
 
@@ -430,9 +471,11 @@ def read_archive(
     *,
     expected_identity: ArchiveIdentity | str | None = None,
     max_workers: int = 4,
+    trusted_keys: Sequence[TrustedKey] = (),
 ) -> Archive:
     """Open an archive and read every blob now: digests checked, decompressed, table decoded."""
-    archive = open_archive(store, identity_hash, expected_identity=expected_identity)
+    archive = open_archive(store, identity_hash, expected_identity=expected_identity,
+                           trusted_keys=trusted_keys)
     archive.load_all(max_workers)
     _ = archive.graph_table
     return archive
@@ -445,15 +488,18 @@ def fetch_archive(
     *,
     expected_identity: ArchiveIdentity | str | None = None,
     max_workers: int = 8,
+    trusted_keys: Sequence[TrustedKey] = (),
 ) -> Archive:
     """Copy an archive into a local store (the sidecar's cache), every blob digest-verified,
-    manifest written last. Returns the archive opened from the local copy."""
+    its signature (checked first with `trusted_keys`) and then the manifest written last.
+    Returns the archive opened from the local copy."""
     src_store = _as_store(src)
     dest_store = _as_store(dest)
     if not isinstance(dest_store, LocalStore):
         raise StoreError(f"fetch_archive copies into a local store, not {dest_store.uri}")
-    manifest, identity_hash = load_manifest_from(src_store, identity_hash)
+    manifest, identity_hash, data = _read_manifest(src_store, identity_hash, trusted_keys)
     check_identity(manifest, identity_hash, expected_identity)
+    sig = src_store.get_signature(identity_hash)
     missing = [b for b in manifest.blobs if not dest_store.has_blob(b.sha256)]
     sizes = {b.sha256: b.compressed_size for b in missing}
     names = {b.sha256: b.name for b in missing}
@@ -471,7 +517,9 @@ def fetch_archive(
         dest_dir.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max(1, min(max_workers, len(missing) or 1))) as pool:
         list(pool.map(one, list(sizes)))
-    dest_store.put_manifest(identity_hash, manifest.to_json())
+    if sig is not None:
+        dest_store.put_signature(identity_hash, sig)
+    dest_store.put_manifest(identity_hash, data)  # the bytes as signed
     return Archive(dest_store, manifest, identity_hash)
 
 
@@ -483,6 +531,7 @@ def verify_archive(
     store: Store | str | os.PathLike[str],
     identity_hash: str | None = None,
     expected_identity: ArchiveIdentity | str | None = None,
+    trusted_keys: Sequence[TrustedKey] = (),
 ) -> list[str]:
     """Every problem found, as sentences (empty list = the archive is intact and decodable).
 
@@ -494,7 +543,8 @@ def verify_archive(
     """
     st = _as_store(store)
     try:
-        archive = open_archive(st, identity_hash, expected_identity=expected_identity)
+        archive = open_archive(st, identity_hash, expected_identity=expected_identity,
+                               trusted_keys=trusted_keys)
     except ArchiveError as exc:
         return [str(exc)]
     problems: list[str] = []

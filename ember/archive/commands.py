@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ember.archive import bundle
+from ember.archive import bundle, signing
 from ember.store import Store, StoreError, StoreUnavailable, open_store
 
 console = Console()
@@ -28,6 +28,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tab
 ExpectIdentityOpt = Annotated[
     str | None, typer.Option("--expect-identity", help="Fail unless the archive has this identity hash.")
 ]
+TrustedKeyOpt = Annotated[list[str] | None, typer.Option(
+    "--trusted-key", help="A trusted ed25519 public key (base64, PEM, or @file); repeat for a rotation. "
+    "Given: the manifest's signature must verify against one of them.")]
 MoreChecks = Callable[[str, str], list[str]]  # (store URI, identity hash) -> problems found
 
 
@@ -202,13 +205,21 @@ def verify_and_report(
     expect_identity: str | None = None,
     as_json: bool = False,
     more: MoreChecks | None = None,
+    trusted_keys: list[str] | None = None,
 ) -> NoReturn:
-    """What `ember verify` does: the integrity checks of `bundle.verify_archive`, then `more` (the
-    GPU replay of `--replay`) when the archive is intact; prints the problems and exits
-    0 = intact, 1 = problems, 2 = store unreachable."""
+    """What `ember verify` does: the signature (checked against `trusted_keys` when given, else
+    only reported: "unsigned" or who signed), the integrity checks of `bundle.verify_archive`, then
+    `more` (the GPU replay of `--replay`) when the archive is intact; prints the problems and
+    exits 0 = intact, 1 = problems, 2 = store unreachable."""
+    try:
+        keys = [signing.TrustedKey(signing.parse_public_key(_key_text(k))) for k in trusted_keys or []]
+    except (OSError, signing.SigningKeyError) as exc:
+        err_console.print(f"[red]--trusted-key:[/red] {exc}")
+        raise typer.Exit(1) from None
     try:
         store = open_store(store_uri)
-        problems = bundle.verify_archive(store, identity_hash, expect_identity)
+        signature = _signature_line(store, identity_hash, keys)
+        problems = bundle.verify_archive(store, identity_hash, expect_identity, trusted_keys=keys)
         if more is not None and not problems:
             problems += more(store_uri, bundle.open_archive(store, identity_hash).identity_hash)
     except StoreUnavailable as exc:
@@ -219,8 +230,11 @@ def verify_and_report(
         raise typer.Exit(1) from None
     if as_json:
         console.print_json(json.dumps({"store": store_uri, "identity_hash": identity_hash, "ok": not problems,
-                                       "problems": problems}))
-    elif problems:
+                                       "signature": signature, "problems": problems}))
+        raise typer.Exit(1 if problems else 0)
+    if signature:
+        console.print(f"signature: {signature}")
+    if problems:
         err_console.print(f"[red]archive has {len(problems)} problem(s):[/red]")
         for p in problems:
             err_console.print(f"  - {p}")
@@ -228,3 +242,18 @@ def verify_and_report(
         which = f"{store_uri} {identity_hash}" if identity_hash else store_uri
         console.print(f"[green]archive OK[/green] ({which})")
     raise typer.Exit(1 if problems else 0)
+
+
+def _key_text(arg: str) -> str:
+    return open(arg[1:]).read() if arg.startswith("@") else arg
+
+
+def _signature_line(store: Store, identity_hash: str | None, keys: list[signing.TrustedKey]) -> str:
+    """`signing.describe` for the archive verify checks ("" when there is no single manifest)."""
+    if identity_hash is None:
+        found = store.list_archives()
+        identity_hash = found[0] if len(found) == 1 else None
+    data = store.get_manifest(identity_hash) if identity_hash else None
+    if data is None:
+        return ""
+    return signing.describe(data, store.get_signature(identity_hash), keys)[1]

@@ -6,6 +6,8 @@ the manifest's free-form `engine` facts:
 - `image_order`: the kernel images in execution order (templates first), for proactive loading;
 - `image_options`: libember's recorded load options per image (JIT and library options).
 The graph table SAVE publishes is byte-identical to the one it proved (checked before upload).
+SAVE signs the manifest when EMBER_SIGNING_KEY names a key; LOAD checks the signature when
+EMBER_TRUSTED_KEYS lists trusted keys (ember/archive/signing.py), before any blob is read.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ember.archive import bundle
+from ember.archive import bundle, signing
 from ember.archive import graph_table as archive_format
 from ember.archive.graphs import GraphSet
 from ember.archive.manifest import Manifest
@@ -66,6 +68,7 @@ def write(store_uri: str, archive: ArchiveContent, graph_set: GraphSet) -> tuple
         engine=engine,
         alloc_log=archive.alloc_log or None,
         rng_state=archive.rng_state or None,
+        signing_key=signing.signing_key_from_env(),  # a key that cannot be read fails the SAVE
     )
     table_entry = res.manifest.blob(res.manifest.graphs.table)
     if table_entry.sha256 != hashlib.sha256(archive.graph_table).hexdigest():
@@ -74,9 +77,13 @@ def write(store_uri: str, archive: ArchiveContent, graph_set: GraphSet) -> tuple
     return res.manifest_uri, res.manifest_digest, res.bytes
 
 
-def open_archive(store_uri: str, identity_hash: str) -> bundle.Archive:
-    """The archive with its manifest read and identity checked; blobs are read on first use."""
-    return bundle.open_archive(store_uri, identity_hash)
+def open_archive(store_uri: str, identity_hash: str,
+                 trusted_keys: list[signing.TrustedKey] | None = None) -> bundle.Archive:
+    """The archive with its manifest read and identity checked; blobs are read on first use.
+    `trusted_keys` (default: EMBER_TRUSTED_KEYS) set → the signature is checked first
+    (bundle.ArchiveUntrusted; signing.SigningKeyError for a trust list that cannot be read)."""
+    keys = signing.trusted_keys_from_env() if trusted_keys is None else trusted_keys
+    return bundle.open_archive(store_uri, identity_hash, trusted_keys=keys)
 
 
 def read(store_uri: str, identity_hash: str) -> ArchiveContent:

@@ -113,6 +113,9 @@ class ArchiveRestore:
         t0 = t = time.perf_counter()
         try:
             opened = publish.open_archive(store_uri, identity_hash)
+        except (publish.bundle.ArchiveUntrusted, publish.signing.SigningKeyError) as exc:
+            # EMBER_TRUSTED_KEYS is set: no blob of an archive without a trusted signature is read.
+            raise Refused(LOAD, f"archive signature refused: {exc}") from exc
         except Exception as exc:
             raise Refused(LOAD, f"archive not readable: {exc}") from exc
         manifest = opened.manifest

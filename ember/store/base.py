@@ -118,6 +118,14 @@ class Store(ABC):
     @abstractmethod
     def manifest_uri(self, identity_hash: str) -> str: ...
 
+    # The manifest's signature (archives/<hash>/manifest.sig, ember.archive.signing): written
+    # before the manifest, deleted with it.
+    @abstractmethod
+    def put_signature(self, identity_hash: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def get_signature(self, identity_hash: str) -> bytes | None: ...
+
     @abstractmethod
     def list_archives(self) -> list[str]:
         """Identity hashes that have a manifest, sorted."""

@@ -152,6 +152,23 @@ class LocalStore(Store):
     def manifest_uri(self, identity_hash: str) -> str:
         return self._manifest(identity_hash).as_uri()
 
+    def _signature(self, identity_hash: str) -> Path:
+        return self._manifest(identity_hash).with_name("manifest.sig")
+
+    def put_signature(self, identity_hash: str, data: bytes) -> None:
+        try:
+            self._write_atomic(self._signature(identity_hash), [data])
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot write signature to {self.root}: {exc}") from exc
+
+    def get_signature(self, identity_hash: str) -> bytes | None:
+        try:
+            return self._signature(identity_hash).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot read signature from {self.root}: {exc}") from exc
+
     def list_archives(self) -> list[str]:
         d = self.root / "archives"
         if not d.is_dir():
@@ -164,6 +181,8 @@ class LocalStore(Store):
             path.unlink()
         except FileNotFoundError:
             return False
+        with contextlib.suppress(OSError):
+            self._signature(identity_hash).unlink()
         with contextlib.suppress(OSError):
             path.parent.rmdir()
         return True

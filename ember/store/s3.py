@@ -235,6 +235,21 @@ class S3Store(Store):
     def manifest_uri(self, identity_hash: str) -> str:
         return f"s3://{self.bucket}/{self._manifest_key(identity_hash)}"
 
+    def _signature_key(self, identity_hash: str) -> str:
+        return self._key("archives", check_identity(identity_hash), "manifest.sig")
+
+    def put_signature(self, identity_hash: str, data: bytes) -> None:
+        self._call(f"put signature {identity_hash}", self.client.put_object, Bucket=self.bucket,
+                   Key=self._signature_key(identity_hash), Body=data, ContentType="application/json")
+
+    def get_signature(self, identity_hash: str) -> bytes | None:
+        try:
+            resp = self._call(f"get signature {identity_hash}", self.client.get_object, Bucket=self.bucket,
+                              Key=self._signature_key(identity_hash))
+            return self._call(f"read signature {identity_hash}", resp["Body"].read)
+        except BlobMissing:
+            return None
+
     def list_archives(self) -> list[str]:
         base = self._key("archives") + "/"
         out = []
@@ -251,6 +266,8 @@ class S3Store(Store):
         except BlobMissing:
             return False
         self._call(f"delete manifest {identity_hash}", self.client.delete_object, Bucket=self.bucket, Key=key)
+        self._call(f"delete signature {identity_hash}", self.client.delete_object, Bucket=self.bucket,
+                   Key=self._signature_key(identity_hash))  # S3 deletes of a missing key succeed
         return True
 
     def check(self) -> None:

@@ -476,3 +476,34 @@ def test_a_key_switched_to_gets_a_dedicated_exec_that_serves_it_from_then_on(run
     off = _last_json(run_py(POLICY, mode="load", env={**env, "TEST_HOT_AFTER": "0"}))
     assert off["second"] == {"exec": "template", "updates": 1, "execs": off["execs"]}
     assert off["third"] == off["second"]
+
+
+def test_signed_archive_loads_and_a_bad_signature_is_refused_before_any_blob(run_py, tmp_path: Path) -> None:
+    from ember.archive import signing
+
+    key, other = (signing.Ed25519PrivateKey.generate() for _ in range(2))
+    key_file = tmp_path / "signing-key.pem"
+    key_file.write_bytes(signing.private_key_pem(key))
+    store = tmp_path / "store"
+    _save(run_py, store, EMBER_SIGNING_KEY=str(key_file))  # SAVE signs through publish.write
+    assert list(store.glob("archives/*/manifest.sig"))
+
+    def load(*trusted: signing.Ed25519PrivateKey) -> dict:
+        keys = signing.trusted_keys_json([(f"k{i}", signing.public_key_text(k)) for i, k in enumerate(trusted)])
+        return _last_json(run_py(FOREIGN, mode="load", env={"TEST_STORE": store.as_uri(),
+                                                             "EMBER_TRUSTED_KEYS": keys}))
+
+    ok = load(other, key)  # rotation: either trusted key will do
+    assert ok["refused"] is False and ok["first_import"] is not True, ok  # the allocation log was imported
+    for blob in (store / "blobs").iterdir():  # from here on, reading any blob would fail
+        blob.unlink()
+    wrong = load(other)
+    assert wrong["refused"] and wrong["stage"] == "load", wrong
+    assert wrong["reason"].startswith("archive signature refused") and "does not trust" in wrong["reason"]
+    assert wrong["first_import"] is True  # refused before the allocation log (a blob) was read
+
+    manifest = next(store.glob("archives/*/manifest"))
+    manifest.write_bytes(manifest.read_bytes().replace(b"{", b"{ ", 1))  # one byte more, same JSON
+    forged = load(key)
+    assert forged["refused"] and "does not match the manifest" in forged["reason"], forged
+    assert forged["first_import"] is True
