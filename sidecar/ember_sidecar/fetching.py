@@ -7,8 +7,10 @@ manifest is written last: a manifest in the cache means every blob it names is t
 
 Failures become `FetchFailed(reason)` with a reason of the form `<class>: <detail>` (the class is
 the metric label): store-unavailable, store-error, archive-missing, manifest-invalid,
-manifest-digest-mismatch (the manifest's sha256 is not the claim's pin), identity-mismatch,
-digest-mismatch, blob-missing, size-mismatch, fetch-timeout. Cancellation
+manifest-digest-mismatch (the manifest's sha256 is not the claim's pin), signature-refused (a
+trust list is set, EMBER_TRUSTED_KEYS, and the manifest is unsigned or not signed by a trusted
+key: checked before any blob is fetched), identity-mismatch, digest-mismatch, blob-missing,
+size-mismatch, fetch-timeout. Cancellation
 (pod deleted, SIGTERM) raises `Cancelled`; partial files are removed by `clean_partials`.
 """
 
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ember.archive import manifest as manifest_mod
+from ember.archive import signing
 from ember.archive.manifest import Manifest, ManifestError
 from ember.store import (
     BlobCorrupt,
@@ -101,6 +104,7 @@ class ArchiveCache:
         max_workers: int = 4,
         s3_concurrency: int = 10,
         s3_chunk: int = 8 << 20,
+        trusted_keys: str = "",
     ) -> None:
         self.root = Path(root)
         self.local = LocalStore(self.root, durable=False)  # lives and dies with the pod
@@ -109,6 +113,14 @@ class ArchiveCache:
         self.timeout_s = timeout_s
         self.max_workers = max_workers
         self.s3_concurrency, self.s3_chunk = s3_concurrency, s3_chunk
+        # EMBER_TRUSTED_KEYS as given: set → every manifest's signature is checked. An unreadable
+        # list refuses every archive (it must not turn verification off).
+        self.trust_error = ""
+        self.trusted: list[signing.TrustedKey] = []
+        try:
+            self.trusted = signing.parse_trusted_keys(trusted_keys)
+        except signing.SigningKeyError as exc:
+            self.trust_error = str(exc)
         self._locks: dict[str, threading.Lock] = {}
         self._stores: dict[str, Store] = {}
         self._locks_guard = threading.Lock()
@@ -174,6 +186,7 @@ class ArchiveCache:
                               f"{actual[:16]}…, the claim pins {digest[:16]}… (replaced since the "
                               "operator saw it)")
         v0 = time.monotonic()
+        signature = self._check_signature(store, identity, data, cancel, deadline)
         m = verify_manifest(data, identity)
         verify_s = time.monotonic() - v0
 
@@ -189,10 +202,28 @@ class ArchiveCache:
             if size != b.compressed_size:
                 raise FetchFailed(f"size-mismatch: blob {b.name} ({b.sha256[:16]}…) is {size} bytes, "
                                   f"manifest says {b.compressed_size}")
+        if signature is not None:  # LOAD checks it again in the engine (EMBER_TRUSTED_KEYS)
+            self.local.put_signature(identity, signature)
         self.local.put_manifest(identity, data)  # last: the cached archive now exists
         verify_s += time.monotonic() - v1
         moved = sum(b.compressed_size for b in wanted) + len(data)
         return Fetched(identity, self.archive_dir(identity), m, fetch_s, verify_s, moved, False)
+
+    def _check_signature(self, store: Store, identity: str, data: bytes, cancel: threading.Event,
+                         deadline: float) -> bytes | None:
+        """The manifest's signature file (None: unsigned); with a trust list, FetchFailed unless
+        one trusted key signed these exact bytes. No trust list: not fetched (one request less)."""
+        if not self.trusted and not self.trust_error:
+            return None
+        signature = self._retry(lambda: store.get_signature(identity), cancel, deadline)
+        if self.trust_error:
+            raise FetchFailed(f"signature-refused: the trusted keys cannot be read ({self.trust_error})")
+        if self.trusted:
+            try:
+                signing.verify(data, signature, self.trusted)
+            except signing.SignatureError as exc:
+                raise FetchFailed(f"signature-refused: {exc}") from exc
+        return signature
 
     def _have(self, digest: str, size: int) -> bool:
         p = self.blob_path(digest)

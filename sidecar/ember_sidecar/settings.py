@@ -66,6 +66,10 @@ class Settings(BaseModel):
         False, description="EMBER_WARM_READY_WITHOUT_ENGINE: a warm pod is Ready before the engine's standby"
     )
     log_level: str = Field("INFO", description="EMBER_LOG_LEVEL")
+    trusted_keys: str = Field(
+        "", description="EMBER_TRUSTED_KEYS: JSON list of trusted ed25519 public keys; set → only "
+        "archives signed by one of them are handed over",
+    )
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Settings:
@@ -92,6 +96,7 @@ class Settings(BaseModel):
             "engine_timeout_s": _env("EMBER_ENGINE_TIMEOUT_S"),
             "warm_ready_without_engine": _bool(_env("EMBER_WARM_READY_WITHOUT_ENGINE")),
             "log_level": _env("EMBER_LOG_LEVEL"),
+            "trusted_keys": _env(contract.ENV_TRUSTED_KEYS),
         }
         env.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate({k: v for k, v in env.items() if v is not None})
@@ -112,7 +117,7 @@ class Settings(BaseModel):
         """Keyword options for ember_sidecar.fetching.ArchiveCache."""
         return {"store_options": self.store_options(), "retry_s": self.fetch_retry_s,
                 "timeout_s": self.fetch_timeout_s, "s3_concurrency": self.s3_max_concurrency,
-                "s3_chunk": self.s3_chunk_mb << 20}
+                "s3_chunk": self.s3_chunk_mb << 20, "trusted_keys": self.trusted_keys}
 
     def standalone_archive(self) -> str:
         """The manifest URI for standalone mode: EMBER_ARCHIVE, else store + identity."""
