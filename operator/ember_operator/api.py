@@ -293,6 +293,38 @@ class StoreSpec(ApiModel):
         return self.s3.credentials_secret if self.s3 else None
 
 
+class TrustedKey(ApiModel):
+    """An ed25519 public key archives may be signed with."""
+
+    id: str = Field(min_length=1, max_length=63, description="A name for the key (e.g. 2026-q4); "
+                    "signatures name keys by fingerprint, so this is for people.")
+    public_key: str = Field(min_length=40, max_length=1024,
+                            description="ed25519 public key: base64 of the raw 32 bytes, or PEM.")
+
+
+class SigningSpec(ApiModel):
+    """Archive signatures (ed25519 over the manifest, which pins every blob's sha256)."""
+
+    secret_name: str | None = Field(
+        None, max_length=253, pattern=DNS1123_SUBDOMAIN,
+        description="Secret (this namespace) holding the SAVE's PEM ed25519 private key under the key "
+        "'signing-key.pem', mounted into the SAVE Job; the operator's default (setting "
+        "signing_secret) when unset; archives are unsigned when neither is set.",
+    )
+    trusted_keys: list[TrustedKey] = Field(
+        default_factory=list, max_length=8,
+        description="Public keys this deployment trusts (several during a key rotation). Set: the "
+        "sidecar and LOAD refuse an archive not signed by one of them (native capture, Warning "
+        "event). Empty: signatures are not checked.",
+    )
+
+
+class ArchiveSettings(ApiModel):
+    """How the deployment's archives are made and trusted."""
+
+    signing: SigningSpec = Field(default_factory=SigningSpec, description="Archive signatures.")
+
+
 class WarmPoolSpec(ApiModel):
     """Pre-warmed pods kept per (GPU product, GPU count, engine, store) in this namespace."""
 
@@ -411,6 +443,8 @@ class ModelDeploymentSpec(ApiModel):
     )
     autoscaling: AutoscalingSpec | None = Field(None, description="HPA bounds and targets.")
     save: SaveOptions = Field(default_factory=SaveOptions, description="SAVE Job options.")
+    archive: ArchiveSettings = Field(default_factory=ArchiveSettings,
+                                     description="Archive signing and the keys serving pods trust.")
 
     def identity(self) -> ArchiveIdentity:
         """The archive identity: what a SAVE of this spec captures (hash names the GraphArchive)."""
@@ -539,6 +573,10 @@ class SaveSpec(ApiModel):
     )
     timeout_seconds: int | None = Field(
         None, ge=60, description="activeDeadlineSeconds of the SAVE Job (operator default when unset)."
+    )
+    signing_secret: str | None = Field(
+        None, description="Secret with the PEM ed25519 signing key ('signing-key.pem'), mounted into "
+        "the SAVE Job; the archive is unsigned when unset.",
     )
 
 

@@ -51,6 +51,7 @@ def save_job(
             {"name": "ember-run", "emptyDir": {}},
             {"name": "ember-tmp", "emptyDir": {}},
             *store.volumes(),
+            *_signing_volumes(spec),
         ],
         "securityContext": pod_security_context(),
         "enableServiceLinks": False,
@@ -94,6 +95,8 @@ def save_container(spec: GraphArchiveSpec, store: StoreAccess) -> dict[str, Any]
             {"name": contract.ENV_IDENTITY_HASH, "value": spec.identity_hash},
             *store.env(),
             {"name": contract.ENV_RUN_DIR, "value": contract.RUN_DIR},
+            *([{"name": contract.ENV_SIGNING_KEY, "value": contract.SIGNING_KEY_PATH}]
+              if spec.save.signing_secret else []),
             *libember_env(),
             {"name": "NCCL_CUMEM_ENABLE", "value": "0"},
             *downward_pod_env(),
@@ -108,9 +111,23 @@ def save_container(spec: GraphArchiveSpec, store: StoreAccess) -> dict[str, Any]
             {"name": "ember-run", "mountPath": contract.RUN_DIR},
             {"name": "ember-tmp", "mountPath": "/tmp"},
             *store.mounts(),
+            *([{"name": SIGNING_VOLUME, "mountPath": contract.SIGNING_KEY_DIR, "readOnly": True}]
+              if spec.save.signing_secret else []),
         ],
         "securityContext": _restricted(read_only_root=True),
     }
+
+
+SIGNING_VOLUME = "ember-signing"
+
+
+def _signing_volumes(spec: GraphArchiveSpec) -> list[dict[str, Any]]:
+    """The signing Secret's key file (readable by the pod's non-root user through fsGroup)."""
+    if not spec.save.signing_secret:
+        return []
+    return [{"name": SIGNING_VOLUME, "secret": {
+        "secretName": spec.save.signing_secret, "defaultMode": 0o440,
+        "items": [{"key": contract.SIGNING_SECRET_KEY, "path": contract.SIGNING_SECRET_KEY}]}}]
 
 
 def job_state(job: dict[str, Any]) -> str:

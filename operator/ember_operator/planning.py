@@ -28,6 +28,7 @@ from datetime import datetime
 from typing import Any
 
 from ember import contract
+from ember.archive import signing
 from ember.contract import Claim
 from ember.identity import canonical_json
 from ember_operator import conditions, hpas, naming
@@ -58,6 +59,7 @@ class Context:
     default_store: str = ""
     default_s3_endpoint: str = ""
     pod_service_account: str = ""
+    signing_secret: str = ""  # for deployments that name no signing Secret
 
 
 @dataclass
@@ -111,8 +113,15 @@ def template_of(namespace: str, spec: ModelDeploymentSpec, ctx: Context) -> PodT
         sidecar_image=ctx.sidecar_image,
         store=StoreAccess.of(store_of(spec, ctx)),
         service_account=ctx.pod_service_account,
+        trusted_keys=trusted_keys_env(spec),
         **_engine_resources(spec),
     )
+
+
+def trusted_keys_env(spec: ModelDeploymentSpec) -> str:
+    """EMBER_TRUSTED_KEYS for the deployment's pods ("" when it trusts no key: not checked)."""
+    keys = spec.archive.signing.trusted_keys
+    return signing.trusted_keys_json([(k.id, k.public_key) for k in keys]) if keys else ""
 
 
 def _engine_resources(spec: ModelDeploymentSpec) -> dict[str, tuple[tuple[str, str], ...]]:
@@ -135,6 +144,7 @@ def archive_object(name: str, namespace: str, spec: ModelDeploymentSpec, ctx: Co
         save=SaveSpec(
             image=spec.engine.image, args=list(spec.engine.args),
             pod_annotations=dict(spec.save.pod_annotations), timeout_seconds=spec.save.timeout_seconds,
+            signing_secret=spec.archive.signing.secret_name or ctx.signing_secret or None,
         ),
     )
     return {

@@ -106,14 +106,20 @@ class PodTemplate:
     # The engine container's requests and limits (GPUs added from gpu_count), as sorted pairs.
     engine_requests: tuple[tuple[str, str], ...] = ()
     engine_limits: tuple[tuple[str, str], ...] = ()
+    trusted_keys: str = ""  # EMBER_TRUSTED_KEYS of sidecar and engine; "" → not set
 
     @property
     def pool_key(self) -> str:
+        # The trust list only when set, so the pools of deployments without one keep their keys.
         return naming.short_hash(
             self.gpu_product, self.gpu_count, self.engine_kind, self.engine_version, self.engine_image,
             self.sidecar_image, self.store.uri, self.store.endpoint, self.store.credentials_secret,
-            self.store.pvc, list(self.engine_requests), list(self.engine_limits), length=16,
+            self.store.pvc, list(self.engine_requests), list(self.engine_limits),
+            *([self.trusted_keys] if self.trusted_keys else []), length=16,
         )
+
+    def trust_env(self) -> list[dict[str, Any]]:
+        return [{"name": contract.ENV_TRUSTED_KEYS, "value": self.trusted_keys}] if self.trusted_keys else []
 
 
 def owner_reference(deployment: str, uid: str) -> dict[str, Any]:
@@ -195,7 +201,8 @@ def sidecar_container(t: PodTemplate) -> dict[str, Any]:
         "image": t.sidecar_image,
         "command": ["ember-sidecar"],
         "restartPolicy": "Always",
-        "env": [*_downward_env(), *t.store.env(), {"name": contract.ENV_SIDECAR_PORT, "value": str(port)}],
+        "env": [*_downward_env(), *t.store.env(), {"name": contract.ENV_SIDECAR_PORT, "value": str(port)},
+                *t.trust_env()],
         "envFrom": t.store.env_from(optional=True),
         "ports": [{"name": "ember-sidecar", "containerPort": port}],
         # Ready when the engine took the restored graphs (or captured natively) and serves.
@@ -220,6 +227,7 @@ def engine_container(t: PodTemplate) -> dict[str, Any]:
             {"name": contract.ENV_ENGINE, "value": t.engine_kind},
             {"name": "NCCL_CUMEM_ENABLE", "value": "0"},
             *ENGINE_HOME,
+            *t.trust_env(),  # LOAD checks the cached archive's signature again
         ],
         "volumeMounts": [*_shared_mounts(),
                          {"name": "ember-lib", "mountPath": contract.LIB_DIR, "readOnly": True},

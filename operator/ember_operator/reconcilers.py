@@ -70,7 +70,7 @@ class Reconciler:
         self.ctx = Context(
             sidecar_image=settings.sidecar_image, default_store=settings.default_store,
             default_s3_endpoint=settings.default_s3_endpoint,
-            pod_service_account=settings.pod_service_account,
+            pod_service_account=settings.pod_service_account, signing_secret=settings.signing_secret,
         )
         self.backoff = Backoff(
             base_s=settings.save_backoff_seconds, max_s=settings.save_backoff_max_seconds,

@@ -24,6 +24,10 @@ class Settings(BaseModel):
         "", description="Store URI for ModelDeployments without spec.store (file:///… or s3://…)."
     )
     default_s3_endpoint: str = Field("", description="S3 endpoint for the default store.")
+    signing_secret: str = Field(
+        "", description="Signing Secret (PEM ed25519 key under 'signing-key.pem') for ModelDeployments "
+        "without spec.archive.signing.secretName; archives are unsigned when both are empty.",
+    )
     pod_service_account: str = Field(
         "",
         description="ServiceAccount of serving pods (the sidecar patches its own pod); "
