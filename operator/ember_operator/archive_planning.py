@@ -71,6 +71,8 @@ class ArchiveObserved:
     now: datetime
     jobs: dict[str, dict[str, Any]] = field(default_factory=dict)
     result: SaveResult | None = None  # termination message of the current attempt's pod
+    # Why the current attempt's Job runs nothing: ("SaveUnschedulable" | "SaveFailedCreate", text)
+    stuck: tuple[str, str] | None = None
     references: int = 1
 
 
@@ -253,6 +255,14 @@ def _plan_save(obs: ArchiveObserved, plan: ArchivePlan, backoff: Backoff) -> Non
     st.save_job = job_name
     if state == "Active":
         st.phase = GAPhase.saving
+        if obs.stuck is not None:
+            # Not "running": its pod cannot be scheduled or created. Said as it is; the Job's own
+            # deadline (activeDeadlineSeconds) ends the attempt, then the usual backoff.
+            reason, why = obs.stuck
+            _set_saved(obs, plan, False, reason, f"SAVE Job {job_name} (attempt {attempt}) "
+                       f"cannot run: {why}"[:1024])
+            plan.requeue_after = backoff.base_s
+            return
         _set_saved(obs, plan, False, "SaveRunning", f"SAVE Job {job_name} (attempt {attempt}) running")
         return
     if state == "Succeeded":

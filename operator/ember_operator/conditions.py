@@ -13,7 +13,8 @@ from ember_operator.api import Condition, ConditionStatus
 
 WARNING_REASONS = frozenset({
     "SaveFailed", "CredentialsSecretMissing", "StoreUnreachable", "ManifestMissing", "NativeCapture",
-    "PartialFallback", "ReplicasNotReady", "InvalidSpec",
+    "PartialFallback", "ReplicasNotReady", "InvalidSpec", "ManifestInvalid", "ManifestDeleted",
+    "ManifestReplaced", "SaveUnschedulable", "SaveFailedCreate", "CreateRejected",
 })
 
 

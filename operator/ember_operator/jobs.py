@@ -147,6 +147,21 @@ def job_failure(job: dict[str, Any]) -> str:
     return ""
 
 
+def pod_stuck(pod: dict[str, Any]) -> str:
+    """Why a SAVE pod cannot start ("" when it can): unschedulable (the scheduler's message, e.g.
+    no node with the GPU product) or an image that cannot be pulled."""
+    status = pod.get("status") or {}
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return f"{cond.get('reason') or 'Unschedulable'}: {cond.get('message', '')}".strip(": ")
+    for cs in status.get("initContainerStatuses", []) + status.get("containerStatuses", []):
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in ("ErrImagePull", "ImagePullBackOff", "InvalidImageName",
+                                     "CreateContainerConfigError"):
+            return f"{waiting['reason']}: {cs.get('name')}: {waiting.get('message', '')}".strip(": ")
+    return ""
+
+
 def read_termination(pod: dict[str, Any]) -> SaveResult | None:
     """The SAVE container's termination state, parsed; None while it has not terminated."""
     for status in (pod.get("status") or {}).get("containerStatuses") or []:

@@ -188,6 +188,8 @@ def _archive_condition(archive: ArchiveView | None) -> tuple[bool | None, str, s
         reason = archive.reason if archive.reason in store_reasons else "SaveFailed"
         retry = f"; retrying at {archive.next_retry_time}" if archive.next_retry_time else ""
         return False, reason, f"{archive.message or archive.phase}; serving with native capture{retry}"
+    if archive.phase == "Saving" and archive.reason in ("SaveUnschedulable", "SaveFailedCreate"):
+        return False, archive.reason, archive.message
     if archive.phase == "Saving":
         return False, "Saving", f"SAVE Job running for {archive.name}"
     return False, "ArchivePending", f"{archive.name} is {archive.phase}"

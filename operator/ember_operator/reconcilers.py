@@ -37,7 +37,7 @@ from ember_operator.archive_planning import (
     plan_archive,
 )
 from ember_operator.conditions import Event, parse_time
-from ember_operator.jobs import read_termination, save_job
+from ember_operator.jobs import pod_stuck, read_termination, save_job
 from ember_operator.kube import (
     Kube,
     KubeError,
@@ -322,14 +322,16 @@ class Reconciler:
         listed = self.kube.list(jobs_path(ns), f"{contract.LABEL_ARCHIVE}={name}")
         jobs = {j["metadata"]["name"]: j for j in listed}
         current = naming.save_job_name(spec.identity_hash, status.attempt)
-        result = None
+        result, stuck = None, None
         if current in jobs:
-            for pod in self.kube.list(pods_path(ns), f"job-name={current}"):
+            pods = self.kube.list(pods_path(ns), f"job-name={current}")
+            for pod in pods:
                 result = read_termination(pod) or result
+            stuck = self._save_stuck(ns, current, pods)
         obs = ArchiveObserved(
             name=name, namespace=ns, uid=meta["uid"], generation=int(meta.get("generation") or 0),
             spec=spec, status=status, probe=probe, now=self.clock(), jobs=jobs, result=result,
-            references=refs,
+            references=refs, stuck=stuck,
         )
         plan = plan_archive(obs, self.backoff)
         if plan.delete_jobs:
@@ -359,6 +361,26 @@ class Reconciler:
         self._patch_status(ga_path(ns, name), ga.get("status"), plan.status.wire())
         self.post_events(ga, plan.events)
         return plan.requeue_after
+
+    def _save_stuck(self, ns: str, job: str, pods: list[dict[str, Any]]) -> tuple[str, str] | None:
+        """Why the SAVE Job runs nothing: its pod cannot be scheduled/pulled, or the Job controller
+        cannot create the pod (FailedCreate events on the Job: quota, admission, invalid spec)."""
+        for pod in pods:
+            if why := pod_stuck(pod):
+                return "SaveUnschedulable", why
+        if pods:
+            return None
+        query = {"fieldSelector": f"involvedObject.kind=Job,involvedObject.name={job},reason=FailedCreate"}
+        try:
+            listed = self.kube.request("GET", f"/api/v1/namespaces/{ns}/events", query=query)
+        except KubeError as exc:  # best effort (RBAC: list core events)
+            log.warning("Reading events of SAVE Job %s/%s failed: %s", ns, job, exc)
+            return None
+        events = listed.get("items") or []
+        if events:
+            last = max(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+            return "SaveFailedCreate", f"FailedCreate: {last.get('message', '')}"
+        return None
 
     def probe(self, ns: str, spec: GraphArchiveSpec, status: GraphArchiveStatus) -> StoreProbe:
         """Ask the store whether the manifest exists, and what it is (also once Available: a

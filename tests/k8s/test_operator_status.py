@@ -251,3 +251,30 @@ def test_in_between_identity_of_two_quick_edits_is_not_saved(env: Any, minio: Lo
     wait_for(lambda: api.archive(f"ga-{hashes['b']}") is None, "its GraphArchive collected", op, timeout=60)
     assert any(hashes["c"] in j.metadata.name for j in api.jobs())
     assert api.archive(f"ga-{identity_of(spec_a).hash()[:16]}") is not None  # A's pods still serve
+
+
+def test_unschedulable_save_pod_is_not_reported_running(env: Any, minio: LocalMinio) -> None:
+    """Issue 18 item 3: a SAVE pod no node can take (no kwok node has this GPU product)."""
+    api, op, prefix = env
+    spec = md_spec(minio, prefix, product="NVIDIA-NO-SUCH-GPU")
+    api.create_md("nogpu", spec)
+    cond = wait_for(lambda: (c := api.condition("nogpu", "ArchiveReady")).get("reason") == "SaveUnschedulable"
+                    and c, "ArchiveReady=False SaveUnschedulable", op)
+    assert "Unschedulable" in cond["message"] and "running" not in cond["message"].replace("cannot run", "")
+    ga = f"ga-{identity_of(spec).hash()[:16]}"
+    saved = next(c for c in _ga_status(api, spec)["conditions"] if c["type"] == "Saved")
+    assert saved["reason"] == "SaveUnschedulable" and "node" in saved["message"]
+    wait_for(lambda: any(e["reason"] == "SaveUnschedulable" and e["type"] == "Warning"
+                         for e in api.events_for(ga)), "Warning event on the GraphArchive", op)
+
+
+def test_save_job_whose_pod_cannot_be_created_is_not_reported_running(env: Any, minio: LocalMinio) -> None:
+    """Issue 18 item 3: FailedCreate (a ResourceQuota of zero pods refuses the SAVE pod)."""
+    api, op, prefix = env
+    api.core.create_namespaced_resource_quota(api.ns, {
+        "metadata": {"name": "no-pods"}, "spec": {"hard": {"pods": "0"}}})
+    spec = md_spec(minio, prefix)
+    api.create_md("quota", spec)
+    cond = wait_for(lambda: (c := api.condition("quota", "ArchiveReady")).get("reason") == "SaveFailedCreate"
+                    and c, "ArchiveReady=False SaveFailedCreate", op)
+    assert "FailedCreate" in cond["message"] and "quota" in cond["message"]

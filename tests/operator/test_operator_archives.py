@@ -181,3 +181,22 @@ def test_save_nobody_wants_stops_at_once_and_is_collected_after_the_grace() -> N
     kept = plan_archive(_obs(status=avail, references=0, probe=StoreProbe(manifest=info),
                              now=NOW + timedelta(seconds=31)), BACKOFF)
     assert not kept.delete and not kept.delete_jobs
+
+
+def test_unschedulable_or_uncreatable_save_pod_is_not_running() -> None:
+    from ember_operator.jobs import pod_stuck
+
+    pod = {"status": {"phase": "Pending", "conditions": [{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": "0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector."}]}}
+    why = pod_stuck(pod)
+    assert why.startswith("Unschedulable: 0/3 nodes") and pod_stuck({"status": {"phase": "Running"}}) == ""
+    started = plan_archive(_obs(), BACKOFF).status
+    stuck = ("SaveUnschedulable", why)
+    plan = plan_archive(_obs(status=started, jobs=_job(0, "Active"), stuck=stuck), BACKOFF)
+    assert plan.status.phase is GAPhase.saving and _saved(plan) == ("False", "SaveUnschedulable")
+    assert "cannot run: Unschedulable: 0/3 nodes" in plan.status.conditions[0].message
+    assert any(e.type == "Warning" and e.reason == "SaveUnschedulable" for e in plan.events)
+    created = plan_archive(_obs(status=started, jobs=_job(0, "Active"),
+                                stuck=("SaveFailedCreate", "FailedCreate: quota exceeded")), BACKOFF)
+    assert _saved(created) == ("False", "SaveFailedCreate")

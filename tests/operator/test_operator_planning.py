@@ -266,3 +266,12 @@ def test_store_blip_during_save_does_not_start_native_pods() -> None:
     assert not blip.failing
     plan = plan_deployment(observed(archive=blip), CTX)
     assert not plan.creates and plan.status.phase is MDPhase.saving
+
+
+def test_a_save_that_cannot_run_is_said_so() -> None:
+    stuck = ArchiveView(name="ga-x", phase="Saving", reason="SaveUnschedulable",
+                        message="SAVE Job j (attempt 0) cannot run: Unschedulable: 0/3 nodes are available")
+    plan = plan_deployment(observed(archive=stuck), CTX)
+    cond = _cond(plan, "ArchiveReady")
+    assert cond.reason == "SaveUnschedulable" and "cannot run: Unschedulable" in cond.message
+    assert "running" not in cond.message.replace("cannot run", "")
