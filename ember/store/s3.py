@@ -78,7 +78,10 @@ class S3Store(Store):
         session = boto3.session.Session(
             aws_access_key_id=access_key, aws_secret_access_key=secret_key, aws_session_token=session_token
         )
-        self.client = session.client("s3", endpoint_url=self.endpoint, config=config)
+        try:
+            self.client = session.client("s3", endpoint_url=self.endpoint, config=config)
+        except ValueError as exc:  # botocore: "Invalid endpoint: http://" (no host), bad region
+            raise StoreError(f"invalid S3 settings (endpoint {self.endpoint!r}): {exc}") from None
         self.transfer = TransferConfig(
             multipart_threshold=multipart_threshold,
             multipart_chunksize=multipart_chunksize,

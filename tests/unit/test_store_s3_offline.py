@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ember.store import StoreUnavailable, open_store
+from ember.store import StoreError, StoreUnavailable, open_store
 
 
 def closed_port() -> int:
@@ -57,3 +57,11 @@ def test_bad_retry_mode_is_refused() -> None:
 
     with pytest.raises(StoreError, match="retry_mode"):
         open_store("s3://b", endpoint="http://127.0.0.1:9", retry_mode="sometimes")
+
+
+def test_endpoint_without_host_is_a_store_error() -> None:
+    """`http://` (no host) was an uncaught ValueError from botocore: the operator's archive
+    reconcile crashed and retried every 5 s. Now a StoreError with the setting named."""
+    with pytest.raises(StoreError, match=r"invalid S3 settings \(endpoint 'http://'\)"):
+        open_store("s3://bucket/prefix", endpoint="http://", access_key="k", secret_key="s",
+                   region="us-east-1")
