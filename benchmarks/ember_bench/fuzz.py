@@ -4,6 +4,11 @@ Targets (every input is untrusted bytes from a store or a pod):
 
     graph_table  `ember.archive.graph_table.decode` and a walk of the table (keys, groups, node
                  types, edges, chunks, graphs, changed nodes, validate); documented error: FormatError
+    graph_index  the same decoder and walk past zstd: the input is a raw (decompressed) index that
+                 the harness compresses and puts in a valid table before a real chunk area (a
+                 mutated zstd frame rarely decompresses, so `graph_table` alone stays shallow)
+    graph_chunk  likewise for one graph's param chunk (the first graph's, a group template): the
+                 input is the raw chunk, compressed and indexed by the harness
     manifest     `ember.archive.manifest.loads` and `referenced_digests`; documented: ManifestError
     image_size   libember's kernel-image sizer (`Interposer.image_size`, native/src/images.cpp) on
                  bytes that end exactly at a PROT_NONE page, so an over-read faults; documented:
@@ -18,6 +23,7 @@ tests/fuzz_corpus/<target>/ plus a work corpus where new inputs land.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -32,7 +38,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-TARGETS = ("graph_table", "manifest", "image_size")
+TARGETS = ("graph_table", "graph_index", "graph_chunk", "manifest", "image_size")
 SEED_CORPUS = Path(__file__).resolve().parents[2] / "tests" / "fuzz_corpus"
 console = Console()
 
@@ -67,6 +73,58 @@ def _walk_table(t: Any) -> None:
         for j in members[1:]:
             t.changed_nodes(members[0], j)
     t.validate()
+
+
+def graph_index_target() -> Callable[[bytes], None]:
+    import zstandard as zstd
+
+    from ember.archive.graph_table import MAGIC, MAJOR, OUTER, FormatError, decode, read_header
+
+    base = (SEED_CORPUS / "graph_table" / INDEX_BASE).read_bytes()
+    minor, flags, _ioff, _ilen, _iraw, coff = read_header(base)
+    chunks = base[coff:]
+    comp = zstd.ZstdCompressor(level=1)
+
+    def one(data: bytes) -> None:
+        frame = comp.compress(data)
+        header = OUTER.pack(MAGIC, MAJOR, minor, OUTER.size, flags, OUTER.size, len(frame), len(data),
+                            OUTER.size + len(frame))
+        with contextlib.suppress(FormatError):
+            _walk_table(decode(header + frame + chunks))
+
+    return one
+
+
+INDEX_BASE = "synthetic-1.bin"  # graph_index: the table whose chunk area every input is put before
+
+
+def graph_chunk_target() -> Callable[[bytes], None]:
+    import numpy as np
+    import zstandard as zstd
+
+    from ember.archive import graph_table as gt
+
+    base = (SEED_CORPUS / "graph_table" / INDEX_BASE).read_bytes()
+    minor, flags, ioff, ilen, iraw, coff = gt.read_header(base)
+    raw_index = zstd.ZstdDecompressor().decompress(base[ioff:ioff + ilen], max_output_size=iraw)
+    sections = {k: np.array(v) for k, v in gt.unpack_container(raw_index, gt.INDEX_SECTIONS, "index").items()}
+    row = int(sections[b"ROOT"][0])  # graph 0: a template, its chunk compressed without a dictionary
+    chunks = base[coff:]
+    comp = zstd.ZstdCompressor(level=1)
+
+    def one(data: bytes) -> None:
+        frame = comp.compress(data)
+        rows = sections[b"GRPH"].copy()
+        rows[row]["chunk_off"], rows[row]["chunk_len"] = len(chunks), len(frame)
+        rows[row]["chunk_raw"] = len(data)
+        raw_index = gt.pack_container({**sections, b"GRPH": rows})
+        index = comp.compress(raw_index)
+        header = gt.OUTER.pack(gt.MAGIC, gt.MAJOR, minor, gt.OUTER.size, flags, gt.OUTER.size, len(index),
+                               len(raw_index), gt.OUTER.size + len(index))
+        with contextlib.suppress(gt.FormatError):
+            _walk_table(gt.decode(header + index + chunks + frame))
+
+    return one
 
 
 def manifest_target() -> Callable[[bytes], None]:
@@ -118,6 +176,11 @@ def image_size_target() -> Callable[[bytes], None]:
     return one
 
 
+TARGET_FUNCTIONS: dict[str, Callable[[], Callable[[bytes], None]]] = {
+    "graph_table": graph_table_target, "graph_index": graph_index_target, "graph_chunk": graph_chunk_target,
+    "manifest": manifest_target,
+    "image_size": image_size_target,
+}
 INSTRUMENTED = ("ember.archive", "ember.native", "ember.identity", "ember.contract")
 
 
@@ -146,8 +209,7 @@ def _instrument(atheris: Any, prefixes: tuple[str, ...]) -> int:
 def _child(target: str, args: list[str]) -> None:
     import atheris
 
-    one = {"graph_table": graph_table_target, "manifest": manifest_target,
-           "image_size": image_size_target}[target]()
+    one = TARGET_FUNCTIONS[target]()
     # Instrument ember's own modules after the imports: atheris' import hook misses modules loaded
     # through the editable install's loader, and instrument_all() takes ~20 s (every library).
     _instrument(atheris, INSTRUMENTED)
@@ -172,7 +234,7 @@ def run_target(target: str, runs: int, out: Path, timeout: int = 10, seed: int =
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"})
     wall = time.perf_counter() - t0
-    (out / f"{target}.log").write_text(proc.stderr[-200_000:])
+    (out / f"{target}.log").write_text(proc.stdout[-100_000:] + proc.stderr[-200_000:])  # atheris: stdout
     stats = [m.groups() for m in _STAT.finditer(proc.stderr)]
     last = stats[-1] if stats else ("0", "", "0", "0", "0", "0")
     executed = re.findall(r"stat::number_of_executed_units:\s*(\d+)", proc.stderr)
@@ -184,7 +246,7 @@ def run_target(target: str, runs: int, out: Path, timeout: int = 10, seed: int =
         "coverage_edges": int(last[2]), "features": int(last[3]), "corpus": int(last[4]),
         "seeds": len(list(seeds.iterdir())) if seeds.is_dir() else 0,
         "findings": findings,
-        "error_tail": proc.stderr[-3000:] if proc.returncode else "",
+        "error_tail": (proc.stdout[-3000:] + proc.stderr[-2000:]) if proc.returncode else "",
     }
 
 

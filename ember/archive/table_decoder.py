@@ -235,7 +235,12 @@ class GraphTable:
         return self._edges[o:o + int(r["edge_count"])]
 
     def _str(self, off: int, n: int) -> str:
-        return self._strs[off:off + n].tobytes().decode()
+        if off < 0 or n < 0 or off + n > len(self._strs):
+            raise FormatError(f"graph table index: string {off}+{n} outside the {len(self._strs)}-byte pool")
+        try:
+            return self._strs[off:off + n].tobytes().decode()
+        except UnicodeDecodeError as exc:
+            raise FormatError(f"graph table index: string {off}+{n} is not UTF-8 ({exc.reason})") from None
 
     @cached_property
     def kernels(self) -> list[KernelRef]:

@@ -17,8 +17,7 @@ REGRESSIONS = sorted((CORPUS / "regressions").glob("*/*"))
 
 @pytest.mark.parametrize("path", REGRESSIONS, ids=[f"{p.parent.name}/{p.name}" for p in REGRESSIONS])
 def test_found_inputs_meet_a_documented_error(path: Path) -> None:
-    target = {"graph_table": fuzz.graph_table_target, "manifest": fuzz.manifest_target,
-              "image_size": fuzz.image_size_target}[path.parent.name]()
+    target = fuzz.TARGET_FUNCTIONS[path.parent.name]()
     target(path.read_bytes())  # raises (or faults) on anything but the parser's own errors
 
 
