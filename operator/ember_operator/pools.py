@@ -11,8 +11,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ember import contract
+from ember_operator.api import ModelDeploymentSpec
 from ember_operator.pods import PodTemplate, warm_pod
 from ember_operator.views import PodView
+
+
+def warm_pool_size(spec: ModelDeploymentSpec) -> tuple[int, str]:
+    """The warm pods a deployment asks for, capped at its HPA's maxReplicas (more could never be
+    claimed; each holds GPUs), and a warning when the cap applies."""
+    size = spec.warm_pool.size
+    if spec.autoscaling is not None and size > spec.autoscaling.max_replicas:
+        cap = spec.autoscaling.max_replicas
+        return cap, (f"warmPool.size {size} is above autoscaling.maxReplicas {cap}: keeping {cap} "
+                     "warm pods (more could never be claimed)")
+    return size, ""
 
 
 @dataclass

@@ -51,7 +51,7 @@ from ember_operator.kube import (
 )
 from ember_operator.planning import Context, Observed, Plan, free_names, plan_deployment, template_of
 from ember_operator.pods import PodTemplate, StoreAccess, serving_pod
-from ember_operator.pools import plan_pools
+from ember_operator.pools import plan_pools, warm_pool_size
 from ember_operator.settings import Settings
 from ember_operator.views import ArchiveView, PodView
 
@@ -78,6 +78,7 @@ class Reconciler:
         )
         self.pool = ThreadPoolExecutor(max(1, settings.claim_concurrency), thread_name_prefix="ember-api")
         self.instance = socket.gethostname()
+        self._pool_faults: dict[tuple[str, str], str] = {}  # (ns, pool key) → last refusal reported
 
     # ------------------------------------------------------------------ helpers
     def _parallel(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
@@ -170,6 +171,9 @@ class Reconciler:
         # Pools change when this deployment claimed from one or asks for one, or (spec edits) may
         # have stopped asking: never on every pass of every deployment (that is O(deployments²)).
         spec_changed = status.observed_generation != obs.generation
+        capped = warm_pool_size(spec)[1]
+        if capped and spec_changed:
+            self.post_events(md, [Event("Warning", "WarmPoolCapped", capped)])
         if claimed or spec.warm_pool.size or (obs.warm and spec_changed):
             self.reconcile_pools(ns)
 
@@ -268,25 +272,62 @@ class Reconciler:
 
     # ------------------------------------------------------------------ warm pools
     def reconcile_pools(self, ns: str) -> None:
+        """Every pool of the namespace. A pool the apiserver refuses (a deployment's template is
+        rejected: quota, LimitRange, admission policy) is that pool's fault only: the others are
+        still reconciled and its deployments get a Warning event."""
         started = time.perf_counter()
         wanted: list[tuple[PodTemplate, int, str]] = []
+        owners: dict[str, list[dict[str, Any]]] = {}
         for md in self.kube.list(md_path(ns)):
             if (md.get("metadata") or {}).get("deletionTimestamp"):
                 continue
             try:
                 spec = ModelDeploymentSpec.model_validate(md.get("spec") or {})
                 uri = ((md.get("status") or {}).get("archive") or {}).get("uri") or ""
-                wanted.append((template_of(ns, spec, self.ctx), spec.warm_pool.size, uri))
+                template = template_of(ns, spec, self.ctx)
             except (ValidationError, ValueError):
-                continue
+                continue  # its own reconcile reports the invalid spec
+            wanted.append((template, warm_pool_size(spec)[0], uri))
+            owners.setdefault(template.pool_key, []).append(md)
         warm = [PodView.of(p) for p in self.kube.list(pods_path(ns), naming.warm_selector())]
         plan = plan_pools(wanted, warm)
-        self._parallel(lambda body: self.kube.create(pods_path(ns), body), plan.creates)
-        self._parallel(lambda pod: self.kube.delete(pods_path(ns, pod)), plan.deletes)
-        self._parallel(lambda item: self._patch_pod(ns, *item), plan.patches)
+        create = lambda body: self._refused(self.kube.create, pods_path(ns), body)  # noqa: E731
+        refused = [e for e in self._parallel(create, plan.creates) if e is not None]
+        self._parallel(lambda pod: self._refused(self.kube.delete, pods_path(ns, pod)), plan.deletes)
+        self._parallel(lambda item: self._refused(self._patch_pod, ns, *item), plan.patches)
+        self._report_pools(ns, owners, {key: str(exc)[:1024] for key, exc in refused})
         for key, size in plan.sizes.items():
             metrics.WARM_PODS.labels(ns, key).set(size)
         metrics.RECONCILE_SECONDS.labels("WarmPool").observe(time.perf_counter() - started)
+
+    @staticmethod
+    def _refused(call: Callable[..., Any], *args: Any) -> tuple[str, KubeError] | None:
+        """Run one pool API call; a request the apiserver refuses (4xx but 409/429) is returned
+        with its pool key instead of raised. Transient failures still raise (and retry)."""
+        try:
+            call(*args)
+        except KubeError as exc:
+            if exc.status >= 500 or exc.status in (409, 429) or exc.status == 0:
+                raise
+            body = args[-1] if isinstance(args[-1], dict) else {}
+            key = ((body.get("metadata") or {}).get("labels") or {}).get(contract.LABEL_POOL_KEY, "")
+            log.warning("Warm pool %s: the apiserver refused %s: %s", key or "?", call.__name__, exc)
+            return key, exc
+        return None
+
+    def _report_pools(
+        self, ns: str, owners: dict[str, list[dict[str, Any]]], refused: dict[str, str],
+    ) -> None:
+        """A Warning event on each deployment of a refused pool, once per distinct refusal."""
+        for key, mds in owners.items():
+            message = refused.get(key, "")
+            if self._pool_faults.get((ns, key), "") == message:
+                continue
+            self._pool_faults[(ns, key)] = message
+            if message:
+                for md in mds:
+                    note = f"warm pods of this deployment's pool are refused: {message}"
+                    self.post_events(md, [Event("Warning", "WarmPoolRefused", note)])
 
     # ------------------------------------------------------------------ GraphArchive
     def reconcile_archive(self, namespace: str, name: str) -> float | None:
