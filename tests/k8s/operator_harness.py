@@ -26,6 +26,7 @@ from typing import Any
 from fixtures_cluster import REPO, LocalCluster, LocalMinio, wait_until
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from sa_identity import assert_no_forbidden, operator_kubeconfig
 
 from ember.archive.bundle import write_archive
 from ember.identity import ArchiveIdentity, CompatKey
@@ -193,13 +194,17 @@ class Api:
 @contextmanager
 def operator_env(
     k8s: LocalCluster, minio: LocalMinio, log_dir: Path, name: str, env: dict[str, str] | None = None,
+    kubeconfig: Path | None = None,
 ) -> Iterator[tuple[Api, OperatorProcess, str]]:
     """A fresh namespace with the S3 secret and an operator watching it; yields (api, operator,
-    a unique store prefix). Everything is stopped and deleted on exit."""
+    a unique store prefix). Everything is stopped and deleted on exit; with a restricted operator
+    identity, any request RBAC refused fails the test."""
     ns = k8s.create_namespace(name)
     api = Api(k8s, ns)
     api.create_secret("ember-s3", minio)
-    op = OperatorProcess(kubeconfig=k8s.kubeconfig, namespace=ns, log_path=log_dir / "operator.log",
+    # The admin kubeconfig, or the chart's ServiceAccount token (EMBER_TEST_OPERATOR_KUBECONFIG=sa).
+    kubeconfig = kubeconfig or operator_kubeconfig(k8s)
+    op = OperatorProcess(kubeconfig=kubeconfig, namespace=ns, log_path=log_dir / "operator.log",
                          env=env or {}).start()
     try:
         yield api, op, f"{name}-{uuid.uuid4().hex[:8]}"
@@ -207,6 +212,8 @@ def operator_env(
         op.stop()
         api.release()
         k8s.delete_namespace(ns)
+    if kubeconfig != k8s.kubeconfig:
+        assert_no_forbidden(op.log_path)
 
 
 def md_spec(minio: LocalMinio, prefix: str, product: str = TEST_PRODUCT, **over: Any) -> dict[str, Any]:
