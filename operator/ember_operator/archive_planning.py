@@ -27,6 +27,7 @@ from ember_operator.conditions import Event, parse_time, rfc3339
 from ember_operator.jobs import job_failure, job_state
 
 SAVED = "Saved"
+CREATE_REJECTED = "CreateRejected"  # the apiserver refused the SAVE Job (4xx)
 
 
 @dataclass(frozen=True)
@@ -277,9 +278,22 @@ def _plan_save(obs: ArchiveObserved, plan: ArchivePlan, backoff: Backoff) -> Non
             return
         reason = f"SAVE Job {job_name} succeeded but no manifest appeared in {obs.spec.store.uri()}"
         _failed_attempt(obs, plan, backoff, reason, "ManifestMissing")
+    elif job is None and (prev := conditions.get(st.conditions, SAVED)) is not None \
+            and prev.reason == CREATE_REJECTED and st.failure_reason:
+        _failed_attempt(obs, plan, backoff, st.failure_reason, CREATE_REJECTED)  # never created
     else:
         detail = (obs.result.reason if obs.result is not None else "") or job_failure(job or {}) or "failed"
         _failed_attempt(obs, plan, backoff, f"SAVE Job {job_name} failed: {detail}", "SaveFailed")
+
+
+def job_refused(obs: ArchiveObserved, plan: ArchivePlan, backoff: Backoff, why: str) -> None:
+    """The apiserver refused the SAVE Job the plan creates (invalid, admission, quota): that
+    attempt failed (Failed, CreateRejected, the API's message) and is retried after the backoff
+    like a failed SAVE; deployments serve natively meanwhile."""
+    before = list(plan.status.conditions)
+    plan.create_job_attempt = None
+    _failed_attempt(obs, plan, backoff, why, CREATE_REJECTED)
+    plan.events += conditions.transitions(before, plan.status.conditions)
 
 
 def _create_job(obs: ArchiveObserved, plan: ArchivePlan, attempt: int, message: str) -> None:

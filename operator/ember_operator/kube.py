@@ -41,6 +41,12 @@ class KubeError(Exception):
     def conflict(self) -> bool:
         return self.status == 409
 
+    @property
+    def rejected(self) -> bool:
+        """The apiserver refused the request itself (invalid, forbidden by admission or quota):
+        the same request cannot succeed on a retry. Not 404/409 (races) nor 429 (throttling)."""
+        return 400 <= self.status < 500 and self.status not in (404, 409, 429)
+
 
 def load_configuration(pool_size: int = 32) -> client.Configuration:
     cfg = client.Configuration()

@@ -184,8 +184,8 @@ def _archive_condition(archive: ArchiveView | None) -> tuple[bool | None, str, s
     if archive.available:
         return True, "ArchiveAvailable", f"restoring from {archive.uri}"
     if archive.failing:
-        store_reasons = ("CredentialsSecretMissing", "StoreUnreachable", "ManifestInvalid")
-        reason = archive.reason if archive.reason in store_reasons else "SaveFailed"
+        own_reasons = ("CredentialsSecretMissing", "StoreUnreachable", "ManifestInvalid", "CreateRejected")
+        reason = archive.reason if archive.reason in own_reasons else "SaveFailed"
         retry = f"; retrying at {archive.next_retry_time}" if archive.next_retry_time else ""
         return False, reason, f"{archive.message or archive.phase}; serving with native capture{retry}"
     if archive.phase == "Saving" and archive.reason in ("SaveUnschedulable", "SaveFailedCreate"):
@@ -394,6 +394,26 @@ def _progressing(obs: Observed, st: ModelDeploymentStatus, rollout: _Rollout) ->
             return (True, MDPhase.deploying.value, f"{ready_current}/{want} replicas ready")
         return (True, MDPhase.scaling.value, f"{ready_current}/{want} replicas ready")
     return (False, "Complete", f"{want} replica(s) of revision {revision} ready")
+
+
+CREATE_REJECTED = "CreateRejected"
+
+
+def record_refusals(obs: Observed, plan: Plan, refusals: list[str], pods_refused: int) -> None:
+    """The apiserver refused objects of the plan (4xx: invalid, admission, quota): the status says
+    which and why (Progressing=False CreateRejected, a Warning event) instead of pretending."""
+    st = plan.status
+    st.replicas -= pods_refused
+    st.updated_replicas -= pods_refused
+    planned = conditions.get(st.conditions, PROGRESSING)
+    message = "; ".join(dict.fromkeys(refusals))[:1024]
+    st.conditions = conditions.put(st.conditions, PROGRESSING, False, CREATE_REJECTED, message,
+                                   obs.generation, obs.now)
+    st.phase = derive_phase(st.conditions)
+    dropped = planned.reason if planned is not None else ""
+    changed = conditions.transitions(obs.status.conditions, st.conditions)
+    plan.events = [e for e in plan.events if e.reason != dropped] + [
+        e for e in changed if e.reason == CREATE_REJECTED]
 
 
 def _plan_hpa(obs: Observed, plan: Plan) -> None:

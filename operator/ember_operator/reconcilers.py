@@ -31,9 +31,11 @@ from ember_operator.api import (
 )
 from ember_operator.archive_planning import (
     ArchiveObserved,
+    ArchivePlan,
     Backoff,
     ManifestInfo,
     StoreProbe,
+    job_refused,
     plan_archive,
 )
 from ember_operator.conditions import Event, parse_time
@@ -49,7 +51,15 @@ from ember_operator.kube import (
     pods_path,
     secret_path,
 )
-from ember_operator.planning import Context, Observed, Plan, free_names, plan_deployment, template_of
+from ember_operator.planning import (
+    Context,
+    Observed,
+    Plan,
+    free_names,
+    plan_deployment,
+    record_refusals,
+    template_of,
+)
 from ember_operator.pods import PodTemplate, StoreAccess, serving_pod
 from ember_operator.pools import plan_pools, warm_pool_size
 from ember_operator.settings import Settings
@@ -130,20 +140,21 @@ class Reconciler:
         return True
 
     # ------------------------------------------------------------------ ModelDeployment
-    def reconcile_deployment(self, namespace: str, name: str) -> None:
+    def reconcile_deployment(self, namespace: str, name: str) -> float | None:
+        """Returns seconds until the next look when the apiserver refused part of the plan."""
         started = time.perf_counter()
         try:
-            self._reconcile_deployment(namespace, name, started)
+            return self._reconcile_deployment(namespace, name, started)
         except Exception:
             metrics.RECONCILE_ERRORS.labels("ModelDeployment").inc()
             raise
         finally:
             metrics.RECONCILE_SECONDS.labels("ModelDeployment").observe(time.perf_counter() - started)
 
-    def _reconcile_deployment(self, ns: str, name: str, started: float) -> None:
+    def _reconcile_deployment(self, ns: str, name: str, started: float) -> float | None:
         md = self.kube.get(md_path(ns, name))
         if md is None or (md.get("metadata") or {}).get("deletionTimestamp"):
-            return
+            return None
         meta = md["metadata"]
         try:
             spec = ModelDeploymentSpec.model_validate(md.get("spec") or {})
@@ -153,17 +164,21 @@ class Reconciler:
             log.error("ModelDeployment %s/%s has an invalid spec; it is not reconciled until it is "
                       "fixed: %s", ns, name, exc)
             self.post_events(md, [Event("Warning", "InvalidSpec", str(exc)[:1024])])
-            return
+            return None
         obs = self._observe_deployment(ns, name, meta, spec, status, template)
         plan = plan_deployment(obs, self.ctx)
         planned = time.perf_counter()
 
         if plan.labels:
             self.kube.patch(md_path(ns, name), {"metadata": {"labels": plan.labels}})
+        refusals: list[str] = []
         if plan.archive_create is not None:
-            self.kube.create(ga_path(ns), plan.archive_create)
-        claimed = self._apply_pods(obs, plan, template, started, planned)
-        self._apply_hpa(ns, name, plan, obs.hpa)
+            refusals += self._refusal("GraphArchive", self.kube.create, ga_path(ns), plan.archive_create)
+        claimed, pods_refused = self._apply_pods(obs, plan, template, started, planned)
+        refusals += pods_refused
+        refusals += self._apply_hpa(ns, name, plan, obs.hpa)
+        if refusals:
+            record_refusals(obs, plan, refusals, len(pods_refused))
 
         metrics.RESTORE_FALLBACKS.labels(ns, name).set(plan.status.fallback_count)
         self._patch_status(md_path(ns, name), md.get("status"), plan.status.wire())
@@ -176,6 +191,8 @@ class Reconciler:
             self.post_events(md, [Event("Warning", "WarmPoolCapped", capped)])
         if claimed or spec.warm_pool.size or (obs.warm and spec_changed):
             self.reconcile_pools(ns)
+        # Refused: not every 2 s (the same request fails the same way); a spec edit comes at once.
+        return max(60.0, self.settings.resync_seconds) if refusals else None
 
     def _observe_deployment(
         self, ns: str, name: str, meta: dict[str, Any], spec: ModelDeploymentSpec,
@@ -200,9 +217,9 @@ class Reconciler:
 
     def _apply_pods(
         self, obs: Observed, plan: Plan, template: PodTemplate, started: float, planned: float
-    ) -> int:
+    ) -> tuple[int, list[str]]:
         """Claims first (they are the fast path), then cold pods for what could not be claimed,
-        then deletions. Returns the number of warm pods claimed."""
+        then deletions. Returns the number of warm pods claimed and the apiserver's refusals."""
         ns, name = obs.namespace, obs.name
         claimed, lost = self._claim(ns, plan.claims, started)
         if plan.claims:
@@ -216,20 +233,36 @@ class Reconciler:
             taken = {p.name for p in obs.pods} | {c["metadata"]["name"] for c in creates}
             creates += [serving_pod(template, plan.claim, pod, obs.uid)
                         for pod in free_names(name, plan.claim.revision, taken, lost)]
-        self._parallel(lambda body: self.kube.create(pods_path(ns), body), creates)
+        refused = [r for rs in self._parallel(lambda body: self._refusal(
+            f"pod {body['metadata']['name']}", self.kube.create, pods_path(ns), body), creates) for r in rs]
         if creates:
-            metrics.COLD_PODS_TOTAL.inc(len(creates))
+            metrics.COLD_PODS_TOTAL.inc(len(creates) - len(refused))
         self._parallel(lambda pod: self.kube.delete(pods_path(ns, pod)), plan.deletes)
-        return claimed
+        return claimed, refused
 
-    def _apply_hpa(self, ns: str, name: str, plan: Plan, hpa: dict[str, Any] | None) -> None:
+    def _apply_hpa(self, ns: str, name: str, plan: Plan, hpa: dict[str, Any] | None) -> list[str]:
+        what = f"HorizontalPodAutoscaler {naming.hpa_name(name)}"
         if plan.hpa_apply is not None:
             if hpa is None:
-                self.kube.create(hpa_path(ns), plan.hpa_apply)
-            else:
-                self.kube.patch(hpa_path(ns, naming.hpa_name(name)), {"spec": plan.hpa_apply["spec"]})
-        elif plan.hpa_delete:
+                return self._refusal(what, self.kube.create, hpa_path(ns), plan.hpa_apply)
+            return self._refusal(what, self.kube.patch, hpa_path(ns, naming.hpa_name(name)),
+                                 {"spec": plan.hpa_apply["spec"]})
+        if plan.hpa_delete:
             self.kube.delete(hpa_path(ns, naming.hpa_name(name)))
+        return []
+
+    @staticmethod
+    def _refusal(what: str, call: Callable[..., Any], *args: Any) -> list[str]:
+        """Run one create/patch; [] when done, [why] when the apiserver refused it (4xx other than
+        404/409/429: invalid, admission, quota). Anything transient still raises (and retries)."""
+        try:
+            call(*args)
+        except KubeError as exc:
+            if not exc.rejected:
+                raise
+            log.warning("The apiserver refused %s: %s", what, exc)
+            return [f"{what} refused by the API server ({exc.status}): {exc.message}"[:512]]
+        return []
 
     def _claim(self, ns: str, claims: list[tuple[str, dict[str, Any]]], started: float) -> tuple[int, int]:
         def one(item: tuple[str, dict[str, Any]]) -> bool:
@@ -383,15 +416,7 @@ class Reconciler:
             self.kube.delete(ga_path(ns, name))
             return None
         if plan.create_job_attempt is not None:
-            job_name = naming.save_job_name(spec.identity_hash, plan.create_job_attempt)
-            body = save_job(
-                name=job_name, namespace=ns, archive_name=name, archive_uid=meta["uid"], spec=spec,
-                store=StoreAccess.of(spec.store), sidecar_image=self.settings.sidecar_image,
-                timeout_seconds=self.settings.save_timeout_seconds, attempt=plan.create_job_attempt,
-            )
-            created = self.kube.create(jobs_path(ns), body)
-            log.info("GraphArchive %s/%s: SAVE Job %s %s", ns, name, job_name,
-                     "created" if created else "already existed")
+            self._create_save_job(obs, plan, meta["uid"])
         started_at = parse_time(status.save_started_time)
         if plan.saved_now:
             metrics.SAVES_TOTAL.labels("succeeded").inc()
@@ -402,6 +427,21 @@ class Reconciler:
         self._patch_status(ga_path(ns, name), ga.get("status"), plan.status.wire())
         self.post_events(ga, plan.events)
         return plan.requeue_after
+
+    def _create_save_job(self, obs: ArchiveObserved, plan: ArchivePlan, uid: str) -> None:
+        """The SAVE Job of the plan's attempt; refused by the apiserver → that attempt failed."""
+        ns, name, spec = obs.namespace, obs.name, obs.spec
+        attempt = plan.create_job_attempt or 0
+        job_name = naming.save_job_name(spec.identity_hash, attempt)
+        body = save_job(
+            name=job_name, namespace=ns, archive_name=name, archive_uid=uid, spec=spec,
+            store=StoreAccess.of(spec.store), sidecar_image=self.settings.sidecar_image,
+            timeout_seconds=self.settings.save_timeout_seconds, attempt=attempt,
+        )
+        if refused := self._refusal(f"SAVE Job {job_name}", self.kube.create, jobs_path(ns), body):
+            job_refused(obs, plan, self.backoff, refused[0])
+        else:
+            log.info("GraphArchive %s/%s: SAVE Job %s created", ns, name, job_name)
 
     def _save_stuck(self, ns: str, job: str, pods: list[dict[str, Any]]) -> tuple[str, str] | None:
         """Why the SAVE Job runs nothing: its pod cannot be scheduled/pulled, or the Job controller

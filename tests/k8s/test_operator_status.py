@@ -278,3 +278,39 @@ def test_save_job_whose_pod_cannot_be_created_is_not_reported_running(env: Any, 
     cond = wait_for(lambda: (c := api.condition("quota", "ArchiveReady")).get("reason") == "SaveFailedCreate"
                     and c, "ArchiveReady=False SaveFailedCreate", op)
     assert "FailedCreate" in cond["message"] and "quota" in cond["message"]
+
+
+def _quota(api: Api, hard: dict[str, str]) -> None:
+    api.core.create_namespaced_resource_quota(api.ns, {"metadata": {"name": "q"}, "spec": {"hard": hard}})
+
+
+def test_pods_refused_by_the_apiserver_are_in_status_and_events(env: Any, minio: LocalMinio) -> None:
+    """Issue 18 item 4: pod creation answered 403 (a quota of zero pods): a Warning event and
+    Progressing=False CreateRejected naming the pod and the API's message, no crash loop."""
+    api, op, prefix = env
+    spec = md_spec(minio, prefix)
+    write_test_archive(minio, prefix, spec)
+    _quota(api, {"pods": "0"})
+    api.create_md("refused", spec)
+    cond = wait_for(lambda: (c := api.condition("refused", "Progressing")).get("reason") == "CreateRejected"
+                    and c, "Progressing=False CreateRejected", op)
+    assert "pod refused-" in cond["message"] and "exceeded quota" in cond["message"], cond["message"]
+    assert phase(api, "refused") == "Degraded" and api.md("refused")["status"]["replicas"] == 0
+    wait_for(lambda: any(e["reason"] == "CreateRejected" and e["type"] == "Warning"
+                         for e in api.events_for("refused")), "Warning event CreateRejected", op)
+
+
+def test_save_job_refused_by_the_apiserver_fails_the_attempt(env: Any, minio: LocalMinio) -> None:
+    """Issue 18 item 4: Job creation answered 403 (a quota of zero Jobs): the attempt is Failed
+    with the API's message and retried after the backoff; the deployment serves natively."""
+    api, op, prefix = env
+    _quota(api, {"count/jobs.batch": "0"})
+    spec = md_spec(minio, prefix)
+    api.create_md("nojob", spec)
+    st = wait_for(lambda: (s := _ga_status(api, spec)).get("phase") == "Failed" and s,
+                  "GraphArchive Failed", op)
+    saved = next(c for c in st["conditions"] if c["type"] == "Saved")
+    assert saved["reason"] == "CreateRejected" and "exceeded quota" in saved["message"]
+    wait_for(lambda: api.condition("nojob", "ArchiveReady").get("reason") == "CreateRejected",
+             "ArchiveReady=False CreateRejected", op)
+    wait_for(lambda: _archives(api, "nojob") == ["", ""], "2 native pods", op)

@@ -200,3 +200,19 @@ def test_unschedulable_or_uncreatable_save_pod_is_not_running() -> None:
     created = plan_archive(_obs(status=started, jobs=_job(0, "Active"),
                                 stuck=("SaveFailedCreate", "FailedCreate: quota exceeded")), BACKOFF)
     assert _saved(created) == ("False", "SaveFailedCreate")
+
+
+def test_save_job_refused_by_the_apiserver_is_a_failed_attempt_with_the_reason() -> None:
+    from ember_operator.archive_planning import job_refused
+
+    obs = _obs()
+    plan = plan_archive(obs, BACKOFF)
+    job_refused(obs, plan, BACKOFF, "SAVE Job j refused by the API server (403): exceeded quota: q")
+    assert plan.create_job_attempt is None and plan.status.phase is GAPhase.failed
+    assert _saved(plan) == ("False", "CreateRejected") and plan.requeue_after == 10
+    assert any(e.type == "Warning" and e.reason == "CreateRejected" for e in plan.events)
+    # The next pass (no Job exists) keeps the reason until the retry creates the next attempt.
+    again = plan_archive(_obs(status=plan.status, now=NOW + timedelta(seconds=5)), BACKOFF)
+    assert _saved(again) == ("False", "CreateRejected") and "exceeded quota" in again.status.failure_reason
+    retry = plan_archive(_obs(status=plan.status, now=NOW + timedelta(seconds=11)), BACKOFF)
+    assert retry.create_job_attempt == 1

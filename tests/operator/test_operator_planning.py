@@ -275,3 +275,17 @@ def test_a_save_that_cannot_run_is_said_so() -> None:
     cond = _cond(plan, "ArchiveReady")
     assert cond.reason == "SaveUnschedulable" and "cannot run: Unschedulable" in cond.message
     assert "running" not in cond.message.replace("cannot run", "")
+
+
+def test_objects_refused_by_the_apiserver_are_in_the_status() -> None:
+    from ember_operator.planning import record_refusals
+
+    obs = observed(archive=AVAILABLE)
+    plan = plan_deployment(obs, CTX)
+    assert len(plan.creates) == 2 and plan.status.replicas == 2
+    record_refusals(obs, plan, ["pod qwen-x-0 refused by the API server (403): exceeded quota"] * 2, 2)
+    cond = _cond(plan, "Progressing")
+    assert cond.status.value == "False" and cond.reason == "CreateRejected"
+    assert "exceeded quota" in cond.message
+    assert plan.status.replicas == 0 and plan.status.phase is MDPhase.degraded
+    assert [e.reason for e in plan.events if e.type == "Warning"].count("CreateRejected") == 1
