@@ -9,10 +9,6 @@ the GPU tier cannot go green while testing nothing.
 
 from __future__ import annotations
 
-import functools
-import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,24 +16,9 @@ import pytest
 
 # Session fixtures `k8s`, `k8s_namespace`, `minio` (real local servers via e2e/cluster.sh up).
 from fixtures_cluster import k8s, k8s_namespace, local_cluster_env, minio  # noqa: F401
+from gpu_gate import REQUIRE_GPU_ENV, gpu_available, gpu_required
 
-
-@functools.cache
-def gpu_available() -> bool:
-    if shutil.which("nvidia-smi") is None:
-        return False
-    try:
-        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=20).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
-REQUIRE_GPU_ENV = "EMBER_REQUIRE_GPU"
 GPU_TESTS = Path(__file__).parent / "gpu"
-
-
-def gpu_required() -> bool:
-    return os.environ.get(REQUIRE_GPU_ENV, "").strip() not in ("", "0")
 
 
 def _is_gpu_test(item: pytest.Item | pytest.Collector) -> bool:

@@ -72,6 +72,19 @@ def release_cached_memory(ip: Interposer | None = None) -> dict[str, float]:
     return ms
 
 
+def _open(store_uri: str, identity_hash: str) -> bundle.Archive:
+    """The archive's manifest (signature first when EMBER_TRUSTED_KEYS is set), or Refused."""
+    from ember.runtime import publish
+
+    try:
+        return publish.open_archive(store_uri, identity_hash)
+    except (publish.bundle.ArchiveUntrusted, publish.signing.SigningKeyError) as exc:
+        # a trust list is set: no blob of an archive without a trusted signature is read
+        raise Refused(LOAD, f"archive signature refused: {exc}") from exc
+    except Exception as exc:
+        raise Refused(LOAD, f"archive not readable: {exc}") from exc
+
+
 class ArchiveRestore:
     """One archive on its way into this process; see the module docstring for the order."""
 
@@ -105,19 +118,13 @@ class ArchiveRestore:
         (Refused) an archive from another engine before its blobs are read; what it returns
         is kept as `accepted` (e.g. the engine's sizing parsed from the facts). `background`
         (default: unless EMBER_LOAD_BACKGROUND=0) builds the templates while the model builds."""
-        from ember.runtime import compat, publish
+        from ember.runtime import compat
 
         if ip is None:
             raise Refused(LOAD, "libember is not preloaded with EMBER_MODE=load")
         tm: dict[str, Any] = {}
         t0 = t = time.perf_counter()
-        try:
-            opened = publish.open_archive(store_uri, identity_hash)
-        except (publish.bundle.ArchiveUntrusted, publish.signing.SigningKeyError) as exc:
-            # EMBER_TRUSTED_KEYS is set: no blob of an archive without a trusted signature is read.
-            raise Refused(LOAD, f"archive signature refused: {exc}") from exc
-        except Exception as exc:
-            raise Refused(LOAD, f"archive not readable: {exc}") from exc
+        opened = _open(store_uri, identity_hash)
         manifest = opened.manifest
         tm["read_manifest_ms"] = (time.perf_counter() - t) * 1e3
         problems = compat.check_compat(manifest.compat, compat.current(engine))

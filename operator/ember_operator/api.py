@@ -9,53 +9,25 @@ are camelCase on the wire (Kubernetes convention) and snake_case in Python.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field
 
 from ember.identity import ArchiveIdentity, Parallelism
-
-# ------------------------------------------------------------------------------------------------
-# Helpers
-
-
-def cel(*rules: tuple[str, str], **extra: Any) -> dict[str, Any]:
-    """JSON-schema extras carrying CEL rules: each rule is (expression, message)."""
-    out: dict[str, Any] = dict(extra)
-    out["x-kubernetes-validations"] = [{"rule": r, "message": m} for r, m in rules]
-    return out
-
-
-class ApiModel(BaseModel):
-    """Wire models: camelCase aliases, unknown fields refused (the apiserver prunes them anyway)."""
-
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
-
-    def wire(self) -> dict[str, Any]:
-        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
-
-
-MAX_NAME = 40  # ModelDeployment names prefix pod, HPA and label values (63-char limits)
-
-# Names the apiserver would refuse later, on the pod or Job the operator builds: refused here.
-DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-NO_SPACE = r"^\S+$"  # an image reference: no whitespace anywhere (a leading space breaks pulls)
-# A label/annotation key: optional DNS-subdomain prefix and '/', then a name of ≤ 63 characters.
-_QUALIFIED_KEY = (
-    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+from ember_operator.api_base import (  # noqa: F401  (re-exported: crdgen and callers use api.*)
+    DNS1123_SUBDOMAIN,
+    KEYS_RULE,
+    MAX_ARG,
+    MAX_MAP_ENTRIES,
+    MAX_MAP_VALUE,
+    MAX_NAME,
+    NO_SPACE,
+    ApiModel,
+    LabelValue,
+    MapValue,
+    cel,
 )
-# Claims and pod templates carry args, compile settings and pod annotations as annotations, whose
-# total the apiserver caps at 256 KiB: each is bounded so that the sum stays far below.
-MAX_ARG = 1024
-MAX_MAP_ENTRIES = 32
-MAX_MAP_VALUE = 1024
-MapValue = Annotated[str, Field(max_length=MAX_MAP_VALUE)]
-LabelValue = Annotated[str, Field(max_length=63)]
-KEYS_RULE = (f"self.all(k, k.matches('{_QUALIFIED_KEY}'))",
-             "annotation keys must be valid label keys ([prefix/]name, name at most 63 characters)")
-
+from ember_operator.api_signing import ArchiveSettings, SigningSpec, TrustedKey  # noqa: F401
 
 # ------------------------------------------------------------------------------------------------
 # ModelDeployment spec
@@ -291,38 +263,6 @@ class StoreSpec(ApiModel):
     @property
     def credentials_secret(self) -> str | None:
         return self.s3.credentials_secret if self.s3 else None
-
-
-class TrustedKey(ApiModel):
-    """An ed25519 public key archives may be signed with."""
-
-    id: str = Field(min_length=1, max_length=63, description="A name for the key (e.g. 2026-q4); "
-                    "signatures name keys by fingerprint, so this is for people.")
-    public_key: str = Field(min_length=40, max_length=1024,
-                            description="ed25519 public key: base64 of the raw 32 bytes, or PEM.")
-
-
-class SigningSpec(ApiModel):
-    """Archive signatures (ed25519 over the manifest, which pins every blob's sha256)."""
-
-    secret_name: str | None = Field(
-        None, max_length=253, pattern=DNS1123_SUBDOMAIN,
-        description="Secret (this namespace) holding the SAVE's PEM ed25519 private key under the key "
-        "'signing-key.pem', mounted into the SAVE Job; the operator's default (setting "
-        "signing_secret) when unset; archives are unsigned when neither is set.",
-    )
-    trusted_keys: list[TrustedKey] = Field(
-        default_factory=list, max_length=8,
-        description="Public keys this deployment trusts (several during a key rotation). Set: the "
-        "sidecar and LOAD refuse an archive not signed by one of them (native capture, Warning "
-        "event). Empty: signatures are not checked.",
-    )
-
-
-class ArchiveSettings(ApiModel):
-    """How the deployment's archives are made and trusted."""
-
-    signing: SigningSpec = Field(default_factory=SigningSpec, description="Archive signatures.")
 
 
 class WarmPoolSpec(ApiModel):

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REQUIRE_GPU_ENV, gpu_available
+from gpu_gate import REQUIRE_GPU_ENV, gpu_available
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,40 @@
+"""`spec.archive` of a ModelDeployment: how its archives are signed and which keys its pods trust
+(re-exported by ember_operator/api.py; the crypto is ember/archive/signing.py)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from ember_operator.api_base import DNS1123_SUBDOMAIN, ApiModel
+
+
+class TrustedKey(ApiModel):
+    """An ed25519 public key archives may be signed with."""
+
+    id: str = Field(min_length=1, max_length=63, description="A name for the key (e.g. 2026-q4); "
+                    "signatures name keys by fingerprint, so this is for people.")
+    public_key: str = Field(min_length=40, max_length=1024,
+                            description="ed25519 public key: base64 of the raw 32 bytes, or PEM.")
+
+
+class SigningSpec(ApiModel):
+    """Archive signatures (ed25519 over the manifest, which pins every blob's sha256)."""
+
+    secret_name: str | None = Field(
+        None, max_length=253, pattern=DNS1123_SUBDOMAIN,
+        description="Secret (this namespace) holding the SAVE's PEM ed25519 private key under the key "
+        "'signing-key.pem', mounted into the SAVE Job; the operator's default (setting "
+        "signing_secret) when unset; archives are unsigned when neither is set.",
+    )
+    trusted_keys: list[TrustedKey] = Field(
+        default_factory=list, max_length=8,
+        description="Public keys this deployment trusts (several during a key rotation). Set: the "
+        "sidecar and LOAD refuse an archive not signed by one of them (native capture, Warning "
+        "event). Empty: signatures are not checked.",
+    )
+
+
+class ArchiveSettings(ApiModel):
+    """How the deployment's archives are made and trusted."""
+
+    signing: SigningSpec = Field(default_factory=SigningSpec, description="Archive signatures.")
