@@ -5,6 +5,7 @@
 #   e2e/cluster.sh down     stop the processes `up` started (by pid) and drop their state
 #   e2e/cluster.sh status   what runs, where
 #   e2e/cluster.sh env      print the env file path (source it: KUBECONFIG, S3 endpoint, keys)
+#   e2e/cluster.sh restart COMPONENT   stop and start one process (kube-apiserver, minio, ...)
 #
 # Start order: etcd -> kube-apiserver -> kube-controller-manager + kube-scheduler -> kwok ->
 # fake GPU nodes (e2e/kwok/nodes.yaml) -> metrics-server -> MinIO (+ bucket). Binaries come from e2e/build.sh.
@@ -410,6 +411,23 @@ cmd_down() {
   log "down"
 }
 
+# restart NAME: stop one component (SIGTERM, then SIGKILL after 10 s) and start it again with the
+# same flags, state and certificates (the fault tests: tests/k8s/test_faults.py).
+cmd_restart() {
+  local name="${1:-}"
+  mkdir -p "$WORK"
+  exec 9>"$WORK/cluster.lock"
+  flock -w 300 9 || die "another e2e/cluster.sh holds $WORK/cluster.lock"
+  case "$name" in
+    kube-apiserver) stop kube-apiserver; start_apiserver ;;
+    kube-controller-manager) stop kube-controller-manager; start_controller_manager ;;
+    kube-scheduler) stop kube-scheduler; start_scheduler ;;
+    kwok) stop kwok; start_kwok ;;
+    minio) stop minio; start_minio ;;
+    *) die "restart: unknown component '$name' (kube-apiserver, kube-controller-manager, kube-scheduler, kwok, minio)" ;;
+  esac
+}
+
 cmd_status() {
   local name rc=0
   for name in etcd kube-apiserver kube-controller-manager kube-scheduler kwok metrics-server minio; do
@@ -435,5 +453,6 @@ case "${1:-}" in
   down) cmd_down ;;
   status) cmd_status ;;
   env) echo "$ENV_FILE" ;;
-  *) echo "usage: $0 up|down|status|env" >&2; exit 2 ;;
+  restart) cmd_restart "${2:-}" ;;
+  *) echo "usage: $0 up|down|status|env|restart COMPONENT" >&2; exit 2 ;;
 esac

@@ -83,3 +83,11 @@ def open_to_all(path: Path) -> None:
             Path(root, d).chmod(0o755)
         for f in files:
             Path(root, f).chmod(0o644)
+
+
+def sidecar_env(home: Path, tmp: Path, **extra: str) -> dict[str, str]:
+    """The sidecar's environment: HOME and TMPDIR on its writable volume, no bytecode writes."""
+    env = {**os.environ, "HOME": str(home), "TMPDIR": str(tmp), "PYTHONDONTWRITEBYTECODE": "1",
+           "EMBER_LOG_LEVEL": "DEBUG", **extra}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    return env

@@ -5,7 +5,6 @@ API server and fetches from MinIO the same way."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from confine import UID, confined, open_to_all, unshare_works
+from confine import UID, confined, open_to_all, sidecar_env, unshare_works
 from sidecar_helpers import wait_for
 
 from ember import handoff
@@ -31,13 +30,6 @@ def base() -> Iterator[Path]:
     path.chmod(0o755)
     yield path
     subprocess.run(["rm", "-rf", str(path)], check=False)
-
-
-def sidecar_env(home: Path, tmp: Path, **extra: str) -> dict[str, str]:
-    env = {**os.environ, "HOME": str(home), "TMPDIR": str(tmp), "PYTHONDONTWRITEBYTECODE": "1",
-           "EMBER_LOG_LEVEL": "DEBUG", **extra}
-    env.pop("KUBERNETES_SERVICE_HOST", None)
-    return env
 
 
 def probe_writes(run_dir: Path, tmp: Path) -> list[str]:
