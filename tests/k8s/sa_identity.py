@@ -28,8 +28,10 @@ ENV_VAR = "EMBER_TEST_OPERATOR_KUBECONFIG"
 CHART = REPO / "charts" / "ember"
 RELEASE = "ember-rbac-test"
 RELEASE_NS = "ember-rbac-test"
-# A 403 as kopf, the kubernetes client or ember_operator.kube log it.
-FORBIDDEN = re.compile(r"forbidden", re.IGNORECASE)
+# An RBAC denial as the API server words it (kopf, the kubernetes client and ember_operator.kube log
+# the message): `... is forbidden: User "system:serviceaccount:ns:sa" cannot create resource ...`.
+# Other 403s (a ResourceQuota, an admission webhook) are the API server's answer, not RBAC's.
+FORBIDDEN = re.compile(r'forbidden: User "[^"]*" cannot ', re.IGNORECASE)
 
 _cache: dict[str, Path] = {}
 
