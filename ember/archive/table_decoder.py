@@ -374,6 +374,11 @@ class GraphTable:
         a, b = self.chunk_of_row(ra), self.chunk_of_row(rb)
         pos = self._positions(ra)
         if len(a.refs) != len(b.refs) or self.rows[ra]["ntyp_off"] != self.rows[rb]["ntyp_off"]:
+            group = int(self.rows[ra]["group"])
+            if depth or (group >= 0 and group == int(self.rows[rb]["group"])):
+                # the index says they match (one group, or a child at the same node): damaged
+                raise FormatError(f"graph table index: graph rows {ra} and {rb} share a template but "
+                                  "not a topology")
             raise ValueError(f"graph rows {ra} and {rb} do not share a topology")
         diff = np.zeros(len(a.refs), dtype=bool)
         for t, ta, tb in ((_KERNEL, a.kpar, b.kpar), (_MEMSET, a.mset, b.mset), (_MEMCPY, a.mcpy, b.mcpy)):

@@ -113,8 +113,13 @@ def _with_itemsize(dt: np.dtype, row: int) -> np.dtype:
     fields = dt.fields
     if dt.names is None or fields is None:
         raise FormatError(f"row size {row} for a scalar section of {dt.itemsize}-byte items")
+    if row > MAX_ROW:  # numpy takes an item size up to a C int only
+        raise FormatError(f"row size {row} is past {MAX_ROW} bytes")
     return np.dtype({"names": list(dt.names), "formats": [fields[n][0] for n in dt.names],
                      "offsets": [fields[n][1] for n in dt.names], "itemsize": row})
+
+
+MAX_ROW = 1 << 16  # a newer minor may grow rows, not by this much
 
 
 def unpack_container(buf: bytes | memoryview, known: dict[bytes, np.dtype], what: str) -> dict[bytes, Any]:
