@@ -175,6 +175,10 @@ class GraphTable:
             )
         if (r["dict_row"] >= nrows).any() or ((r["group"] >= len(self._topo)) & (r["group"] >= 0)).any():
             raise FormatError("graph table index: a graph row names a missing template or group")
+        dicts = r["dict_row"][r["dict_row"] >= 0]
+        if (r["dict_row"][dicts] >= 0).any():  # SAVE compresses against a template's own raw chunk
+            raise FormatError("graph table index: a chunk's dictionary is itself compressed against "
+                              "another chunk (a cycle?)")
         if len(self._topo) and int(self._topo["template"].max()) >= nrows:
             raise FormatError("graph table index: a topology group names a missing template")
 
