@@ -229,6 +229,12 @@ class LocalStore(ApiModel):
     )
 
 
+def under_root(path: str, root: str) -> bool:
+    """`path` is `root` or below it (both absolute; no '..' segments, which admission refuses)."""
+    parts, base = [p for p in path.split("/") if p], [p for p in root.split("/") if p]
+    return ".." not in parts and parts[: len(base)] == base
+
+
 class StoreSpec(ApiModel):
     """Where archives are stored. Exactly one of s3 and local."""
 

@@ -1,10 +1,16 @@
 """kopf handlers: the only module that imports kopf. Each handler is a line or two over `Runner`.
 
-ModelDeployment and GraphArchive: create, update, resume and a timer all reach the same
+ModelDeployment and GraphArchive: create, update, resume and a resync loop all reach the same
 idempotent reconcile. Watch events of pods (label `ember.dev/deployment`), SAVE Jobs (label
 `ember.dev/archive`) and GraphArchives poke the owning object, so status follows the cluster
-within a watch round-trip instead of a timer tick. Deleting a ModelDeployment runs the cleanup
-behind the `ember.dev/cleanup` finalizer.
+within a watch round-trip instead of a resync tick.
+
+No object gets a finalizer: kopf timers and non-optional delete handlers would add one, and a
+namespace then stays Terminating while no operator runs. What a deployment owns (pods, HPA) and
+what an archive owns (SAVE Jobs) carry owner references, so the garbage collector removes them;
+a deployment's DELETED watch event only rebalances the warm pools, which is best effort (the next
+resync does it too). The resync loop (every `resync_seconds`) replaces kopf timers; it pauses
+while kopf peering says another replica leads.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 import kopf
 
 from ember import contract
-from ember_operator import metrics
+from ember_operator import metrics, resync
 from ember_operator.kube import Kube, KubeError
 from ember_operator.reconcilers import Reconciler
 from ember_operator.settings import Settings
@@ -107,6 +113,8 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | N
         metrics.serve(rec.settings.metrics_port, rec.settings.metrics_host)
         log.info("Operator started: metrics on :%s, default store %r", rec.settings.metrics_port,
                  rec.settings.default_store)
+        task = asyncio.get_running_loop().create_task(_resync(rec, deployments, archives, interval))
+        deployments.tasks.add(task)  # a reference, so the loop is not garbage-collected
 
     @kopf.on.create(*MD, registry=registry)
     @kopf.on.update(*MD, registry=registry)
@@ -114,22 +122,15 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | N
     async def md_changed(namespace: str, name: str, **_: Any) -> None:
         await _reconcile(deployments, namespace, name)
 
-    @kopf.timer(*MD, interval=interval, initial_delay=interval, registry=registry)
-    async def md_timer(namespace: str, name: str, **_: Any) -> None:
-        await _reconcile(deployments, namespace, name)
-
-    @kopf.on.delete(*MD, registry=registry)
-    async def md_deleted(namespace: str, name: str, **_: Any) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, rec.cleanup_deployment, namespace, name)
+    @kopf.on.event(*MD, registry=registry)
+    async def md_event(namespace: str, name: str, type: str | None, **_: Any) -> None:
+        if type == "DELETED":  # owner references remove its pods and HPA; pools rebalance now
+            await asyncio.get_running_loop().run_in_executor(None, rec.cleanup_deployment, namespace, name)
 
     @kopf.on.create(*GA, registry=registry)
     @kopf.on.update(*GA, registry=registry)
     @kopf.on.resume(*GA, registry=registry)
     async def ga_changed(namespace: str, name: str, **_: Any) -> None:
-        await _reconcile(archives, namespace, name)
-
-    @kopf.timer(*GA, interval=interval, initial_delay=interval, registry=registry)
-    async def ga_timer(namespace: str, name: str, **_: Any) -> None:
         await _reconcile(archives, namespace, name)
 
     @kopf.on.event(*GA, registry=registry)
@@ -157,6 +158,23 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | N
             await asyncio.get_running_loop().run_in_executor(None, rec.reconcile_pools, namespace)
 
     return rec
+
+
+async def _resync(rec: Reconciler, deployments: Runner, archives: Runner, interval: float) -> None:
+    """Every `interval`: poke every ModelDeployment and GraphArchive (level-based safety net)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            if not await loop.run_in_executor(None, resync.leading, rec.kube, rec.settings):
+                continue
+            for runner, plural in ((deployments, contract.MODEL_DEPLOYMENTS),
+                                   (archives, contract.GRAPH_ARCHIVES)):
+                names = await loop.run_in_executor(None, resync.list_names, rec.kube, rec.settings, plural)
+                for ns, name in names:
+                    runner.poke(ns, name)
+        except Exception:  # the loop must outlive any one failure
+            log.exception("Resync failed (next in %.0fs)", interval)
 
 
 def configure(settings: kopf.OperatorSettings, ours: Settings) -> kopf.OperatorSettings:

@@ -41,6 +41,7 @@ from ember_operator.api import (
     ModelDeploymentStatus,
     SaveSpec,
     StoreSpec,
+    under_root,
 )
 from ember_operator.conditions import Event
 from ember_operator.pods import PodTemplate, StoreAccess, claim_patch, serving_pod
@@ -60,6 +61,7 @@ class Context:
     default_s3_endpoint: str = ""
     pod_service_account: str = ""
     signing_secret: str = ""  # for deployments that name no signing Secret
+    local_store_root: str = "/var/lib/ember"  # spec'd local stores must lie under it
 
 
 @dataclass
@@ -94,6 +96,10 @@ class Plan:
 
 def store_of(spec: ModelDeploymentSpec, ctx: Context) -> StoreSpec:
     if spec.store is not None:
+        local = spec.store.local
+        if local is not None and not under_root(local.path, ctx.local_store_root):
+            raise ValueError(f"store.local.path {local.path} is outside the operator's local store root "
+                             f"{ctx.local_store_root} (setting local_store_root)")
         return spec.store
     if not ctx.default_store:
         raise ValueError(

@@ -28,6 +28,7 @@ from ember_operator.api import (
     GraphArchiveStatus,
     ModelDeploymentSpec,
     ModelDeploymentStatus,
+    under_root,
 )
 from ember_operator.archive_planning import (
     ArchiveObserved,
@@ -81,6 +82,7 @@ class Reconciler:
             sidecar_image=settings.sidecar_image, default_store=settings.default_store,
             default_s3_endpoint=settings.default_s3_endpoint,
             pod_service_account=settings.pod_service_account, signing_secret=settings.signing_secret,
+            local_store_root=settings.local_store_root,
         )
         self.backoff = Backoff(
             base_s=settings.save_backoff_seconds, max_s=settings.save_backoff_max_seconds,
@@ -466,6 +468,10 @@ class Reconciler:
     def probe(self, ns: str, spec: GraphArchiveSpec, status: GraphArchiveStatus) -> StoreProbe:
         """Ask the store whether the manifest exists, and what it is (also once Available: a
         manifest deleted or replaced since is noticed on the next pass)."""
+        local = spec.store.local
+        if local is not None and not under_root(local.path, self.settings.local_store_root):
+            return StoreProbe(unreachable=f"local store {local.path} is outside the operator's local store "
+                              f"root {self.settings.local_store_root}: not read")
         access = StoreAccess.of(spec.store)
         opts = access.open_options()
         secret_name = spec.store.credentials_secret

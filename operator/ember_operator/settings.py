@@ -24,6 +24,11 @@ class Settings(BaseModel):
         "", description="Store URI for ModelDeployments without spec.store (file:///… or s3://…)."
     )
     default_s3_endpoint: str = Field("", description="S3 endpoint for the default store.")
+    local_store_root: str = Field(
+        "/var/lib/ember",
+        description="ModelDeployments' local stores (spec.store.local.path) must lie under this directory: "
+        "the operator reads them itself, and must not read arbitrary paths of its own filesystem.",
+    )
     signing_secret: str = Field(
         "", description="Signing Secret (PEM ed25519 key under 'signing-key.pem') for ModelDeployments "
         "without spec.archive.signing.secretName; archives are unsigned when both are empty.",

@@ -85,3 +85,16 @@ def test_hpa_supports_pods_and_external_metrics() -> None:
         "target": {"type": "AverageValue", "averageValue": "10"}}}
     assert metrics[2]["resource"] == {"name": "cpu",
                                       "target": {"type": "Utilization", "averageUtilization": 70}}
+
+
+def test_local_stores_must_lie_under_the_operator_root() -> None:
+    import pytest
+
+    from ember_operator.api import under_root
+
+    with pytest.raises(ValueError, match="outside the operator's local store root"):
+        template_of("default", md_spec(store={"local": {"path": "/etc"}}), CTX)
+    with pytest.raises(ValueError, match="outside"):  # a sibling with the root as a prefix
+        template_of("default", md_spec(store={"local": {"path": "/var/lib/ember2"}}), CTX)
+    assert template_of("default", md_spec(store={"local": {"path": "/var/lib/ember/a"}}), CTX).store.uri
+    assert not under_root("/var/lib/ember/../../etc", "/var/lib/ember")
