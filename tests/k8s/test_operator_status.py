@@ -314,3 +314,39 @@ def test_save_job_refused_by_the_apiserver_fails_the_attempt(env: Any, minio: Lo
     wait_for(lambda: api.condition("nojob", "ArchiveReady").get("reason") == "CreateRejected",
              "ArchiveReady=False CreateRejected", op)
     wait_for(lambda: _archives(api, "nojob") == ["", ""], "2 native pods", op)
+
+
+def test_warm_claims_is_a_lifetime_counter(env: Any, minio: LocalMinio) -> None:
+    """Issue 18 item 5: status.warmClaims only grows: through scale up/down, /scale, a SIGKILLed
+    and restarted operator and a scale to zero (it is never rewritten from a fresh status)."""
+    api, op, prefix = env
+    spec = md_spec(minio, prefix, replicas=1, warmPool={"size": 2})
+    write_test_archive(minio, prefix, spec)
+    api.create_md("warm", spec)
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def record() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(Exception):
+                value = (api.md("warm").get("status") or {}).get("warmClaims")
+                if value is not None and (not seen or seen[-1] != value):
+                    seen.append(value)
+            time.sleep(0.1)
+
+    threading.Thread(target=record, daemon=True).start()
+    try:
+        wait_for(lambda: phase(api, "warm") == "Ready" and len(api.warm()) == 2, "Ready with 2 warm pods", op)
+        before = seen[-1] if seen else 0
+        api.k8s.kubectl("scale", "-n", api.ns, "md/warm", "--replicas=3")
+        wait_for(lambda: seen and seen[-1] >= before + 2, "two warm claims counted", op)
+        op.kill()
+        op.start()
+        api.patch_md("warm", {"spec": {"replicas": 0}})
+        wait_for(lambda: phase(api, "warm") == "Ready" and not api.serving("warm"), "scaled to zero", op)
+        api.patch_md("warm", {"spec": {"replicas": 2}})
+        wait_for(lambda: len(api.serving("warm")) == 2, "2 pods again", op)
+        time.sleep(6)  # a timer pass or two
+    finally:
+        stop.set()
+    assert seen == sorted(seen) and seen[-1] >= before + 2, seen
