@@ -51,6 +51,8 @@ export EMBER_OPERATOR_STANDALONE="${EMBER_OPERATOR_STANDALONE:-true}"
 export EMBER_OPERATOR_DEFAULT_STORE="${EMBER_OPERATOR_DEFAULT_STORE:-$EMBER_STORE}"
 export EMBER_OPERATOR_DEFAULT_S3_ENDPOINT="${EMBER_OPERATOR_DEFAULT_S3_ENDPOINT:-$EMBER_S3_ENDPOINT}"
 export EMBER_OPERATOR_METRICS_PORT="${EMBER_OPERATOR_METRICS_PORT:-18080}"
+# examples/modeldeployment-local.yaml stores under /tmp/ember-archives (a local demo).
+export EMBER_OPERATOR_LOCAL_STORE_ROOT="${EMBER_OPERATOR_LOCAL_STORE_ROOT:-/tmp/ember-archives}"
 export EMBER_OPERATOR_METRICS_HOST="${EMBER_OPERATOR_METRICS_HOST:-127.0.0.1}"  # a local demo: loopback only
 if [[ -f operator/ember_operator/main.py ]]; then
   pidfile="$WORK/run/pids/operator.pid"

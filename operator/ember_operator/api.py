@@ -461,7 +461,7 @@ class ModelDeploymentStatus(ApiModel):
     phase: MDPhase | None = Field(None, description="Summary: Pending, Saving, Deploying, Ready, "
                                   "Scaling, Reconfiguring or Degraded.")
     conditions: list[Condition] = Field(
-        default_factory=list, description="ArchiveReady, Available, Progressing.",
+        default_factory=list, description="ArchiveReady, Available, Progressing, Schedulable.",
         json_schema_extra=_CONDITIONS_EXTRA,
     )
     observed_generation: int | None = Field(None, description="Generation last reconciled.")

@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ember import contract
-from ember_operator import metrics, naming
+from ember_operator import conditions, metrics, naming, placement
 from ember_operator.api import (
     GraphArchiveSpec,
     GraphArchiveStatus,
@@ -182,6 +182,7 @@ class Reconciler:
         if refusals:
             record_refusals(obs, plan, refusals, len(pods_refused))
 
+        self._check_placement(obs, template, plan)
         metrics.RESTORE_FALLBACKS.labels(ns, name).set(plan.status.fallback_count)
         self._patch_status(md_path(ns, name), md.get("status"), plan.status.wire())
         self.post_events(md, plan.events)
@@ -195,6 +196,21 @@ class Reconciler:
             self.reconcile_pools(ns)
         # Refused: not every 2 s (the same request fails the same way); a spec edit comes at once.
         return max(60.0, self.settings.resync_seconds) if refusals else None
+
+    def _check_placement(self, obs: Observed, template: PodTemplate, plan: Plan) -> None:
+        """The `Schedulable` condition: re-checked on a spec change or while it is not True."""
+        old = conditions.get(obs.status.conditions, placement.CONDITION)
+        fresh = obs.status.observed_generation == obs.generation
+        if old is not None and old.status.value == "True" and fresh:
+            problem = None
+        else:
+            problem = placement.placement_problem(self.kube, obs.namespace, template.gpu_product,
+                                                  template.store.pvc)
+        reason, message = problem or ("Schedulable", "")
+        plan.status.conditions = conditions.put(plan.status.conditions, placement.CONDITION, problem is None,
+                                                reason, message, obs.generation, obs.now)
+        if problem is not None and (old is None or old.reason != reason):
+            plan.events.append(Event("Warning", reason, message))
 
     def _observe_deployment(
         self, ns: str, name: str, meta: dict[str, Any], spec: ModelDeploymentSpec,

@@ -69,3 +69,20 @@ def test_warm_pool_is_capped_at_max_replicas(
     for _ in range(8):
         assert len(api.warm()) <= 2
         time.sleep(0.5)
+
+
+def test_unplaceable_specs_say_so_in_status(
+    env: tuple[Api, OperatorProcess, str], minio: LocalMinio,
+) -> None:
+    api, op, prefix = env
+    api.create_md("nogpu", md_spec(minio, prefix, gpu={"product": "NVIDIA-NO-SUCH-GPU"}))
+    api.create_md("nopvc", md_spec(minio, prefix, store={"local": {
+        "path": "/var/lib/ember/nopvc", "persistentVolumeClaim": "no-such-claim"}}))
+    for name, reason in (("nogpu", "GpuProductUnavailable"), ("nopvc", "PersistentVolumeClaimMissing")):
+        cond = wait_for(lambda n=name: api.condition(n, "Schedulable") or None, f"{name} Schedulable", op)
+        assert cond["status"] == "False" and cond["reason"] == reason, cond
+        assert reason in {e.get("reason") for e in api.events_for(name)}
+    # A placeable deployment reads Schedulable=True.
+    api.create_md("fine", md_spec(minio, prefix))
+    cond = wait_for(lambda: api.condition("fine", "Schedulable") or None, "fine Schedulable", op)
+    assert cond["status"] == "True", cond

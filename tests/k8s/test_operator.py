@@ -117,7 +117,8 @@ def test_example_goes_through_every_phase(env: Any, minio: LocalMinio) -> None:
     assert md["status"]["observedGeneration"] == md["metadata"]["generation"]
     assert md["status"]["readyReplicas"] == 2
     assert all(c["observedGeneration"] == md["metadata"]["generation"] for c in md["status"]["conditions"])
-    assert {"ArchiveReady", "Available", "Progressing"} == {c["type"] for c in md["status"]["conditions"]}
+    assert {"ArchiveReady", "Available", "Progressing", "Schedulable"} == {
+        c["type"] for c in md["status"]["conditions"]}
     for expected in ("Pending", "Saving", "Deploying", "Ready"):
         assert expected in phases, f"phase {expected} never seen in {phases}"
     assert phases.index("Saving") < phases.index("Deploying") < phases.index("Ready")
@@ -259,7 +260,8 @@ def test_examples_apply_and_become_ready(
     from ember_bench.synthetic import synthetic_graphset, synthetic_images
     from ember_operator.api import GraphArchiveSpec
 
-    env = {**minio.env, "EMBER_OPERATOR_MANIFEST_GRACE_SECONDS": "60"}
+    env = {**minio.env, "EMBER_OPERATOR_MANIFEST_GRACE_SECONDS": "60",
+           "EMBER_OPERATOR_LOCAL_STORE_ROOT": "/tmp/ember-archives"}  # the local example's store
     with operator_env(k8s, minio, tmp_path, "ex", env) as (api, op, _):
         ns = api.ns
         examples = sorted((REPO / "examples").glob("*.yaml"))
