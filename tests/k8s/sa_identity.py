@@ -82,10 +82,15 @@ def install(k8s: LocalCluster, docs: list[dict[str, Any]], namespace: str) -> st
     return next(d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount")
 
 
-def token_kubeconfig(k8s: LocalCluster, sa: str, namespace: str, path: Path) -> Path:
-    """A kubeconfig whose only credential is a TokenRequest token of `sa` (server, CA from the admin one)."""
+def token_kubeconfig(k8s: LocalCluster, sa: str, namespace: str, path: Path,
+                     bound_pod: Any = None) -> Path:
+    """A kubeconfig whose only credential is a TokenRequest token of `sa` (server, CA from the admin one);
+    with `bound_pod` (a V1Pod) the token is bound to that pod, like a projected SA token volume."""
+    bound = None if bound_pod is None else client.V1BoundObjectReference(
+        api_version="v1", kind="Pod", name=bound_pod.metadata.name, uid=bound_pod.metadata.uid)
     req = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
-        audiences=["https://kubernetes.default.svc.cluster.local"], expiration_seconds=24 * 3600))
+        audiences=["https://kubernetes.default.svc.cluster.local"], expiration_seconds=24 * 3600,
+        bound_object_ref=bound))
     core = client.CoreV1Api(k8s.api_client)
     token = core.create_namespaced_service_account_token(sa, namespace, req).status.token
     admin = yaml.safe_load(k8s.kubeconfig.read_text())

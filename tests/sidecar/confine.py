@@ -87,7 +87,8 @@ def open_to_all(path: Path) -> None:
 
 def sidecar_env(home: Path, tmp: Path, **extra: str) -> dict[str, str]:
     """The sidecar's environment: HOME and TMPDIR on its writable volume, no bytecode writes."""
+    # INFO: at DEBUG botocore's logging fills an undrained stdout pipe and blocks the sidecar.
     env = {**os.environ, "HOME": str(home), "TMPDIR": str(tmp), "PYTHONDONTWRITEBYTECODE": "1",
-           "EMBER_LOG_LEVEL": "DEBUG", **extra}
+           "EMBER_LOG_LEVEL": "INFO", **extra}
     env.pop("KUBERNETES_SERVICE_HOST", None)
     return env
