@@ -278,6 +278,11 @@ class WarmPoolSpec(ApiModel):
                       "the largest size asked by the deployments sharing the pool).")
 
 
+# A Kubernetes quantity: the operator's own check of objects stored before admission had CEL's
+# isQuantity() (a non-quantity made the HPA create fail on every pass, status never written).
+QUANTITY = r"^[+-]?([0-9]+([.][0-9]*)?|[.][0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$"
+
+
 class MetricTarget(ApiModel):
     """One HPA metric target."""
 
@@ -316,7 +321,8 @@ class MetricTarget(ApiModel):
         None, max_length=16, description="External metrics: matchLabels of the metric series.",
     )
     average_value: str | None = Field(
-        None, max_length=64, description="Target average value per pod (a quantity, e.g. 8 or 500m)."
+        None, max_length=64, pattern=QUANTITY,
+        description="Target average value per pod (a quantity, e.g. 8 or 500m).",
     )
     average_utilization: int | None = Field(
         None, ge=1, le=1000, description="Target average utilization in percent of requests."

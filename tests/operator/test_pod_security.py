@@ -98,3 +98,15 @@ def test_local_stores_must_lie_under_the_operator_root() -> None:
         template_of("default", md_spec(store={"local": {"path": "/var/lib/ember2"}}), CTX)
     assert template_of("default", md_spec(store={"local": {"path": "/var/lib/ember/a"}}), CTX).store.uri
     assert not under_root("/var/lib/ember/../../etc", "/var/lib/ember")
+
+
+def test_operator_refuses_a_non_quantity_stored_before_admission_checked_it() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"average_?[vV]alue"):
+        AutoscalingSpec.model_validate({"maxReplicas": 2, "targets": [
+            {"type": "Pods", "name": "x", "averageValue": "lots"}]})
+    for ok in ("8", "500m", "1Gi", "1.5", "2e3"):
+        AutoscalingSpec.model_validate({"maxReplicas": 2, "targets": [
+            {"type": "Pods", "name": "x", "averageValue": ok}]})
