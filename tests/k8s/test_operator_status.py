@@ -227,7 +227,8 @@ def test_manifest_replaced_or_deleted_after_available_is_noticed(env: Any, minio
     wait_for(lambda: _ga_status(api, spec).get("phase") == "Saving" and api.jobs(), "SAVE again", op,
              timeout=30)
     assert not _ga_status(api, spec).get("uri")
-    assert api.condition("swap", "ArchiveReady")["reason"] == "Saving"
+    wait_for(lambda: api.condition("swap", "ArchiveReady").get("reason") == "Saving",
+             "the deployment follows: ArchiveReady=False Saving", op)
 
 
 def test_in_between_identity_of_two_quick_edits_is_not_saved(env: Any, minio: LocalMinio) -> None:
