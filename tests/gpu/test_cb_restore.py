@@ -62,9 +62,10 @@ def test_programmatic_launch_edge_data_survives_restore(cb_runs: dict[str, Any])
     save, load = cb_runs["save"], cb_runs["load"]
     assert "error" not in load, load.get("traceback", load)
     captured, restored = save["edge_data"], load["edge_data"]
+    # Per key, the programmatic-launch edges restored equal those captured. On H100 + torch 2.11 the
+    # engine's kernels use no PDL (every count is 0: a restore that invented edges still fails);
+    # on H200 they do. Not a skip: EMBER_REQUIRE_GPU=1 fails every GPU skip.
     assert restored == captured
-    if sum(captured.values()) == 0:  # H100 + torch 2.11: the engine's kernels use no PDL; H200: they do
-        pytest.skip("the engine captured no programmatic-launch edges on this GPU: nothing to carry over")
 
 
 def test_damaged_archive_is_refused_before_any_launch(cb_runs: dict[str, Any], tmp_path: Path) -> None:
