@@ -28,15 +28,15 @@ e2e/cluster.sh up
 source "$WORK/env"
 kubectl() { "$EMBER_E2E_KUBECTL" "$@"; }
 
-# apply_dir DIR: apply every Kubernetes manifest (YAML with apiVersion + kind) under DIR.
+# apply_dir DIR [ARGS...]: apply every Kubernetes manifest (YAML with apiVersion + kind) under DIR.
 apply_dir() {
-  local f found=0
+  local dir="$1" f found=0; shift
   while IFS= read -r -d '' f; do
     grep -q '^apiVersion:' "$f" && grep -q '^kind:' "$f" || continue
-    kubectl apply -f "$f"
+    kubectl apply "$@" -f "$f"
     found=1
-  done < <(find "$1" -type f \( -name '*.yaml' -o -name '*.yml' \) -print0 2>/dev/null | sort -z)
-  ((found)) || log "no manifests in $1 yet"
+  done < <(find "$dir" -type f \( -name '*.yaml' -o -name '*.yml' \) -print0 2>/dev/null | sort -z)
+  ((found)) || log "no manifests in $dir yet"
 }
 
 apply_dir crds
@@ -47,7 +47,12 @@ done
 # The operator runs on this machine against the local cluster (not in it: no image registry).
 export EMBER_STORE="${EMBER_STORE:-s3://$EMBER_S3_BUCKET/ember}"
 # Operator settings (EMBER_OPERATOR_*, see operator/ember_operator/settings.py); override freely.
-export EMBER_OPERATOR_STANDALONE="${EMBER_OPERATOR_STANDALONE:-true}"
+# The demo's operator owns the examples' namespace only: e2e/test.sh's operators each own their
+# own test namespace, so both can run at once without reconciling each other's objects. It still
+# takes the leader Lease (in that namespace): a second demo operator would stand by, not fight.
+DEMO_NAMESPACE="${EMBER_DEMO_NAMESPACE:-default}"
+export EMBER_OPERATOR_NAMESPACES="${EMBER_OPERATOR_NAMESPACES:-$DEMO_NAMESPACE}"
+export EMBER_OPERATOR_STANDALONE="${EMBER_OPERATOR_STANDALONE:-false}"
 export EMBER_OPERATOR_DEFAULT_STORE="${EMBER_OPERATOR_DEFAULT_STORE:-$EMBER_STORE}"
 export EMBER_OPERATOR_DEFAULT_S3_ENDPOINT="${EMBER_OPERATOR_DEFAULT_S3_ENDPOINT:-$EMBER_S3_ENDPOINT}"
 export EMBER_OPERATOR_METRICS_PORT="${EMBER_OPERATOR_METRICS_PORT:-18080}"
@@ -72,11 +77,12 @@ fi
 
 # ---- operator section (owned by the operator engineer: docs/operator.md) ----------------------
 # Credentials Secret the S3 examples name (MinIO's keys from the cluster env).
-kubectl create secret generic ember-s3 --from-literal=AWS_ACCESS_KEY_ID="$AWS_ACCESS_KEY_ID" \
-  --from-literal=AWS_SECRET_ACCESS_KEY="$AWS_SECRET_ACCESS_KEY" --dry-run=client -o yaml | kubectl apply -f -
+kubectl create namespace "$DEMO_NAMESPACE" --dry-run=client -o yaml | kubectl apply -f -
+kubectl -n "$DEMO_NAMESPACE" create secret generic ember-s3 --from-literal=AWS_ACCESS_KEY_ID="$AWS_ACCESS_KEY_ID" \
+  --from-literal=AWS_SECRET_ACCESS_KEY="$AWS_SECRET_ACCESS_KEY" --dry-run=client -o yaml | kubectl -n "$DEMO_NAMESPACE" apply -f -
 # ---- end of operator section -------------------------------------------------------------------
 
-apply_dir examples
+apply_dir examples -n "$DEMO_NAMESPACE"
 
 # ---- operator section (owned by the operator engineer) -----------------------------------------
 # kwok nodes have no GPUs: a SAVE Job pod only "completes". Stand in for `ember save --job` by
@@ -84,7 +90,7 @@ apply_dir examples
 # (blobs, then the manifest); the operator then finds the manifest and the pods restore from it.
 if [[ -f operator/ember_operator/main.py ]]; then
   sleep 5
-  python - <<'PY' || log "stand-in SAVE failed (deployments keep serving natively)"
+  DEMO_NAMESPACE="$DEMO_NAMESPACE" python - <<'PY' || log "stand-in SAVE failed (deployments keep serving natively)"
 import json, os, subprocess
 from ember.archive.bundle import write_archive
 from ember_bench.synthetic import synthetic_graphset, synthetic_images
@@ -92,7 +98,9 @@ from ember.identity import CompatKey
 from ember.store import open_store
 from ember_operator.api import GraphArchiveSpec
 
-out = subprocess.run([os.environ["EMBER_E2E_KUBECTL"], "get", "grapharchives", "-A", "-o", "json"],
+# Only the demo's namespace: archives of test namespaces are the tests' own business.
+out = subprocess.run([os.environ["EMBER_E2E_KUBECTL"], "get", "grapharchives", "-n", os.environ["DEMO_NAMESPACE"],
+                      "-o", "json"],
                      capture_output=True, text=True, check=True).stdout
 compat = CompatKey(gpu_name="kwok", compute_capability="9.0", driver="0", cuda="13.0")
 for ga in json.loads(out)["items"]:

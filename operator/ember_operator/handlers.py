@@ -1,22 +1,28 @@
 """kopf handlers: the only module that imports kopf. Each handler is a line or two over `Runner`.
 
-ModelDeployment and GraphArchive: create, update, resume and a resync loop all reach the same
-idempotent reconcile. Watch events of pods (label `ember.dev/deployment`), SAVE Jobs (label
+ModelDeployment and GraphArchive watch events, and a resync loop, all reach the same idempotent
+reconcile. Watch events of pods (label `ember.dev/deployment`), SAVE Jobs (label
 `ember.dev/archive`) and GraphArchives poke the owning object, so status follows the cluster
 within a watch round-trip instead of a resync tick.
 
-No object gets a finalizer: kopf timers and non-optional delete handlers would add one, and a
-namespace then stays Terminating while no operator runs. What a deployment owns (pods, HPA) and
-what an archive owns (SAVE Jobs) carry owner references, so the garbage collector removes them;
-a deployment's DELETED watch event only rebalances the warm pools, which is best effort (the next
-resync does it too). The resync loop (every `resync_seconds`) replaces kopf timers; it pauses
-while kopf peering says another replica leads.
+Only raw watch-event handlers are used: kopf's create/update/resume handlers write bookkeeping
+annotations onto every object (a standby replica would write too), and kopf timers and
+non-optional delete handlers add finalizers (a namespace then stays Terminating while no operator
+runs). What a deployment owns (pods, HPA) and what an archive owns (SAVE Jobs) carry owner
+references, so the garbage collector removes them; a deployment's DELETED event only rebalances
+the warm pools, which is best effort (the next resync does it too).
+
+Exactly one replica reconciles: the holder of the Lease (`leader.LeaderElector`). Every replica
+watches, but a standby drops what it sees; when it takes the Lease over it resyncs everything
+at once (level-based reconciles need no history). `standalone` skips the election.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,6 +32,7 @@ import kopf
 from ember import contract
 from ember_operator import metrics, resync
 from ember_operator.kube import Kube, KubeError
+from ember_operator.leader import LeaderElector
 from ember_operator.reconcilers import Reconciler
 from ember_operator.settings import Settings
 
@@ -38,8 +45,9 @@ KOPF_PREFIX = f"kopf.{contract.GROUP}"  # kopf's own annotations on our objects
 class Runner:
     """Serializes reconciles per object and coalesces pokes that arrive while one runs."""
 
-    def __init__(self, fn: Callable[[str, str], Any]) -> None:
+    def __init__(self, fn: Callable[[str, str], Any], leading: Callable[[], bool] = lambda: True) -> None:
         self.fn = fn
+        self.leading = leading  # a standby replica drops every poke
         self.locks: dict[tuple[str, str], asyncio.Lock] = {}
         self.dirty: set[tuple[str, str]] = set()
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -53,9 +61,13 @@ class Runner:
             if key not in self.dirty:
                 return None  # a run that started after our poke already covered it
             self.dirty.discard(key)
+            if not self.leading():
+                return None
             return await asyncio.get_running_loop().run_in_executor(None, self.fn, ns, name)
 
     def poke(self, ns: str, name: str) -> None:
+        if not self.leading():
+            return
         task = asyncio.get_running_loop().create_task(self._safe(ns, name))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -82,23 +94,38 @@ class Runner:
             self.poke_later(ns, name, float(result))
 
 
-async def _reconcile(runner: Runner, namespace: str, name: str) -> None:
-    """A kopf handler's reconcile: API errors retry through kopf, a returned delay requeues."""
-    try:
-        delay = await runner.run(namespace, name)
-    except KubeError as exc:
-        raise kopf.TemporaryError(str(exc), delay=2) from exc
-    if isinstance(delay, int | float) and delay > 0:
-        runner.poke_later(namespace, name, float(delay))
+def _fresh(body: dict[str, Any], type_: str | None) -> bool:
+    """Whether a watch event may need a reconcile: not a MODIFIED event whose spec generation the
+    status has already seen (our own status writes come back as such events)."""
+    if type_ != "MODIFIED":
+        return True
+    meta, status = body.get("metadata") or {}, body.get("status") or {}
+    return meta.get("generation") != status.get("observedGeneration")
+
+
+def elector_of(kube: Kube, settings: Settings) -> LeaderElector | None:
+    """The Lease candidate of this process (None when standalone)."""
+    if settings.standalone:
+        return None
+    identity = f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+    return LeaderElector(kube, settings.lease_home(), settings.lease_name, identity,
+                         duration_s=settings.lease_duration_seconds)
 
 
 # long: a flat list of kopf handler registrations; kopf names handlers by qualname (register.<locals>.x)
 def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | None = None) -> Reconciler:
     """Register every handler on `registry`; returns the reconciler they share."""
     rec = Reconciler(kube or Kube(pool_size=max(32, settings.claim_concurrency * 2)), settings)
-    deployments = Runner(rec.reconcile_deployment)
-    archives = Runner(rec.reconcile_archive)
+    elector = elector_of(rec.kube, settings)
+    leading = (lambda: True) if elector is None else (lambda: elector.leading)
+    deployments = Runner(rec.reconcile_deployment, leading)
+    archives = Runner(rec.reconcile_archive, leading)
     interval = settings.resync_seconds
+
+    async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+        if leading():
+            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        return None
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -107,40 +134,39 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | N
 
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-        asyncio.get_running_loop().set_default_executor(
-            ThreadPoolExecutor(max_workers=32, thread_name_prefix="ember-reconcile")
-        )
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=32, thread_name_prefix="ember-reconcile"))
         metrics.serve(rec.settings.metrics_port, rec.settings.metrics_host)
-        log.info("Operator started: metrics on :%s, default store %r", rec.settings.metrics_port,
-                 rec.settings.default_store)
-        task = asyncio.get_running_loop().create_task(_resync(rec, deployments, archives, interval))
-        deployments.tasks.add(task)  # a reference, so the loop is not garbage-collected
+        log.info("Operator started: metrics on :%s, default store %r, %s", rec.settings.metrics_port,
+                 rec.settings.default_store, "standalone" if elector is None else
+                 f"electing through Lease {elector.namespace}/{elector.name} as {elector.identity}")
+        resync_all = _resync_all(rec, deployments, archives)
+        tasks = [loop.create_task(_resync(resync_all, leading, interval))]
+        if elector is not None:
+            tasks.append(loop.create_task(_elect(elector, resync_all, rec.settings.lease_retry_seconds)))
+        deployments.tasks.update(tasks)  # references, so the loops are not garbage-collected
 
-    @kopf.on.create(*MD, registry=registry)
-    @kopf.on.update(*MD, registry=registry)
-    @kopf.on.resume(*MD, registry=registry)
-    async def md_changed(namespace: str, name: str, **_: Any) -> None:
-        await _reconcile(deployments, namespace, name)
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(**_: Any) -> None:
+        if elector is not None:
+            await asyncio.get_running_loop().run_in_executor(None, elector.release)
 
     @kopf.on.event(*MD, registry=registry)
-    async def md_event(namespace: str, name: str, type: str | None, **_: Any) -> None:
+    async def md_event(namespace: str, name: str, body: dict[str, Any], type: str | None, **_: Any) -> None:
         if type == "DELETED":  # owner references remove its pods and HPA; pools rebalance now
-            await asyncio.get_running_loop().run_in_executor(None, rec.cleanup_deployment, namespace, name)
-
-    @kopf.on.create(*GA, registry=registry)
-    @kopf.on.update(*GA, registry=registry)
-    @kopf.on.resume(*GA, registry=registry)
-    async def ga_changed(namespace: str, name: str, **_: Any) -> None:
-        await _reconcile(archives, namespace, name)
+            await off_loop(rec.cleanup_deployment, namespace, name)
+        elif _fresh(body, type):
+            deployments.poke(namespace, name)
 
     @kopf.on.event(*GA, registry=registry)
-    async def ga_event(namespace: str, labels: dict[str, str], type: str | None, **_: Any) -> None:
+    async def ga_event(namespace: str, name: str, labels: dict[str, str], body: dict[str, Any],
+                       type: str | None, **_: Any) -> None:
+        if type != "DELETED" and _fresh(body, type):
+            archives.poke(namespace, name)
         # Status changes of an archive move the deployments that use it.
         short = labels.get(contract.LABEL_IDENTITY)
         if short and type in ("MODIFIED", "ADDED", None):
-            loop = asyncio.get_running_loop()
-            users = await loop.run_in_executor(None, rec.deployments_using, namespace, short)
-            for md in users:
+            for md in await off_loop(rec.deployments_using, namespace, short) or []:
                 deployments.poke(namespace, md)
 
     @kopf.on.event("batch", "v1", "jobs", labels={contract.LABEL_ARCHIVE: kopf.PRESENT}, registry=registry)
@@ -155,30 +181,52 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | N
         if md:
             deployments.poke(namespace, md)
         elif labels.get(contract.LABEL_POOL) == contract.POOL_WARM and type == "DELETED":
-            await asyncio.get_running_loop().run_in_executor(None, rec.reconcile_pools, namespace)
+            await off_loop(rec.reconcile_pools, namespace)
 
     return rec
 
 
-async def _resync(rec: Reconciler, deployments: Runner, archives: Runner, interval: float) -> None:
+def _resync_all(rec: Reconciler, deployments: Runner, archives: Runner) -> Callable[[], Any]:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        kinds = ((deployments, contract.MODEL_DEPLOYMENTS), (archives, contract.GRAPH_ARCHIVES))
+        for runner, plural in kinds:
+            names = await loop.run_in_executor(None, resync.list_names, rec.kube, rec.settings, plural)
+            for ns, name in names:
+                runner.poke(ns, name)
+    return run
+
+
+async def _resync(resync_all: Callable[[], Any], leading: Callable[[], bool], interval: float) -> None:
     """Every `interval`: poke every ModelDeployment and GraphArchive (level-based safety net)."""
-    loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(interval)
         try:
-            if not await loop.run_in_executor(None, resync.leading, rec.kube, rec.settings):
-                continue
-            for runner, plural in ((deployments, contract.MODEL_DEPLOYMENTS),
-                                   (archives, contract.GRAPH_ARCHIVES)):
-                names = await loop.run_in_executor(None, resync.list_names, rec.kube, rec.settings, plural)
-                for ns, name in names:
-                    runner.poke(ns, name)
+            if leading():
+                await resync_all()
         except Exception:  # the loop must outlive any one failure
             log.exception("Resync failed (next in %.0fs)", interval)
 
 
+async def _elect(elector: LeaderElector, resync_all: Callable[[], Any], retry_s: float) -> None:
+    """Every `retry_s`: one election round; on taking the lead, reconcile everything now (what a
+    standby dropped, or what changed while nobody led)."""
+    loop = asyncio.get_running_loop()
+    was = False
+    while True:
+        try:
+            now = await loop.run_in_executor(None, elector.step)
+            if now and not was:
+                await resync_all()
+            was = now
+        except Exception:  # the loop must outlive any one failure
+            log.exception("Leader election round failed (next in %.1fs)", retry_s)
+        await asyncio.sleep(retry_s)
+
+
 def configure(settings: kopf.OperatorSettings, ours: Settings) -> kopf.OperatorSettings:
-    """kopf settings: our finalizer and annotation prefixes, quick batching, peering."""
+    """kopf settings: our annotation prefixes, quick batching; kopf's own peering is off (the Lease
+    election in `leader` decides who reconciles)."""
     settings.persistence.finalizer = contract.FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -188,9 +236,7 @@ def configure(settings: kopf.OperatorSettings, ours: Settings) -> kopf.OperatorS
     settings.queueing.batch_window = ours.batch_window_seconds
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    settings.peering.name = ours.peering_name
-    settings.peering.priority = ours.priority
-    settings.peering.standalone = ours.standalone
+    settings.peering.standalone = True
     settings.peering.mandatory = False
     settings.execution.max_workers = 32
     return settings

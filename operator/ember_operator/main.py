@@ -23,10 +23,7 @@ def main() -> None:
         settings=configure(kopf.OperatorSettings(), ours),
         clusterwide=not namespaces,
         namespaces=namespaces,
-        standalone=ours.standalone,
-        priority=ours.priority,
-        # An explicit peering name makes kopf wait for the peering CRDs, even when standalone.
-        peering_name=None if ours.standalone else ours.peering_name,
+        standalone=True,  # no kopf peering: the Lease election (leader.py) gates the handlers
         liveness_endpoint=ours.liveness_endpoint or None,
     )
 

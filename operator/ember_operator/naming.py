@@ -40,6 +40,19 @@ def warm_pod_prefix(pool_key: str) -> str:
     return f"ember-warm-{pool_key[:10]}-"
 
 
+def warm_pod_names(pool_key: str, taken: set[str], count: int) -> list[str]:
+    """The `count` lowest-numbered warm pod names of a pool not in `taken` (names of the pods that
+    exist). Deterministic, so two writers topping a pool up pick the same names and the apiserver
+    refuses the second (409) instead of both adding pods, as generateName would."""
+    names, i = [], 0
+    while len(names) < count:
+        name = f"{warm_pod_prefix(pool_key)}{i}"
+        if name not in taken:
+            names.append(name)
+        i += 1
+    return names
+
+
 def warm_selector(pool_key: str = "") -> str:
     """The warm pods of one pool (all pools when `pool_key` is empty)."""
     sel = f"{contract.LABEL_POOL}={contract.POOL_WARM}"

@@ -302,8 +302,8 @@ def base_labels(t: PodTemplate) -> dict[str, str]:
     }
 
 
-def warm_pod(t: PodTemplate, prefetch: list[str] | None = None) -> dict[str, Any]:
-    """An unclaimed pod of the pool (generateName; the pool is counted, never named).
+def warm_pod(t: PodTemplate, prefetch: list[str] | None = None, name: str = "") -> dict[str, Any]:
+    """An unclaimed pod of the pool, named `name` (`naming.warm_pod_names`; generateName when "").
 
     `prefetch`: manifests of the archives its deployments use; the sidecar caches them while the
     pod is warm (xLoRA's pre-loading), so a claim only hands them over.
@@ -312,7 +312,7 @@ def warm_pod(t: PodTemplate, prefetch: list[str] | None = None) -> dict[str, Any
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            "generateName": naming.warm_pod_prefix(t.pool_key),
+            **({"name": name} if name else {"generateName": naming.warm_pod_prefix(t.pool_key)}),
             "namespace": t.namespace,
             "labels": {**base_labels(t), contract.LABEL_POOL: contract.POOL_WARM},
             "annotations": {contract.ANN_PREFETCH: contract.prefetch_annotation(prefetch or [])},

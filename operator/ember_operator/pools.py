@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ember import contract
+from ember_operator import naming
 from ember_operator.api import ModelDeploymentSpec
 from ember_operator.pods import PodTemplate, warm_pod
 from ember_operator.views import PodView
@@ -35,9 +36,13 @@ class PoolPlan:
     sizes: dict[str, int] = field(default_factory=dict)  # pool key → warm pods after the plan
 
 
-def plan_pools(wanted: list[tuple[PodTemplate, int, str]], warm: list[PodView]) -> PoolPlan:
+def plan_pools(
+    wanted: list[tuple[PodTemplate, int, str]], warm: list[PodView], taken: set[str] | None = None,
+) -> PoolPlan:
     """`wanted`: (template, size, archive URI or "") per deployment of one namespace;
-    `warm`: its unclaimed warm pods. Warm pods prefetch the archives of their pool's deployments."""
+    `warm`: its unclaimed warm pods; `taken`: names of every pod of the namespace (new warm pods
+    get the lowest free names). Warm pods prefetch the archives of their pool's deployments."""
+    taken = {p.name for p in warm} | (taken or set())
     targets: dict[str, tuple[PodTemplate, int]] = {}
     uris: dict[str, set[str]] = {}
     for template, size, uri in wanted:
@@ -71,7 +76,8 @@ def plan_pools(wanted: list[tuple[PodTemplate, int, str]], warm: list[PodView]) 
     for key, (template, size) in targets.items():
         have = len(by_key.get(key, []))
         prefetch = sorted(uris.get(key, set()))
-        plan.creates += [warm_pod(template, prefetch) for _ in range(max(0, size - have))]
+        names = naming.warm_pod_names(key, taken, max(0, size - have))
+        plan.creates += [warm_pod(template, prefetch, name) for name in names]
         plan.sizes[key] = size
     for key, pods in by_key.items():
         plan.sizes.setdefault(key, min(len(pods), targets.get(key, (None, 0))[1]))

@@ -340,8 +340,10 @@ class Reconciler:
                 continue  # its own reconcile reports the invalid spec
             wanted.append((template, warm_pool_size(spec)[0], uri))
             owners.setdefault(template.pool_key, []).append(md)
-        warm = [PodView.of(p) for p in self.kube.list(pods_path(ns), naming.warm_selector())]
-        plan = plan_pools(wanted, warm)
+        managed = self.kube.list(pods_path(ns), f"{contract.LABEL_MANAGED_BY}={contract.MANAGED_BY_OPERATOR}")
+        warm = [PodView.of(p) for p in managed
+                if (p["metadata"].get("labels") or {}).get(contract.LABEL_POOL) == contract.POOL_WARM]
+        plan = plan_pools(wanted, warm, {p["metadata"]["name"] for p in managed})
         create = lambda body: self._refused(self.kube.create, pods_path(ns), body)  # noqa: E731
         refused = [e for e in self._parallel(create, plan.creates) if e is not None]
         self._parallel(lambda pod: self._refused(self.kube.delete, pods_path(ns, pod)), plan.deletes)

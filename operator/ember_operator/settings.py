@@ -42,9 +42,17 @@ class Settings(BaseModel):
     metrics_host: str = Field("0.0.0.0", description="Address the metrics server binds (127.0.0.1 in tests).")
     liveness_endpoint: str = Field("", description="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz.")
     namespaces: str = Field("", description="Comma-separated namespaces to watch; all when empty.")
-    peering_name: str = Field("ember", description="kopf peering name (leader election between replicas).")
-    standalone: bool = Field(False, description="Skip peering (one replica, development).")
-    priority: int = Field(0, description="kopf peering priority of this replica.")
+    standalone: bool = Field(False, description="Skip leader election: this process always reconciles "
+                             "(one replica, development). Never run two standalone operators on one scope.")
+    lease_name: str = Field("ember-operator", description="Leader election Lease (coordination.k8s.io) "
+                            "the replicas contend for; exactly one holds it and reconciles.")
+    lease_namespace: str = Field("", description="Namespace of the Lease; default: POD_NAMESPACE, else the "
+                                 "first watched namespace, else default.")
+    lease_duration_seconds: float = Field(10.0, ge=1.0, description="How long a Lease is valid without "
+                                          "renewal: a SIGKILLed leader is replaced within this plus "
+                                          "lease_retry_seconds.")
+    lease_retry_seconds: float = Field(2.0, gt=0.0, description="How often candidates try and the leader "
+                                       "renews.")
     resync_seconds: float = Field(30.0, description="Timer interval: every object is reconciled this often.")
     save_backoff_seconds: float = Field(10.0, description="First SAVE retry delay; doubles per attempt.")
     save_backoff_max_seconds: float = Field(600.0, description="Largest SAVE retry delay.")
@@ -74,3 +82,9 @@ class Settings(BaseModel):
 
     def namespace_list(self) -> list[str]:
         return [n.strip() for n in self.namespaces.split(",") if n.strip()]
+
+    def lease_home(self) -> str:
+        """Where the Lease lives (see `lease_namespace`)."""
+        watched = self.namespace_list()
+        fallback = watched[0] if watched else "default"
+        return self.lease_namespace or os.environ.get("POD_NAMESPACE", "") or fallback

@@ -54,8 +54,8 @@ def render(templates: list[str], release: str = RELEASE, namespace: str = RELEAS
 
 
 def render_rbac(release: str = RELEASE, namespace: str = RELEASE_NS) -> list[dict[str, Any]]:
-    """The operator's ServiceAccount, ClusterRole(Binding) and ClusterKopfPeering, as a namespace-scoped
-    install renders them (the tests' operators watch one namespace each)."""
+    """The operator's ServiceAccount, ClusterRole(Binding) and Lease Role(Binding), as a
+    namespace-scoped install renders them (the tests' operators watch one namespace each)."""
     return render(["templates/serviceaccount.yaml", "templates/rbac.yaml"], release, namespace,
                   sets=("operator.namespaces={ember-test}",))
 
@@ -71,10 +71,7 @@ def apply_docs(k8s: LocalCluster, docs: list[dict[str, Any]]) -> None:
 
 
 def install(k8s: LocalCluster, docs: list[dict[str, Any]], namespace: str) -> str:
-    """Apply the kopf peering CRDs (the chart's crds/), a namespace and the RBAC docs; the SA's name."""
-    peering_crds = str(CHART / "crds" / "kopf-peering.yaml")
-    k8s.kubectl("apply", "--server-side", "--force-conflicts", "-f", peering_crds)
-    k8s.kubectl("wait", "--for", "condition=established", "crd/clusterkopfpeerings.kopf.dev", "--timeout=60s")
+    """Apply a namespace and the RBAC docs; the SA's name."""
     core = client.CoreV1Api(k8s.api_client)
     if not core.list_namespace(field_selector=f"metadata.name={namespace}").items:
         core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
