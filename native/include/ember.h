@@ -73,13 +73,14 @@ int ember_hash_hex(const void* data, size_t len, char* out, size_t cap);
  *   EMBER_OP_MEMCPY  arg = address of a CUDA_MEMCPY3D
  *   EMBER_OP_EMPTY   arg unused
  *   EMBER_OP_RECORD, EMBER_OP_WAIT   arg = CUevent
+ *   EMBER_OP_CHILD   arg = CUgraph, cloned into a child-graph node (a rank's spliced collective)
  * and its edges (node indices) with 8 bytes of CUgraphEdgeData each, or edge_data NULL when all
  * are default edges. Non-default edges are added one per call, first, then the default edges in
  * one call (a mixed call dropped the edge data on driver 580); when any edge is non-default the
  * edges are read back and compared: a difference is EMBER_EEDGES. Everything the arguments point
  * to must stay alive until the call returns (the driver copies it). */
 enum ember_op { EMBER_OP_KERNEL = 0, EMBER_OP_MEMSET, EMBER_OP_MEMCPY, EMBER_OP_EMPTY,
-                EMBER_OP_RECORD, EMBER_OP_WAIT };
+                EMBER_OP_RECORD, EMBER_OP_WAIT, EMBER_OP_CHILD };
 enum { EMBER_BUILD_INSTANTIATE = 1 };
 
 typedef struct ember_graph_desc {

@@ -168,6 +168,10 @@ bool fill(const Real* r, CUcontext ctx, CUgraph g, const ember_graph_desc* d, Fa
         what = "event wait node";
         rc = r->cuGraphAddEventWaitNode(&nodes[i], g, nullptr, 0, reinterpret_cast<CUevent>(arg));
         break;
+      case EMBER_OP_CHILD:
+        what = "child graph node";
+        rc = r->cuGraphAddChildGraphNode(&nodes[i], g, nullptr, 0, reinterpret_cast<CUgraph>(arg));
+        break;
       default:
         *f = {EMBER_EINVAL, static_cast<int>(i), CUDA_SUCCESS, strprintf("unknown op %u", d->ops[i])};
         return false;

@@ -12,6 +12,18 @@ namespace {
   if (r == nullptr || r->sym == nullptr) return kNoDriver
 
 bool active() { return mode() != Mode::Off; }
+
+// Memory asked for by NCCL (libnccl's own cudaMalloc/cuMem calls, any of its threads) or by
+// ember's NCCL stub is per-rank communication state: a real communicator at LOAD allocates what
+// the stub at SAVE never did. It stays out of the fixed-base layout, so the engine's addresses
+// match between a one-GPU SAVE and every rank's LOAD (docs/multi-gpu.md).
+bool communicator_memory(const void* ra) {
+  const std::string lib = caller_library(ra);
+  return lib.rfind("libnccl", 0) == 0 || lib.rfind("libember_nccl", 0) == 0;
+}
+
+// The region serves this call: ember is active and the caller is not a communicator.
+bool serves(const void* ra) { return active() && !communicator_memory(ra); }
 }  // namespace
 
 extern "C" {
@@ -19,14 +31,14 @@ extern "C" {
 EMBER_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr* dptr, size_t bytesize) {
   REAL_OR_FAIL(cuMemAlloc_v2);
   CUresult rc;
-  if (active() && region_alloc(Kind::Alloc, dptr, bytesize, 0, RA, &rc)) return rc;
+  if (serves(RA) && region_alloc(Kind::Alloc, dptr, bytesize, 0, RA, &rc)) return rc;
   return r->cuMemAlloc_v2(dptr, bytesize);
 }
 
 EMBER_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr* dptr, size_t* pitch, size_t width, size_t height,
                                          unsigned int elem) {
   REAL_OR_FAIL(cuMemAllocPitch_v2);
-  if (active() && pitch != nullptr && width > 0 && height > 0 && (elem == 4 || elem == 8 || elem == 16)) {
+  if (serves(RA) && pitch != nullptr && width > 0 && height > 0 && (elem == 4 || elem == 8 || elem == 16)) {
     const size_t p = (width + 511) / 512 * 512;
     CUresult rc;
     if (region_alloc(Kind::Pitch, dptr, p * height, 512, RA, &rc)) {
@@ -48,7 +60,7 @@ EMBER_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
   EMBER_EXPORT CUresult sym(CUdeviceptr* dptr, size_t bytesize, CUstream stream) {     \
     REAL_OR_FAIL(sym);                                                                 \
     CUresult rc;                                                                       \
-    if (active() && region_alloc(Kind::Async, dptr, bytesize, 0, RA, &rc)) return rc;  \
+    if (serves(RA) && region_alloc(Kind::Async, dptr, bytesize, 0, RA, &rc)) return rc;  \
     return r->sym(dptr, bytesize, stream);                                             \
   }
 ASYNC_ALLOC(cuMemAllocAsync)
@@ -58,7 +70,7 @@ ASYNC_ALLOC(cuMemAllocAsync_ptsz)
   EMBER_EXPORT CUresult sym(CUdeviceptr* dptr, size_t bytesize, CUmemoryPool pool, CUstream stream) { \
     REAL_OR_FAIL(sym);                                                                           \
     CUresult rc;                                                                                 \
-    if (active() && region_alloc(Kind::Pool, dptr, bytesize, 0, RA, &rc)) return rc;             \
+    if (serves(RA) && region_alloc(Kind::Pool, dptr, bytesize, 0, RA, &rc)) return rc;             \
     return r->sym(dptr, bytesize, pool, stream);                                                 \
   }
 POOL_ALLOC(cuMemAllocFromPoolAsync)
@@ -78,7 +90,7 @@ EMBER_EXPORT CUresult cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t 
                                           unsigned long long flags) {
   REAL_OR_FAIL(cuMemAddressReserve);
   CUresult rc;
-  if (active() && region_reserve(ptr, size, alignment, addr, flags, RA, &rc)) return rc;
+  if (serves(RA) && region_reserve(ptr, size, alignment, addr, flags, RA, &rc)) return rc;
   return r->cuMemAddressReserve(ptr, size, alignment, addr, flags);
 }
 

@@ -186,6 +186,14 @@ EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr* b, size_t* n, CUdeviceptr p
   if (n) *n = r->n;
   return CUDA_SUCCESS;
 }
+/* A memset writes for real (the NCCL stub's placeholder word) and is logged with its operands. */
+EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int value, size_t n, CUstream s) {
+  char line[96];
+  snprintf(line, sizeof line, "cuMemsetD32Async:%llx:%u:%zu", (unsigned long long)dst, value, n);
+  note(line);
+  for (size_t i = 0; i < n; i++) ((unsigned int*)dst)[i] = value;
+  return CUDA_SUCCESS;
+}
 EXPORT CUresult cuStreamSynchronize(CUstream s) { note("cuStreamSynchronize"); return CUDA_SUCCESS; }
 EXPORT CUresult cuStreamSynchronize_ptsz(CUstream s) { note("cuStreamSynchronize_ptsz"); return CUDA_SUCCESS; }
 EXPORT CUresult cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus* st) {
@@ -498,6 +506,10 @@ EXPORT CUresult cuGraphAddMemcpyNode(CUgraphNode* out, CUgraph g, const CUgraphN
 EXPORT CUresult cuGraphAddEmptyNode(CUgraphNode* out, CUgraph g, const CUgraphNode* d, size_t nd) {
   struct snode n = {5, 0, {0}, {0}, 0, 0, {0}, 0};
   return add_node(out, g, nd, n);
+}
+EXPORT CUresult cuGraphAddChildGraphNode(CUgraphNode* out, CUgraph g, const CUgraphNode* d, size_t nd, CUgraph child) {
+  struct snode n = {4, 0, {0}, {0}, 0, 0, {0}, (uint64_t)child};
+  return child ? add_node(out, g, nd, n) : CUDA_ERROR_INVALID_VALUE;
 }
 EXPORT CUresult cuGraphAddEventRecordNode(CUgraphNode* out, CUgraph g, const CUgraphNode* d, size_t nd, CUevent e) {
   struct snode n = {7, 0, {0}, {0}, 0, 0, {0}, (uint64_t)e};
