@@ -1,0 +1,180 @@
+"""`ember bench vllm`: vLLM 0.26 start-up, native vs SAVE → fresh-process LOAD (GPU machine).
+
+Random weights (`load_format="dummy"`) of a real model shape, the HF config written locally (no
+model hub), graph mode FULL_AND_PIECEWISE and vLLM's default capture sizes. Each run is a fresh
+process with the engine core in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) and a fresh-then-
+shared compile cache (`VLLM_CACHE_ROOT` under the work directory):
+
+1. `native` — plain vLLM, cold compile cache (init + compile + memory profiling + capture);
+2. `save` — libember preloaded (EMBER_MODE=save), `kv_cache_memory_bytes` from run 1, the ember
+   plugin captures every key once inside libember's window, proves and publishes the archive;
+3. `load` — libember preloaded (EMBER_MODE=load), the archive restored instead of capturing;
+4. `native-warm` — plain vLLM again with the compile cache warm (what vLLM's own cache gives).
+
+Each run reports start → first token, engine init and its stages (the plugin times vLLM's worker
+stages), time in graph capture, graphs captured while serving (vLLM's `compilation_counter`),
+greedy tokens for several batch sizes (compared with run 1). Report:
+`benchmarks/results/vllm-<device>-<model>.{json,md}`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ember_bench.vllm_report import write_report
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+    "qwen3-moe": {  # Qwen3-30B-A3B
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "decoder_sparse_step": 1,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [],
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+}
+RUNS = ("native", "save", "load", "native-warm")
+
+
+def write_config(model: str, layers: int | None, path: Path) -> Path:
+    cfg = dict(SHAPES[model])
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    return path
+
+
+def _child_env(mode: str, work: Path, report: Path, extra: dict[str, str]) -> dict[str, str]:
+    from ember.runtime.session import preload_env
+
+    env = dict(os.environ)
+    for k in ("LD_PRELOAD", "EMBER_MODE", "EMBER_ARM", "EMBER_VLLM_ARCHIVE", "EMBER_VLLM_STORE"):
+        env.pop(k, None)
+    if mode in ("save", "load"):
+        env = preload_env(mode, env)
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_USE_FLASHINFER_SAMPLER="0",
+        VLLM_NO_USAGE_STATS="1",
+        HF_HUB_OFFLINE="1",
+        VLLM_CACHE_ROOT=str(work / "vllm-cache"),
+        EMBER_VLLM_REPORT=str(report),
+        PYTHONUNBUFFERED="1",
+        **extra,
+    )
+    return env
+
+
+def run_child(
+    mode: str, work: Path, args: dict[str, Any], extra: dict[str, str], timeout: float
+) -> dict[str, Any]:
+    """One fresh engine process; its JSON result (or the error and the log's tail)."""
+    out, report, logf = work / f"{mode}.json", work / f"{mode}.report.json", work / f"{mode}.log"
+    for stale in (out, report):
+        stale.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "ember_bench.vllm_child", json.dumps({**args, "out": str(out)})]
+    t = time.perf_counter()
+    with open(logf, "w") as log:
+        p = subprocess.run(
+            cmd,
+            env=_child_env(mode, work, report, extra),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+            check=False,
+        )
+    wall = time.perf_counter() - t
+    res: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    res.update(mode=mode, rc=p.returncode, process_wall_s=round(wall, 3))
+    if report.exists():
+        res["ember"] = json.loads(report.read_text())
+    if p.returncode != 0 or not out.exists():
+        res["log_tail"] = logf.read_text()[-6000:]
+    typer.echo(f"{mode}: rc={p.returncode} wall={wall:.1f}s first_token={res.get('first_token_s')}")
+    return res
+
+
+def archive_dir(save: dict[str, Any], store: Path) -> str:
+    ident = ((save.get("ember") or {}).get("stages", {}).get("save") or {}).get("identity", "")
+    return str(store / "archives" / ident) if ident else ""
+
+
+def bench_vllm(
+    model: Annotated[str, typer.Option(help=f"One of {', '.join(SHAPES)}.")] = "llama-3-8b",
+    layers: Annotated[int, typer.Option(help="Override the number of layers (0: the model's).")] = 0,
+    work: Annotated[Path, typer.Option(help="Configs, compile cache, store, logs.")] = Path(
+        "/tmp/ember-vllm"
+    ),
+    out_dir: Annotated[Path, typer.Option(help="Report folder.")] = Path("benchmarks/results"),
+    batch_sizes: Annotated[str, typer.Option(help="Greedy generation batch sizes.")] = "1,4,16,64",
+    max_tokens: Annotated[int, typer.Option(help="Tokens generated per request.")] = 16,
+    runs: Annotated[str, typer.Option(help="Which runs, in order.")] = ",".join(RUNS),
+    gpu_memory_utilization: Annotated[float, typer.Option(help="vLLM's memory fraction.")] = 0.85,
+    timeout: Annotated[float, typer.Option(help="Seconds per run.")] = 420.0,
+) -> None:
+    """vLLM start-up: native vs SAVE → fresh-process LOAD (report in benchmarks/results)."""
+    work = work.absolute() / (model + (f"-{layers}l" if layers else ""))
+    cfg = write_config(model, layers or None, work / "config")
+    store = work / "store"
+    args: dict[str, Any] = {
+        "model": str(cfg),
+        "batch_sizes": [int(b) for b in batch_sizes.split(",")],
+        "max_tokens": max_tokens,
+        "gpu_memory_utilization": gpu_memory_utilization,
+    }
+    results: dict[str, dict[str, Any]] = {}
+    for mode in runs.split(","):
+        extra: dict[str, str] = {"EMBER_VLLM_MODEL": model + (f"-{layers}l" if layers else "")}
+        child_args = dict(args)
+        if mode == "save":
+            kv = (results.get("native") or {}).get("kv_cache_memory_bytes")
+            child_args["kv_cache_memory_bytes"] = kv
+            extra["EMBER_VLLM_STORE"] = store.as_uri()
+        if mode == "load":
+            extra["EMBER_VLLM_ARCHIVE"] = archive_dir(results.get("save") or {}, store)
+        results[mode] = run_child(mode, work, child_args, extra, timeout)
+    write_report(model, layers, results, out_dir, store)

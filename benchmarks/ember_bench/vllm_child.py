@@ -1,0 +1,97 @@
+"""One vLLM engine start for `ember bench vllm` (a fresh process; argv[1] is its JSON arguments).
+
+Times the engine's construction and the first token, counts graphs captured while serving, and
+keeps the greedy tokens of several batch sizes for comparison across runs."""
+
+from __future__ import annotations
+
+import time
+
+T0 = time.perf_counter()  # before any import: start → first token counts the imports too
+
+import json  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+from typing import Any  # noqa: E402
+
+
+def prompts(batch: int, vocab: int, seed: int) -> list[dict[str, list[int]]]:
+    rng = random.Random(seed)
+    return [
+        {"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(rng.randrange(5, 60))]}
+        for _ in range(batch)
+    ]
+
+
+def main(args: dict[str, Any]) -> dict[str, Any]:
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.compilation.counter import compilation_counter
+
+    t_import = time.perf_counter() - T0
+    kwargs: dict[str, Any] = {}
+    if args.get("kv_cache_memory_bytes"):
+        kwargs["kv_cache_memory_bytes"] = int(args["kv_cache_memory_bytes"])
+    t = time.perf_counter()
+    llm = LLM(
+        model=args["model"],
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        seed=0,
+        enforce_eager=False,
+        gpu_memory_utilization=float(args["gpu_memory_utilization"]),
+        max_model_len=2048,
+        compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"},
+        **kwargs,
+    )
+    t_init = time.perf_counter() - t
+    captured_at_start = compilation_counter.num_cudagraph_captured
+    greedy = SamplingParams(
+        max_tokens=int(args["max_tokens"]), temperature=0.0, ignore_eos=True, detokenize=False
+    )
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    vcfg = llm.llm_engine.vllm_config
+    vocab = int(vcfg.model_config.get_vocab_size())
+    llm.generate(prompts(1, vocab, 0), first, use_tqdm=False)
+    t_first = time.perf_counter() - T0
+    tokens = {}
+    t = time.perf_counter()
+    for b in args["batch_sizes"]:
+        outs = llm.generate(prompts(b, vocab, b), greedy, use_tqdm=False)
+        tokens[str(b)] = [list(o.outputs[0].token_ids) for o in outs]
+    cc = vcfg.compilation_config
+    return {
+        "vllm": vllm.__version__,
+        "import_s": round(t_import, 3),
+        "engine_init_s": round(t_init, 3),
+        "first_token_s": round(t_first, 3),
+        "generate_s": round(time.perf_counter() - t, 3),
+        "graphs_captured_at_start": captured_at_start,
+        "graphs_captured_serving": compilation_counter.num_cudagraph_captured - captured_at_start,
+        "compilation_time_s": round(float(getattr(cc, "compilation_time", 0.0) or 0.0), 3),
+        "cudagraph_mode": str(cc.cudagraph_mode),
+        "capture_sizes": list(cc.cudagraph_capture_sizes or []),
+        "kv_cache_memory_bytes": _kv_bytes(),
+        "num_gpu_blocks": vcfg.cache_config.num_gpu_blocks,
+        "v2_runner": bool(vcfg.use_v2_model_runner),
+        "tokens": tokens,
+    }
+
+
+def _kv_bytes() -> int | None:
+    """What the worker's determine_available_memory returned (the plugin's stage timing)."""
+    try:
+        from ember.engines.vllm.plugin import STATE
+
+        return STATE.report["stages"]["worker.determine_available_memory"]["bytes"]
+    except (ImportError, KeyError):
+        return None
+
+
+if __name__ == "__main__":
+    a = json.loads(sys.argv[1])
+    res = main(a)
+    with open(a["out"], "w") as f:
+        json.dump(res, f)
+    print("CHILD OK", json.dumps({k: v for k, v in res.items() if k != "tokens"}))

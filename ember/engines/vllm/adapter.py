@@ -1,0 +1,259 @@
+"""vLLM 0.26 as an engine adapter: one model runner (V1 or V2) behind `EngineAdapter`.
+
+The plugin (`ember.engines.vllm.plugin`) builds one `VllmAdapter` inside vLLM's worker and hands
+it to the one pipeline: `ember.runtime.save.save` around the runner's `capture_model` (SAVE) or
+`ember.runtime.load.load` instead of it (LOAD). vLLM has allocated everything the graphs refer to
+by then (weights, the KV cache sized by `kv_cache_memory_bytes`, the runner's persistent buffers),
+so `prepare` only checks: the engine's own dispatcher keys against the mirror in `keys.py`, and at
+LOAD the resolved sizing against the archive's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ember.engines.vllm import graphs as sites
+from ember.engines.vllm.keys import GraphConfig, GraphKey, enumerate_descs, enumerate_keys
+from ember.engines.vllm.versions import check_engine, engine_version, unsupported_features
+from ember.identity import ArchiveIdentity
+from ember.runtime.adapter import COMPAT, ENGINE, LOAD, Refused
+
+if TYPE_CHECKING:
+    from ember.runtime.graphs.templates import GraphLibrary
+    from ember.runtime.publish import ArchiveContent
+
+log = logging.getLogger("ember.vllm")
+KIND = "vllm"
+
+
+def runner_kind(runner: Any) -> str:
+    return "v2" if type(runner).__module__.startswith("vllm.v1.worker.gpu.") else "v1"
+
+
+def engine_descs(runner: Any) -> list[Any]:
+    """The descriptors the engine's own dispatcher will capture, as `keys.Desc`."""
+    from ember.engines.vllm.keys import Desc
+
+    out = []
+    if runner_kind(runner) == "v1":
+        for mode, descs in runner.cudagraph_dispatcher.get_capture_descs():
+            out += [Desc(mode.name, d.num_tokens, d.num_reqs, int(d.uniform)) for d in descs]
+    else:
+        for mode, descs in runner.cudagraph_manager._capture_descs.items():
+            out += [Desc(mode.name, d.num_tokens, d.num_reqs, int(d.uniform_token_count or 0)) for d in descs]
+    return out
+
+
+def _model(runner: Any) -> Any:
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    return model.unwrap() if hasattr(model, "unwrap") else model
+
+
+def _ptr(buf: Any) -> int:
+    return int(getattr(buf, "gpu", buf).data_ptr())
+
+
+def static_addresses(runner: Any) -> dict[str, int]:
+    """Addresses the graphs bake in and LOAD must find again: weights, KV cache, static inputs."""
+    params = list(_model(runner).parameters())
+    out = {"param.first": params[0].data_ptr(), "param.last": params[-1].data_ptr()}
+    kv = [t for t in getattr(runner, "kv_caches", []) if hasattr(t, "data_ptr")]
+    if kv:
+        out.update({"kv.first": kv[0].data_ptr(), "kv.last": kv[-1].data_ptr()})
+    bufs = getattr(runner, "input_buffers", runner)
+    for name in ("input_ids", "positions"):
+        if getattr(bufs, name, None) is not None:
+            out[name] = _ptr(getattr(bufs, name))
+    return out
+
+
+class _Proof:
+    """SAVE's proof over vLLM's graphs: each key's outputs compared; each key's own tensor
+    arguments restored before every replay (a piecewise graph may update its input in place)."""
+
+    def __init__(self, captured: Mapping[GraphKey, sites.Captured]) -> None:
+        self.graphs = {k: c.graph for k, c in captured.items()}
+        self._state = {k: _unique(c.inputs) for k, c in captured.items()}
+        self.outs = {}
+        for k, c in captured.items():
+            reads = {t.data_ptr() for t in c.inputs}
+            self.outs[k] = [t for t in sites.flat_tensors(c.output) if t.data_ptr() not in reads]
+
+    def state_tensors(self) -> list[Any]:
+        return []
+
+    def state_for(self, key: GraphKey) -> list[Any]:
+        return self._state.get(key, [])
+
+
+def _unique(tensors: list[Any]) -> list[Any]:
+    seen: dict[tuple[int, int], Any] = {}
+    for t in tensors:
+        seen.setdefault((t.data_ptr(), t.numel() * t.element_size()), t)
+    return list(seen.values())
+
+
+class VllmAdapter:
+    """One vLLM model runner (bound late: LOAD opens the archive before the runner exists)."""
+
+    kind = KIND
+
+    def __init__(
+        self,
+        runner: Any = None,
+        *,
+        vllm_config: Any = None,
+        runner_kind: str = "",
+        native_capture: Callable[[], int] | None = None,
+        model_name: str = "",
+    ) -> None:
+        self.runner = runner
+        self.vllm_config = vllm_config if vllm_config is not None else getattr(runner, "vllm_config", None)
+        self.runner_kind = runner_kind or (globals()["runner_kind"](runner) if runner is not None else "v1")
+        self.native_capture = native_capture
+        self.model_name = model_name or os.environ.get("EMBER_VLLM_MODEL", "")
+        self.captured: dict[GraphKey, sites.Captured] = {}
+        self.graph_bytes = 0
+
+    # -- 1 version ------------------------------------------------------------------------------
+    @property
+    def engine(self) -> str:
+        return f"{KIND} {engine_version()}"
+
+    def check_version(self) -> list[str]:
+        problems = check_engine()
+        if not problems and self.vllm_config is not None:
+            problems = [f"not supported: {p}" for p in unsupported_features(self.vllm_config)]
+        return problems
+
+    # -- 2 keys ---------------------------------------------------------------------------------
+    def graph_config(self) -> GraphConfig:
+        return GraphConfig.from_vllm(self.vllm_config, self.runner_kind)
+
+    def keys(self) -> list[GraphKey]:
+        return enumerate_keys(self.graph_config(), sites.piece_count())
+
+    def identity(self) -> ArchiveIdentity:
+        import torch
+
+        cfg, mc = self.graph_config(), self.vllm_config.model_config
+        return ArchiveIdentity(
+            model=self.model_name or os.path.basename(str(mc.model).rstrip("/")),
+            revision=str(getattr(mc, "revision", None) or "main"),
+            engine=KIND,
+            engine_version=engine_version(),
+            capture_sizes=cfg.capture_sizes,
+            graph_mode=f"{cfg.cudagraph_mode}/{cfg.runner}",
+            compile={"config_hash": str(self.vllm_config.compute_hash())},
+            dtype=str(mc.dtype).removeprefix("torch."),
+            max_num_tokens=int(self.vllm_config.scheduler_config.max_num_batched_tokens),
+            max_batch=cfg.max_num_seqs,
+            gpu_product=torch.cuda.get_device_name(),
+        )
+
+    # -- 3 capture ------------------------------------------------------------------------------
+    def prepare(self, facts: Mapping[str, Any] | None) -> None:
+        """vLLM allocated everything already; check that its keys are the ones enumerated (and at
+        LOAD, that it resolved SAVE's sizing)."""
+        mirror = sorted(enumerate_descs(self.graph_config()), key=repr)
+        engine = sorted(engine_descs(self.runner), key=repr)
+        if mirror != engine:
+            odd = sorted(set(mirror) ^ set(engine), key=repr)[:4]
+            raise Refused(ENGINE, f"vLLM's dispatcher keys differ from ember's enumeration, e.g. {odd}")
+        if facts is None:
+            return
+        here = self._sizing()
+        there = {k: facts.get(k) for k in here}
+        if here != there:
+            raise Refused(LOAD, f"engine resolved another sizing: {here} != archive {there}")
+
+    def _sizing(self) -> dict[str, Any]:
+        cc = self.vllm_config.cache_config
+        return {
+            "graph_config": self.graph_config().to_json(),
+            "pieces": sites.piece_count(),
+            "num_gpu_blocks": int(cc.num_gpu_blocks or 0),
+            "kv_cache_memory_bytes": int(cc.kv_cache_memory_bytes or 0),
+        }
+
+    def capture(self) -> dict[GraphKey, Any]:
+        """The engine's own capture_model, once, graphs kept; each key's outputs and inputs noted."""
+        from ember.engines.transformers_cb.hooks import keep_graph
+
+        assert self.native_capture is not None
+        with keep_graph() as made, sites.recording_inputs() as inputs:
+            self.graph_bytes = int(self.native_capture() or 0)
+        for g in made:
+            g.instantiate()
+        self.captured = sites.captured_graphs(self.runner, inputs)
+        return {k: c.graph for k, c in self.captured.items()}
+
+    def proof_subject(self, graphs: Mapping[GraphKey, Any]) -> _Proof:
+        return _Proof({k: self.captured[k] for k in graphs})
+
+    # -- 4 sizing hints ------------------------------------------------------------------------
+    def facts(self, graphs: Mapping[GraphKey, Any]) -> dict[str, Any]:
+        cc = self.vllm_config.compilation_config
+        manager = getattr(self.runner, "cudagraph_manager", None)
+        hidden = getattr(manager, "hidden_states", None) if self.runner_kind == "v2" else None
+        name = ",".join
+        return {
+            "kind": KIND,
+            "version": engine_version(),
+            "runner": self.runner_kind,
+            **self._sizing(),
+            "compile_cache_dir": str(getattr(cc, "local_cache_dir", "") or ""),
+            "compilation_time_s": float(getattr(cc, "compilation_time", 0.0) or 0.0),
+            "graph_memory_bytes": self.graph_bytes,
+            "outputs": {name(map(str, k)): sites.describe(c.output) for k, c in self.captured.items()},
+            "input_addresses": {name(map(str, k)): c.input_addresses for k, c in self.captured.items()},
+            "v2_hidden_states": sites.describe(hidden) if hidden is not None else None,
+            "inputs": static_addresses(self.runner),
+        }
+
+    def accept(self, facts: Mapping[str, Any]) -> dict[str, Any]:
+        """Before the runner exists: the archive is a vLLM one of this version, runner and
+        graph config; its compile cache is on this node (else vLLM would recompile, and
+        Inductor's autotuning would allocate differently from SAVE)."""
+        if facts.get("kind") != KIND:
+            raise Refused(COMPAT, f"archive is not a vLLM archive ({facts.get('kind')})")
+        if facts.get("version") != engine_version():
+            raise Refused(COMPAT, f"archive is from vLLM {facts.get('version')}, this is {engine_version()}")
+        if facts.get("runner") != self.runner_kind:
+            raise Refused(
+                COMPAT, f"archive is for the {facts.get('runner')} runner, this is {self.runner_kind}"
+            )
+        # the resolved graph mode is compared in prepare(): here the attention backend has not
+        # resolved it yet
+        saved, here = GraphConfig.from_json(facts["graph_config"]), self.graph_config()
+        if (saved.capture_sizes, saved.max_num_seqs) != (here.capture_sizes, here.max_num_seqs):
+            raise Refused(COMPAT, f"graph config differs: archive {saved.to_json()}, here {here.to_json()}")
+        cache = str(facts.get("compile_cache_dir") or "")
+        if cache and not os.path.isdir(cache):
+            raise Refused(COMPAT, f"vLLM's compile cache {cache} is not on this node (LOAD would recompile)")
+        if not int(facts.get("kv_cache_memory_bytes") or 0):
+            raise Refused(COMPAT, "archive has no kv_cache_memory_bytes")
+        return dict(facts)
+
+    # -- 5 install ------------------------------------------------------------------------------
+    def static_addresses(self) -> dict[str, int]:
+        return static_addresses(self.runner)
+
+    def install(self, library: GraphLibrary, archive: ArchiveContent) -> int:
+        facts = archive.engine
+        restored = library.all_restored()
+        expected = set(self.keys())
+        if set(restored) != expected:
+            odd = sorted(set(restored) ^ expected)[:4]
+            raise Refused(LOAD, f"archive keys differ from the engine's: e.g. {odd}")
+        self.library = library  # keeps every exec alive while serving
+        return sites.install(self.runner, restored, facts.get("outputs", {}), facts)
+
+    # -- 6 stages -------------------------------------------------------------------------------
+    def report(self, stage: str, **fields: Any) -> None:
+        from ember.engines.vllm import plugin
+
+        plugin.report(stage, **fields)

@@ -1,0 +1,262 @@
+"""ember's `vllm.general_plugins` entry point: SAVE and LOAD inside vLLM's own worker.
+
+vLLM runs `register()` in every process it starts (front-end, engine core, workers), so it is
+cheap and re-entrant. With `EMBER_MODE` unset (or `EMBER_VLLM=0`) it does nothing but optional
+stage timing; with `EMBER_MODE=save|load` (libember preloaded, `EMBER_ARM=manual`) and a vLLM whose
+internals the adapter knows (`versions.check_engine`), it patches, in this process only:
+
+- the V1 and V2 `GPUModelRunner.__init__`: arm libember first (everything the runner and the model
+  allocate is then at SAVE's addresses); at LOAD also open the archive there (manifest,
+  compatibility key, allocation log; the templates build in the background while vLLM builds the
+  model, compiles from its cache and allocates the KV cache) and set
+  `cache_config.kv_cache_memory_bytes` from it, so vLLM skips memory profiling;
+- the V1 and V2 `GPUModelRunner.capture_model`: SAVE runs `ember.runtime.save.save` around the
+  engine's own capture; LOAD runs `ember.runtime.load.load` INSTEAD of it. Any refusal runs the
+  original capture (vLLM unchanged), with the reason in the report.
+
+Environment: `EMBER_VLLM_STORE` (SAVE: store URI to publish to), `EMBER_VLLM_ARCHIVE` (LOAD:
+`<store>/archives/<identity-hash>`), `EMBER_VLLM_MODEL` (model name in the identity),
+`EMBER_VLLM_REPORT` (a JSON file the report is written to; the stages also go to the log).
+SAVE needs `kv_cache_memory_bytes` set (vLLM's `--kv-cache-memory-bytes`, or
+`VLLM_ENABLE_STARTUP_PLAN=1` after a native start): memory profiling allocates, and LOAD, which
+skips it, must allocate exactly as SAVE did.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("ember.vllm")
+
+RUNNERS = {"v1": "vllm.v1.worker.gpu_model_runner", "v2": "vllm.v1.worker.gpu.model_runner"}
+WORKER_STAGES = (
+    "init_device",
+    "load_model",
+    "determine_available_memory",
+    "initialize_from_config",
+    "compile_or_warm_up_model",
+)
+T0 = time.time()
+
+
+@dataclass
+class _State:
+    mode: str = ""
+    installed: bool = False
+    armed: bool = False
+    ip: Any = None
+    restore: Any = None
+    refusal: str = ""
+    keep: Any = None
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+STATE = _State()
+
+
+def report(stage: str, **fields: Any) -> None:
+    """Record a stage (log + `EMBER_VLLM_REPORT`)."""
+    STATE.report.setdefault("stages", {})[stage] = {"t": round(time.time() - T0, 4), **fields}
+    log.info("ember %s: %s", stage, json.dumps(fields, default=str)[:2000])
+    path = os.environ.get("EMBER_VLLM_REPORT")
+    if path:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(STATE.report, f, default=str)
+        os.replace(tmp, path)
+
+
+def register() -> None:
+    """The entry point (group `vllm.general_plugins`, name `ember`)."""
+    if os.environ.get("EMBER_VLLM", "1") == "0" or STATE.installed:
+        return
+    mode = os.environ.get("EMBER_MODE", "off")
+    timing = bool(os.environ.get("EMBER_VLLM_REPORT"))
+    if mode not in ("save", "load") and not timing:
+        return
+    from ember.engines.vllm.versions import check_engine
+
+    problems = check_engine()
+    if problems:
+        STATE.refusal = "; ".join(problems)
+        report("refused", at="engine", reason=STATE.refusal, note="vLLM left untouched")
+        STATE.installed = True
+        return
+    STATE.mode = mode if mode in ("save", "load") else ""
+    _time_worker_stages()
+    for kind, module in RUNNERS.items():
+        _patch_runner(module, kind)
+    STATE.installed = True
+
+
+def _time_worker_stages() -> None:
+    """Seconds of each start-up stage of the GPU worker (`report("worker.<stage>")`)."""
+    from vllm.v1.worker import gpu_worker
+
+    for name in WORKER_STAGES:
+        original = getattr(gpu_worker.Worker, name)
+
+        def timed(self: Any, *a: Any, _name: str = name, _original: Any = original, **kw: Any) -> Any:
+            t = time.perf_counter()
+            out = _original(self, *a, **kw)
+            extra = {"bytes": int(out)} if _name == "determine_available_memory" else {}
+            report(f"worker.{_name}", seconds=round(time.perf_counter() - t, 4), **extra)
+            return out
+
+        setattr(gpu_worker.Worker, name, timed)
+
+
+def _patch_runner(module_name: str, kind: str) -> None:
+    import importlib
+
+    cls = importlib.import_module(module_name).GPUModelRunner
+    init, capture = cls.__init__, cls.capture_model
+
+    def __init__(self: Any, vllm_config: Any, device: Any, *a: Any, **kw: Any) -> None:
+        _before_runner(vllm_config, kind)
+        init(self, vllm_config, device, *a, **kw)
+
+    def capture_model(self: Any) -> int:
+        t = time.perf_counter()
+        if not STATE.mode or STATE.refusal or not STATE.armed:
+            out = capture(self)
+            report("capture", how="native", seconds=round(time.perf_counter() - t, 4), reason=STATE.refusal)
+            return int(out or 0)
+        if STATE.mode == "save":
+            return _save(self, kind, lambda: capture(self))
+        return _load(self, kind, lambda: capture(self))
+
+    cls.__init__, cls.capture_model = __init__, capture_model
+
+
+def _arm(vllm_config: Any) -> Any:
+    """libember armed on this worker's device (None when it is not preloaded)."""
+    import torch
+
+    from ember import native
+    from ember.runtime.session import ensure_context, preloaded
+
+    ensure_context(torch.cuda.current_device())
+    if not preloaded():
+        return None
+    ip = native.Interposer.attach()
+    if ip.mode != STATE.mode:
+        raise RuntimeError(f"libember is in mode {ip.mode!r}, EMBER_MODE says {STATE.mode!r}")
+    ip.arm()
+    return ip
+
+
+def _before_runner(vllm_config: Any, kind: str) -> None:
+    """Arm libember (before the runner and model allocate); LOAD: open the archive."""
+    from ember.engines.vllm.adapter import VllmAdapter
+    from ember.runtime.adapter import Refused
+
+    if not STATE.mode:
+        return
+    if STATE.armed or STATE.refusal:
+        if STATE.armed:
+            STATE.refusal = "a second model runner in this process (drafter?): not supported"
+        return
+    adapter = VllmAdapter(vllm_config=vllm_config, runner_kind=kind)
+    problems = adapter.check_version()
+    if problems:
+        STATE.refusal = "; ".join(problems)
+        report("refused", at="engine", reason=STATE.refusal)
+        return
+    STATE.ip = _arm(vllm_config)
+    STATE.armed = STATE.ip is not None
+    if not STATE.armed:
+        STATE.refusal = "libember is not preloaded (LD_PRELOAD=libember.so EMBER_MODE=...)"
+        report("refused", at="engine", reason=STATE.refusal)
+        return
+    report("armed", mode=STATE.mode, runner=kind)
+    if STATE.mode == "save" and not vllm_config.cache_config.kv_cache_memory_bytes:
+        STATE.refusal = (
+            "SAVE needs kv_cache_memory_bytes (memory profiling allocates; LOAD skips it and "
+            "must allocate as SAVE did): pass --kv-cache-memory-bytes"
+        )
+        report("refused", at="save", reason=STATE.refusal)
+    if STATE.mode == "load":
+        try:
+            STATE.restore = _open(adapter)
+        except Refused as exc:
+            STATE.refusal = f"{exc.stage}: {exc.reason}"
+            report("refused", at=exc.stage, reason=exc.reason)
+            return
+        facts = STATE.restore.manifest.engine
+        vllm_config.cache_config.kv_cache_memory_bytes = int(facts["kv_cache_memory_bytes"])
+        report(
+            "compat",
+            kv_cache_memory_bytes=int(facts["kv_cache_memory_bytes"]),
+            timings={k: round(v, 2) for k, v in STATE.restore.timings.items() if isinstance(v, float)},
+        )
+
+
+def _open(adapter: Any) -> Any:
+    from ember.engines.transformers_cb.adapter import store_of
+    from ember.runtime.adapter import LOAD, Refused
+    from ember.runtime.load import open_restore
+
+    archive = os.environ.get("EMBER_VLLM_ARCHIVE", "")
+    if not archive:
+        raise Refused(LOAD, "EMBER_VLLM_ARCHIVE is not set (<store>/archives/<identity-hash>)")
+    store_uri, identity = store_of(archive)
+    return open_restore(adapter, STATE.ip, store_uri, identity)
+
+
+def _save(runner: Any, kind: str, native: Any) -> int:
+    from ember.engines.vllm.adapter import VllmAdapter
+    from ember.runtime.save import save
+
+    t = time.perf_counter()
+    adapter = VllmAdapter(runner, runner_kind=kind, native_capture=native)
+    store = os.environ.get("EMBER_VLLM_STORE") or None
+    try:
+        outcome = save(adapter, STATE.ip, store, log=log.info)
+        report("save", **outcome.summary(), seconds=round(time.perf_counter() - t, 4))
+    except Exception as exc:  # Refused, ProofFailed or a site the adapter does not know
+        report("save_refused", reason=f"{type(exc).__name__}: {exc}", captured=len(adapter.captured))
+        if not adapter.captured and adapter.graph_bytes == 0:
+            return int(native() or 0)
+    report("capture", how="save", seconds=round(time.perf_counter() - t, 4), graphs=len(adapter.captured))
+    return adapter.graph_bytes
+
+
+def _load(runner: Any, kind: str, native: Any) -> int:
+    from ember.engines.vllm.adapter import VllmAdapter
+    from ember.runtime.adapter import Refused
+    from ember.runtime.load import load
+
+    t = time.perf_counter()
+    adapter = VllmAdapter(runner, runner_kind=kind)
+    try:
+        restored = load(adapter, STATE.restore)
+        _after_install(kind)
+    except Refused as exc:
+        STATE.refusal = f"{exc.stage}: {exc.reason}"
+        report("load_refused", at=exc.stage, reason=exc.reason)
+        t = time.perf_counter()
+        out = native()
+        report("capture", how="native-after-refusal", seconds=round(time.perf_counter() - t, 4))
+        return int(out or 0)
+    STATE.keep = adapter  # keeps the templates (and every exec) alive while serving
+    timings = {k: round(v, 2) for k, v in restored.timings.items() if isinstance(v, float)}
+    report("load", graphs=restored.graphs, seconds=round(time.perf_counter() - t, 4), timings=timings)
+    report("capture", how="restored", seconds=round(time.perf_counter() - t, 4), graphs=restored.graphs)
+    return 0
+
+
+def _after_install(kind: str) -> None:
+    """What V1's capture_model does after capturing: no capture from now on, workspace locked."""
+    if kind != "v1":
+        return
+    from vllm.compilation.monitor import set_cudagraph_capturing_enabled
+    from vllm.v1.worker.workspace import lock_workspace
+
+    set_cudagraph_capturing_enabled(False)
+    lock_workspace()

@@ -1,0 +1,161 @@
+"""The vLLM adapter's logic without vLLM: key enumeration from a config, version refusal, plugin."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from ember.engines.vllm import keys, versions
+from ember.engines.vllm.keys import FULL, PIECEWISE, GraphConfig
+
+
+def _cfg(
+    mode: str = "FULL_AND_PIECEWISE", seqs: int = 256, tokens: int = 8192, runner: str = "v1", q: int = 1
+):
+    sizes = keys.default_capture_sizes(seqs, tokens, decode_query_len=q)
+    return GraphConfig(mode, tuple(sizes), max(sizes), seqs, decode_query_len=q, runner=runner)
+
+
+def test_default_capture_sizes_follow_vllm_rule():
+    sizes = keys.default_capture_sizes(256, 8192)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 512
+    assert all(b - a == 8 for a, b in itertools.pairwise(sizes[3:]) if b < 256)
+    assert all(b - a == 16 for a, b in itertools.pairwise(sizes) if a >= 256)
+    # a small token budget caps the sizes and is captured itself
+    small = keys.default_capture_sizes(256, 300)
+    assert max(small) == 300 and 288 in small and 304 not in small
+    # few sequences: max = 2 * max_num_seqs
+    assert max(keys.default_capture_sizes(8, 8192)) == 16
+    # explicit sizes: deduplicated, sorted, cut at the token budget
+    assert keys.default_capture_sizes(8, 100, explicit=[64, 8, 8, 200, 1]) == [1, 8, 64]
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_full_and_piecewise_keys(runner):
+    cfg = _cfg(runner=runner)
+    descs = keys.enumerate_descs(cfg)
+    pw = [d for d in descs if d.mode == PIECEWISE]
+    full = [d for d in descs if d.mode == FULL]
+    assert [d.num_tokens for d in pw] == sorted(cfg.capture_sizes, reverse=True)
+    assert all(d.num_reqs is None and d.uniform == 0 for d in pw)
+    # decode graphs: one per size up to max_num_seqs, uniform, one request per token
+    assert sorted(d.num_tokens for d in full) == [s for s in cfg.capture_sizes if s <= cfg.max_num_seqs]
+    assert all(d.num_reqs == d.num_tokens and d.uniform == 1 for d in full)
+    assert descs.index(pw[-1]) < descs.index(full[0])  # PIECEWISE captured first, largest first
+    ks = keys.enumerate_keys(cfg, pieces=33)
+    assert len(ks) == 33 * len(pw) + len(full) and len(set(ks)) == len(ks)
+    site = keys.V2_FULL_GRAPH if runner == "v2" else keys.V1_FULL_ENTRY
+    assert {k[0] for k in ks} == {keys.PIECEWISE_ENTRY, site}
+    assert all(keys.archive_key(keys.desc_of(k), runner, k[1]) == k for k in ks)
+
+
+def test_other_modes():
+    assert {d.mode for d in keys.enumerate_descs(_cfg("PIECEWISE"))} == {PIECEWISE}
+    full = keys.enumerate_descs(_cfg("FULL"))
+    assert {d.mode for d in full} == {FULL} and all(d.uniform == 0 for d in full)
+    assert [d.num_reqs for d in full if d.num_tokens == 512] == [256]  # requests capped
+    decode_only = keys.enumerate_descs(_cfg("FULL_DECODE_ONLY"))
+    assert {d.mode for d in decode_only} == {FULL} and all(d.uniform for d in decode_only)
+    assert keys.enumerate_descs(_cfg("NONE")) == []
+    with pytest.raises(ValueError):
+        keys.enumerate_descs(_cfg("SOMETHING"))
+
+
+def test_v2_speculative_decode_rounds_to_query_length():
+    cfg = _cfg(runner="v2", q=3, seqs=16)
+    full = [d for d in keys.enumerate_descs(cfg) if d.mode == FULL]
+    assert full and all(d.num_tokens % 3 == 0 and d.num_reqs == d.num_tokens // 3 for d in full)
+    assert all(d.uniform == 3 and d.num_tokens <= 48 for d in full)
+
+
+def test_every_schedulable_batch_lands_on_a_key():
+    cfg = _cfg(seqs=64, tokens=4096)
+    descs = set(keys.enumerate_descs(cfg))
+    rng = random.Random(1)
+    for _ in range(2000):
+        n = rng.randrange(1, max(cfg.capture_sizes) + 1)
+        padded = keys.padded_size(cfg, n)
+        assert padded is not None and padded >= n
+        assert keys.Desc(PIECEWISE, padded, None, 0) in descs
+        if padded <= cfg.max_num_seqs:  # a uniform decode batch of n requests
+            assert keys.Desc(FULL, padded, padded, 1) in descs
+    assert keys.padded_size(cfg, max(cfg.capture_sizes) + 1) is None
+
+
+def test_graph_config_from_a_vllm_shaped_object():
+    vc = SimpleNamespace(
+        compilation_config=SimpleNamespace(
+            cudagraph_mode=SimpleNamespace(name="FULL_AND_PIECEWISE"),
+            cudagraph_capture_sizes=[1, 2, 4, 8],
+            max_cudagraph_capture_size=8,
+        ),
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        num_speculative_tokens=0,
+    )
+    cfg = GraphConfig.from_vllm(vc, "v2")
+    assert cfg == GraphConfig("FULL_AND_PIECEWISE", (1, 2, 4, 8), 8, 4, 1, "v2")
+    assert GraphConfig.from_json(cfg.to_json()) == cfg
+    # FULL decode graphs only up to max_num_seqs=4
+    assert sorted(d.num_tokens for d in keys.enumerate_descs(cfg) if d.mode == FULL) == [1, 2, 4]
+
+
+@pytest.mark.parametrize(
+    ("version", "ok"),
+    [
+        ("0.26.0", True),
+        ("0.26.3.post1", True),
+        ("0.27.0", False),
+        ("0.25.2", False),
+        ("1.0.0", False),
+        ("dev", False),
+    ],
+)
+def test_version_refusal(version, ok):
+    problems = versions.check_version_string(version)
+    assert (problems == []) is ok
+    if not ok:
+        assert version in problems[0]
+
+
+def _vllm_config(**over):
+    pc = dict(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1, use_ubatching=False)
+    pc.update(over.pop("parallel", {}))
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(**pc),
+        compilation_config=SimpleNamespace(use_inductor_graph_partition=False),
+        model_config=SimpleNamespace(enforce_eager=False),
+        lora_config=over.get("lora"),
+        speculative_config=over.get("spec"),
+    )
+
+
+def test_unsupported_features_are_named():
+    assert versions.unsupported_features(_vllm_config()) == []
+    assert "LoRA" in versions.unsupported_features(_vllm_config(lora=object()))[0]
+    tp = versions.unsupported_features(_vllm_config(parallel={"tensor_parallel_size": 2}))
+    assert tp and "tensor_parallel_size=2" in tp[0]
+    assert "speculative" in versions.unsupported_features(_vllm_config(spec=object()))[0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_plugin_refuses_cleanly_without_vllm(monkeypatch, tmp_path):
+    import json
+
+    from ember.engines.vllm import plugin
+
+    monkeypatch.setattr(plugin, "STATE", plugin._State())
+    monkeypatch.delenv("EMBER_MODE", raising=False)
+    monkeypatch.delenv("EMBER_VLLM_REPORT", raising=False)
+    plugin.register()  # off: nothing at all
+    assert not plugin.STATE.installed and not plugin.STATE.refusal
+    report = tmp_path / "r.json"
+    monkeypatch.setenv("EMBER_MODE", "save")
+    monkeypatch.setenv("EMBER_VLLM_REPORT", str(report))
+    plugin.register()
+    assert plugin.STATE.installed and "not importable" in plugin.STATE.refusal
+    assert json.loads(report.read_text())["stages"]["refused"]["note"] == "vLLM left untouched"
+    plugin.register()  # re-entrant
