@@ -268,9 +268,12 @@ def prove(
     structure = _StructureCheck(graph_set, lib, GraphWalker(_HandleResolver(functions, table.kernels)))
     rep.mismatches.extend(structure.check_all())
     state = subject.state_tensors()
+    # optional: a subject whose graphs each read their own tensors (vLLM's piecewise graphs)
+    # gives them per key, so each key snapshots only what it reads
+    state_for = getattr(subject, "state_for", None)
     unstable: set[GraphKey] = set()
     for i, key in enumerate(lib.keys):
-        run = _Runner(state, list(subject.outs[key]))
+        run = _Runner(state_for(key) if state_for is not None else state, list(subject.outs[key]))
         replay = subject.graphs[key].replay
         stable = _prove_key(
             rep, lib, structure, run, i, replay,
