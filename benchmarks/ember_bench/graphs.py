@@ -525,11 +525,25 @@ def bench_graphs(
     repeats: Annotated[
         int, typer.Option(help="Fresh processes per LOAD true-cost figure (warm, cold, bare build); 0 skips.")
     ] = 3,
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks (one GPU each).")] = 1,
+    ep: Annotated[int, typer.Option("--ep", help="Expert-parallel ranks (MoE workloads).")] = 1,
+    dp: Annotated[int, typer.Option("--dp", help="Data-parallel ranks.")] = 1,
+    collectives: Annotated[
+        bool, typer.Option("--collectives", help="Collectives in a world of one: the splice on one GPU.")
+    ] = False,
 ) -> None:
-    """Native capture vs SAVE→LOAD in a fresh process, per workload; writes JSON + markdown."""
+    """Native capture vs SAVE→LOAD in a fresh process, per workload; writes JSON + markdown.
+    With --tp/--ep/--dp: native N-rank capture vs one single-GPU SAVE → N-rank LOAD (parallel.py)."""
     from ember_bench.parse import parse_ms_512
 
     store = store or Path(tempfile.mkdtemp(prefix="ember-bench-store-")).as_uri()
+    if max(tp, ep, dp) > 1 or collectives:
+        from ember_bench import parallel
+
+        for w in [x.strip() for x in workloads.split(",") if x.strip()]:
+            rep = parallel.run(w, layers, sizes, store, tp, ep, dp, collectives, out_dir)
+            typer.echo(parallel.markdown(rep))
+        return
     results: list[dict[str, Any]] = []
     parse_ms = parse_ms_512()["parse_ms_512"]
     out_dir.mkdir(parents=True, exist_ok=True)

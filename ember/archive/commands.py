@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ember.archive import bundle, signing
+from ember.archive.collectives import Collectives
 from ember.store import Store, StoreError, StoreUnavailable, open_store
 
 console = Console()
@@ -74,6 +75,8 @@ def archive_report(archive: bundle.Archive, with_graphs: bool = True) -> dict[st
         ]
         report["table"] = {"version": table.version, "rows": len(table.rows), "kernels": len(table.kernels)}
         report["groups_apart"] = groups_apart(archive)
+    if "collectives" in m.engine:
+        report["collectives"] = Collectives.from_facts(m.engine["collectives"]).summary()
     return report
 
 
@@ -157,6 +160,15 @@ def _print_archive(archive: bundle.Archive, show_graphs: bool) -> None:
         "blobs", ("name", "sha256", "stored", "uncompressed", "codec"),
         [(b.name, b.sha256[:16], _mb(b.compressed_size), _mb(b.size), b.codec) for b in m.blobs],
     ))
+    if "collectives" in m.engine:
+        coll = Collectives.from_facts(m.engine["collectives"])
+        console.print(_table(
+            f"collective placeholders: one archive for a world of {coll.world} (NCCL {coll.nccl_version}); "
+            f"{coll.placeholders} nodes in {len(coll.nodes)} graphs, spliced per rank at LOAD",
+            ("collective", "calls (as rank 0 issued them)", "nodes"),
+            [(str(i), " + ".join(c.describe() for c in calls), str(n))
+             for i, (calls, n) in enumerate(zip(coll.table, coll.uses(), strict=True))],
+        ))
     if m.kernel_images:
         console.print(_table(
             "kernel images", ("content hash", "kind", "size", "kernels"),

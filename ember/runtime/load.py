@@ -80,7 +80,11 @@ def open_restore(
     problems = adapter.check_version()
     if problems:
         raise Refused(COMPAT, f"{adapter.kind}: " + "; ".join(problems))
-    return ArchiveRestore.open(ip, store_uri, identity_hash, adapter.engine, accept=adapter.accept)
+    communicator = getattr(adapter, "communicator", None)  # multi-GPU adapters only
+    return ArchiveRestore.open(
+        ip, store_uri, identity_hash, adapter.engine, accept=adapter.accept,
+        communicator=communicator() if communicator is not None else None,
+    )
 
 
 def load(adapter: EngineAdapter, restore: ArchiveRestore) -> Restored:

@@ -72,6 +72,18 @@ def release_cached_memory(ip: Interposer | None = None) -> dict[str, float]:
     return ms
 
 
+def _splicer(facts: dict[str, Any], communicator: tuple[int, int, int] | None) -> Any:
+    """This rank's Splicer when the archive holds collective placeholders (refuse without one)."""
+    if "collectives" not in facts:
+        return None
+    from ember.runtime import comm
+
+    table = comm.Collectives.from_facts(facts["collectives"])
+    if communicator is None:
+        raise Refused(LOAD, f"collectives for a world of {table.world} in the archive, no communicator here")
+    return comm.Splicer(table, *communicator)
+
+
 def _open(store_uri: str, identity_hash: str) -> bundle.Archive:
     """The archive's manifest (signature first when EMBER_TRUSTED_KEYS is set), or Refused."""
     from ember.runtime import publish
@@ -93,6 +105,7 @@ class ArchiveRestore:
         self.opened = opened
         self.archive: publish.ArchiveContent | None = None  # every blob, read and verified (background)
         self.accepted: Any = None
+        self.splicer: Any = None  # ember.runtime.comm.Splicer for a multi-GPU archive
         self.timings = timings
         self._lib: GraphLibrary | None = None
         self._error: BaseException | None = None
@@ -112,12 +125,15 @@ class ArchiveRestore:
         *,
         accept: Callable[[dict[str, Any]], Any] | None = None,
         background: bool | None = None,
+        communicator: tuple[int, int, int] | None = None,
     ) -> ArchiveRestore:
         """Everything before the engine builds its model. `engine` is the compat key's engine
         string of this process (`compat.current(engine)`); `accept(manifest.engine)` may refuse
         (Refused) an archive from another engine before its blobs are read; what it returns
         is kept as `accepted` (e.g. the engine's sizing parsed from the facts). `background`
-        (default: unless EMBER_LOAD_BACKGROUND=0) builds the templates while the model builds."""
+        (default: unless EMBER_LOAD_BACKGROUND=0) builds the templates while the model builds.
+        `communicator`: (ncclComm_t, world, rank) of this rank, for an archive with collective
+        placeholders (created before this call, as the engine does natively)."""
         from ember.runtime import compat
 
         if ip is None:
@@ -134,6 +150,7 @@ class ArchiveRestore:
         if manifest.engine.get("in_process_only"):
             raise Refused(COMPAT, "archive was saved without libember (in-process only)")
         accepted = accept(dict(manifest.engine)) if accept is not None else None
+        splicer = _splicer(manifest.engine, communicator)
         t = time.perf_counter()
         try:
             alloc_log = opened.alloc_log or b""
@@ -149,17 +166,21 @@ class ArchiveRestore:
         tm["import_alloc_log_ms"] = (time.perf_counter() - t) * 1e3
         self = cls(ip, opened, tm)
         self.accepted = accepted
+        self.splicer = splicer
         if background is None:
             background = os.environ.get("EMBER_LOAD_BACKGROUND", "1") != "0"
         if background:
-            from ember.runtime.graphs.driver import current_context
-
-            ctx = current_context()
-            self._thread = threading.Thread(
-                target=self._reconstruct, args=(ctx,), name="ember-reconstruct", daemon=True
-            )
-            self._thread.start()
+            self._start_background()
         return self
+
+    def _start_background(self) -> None:
+        from ember.runtime.graphs.driver import current_context
+
+        ctx = current_context()
+        self._thread = threading.Thread(
+            target=self._reconstruct, args=(ctx,), name="ember-reconstruct", daemon=True
+        )
+        self._thread.start()
 
     def _reconstruct(self, ctx: Any = None, prefix: str = "") -> None:
         """Read the blobs, preload, decode the table, resolve functions, build and instantiate
@@ -226,7 +247,7 @@ class ArchiveRestore:
             raise Refused(LOAD, f"kernel not found after preload: {exc}") from exc
         tm["functions_ms"] = (time.perf_counter() - t) * 1e3
         t = time.perf_counter()
-        lib = GraphLibrary(table, functions)
+        lib = GraphLibrary(table, functions, splicer=self.splicer)
         try:
             lib.build_templates()
         except BaseException:
@@ -242,6 +263,8 @@ class ArchiveRestore:
             templates_threads=lt.threads,
             function_attrs_ms=lt.function_attrs_ms,
         )
+        if self.splicer is not None:
+            tm.update(splice_ms=lt.splice_ms, collective_capture_ms=self.splicer.capture_ms)
         return lib
 
     def replay(self) -> None:
@@ -299,5 +322,7 @@ class ArchiveRestore:
         """A refusal after open(): let the background finish, drop what it built."""
         self.wait()
         if self._lib is not None:
-            self._lib.close()
+            self._lib.close()  # closes the splicer too
             self._lib = None
+        elif self.splicer is not None:
+            self.splicer.close()

@@ -25,7 +25,7 @@ import torch
 from ember.archive.graphs import GraphSet
 from ember.identity import ArchiveIdentity
 from ember.native import Interposer
-from ember.runtime import compat, publish
+from ember.runtime import comm, compat, publish
 from ember.runtime.adapter import ENGINE, EngineAdapter, Refused
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.kernels import KernelResolver, LiveResolver, NativeResolver
@@ -172,6 +172,27 @@ def walk(
     return graph_set
 
 
+def collective_table(adapter: EngineAdapter, graph_set: GraphSet) -> comm.Collectives | None:
+    """The placeholders libember_nccl left in the graphs (a parallel shape saved on one GPU).
+    A shape of several ranks must be saved under the stub: a real communicator of one rank would
+    capture collectives of a world of one."""
+    world = adapter.identity().parallelism
+    ranks = world.tensor * world.data
+    stub = comm.stub_loaded()
+    if stub is None:
+        if ranks > 1:
+            raise Refused(ENGINE, f"a world of {ranks} ranks is saved under libember_nccl (see ember save)")
+        return None
+    scratch, calls = comm.stub_calls(stub)
+    try:
+        table = comm.placeholders(graph_set, scratch, calls, ranks, comm.nccl_version())
+    except comm.PlaceholderError as exc:
+        raise ProofFailed(f"archive NOT published: {exc}") from None
+    if (world.tensor > 1 or world.expert > 1) and table is None:  # data parallel alone has none
+        raise ProofFailed(f"archive NOT published: {world} but no collective in any graph")
+    return table
+
+
 def _log_proof(rep: ProofReport, log: Callable[[str], None]) -> None:
     log(
         f"Proved {rep.graphs} graphs ({rep.templates} templates, {rep.programmatic_edges} programmatic "
@@ -223,6 +244,7 @@ def save(
     graphs = capture(adapter, ip, d, log)
     t = time.perf_counter()
     graph_set = walk(graphs, adapter.keys(), resolver)
+    collectives = collective_table(adapter, graph_set)
     d["walk_s"] = time.perf_counter() - t
     t = time.perf_counter()
     subject = adapter.proof_subject(graphs)
@@ -240,6 +262,7 @@ def save(
         "in_process_only": ip is None,
         **proof_facts(rep),
         "region": list(ip.region()) if ip is not None else None,
+        **({"collectives": collectives.to_facts()} if collectives is not None else {}),
     }
     d["facts_s"] = time.perf_counter() - t
     out = SaveOutcome(

@@ -63,8 +63,9 @@ def native_session(expected_mode: str, *, perturb_first: bool = False) -> native
     return ip
 
 
-def preload_env(mode: str, env: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for a child (or re-exec) running under libember in `mode`."""
+def preload_env(mode: str, env: dict[str, str] | None = None, *, comm_stub: bool = False) -> dict[str, str]:
+    """Environment for a child (or re-exec) running under libember in `mode`. `comm_stub`: also
+    preload libember_nccl after it (SAVE of a multi-GPU shape on one GPU, `ember.runtime.comm`)."""
     env = dict(os.environ if env is None else env)
     lib = native.find_library()
     if lib is None:
@@ -72,6 +73,14 @@ def preload_env(mode: str, env: dict[str, str] | None = None) -> dict[str, str]:
     pre = env.get("LD_PRELOAD", "")
     if "libember" not in pre:
         env["LD_PRELOAD"] = f"{lib}:{pre}" if pre else str(lib)
+    if not comm_stub:  # a stub inherited from a SAVE parent never reaches another process
+        env["LD_PRELOAD"] = ":".join(p for p in env["LD_PRELOAD"].split(":") if "libember_nccl" not in p)
+    elif "libember_nccl" not in env["LD_PRELOAD"]:
+        stub = lib.with_name("libember_nccl.so")
+        if not stub.is_file():
+            raise FileNotFoundError(f"{stub} not found: build libember (it builds the NCCL stub too)")
+        first, _, rest = env["LD_PRELOAD"].partition(":")
+        env["LD_PRELOAD"] = ":".join(p for p in (first, str(stub), rest) if p)
     env["EMBER_MODE"] = mode
     env.setdefault("EMBER_ARM", "manual")
     env[contract.ENV_LIB] = str(lib)
@@ -84,10 +93,11 @@ def ember_argv(*args: str) -> list[str]:
     return [sys.executable, "-c", run, *args]
 
 
-def reexec_under_libember(mode: str) -> None:
+def reexec_under_libember(mode: str, *, comm_stub: bool = False) -> None:
     """Replace this process with itself under libember (no-op when already preloaded)."""
-    if preloaded() and os.environ.get("EMBER_MODE") == mode:
+    stubbed = "libember_nccl" in os.environ.get("LD_PRELOAD", "")
+    if preloaded() and os.environ.get("EMBER_MODE") == mode and stubbed == comm_stub:
         return
-    env = preload_env(mode)
+    env = preload_env(mode, comm_stub=comm_stub)
     argv = ember_argv(*sys.argv[1:])
     os.execve(sys.executable, argv, env)

@@ -23,7 +23,8 @@ import torch
 
 import ember
 from ember.engines.decode.model import DecodeWorkload, OutputSpec
-from ember.identity import ArchiveIdentity
+from ember.engines.decode.parallel import SINGLE, Parallel, init_process_group
+from ember.identity import ArchiveIdentity, Parallelism
 from ember.native import Interposer
 from ember.runtime.adapter import COMPAT, LOAD, GraphKey, Refused
 from ember.runtime.graphs.templates import GraphLibrary
@@ -47,8 +48,11 @@ class DecodeAdapter:
         *,
         model_dir: str | None = None,
         identity: ArchiveIdentity | None = None,
+        parallel: Parallel | None = None,
     ) -> None:
         self.workload = workload  # None at LOAD until prepare() builds it from the archive's facts
+        # This process's rank and the parallel shape it serves (LOAD: SAVE's must match).
+        self.parallel = parallel or (workload.parallel if workload is not None else SINGLE)
         self.model_dir = model_dir  # where this machine holds a `--model DIR` checkpoint (LOAD)
         self.tpot_batches: tuple[int, ...] = ()  # SAVE: also time the captured graphs' decode step
         self.tpot_ms: dict[str, float] = {}
@@ -84,7 +88,7 @@ class DecodeAdapter:
             cfg = dict(facts)
             if self.model_dir:  # the checkpoint lives elsewhere on this machine than where SAVE read it
                 cfg["weights"] = str(self.model_dir)
-            self.workload = DecodeWorkload.from_config(cfg)
+            self.workload = DecodeWorkload.from_config(cfg, rank=self.parallel.rank)
             try:
                 self.workload.build(kv_cache_bytes=int(cfg["kv_cache_bytes"]), compile_fn=False)
             except (OSError, ValueError) as exc:  # CheckpointError included: weights missing or other shape
@@ -108,17 +112,25 @@ class DecodeAdapter:
 
     def facts(self, graphs: Mapping[GraphKey, Any]) -> dict[str, Any]:
         w = self._w()
+        base = {
+            "kind": KIND,
+            **w.config(),
+            "kv_cache_bytes": w.kv_cache_bytes,
+            "inputs": w.input_addresses(),
+            "outputs": {",".join(map(str, k)): [o.__dict__ for o in v] for k, v in w.output_specs().items()},
+        }
+        if w.parallel.active:
+            # One GPU playing rank 0 ran placeholders, not collectives: its outputs are no
+            # reference for any rank. `ember bench graphs --tp/--ep/--dp` compares every rank
+            # with a native multi-rank capture instead.
+            return {**base, "fingerprints": {}, "decode_sha256": {}, "decode_steps": {}}
         native = lambda k: w.graphs[k].replay()  # noqa: E731
         keys = self.keys()
         prints = replay_fingerprints(w, native, keys, lambda k: list(w.outs[k]))
         traces = {str(b): decode_trace(w, native, b) for b in DECODE_CHECK_BATCHES if b in w.sizes}
         self.tpot_ms = {str(b): tpot_ms(w, native, b) for b in self.tpot_batches if b in w.sizes}
         return {
-            "kind": KIND,
-            **w.config(),
-            "kv_cache_bytes": w.kv_cache_bytes,
-            "inputs": w.input_addresses(),
-            "outputs": {",".join(map(str, k)): [o.__dict__ for o in v] for k, v in w.output_specs().items()},
+            **base,
             "fingerprints": prints,
             "decode_sha256": {b: tr["sha256"] for b, tr in traces.items()},
             "decode_steps": {b: tr["steps"] for b, tr in traces.items()},
@@ -128,6 +140,17 @@ class DecodeAdapter:
         # Archives from before the engine facts named their kind have "workload" and no "kind".
         if facts.get("kind", KIND) != KIND or "workload" not in facts:
             raise Refused(COMPAT, f"archive is not an {KIND} archive ({facts.get('kind')})")
+        saved = Parallel(**facts.get("parallel", {}))
+        if saved.degrees() != self.parallel.degrees():
+            raise Refused(COMPAT, f"archive saved for parallel shape {saved.degrees()}, "
+                                  f"this process serves {self.parallel.degrees()}")
+
+    def communicator(self) -> tuple[int, int, int] | None:
+        """(ncclComm_t, world, rank) for splicing collectives, None for a single-GPU shape."""
+        from ember.runtime.comm import torch_communicator
+
+        par = self.parallel
+        return (torch_communicator(), par.world, par.rank) if par.active else None
 
     def static_addresses(self) -> dict[str, int]:
         return self._w().input_addresses()
@@ -158,9 +181,13 @@ def identity_for(workload: DecodeWorkload) -> ArchiveIdentity:
         # weight values, only their addresses, so the weights themselves are not part of it)
         config = (Path(workload.weights) / "config.json").read_bytes()
         revision = f"config-{hashlib.sha256(config).hexdigest()[:16]}-layers-{workload.spec.layers}"
+    par = workload.parallel
+    if par.collectives:
+        revision += "-collectives"
     return ArchiveIdentity(
         model=f"ember-workload/{workload.name}",
         revision=revision,
+        parallelism=Parallelism(tensor=par.tensor, expert=par.expert, data=par.data),
         engine=KIND,
         engine_version=ember.__version__,
         capture_sizes=tuple(workload.sizes),
@@ -208,6 +235,7 @@ def save_workload(
         raise RuntimeError(
             "an in-process (no libember) SAVE cannot be published: LOAD could not find its kernels"
         )
+    init_process_group(workload.parallel, stub=True)  # rank 0 of the world, under libember_nccl
     adapter = DecodeAdapter(workload, identity=identity)
     adapter.tpot_batches = tpot_batches
     result = save(adapter, ip, store_uri, log=log)
@@ -251,22 +279,29 @@ def load_workload(
     log: Callable[[str], None] = print,
     model_dir: str | None = None,
     prebuilt: DecodeWorkload | None = None,
+    parallel: Parallel | None = None,
 ) -> Loaded:
     """LOAD one archive into this process (Refused: capture natively). `model_dir`: where this
     machine holds the checkpoint of a `--model DIR` archive (default: where SAVE read it).
-    `prebuilt`: a workload built before the archive came (a warm pod), checked against SAVE's."""
+    `prebuilt`: a workload built before the archive came (a warm pod), checked against SAVE's.
+    `parallel`: this process's rank of a multi-GPU shape (its communicator is created first, as
+    the engine would natively; LOAD splices this rank's collectives with it)."""
     from ember.runtime.session import native_session
 
     tm: dict[str, Any] = {}
     t_all = time.perf_counter()
     ip = interposer or native_session("load", perturb_first=perturb_first)
     tm["session_ms"] = (time.perf_counter() - t_all) * 1e3
-    adapter = DecodeAdapter(prebuilt, model_dir=model_dir)
+    par = parallel or (prebuilt.parallel if prebuilt is not None else SINGLE)
+    t = time.perf_counter()
+    init_process_group(par, stub=False)
+    tm["communicator_ms"] = (time.perf_counter() - t) * 1e3
+    adapter = DecodeAdapter(prebuilt, model_dir=model_dir, parallel=par)
     restored = load(adapter, open_restore(adapter, ip, store_uri, identity_hash))
     tm.update(restored.timings)
     tm["build_workload_ms"] = adapter.build_ms
     tm["total_ms"] = (time.perf_counter() - t_all) * 1e3
-    tm["load_ms"] = tm["total_ms"] - tm["build_workload_ms"] - tm["session_ms"]
+    tm["load_ms"] = tm["total_ms"] - tm["build_workload_ms"] - tm["session_ms"] - tm["communicator_ms"]
     log(
         f"Loaded {restored.graphs} graphs ({len(restored.library.groups)} templates) "
         f"in {tm['load_ms']:.1f} ms "

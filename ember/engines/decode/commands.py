@@ -44,6 +44,38 @@ StoreOpt = Annotated[
 ]
 
 
+TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel degree (dense workloads).")]
+EpOpt = Annotated[int, typer.Option("--ep", help="Expert-parallel degree (MoE: = tp x dp).")]
+DpOpt = Annotated[int, typer.Option("--dp", help="Data-parallel degree.")]
+CollectivesOpt = Annotated[
+    bool, typer.Option("--collectives", hidden=True, help="Collectives in a world of one (splice check).")
+]
+RankOpt = Annotated[int, typer.Option("--rank", envvar="RANK", help="This process's rank (LOAD).")]
+
+
+def parallel_shape(tp: int, ep: int, dp: int, collectives: bool = False, rank: int = 0) -> Any:
+    """The Parallel of the options; EP alone means a world of `ep` data-parallel ranks."""
+    from ember.engines.decode.parallel import Parallel
+
+    if ep > 1 and tp == 1 and dp == 1:
+        dp = ep
+    return Parallel(tensor=tp, expert=ep, data=dp, rank=rank, collectives=collectives)
+
+
+def _needs_stub(job: bool, par: Any) -> bool:
+    """SAVE of a multi-GPU shape runs under libember_nccl (one GPU plays rank 0)."""
+    if job:
+        from ember.identity import ArchiveIdentity
+
+        raw = os.environ.get(contract.ENV_IDENTITY) or "{}"
+        try:
+            p = ArchiveIdentity.model_validate_json(raw).parallelism
+        except ValueError:
+            return False  # job mode reports the bad identity after the re-exec
+        return p.tensor * p.data > 1 or p.expert > 1
+    return bool(par.active)
+
+
 def parse_sizes(text: str) -> tuple[int, ...]:
     from ember.engines.decode.model import DEFAULT_SIZES
 
@@ -61,6 +93,7 @@ def make_workload(
     sizes: tuple[int, ...],
     model_config: str | None = None,
     model_dir: str | None = None,
+    parallel: Any = None,
 ) -> Any:
     """A built-in workload by name, or (with `model_config`) a transformers config.json's shape
     with random weights, or (with `model_dir`) a local checkpoint's shape and weights."""
@@ -87,8 +120,10 @@ def make_workload(
             sizes=sizes,
             name=f"{kind}-{spec.name}" + ("-compile" if compiled else ""),
             weights=str(Path(model_dir).absolute()) if model_dir else None,
+            **({"parallel": parallel} if parallel is not None else {}),
         )
-    return DecodeWorkload.from_name(name, layers=layers or None, sizes=sizes)
+    extra = {"parallel": parallel} if parallel is not None else {}
+    return DecodeWorkload.from_name(name, layers=layers or None, sizes=sizes, **extra)
 
 
 def _workload_from_identity(raw: str) -> tuple[Any, Any]:
@@ -99,9 +134,12 @@ def _workload_from_identity(raw: str) -> tuple[Any, Any]:
     if identity.compile and not name.endswith("-compile"):
         name += "-compile"
     layers = 0
-    if identity.revision.startswith("seed-") and "-layers-" in identity.revision:
-        layers = int(identity.revision.rsplit("-", 1)[1])
-    return make_workload(name, layers, tuple(identity.capture_sizes)), identity
+    revision = identity.revision.removesuffix("-collectives")
+    if revision.startswith("seed-") and "-layers-" in revision:
+        layers = int(revision.rsplit("-", 1)[1])
+    p = identity.parallelism
+    par = parallel_shape(p.tensor, p.expert, p.data, identity.revision.endswith("-collectives"))
+    return make_workload(name, layers, tuple(identity.capture_sizes), parallel=par), identity
 
 
 def save(
@@ -118,11 +156,17 @@ def save(
     tpot: Annotated[
         str, typer.Option(help="Also time the captured graphs' decode step at these batch sizes (1,64).")
     ] = "",
+    tp: TpOpt = 1,
+    ep: EpOpt = 1,
+    dp: DpOpt = 1,
+    collectives: CollectivesOpt = False,
 ) -> None:
-    """SAVE: capture a workload's decode graphs, prove them bit-exact, publish the archive."""
+    """SAVE: capture a workload's decode graphs, prove them bit-exact, publish the archive. A
+    multi-GPU shape (--tp/--ep/--dp) is saved on ONE GPU: every rank LOADs the same archive."""
     from ember.runtime.session import reexec_under_libember
 
-    reexec_under_libember("save")
+    par = parallel_shape(tp, ep, dp, collectives)
+    reexec_under_libember("save", comm_stub=_needs_stub(job, par))
     from ember.engines.decode.adapter import save_workload
 
     try:
@@ -132,7 +176,7 @@ def save(
                 raise RuntimeError("job mode needs EMBER_IDENTITY and EMBER_STORE")
             w, identity = _workload_from_identity(raw)
         else:
-            w = make_workload(workload, layers, parse_sizes(sizes), model_config or None, model or None)
+            w = make_workload(workload, layers, parse_sizes(sizes), model_config or None, model or None, par)
             identity = None
             if not store and not prove_only:
                 raise RuntimeError("no store: pass --store or set EMBER_STORE (or use --prove-only)")
@@ -167,8 +211,14 @@ def load(
     verify: Annotated[
         bool, typer.Option(help="Also replay every graph and compare with SAVE's outputs.")
     ] = False,
+    tp: TpOpt = 1,
+    ep: EpOpt = 1,
+    dp: DpOpt = 1,
+    collectives: CollectivesOpt = False,
+    rank: RankOpt = 0,
 ) -> None:
-    """LOAD an archive in this fresh process, then decode greedily to prove it (tokens vs SAVE's)."""
+    """LOAD an archive in this fresh process, then decode greedily to prove it (tokens vs SAVE's).
+    One process per rank for a multi-GPU shape (--rank, MASTER_ADDR/MASTER_PORT as torchrun)."""
     from ember.runtime.session import reexec_under_libember
 
     reexec_under_libember("load")
@@ -177,14 +227,17 @@ def load(
     from ember.runtime.load import attempt_marker
     from ember.runtime.proof.replay import decode_tokens
 
+    par = parallel_shape(tp, ep, dp, collectives, rank)
     ident = (
         identity
         or identity_for(
-            make_workload(workload, layers, parse_sizes(sizes), model_config or None, model or None)
+            make_workload(workload, layers, parse_sizes(sizes), model_config or None, model or None, par)
         ).hash()
     )
     try:
-        loaded = load_workload(store, ident, log=lambda m: console.print(m), model_dir=model or None)
+        loaded = load_workload(
+            store, ident, log=lambda m: console.print(m), model_dir=model or None, parallel=par
+        )
     except Refused as exc:
         console.print(f"[yellow]LOAD refused, capture natively: {exc.reason}[/yellow]")
         raise typer.Exit(3) from exc

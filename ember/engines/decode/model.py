@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.engines.decode.parallel import SINGLE, Parallel
 from ember.runtime.proof.replay import fingerprint as fingerprint  # re-exported: the diagnostics use it
 
 DEFAULT_SIZES: tuple[int, ...] = (1, 2, 4, *range(8, 513, 8))
@@ -173,13 +174,18 @@ def _attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Ten
 
 
 class Layer(nn.Module):
-    def __init__(self, spec: ModelSpec, index: int) -> None:
+    def __init__(self, spec: ModelSpec, index: int, par: Parallel = SINGLE) -> None:
         super().__init__()
         s = spec
-        self.spec, self.index = s, index
+        self.spec, self.index, self.par = s, index, par
         self.local = bool(s.sliding_window) and not (s.global_every and (index + 1) % s.global_every == 0)
-        self.qkv = nn.Linear(s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim, bias=False)
-        self.o = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
+        # This rank's shard (ember.engines.decode.parallel): heads and MLP width by tensor rank,
+        # experts by expert rank.
+        self.heads, self.kv_heads = s.heads // par.tensor, s.kv_heads // par.tensor
+        self.experts = s.experts // par.expert
+        inter = s.inter // par.tensor
+        self.qkv = nn.Linear(s.hidden, (self.heads + 2 * self.kv_heads) * s.head_dim, bias=False)
+        self.o = nn.Linear(self.heads * s.head_dim, s.hidden, bias=False)
         self.n1 = nn.Parameter(torch.ones(s.hidden))
         self.n2 = nn.Parameter(torch.ones(s.hidden))
         if s.sandwich_norms:
@@ -190,11 +196,11 @@ class Layer(nn.Module):
             self.kn = nn.Parameter(torch.ones(s.head_dim))
         if s.experts:
             self.router = nn.Linear(s.hidden, s.experts, bias=False)
-            self.w_gu = nn.Parameter(torch.empty(s.experts, s.hidden, 2 * s.moe_inter))
-            self.w_d = nn.Parameter(torch.empty(s.experts, s.moe_inter, s.hidden))
+            self.w_gu = nn.Parameter(torch.empty(self.experts, s.hidden, 2 * s.moe_inter))
+            self.w_d = nn.Parameter(torch.empty(self.experts, s.moe_inter, s.hidden))
         else:
-            self.gu = nn.Linear(s.hidden, 2 * s.inter, bias=False)
-            self.d = nn.Linear(s.inter, s.hidden, bias=False)
+            self.gu = nn.Linear(s.hidden, 2 * inter, bias=False)
+            self.d = nn.Linear(inter, s.hidden, bias=False)
 
     def _act(self, g: torch.Tensor) -> torch.Tensor:
         return F.gelu(g, approximate="tanh") if self.spec.act == "gelu" else F.silu(g)
@@ -203,16 +209,23 @@ class Layer(nn.Module):
         s = self.spec
         if not s.experts:
             g, u = self.gu(h).chunk(2, -1)
-            return self.d(self._act(g) * u)
-        # Dense dispatch: every expert sees every token, weighted by the top-k router mass.
+            return self.par.all_reduce(self.d(self._act(g) * u))
+        # Dense dispatch: every (local) expert sees every token, weighted by the top-k router mass.
+        split = self.par.experts_split
+        if split:
+            h = self.par.gather_tokens(h)  # every rank's tokens reach this rank's experts
         probs = self.router(h).float().softmax(-1)
         w, idx = probs.topk(s.top_k, -1)
         w = (w / w.sum(-1, keepdim=True)).to(h.dtype)
         combine = torch.zeros(h.shape[0], s.experts, device=h.device, dtype=h.dtype).scatter(1, idx, w)
+        if self.experts != s.experts:
+            first = (self.par.rank % self.par.expert) * self.experts
+            combine = combine[:, first : first + self.experts]
         gu = torch.matmul(h.unsqueeze(0), self.w_gu)  # [E, B, 2I]
         g, u = gu.chunk(2, -1)
         out = torch.matmul(self._act(g) * u, self.w_d)  # [E, B, H]
-        return (out * combine.t().unsqueeze(-1)).sum(0)
+        out = (out * combine.t().unsqueeze(-1)).sum(0)
+        return self.par.scatter_tokens(out) if split else out
 
     def forward(
         self,
@@ -225,14 +238,9 @@ class Layer(nn.Module):
         s = self.spec
         b = x.shape[0]
         h = _rms(x, self.n1)
-        q, k, v = self.qkv(h).split(
-            [s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], -1
-        )
-        q, k, v = (
-            q.view(b, s.heads, s.head_dim),
-            k.view(b, s.kv_heads, s.head_dim),
-            v.view(b, s.kv_heads, s.head_dim),
-        )
+        nh, nkv = self.heads, self.kv_heads
+        q, k, v = self.qkv(h).split([nh * s.head_dim, nkv * s.head_dim, nkv * s.head_dim], -1)
+        q, k, v = q.view(b, nh, s.head_dim), k.view(b, nkv, s.head_dim), v.view(b, nkv, s.head_dim)
         if s.qk_norm:
             q, k = _rms(q, self.qn), _rms(k, self.kn)
         theta = s.rope_local_theta if self.local else s.rope_theta
@@ -241,7 +249,7 @@ class Layer(nn.Module):
         kc[rows, :, pos] = k
         vc[rows, :, pos] = v
         a = _attend(q, kc, vc, masks[1] if self.local else masks[0])
-        a = self.o(a.reshape(b, -1))
+        a = self.par.all_reduce(self.o(a.reshape(b, -1)))
         if s.sandwich_norms:
             a = _rms(a, self.n1_post)
         x = x + a
@@ -252,11 +260,11 @@ class Layer(nn.Module):
 
 
 class DecodeModel(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, par: Parallel = SINGLE) -> None:
         super().__init__()
         self.spec = spec
         self.emb = nn.Embedding(spec.vocab, spec.hidden)
-        self.layers = nn.ModuleList(Layer(spec, i) for i in range(spec.layers))
+        self.layers = nn.ModuleList(Layer(spec, i, par) for i in range(spec.layers))
         self.norm = nn.Parameter(torch.ones(spec.hidden))
         self.head = nn.Linear(spec.hidden, spec.vocab, bias=False)
 
@@ -333,7 +341,12 @@ class DecodeWorkload:
         name: str | None = None,
         deterministic: bool = False,
         weights: str | None = None,
+        parallel: Parallel = SINGLE,
     ) -> None:
+        parallel.validate(spec)
+        if weights and parallel.world > 1:
+            raise ValueError("a local checkpoint loads unsharded: parallel shapes use seeded weights")
+        self.parallel = parallel  # this rank's shard of a tensor/expert/data-parallel world
         self.spec, self.compiled = spec, compiled
         self.weights = weights  # a local checkpoint directory (`--model DIR`), else seeded random
         self.deterministic = deterministic
@@ -366,10 +379,12 @@ class DecodeWorkload:
             "max_len": self.max_len,
             "deterministic": self.deterministic,
             "weights": self.weights,
+            "parallel": self.parallel.degrees(),
         }
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> DecodeWorkload:
+    def from_config(cls, cfg: dict[str, Any], rank: int = 0) -> DecodeWorkload:
+        """The workload SAVE described, as rank `rank` of its parallel world."""
         return cls(
             ModelSpec(**cfg["spec"]),
             compiled=cfg["compiled"],
@@ -379,12 +394,14 @@ class DecodeWorkload:
             name=cfg["workload"],
             deterministic=bool(cfg.get("deterministic", False)),
             weights=cfg.get("weights"),
+            parallel=Parallel(**cfg.get("parallel", {}), rank=rank),
         )
 
     @property
     def kv_cache_bytes(self) -> int:
         s = self.spec
-        return 2 * s.layers * self.max_batch * self.max_len * s.kv_heads * s.head_dim * self.dtype.itemsize
+        kvh = s.kv_heads // self.parallel.tensor
+        return 2 * s.layers * self.max_batch * self.max_len * kvh * s.head_dim * self.dtype.itemsize
 
     # ---- build (same order in SAVE and LOAD) ------------------------------------------------
     def build(self, kv_cache_bytes: int | None = None, compile_fn: bool = True) -> None:
@@ -399,7 +416,7 @@ class DecodeWorkload:
             torch.use_deterministic_algorithms(True, warn_only=True)
         torch.manual_seed(self.seed)
         with torch.device("meta"):
-            model = DecodeModel(s)
+            model = DecodeModel(s, self.parallel)
         model = model.to_empty(device=dev).to(self.dtype)
         gen = torch.Generator(device=dev)
         gen.manual_seed(self.seed)
@@ -414,7 +431,8 @@ class DecodeWorkload:
 
             load_into(model, self.weights, s)  # host → existing parameters: no device allocation
         self.model = model.eval()
-        shape = (s.layers, self.max_batch, s.kv_heads, self.max_len, s.head_dim)  # head-major
+        kvh = s.kv_heads // self.parallel.tensor  # this rank's KV heads
+        shape = (s.layers, self.max_batch, kvh, self.max_len, s.head_dim)  # head-major
         self.kcache = torch.zeros(shape, device=dev, dtype=self.dtype)
         self.vcache = torch.zeros(shape, device=dev, dtype=self.dtype)
         self.ids = torch.zeros(self.max_batch, dtype=torch.long, device=dev)

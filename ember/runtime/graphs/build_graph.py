@@ -23,6 +23,7 @@ from ember.runtime.graphs.prepared import (
     OP_MEMCPY,
     OP_MEMSET,
     OP_RECORD,
+    OP_SPLICE,
     OP_WAIT,
     EdgeDataLost,
     PreparedGraph,
@@ -46,7 +47,7 @@ def edge_strategy() -> str:
     return EDGE_STRATEGIES[_edge_strategy[0]]
 
 
-def build(prep: PreparedGraph, ctx: Any, events: Any) -> Any:
+def build(prep: PreparedGraph, ctx: Any, events: Any, splices: Any = None) -> Any:
     """Create the CUgraph of a prepared graph (driver calls; one thread).
 
     Edge data is read back after the edges are added; if the driver dropped it, the graph is
@@ -56,7 +57,7 @@ def build(prep: PreparedGraph, ctx: Any, events: Any) -> Any:
         strategy = EDGE_STRATEGIES[_edge_strategy[0]]
         g = check(cu.cuGraphCreate(0), "cuGraphCreate")
         try:
-            _add_nodes_and_edges(g, prep, ctx, events, strategy)
+            _add_nodes_and_edges(g, prep, ctx, events, strategy, splices)
             return g
         except EdgeDataLost as exc:
             cu.cuGraphDestroy(g)
@@ -81,7 +82,9 @@ def _err_name(rc: int) -> str:
         return str(rc)
 
 
-def _add_nodes_and_edges(g: Any, prep: PreparedGraph, ctx: Any, events: Any, strategy: str) -> None:
+def _add_nodes_and_edges(
+    g: Any, prep: PreparedGraph, ctx: Any, events: Any, strategy: str, splices: Any = None
+) -> None:
     nodes: list[Any] = []
     append = nodes.append
     out = ctypes.c_uint64(0)
@@ -115,8 +118,12 @@ def _add_nodes_and_edges(g: Any, prep: PreparedGraph, ctx: Any, events: Any, str
             err, node = cu.cuGraphAddEventRecordNode(g, None, 0, events[op[1]])
         elif code == OP_WAIT:
             err, node = cu.cuGraphAddEventWaitNode(g, None, 0, events[op[1]])
+        elif code == OP_SPLICE:
+            if splices is None:
+                raise RebuildError(f"graph {prep.key}: node {i}: a collective placeholder, no communicator")
+            err, node = cu.cuGraphAddChildGraphNode(g, None, 0, splices(op[1]))
         else:  # OP_CHILD
-            child = build(op[1], ctx, events)  # its own edges verified (and strategy chosen) inside
+            child = build(op[1], ctx, events, splices)  # its own edges verified (and strategy chosen) inside
             try:
                 err, node = cu.cuGraphAddChildGraphNode(g, None, 0, child)
             finally:

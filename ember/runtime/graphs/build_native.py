@@ -13,7 +13,9 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from ember.runtime.graphs.prepared import (
+    NATIVE_CHILD,
     OP_RECORD,
+    OP_SPLICE,
     OP_WAIT,
     NodeArrays,
     PreparedGraph,
@@ -32,7 +34,7 @@ def native_threads() -> int:
 
 def build_native(
     preps: list[PreparedGraph], ctx: Any, events: Any, *, instantiate: bool, threads: int | None = None,
-    interposer: Any = None,
+    interposer: Any = None, splices: Any = None,
 ) -> tuple[list[tuple[Any, Any] | None], dict[str, float]]:
     """Build (and instantiate) graphs with libember's ember_build_graphs (native_threads()
     builder threads unless `threads` is given).
@@ -40,7 +42,8 @@ def build_native(
     Returns per graph (CUgraph, CUgraphExec or None), or None where the Python path must build
     it (child graphs, edge data this driver drops with this strategy, no libember here), and
     timings {"wall_ms", "build_cpu_ms", "instantiate_cpu_ms", "threads"}. A graph the driver
-    refuses for any other reason raises RebuildError (libember kept nothing of the batch)."""
+    refuses for any other reason raises RebuildError (libember kept nothing of the batch).
+    `splices(i)`: the CUgraph of collective i (graphs with OP_SPLICE nodes need it)."""
     from ember import native
 
     ip = interposer or _interposer()
@@ -56,7 +59,7 @@ def build_native(
     descs = (native.GraphDesc * len(todo))()
     keep: list[Any] = []
     for d, (_, p, a) in zip(descs, todo, strict=True):
-        keep += _describe(d, p, a, events)
+        keep += _describe(d, p, a, events, splices)
         d.flags = native.BUILD_INSTANTIATE if instantiate else 0
     n_threads = threads or native_threads()
     t = time.perf_counter()
@@ -74,24 +77,32 @@ def build_native(
     return out, timings
 
 
-def _describe(d: Any, p: PreparedGraph, a: NodeArrays, events: Any) -> list[Any]:
+def _describe(d: Any, p: PreparedGraph, a: NodeArrays, events: Any, splices: Any = None) -> list[Any]:
     """Fill one ember_graph_desc; returns the arrays it points into (alive until the call returns)."""
-    args = a.args
+    args, codes = a.args, a.codes
     if (a.codes == OP_RECORD).any() or (a.codes == OP_WAIT).any():
         args = args.copy()
         for j in np.nonzero((a.codes == OP_RECORD) | (a.codes == OP_WAIT))[0].tolist():
             args[j] = int(events[int(a.args[j])])
+    spliced = np.nonzero(a.codes == OP_SPLICE)[0].tolist()
+    if spliced:
+        if splices is None:
+            raise RebuildError(f"graph {p.key}: collective placeholders but no communicator to splice")
+        args, codes = args.copy(), codes.copy()
+        for j in spliced:
+            args[j] = int(splices(int(a.args[j])))
+            codes[j] = NATIVE_CHILD
     src = np.ascontiguousarray(p.edge_src, dtype=np.uint32)
     dst = np.ascontiguousarray(p.edge_dst, dtype=np.uint32)
     data = np.frombuffer(p.edge_data, dtype=np.uint8) if p.edge_data else None
     d.nodes, d.edges = len(a.codes), len(src)
-    d.ops, d.args = a.codes.ctypes.data, args.ctypes.data
+    d.ops, d.args = codes.ctypes.data, args.ctypes.data
     d.attr_start, d.attr_count = a.attr_start.ctypes.data, a.attr_count.ctypes.data
     d.attr_ids = a.attr_ids.ctypes.data if len(a.attr_ids) else None
     d.attr_values = a.attr_values.ctypes.data if len(a.attr_values) else None
     d.edge_src, d.edge_dst = src.ctypes.data, dst.ctypes.data
     d.edge_data = data.ctypes.data if data is not None else None
-    return [args, src, dst, data]
+    return [args, codes, src, dst, data]
 
 
 _INTERPOSER: list[Any] = []

@@ -18,6 +18,11 @@ import numpy as np
 
 # Op codes of a prepared graph (`enum ember_op` of ember_build_graphs, native/include/ember.h).
 OP_KERNEL, OP_MEMSET, OP_MEMCPY, OP_EMPTY, OP_RECORD, OP_WAIT, OP_CHILD = range(7)
+# A collective placeholder: arg = index into the archive's collective table, resolved at build
+# time to the rank's captured collective (`ember.runtime.comm.Splicer`), added as a child graph
+# (libember's EMBER_OP_CHILD).
+OP_SPLICE = 7
+NATIVE_CHILD = 6  # enum ember_op's EMBER_OP_CHILD
 
 
 class RebuildError(RuntimeError):
@@ -70,7 +75,7 @@ def ops_of(prep: PreparedGraph) -> list[tuple[Any, ...]]:
             ops.append((OP_KERNEL, arg, list(zip(ids[s0 : s0 + n], vals[s0 : s0 + n], strict=True))))
         elif code in (OP_MEMSET, OP_MEMCPY):
             ops.append((code, a.objects[i]))
-        elif code in (OP_RECORD, OP_WAIT):
+        elif code in (OP_RECORD, OP_WAIT, OP_SPLICE):
             ops.append((code, arg))
         else:
             ops.append((code,))
@@ -105,8 +110,20 @@ def arrays_of(prep: PreparedGraph) -> NodeArrays | None:
         elif code in (OP_MEMSET, OP_MEMCPY):
             objects[i] = op[1]
             args[i] = int(op[1].getPtr())
-        elif code in (OP_RECORD, OP_WAIT):
+        elif code in (OP_RECORD, OP_WAIT, OP_SPLICE):
             args[i] = op[1]
     attr_ids, attr_values = np.asarray(ids, dtype=np.uint32), np.asarray(vals, dtype=np.uint64)
     prep.arrays = NodeArrays(codes, args, start, count, attr_ids, attr_values, objects)
     return prep.arrays
+
+
+def mark_splices(prep: PreparedGraph, pairs: list[tuple[int, int]]) -> None:
+    """Turn the placeholder nodes of a prepared graph into OP_SPLICE (node index, table index)."""
+    if prep.arrays is not None:
+        for node, i in pairs:
+            prep.arrays.codes[node] = OP_SPLICE
+            prep.arrays.args[node] = i
+            prep.arrays.objects.pop(node, None)
+    if prep.ops:
+        for node, i in pairs:
+            prep.ops[node] = (OP_SPLICE, i)

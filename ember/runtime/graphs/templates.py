@@ -34,6 +34,7 @@ from ember.archive.graphs import FunctionAttrs, Graph, GraphSet, KernelRef
 from ember.archive.topology import group_graphs
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.driver import OK, CudaError, check, current_context, torch_stream_handle
+from ember.runtime.graphs.prepared import mark_splices
 
 
 class GraphSource(Protocol):
@@ -85,6 +86,13 @@ class _Events:
 
 
 @dataclass
+class _Group:
+    index: int
+    members: list[int]
+    template: int
+
+
+@dataclass
 class _Exec:
     handle: Any
     holds: int  # graph index currently loaded into the exec
@@ -105,6 +113,7 @@ class LoadTimings:
     threads: int = 0
     function_attrs_ms: float = 0.0
     templates: int = 0
+    splice_ms: float = 0.0  # capturing this rank's collectives and regrouping (multi-GPU)
 
 
 class RestoredGraph:
@@ -126,6 +135,23 @@ class RestoredGraph:
         return f"RestoredGraph(key={self.key})"
 
 
+def split_groups(
+    groups: Sequence[Any], spliced: dict[int, list[tuple[int, int]]], shape: Any
+) -> list[_Group]:
+    """Topology groups split so that members also agree on the shapes (`shape(i)`: node types of
+    collective i's graph on this rank) of the collectives spliced into them: NCCL may pick another
+    algorithm for another message size, and a template exec only takes graphs of its topology.
+    A group keeps its template where it can."""
+    out: list[_Group] = []
+    for g in groups:
+        parts: dict[tuple[Any, ...], list[int]] = {}
+        for m in g.members:
+            parts.setdefault(tuple(shape(i) for _, i in spliced.get(m, [])), []).append(m)
+        for members in parts.values():
+            out.append(_Group(len(out), members, g.template if g.template in members else members[0]))
+    return out
+
+
 class GraphLibrary:
     """All graphs of one graph set: templates, on-demand updates, dedicated execs."""
 
@@ -136,7 +162,10 @@ class GraphLibrary:
         *,
         hot_after: int = 1,
         workers: int = 4,
+        splicer: Any = None,
     ) -> None:
+        """`splicer` (`ember.runtime.comm.Splicer`): this rank's collectives, for an archive
+        whose graphs hold collective placeholders (multi-GPU)."""
         self.source: GraphSource = SetSource(source) if isinstance(source, GraphSet) else source
         self.functions = functions
         self.keys: list[tuple[int, ...]] = [tuple(k) for k in self.source.keys]
@@ -160,6 +189,11 @@ class GraphLibrary:
         self._background: threading.Thread | None = None
         self.timings = LoadTimings()
         self.switch_ms: list[float] = []
+        self.splicer = splicer
+        self._splices = splicer.graph if splicer is not None else None
+        self._spliced: dict[int, list[tuple[int, int]]] = {}
+        if splicer is not None:
+            self._spliced = splicer.collectives.nodes
 
     # ---- building -----------------------------------------------------------------------
     def key_index(self, key: Iterable[int]) -> int:
@@ -174,6 +208,8 @@ class GraphLibrary:
                 )
             else:
                 prep = rebuild.prepare(self.source.graph(index), self.functions, self.ctx)
+            if index in self._spliced:
+                mark_splices(prep, self._spliced[index])
             self._prepared[index] = prep
         return prep
 
@@ -185,8 +221,10 @@ class GraphLibrary:
                 g = self._graphs.get(index)
                 if g is None:
                     prep = self.prepared(index)
-                    one, _ = rebuild.build_native([prep], self.ctx, self.events, instantiate=False, threads=1)
-                    g = one[0][0] if one[0] else rebuild.build(prep, self.ctx, self.events)
+                    one, _ = rebuild.build_native(
+                        [prep], self.ctx, self.events, instantiate=False, threads=1, splices=self._splices
+                    )
+                    g = one[0][0] if one[0] else rebuild.build(prep, self.ctx, self.events, self._splices)
                     self._graphs[index] = g
         return g
 
@@ -206,6 +244,7 @@ class GraphLibrary:
         `start_background()` builds the rest off the request path when an engine wants it.
         """
         self.apply_function_attrs()
+        self._regroup()
         t = time.perf_counter()
         preps = [self.prepared(g.template) for g in self.groups]
         self.timings.prepare_ms += (time.perf_counter() - t) * 1e3
@@ -213,7 +252,9 @@ class GraphLibrary:
         # otherwise); any it leaves (child graphs, an edge strategy this driver needs) are built
         # by the Python path below.
         with self._driver_lock:
-            built, nt = rebuild.build_native(preps, self.ctx, self.events, instantiate=True)
+            built, nt = rebuild.build_native(
+                preps, self.ctx, self.events, instantiate=True, splices=self._splices
+            )
         self.timings.native_ms = nt["wall_ms"]
         self.timings.threads = int(nt["threads"])
         self.timings.build_ms += nt["build_cpu_ms"]
@@ -233,6 +274,15 @@ class GraphLibrary:
             self.timings.instantiate_ms += (time.perf_counter() - t0) * 1e3
             self._templates[group.index] = _Exec(handle, i)
         self.timings.templates = len(self.groups)
+
+    def _regroup(self) -> None:
+        """Split topology groups by the shapes of this rank's collectives (see split_groups)."""
+        if self.splicer is None:
+            return
+        t = time.perf_counter()
+        self.groups = split_groups(self.groups, self._spliced, self.splicer.signature)
+        self._group_of = {m: g.index for g in self.groups for m in g.members}
+        self.timings.splice_ms = (time.perf_counter() - t) * 1e3
 
     def prebuild_all(self) -> None:
         """Build every graph's CUgraph now (SAVE's proof and benchmarks; LOAD does it lazily)."""
@@ -352,6 +402,8 @@ class GraphLibrary:
             for g in self._graphs.values():
                 cu.cuGraphDestroy(g)
             self.events.destroy()
+            if self.splicer is not None:
+                self.splicer.close()
             self._dedicated.clear()
             self._templates.clear()
             self._graphs.clear()

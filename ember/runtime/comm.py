@@ -1,0 +1,293 @@
+"""Multi-GPU graphs from one single-GPU SAVE: collective placeholders and their splice.
+
+SAVE runs with libember_nccl preloaded after libember (`native/src/nccl_stub.cpp`): one process
+on one GPU plays rank 0 of the world, every NCCL call becomes a placeholder (a 4-byte memset of
+the stub's scratch word whose value is the call's sequence number) and the stub records the
+call. `placeholders()` finds those memsets in the walked graphs and writes the archive's
+collective table (the manifest's engine facts, key "collectives"): each distinct collective
+once, and per graph the node indices it stands at. Nothing in it is per rank: shard sizes and
+buffer addresses are the same on every rank (even sharding, fixed-base layout).
+
+LOAD on rank r: the engine has created its real communicator (as it would natively). `Splicer`
+captures each distinct collective once, with that communicator, on a stream of its own, into a
+tiny CUDA graph; the builder adds it as a child-graph node where the placeholder was
+(`prepared.OP_SPLICE`). NCCL chooses its algorithm, protocol and channels for the real world size
+and message size there, as in a native capture, so nothing NCCL-internal is patched; templates
+are regrouped when two graphs of one topology group got child graphs of different shapes.
+See docs/multi-gpu.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ember.archive.collectives import OPS, Call, Collectives
+from ember.archive.graphs import GraphSet, NodeType
+from ember.runtime.adapter import LOAD, Refused
+
+__all__ = ["Call", "Collectives", "PlaceholderError", "Splicer", "placeholders", "stub_calls", "stub_loaded"]
+
+STUB_NAME = "libember_nccl.so"
+
+class PlaceholderError(Exception):
+    """The captured collectives cannot be restored on every rank from one archive."""
+
+
+# ---- SAVE: the stub's records → the archive's table -----------------------------------------
+
+
+def stub_path() -> Path | None:
+    """libember_nccl.so beside libember (the same build or wheel)."""
+    from ember import native
+
+    lib = native.find_library()
+    if lib is None:
+        return None
+    p = lib.with_name(STUB_NAME)
+    return p if p.is_file() else None
+
+
+def stub_loaded() -> ctypes.CDLL | None:
+    """The stub, if this process runs with it preloaded (SAVE of a parallel shape)."""
+    try:
+        return ctypes.CDLL(STUB_NAME, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+    except OSError:
+        pass
+    p = stub_path()
+    if p is None:
+        return None
+    try:
+        return ctypes.CDLL(str(p), mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+    except OSError:
+        return None
+
+
+def stub_calls(stub: ctypes.CDLL) -> tuple[int, dict[int, list[dict[str, Any]]]]:
+    """(scratch address, calls by sequence number) as the stub recorded them."""
+    import json
+
+    stub.ember_nccl_scratch.restype = ctypes.c_ulonglong
+    stub.ember_nccl_calls.restype = ctypes.c_size_t
+    stub.ember_nccl_calls.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    need = stub.ember_nccl_calls(None, 0)
+    buf = ctypes.create_string_buffer(need)
+    stub.ember_nccl_calls(buf, need)
+    by_seq: dict[int, list[dict[str, Any]]] = {}
+    for line in buf.value.decode().splitlines():
+        rec = json.loads(line)
+        by_seq.setdefault(int(rec["seq"]), []).append(rec)
+    return int(stub.ember_nccl_scratch()), by_seq
+
+
+def _check_spmd(calls: Sequence[dict[str, Any]], world: int) -> None:
+    """One archive serves every rank only if the call means the same on every rank."""
+    for c in calls:
+        if int(c["nranks"]) != world:
+            raise PlaceholderError(
+                f"a {c['op']} on a communicator of {c['nranks']} ranks in a world of {world} "
+                "(sub-groups are not supported yet)"
+            )
+        if c["op"] not in OPS:
+            raise PlaceholderError(f"unknown NCCL call {c['op']!r}")
+    p2p = [c for c in calls if c["op"] in ("send", "recv")]
+    if p2p:
+        for op in ("send", "recv"):
+            peers = sorted(int(c["root"]) for c in p2p if c["op"] == op)
+            if peers and peers != list(range(world)):
+                raise PlaceholderError(
+                    f"point-to-point {op} to peers {peers} is rank-specific; only groups that "
+                    f"exchange with every rank (all-to-all) can be shared by all ranks"
+                )
+
+
+def placeholders(
+    graph_set: GraphSet,
+    scratch: int,
+    by_seq: Mapping[int, list[dict[str, Any]]],
+    world: int,
+    nccl_version: str,
+) -> Collectives | None:
+    """The collective table of a walked graph set (None when no graph holds a placeholder)."""
+    table: list[tuple[Call, ...]] = []
+    index: dict[tuple[Call, ...], int] = {}
+    nodes: dict[int, list[tuple[int, int]]] = {}
+    for gi, g in enumerate(graph_set.graphs):
+        for ni, node in enumerate(g.nodes):
+            p = node.params
+            if node.type is NodeType.GRAPH and _holds_placeholder(p, scratch):
+                raise PlaceholderError(f"graph {g.key}: a collective inside a child graph (not supported)")
+            if node.type is not NodeType.MEMSET or p is None or getattr(p, "dst", None) != scratch:
+                continue
+            calls = by_seq.get(int(p.value))  # type: ignore[union-attr]
+            if not calls:
+                raise PlaceholderError(
+                    f"graph {g.key}: node {ni}: placeholder {p.value} has no recorded call"
+                )  # type: ignore[union-attr]
+            _check_spmd(calls, world)
+            key = tuple(
+                Call(
+                    c["op"],
+                    int(c["send"]),
+                    int(c["recv"]),
+                    int(c["count"]),
+                    int(c["dtype"]),
+                    int(c["redop"]),
+                    int(c["root"]),
+                )
+                for c in calls
+            )
+            i = index.setdefault(key, len(table))
+            if i == len(table):
+                table.append(key)
+            nodes.setdefault(gi, []).append((ni, i))
+    if not nodes:
+        return None
+    return Collectives(world, nccl_version, table, nodes)
+
+
+def _holds_placeholder(graph: Any, scratch: int) -> bool:
+    for node in getattr(graph, "nodes", []):
+        if node.type is NodeType.MEMSET and getattr(node.params, "dst", None) == scratch:
+            return True
+        if node.type is NodeType.GRAPH and _holds_placeholder(node.params, scratch):
+            return True
+    return False
+
+
+# ---- LOAD: the rank's real collectives, captured once each -----------------------------------
+
+
+def nccl_version() -> str:
+    """This process's NCCL (what torch runs), "" without torch's NCCL."""
+    try:
+        import torch
+
+        return ".".join(str(v) for v in torch.cuda.nccl.version())
+    except Exception:
+        return ""
+
+
+def _nccl() -> ctypes.CDLL:
+    """The real libnccl torch loaded (never the stub: LOAD runs without it)."""
+    try:
+        return ctypes.CDLL("libnccl.so.2", mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+    except OSError:
+        return ctypes.CDLL("libnccl.so.2")
+
+
+class Splicer:
+    """Rank r's real collective for each placeholder, as a CUgraph captured once (on first use)."""
+
+    def __init__(self, collectives: Collectives, comm: int, world: int, rank: int) -> None:
+        if world != collectives.world:
+            raise Refused(LOAD, f"archive saved for a world of {collectives.world}, this rank is in {world}")
+        here = nccl_version()
+        if collectives.nccl_version and here != collectives.nccl_version:
+            raise Refused(LOAD, f"NCCL {collectives.nccl_version} at SAVE, {here or 'none'} here")
+        if not comm:
+            raise Refused(LOAD, "no NCCL communicator in this process")
+        self.collectives, self.comm, self.world, self.rank = collectives, comm, world, rank
+        self._lib = _nccl()
+        self._graphs: dict[int, Any] = {}
+        self._stream: Any = None
+        self.capture_ms = 0.0
+
+    def graph(self, i: int) -> Any:
+        """The CUgraph of collective `i` (the builder clones it into a child-graph node)."""
+        g = self._graphs.get(i)
+        if g is None:
+            g = self._graphs[i] = self._capture(self.collectives.table[i])
+        return g
+
+    def signature(self, i: int) -> tuple[int, ...]:
+        """Node types of collective i's graph, in order (what the template grouping must match)."""
+        from cuda.bindings import driver as cu
+
+        from ember.runtime.graphs.driver import check, graph_nodes
+
+        return tuple(
+            int(check(cu.cuGraphNodeGetType(n), "cuGraphNodeGetType")) for n in graph_nodes(self.graph(i))
+        )
+
+    def _capture(self, calls: tuple[Call, ...]) -> Any:
+        import time
+
+        from cuda.bindings import driver as cu
+
+        from ember.runtime.graphs.driver import check
+
+        t = time.perf_counter()
+        if self._stream is None:
+            self._stream = check(
+                cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate"
+            )
+        stream = self._stream
+        # Thread-local: the engine's own thread may allocate while this (background) thread captures.
+        check(
+            cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+            "cuStreamBeginCapture",
+        )
+        rc = 0
+        try:
+            if len(calls) > 1:
+                rc = rc or self._lib.ncclGroupStart()
+            for c in calls:
+                rc = rc or self._issue(c, int(stream))
+            if len(calls) > 1:
+                rc = self._lib.ncclGroupEnd() or rc
+        finally:
+            graph = check(cu.cuStreamEndCapture(stream), "cuStreamEndCapture")
+        if rc:
+            cu.cuGraphDestroy(graph)
+            raise Refused(LOAD, f"NCCL refused {calls[0].describe()} on rank {self.rank}: error {rc}")
+        self.capture_ms += (time.perf_counter() - t) * 1e3
+        return graph
+
+    def _issue(self, c: Call, stream: int) -> int:
+        vp, sz, i, p = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p(self.comm)
+        s, snd, rcv, n = vp(stream), vp(c.send), vp(c.recv), sz(c.count)
+        lib, dt = self._lib, i(c.dtype)
+        if c.op == "all_reduce":
+            return int(lib.ncclAllReduce(snd, rcv, n, dt, i(c.redop), p, s))
+        if c.op == "all_gather":
+            return int(lib.ncclAllGather(snd, rcv, n, dt, p, s))
+        if c.op == "reduce_scatter":
+            return int(lib.ncclReduceScatter(snd, rcv, n, dt, i(c.redop), p, s))
+        if c.op == "all_to_all":
+            return int(lib.ncclAlltoAll(snd, rcv, n, dt, p, s))
+        if c.op == "reduce":
+            return int(lib.ncclReduce(snd, rcv, n, dt, i(c.redop), i(c.root), p, s))
+        if c.op == "broadcast":
+            return int(lib.ncclBroadcast(snd, rcv, n, dt, i(c.root), p, s))
+        if c.op == "send":
+            return int(lib.ncclSend(snd, n, dt, i(c.root), p, s))
+        if c.op == "recv":
+            return int(lib.ncclRecv(rcv, n, dt, i(c.root), p, s))
+        raise Refused(LOAD, f"unknown collective {c.op!r} in the archive")
+
+    def close(self) -> None:
+        from cuda.bindings import driver as cu
+
+        for g in self._graphs.values():
+            cu.cuGraphDestroy(g)
+        self._graphs.clear()
+        if self._stream is not None:
+            cu.cuStreamDestroy(self._stream)
+            self._stream = None
+
+
+def torch_communicator(group: Any = None) -> int:
+    """The ncclComm_t of torch's process group (`ProcessGroupNCCL._comm_ptr()`), 0 if none."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return 0
+    pg = group or dist.group.WORLD
+    backend = pg._get_backend(torch.device("cuda", torch.cuda.current_device()))
+    get = getattr(backend, "_comm_ptr", None)
+    return int(get()) if callable(get) else 0
