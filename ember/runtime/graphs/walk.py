@@ -38,6 +38,7 @@ from ember.archive.graphs import (
 )
 from ember.runtime.graphs.driver import OK, CudaError, check, graph_edges, graph_nodes
 from ember.runtime.graphs.kernels import KernelNotFound, KernelResolver
+from ember.runtime.proof.structure import external_waits
 
 # CUDA_KERNEL_NODE_PARAMS_v2: func, grid xyz, block xyz, smem, (pad), kernelParams, extra, kern, ctx.
 KERNEL_PARAMS = struct.Struct("<Q3I3II4xQQQQ")
@@ -112,7 +113,11 @@ class GraphWalker:
     def walk(self, handle: Any, key: tuple[int, ...]) -> Graph:
         """Walk one CUgraph (a CUgraph, or an int handle as torch's raw_cuda_graph() returns)."""
         graph = handle if isinstance(handle, cu.CUgraph) else cu.CUgraph(int(handle))
-        return self._walk(graph, tuple(key))
+        walked = self._walk(graph, tuple(key))
+        for where, ev in external_waits(walked):
+            # a restored graph waits on a fresh event nothing records: the ordering would vanish
+            raise WalkRefused(tuple(key), -1, f"{where}: waits on event {ev}, recorded outside the graph")
+        return walked
 
     def graph_set(self, graphs: list[Graph]) -> GraphSet:
         return GraphSet(graphs=graphs, kernels=list(self.kernels), function_attrs=list(self.function_attrs))

@@ -25,11 +25,12 @@ from typing import Any, Protocol
 import torch
 
 from ember.archive import graph_table
-from ember.archive.graphs import Graph, GraphSet, KernelRef, NodeType
+from ember.archive.graphs import Graph, GraphSet, KernelRef
 from ember.runtime.graphs.templates import GraphLibrary
-from ember.runtime.graphs.walk import GraphWalker
-from ember.runtime.proof.measures import edge_problems, spread_of, suspect_kernels
+from ember.runtime.graphs.walk import GraphWalker, WalkRefused
+from ember.runtime.proof.measures import spread_of, suspect_kernels
 from ember.runtime.proof.measures import within_spread as _within
+from ember.runtime.proof.structure import structure_problems
 
 NATIVE_REPEATS = 3
 GraphKey = tuple[int, ...]
@@ -120,54 +121,6 @@ class _HandleResolver:
         raise NotImplementedError
 
 
-def structure_problems(
-    captured: Graph, rebuilt: Graph, cap_refs: list[KernelRef], reb_refs: list[KernelRef]
-) -> list[str]:
-    """What differs between a captured graph and the walk of its rebuild (empty = identical).
-
-    Edges compare as a multiset (the driver may list them in another order); everything else
-    node by node."""
-    out: list[str] = []
-    if len(captured.nodes) != len(rebuilt.nodes):
-        return [f"{len(rebuilt.nodes)} nodes rebuilt, {len(captured.nodes)} captured"]
-    for i, (a, b) in enumerate(zip(captured.nodes, rebuilt.nodes, strict=True)):
-        if a.type != b.type:
-            out.append(f"node {i}: type {b.type.name}, captured {a.type.name}")
-        elif a.type == NodeType.KERNEL:
-            pa, pb = a.params, b.params
-            for f in ("grid", "block", "shared_mem", "args", "arg_offsets", "arg_sizes", "extra", "attrs"):
-                if getattr(pa, f) != getattr(pb, f):
-                    out.append(f"node {i}: {f} differs ({cap_refs[pa.kernel].name[:60]})")
-            if cap_refs[pa.kernel].name != reb_refs[pb.kernel].name:
-                out.append(
-                    f"node {i}: kernel {reb_refs[pb.kernel].name[:60]}, "
-                    f"captured {cap_refs[pa.kernel].name[:60]}"
-                )
-        elif a.type != NodeType.GRAPH and a.params != b.params:
-            out.append(f"node {i}: params differ")
-        if len(out) > 5:
-            break
-
-    out.extend(edge_problems(captured.edges, rebuilt.edges))
-    return out
-
-
-def rebuilt_edges(graph: Any) -> list[Any]:
-    """(src, dst, from_port, to_port, type) of a built CUgraph, node indices in creation order."""
-    from types import SimpleNamespace
-
-    from ember.runtime.graphs.driver import graph_edges, graph_nodes
-
-    index = {int(n): i for i, n in enumerate(graph_nodes(graph))}
-    frm, to, data = graph_edges(graph)
-    return [
-        SimpleNamespace(
-            src=index[a], dst=index[b], from_port=data[8 * j], to_port=data[8 * j + 1], type=data[8 * j + 2]
-        )
-        for j, (a, b) in enumerate(zip(frm, to, strict=True))
-    ]
-
-
 def deviation(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[float]:
     """Per output: 0 when bit-identical; else max |a-b| for floating outputs (inf where only one
     side is NaN) and the number of differing elements for integer/bool outputs."""
@@ -249,10 +202,13 @@ def prove(
     dedicated: bool = True,
     repeats: int = 2,
     native_repeats: int = NATIVE_REPEATS,
+    resolver: Any = None,
 ) -> tuple[ProofReport, bytes, GraphLibrary]:
     """Encode → decode → rebuild → replay every graph against the captured one (same process).
 
-    `functions_of(kernel_refs)` resolves the decoded KernelRefs to CUfunctions. Returns the
+    `functions_of(kernel_refs)` resolves the decoded KernelRefs to CUfunctions; `resolver` (a
+    KernelResolver, SAVE's) names the rebuilt graphs' kernels again from their handles for the
+    structure check (without one, the table's refs name them). Returns the
     report, the encoded graph table (what gets published) and the proven library.
     Steps: serialize and read back (`_encode_decode`), structure (`_StructureCheck`), replay and
     compare per key (`_prove_key`), report the graphs that are not bit-stable (`_note_unstable`).
@@ -265,8 +221,9 @@ def prove(
     lib = GraphLibrary(table, functions, hot_after=0)  # the proof dedicates itself
     lib.build_templates()
     rep.templates = len(lib.groups)
-    structure = _StructureCheck(graph_set, lib, GraphWalker(_HandleResolver(functions, table.kernels)))
+    structure = _StructureCheck(graph_set, lib, functions, table.kernels, resolver)
     rep.mismatches.extend(structure.check_all())
+    rep.notes.extend(structure.notes[:3])
     state = subject.state_tensors()
     # optional: a subject whose graphs each read their own tensors (vLLM's piecewise graphs)
     # gives them per key, so each key snapshots only what it reads
@@ -276,7 +233,7 @@ def prove(
         run = _Runner(state_for(key) if state_for is not None else state, list(subject.outs[key]))
         replay = subject.graphs[key].replay
         stable = _prove_key(
-            rep, lib, structure, run, i, replay,
+            rep, lib, run, i, replay,
             dedicated=dedicated, repeats=repeats, native_repeats=native_repeats,
         )
         if not stable:
@@ -301,40 +258,55 @@ def _encode_decode(graph_set: GraphSet, rep: ProofReport) -> tuple[bytes, graph_
 
 
 class _StructureCheck:
-    """The rebuilt graphs walked back from the driver, against the captured ones."""
+    """Every rebuilt graph walked back from the driver, in full, against the captured one.
 
-    def __init__(self, graph_set: GraphSet, lib: GraphLibrary, walker: GraphWalker) -> None:
-        self.graph_set, self.lib, self.walker = graph_set, lib, walker
-        self.templates = {g.template for g in lib.groups}
+    The rebuilt walk names its kernels through `resolver` (SAVE's own: libember's catalog by
+    image hash + name, found again from the rebuilt node's function handle) and reads each
+    function's attributes from the driver, so a kernel resolved to a same-named function of
+    another image, or one whose attributes LOAD did not apply, is a difference. Without a
+    resolver (or where it cannot name a handle LOAD resolved) the table's refs name the handles."""
+
+    def __init__(self, graph_set: GraphSet, lib: GraphLibrary, functions: list[int], refs: list[KernelRef],
+                 resolver: Any = None) -> None:
+        self.graph_set, self.lib = graph_set, lib
+        self._fallback = GraphWalker(_HandleResolver(functions, refs))
+        self.walker = GraphWalker(resolver) if resolver is not None else self._fallback
+        self.notes: list[str] = []
+
+    def _walk(self, i: int) -> tuple[Graph, GraphWalker]:
+        key = self.lib.keys[i]
+        if self.walker is not self._fallback:
+            try:
+                return self.walker.walk(self.lib.graph(i), key), self.walker
+            except WalkRefused as exc:
+                self.notes.append(f"rebuilt graph {key}: named by the table's refs ({exc.reason})")
+                self.walker = self._fallback
+        return self._fallback.walk(self.lib.graph(i), key), self._fallback
 
     def _problems(self, i: int) -> list[str]:
-        rebuilt = self.walker.walk(self.lib.graph(i), self.lib.keys[i])
+        try:
+            rebuilt, w = self._walk(i)
+        except WalkRefused as exc:
+            return [f"graph {self.lib.keys[i]}: rebuilt graph not walkable: {exc.reason}"]
         gs = self.graph_set
-        found = structure_problems(gs.graphs[i], rebuilt, gs.kernels, self.walker.kernels)
+        found = structure_problems(
+            gs.graphs[i], rebuilt, gs.kernels, w.kernels, gs.function_attrs, w.function_attrs
+        )
         return [f"graph {self.lib.keys[i]}: rebuilt structure: {p}" for p in found]
 
     def check_all(self) -> list[str]:
-        """Every template in full (nodes, parameters, attributes, edges with their edge data);
-        the edges of EVERY graph (one driver call each). Builds every graph's CUgraph."""
-        out: list[str] = []
-        for i in sorted(self.templates):
-            out.extend(self._problems(i))
+        """Every graph in full: nodes, parameters, kernels by image + name, function attributes,
+        child graphs, event pattern, edges with their edge data. Builds every graph's CUgraph."""
         self.lib.prebuild_all()
+        out: list[str] = []
         for i in range(len(self.lib.keys)):
-            if i not in self.templates:
-                for p in edge_problems(self.graph_set.graphs[i].edges, rebuilt_edges(self.lib.graph(i))):
-                    out.append(f"graph {self.lib.keys[i]}: rebuilt structure: {p}")
+            out.extend(self._problems(i))
         return out
-
-    def in_full(self, i: int) -> list[str]:
-        """Graph i in full, unless check_all already did (a template)."""
-        return self._problems(i) if i not in self.templates else []
 
 
 def _prove_key(
     rep: ProofReport,
     lib: GraphLibrary,
-    structure: _StructureCheck,
     run: _Runner,
     i: int,
     replay: Callable[[], None],
@@ -350,8 +322,6 @@ def _prove_key(
     natives = [run(replay) for _ in range(max(native_repeats, 2))]
     spread = native_spread(natives)
     stable = not any(spread)
-    if not stable:
-        rep.mismatches.extend(structure.in_full(i))
     worst = [0.0] * len(natives[0])
     ok = True
     for _ in range(repeats):  # a race would not show every time: replay the serving path again
