@@ -248,9 +248,7 @@ def save(
     d["walk_s"] = time.perf_counter() - t
     t = time.perf_counter()
     subject = adapter.proof_subject(graphs)
-    rep, table_blob, lib = prove(
-        subject, graph_set, lambda refs: [resolver.function(r) for r in refs], resolver=resolver
-    )
+    rep, table_blob, lib = prove(subject, graph_set, resolver.function_list, resolver=resolver)
     d["prove_s"] = time.perf_counter() - t
     templates = [g.template for g in lib.groups]
     lib.close()

@@ -31,6 +31,8 @@ class KernelResolver(Protocol):
 
     def function(self, ref: KernelRef) -> int: ...
 
+    def function_list(self, refs: list[KernelRef]) -> list[int]: ...
+
 
 def function_name(func: int) -> str:
     name = check(cu.cuFuncGetName(cu.CUfunction(func)), "cuFuncGetName")
@@ -62,6 +64,9 @@ class LiveResolver:
                 "LiveResolver.function", f"kernel {ref.name} was not seen in this process"
             ) from None
 
+    def function_list(self, refs: list[KernelRef]) -> list[int]:
+        return [self.function(r) for r in refs]
+
 
 class NativeResolver:
     """Kernels found through libember's catalog (see ember.native.Interposer)."""
@@ -82,6 +87,9 @@ class NativeResolver:
 
     def function(self, ref: KernelRef) -> int:
         return int(self._ip.function(ref.image, ref.name))
+
+    def function_list(self, refs: list[KernelRef]) -> list[int]:
+        return [self.function(r) for r in refs]
 
 
 def is_live(ref: KernelRef) -> bool:
