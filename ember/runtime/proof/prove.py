@@ -120,6 +120,9 @@ class _HandleResolver:
     def function(self, ref: KernelRef) -> int:
         raise NotImplementedError
 
+    def function_list(self, refs: list[KernelRef]) -> list[int]:
+        raise NotImplementedError
+
 
 def deviation(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[float]:
     """Per output: 0 when bit-identical; else max |a-b| for floating outputs (inf where only one
