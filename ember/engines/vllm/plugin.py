@@ -198,18 +198,20 @@ def _before_runner(vllm_config: Any, kind: str) -> None:
 
 
 def _open(adapter: Any) -> Any:
-    from ember.engines.transformers_cb.adapter import store_of
+    from pathlib import Path
+
     from ember.runtime.adapter import LOAD, Refused
     from ember.runtime.load import open_restore
 
-    archive = os.environ.get("EMBER_VLLM_ARCHIVE", "")
-    if not archive:
-        raise Refused(LOAD, "EMBER_VLLM_ARCHIVE is not set (<store>/archives/<identity-hash>)")
-    store_uri, identity = store_of(archive)
-    return open_restore(adapter, STATE.ip, store_uri, identity)
+    archive = Path(os.environ.get("EMBER_VLLM_ARCHIVE", "")).absolute()
+    if archive.parent.name != "archives":
+        raise Refused(LOAD, "EMBER_VLLM_ARCHIVE is not <store>/archives/<identity-hash>")
+    return open_restore(adapter, STATE.ip, archive.parent.parent.as_uri(), archive.name)
 
 
 def _save(runner: Any, kind: str, native: Any) -> int:
+    import torch
+
     from ember.engines.vllm.adapter import VllmAdapter
     from ember.runtime.save import save
 
@@ -217,7 +219,8 @@ def _save(runner: Any, kind: str, native: Any) -> int:
     adapter = VllmAdapter(runner, runner_kind=kind, native_capture=native)
     store = os.environ.get("EMBER_VLLM_STORE") or None
     try:
-        outcome = save(adapter, STATE.ip, store, log=log.info)
+        with torch.inference_mode():  # the engine's tensors are inference tensors
+            outcome = save(adapter, STATE.ip, store, log=log.info)
         report("save", **outcome.summary(), seconds=round(time.perf_counter() - t, 4))
     except Exception as exc:  # Refused, ProofFailed or a site the adapter does not know
         report("save_refused", reason=f"{type(exc).__name__}: {exc}", captured=len(adapter.captured))
@@ -228,6 +231,8 @@ def _save(runner: Any, kind: str, native: Any) -> int:
 
 
 def _load(runner: Any, kind: str, native: Any) -> int:
+    import torch
+
     from ember.engines.vllm.adapter import VllmAdapter
     from ember.runtime.adapter import Refused
     from ember.runtime.load import load
@@ -235,7 +240,8 @@ def _load(runner: Any, kind: str, native: Any) -> int:
     t = time.perf_counter()
     adapter = VllmAdapter(runner, runner_kind=kind)
     try:
-        restored = load(adapter, STATE.restore)
+        with torch.inference_mode():
+            restored = load(adapter, STATE.restore)
         _after_install(kind)
     except Refused as exc:
         STATE.refusal = f"{exc.stage}: {exc.reason}"
