@@ -39,7 +39,7 @@ GRAPH_ARCHIVES = "grapharchives"
 _P = f"{GROUP}/"  # prefix of every label and annotation key below
 
 # ---- Labels (pods, SAVE Jobs, GraphArchives, HPAs) -----------------------------------------------
-LABEL_POOL = _P + "pool"  # POOL_WARM | POOL_SERVING
+LABEL_POOL = _P + "pool"  # POOL_WARM | POOL_SERVING | POOL_DRAINING
 LABEL_DEPLOYMENT = _P + "deployment"  # serving pods: their ModelDeployment (the sidecar reads it)
 LABEL_GPU_PRODUCT = _P + "gpu-product"
 LABEL_POOL_KEY = _P + "pool-key"  # hash of the pod template: pods of equal templates share a pool
@@ -51,6 +51,7 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 MANAGED_BY_OPERATOR = "ember-operator"
 POOL_WARM = "warm"
 POOL_SERVING = "serving"
+POOL_DRAINING = "draining"  # out of service (old shape or revision): deleted after a grace period
 
 # ---- Annotations ---------------------------------------------------------------------------------
 # The claim (written by the operator, read by the sidecar; see `Claim`). ANN_IDENTITY and ANN_ARCHIVE
@@ -60,7 +61,7 @@ ANN_IDENTITY = _P + "identity"  # the full identity hash
 ANN_IDENTITY_SPEC = _P + "identity-spec"  # canonical identity JSON (model, capture, ...)
 ANN_ENGINE_ARGS = _P + "engine-args"  # JSON list of extra engine arguments
 ANN_RANK = _P + "rank"  # this pod's rank ...
-ANN_WORLD = _P + "world"  # ... of this many (multi-GPU); 0 of 1 today
+ANN_WORLD = _P + "world"  # ... of this many: a pod of N GPUs is rank 0 of world N (its ranks 0..N-1)
 ANN_CLAIMED_AT = _P + "claimed-at"  # RFC 3339 with fractional seconds (or epoch seconds)
 ANN_NATIVE_REASON = _P + "native-reason"  # claims without an archive: why (capture natively)
 # sha256 of the manifest the operator saw Available: the sidecar refuses a manifest with another
@@ -74,6 +75,9 @@ ANN_RESTORE_TIME = _P + "restore-time"  # RFC 3339, optional
 RESTORED = "restored"
 FALLBACK = "fallback"
 FALLBACK_PREFIX = f"{FALLBACK}: "
+# Set by the operator when it takes a serving pod out of service (RFC 3339): the sidecar's readiness
+# turns off at once; the pod is deleted `spec.drainSeconds` later (requests in flight finish).
+ANN_DRAIN = _P + "drain-at"
 # SAVE Jobs: the attempt number (a retry is a new Job).
 ANN_SAVE_ATTEMPT = _P + "attempt"
 

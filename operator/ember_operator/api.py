@@ -9,11 +9,12 @@ are camelCase on the wire (Kubernetes convention) and snake_case in Python.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import ConfigDict, Field
 
 from ember.identity import ArchiveIdentity, Parallelism
+from ember_operator.api_autoscaling import QUANTITY, AutoscalingSpec, MetricTarget  # noqa: F401
 from ember_operator.api_base import (  # noqa: F401  (re-exported: crdgen and callers use api.*)
     DNS1123_SUBDOMAIN,
     KEYS_RULE,
@@ -26,6 +27,14 @@ from ember_operator.api_base import (  # noqa: F401  (re-exported: crdgen and ca
     LabelValue,
     MapValue,
     cel,
+)
+from ember_operator.api_parallelism import (  # noqa: F401
+    MAX_REPLICA_GPUS,
+    ParallelismSpec,
+    ParallelShape,
+    ShapeSpec,
+    ShapeStatus,
+    SwitchStatus,
 )
 from ember_operator.api_signing import ArchiveSettings, SigningSpec, TrustedKey  # noqa: F401
 
@@ -177,14 +186,6 @@ class CaptureSpec(ApiModel):
         return tuple(s for s in sizes if s <= cap)
 
 
-class ParallelismSpec(ApiModel):
-    """Parallel degrees inside one replica. The expert groups are formed over tensor × data ranks."""
-
-    tensor: int = Field(1, ge=1, le=64, description="Tensor-parallel degree.")
-    expert: int = Field(1, ge=1, le=512, description="Expert-parallel degree (divides tensor × data).")
-    data: int = Field(1, ge=1, le=64, description="Data-parallel degree inside one replica.")
-
-
 class GpuSpec(ApiModel):
     """GPUs each replica runs on."""
 
@@ -193,7 +194,8 @@ class GpuSpec(ApiModel):
         "nvidia.com/gpu.product), e.g. NVIDIA-H100-80GB-HBM3. Part of the archive identity.",
         min_length=1, max_length=63, pattern=r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$",
     )
-    count: int = Field(1, ge=1, le=64, description="GPUs per replica; must equal tensor × data.")
+    count: int | None = Field(None, ge=1, le=64, description="GPUs per replica (one pod): tensor × data "
+                              "when unset; when set it must equal tensor × data.")
 
 
 class S3Store(ApiModel):
@@ -274,76 +276,10 @@ class StoreSpec(ApiModel):
 class WarmPoolSpec(ApiModel):
     """Pre-warmed pods kept per (GPU product, GPU count, engine, store) in this namespace."""
 
-    size: int = Field(0, ge=0, le=256, description="Warm pods to keep ready for claims (pool size is "
-                      "the largest size asked by the deployments sharing the pool).")
-
-
-# A Kubernetes quantity: the operator's own check of objects stored before admission had CEL's
-# isQuantity() (a non-quantity made the HPA create fail on every pass, status never written).
-QUANTITY = r"^[+-]?([0-9]+([.][0-9]*)?|[.][0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$"
-
-
-class MetricTarget(ApiModel):
-    """One HPA metric target."""
-
-    model_config = ConfigDict(
-        json_schema_extra=cel(
-            (
-                "has(self.averageValue) != has(self.averageUtilization)",
-                "autoscaling target: set exactly one of averageValue and averageUtilization",
-            ),
-            (
-                "!has(self.averageUtilization) || self.type == 'Resource'",
-                "autoscaling target: averageUtilization applies to Resource metrics only",
-            ),
-            (
-                "self.type != 'Resource' || self.name in ['cpu', 'memory']",
-                "autoscaling target: Resource metrics are cpu or memory (GPU use is not a resource "
-                "metric the HPA can read; scale on a Pods or External metric such as requests waiting)",
-            ),
-            (
-                "!has(self.averageValue) || isQuantity(self.averageValue)",
-                "autoscaling target: averageValue must be a quantity (e.g. 8, 500m, 1Gi)",
-            ),
-            (
-                "!has(self.selector) || self.type == 'External'",
-                "autoscaling target: selector applies to External metrics only",
-            ),
-        )
-    )
-    type: Literal["Resource", "Pods", "External"] = Field(
-        description="Resource (cpu, memory; needs resources.requests), Pods (a per-pod custom metric, "
-        "e.g. the engine's requests waiting) or External (a metric not attached to the pods; its "
-        "total is divided by the replicas: averageValue)."
-    )
-    name: str = Field(min_length=1, max_length=253, description="Metric or resource name.")
-    selector: dict[Annotated[str, Field(max_length=316)], LabelValue] | None = Field(
-        None, max_length=16, description="External metrics: matchLabels of the metric series.",
-    )
-    average_value: str | None = Field(
-        None, max_length=64, pattern=QUANTITY,
-        description="Target average value per pod (a quantity, e.g. 8 or 500m).",
-    )
-    average_utilization: int | None = Field(
-        None, ge=1, le=1000, description="Target average utilization in percent of requests."
-    )
-
-
-class AutoscalingSpec(ApiModel):
-    """When set, the operator keeps an autoscaling/v2 HPA pointed at this ModelDeployment's /scale."""
-
-    model_config = ConfigDict(
-        json_schema_extra=cel((
-            "self.minReplicas <= self.maxReplicas",
-            "autoscaling.minReplicas must be at most autoscaling.maxReplicas",
-        ))
-    )
-    min_replicas: int = Field(1, ge=1, le=10000, description="Lower bound for the HPA.")
-    max_replicas: int = Field(ge=1, le=10000, description="Upper bound for the HPA.")
-    targets: list[MetricTarget] = Field(
-        default_factory=list, max_length=8,
-        description="Metric targets; none means the HPA only enforces the bounds.",
-    )
+    size: int = Field(0, ge=0, le=256, description="GPUs to keep warm in unclaimed pods: pods of the current "
+                      "shape's GPU count and of each alternative's, round robin, while they fit (a 1-GPU "
+                      "deployment keeps this many pods). A pool's size is the largest ask of the "
+                      "deployments sharing it.")
 
 
 class SaveOptions(ApiModel):
@@ -362,12 +298,8 @@ class SaveOptions(ApiModel):
 
 _MD_SPEC_RULES = cel(
     (
-        "self.gpu.count == self.parallelism.tensor * self.parallelism.data",
-        "gpu.count must equal parallelism.tensor × parallelism.data",
-    ),
-    (
-        "(self.parallelism.tensor * self.parallelism.data) % self.parallelism.expert == 0",
-        "parallelism.expert must divide parallelism.tensor × parallelism.data",
+        "!has(self.gpu.count) || self.gpu.count == self.parallelism.tensor * self.parallelism.data",
+        "gpu.count must equal parallelism.tensor × parallelism.data (or be left unset)",
     ),
     (
         "!has(self.autoscaling) || self.replicas > 0",
@@ -385,7 +317,9 @@ class ModelDeploymentSpec(ApiModel):
     engine: EngineSpec = Field(description="The serving engine.")
     capture: CaptureSpec = Field(default_factory=CaptureSpec, description="CUDA graph capture settings.")
     parallelism: ParallelismSpec = Field(
-        default_factory=ParallelismSpec, description="Parallel degrees per replica (an edit re-SAVEs)."
+        default_factory=ParallelismSpec, description="Parallel degrees per replica. An edit switches the "
+        "pods to the new shape (new pods Ready first, then the old ones drain): at once when the shape "
+        "is one of the alternatives with its archive saved, after a SAVE otherwise.",
     )
     gpu: GpuSpec = Field(description="GPU product and count per replica.")
     replicas: int = Field(1, ge=0, le=10000, description="Serving replicas (the /scale subresource).")
@@ -398,8 +332,20 @@ class ModelDeploymentSpec(ApiModel):
     archive: ArchiveSettings = Field(default_factory=ArchiveSettings,
                                      description="Archive signing and the keys serving pods trust.")
 
-    def identity(self) -> ArchiveIdentity:
-        """The archive identity: what a SAVE of this spec captures (hash names the GraphArchive)."""
+    drain_seconds: int = Field(
+        10, ge=0, le=3600, description="When pods of an old shape or revision go: seconds between "
+        "taking them out of service (readiness off, out of the Service and the HPA's count) and "
+        "deleting them, for requests in flight.",
+    )
+
+    def gpu_count(self, shape: ShapeSpec | None = None) -> int:
+        """GPUs of one replica of `shape` (the current one by default)."""
+        return (shape or self.parallelism).gpus
+
+    def identity(self, shape: ShapeSpec | None = None) -> ArchiveIdentity:
+        """The archive identity: what a SAVE of this spec (in `shape`, by default the current one)
+        captures; its hash names the GraphArchive."""
+        shape = shape or self.parallelism
         return ArchiveIdentity(
             model=self.model.name,
             revision=self.model.revision,
@@ -411,9 +357,7 @@ class ModelDeploymentSpec(ApiModel):
             dtype=self.model.dtype,
             max_num_tokens=self.capture.max_num_tokens,
             max_batch=self.capture.max_batch,
-            parallelism=Parallelism(
-                tensor=self.parallelism.tensor, expert=self.parallelism.expert, data=self.parallelism.data
-            ),
+            parallelism=Parallelism(tensor=shape.tensor, expert=shape.expert, data=shape.data),
             gpu_product=self.gpu.product,
         )
 
@@ -449,6 +393,7 @@ class MDPhase(StrEnum):
     ready = "Ready"
     scaling = "Scaling"
     reconfiguring = "Reconfiguring"
+    switching = "Switching"
     degraded = "Degraded"
 
 
@@ -465,7 +410,7 @@ class ModelDeploymentStatus(ApiModel):
     """Observed state of a ModelDeployment. `phase` summarizes the conditions."""
 
     phase: MDPhase | None = Field(None, description="Summary: Pending, Saving, Deploying, Ready, "
-                                  "Scaling, Reconfiguring or Degraded.")
+                                  "Scaling, Reconfiguring, Switching or Degraded.")
     conditions: list[Condition] = Field(
         default_factory=list, description="ArchiveReady, Available, Progressing, Schedulable.",
         json_schema_extra=_CONDITIONS_EXTRA,
@@ -483,6 +428,9 @@ class ModelDeploymentStatus(ApiModel):
     native_replicas: int = Field(0, description="Serving pods claimed without an archive (native capture); "
                                  "replaced by restoring pods once the archive is Available.")
     warm_claims: int = Field(0, description="Warm pods claimed by this deployment (lifetime count).")
+    shapes: list[ShapeStatus] = Field(default_factory=list, description="The current shape and each "
+                                      "alternative of spec.parallelism, with its archive's phase.")
+    switch: SwitchStatus | None = Field(None, description="A switch between shapes in progress.")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -502,7 +450,7 @@ class IdentitySpec(ApiModel):
     dtype: str = Field("bfloat16", description="dtype.")
     max_num_tokens: int = Field(8192, description="Token budget.")
     max_batch: int = Field(512, description="Largest captured batch.")
-    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Parallel degrees.")
+    parallelism: ShapeSpec = Field(default_factory=ShapeSpec, description="Parallel degrees.")
     gpu_product: str = Field("", description="GPU product the archive is saved on.")
 
     @classmethod
@@ -529,6 +477,10 @@ class SaveSpec(ApiModel):
     signing_secret: str | None = Field(
         None, description="Secret with the PEM ed25519 signing key ('signing-key.pem'), mounted into "
         "the SAVE Job; the archive is unsigned when unset.",
+    )
+    priority_class_name: str | None = Field(
+        None, description="priorityClassName of the SAVE pod (archives saved ahead of time for "
+        "spec.parallelism.alternatives run at the operator's low presave priority).",
     )
 
 

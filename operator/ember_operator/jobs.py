@@ -57,6 +57,8 @@ def save_job(
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
         **gpu_placement(gpu_product),
+        # Any shape saves on ONE GPU (libember's communication stub stands in for the other ranks).
+        **({"priorityClassName": spec.save.priority_class_name} if spec.save.priority_class_name else {}),
     }
     return {
         "apiVersion": "batch/v1",

@@ -14,6 +14,7 @@ def main() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # not a line per watch event
     ours = Settings.from_env()
     registry = kopf.OperatorRegistry()
     register(registry, ours)

@@ -59,6 +59,7 @@ def warm_selector(pool_key: str = "") -> str:
     return f"{sel},{contract.LABEL_POOL_KEY}={pool_key}" if pool_key else sel
 
 
-def selector(md_name: str) -> str:
-    """status.selector: the serving pods of one deployment (what the HPA counts)."""
-    return f"{contract.LABEL_DEPLOYMENT}={md_name},{contract.LABEL_POOL}={contract.POOL_SERVING}"
+def selector(md_name: str, pool: str = contract.POOL_SERVING) -> str:
+    """status.selector: the serving pods of one deployment (what the HPA counts); with `pool`
+    draining, its pods out of service."""
+    return f"{contract.LABEL_DEPLOYMENT}={md_name},{contract.LABEL_POOL}={pool}"

@@ -31,7 +31,7 @@ from ember import contract
 from ember.archive import signing
 from ember.contract import Claim
 from ember.identity import canonical_json
-from ember_operator import conditions, hpas, naming
+from ember_operator import conditions, hpas, naming, switching
 from ember_operator.api import (
     ArchiveRef,
     GraphArchiveSpec,
@@ -40,6 +40,7 @@ from ember_operator.api import (
     ModelDeploymentSpec,
     ModelDeploymentStatus,
     SaveSpec,
+    ShapeSpec,
     StoreSpec,
     under_root,
 )
@@ -62,6 +63,7 @@ class Context:
     pod_service_account: str = ""
     signing_secret: str = ""  # for deployments that name no signing Secret
     local_store_root: str = "/var/lib/ember"  # spec'd local stores must lie under it
+    presave_priority_class: str = ""  # priorityClassName of SAVE Jobs for alternatives ("" → none)
 
 
 @dataclass
@@ -78,6 +80,9 @@ class Observed:
     warm: list[PodView] = field(default_factory=list)  # unclaimed warm pods of its pool
     hpa: dict[str, Any] | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    draining: list[PodView] = field(default_factory=list)  # pods taken out of service (pool=draining)
+    # GraphArchives of the alternative shapes, by identity hash (None: not created yet)
+    alt_archives: dict[str, ArchiveView | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -90,8 +95,12 @@ class Plan:
     deletes: list[str] = field(default_factory=list)
     hpa_apply: dict[str, Any] | None = None
     hpa_delete: bool = False
-    labels: dict[str, str] = field(default_factory=dict)  # labels to set on the ModelDeployment
+    labels: dict[str, str | None] = field(default_factory=dict)  # label changes (None removes)
     claim: Claim | None = None  # what claims and new pods carry (replacements of lost claims too)
+    presaves: list[dict[str, Any]] = field(default_factory=list)  # GraphArchives of alternatives
+    drains: list[str] = field(default_factory=list)  # serving pods to take out of service
+    undrains: list[str] = field(default_factory=list)  # draining pods to put back (an edit back)
+    requeue_after: float | None = None  # look again then (a drain's grace period ends)
 
 
 def store_of(spec: ModelDeploymentSpec, ctx: Context) -> StoreSpec:
@@ -108,11 +117,17 @@ def store_of(spec: ModelDeploymentSpec, ctx: Context) -> StoreSpec:
     return StoreSpec.from_uri(ctx.default_store, ctx.default_s3_endpoint)
 
 
-def template_of(namespace: str, spec: ModelDeploymentSpec, ctx: Context) -> PodTemplate:
+def template_of(
+    namespace: str, spec: ModelDeploymentSpec, ctx: Context, shape: ShapeSpec | None = None,
+) -> PodTemplate:
+    """The pods of `spec` in `shape` (the current one by default): one pod of tensor × data GPUs."""
+    if spec.gpu.count is not None and spec.gpu.count != spec.gpu_count():
+        raise ValueError(f"gpu.count {spec.gpu.count} must equal parallelism.tensor × parallelism.data "
+                         f"({spec.gpu_count()}), or be left unset")
     return PodTemplate(
         namespace=namespace,
         gpu_product=spec.gpu.product,
-        gpu_count=spec.gpu.count,
+        gpu_count=spec.gpu_count(shape),
         engine_kind=spec.engine.kind.value,
         engine_version=spec.engine.version,
         engine_image=spec.engine.image,
@@ -141,8 +156,11 @@ def revision_of(identity_hash: str, template: PodTemplate, spec: ModelDeployment
     return naming.short_hash(identity_hash, template.pool_key, list(spec.engine.args), length=10)
 
 
-def archive_object(name: str, namespace: str, spec: ModelDeploymentSpec, ctx: Context) -> dict[str, Any]:
-    ident = spec.identity()
+def archive_object(
+    name: str, namespace: str, spec: ModelDeploymentSpec, ctx: Context, shape: ShapeSpec | None = None,
+    priority_class: str = "",
+) -> dict[str, Any]:
+    ident = spec.identity(shape)
     ga = GraphArchiveSpec(
         identity_hash=ident.hash(),
         identity=IdentitySpec.of(ident),
@@ -151,6 +169,7 @@ def archive_object(name: str, namespace: str, spec: ModelDeploymentSpec, ctx: Co
             image=spec.engine.image, args=list(spec.engine.args),
             pod_annotations=dict(spec.save.pod_annotations), timeout_seconds=spec.save.timeout_seconds,
             signing_secret=spec.archive.signing.secret_name or ctx.signing_secret or None,
+            priority_class_name=priority_class or None,
         ),
     )
     return {
@@ -215,20 +234,29 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
     archive = obs.archive
     if archive is None:
         plan.archive_create = archive_object(naming.archive_name(ident_hash), obs.namespace, spec, ctx)
+    for shape in switching.shapes_and_labels(obs, plan, archive):
+        name = naming.archive_name(spec.identity(shape).hash())
+        low = ctx.presave_priority_class
+        plan.presaves.append(archive_object(name, obs.namespace, spec, ctx, shape, low))
 
     arch_condition = _archive_condition(archive)
     archive_uri = archive.uri if archive is not None and archive.available else ""
     plan.claim = Claim(
         archive_uri=archive_uri, identity=ident_hash,
         claimed_at=obs.now.timestamp(),  # written with microseconds: the sidecar times from it
-        deployment=obs.name, revision=revision,
+        deployment=obs.name, revision=revision, rank=0, world=spec.gpu_count(),  # the pod's ranks: 0..world-1
         identity_spec=canonical_json(ident.canonical()).decode(), engine_args=tuple(spec.engine.args),
         native_reason="" if archive_uri else arch_condition[1],
         manifest_digest=archive.digest if archive is not None and archive_uri else "",
     )
     rollout = _plan_pods(obs, plan, plan.claim, template)
     _set_replica_status(obs, plan, rollout)
+    old = [p for p in rollout.remaining if not rollout.is_current(p)]
+    rollout.previous = switching.previous_shape(obs, plan, old)
     _set_conditions(obs, plan, rollout, arch_condition)
+    ready_new = sum(p.ready for p in rollout.remaining if rollout.is_current(p)) + rollout.claimed_ready
+    presaved = archive is not None and archive.available
+    switching.switch_status(obs, plan, rollout.previous, ready_new, len(old), presaved)
     _plan_hpa(obs, plan)
     return plan
 
@@ -244,6 +272,7 @@ class _Rollout:
     claimed: int = 0  # warm pods claimed in this pass
     claimed_ready: int = 0  # ... of which were ready
     remaining: list[PodView] = field(default_factory=list)  # live pods this plan keeps
+    previous: ShapeSpec | None = None  # switching from this shape (pods of it still serve or drain)
     not_restoring: int = 0  # pods (kept or new) that capture natively: no archive, or fell back
 
     @property
@@ -265,7 +294,7 @@ def is_current(pod: PodView, claim: Claim) -> bool:
 
 
 def _plan_pods(obs: Observed, plan: Plan, claim: Claim, template: PodTemplate) -> _Rollout:
-    """Claims, cold pods and deletions (rules 2-4)."""
+    """Claims, cold pods, drains and deletions (rules 2-4; drains: `switching`)."""
     archive = obs.archive
     live = [p for p in obs.pods if not p.deleting]
     current = [p for p in live if is_current(p, claim)]
@@ -276,8 +305,12 @@ def _plan_pods(obs: Observed, plan: Plan, claim: Claim, template: PodTemplate) -
     # Pods that exited (Failed/Succeeded) never come back: replace them.
     plan.deletes += [p.name for p in current if p.failed]
     current = [p for p in current if not p.failed]
-    rollout = _Rollout(claim, live, current, can_deploy)
     want = obs.spec.replicas
+    if can_deploy:  # an edit back mid-switch: draining pods of this revision serve again
+        back = switching.undrain(obs, plan, claim, want - len(current), is_current)
+        current, live = current + back, live + back
+    switching.expire_drains(obs, plan)
+    rollout = _Rollout(claim, live, current, can_deploy)
     if not can_deploy:
         # Waiting for the archive: keep what serves, but never more than asked for.
         serving = _deletion_order(old + current)
@@ -288,9 +321,10 @@ def _plan_pods(obs: Observed, plan: Plan, claim: Claim, template: PodTemplate) -
         _claim_or_create(obs, plan, template, rollout, missing)
     elif missing < 0:
         plan.deletes += [p.name for p in _deletion_order(current)[: -missing]]
+    # Old pods leave only as current ones are Ready: capacity never drops below `replicas`.
     ready_current = sum(p.ready for p in current)
     keep_old = max(0, want - ready_current)
-    plan.deletes += [p.name for p in _deletion_order(old)[: max(0, len(old) - keep_old)]]
+    switching.take_out(obs, plan, _deletion_order(old)[: max(0, len(old) - keep_old)])
     return rollout
 
 
@@ -304,14 +338,14 @@ def _claim_or_create(
         plan.claims.append((pod.name, claim_patch(rollout.claim, pod.resource_version, obs.uid)))
     rollout.claimed = min(missing, len(warm))
     rollout.claimed_ready = sum(p.ready for p in warm[:missing])
-    taken = {p.name for p in obs.pods}
+    taken = {p.name for p in obs.pods} | {p.name for p in obs.draining}
     for name in free_names(obs.name, rollout.revision, taken, missing - rollout.claimed):
         plan.creates.append(serving_pod(template, rollout.claim, name, obs.uid))
 
 
 def _set_replica_status(obs: Observed, plan: Plan, rollout: _Rollout) -> None:
     """Replica counts, restore counts and the archive reference, as they will be after the plan."""
-    deleted = set(plan.deletes)
+    deleted = set(plan.deletes) | set(plan.drains)
     remaining = rollout.remaining = [p for p in rollout.live if p.name not in deleted]
     claimed, revision = rollout.claimed, rollout.revision
     st = plan.status
@@ -392,6 +426,11 @@ def _progressing(obs: Observed, st: ModelDeploymentStatus, rollout: _Rollout) ->
                 f"{old_left} pod(s) keep serving the previous one")
     if not can_deploy:
         return (True, MDPhase.saving.value, f"waiting for the SAVE of {naming.archive_name(ident_hash)}")
+    if rollout.previous is not None:
+        target = obs.spec.parallelism.shape().label()
+        return (True, MDPhase.switching.value,
+                f"{rollout.previous.label()} → {target}: {ready_current}/{want} new-shape replicas ready, "
+                f"{old_left} old in service, the rest draining")
     if old_left:
         return (True, MDPhase.reconfiguring.value,
                 f"moving pods to revision {revision}: {ready_current}/{want} ready, {old_left} old left")

@@ -1,5 +1,8 @@
 """Pure planning of warm pools: N unclaimed pods per pod template (GPU, engine, store) per namespace.
 
+A deployment's `warmPool.size` counts GPUs: `warm_split` spreads it over the GPU counts of its
+current and alternative shapes (pods of 2 GPUs cannot serve a 1-GPU shape, nor the reverse).
+
 A pool's size is the largest `warmPool.size` among the ModelDeployments that share its template;
 pools no deployment asks for are drained. Claimed pods leave the pool (their `ember.dev/pool`
 label becomes `serving`), so replenishing is just topping the pool back up.
@@ -7,25 +10,58 @@ label becomes `serving`), so replenishing is just topping the pool back up.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ember import contract
 from ember_operator import naming
-from ember_operator.api import ModelDeploymentSpec
+from ember_operator.api import ModelDeploymentSpec, ShapeSpec
 from ember_operator.pods import PodTemplate, warm_pod
 from ember_operator.views import PodView
 
 
 def warm_pool_size(spec: ModelDeploymentSpec) -> tuple[int, str]:
-    """The warm pods a deployment asks for, capped at its HPA's maxReplicas (more could never be
-    claimed; each holds GPUs), and a warning when the cap applies."""
+    """The warm GPUs a deployment asks for, capped at its HPA's maxReplicas pods of its largest
+    shape (more could never be claimed; each holds GPUs), and a warning when the cap applies."""
     size = spec.warm_pool.size
-    if spec.autoscaling is not None and size > spec.autoscaling.max_replicas:
-        cap = spec.autoscaling.max_replicas
-        return cap, (f"warmPool.size {size} is above autoscaling.maxReplicas {cap}: keeping {cap} "
-                     "warm pods (more could never be claimed)")
+    widest = max(s.gpus for s in spec.parallelism.shapes())
+    if spec.autoscaling is not None and size > spec.autoscaling.max_replicas * widest:
+        cap = spec.autoscaling.max_replicas * widest
+        return cap, (f"warmPool.size {size} is above autoscaling.maxReplicas × {widest} GPUs: keeping {cap} "
+                     "warm GPUs (more could never be claimed)")
     return size, ""
+
+
+def warm_split(spec: ModelDeploymentSpec) -> dict[int, int]:
+    """GPU count → warm pods of that count: one pod per GPU count in turn (the current shape's
+    first, then the alternatives'), while its GPUs fit in what is left of warmPool.size. So warm
+    pods never hold more GPUs than warmPool.size, a 1-GPU deployment keeps warmPool.size pods, and
+    a switch to an alternative finds warm pods of its GPU count when the budget allows one."""
+    left = warm_pool_size(spec)[0]
+    counts = list(dict.fromkeys(s.gpus for s in spec.parallelism.shapes()))
+    split = dict.fromkeys(counts, 0)
+    while any(g <= left for g in counts):
+        for g in counts:
+            if g <= left:
+                split[g] += 1
+                left -= g
+    return split
+
+
+def pool_wants(
+    spec: ModelDeploymentSpec, status: dict[str, Any], templates: Callable[[ShapeSpec], PodTemplate],
+) -> list[tuple[PodTemplate, int, str]]:
+    """(template, warm pods, manifest URI to prefetch) of one deployment: a template per GPU count,
+    one entry per shape so that each shape's archive is prefetched by the pods of its count."""
+    split, out = warm_split(spec), []
+    uris = {(s.get("tensor"), s.get("expert"), s.get("data")): s.get("uri") or ""
+            for s in status.get("shapes") or []}
+    current_uri = (status.get("archive") or {}).get("uri") or ""
+    for i, shape in enumerate(spec.parallelism.shapes()):
+        size = split.pop(shape.gpus, 0)  # the pods go with the first shape of each GPU count
+        out.append((templates(shape), size, (current_uri if i == 0 else "") or uris.get(shape.key(), "")))
+    return out
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ember import contract
-from ember_operator import conditions, metrics, naming, placement
+from ember_operator import conditions, metrics, naming, placement, switching
 from ember_operator.api import (
     GraphArchiveSpec,
     GraphArchiveStatus,
@@ -62,7 +62,7 @@ from ember_operator.planning import (
     template_of,
 )
 from ember_operator.pods import PodTemplate, StoreAccess, serving_pod
-from ember_operator.pools import plan_pools, warm_pool_size
+from ember_operator.pools import plan_pools, pool_wants, warm_pool_size
 from ember_operator.settings import Settings
 from ember_operator.views import ArchiveView, PodView
 
@@ -83,6 +83,7 @@ class Reconciler:
             default_s3_endpoint=settings.default_s3_endpoint,
             pod_service_account=settings.pod_service_account, signing_secret=settings.signing_secret,
             local_store_root=settings.local_store_root,
+            presave_priority_class=settings.presave_priority_class,
         )
         self.backoff = Backoff(
             base_s=settings.save_backoff_seconds, max_s=settings.save_backoff_max_seconds,
@@ -174,8 +175,8 @@ class Reconciler:
         if plan.labels:
             self.kube.patch(md_path(ns, name), {"metadata": {"labels": plan.labels}})
         refusals: list[str] = []
-        if plan.archive_create is not None:
-            refusals += self._refusal("GraphArchive", self.kube.create, ga_path(ns), plan.archive_create)
+        for body in ([plan.archive_create] if plan.archive_create is not None else []) + plan.presaves:
+            refusals += self._refusal("GraphArchive", self.kube.create, ga_path(ns), body)
         claimed, pods_refused = self._apply_pods(obs, plan, template, started, planned)
         refusals += pods_refused
         refusals += self._apply_hpa(ns, name, plan, obs.hpa)
@@ -195,7 +196,7 @@ class Reconciler:
         if claimed or spec.warm_pool.size or (obs.warm and spec_changed):
             self.reconcile_pools(ns)
         # Refused: not every 2 s (the same request fails the same way); a spec edit comes at once.
-        return max(60.0, self.settings.resync_seconds) if refusals else None
+        return max(60.0, self.settings.resync_seconds) if refusals else plan.requeue_after
 
     def _check_placement(self, obs: Observed, template: PodTemplate, plan: Plan) -> None:
         """The `Schedulable` condition: re-checked on a spec change or while it is not True."""
@@ -219,18 +220,23 @@ class Reconciler:
         """Everything planning needs, read in parallel (the reads are most of a reconcile's
         latency, and claims wait on them)."""
         ident_hash = spec.identity().hash()
+        alts = [spec.identity(shape).hash() for shape in spec.parallelism.shapes()[1:]]
         reads = [
             self.pool.submit(self.kube.get, ga_path(ns, naming.archive_name(ident_hash))),
             self.pool.submit(self.kube.list, pods_path(ns), naming.selector(name)),
             self.pool.submit(self.kube.list, pods_path(ns), naming.warm_selector(template.pool_key)),
             self.pool.submit(self.kube.get, hpa_path(ns, naming.hpa_name(name))),
+            self.pool.submit(self.kube.list, pods_path(ns), naming.selector(name, contract.POOL_DRAINING)),
+            *(self.pool.submit(self.kube.get, ga_path(ns, naming.archive_name(h))) for h in alts),
         ]
-        ga, pods, warm, hpa = (r.result() for r in reads)
+        ga, pods, warm, hpa, draining, *alt_gas = (r.result() for r in reads)
         return Observed(
             name=name, namespace=ns, uid=meta["uid"], generation=int(meta.get("generation") or 0),
             spec=spec, status=status, now=self.clock(), labels=dict(meta.get("labels") or {}),
             archive=ArchiveView.of(ga) if ga else None,
             pods=[PodView.of(p) for p in pods], warm=[PodView.of(p) for p in warm], hpa=hpa,
+            draining=[PodView.of(p) for p in draining],
+            alt_archives={h: ArchiveView.of(g) if g else None for h, g in zip(alts, alt_gas, strict=True)},
         )
 
     def _apply_pods(
@@ -256,6 +262,9 @@ class Reconciler:
         if creates:
             metrics.COLD_PODS_TOTAL.inc(len(creates) - len(refused))
         self._parallel(lambda pod: self.kube.delete(pods_path(ns, pod)), plan.deletes)
+        drain = switching.drain_patch(obs.now)
+        self._parallel(lambda pod: self._patch_pod(ns, pod, drain), plan.drains)
+        self._parallel(lambda pod: self._patch_pod(ns, pod, switching.undrain_patch()), plan.undrains)
         return claimed, refused
 
     def _apply_hpa(self, ns: str, name: str, plan: Plan, hpa: dict[str, Any] | None) -> list[str]:
@@ -318,8 +327,10 @@ class Reconciler:
         self.reconcile_pools(ns)
 
     def deployments_using(self, ns: str, identity_short: str) -> list[str]:
-        mds = self.kube.list(md_path(ns), f"{contract.LABEL_IDENTITY}={identity_short}")
-        return [m["metadata"]["name"] for m in mds]
+        """Deployments of the identity: serving it, or keeping it as an alternative shape."""
+        serving = self.kube.list(md_path(ns), f"{contract.LABEL_IDENTITY}={identity_short}")
+        alternative = self.kube.list(md_path(ns), switching.uses_label(identity_short))
+        return sorted({m["metadata"]["name"] for m in serving + alternative})
 
     # ------------------------------------------------------------------ warm pools
     def reconcile_pools(self, ns: str) -> None:
@@ -334,12 +345,13 @@ class Reconciler:
                 continue
             try:
                 spec = ModelDeploymentSpec.model_validate(md.get("spec") or {})
-                uri = ((md.get("status") or {}).get("archive") or {}).get("uri") or ""
-                template = template_of(ns, spec, self.ctx)
+                wants = pool_wants(spec, md.get("status") or {},
+                                   lambda shape, s=spec: template_of(ns, s, self.ctx, shape))  # type: ignore[misc]
             except (ValidationError, ValueError):
                 continue  # its own reconcile reports the invalid spec
-            wanted.append((template, warm_pool_size(spec)[0], uri))
-            owners.setdefault(template.pool_key, []).append(md)
+            wanted += wants
+            for key in {template.pool_key for template, _, _ in wants}:
+                owners.setdefault(key, []).append(md)
         managed = self.kube.list(pods_path(ns), f"{contract.LABEL_MANAGED_BY}={contract.MANAGED_BY_OPERATOR}")
         warm = [PodView.of(p) for p in managed
                 if (p["metadata"].get("labels") or {}).get(contract.LABEL_POOL) == contract.POOL_WARM]

@@ -33,6 +33,10 @@ class Settings(BaseModel):
         "", description="Signing Secret (PEM ed25519 key under 'signing-key.pem') for ModelDeployments "
         "without spec.archive.signing.secretName; archives are unsigned when both are empty.",
     )
+    presave_priority_class: str = Field(
+        "", description="priorityClassName of SAVE Jobs that save archives ahead of time for "
+        "spec.parallelism.alternatives (the chart's low, non-preempting ember-presave); none when empty.",
+    )
     pod_service_account: str = Field(
         "",
         description="ServiceAccount of serving pods (the sidecar patches its own pod); "

@@ -5,6 +5,7 @@ Planning takes these instead of raw API dicts so its tests can build observation
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,20 @@ class PodView:
     @property
     def manifest_digest(self) -> str:
         return self.annotations.get(contract.ANN_MANIFEST_DIGEST, "")
+
+    @property
+    def drain_at(self) -> str:
+        """When the operator took the pod out of service ("" while in service)."""
+        return self.annotations.get(contract.ANN_DRAIN, "")
+
+    @property
+    def shape(self) -> tuple[int, int, int] | None:
+        """(tensor, expert, data) of the identity the pod was claimed for; None if unclaimed."""
+        try:
+            par = json.loads(self.annotations[contract.ANN_IDENTITY_SPEC]).get("parallelism") or {}
+            return int(par.get("tensor", 1)), int(par.get("expert", 1)), int(par.get("data", 1))
+        except (KeyError, ValueError, TypeError, AttributeError):
+            return None
 
 
 @dataclass(frozen=True)

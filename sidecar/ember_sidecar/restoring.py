@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ember import contract
@@ -43,6 +43,7 @@ class ClaimState:
     observed_at: float
     handed_off_at: float | None = None
     result: str | None = None  # "restored" | "fallback: <reason>"
+    loaded: set[str] = field(default_factory=set)  # ranks that reported LOAD ok (rank, else pid)
 
 
 class Restorer:
@@ -65,6 +66,7 @@ class Restorer:
         self.current: ClaimState | None = None
         self.engine_standby = False
         self.engine_ready = False
+        self.draining = False  # the operator took the pod out of service (ANN_DRAIN)
         self.stopping = threading.Event()
         self._claim_cancel = threading.Event()
         self._prefetch_cancel: dict[str, threading.Event] = {}  # identity → its prefetch's cancel
@@ -79,6 +81,7 @@ class Restorer:
     def on_annotations(self, annotations: dict[str, str] | None, observed_at: float | None = None) -> None:
         """A (new version of the) pod was seen: start a restore for a new claim, or prefetch."""
         observed_at = observed_at or time.time()
+        self.draining = bool((annotations or {}).get(contract.ANN_DRAIN))
         try:
             claim = parse_claim(annotations)
         except ClaimError as exc:
@@ -253,7 +256,10 @@ class Restorer:
             if result in ("fallback", "failed") and stage not in ("standby", "ready"):
                 self._fallback(state, reason or f"{stage}-failed")
             elif stage == "load" and result == "ok" and state is not None:
-                self._restored(state, seconds)
+                # A pod of `world` ranks (one engine process each) is restored when every rank is.
+                state.loaded.add(str(entry.get("rank", entry.get("pid", ""))))
+                if len(state.loaded) >= max(1, state.claim.world):
+                    self._restored(state, seconds)
         with self.lock:
             state = self.current
         if (state is not None and state.handed_off_at is not None and state.result is None
@@ -264,6 +270,8 @@ class Restorer:
         """(ready, why) for /readyz."""
         if self.stopping.is_set():
             return False, "stopping"
+        if self.draining:
+            return False, "draining: out of service, requests in flight finish"
         if self.engine_ready:
             return True, "engine ready"
         with self.lock:

@@ -37,9 +37,14 @@ INVALID: list[tuple[str, Any, str]] = [
     ("no-store-kind", lambda s: s.update(store={}), "exactly one of s3 and local"),
     ("min-over-max", lambda s: s.update(autoscaling={"minReplicas": 5, "maxReplicas": 2}),
      "minReplicas must be at most"),
-    ("gpu-count-mismatch", lambda s: s.update(parallelism={"tensor": 2}), "gpu.count must equal"),
-    ("expert-not-dividing", lambda s: s.update(parallelism={"data": 2, "expert": 3},
-                                               gpu={"product": "X", "count": 2}), "expert must divide"),
+    ("gpu-count-mismatch", lambda s: s.update(parallelism={"tensor": 2}, gpu={"product": "X", "count": 1}),
+     "gpu.count must equal"),
+    ("expert-neither-1-nor-tp-dp", lambda s: s.update(parallelism={"data": 4, "expert": 2}),
+     "expert must be 1 or tensor × data"),
+    ("alternative-expert-invalid",
+     lambda s: s.update(parallelism={"alternatives": [{"data": 2, "expert": 3}]}),
+     "expert must be 1 or tensor × data"),
+    ("shape-over-one-node", lambda s: s.update(parallelism={"tensor": 16, "data": 8}), "at most 64"),
     ("unknown-engine", lambda s: s["engine"].update(kind="tgi"), "Unsupported value"),
     ("negative-replicas", lambda s: s.update(replicas=-1), "should be greater than or equal to 0"),
     ("missing-model", lambda s: s.pop("model"), "model: Required value"),
@@ -74,7 +79,7 @@ def test_long_name_is_rejected(k8s: LocalCluster, minio: LocalMinio, crds: None)
 def test_valid_deployment_is_defaulted(k8s: LocalCluster, minio: LocalMinio, crds: None) -> None:
     created = Api(k8s, "default").create_md("ok", _base(minio), dry_run=True)
     spec = created["spec"]
-    assert spec["parallelism"] == {"tensor": 1, "expert": 1, "data": 1}
+    assert spec["parallelism"] == {"tensor": 1, "expert": 1, "data": 1, "alternatives": []}
     assert spec["capture"]["graphMode"] == "full" and spec["warmPool"] == {"size": 0}
     assert spec["model"]["revision"] == "main"
 

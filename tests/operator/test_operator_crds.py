@@ -13,8 +13,9 @@ EXPECTED_RULE_MESSAGES = [
     "capture.maxNumTokens (token budget) must be at least capture.maxBatch",
     "store: set exactly one of s3 and local",
     "autoscaling.minReplicas must be at most autoscaling.maxReplicas",
-    "gpu.count must equal parallelism.tensor × parallelism.data",
-    "parallelism.expert must divide parallelism.tensor × parallelism.data",
+    "gpu.count must equal parallelism.tensor × parallelism.data (or be left unset)",
+    "parallelism: expert must be 1 or tensor × data (vLLM's expert-parallel size is tensor × data)",
+    "parallelism: tensor × data is the GPUs of one pod on one node: at most 64",
     "autoscaling target: set exactly one of averageValue and averageUtilization",
 ]
 
@@ -84,7 +85,7 @@ def test_optional_objects_are_not_defaulted_but_nested_defaults_apply() -> None:
     # Nested defaults spelled out (the apiserver checks CEL rules against the default as written).
     assert props["capture"]["default"] == {"graphMode": "full", "compile": {}, "maxNumTokens": 8192,
                                            "maxBatch": 512}
-    assert props["parallelism"]["default"] == {"tensor": 1, "expert": 1, "data": 1}
+    assert props["parallelism"]["default"] == {"tensor": 1, "expert": 1, "data": 1, "alternatives": []}
     assert "default" not in props["store"]
     assert "default" not in props["autoscaling"]
     assert "default" not in props["store"]["properties"]["s3"]

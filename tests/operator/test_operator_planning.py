@@ -56,7 +56,8 @@ def test_first_reconcile_creates_the_archive_and_waits() -> None:
     assert plan.status.phase is MDPhase.pending
     assert plan.status.observed_generation == 1
     assert all(c.observed_generation == 1 for c in plan.status.conditions)
-    assert plan.labels == {contract.LABEL_IDENTITY: md_spec().identity().short()}
+    short = md_spec().identity().short()
+    assert plan.labels == {contract.LABEL_IDENTITY: short, f"ember.dev/uses-{short}": "true"}
     assert plan.status.selector == "ember.dev/deployment=qwen,ember.dev/pool=serving"
 
 
@@ -170,10 +171,10 @@ def test_parallelism_edit_reconfigures_then_rolls() -> None:
     assert rolling.creates[0]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
     half = [*old_pods, _pod("c", new_rev), _pod("d", new_rev, ready=False)]
     step = plan_deployment(observed(new_spec, archive=AVAILABLE, pods=half, generation=2), CTX)
-    assert len(step.deletes) == 1
+    assert len(step.drains) == 1 and not step.deletes  # out of service first, deleted after drainSeconds
     done = [*old_pods, _pod("c", new_rev), _pod("d", new_rev)]
     final = plan_deployment(observed(new_spec, archive=AVAILABLE, pods=done, generation=2), CTX)
-    assert sorted(final.deletes) == ["a", "b"]
+    assert sorted(final.drains) == ["a", "b"] and final.requeue_after == new_spec.drain_seconds + 0.05
 
 
 def test_fallback_pods_are_counted_and_degrade() -> None:
@@ -248,7 +249,7 @@ def test_native_pods_are_replaced_by_restoring_pods_once_the_archive_is_availabl
     assert _cond(plan, "Available").reason == "NativeCapture"  # the pods say so, not the archive
     restoring = [_pod(f"r{i}", rev, archive=URI, digest="d" * 64) for i in range(2)]
     done = plan_deployment(observed(archive=available, pods=native + restoring), CTX)
-    assert sorted(done.deletes) == ["a", "b"] and not done.creates
+    assert sorted(done.drains) == ["a", "b"] and not done.creates
     final = plan_deployment(observed(archive=available, pods=restoring), CTX)
     assert final.status.phase is MDPhase.ready and final.status.native_replicas == 0
 

@@ -316,3 +316,36 @@ def test_manifest_other_than_the_pinned_digest_is_refused(store: LocalStore, tmp
     assert handoff.wait_for_archive(run_dir2, deadline=10).restored
     with pytest.raises(FetchFailed, match="manifest-digest-mismatch"):
         r2.cache.fetch(store.manifest_uri(m.identity_hash), m.identity_hash, digest="1" * 64)
+
+
+def test_multi_rank_pod_is_restored_when_every_rank_loaded(store: LocalStore, tmp_path: Path) -> None:
+    """A pod of 4 GPUs: every rank gets the same archive and the layout (rank 0 of world 4 is the
+    pod's first rank); the restore result waits for a LOAD report of each of the 4 ranks."""
+    m = write_blob_archive(store, SIZES)
+    r, rep, run_dir = make(tmp_path)
+    r.claim(replace(claim_for(store, m.identity_hash), world=4))
+    results = [handoff.wait_for_archive(run_dir, deadline=10) for _ in range(4)]
+    assert all(res.restored and (res.rank, res.world) == (0, 4) for res in results)
+    assert len({res.archive_dir for res in results}) == 1
+    for rank in range(3):
+        handoff.report("load", 0.2, run_dir=run_dir, rank=rank)
+        handoff.report("load", 0.2, run_dir=run_dir, rank=rank)  # a repeated report is one rank
+    r.poll_engine()
+    assert rep.results == [], "3 of 4 ranks loaded: not restored yet"
+    handoff.report("load", 0.2, run_dir=run_dir, rank=3)
+    r.poll_engine()
+    assert rep.results == ["restored"]
+
+
+def test_drain_annotation_turns_readiness_off_and_back(store: LocalStore, tmp_path: Path) -> None:
+    m = write_blob_archive(store, SIZES)
+    r, _rep, run_dir = make(tmp_path)
+    claim = replace(claim_for(store, m.identity_hash))
+    r.on_annotations(claim.annotations())
+    handoff.report("ready", 0.0, run_dir=run_dir)
+    r.poll_engine()
+    assert r.readiness() == (True, "engine ready")
+    r.on_annotations({**claim.annotations(), "ember.dev/drain-at": "2026-11-24T16:00:00.000000Z"})
+    assert r.readiness()[0] is False and r.readiness()[1].startswith("draining")
+    r.on_annotations(claim.annotations())  # the operator took it back (an edit back mid-switch)
+    assert r.readiness() == (True, "engine ready")
