@@ -117,3 +117,29 @@ print(json.dumps(compare(built[0][0], g)))
 """)
     edges, prog = json.loads(out.stdout.strip().splitlines()[-1])
     assert edges > 250 and prog >= 5
+
+
+def test_collective_placeholders_are_built_as_child_graphs(run_py) -> None:
+    """A multi-GPU archive's placeholder memsets (ember.runtime.comm) become child-graph nodes of
+    the rank's captured collective, with the placeholder's edges; other memsets stay memsets."""
+    out = run_py(BUILD + """
+from ember.archive.graphs import Edge, Graph, GraphSet, MemsetParams, Node
+from ember.runtime.graphs.prepared import mark_splices
+S = 0x7F0000001000
+nodes = [Node(NodeType.EMPTY), Node(NodeType.MEMSET, MemsetParams(S, 0, 1, 4, 1, 1)),
+         Node(NodeType.MEMSET, MemsetParams(0x600000000000, 0, 0, 4, 8, 1)),
+         Node(NodeType.MEMSET, MemsetParams(S, 0, 2, 4, 1, 1)), Node(NodeType.EMPTY)]
+graph = Graph((8,), nodes, [Edge(0, 1), Edge(1, 2), Edge(2, 3), Edge(3, 4), Edge(0, 4)])
+t = F.decode(F.encode(GraphSet([graph], [], [])))
+prep = rebuild.prepare_from_table(t, 0, [], None, rebuild.AttrSets(t))
+mark_splices(prep, [(1, 0), (3, 1)])
+children = {0: 0xC0FFEE0, 1: 0xBEEF0}
+built, _ = rebuild.build_native([prep], 1, Events(), instantiate=False, threads=1, interposer=ip,
+                                splices=children.__getitem__)
+nodes_out, edges_out = dump(built[0][0])
+print(json.dumps({"nodes": [n[:2] for n in nodes_out], "edges": edges_out}))
+""")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["nodes"] == [["5", "0"], ["4", str(0xC0FFEE0)], ["2", str(0x600000000000)], ["4", str(0xBEEF0)],
+                          ["5", "0"]]
+    assert r["edges"] == [[0, 1, 0, 0, 0], [0, 4, 0, 0, 0], [1, 2, 0, 0, 0], [2, 3, 0, 0, 0], [3, 4, 0, 0, 0]]
