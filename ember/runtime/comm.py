@@ -195,6 +195,7 @@ class Splicer:
         self._graphs: dict[int, Any] = {}
         self._stream: Any = None
         self.capture_ms = 0.0
+        self.captures: list[float] = []  # each collective's capture, in order (ms)
 
     def graph(self, i: int) -> Any:
         """The CUgraph of collective `i` (the builder clones it into a child-graph node)."""
@@ -244,7 +245,9 @@ class Splicer:
         if rc:
             cu.cuGraphDestroy(graph)
             raise Refused(LOAD, f"NCCL refused {calls[0].describe()} on rank {self.rank}: error {rc}")
-        self.capture_ms += (time.perf_counter() - t) * 1e3
+        ms = (time.perf_counter() - t) * 1e3
+        self.capture_ms += ms
+        self.captures.append(ms)
         return graph
 
     def _issue(self, c: Call, stream: int) -> int:

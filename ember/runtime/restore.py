@@ -110,6 +110,9 @@ class ArchiveRestore:
         self._lib: GraphLibrary | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._handover = threading.Event()  # the first template is ready, or the thread ended
+        self._serving = threading.Event()  # library() handed the library over
+        self.first_keys: list[tuple[int, ...]] = []  # the engine's first keys (need order)
 
     @property
     def manifest(self) -> Manifest:
@@ -126,6 +129,7 @@ class ArchiveRestore:
         accept: Callable[[dict[str, Any]], Any] | None = None,
         background: bool | None = None,
         communicator: tuple[int, int, int] | None = None,
+        first_keys: list[tuple[int, ...]] | None = None,
     ) -> ArchiveRestore:
         """Everything before the engine builds its model. `engine` is the compat key's engine
         string of this process (`compat.current(engine)`); `accept(manifest.engine)` may refuse
@@ -133,7 +137,8 @@ class ArchiveRestore:
         is kept as `accepted` (e.g. the engine's sizing parsed from the facts). `background`
         (default: unless EMBER_LOAD_BACKGROUND=0) builds the templates while the model builds.
         `communicator`: (ncclComm_t, world, rank) of this rank, for an archive with collective
-        placeholders (created before this call, as the engine does natively)."""
+        placeholders (created before this call, as the engine does natively). `first_keys`: the
+        keys the engine's first requests use, built first (default: smallest first)."""
         from ember.runtime import compat
 
         if ip is None:
@@ -167,6 +172,7 @@ class ArchiveRestore:
         self = cls(ip, opened, tm)
         self.accepted = accepted
         self.splicer = splicer
+        self.first_keys = list(first_keys or [])
         if background is None:
             background = os.environ.get("EMBER_LOAD_BACKGROUND", "1") != "0"
         if background:
@@ -195,14 +201,23 @@ class ArchiveRestore:
                 cu.cuCtxSetCurrent(ctx)
             self._read_and_preload(tm)
             table = self._decode(tm)
-            self._lib = self._build(table, tm)
+            lib = self._build_first(table, tm)
+            tm["library_first_ms"] = (time.perf_counter() - t_all) * 1e3
+            self.timings.update({prefix + k: v for k, v in tm.items()})
+            self._lib = lib
+            self._handover.set()  # library() may hand it over now; the rest follows here
+            self._build_rest(lib, tm, background=ctx is not None)
         except BaseException as exc:
             if ctx is None:
                 raise
-            self._error = exc
+            if self._lib is None:
+                self._error = exc
+            else:  # after the hand-over: the templates left unbuilt are built at their first launch
+                self.timings["background_error"] = f"{type(exc).__name__}: {exc}"
         finally:
             tm["reconstruct_ms"] = (time.perf_counter() - t_all) * 1e3
             self.timings.update({prefix + k: v for k, v in tm.items()})
+            self._handover.set()
 
     def _read_and_preload(self, tm: dict[str, float]) -> None:
         """Every blob read and verified; kernel images handed to libember's loader threads."""
@@ -236,8 +251,9 @@ class ArchiveRestore:
         tm["decode_ms"] = (time.perf_counter() - t) * 1e3
         return table
 
-    def _build(self, table: GraphTable, tm: dict[str, float]) -> GraphLibrary:
-        """Kernel functions resolved, one template per topology group built and instantiated."""
+    def _build_first(self, table: GraphTable, tm: dict[str, float]) -> GraphLibrary:
+        """Kernel functions resolved; the library with the template of the first needed key's
+        group built and instantiated (need order, `ember.runtime.graphs.need`)."""
         from ember.runtime.graphs.templates import GraphLibrary
 
         t = time.perf_counter()
@@ -247,25 +263,35 @@ class ArchiveRestore:
             raise Refused(LOAD, f"kernel not found after preload: {exc}") from exc
         tm["functions_ms"] = (time.perf_counter() - t) * 1e3
         t = time.perf_counter()
-        lib = GraphLibrary(table, functions, splicer=self.splicer)
+        lib = GraphLibrary(table, functions, splicer=self.splicer, first_keys=self.first_keys)
         try:
-            lib.build_templates()
+            lib.build_first()
         except BaseException:
             lib.close()
             raise
-        tm["templates_ms"] = (time.perf_counter() - t) * 1e3
+        tm["templates_first_ms"] = (time.perf_counter() - t) * 1e3
+        if self.splicer is not None:
+            tm.update(splice_ms=lib.timings.splice_ms, collective_capture_ms=self.splicer.capture_ms)
+        return lib
+
+    def _build_rest(self, lib: GraphLibrary, tm: dict[str, float], *, background: bool) -> None:
+        """The other templates (on the background thread, a failure is the launch's to retry:
+        the library may be serving already), then every key's own exec once serving started."""
+        t = time.perf_counter()
+        lib.build_rest(raise_errors=not background)
+        tm["templates_ms"] = tm.get("templates_first_ms", 0.0) + (time.perf_counter() - t) * 1e3
         lt = lib.timings
         tm.update(
             templates_prepare_ms=lt.prepare_ms,
             templates_build_ms=lt.build_ms,
             templates_instantiate_ms=lt.instantiate_ms,
             templates_native_ms=lt.native_ms,
+            templates_upload_ms=lt.upload_ms,
             templates_threads=lt.threads,
             function_attrs_ms=lt.function_attrs_ms,
         )
-        if self.splicer is not None:
-            tm.update(splice_ms=lt.splice_ms, collective_capture_ms=self.splicer.capture_ms)
-        return lib
+        if os.environ.get("EMBER_DEDICATE", "1") != "0":
+            lib.start_dedicating(after=[self._serving])
 
     def replay(self) -> None:
         """After the engine's own allocations: release torch's cache, replay the capture window."""
@@ -287,18 +313,23 @@ class ArchiveRestore:
         self.timings["replay_window_ms"] = (time.perf_counter() - t) * 1e3
 
     def library(self) -> GraphLibrary:
-        """The templates, instantiated. Waits for the background thread (`join_ms`), or builds
-        them here when there was none; retries a refused background build once here (the
-        driver may have refused for a reason the replay removed); Refused when the archive
-        cannot be restored."""
+        """The library, as soon as the template of the first needed key's group is instantiated
+        (`join_ms` waited for it): the other templates follow on the background thread (a launch
+        that comes first waits for its own group's), then every key's own exec (started here,
+        as serving starts). Builds them here when there was no thread; retries a refused
+        background build once here (the driver may have refused for a reason the replay
+        removed); Refused when the archive cannot be restored."""
         from ember.runtime.graphs.driver import CudaError
         from ember.runtime.graphs.rebuild import RebuildError
 
         t = time.perf_counter()
-        self.wait()
+        if self._thread is not None:
+            self._handover.wait()
         self.timings["join_ms"] = (time.perf_counter() - t) * 1e3
         if self._lib is not None:
+            self._serving.set()
             return self._lib
+        self.wait()
         first = self._error
         if isinstance(first, Refused):
             raise first  # damaged table or a missing kernel: the same on this thread
@@ -312,6 +343,7 @@ class ArchiveRestore:
             raise Refused(LOAD, f"graphs could not be rebuilt here: {exc}") from exc
         self.timings["foreground_ms"] = (time.perf_counter() - t) * 1e3
         assert self._lib is not None
+        self._serving.set()
         return self._lib
 
     def wait(self) -> None:

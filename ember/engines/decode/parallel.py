@@ -118,7 +118,11 @@ def init_process_group(par: Parallel, *, stub: bool) -> None:
     if stub:
         store = dist.HashStore()
         dist.init_process_group("nccl", store=store, rank=par.rank, world_size=par.world, device_id=device)
-        return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("nccl", rank=par.rank, world_size=par.world, device_id=device)
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl", rank=par.rank, world_size=par.world, device_id=device)
+    # NCCL connects and loads its kernels at a communicator's first collective: done here, at
+    # start (as an engine's warm-up does), not inside LOAD's first splice or a request. SAVE (a
+    # placeholder) and LOAD allocate the same small tensor for it: the layouts stay equal.
+    dist.barrier(device_ids=[device.index])
