@@ -191,6 +191,7 @@ class _Bench:
             "EMBER_OPERATOR_METRICS_HOST": "127.0.0.1",
             "EMBER_OPERATOR_SIDECAR_IMAGE": "registry.invalid/ember/ember:bench",
             "EMBER_OPERATOR_DEFAULT_STORE": self.store.as_uri(),
+            "EMBER_OPERATOR_LOCAL_STORE_ROOT": str(self.workdir),  # the operator reads the store itself
         }
         log = (self.workdir / "operator.log").open("ab")
         self.op = subprocess.Popen([sys.executable, "-m", "ember_operator.main"], env=env, stdout=log,

@@ -16,6 +16,7 @@ from ember_bench.fuzz import bench_fuzz
 from ember_bench.graphs import bench_graphs
 from ember_bench.native import bench_native
 from ember_bench.parse import bench_parse
+from ember_bench.switch import bench_switch
 from ember_bench.vllm import bench_vllm
 
 app = typer.Typer(help="Benchmarks (run the GPU ones on a GPU machine).", no_args_is_help=True)
@@ -25,5 +26,6 @@ app.command("fetch")(bench_fetch)
 app.command("claims")(bench_claims)
 app.command("native")(bench_native)
 app.command("parse")(bench_parse)
+app.command("switch")(bench_switch)
 app.command("fuzz")(bench_fuzz)
 app.command("vllm")(bench_vllm)
