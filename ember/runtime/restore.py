@@ -269,6 +269,8 @@ class ArchiveRestore:
         except BaseException:
             lib.close()
             raise
+        if os.environ.get("EMBER_DEDICATE", "1") != "0":  # after every template and serving's start
+            lib.start_dedicating(after=[self._serving])
         tm["templates_first_ms"] = (time.perf_counter() - t) * 1e3
         if self.splicer is not None:
             tm.update(splice_ms=lib.timings.splice_ms, collective_capture_ms=self.splicer.capture_ms)
@@ -276,7 +278,8 @@ class ArchiveRestore:
 
     def _build_rest(self, lib: GraphLibrary, tm: dict[str, float], *, background: bool) -> None:
         """The other templates (on the background thread, a failure is the launch's to retry:
-        the library may be serving already), then every key's own exec once serving started."""
+        the library may be serving already); every key's own exec follows on the library's
+        Dedicator thread once they are built and serving started."""
         t = time.perf_counter()
         lib.build_rest(raise_errors=not background)
         tm["templates_ms"] = tm.get("templates_first_ms", 0.0) + (time.perf_counter() - t) * 1e3
@@ -290,8 +293,6 @@ class ArchiveRestore:
             templates_threads=lt.threads,
             function_attrs_ms=lt.function_attrs_ms,
         )
-        if os.environ.get("EMBER_DEDICATE", "1") != "0":
-            lib.start_dedicating(after=[self._serving])
 
     def replay(self) -> None:
         """After the engine's own allocations: release torch's cache, replay the capture window."""

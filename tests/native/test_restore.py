@@ -118,6 +118,21 @@ EXPORT CUresult cuGraphExecUpdate_v2(CUgraphExec e, CUgraph g, CUgraphExecUpdate
   __atomic_add_fetch(&exec_updates, 1, __ATOMIC_SEQ_CST);
   return CUDA_SUCCESS;
 }
+/* Uploads counted; free memory falls by 1 MiB per exec alive (what LOAD's cap measures). */
+static int uploads;
+EXPORT CUresult cuStreamCreate(CUstream* s, unsigned flags) { *s = (CUstream)calloc(1, 16); return CUDA_SUCCESS; }
+EXPORT CUresult cuStreamDestroy_v2(CUstream s) { free(s); return CUDA_SUCCESS; }
+EXPORT CUresult cuGraphUpload(CUgraphExec e, CUstream s) {
+  if (!e) return CUDA_ERROR_INVALID_VALUE;
+  __atomic_add_fetch(&uploads, 1, __ATOMIC_SEQ_CST);
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
+  *total = (size_t)80 << 30;
+  *free_bytes = *total - ((size_t)standin_execs_alive() << 20);
+  return CUDA_SUCCESS;
+}
+EXPORT int standin_uploads(void) { return uploads; }
 EXPORT uint64_t standin_last_launched(void) { return (uint64_t)last_launched; }
 EXPORT int standin_exec_updates(void) { return exec_updates; }
 EXPORT int standin_graph_launches(void) { return graph_launches; }
@@ -161,7 +176,8 @@ from ember.identity import ArchiveIdentity
 from ember.runtime import compat, publish
 from ember.runtime.adapter import Refused
 from ember.runtime.restore import ArchiveRestore
-for name in ("standin_graph_launches", "standin_events_alive", "standin_execs_alive", "standin_exec_updates"):
+for name in ("standin_graph_launches", "standin_events_alive", "standin_execs_alive", "standin_exec_updates",
+             "standin_uploads"):
     getattr(cuda, name).restype = ctypes.c_int
 cuda.standin_last_launched.restype = ctypes.c_uint64
 cuda.standin_graph_dump.restype = ctypes.c_size_t
@@ -430,6 +446,7 @@ restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
 model()
 ip.replay_window()
 lib = restore.library()
+lib.wait_templates()                       # handed over after the first; the others follow
 if os.environ.get("TEST_HOT_AFTER") == "0":
     lib._hot_after = 0
 group = lib.groups[0]
@@ -458,7 +475,7 @@ last_json(seen)
 
 
 def test_a_key_switched_to_gets_a_dedicated_exec_that_serves_it_from_then_on(run_py, tmp_path: Path) -> None:
-    env = _saved(run_py, tmp_path)
+    env = {**_saved(run_py, tmp_path), "EMBER_DEDICATE": "0"}  # only the keys switched to
     r = _last_json(run_py(POLICY, mode="load", env=env))
     base = r["execs"]  # the templates
     assert r["first"] == {"exec": "template", "updates": 1, "execs": r["first"]["execs"]}
@@ -476,6 +493,62 @@ def test_a_key_switched_to_gets_a_dedicated_exec_that_serves_it_from_then_on(run
     off = _last_json(run_py(POLICY, mode="load", env={**env, "TEST_HOT_AFTER": "0"}))
     assert off["second"] == {"exec": "template", "updates": 1, "execs": off["execs"]}
     assert off["third"] == off["second"]
+
+
+OWN_EXECS = COMMON + """
+from ember.runtime.graphs.templates import RestoredGraph
+restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
+model()
+ip.replay_window()
+lib = restore.library()
+assert lib.wait_dedicated(timeout=30)
+templates = {g.index: int(lib._templates[g.index].handle) for g in lib.groups}
+own = {i: int(ex) for i, ex in lib._dedicated.items()}
+updates = cuda.standin_exec_updates()
+launched = {}
+for i in lib.order:                        # every key once, in need order
+    RestoredGraph(lib, i).replay(cu.CUstream(0))
+    launched[i] = cuda.standin_last_launched()
+st = lib.dedicator.stats
+last_json({"keys": [list(k) for k in lib.keys], "order": lib.order,
+           "groups": [[g.template, list(g.members)] for g in lib.groups],
+           "templates": templates, "own": own, "launched": launched,
+           "updates": cuda.standin_exec_updates() - updates, "uploads": cuda.standin_uploads(),
+           "stats": {"execs": st.execs, "bytes": st.bytes, "capped": st.capped, "failed": st.failed},
+           "marks": [lib.marks[k] for k in ("first", "templates")]})
+"""
+
+
+def test_every_key_gets_its_own_exec_in_need_order_within_the_memory_cap(run_py, tmp_path: Path) -> None:
+    env = _saved(run_py, tmp_path)
+    r = _last_json(run_py(OWN_EXECS, mode="load", env=env))
+    keys, order = [tuple(k) for k in r["keys"]], r["order"]
+    assert [keys[i] for i in order] == sorted(keys)  # need order: smallest first
+    rank = {i: n for n, i in enumerate(order)}
+    groups = r["groups"]
+    # groups in need order, each one's template its first needed member
+    assert [min(rank[m] for m in members) for _, members in groups] == sorted(
+        min(rank[m] for m in members) for _, members in groups
+    )
+    assert all(t == min(members, key=rank.__getitem__) for t, members in groups)
+    template_keys = {t for t, _ in groups}
+    others = [i for i in order if i not in template_keys]
+    assert sorted(map(int, r["own"])) == sorted(others) and r["stats"]["failed"] == []
+    group_of = {m: n for n, (_, members) in enumerate(groups) for m in members}
+    for i in order:  # each key launched through its own exec, a template key through its template
+        want = r["templates"][str(group_of[i])] if i in template_keys else r["own"][str(i)]
+        assert r["launched"][str(i)] == want
+    assert r["updates"] == 0  # no exec update on the request path
+    assert r["uploads"] == len(groups) + len(others)  # every exec uploaded off the request path
+    assert r["stats"]["bytes"] == len(others) << 20  # the stand-in's 1 MiB per exec, measured
+    assert r["marks"][0] <= r["marks"][1]
+
+    capped = _last_json(run_py(OWN_EXECS, mode="load", env={**env, "EMBER_EXEC_MEMORY_MB": "2"}))
+    st = capped["stats"]
+    assert st["execs"] == 2 and st["bytes"] == 2 << 20  # one batch of two, then the cap
+    assert sorted(map(int, capped["own"])) == sorted(others[:2])  # the first needed ones
+    assert [tuple(k) for k in st["capped"]] == [keys[i] for i in others[2:4]]  # the next batch refused
+    assert capped["updates"] == len(others) - 2  # the rest ride their templates
 
 
 def test_signed_archive_loads_and_a_bad_signature_is_refused_before_any_blob(run_py, tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from ember.archive.graphs import FunctionAttrs, Graph, GraphSet, KernelRef
 from ember.archive.topology import group_graphs
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.driver import OK, CudaError, check, current_context, torch_stream_handle
+from ember.runtime.graphs.need import Dedicator, need_order
 from ember.runtime.graphs.prepared import mark_splices
 
 
@@ -114,6 +115,7 @@ class LoadTimings:
     function_attrs_ms: float = 0.0
     templates: int = 0
     splice_ms: float = 0.0  # capturing this rank's collectives and regrouping (multi-GPU)
+    upload_ms: float = 0.0  # cuGraphUpload of the templates (own execs: Dedicator.stats)
 
 
 class RestoredGraph:
@@ -163,9 +165,11 @@ class GraphLibrary:
         hot_after: int = 1,
         workers: int = 4,
         splicer: Any = None,
+        first_keys: Iterable[Iterable[int]] = (),
     ) -> None:
         """`splicer` (`ember.runtime.comm.Splicer`): this rank's collectives, for an archive
-        whose graphs hold collective placeholders (multi-GPU)."""
+        whose graphs hold collective placeholders (multi-GPU). `first_keys`: the keys the
+        engine's first requests use (need order, `ember.runtime.graphs.need`)."""
         self.source: GraphSource = SetSource(source) if isinstance(source, GraphSet) else source
         self.functions = functions
         self.keys: list[tuple[int, ...]] = [tuple(k) for k in self.source.keys]
@@ -186,7 +190,6 @@ class GraphLibrary:
         self._pending: list[Future[None]] = []
         self._asked: set[int] = set()  # keys whose dedicated exec was asked for
         self._driver_lock = threading.RLock()
-        self._background: threading.Thread | None = None
         self.timings = LoadTimings()
         self.switch_ms: list[float] = []
         self.splicer = splicer
@@ -194,6 +197,13 @@ class GraphLibrary:
         self._spliced: dict[int, list[tuple[int, int]]] = {}
         if splicer is not None:
             self._spliced = splicer.collectives.nodes
+        self.order = need_order(self.keys, first_keys)
+        self._ready: dict[int, threading.Event] = {}  # per group: its template is instantiated
+        self._failed: dict[int, BaseException] = {}  # groups whose background build failed
+        self.marks: dict[str, float] = {}  # perf_counter() when: first, templates, dedicated
+        self.waited_ms: list[float] = []  # launches that waited for their template
+        self.dedicator: Dedicator | None = None
+        self._upload_stream: Any = None
 
     # ---- building -----------------------------------------------------------------------
     def key_index(self, key: Iterable[int]) -> int:
@@ -234,46 +244,110 @@ class GraphLibrary:
         self.timings.function_attrs_ms = (time.perf_counter() - t) * 1e3
 
     def build_templates(self) -> None:
-        """Prepare, build and instantiate one template per group (libember builds and
-        instantiates them in one call, see build_native.build_native).
+        """Prepare, build and instantiate one template per group, in need order (libember builds
+        and instantiates them, see build_native.build_native): `build_first` + `build_rest`.
 
         Nothing else is started: any other key is prepared and built when it is first asked for
-        (one graph: ~10-20 ms at 2,000 nodes). Preparing every graph on worker threads right away
-        made the engine's first request wait: its foreground build took turns for the GIL with
-        ~1 s of background preparation (benchmarks/results/cb-nvidia-h200.md: first token 0.89 s).
-        `start_background()` builds the rest off the request path when an engine wants it.
+        (one graph: ~10-20 ms at 2,000 nodes), or by `start_dedicating` in the background.
+        Preparing every graph on worker threads right away made the engine's first request wait:
+        its foreground build took turns for the GIL with ~1 s of background preparation
+        (benchmarks/results/cb-nvidia-h200.md: first token 0.89 s).
         """
+        self.build_first()
+        self.build_rest()
+
+    def build_first(self) -> None:
+        """The template of the first needed key's group: the library can serve it from here on."""
         self.apply_function_attrs()
         self._regroup()
+        self._order_groups()
+        self._build_groups(self.groups[:1], raise_errors=True)
+        self.marks["first"] = time.perf_counter()
+
+    def build_rest(self, *, raise_errors: bool = True) -> None:
+        """Every other template, in need order. With `raise_errors=False` (the library was handed
+        over already) a group that fails is recorded; its first launch builds it again there."""
+        self._build_groups(self.groups[1:], raise_errors=raise_errors)
+        self.timings.templates = len(self.groups)
+        self.marks["templates"] = time.perf_counter()
+
+    def _order_groups(self) -> None:
+        """Groups in need order, each with its first needed member as template (so the first key
+        of a group runs on an exec instantiated from its own graph)."""
+        rank = {i: r for r, i in enumerate(self.order)}
+        ordered = sorted(self.groups, key=lambda g: min(rank[m] for m in g.members))
+        self.groups = [
+            _Group(n, list(g.members), min(g.members, key=rank.__getitem__)) for n, g in enumerate(ordered)
+        ]
+        self._group_of = {m: g.index for g in self.groups for m in g.members}
+        self._ready = {g.index: threading.Event() for g in self.groups}
+
+    def _build_groups(self, groups: list[_Group], *, raise_errors: bool) -> None:
+        """Templates of `groups` in one libember call (one builder thread unless
+        EMBER_BUILD_THREADS says otherwise); any it leaves (child graphs, an edge strategy this
+        driver needs) are built by the Python path. Uploaded; each group's ready event set."""
+        try:
+            if groups:
+                self._build_template_execs(groups)
+        except BaseException as exc:
+            if raise_errors:
+                raise
+            for g in groups:
+                if g.index not in self._templates:
+                    self._failed[g.index] = exc
+        finally:
+            for g in groups:
+                self._ready[g.index].set()
+
+    def _build_template_execs(self, groups: list[_Group]) -> None:
         t = time.perf_counter()
-        preps = [self.prepared(g.template) for g in self.groups]
+        preps = [self.prepared(g.template) for g in groups]
         self.timings.prepare_ms += (time.perf_counter() - t) * 1e3
-        # All templates in one libember call (one builder thread unless EMBER_BUILD_THREADS says
-        # otherwise); any it leaves (child graphs, an edge strategy this driver needs) are built
-        # by the Python path below.
         with self._driver_lock:
             built, nt = rebuild.build_native(
                 preps, self.ctx, self.events, instantiate=True, splices=self._splices
             )
-        self.timings.native_ms = nt["wall_ms"]
+        self.timings.native_ms += nt["wall_ms"]
         self.timings.threads = int(nt["threads"])
         self.timings.build_ms += nt["build_cpu_ms"]
         self.timings.instantiate_ms += nt["instantiate_cpu_ms"]
-        for group, pair in zip(self.groups, built, strict=True):
-            i = group.template
+        for group, pair in zip(groups, built, strict=True):
             if pair is not None:
-                self._graphs[i] = pair[0]
-                self._templates[group.index] = _Exec(pair[1], i)
-                continue
-            t = time.perf_counter()
-            g = self.graph(i)
-            t0 = time.perf_counter()
-            with self._driver_lock:
-                handle = rebuild.instantiate(g)
-            self.timings.build_ms += (t0 - t) * 1e3
-            self.timings.instantiate_ms += (time.perf_counter() - t0) * 1e3
-            self._templates[group.index] = _Exec(handle, i)
-        self.timings.templates = len(self.groups)
+                self._graphs[group.template] = pair[0]
+                self._templates[group.index] = _Exec(pair[1], group.template)
+            else:
+                self._template_here(group)
+        self.upload([self._templates[g.index].handle for g in groups])
+
+    def _template_here(self, group: _Group) -> None:
+        """One template by the Python path (what libember's builder leaves, or a retry)."""
+        t = time.perf_counter()
+        g = self.graph(group.template)
+        t0 = time.perf_counter()
+        with self._driver_lock:
+            handle = rebuild.instantiate(g)
+        self.timings.build_ms += (t0 - t) * 1e3
+        self.timings.instantiate_ms += (time.perf_counter() - t0) * 1e3
+        self._templates[group.index] = _Exec(handle, group.template)
+
+    def upload(self, execs: list[Any]) -> None:
+        """Upload execs to the device now (off the request path: a first launch would otherwise
+        upload), on the library's own stream, and wait for it."""
+        if not execs:
+            return
+        t = time.perf_counter()
+        try:
+            if self._upload_stream is None:
+                err, stream = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+                if err != OK:
+                    return
+                self._upload_stream = stream
+            for ex in execs:
+                cu.cuGraphUpload(ex, self._upload_stream)
+            cu.cuStreamSynchronize(self._upload_stream)
+        except RuntimeError:  # a driver without these entry points: the first launch uploads
+            return
+        self.timings.upload_ms += (time.perf_counter() - t) * 1e3
 
     def _regroup(self) -> None:
         """Split topology groups by the shapes of this rank's collectives (see split_groups)."""
@@ -289,23 +363,57 @@ class GraphLibrary:
         for i in range(len(self.keys)):
             self.graph(i)
 
-    def start_background(self, keys: Iterable[tuple[int, ...]] = ()) -> threading.Thread:
-        """Build the remaining CUgraphs and dedicated execs for `keys` off the request path."""
-        wanted = [self.key_index(k) for k in keys]
+    def start_dedicating(self, after: Iterable[threading.Event] = (), budget: int | None = None) -> Dedicator:
+        """Every key's own exec, in need order, on a background thread that starts once `after`
+        are set and the templates are built (`ember.runtime.graphs.need.Dedicator`)."""
+        self.dedicator = Dedicator(self, budget)
+        self.dedicator.start([*self._ready.values(), *after])
+        return self.dedicator
 
-        def work() -> None:
-            for i in range(len(self.keys)):
-                self.graph(i)
-            for i in wanted:
-                self.dedicate(i)
+    def wait_templates(self, timeout: float | None = None) -> bool:
+        """Wait until every group's template is built (or failed: built again at its first launch)."""
+        return all(ev.wait(timeout) for ev in self._ready.values())
 
-        self._background = threading.Thread(target=work, name="ember-background", daemon=True)
-        self._background.start()
-        return self._background
+    def wait_dedicated(self, timeout: float | None = None) -> bool:
+        """Wait for the own execs (True when none are being built any more)."""
+        return self.dedicator is None or self.dedicator.done.wait(timeout)
 
-    def wait_background(self) -> None:
-        if self._background is not None:
-            self._background.join()
+    def is_template(self, index: int) -> bool:
+        return self.groups[self._group_of[index]].template == index
+
+    def template_switched(self, index: int) -> bool:
+        """The template exec of `index`'s group no longer holds what it was instantiated from."""
+        tmpl = self._templates.get(self._group_of[index])
+        return tmpl is not None and tmpl.updated
+
+    def has_dedicated(self, index: int) -> bool:
+        return index in self._dedicated
+
+    def build_execs(self, indices: list[int]) -> list[tuple[int, Any]]:
+        """Own execs of `indices` (graph + instantiate in one libember call, no driver lock held:
+        the graphs are new objects); a graph already built here is kept, the new copy dropped."""
+        preps = [self.prepared(i) for i in indices]
+        built, _ = rebuild.build_native(preps, self.ctx, self.events, instantiate=True, splices=self._splices)
+        out: list[tuple[int, Any]] = []
+        for i, pair in zip(indices, built, strict=True):
+            if pair is None or pair[1] is None:
+                out.append((i, rebuild.instantiate(self.graph(i))))
+                continue
+            with self._driver_lock:
+                if i in self._graphs:
+                    cu.cuGraphDestroy(pair[0])
+                else:
+                    self._graphs[i] = pair[0]
+            out.append((i, pair[1]))
+        return out
+
+    def adopt_dedicated(self, index: int, ex: Any) -> None:
+        with self._driver_lock:
+            if index in self._dedicated:
+                cu.cuGraphExecDestroy(ex)
+            else:
+                self._dedicated[index] = ex
+                self._asked.add(index)
 
     def dedicate(self, index: int) -> Any:
         """Instantiate a dedicated exec for one graph (hot keys)."""
@@ -337,7 +445,7 @@ class GraphLibrary:
         ex = self._dedicated.get(index)
         if ex is not None:
             return ex
-        tmpl = self._templates[self._group_of[index]]
+        tmpl = self._template_of(index)
         if tmpl.holds != index:
             self.switch(index)
         if tmpl.updated and self._hot_after and index not in self._asked:
@@ -347,9 +455,26 @@ class GraphLibrary:
                 self._pending.append(self._pool.submit(self._dedicate_quietly, index))
         return tmpl.handle
 
+    def _template_of(self, index: int) -> _Exec:
+        """The group template of `index`, once built: a launch may come before the background
+        built it (waits, `waited_ms`), or after it failed there (built here, or CudaError)."""
+        gi = self._group_of[index]
+        tmpl = self._templates.get(gi)
+        if tmpl is not None:
+            return tmpl
+        t = time.perf_counter()
+        self._ready[gi].wait()
+        self.waited_ms.append((time.perf_counter() - t) * 1e3)
+        if gi in self._failed:
+            with self._driver_lock:
+                if gi not in self._templates:
+                    self._template_here(self.groups[gi])
+                    self._failed.pop(gi, None)
+        return self._templates[gi]
+
     def switch(self, index: int) -> float:
         """Load graph `index` into its group's template exec; returns the update's milliseconds."""
-        tmpl = self._templates[self._group_of[index]]
+        tmpl = self._template_of(index)
         g = self.graph(index)
         with self._driver_lock:
             t = time.perf_counter()
@@ -385,14 +510,16 @@ class GraphLibrary:
 
     def launch_template(self, index: int, stream: Any = None) -> None:
         """Launch through the group template (never the dedicated exec): SAVE's proof uses it."""
-        tmpl = self._templates[self._group_of[index]]
+        tmpl = self._template_of(index)
         if tmpl.holds != index:
             self.switch(index)
         check(cu.cuGraphLaunch(tmpl.handle, torch_stream_handle(stream)), "cuGraphLaunch")
 
     # ---- teardown -----------------------------------------------------------------------
     def close(self) -> None:
-        self.wait_background()
+        if self.dedicator is not None:
+            self.dedicator.stop.set()
+            self.dedicator.join()
         self._pool.shutdown(wait=True)
         with self._driver_lock:
             for ex in list(self._dedicated.values()):
@@ -402,6 +529,9 @@ class GraphLibrary:
             for g in self._graphs.values():
                 cu.cuGraphDestroy(g)
             self.events.destroy()
+            if self._upload_stream is not None:
+                cu.cuStreamDestroy(self._upload_stream)
+                self._upload_stream = None
             if self.splicer is not None:
                 self.splicer.close()
             self._dedicated.clear()

@@ -1,0 +1,155 @@
+"""Need order and every key's own exec, built off the request path.
+
+Need order: the keys an engine's first requests hit come first — the engine's own first keys
+when it names them, then the rest by size, smallest first (a decode server's first requests
+are small batches). LOAD builds the templates in that order, hands the library over as soon as
+the first one is instantiated, and builds the rest behind it.
+
+Own execs (`Dedicator`): after serving starts, every key that is not its group's template gets an
+exec instantiated from its own graph, in need order, on a background thread (libember's builder:
+graph build + instantiate in C, no GIL), uploaded to the device there too. A key whose exec is
+ready is launched through it: no `cuGraphExecUpdate` on the request path, and no exec updated
+away from what it was instantiated from (on H100 an updated exec ran up to 24 % slower). Their
+device memory is measured (free memory before/after each batch, uploads synchronised) and
+capped (`EMBER_EXEC_MEMORY_MB`, default 2048): keys past the cap stay on their group template.
+A template that was switched to another key before that key's own exec was ready gets an own
+exec for its template key too, at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cuda.bindings import driver as cu
+
+from ember.runtime.graphs.driver import OK
+
+DEFAULT_EXEC_MEMORY_MB = 2048.0
+BATCH = 2  # graphs per builder call: small, so the first keys' execs are ready early
+
+
+def need_order(keys: Sequence[tuple[int, ...]], first: Iterable[Iterable[int]] = ()) -> list[int]:
+    """Indices of `keys` in the order requests need them: `first` (those present, in that order),
+    then the rest smallest first."""
+    index = {tuple(k): i for i, k in enumerate(keys)}
+    head: list[int] = []
+    for k in first:
+        i = index.get(tuple(k))
+        if i is not None and i not in head:
+            head.append(i)
+    rest = sorted((i for i in range(len(keys)) if i not in head), key=lambda i: (sum(keys[i]), keys[i]))
+    return head + rest
+
+
+def exec_memory_budget() -> int:
+    """Bytes all own execs may take (EMBER_EXEC_MEMORY_MB; 0 disables them)."""
+    env = os.environ.get("EMBER_EXEC_MEMORY_MB", "")
+    try:
+        mb = float(env) if env else DEFAULT_EXEC_MEMORY_MB
+    except ValueError:
+        mb = DEFAULT_EXEC_MEMORY_MB
+    return int(max(mb, 0.0) * 2**20)
+
+
+def free_memory() -> int | None:
+    try:
+        err, free, _ = cu.cuMemGetInfo()
+    except RuntimeError:  # no such entry point (a stand-in driver)
+        return None
+    return int(free) if err == OK else None
+
+
+@dataclass
+class DedicateStats:
+    """What the own execs cost: how many, their device memory, the keys past the cap."""
+
+    execs: int = 0
+    bytes: int = 0
+    budget: int = 0
+    capped: list[tuple[int, ...]] = field(default_factory=list)
+    build_ms: float = 0.0  # wall time of the builder calls (graph + instantiate)
+    upload_ms: float = 0.0
+    failed: list[str] = field(default_factory=list)
+
+
+class Dedicator:
+    """Builds the own execs of a GraphLibrary on one background thread (see the module doc)."""
+
+    def __init__(self, lib: Any, budget: int | None = None) -> None:
+        self.lib = lib
+        self.stats = DedicateStats(budget=exec_memory_budget() if budget is None else budget)
+        self.done = threading.Event()
+        self.stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, after: Sequence[threading.Event] = ()) -> threading.Thread:
+        """Start once every event in `after` is set (templates built, serving started)."""
+
+        def run() -> None:
+            try:
+                for ev in after:
+                    while not ev.wait(0.05):
+                        if self.stop.is_set():
+                            return
+                self.run()
+            finally:
+                self.done.set()
+
+        self._thread = threading.Thread(target=run, name="ember-dedicate", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def run(self) -> None:
+        """Own execs in need order (template keys last, only for templates switched away)."""
+        lib = self.lib
+        check_ctx(lib.ctx)
+        todo = [i for i in lib.order if not lib.is_template(i)]
+        for start in range(0, len(todo), BATCH):
+            if not self._batch(todo[start : start + BATCH]):
+                return
+        self._batch([i for i in lib.order if lib.is_template(i) and lib.template_switched(i)])
+        lib.marks["dedicated"] = time.perf_counter()
+
+    def _batch(self, indices: list[int]) -> bool:
+        """One builder call; False once stopped or over the memory cap (the rest stay on templates)."""
+        lib, st = self.lib, self.stats
+        indices = [i for i in indices if not lib.has_dedicated(i)]
+        if not indices:
+            return True
+        if self.stop.is_set():
+            return False
+        if st.bytes >= st.budget:  # a budget of 0 makes none
+            st.capped += [lib.keys[i] for i in indices]
+            return False
+        before = free_memory()
+        t = time.perf_counter()
+        try:
+            built = lib.build_execs(indices)
+        except Exception as exc:  # the template keeps serving these keys
+            st.failed.append(f"{[lib.keys[i] for i in indices]}: {type(exc).__name__}: {exc}"[:300])
+            return True
+        st.build_ms += (time.perf_counter() - t) * 1e3
+        t = time.perf_counter()
+        lib.upload([ex for _, ex in built])
+        st.upload_ms += (time.perf_counter() - t) * 1e3
+        after = free_memory()
+        if before is not None and after is not None:
+            st.bytes += max(before - after, 0)
+        for i, ex in built:
+            lib.adopt_dedicated(i, ex)
+        st.execs += len(built)
+        return True
+
+
+def check_ctx(ctx: Any) -> None:
+    if ctx is not None:
+        cu.cuCtxSetCurrent(ctx)
