@@ -12,12 +12,21 @@ import pytest
 
 from ember_bench import true_cost
 
+
+def _warm(first: float, ready: float, p99: float) -> dict[str, Any]:
+    return {
+        "warm_first_ms": first, "warm_templates_ms": first + 5, "warm_ready_ms": ready,
+        "warm_all_ms": ready + 2, "warm_first_use_extra_ms": {"p50": 0.01, "p99": p99, "max": p99},
+        "warm_first_use_updates": 0, "warm_exec_mb": 90.0, "warm_execs": 42, "warm_exec_capped": 0,
+    }
+
+
 RUNS = {
-    "warm": [
-        {"warm_first_ms": f, "warm_all_ms": a, "warm_settled_ms": a + 1}
-        for f, a in ((9, 30), (5, 20), (7, 90))
+    "warm": [_warm(f, a, p) for f, a, p in ((9, 30, 0.02), (5, 20, 0.05), (7, 90, 0.03))],
+    "cold": [
+        {"cold_first_ms": 60, "cold_templates_ms": 70, "cold_ready_ms": a, "cold_all_ms": a + 3}
+        for a in (700, 500, 800)
     ],
-    "cold": [{"cold_first_ms": 60, "cold_all_ms": a, "cold_settled_ms": a} for a in (700, 500, 800)],
     "build": [{"build_ms": b} for b in (400, 480, 300)],
 }
 
@@ -34,9 +43,12 @@ def _fake(runs: dict[str, list[dict[str, Any]]]) -> Any:
 def test_medians_and_the_cold_difference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(true_cost, "_run", _fake(RUNS))
     out = true_cost.measure("file:///s", "h" * 64, {}, repeats=3)
-    assert (out["warm_first_ms"], out["warm_all_ms"], out["warm_settled_ms"]) == (7, 30, 31)
-    assert out["build_only_ms"] == 400 and out["cold_all_ms"] == 700
-    assert out["cold_extra_ms"] == 300  # median restored process minus median bare build
+    assert (out["warm_first_ms"], out["warm_ready_ms"], out["warm_all_ms"]) == (7, 30, 32)
+    assert out["build_only_ms"] == 400 and out["cold_ready_ms"] == 700
+    assert out["cold_extra_ms"] == 300  # median restored process (every key ready) minus median bare build
+    assert out["cold_extra_first_ms"] == 60 - 400
+    assert out["first_use_extra_p99_ms"] == 0.05  # the worst run's p99, not a median
+    assert out["warm_first_use_updates"] == 0 and out["warm_exec_mb"] == 90.0
     assert len(out["runs"]["warm"]) == 3 and "error" not in out
 
 
