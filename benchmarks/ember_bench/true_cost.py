@@ -95,6 +95,8 @@ def _launch_all(loaded: Any, t0: float, out: dict[str, Any], prefix: str) -> Non
         out[f"{prefix}_exec_capped"] = len(st.capped)
         out[f"{prefix}_exec_build_ms"] = st.build_ms
         out[f"{prefix}_exec_upload_ms"] = st.upload_ms
+        out[f"{prefix}_exec_prepare_ms"] = st.prepare_ms
+        out[f"{prefix}_exec_per_graph_ms"] = st.per_graph  # (build, instantiate) in libember
     out[f"{prefix}_templates_waited_ms"] = sum(lib.waited_ms)
 
 

@@ -35,13 +35,14 @@ def native_threads() -> int:
 def build_native(
     preps: list[PreparedGraph], ctx: Any, events: Any, *, instantiate: bool, threads: int | None = None,
     interposer: Any = None, splices: Any = None,
-) -> tuple[list[tuple[Any, Any] | None], dict[str, float]]:
+) -> tuple[list[tuple[Any, Any] | None], dict[str, Any]]:
     """Build (and instantiate) graphs with libember's ember_build_graphs (native_threads()
     builder threads unless `threads` is given).
 
     Returns per graph (CUgraph, CUgraphExec or None), or None where the Python path must build
     it (child graphs, edge data this driver drops with this strategy, no libember here), and
-    timings {"wall_ms", "build_cpu_ms", "instantiate_cpu_ms", "threads"}. A graph the driver
+    timings {"wall_ms", "build_cpu_ms", "instantiate_cpu_ms", "threads", "per_graph": [(build
+    ms, instantiate ms)]}. A graph the driver
     refuses for any other reason raises RebuildError (libember kept nothing of the batch).
     `splices(i)`: the CUgraph of collective i (graphs with OP_SPLICE nodes need it)."""
     from ember import native
@@ -53,7 +54,9 @@ def build_native(
     todo: list[tuple[int, PreparedGraph, NodeArrays]] = []
     if ip is not None:
         todo = [(i, p, a) for i, p in enumerate(preps) if (a := arrays_of(p)) is not None]
-    timings = {"wall_ms": 0.0, "build_cpu_ms": 0.0, "instantiate_cpu_ms": 0.0, "threads": 0.0}
+    timings: dict[str, Any] = {
+        "wall_ms": 0.0, "build_cpu_ms": 0.0, "instantiate_cpu_ms": 0.0, "threads": 0.0, "per_graph": []
+    }
     if not todo:
         return out, timings
     descs = (native.GraphDesc * len(todo))()
@@ -68,6 +71,7 @@ def build_native(
     for d, (i, p, _) in zip(descs, todo, strict=True):
         timings["build_cpu_ms"] += d.build_ns / 1e6
         timings["instantiate_cpu_ms"] += d.instantiate_ns / 1e6
+        timings["per_graph"].append((round(d.build_ns / 1e6, 3), round(d.instantiate_ns / 1e6, 3)))
         if d.status == 0 and d.graph:
             out[i] = (cu.CUgraph(d.graph), cu.CUgraphExec(d.exec) if d.exec else None)
         elif d.status not in (0, native.EMBER_EEDGES):  # libember destroyed the whole batch

@@ -116,6 +116,7 @@ class LoadTimings:
     templates: int = 0
     splice_ms: float = 0.0  # capturing this rank's collectives and regrouping (multi-GPU)
     upload_ms: float = 0.0  # cuGraphUpload of the templates (own execs: Dedicator.stats)
+    per_graph: list[tuple[float, float]] = field(default_factory=list)  # (build, instantiate) ms
 
 
 class RestoredGraph:
@@ -311,6 +312,7 @@ class GraphLibrary:
         self.timings.threads = int(nt["threads"])
         self.timings.build_ms += nt["build_cpu_ms"]
         self.timings.instantiate_ms += nt["instantiate_cpu_ms"]
+        self.timings.per_graph += nt["per_graph"]
         for group, pair in zip(groups, built, strict=True):
             if pair is not None:
                 self._graphs[group.template] = pair[0]
@@ -389,11 +391,16 @@ class GraphLibrary:
     def has_dedicated(self, index: int) -> bool:
         return index in self._dedicated
 
-    def build_execs(self, indices: list[int]) -> list[tuple[int, Any]]:
+    def build_execs(self, indices: list[int], per_graph: list[Any] | None = None) -> list[tuple[int, Any]]:
         """Own execs of `indices` (graph + instantiate in one libember call, no driver lock held:
-        the graphs are new objects); a graph already built here is kept, the new copy dropped."""
+        the graphs are new objects); a graph already built here is kept, the new copy dropped.
+        (build, instantiate) ms per graph are appended to `per_graph`."""
         preps = [self.prepared(i) for i in indices]
-        built, _ = rebuild.build_native(preps, self.ctx, self.events, instantiate=True, splices=self._splices)
+        built, nt = rebuild.build_native(
+            preps, self.ctx, self.events, instantiate=True, splices=self._splices
+        )
+        if per_graph is not None:
+            per_graph += nt["per_graph"]
         out: list[tuple[int, Any]] = []
         for i, pair in zip(indices, built, strict=True):
             if pair is None or pair[1] is None:
