@@ -66,6 +66,8 @@ def test_function_attributes_are_compared() -> None:
     (p,) = _check(g, g, REFS, lost)
     assert p.startswith("node 1: function attributes") and "max_dynamic_shared=0" in p
     assert structure_problems(g, g, REFS, REFS) == []  # attributes not given: not compared
+    unknown = [ATTRS[0], dataclasses.replace(ATTRS[1], carveout=-1)]  # the driver did not say
+    assert _check(g, g, REFS, unknown) == []
 
 
 def test_child_graphs_are_compared_recursively() -> None:

@@ -19,6 +19,7 @@ refuses those graphs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 from ember.archive.graphs import EventParams, FunctionAttrs, Graph, KernelParams, KernelRef, NodeType
@@ -46,10 +47,17 @@ def _kernel_problems(
             out.append(f"{where}: {f} differs ({ca.name[:60]})")
     if ca != cb:
         out.append(f"{where}: kernel {_ref_text(cb)}, captured {_ref_text(ca)}")
-    if attrs[0] and attrs[1] and attrs[0][pa.kernel] != attrs[1][pb.kernel]:
+    if attrs[0] and attrs[1] and not same_function_attrs(attrs[0][pa.kernel], attrs[1][pb.kernel]):
         rebuilt, captured = attrs[1][pb.kernel], attrs[0][pa.kernel]
         out.append(f"{where}: function attributes {rebuilt}, captured {captured} ({ca.name[:60]})")
     return out
+
+
+def same_function_attrs(a: FunctionAttrs, b: FunctionAttrs) -> bool:
+    """Equal, a carveout the driver would not report (-1) on either side counting as unknown."""
+    if -1 in (a.carveout, b.carveout):
+        a, b = dataclasses.replace(a, carveout=-1), dataclasses.replace(b, carveout=-1)
+    return a == b
 
 
 def structure_problems(
