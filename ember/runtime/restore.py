@@ -243,9 +243,9 @@ class ArchiveRestore:
         assert self.archive is not None
         t = time.perf_counter()
         try:
+            # the header and index; each graph's chunk is decoded when it is prepared, in need
+            # order (the blob's bytes were verified against their digest when read)
             table: GraphTable = archive_format.decode(self.archive.graph_table)
-            for g in table.groups:
-                table.chunk(g.template)
         except Exception as exc:
             raise Refused(LOAD, f"archive damaged: {exc}") from exc
         tm["decode_ms"] = (time.perf_counter() - t) * 1e3
@@ -254,6 +254,7 @@ class ArchiveRestore:
     def _build_first(self, table: GraphTable, tm: dict[str, float]) -> GraphLibrary:
         """Kernel functions resolved; the library with the template of the first needed key's
         group built and instantiated (need order, `ember.runtime.graphs.need`)."""
+        from ember.archive.table_layout import FormatError
         from ember.runtime.graphs.templates import GraphLibrary
 
         t = time.perf_counter()
@@ -266,6 +267,9 @@ class ArchiveRestore:
         lib = GraphLibrary(table, functions, splicer=self.splicer, first_keys=self.first_keys)
         try:
             lib.build_first()
+        except FormatError as exc:  # a chunk that does not decode: damaged, not the driver's
+            lib.close()
+            raise Refused(LOAD, f"archive damaged: {exc}") from exc
         except BaseException:
             lib.close()
             raise
