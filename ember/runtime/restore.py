@@ -276,8 +276,10 @@ class ArchiveRestore:
         if os.environ.get("EMBER_DEDICATE", "1") != "0":  # after every template and serving's start
             lib.start_dedicating(after=[self._serving])
         tm["templates_first_ms"] = (time.perf_counter() - t) * 1e3
-        if self.splicer is not None:
-            tm.update(splice_ms=lib.timings.splice_ms, collective_capture_ms=self.splicer.capture_ms)
+        if self.splicer is not None:  # every collective was captured by the regrouping
+            caps = self.splicer.captures
+            tm.update(splice_ms=lib.timings.splice_ms, collective_capture_ms=self.splicer.capture_ms,
+                      collectives=len(caps), collective_first_ms=caps[0] if caps else 0.0)
         return lib
 
     def _build_rest(self, lib: GraphLibrary, tm: dict[str, float], *, background: bool) -> None:
