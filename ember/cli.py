@@ -161,7 +161,8 @@ def verify(
 
 app.command("inspect")(archive_commands.inspect)
 app.command("verify")(verify)
-app.command("serve")(serve)
+# extra arguments after `--` go to `vllm serve` (`--engine vllm`)
+app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve)
 app.command("save")(save)
 app.command("load")(load)
 

@@ -27,6 +27,7 @@ log = logging.getLogger("ember.serving")
 
 # long: typer declares every option in the signature; the body is a few steps
 def serve(
+    ctx: typer.Context,
     model: Annotated[
         str | None,
         typer.Option(help="Built-in shape (llama-3-8b, qwen3-8b, tiny-llama) or a local checkpoint dir."),
@@ -57,14 +58,26 @@ def serve(
     preload: Annotated[
         bool, typer.Option("--preload/--no-preload", help="Re-run under libember (SAVE/LOAD need it).")
     ] = True,
+    engine_kind: Annotated[
+        str, typer.Option("--engine", help="transformers (this server) or vllm (`vllm serve` + plugin).")
+    ] = "transformers",
 ) -> None:
     """Serve a model over HTTP (OpenAI-style) with transformers continuous batching: restored graphs
-    from the sidecar's archive, or native capture on any refusal. Ready only after the first token."""
+    from the sidecar's archive, or native capture on any refusal. Ready only after the first token.
+    `--engine vllm -- <vllm serve args>`: supervise `vllm serve` behind the same hand-off."""
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s [pid %(process)d] %(message)s",
     )
+    if engine_kind == "vllm":
+        from ember.serving.vllm import supervise
+
+        raise typer.Exit(supervise(list(ctx.args), run_dir, use_handoff=use_handoff, deadline=deadline))
+    if engine_kind != "transformers":
+        raise typer.BadParameter(f"--engine {engine_kind!r}: transformers or vllm")
+    if ctx.args:
+        raise typer.BadParameter(f"unexpected arguments {ctx.args} (only --engine vllm passes any on)")
     if model is None and model_config is None:
         raise typer.BadParameter("give --model NAME|DIR or --model-config FILE")
     if preload and (save_to or use_handoff or archive is not None):
