@@ -11,8 +11,10 @@ the build. These figures count everything the user waits for:
   key is launchable through an exec of its own, no update (`warm_ready_ms`: the background
   Dedicator done, `ember.runtime.graphs.need`), and until every key then ran once
   (`warm_all_ms`). Work on background threads counts: every figure waits for it.
-- first use: in that last pass each key's first launch is timed on the host against its second
-  (`first_use_extra_ms` p50/p99) and the exec updates it caused are counted (`first_use_updates`);
+- first use: in that last pass each key's first launch is timed on the host against its second,
+  each on an idle GPU (`first_use_extra_ms` p50/p99; without the synchronisation a launch behind
+  a full queue blocks until the GPU drains, ~10-20 ms, which is not the key's first-use cost)
+  and the exec updates it caused are counted (`first_use_updates`);
   the own execs' device memory (`exec_mb`) and the keys past the cap (`exec_capped`) are kept.
 - cold: a pod that starts with its archive. (a process that builds the model AND restores, until
   every key is launchable through its own exec and ran once) minus (a process that only builds
@@ -77,6 +79,7 @@ def _launch_all(loaded: Any, t0: float, out: dict[str, Any], prefix: str) -> Non
     second: list[float] = []
     for k in order[1:]:
         for times in (first, second):
+            torch.cuda.synchronize()  # an idle GPU: a full launch queue would block the launch
             t = time.perf_counter()
             loaded.launch(k)
             times.append((time.perf_counter() - t) * 1e3)
