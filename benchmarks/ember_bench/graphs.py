@@ -352,6 +352,20 @@ def goals(r: dict[str, Any]) -> dict[str, bool | None]:
         "programmatic_edges_intact": r.get("programmatic_edges_intact"),
         # every graph's outputs (logits AND tokens) equal SAVE's, where native itself does
         "outputs_identical": _outputs_goal(r),
+        **_true_cost_goals(r.get("true_cost")),
+    }
+
+
+def _true_cost_goals(tc: dict[str, Any] | None) -> dict[str, bool | None]:
+    """Issue 17's goals on LOAD's true cost (absent when it was not measured)."""
+    if not tc or "error" in tc:
+        return {}
+    return {
+        "warm_every_key_own_exec<=150ms": tc["warm_ready_ms"] <= 150,
+        "warm_first_key<=30ms": tc["warm_first_ms"] <= 30,
+        "cold_extra<=150ms": tc["cold_extra_ms"] <= 150,
+        "first_use_no_exec_update": tc.get("warm_first_use_updates") == 0,
+        "first_use_p99<=0.1ms": tc.get("first_use_extra_p99_ms", 1e9) <= 0.1,
     }
 
 
