@@ -24,6 +24,8 @@ from typing import Annotated, Any
 
 import typer
 
+from ember_bench import true_cost
+
 GOALS = {
     "native_over_load": 30.0,
     "load_ms": 250.0,
@@ -225,8 +227,6 @@ def bench_one(
         return res
     _load_facts(res, native, saved, loaded)
     if repeats:
-        from ember_bench import true_cost
-
         tc = true_cost.measure(store, saved["identity"], preload_env("load", base_env), repeats, timeout)
         res["true_cost"] = tc
         if "error" not in tc:
@@ -352,20 +352,7 @@ def goals(r: dict[str, Any]) -> dict[str, bool | None]:
         "programmatic_edges_intact": r.get("programmatic_edges_intact"),
         # every graph's outputs (logits AND tokens) equal SAVE's, where native itself does
         "outputs_identical": _outputs_goal(r),
-        **_true_cost_goals(r.get("true_cost")),
-    }
-
-
-def _true_cost_goals(tc: dict[str, Any] | None) -> dict[str, bool | None]:
-    """Issue 17's goals on LOAD's true cost (absent when it was not measured)."""
-    if not tc or "error" in tc:
-        return {}
-    return {
-        "warm_every_key_own_exec<=150ms": tc["warm_ready_ms"] <= 150,
-        "warm_first_key<=30ms": tc["warm_first_ms"] <= 30,
-        "cold_extra<=150ms": tc["cold_extra_ms"] <= 150,
-        "first_use_no_exec_update": tc.get("warm_first_use_updates") == 0,
-        "first_use_p99<=0.1ms": tc.get("first_use_extra_p99_ms", 1e9) <= 0.1,
+        **true_cost.goals(r.get("true_cost")),
     }
 
 
@@ -463,26 +450,6 @@ def _table_row(r: dict[str, Any]) -> str:
     )
 
 
-def _true_cost_line(r: dict[str, Any]) -> str:
-    tc = r["true_cost"]
-    if "error" in tc:
-        return f"- {r['workload']}: true cost not measured: {tc['error']}"
-    return (
-        f"- {r['workload']} ({tc['repeats']} runs each): warm pod, archive opened → first key run "
-        f"{tc['warm_first_ms']:.0f} ms, every template ready {tc['warm_templates_ms']:.0f} ms, "
-        f"**every key launchable through its own exec {tc['warm_ready_ms']:.0f} ms**, every key run "
-        f"once {tc['warm_all_ms']:.0f} ms; first use of a key after that: "
-        f"{tc.get('warm_first_use_updates')} exec updates, host launch p99 "
-        f"+{tc['first_use_extra_p99_ms']:.3f} ms over its second launch; own execs "
-        f"{tc.get('warm_execs')} taking {tc.get('warm_exec_mb') or 0:.0f} MiB "
-        f"({tc.get('warm_exec_capped')} keys past the cap); cold, build + LOAD until every key is "
-        f"launchable {tc['cold_ready_ms']:.0f} ms (first key {tc['cold_first_ms']:.0f} ms) vs a bare "
-        f"build {tc['build_only_ms']:.0f} ms: LOAD adds {tc['cold_extra_ms']:.0f} ms; native capture / "
-        f"warm LOAD {r['native_over_warm_load']:.1f}x, / cold extra {r['native_over_cold_load']:.1f}x "
-        f"(critical-path load_ms {r['load_ms']:.1f})"
-    )
-
-
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# ember bench graphs — {report['device']} — {report['date']}",
@@ -497,7 +464,7 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     lines += [_table_row(r) for r in report["results"]]
     lines += ["", "## LOAD's true cost (medians of fresh processes; ember_bench/true_cost.py)", ""]
-    lines += [_true_cost_line(r) for r in report["results"] if r.get("true_cost")]
+    lines += [true_cost.report_line(r) for r in report["results"] if r.get("true_cost")]
     lines += ["", "## LOAD stages (ms) and cold start (model build + graphs)", ""]
     for r in report["results"]:
         if "load_ms" in r:

@@ -173,6 +173,39 @@ def measure(
     return out
 
 
+def goals(tc: dict[str, Any] | None) -> dict[str, bool | None]:
+    """Issue 17's goals on LOAD's true cost (absent when it was not measured)."""
+    if not tc or "error" in tc:
+        return {}
+    return {
+        "warm_every_key_own_exec<=150ms": tc["warm_ready_ms"] <= 150,
+        "warm_first_key<=30ms": tc["warm_first_ms"] <= 30,
+        "cold_extra<=150ms": tc["cold_extra_ms"] <= 150,
+        "first_use_no_exec_update": tc.get("warm_first_use_updates") == 0,
+        "first_use_p99<=0.1ms": tc.get("first_use_extra_p99_ms", 1e9) <= 0.1,
+    }
+
+
+def report_line(r: dict[str, Any]) -> str:
+    tc = r["true_cost"]
+    if "error" in tc:
+        return f"- {r['workload']}: true cost not measured: {tc['error']}"
+    return (
+        f"- {r['workload']} ({tc['repeats']} runs each): warm pod, archive opened → first key run "
+        f"{tc['warm_first_ms']:.0f} ms, every template ready {tc['warm_templates_ms']:.0f} ms, "
+        f"**every key launchable through its own exec {tc['warm_ready_ms']:.0f} ms**, every key run "
+        f"once {tc['warm_all_ms']:.0f} ms; first use of a key after that: "
+        f"{tc.get('warm_first_use_updates')} exec updates, host launch p99 "
+        f"+{tc['first_use_extra_p99_ms']:.3f} ms over its second launch; own execs "
+        f"{tc.get('warm_execs')} taking {tc.get('warm_exec_mb') or 0:.0f} MiB "
+        f"({tc.get('warm_exec_capped')} keys past the cap); cold, build + LOAD until every key is "
+        f"launchable {tc['cold_ready_ms']:.0f} ms (first key {tc['cold_first_ms']:.0f} ms) vs a bare "
+        f"build {tc['build_only_ms']:.0f} ms: LOAD adds {tc['cold_extra_ms']:.0f} ms; native capture / "
+        f"warm LOAD {r['native_over_warm_load']:.1f}x, / cold extra {r['native_over_cold_load']:.1f}x "
+        f"(critical-path load_ms {r['load_ms']:.1f})"
+    )
+
+
 def _main() -> None:
     name, args = sys.argv[1], json.loads(sys.argv[2])
     if name not in ROLES:

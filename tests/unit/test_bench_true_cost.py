@@ -61,12 +61,10 @@ def test_a_failed_child_is_an_error_not_a_figure(monkeypatch: pytest.MonkeyPatch
 
 
 def test_the_true_cost_goals_read_the_medians_and_the_worst_p99(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ember_bench.graphs import _true_cost_goals
-
     monkeypatch.setattr(true_cost, "_run", _fake(RUNS))
-    g = _true_cost_goals(true_cost.measure("file:///s", "h" * 64, {}, repeats=3))
+    g = true_cost.goals(true_cost.measure("file:///s", "h" * 64, {}, repeats=3))
     assert g["warm_every_key_own_exec<=150ms"] is True  # median 30 ms
     assert g["warm_first_key<=30ms"] is True and g["first_use_no_exec_update"] is True
     assert g["cold_extra<=150ms"] is False  # 300 ms
     assert g["first_use_p99<=0.1ms"] is True  # worst run 0.05 ms
-    assert _true_cost_goals({"error": "exited 1"}) == {}
+    assert true_cost.goals({"error": "exited 1"}) == {}
