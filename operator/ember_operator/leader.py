@@ -62,6 +62,7 @@ class LeaderElector:
         self._seen = _Seen()
         self._renewed_at: float | None = None  # monotonic time of our last successful write
         self._lock = threading.Lock()
+        self._released = False  # stopped: never take the Lease again
 
     @property
     def path(self) -> str:
@@ -76,6 +77,8 @@ class LeaderElector:
     def step(self) -> bool:
         """One election round; returns whether this replica leads afterwards. API errors count as
         a failed renewal (the deadline decides when leadership is lost)."""
+        if self._released:
+            return False
         try:
             self._try()
         except KubeError as exc:
@@ -138,7 +141,9 @@ class LeaderElector:
                     self._seen.holder or "another replica")
 
     def release(self) -> None:
-        """Give the Lease up (a clean stop): the next candidate takes it at its next step."""
+        """Give the Lease up (a clean stop): the next candidate takes it at its next step. This
+        candidate never takes it again (an election round still in flight must not re-take it)."""
+        self._released = True
         if not self.leading:
             return
         with self._lock:

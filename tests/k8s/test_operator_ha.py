@@ -80,6 +80,7 @@ def test_lease_election_one_leader_takeover_and_release(k8s: LocalCluster, ns_ap
     assert _holder(k8s, ns_api.ns) == "b"
     assert not a.step(), "the old leader must see the new holder and stand down"
     b.release()  # a clean stop: the next candidate takes over at once
+    assert not b.step(), "a released candidate never takes the Lease again"
     assert a.step() and _holder(k8s, ns_api.ns) == "a"
 
 
@@ -113,6 +114,28 @@ def test_two_replicas_one_reconciles_and_a_sigkill_hands_over(ns_api: Api, minio
     finally:
         for op in ops:
             op.stop()
+
+
+def test_a_stopped_leader_hands_over_at_once(ns_api: Api, tmp_path: Path) -> None:
+    """SIGTERM (a rolling update): the leader releases the Lease on its way out and does not take
+    it back, so the standby leads at its next try instead of after the lease duration."""
+    api = ns_api
+    first = _operators(api, tmp_path / "a", 1, EMBER_OPERATOR_LEASE_DURATION_SECONDS="30")[0]
+    try:
+        held = wait_for(lambda: _holder(api.k8s, api.ns), "the first replica leads", first)
+        second = _operators(api, tmp_path / "b", 1, EMBER_OPERATOR_LEASE_DURATION_SECONDS="30")[0]
+        try:
+            time.sleep(2)
+            assert _holder(api.k8s, api.ns) == held
+            stopped = time.monotonic()
+            first.stop()
+            wait_for(lambda: _holder(api.k8s, api.ns) not in ("", held), "the second replica leads", second,
+                     timeout=10, interval=0.1)
+            assert time.monotonic() - stopped < 10, "taken over on release, not after the 30 s duration"
+        finally:
+            second.stop()
+    finally:
+        first.stop()
 
 
 def test_two_operators_of_different_config_do_not_fight(
