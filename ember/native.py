@@ -96,6 +96,20 @@ class GraphDesc(ctypes.Structure):
     ]
 
 
+class CollectiveDesc(ctypes.Structure):
+    """struct ember_collective (native/include/ember.h): one NCCL call to capture."""
+
+    _fields_ = [
+        ("op", ctypes.c_uint32),
+        ("dtype", ctypes.c_int32),
+        ("redop", ctypes.c_int32),
+        ("root", ctypes.c_int32),
+        ("send", ctypes.c_uint64),
+        ("recv", ctypes.c_uint64),
+        ("count", ctypes.c_uint64),
+    ]
+
+
 class EmberError(RuntimeError):
     """A control call failed; `code` is the negative ember_status, the message says why."""
 
@@ -136,6 +150,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ember_image_size": [c.c_void_p, c.c_size_t, c.POINTER(c.c_int), szp],
         "ember_hash_hex": [c.c_void_p, c.c_size_t, c.c_char_p, c.c_size_t],
         "ember_build_graphs": [c.c_uint64, c.c_void_p, c.c_size_t, c.c_int],
+        "ember_capture_collectives": [
+            c.c_uint64, c.c_uint64, c.c_void_p, c.c_void_p, c.c_size_t, c.c_void_p, c.c_void_p, c.c_char_p,
+            c.c_size_t,
+        ],
     }
     for name, args in sigs.items():
         fn = getattr(lib, name)
@@ -280,6 +298,29 @@ class Interposer:
         if rc in (-1, -9) and all(d.status == 0 and d.graph == 0 for d in descs):
             self._check(rc, "build_graphs")
         return int(rc)
+
+    def capture_collectives(
+        self, comm: int, groups: list[list[tuple[int, int, int, int, int, int, int]]], ctx: int = 0
+    ) -> tuple[list[int], list[int]]:
+        """ember_capture_collectives: each group (one or several NCCL calls as (op, dtype, redop,
+        root, send, recv, count)) captured into its own CUgraph with the communicator `comm`;
+        returns (graph handles, shape hashes). EmberError when NCCL or the driver refuses one
+        (then none is kept)."""
+        flat = [c for g in groups for c in g]
+        calls = (CollectiveDesc * max(len(flat), 1))(*[CollectiveDesc(*c) for c in flat])
+        starts = (ctypes.c_uint32 * (len(groups) + 1))()
+        for i, g in enumerate(groups):
+            starts[i + 1] = starts[i] + len(g)
+        graphs = (ctypes.c_uint64 * max(len(groups), 1))()
+        shapes = (ctypes.c_uint64 * max(len(groups), 1))()
+        err = ctypes.create_string_buffer(512)
+        addr = ctypes.addressof
+        rc = self._lib.ember_capture_collectives(
+            ctx, comm, addr(calls), addr(starts), len(groups), addr(graphs), addr(shapes), err, len(err)
+        )
+        if rc != 0:
+            raise EmberError(rc, f"capture_collectives: {err.value.decode(errors='replace')}")
+        return list(graphs)[: len(groups)], list(shapes)[: len(groups)]
 
     def stats(self) -> dict[str, Any]:
         return json.loads(self._bytes(self._lib.ember_stats_json, what="stats"))

@@ -86,7 +86,6 @@ def role_load(args: dict[str, Any]) -> dict[str, Any]:
         "splice_ms": lt.get("splice_ms", 0.0),
         "collective_capture_ms": lt.get("collective_capture_ms", 0.0),
         "collectives": lt.get("collectives", 0),
-        "collective_first_ms": lt.get("collective_first_ms", 0.0),
         "templates": len(loaded.library.groups),
     }
     keys = [tuple(k) for k in loaded.library.keys]
@@ -238,7 +237,6 @@ def _verdict(rank: int, native: dict[str, Any], loaded: dict[str, Any]) -> dict[
         splice_ms=loaded["splice_ms"],
         collective_capture_ms=loaded["collective_capture_ms"],
         collectives=loaded["collectives"],
-        collective_first_ms=loaded["collective_first_ms"],
         native_over_load=native["native_capture_s"] * 1e3 / loaded["load_ms"],
         templates=loaded["templates"],
         tokens_identical={
@@ -273,14 +271,14 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {x['rank']} | {x.get('native_error', '')} | {x.get('load_error', '')} | | | | |")
             continue
         tok = ", ".join(f"B={b}: {'yes' if v else 'NO'}" for b, v in x["tokens_identical"].items())
-        splice = f"{x['splice_ms']:.1f} ({x['collectives']}, first {x['collective_first_ms']:.1f})"
+        splice = f"{x['splice_ms']:.1f} ({x['collectives']}: capture {x['collective_capture_ms']:.1f})"
         lines.append(
             f"| {x['rank']} | {x['native_capture_s']:.2f} | {x['load_ms']:.1f} | {splice} | "
             f"{x['native_over_load']:.0f} | {tok} | {x['outputs_identical']}/{x['outputs']} |"
         )
     lines += [
         "",
-        "splice ms (distinct collectives, first capture ms): this rank's collectives captured with its "
+        "splice ms (distinct collectives: their capture ms): this rank's collectives captured with its "
         "communicator and the templates "
         "regrouped (part of LOAD ms, on the background thread).",
         "",

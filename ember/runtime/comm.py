@@ -172,7 +172,7 @@ def nccl_version() -> str:
 
 
 def _nccl() -> ctypes.CDLL:
-    """The real libnccl torch loaded (never the stub: LOAD runs without it)."""
+    """The real libnccl torch loaded (diagnostics; LOAD calls it from libember)."""
     try:
         return ctypes.CDLL("libnccl.so.2", mode=os.RTLD_NOLOAD | os.RTLD_NOW)
     except OSError:
@@ -180,7 +180,8 @@ def _nccl() -> ctypes.CDLL:
 
 
 class Splicer:
-    """Rank r's real collective for each placeholder, as a CUgraph captured once (on first use)."""
+    """Rank r's real collective for each placeholder, captured once, all in one libember call
+    (`ember_capture_collectives`: no GIL between the captures, ~5 us each) on first use."""
 
     def __init__(self, collectives: Collectives, comm: int, world: int, rank: int) -> None:
         if world != collectives.world:
@@ -191,96 +192,42 @@ class Splicer:
         if not comm:
             raise Refused(LOAD, "no NCCL communicator in this process")
         self.collectives, self.comm, self.world, self.rank = collectives, comm, world, rank
-        self._lib = _nccl()
-        self._graphs: dict[int, Any] = {}
-        self._stream: Any = None
-        self.capture_ms = 0.0
-        self.captures: list[float] = []  # each collective's capture, in order (ms)
+        self._graphs: list[int] = []
+        self._shapes: list[int] = []
+        self.capture_ms = 0.0  # all of this rank's collectives, one libember call
+
+    def _capture_all(self) -> None:
+        import time
+
+        from ember.native import EmberError, Interposer
+
+        t = time.perf_counter()
+        groups = [[(OPS.index(c.op), c.dtype, c.redop, c.root, c.send, c.recv, c.count) for c in calls]
+                  for calls in self.collectives.table]
+        try:
+            self._graphs, self._shapes = Interposer.attach().capture_collectives(self.comm, groups)
+        except (EmberError, OSError) as exc:
+            raise Refused(LOAD, f"rank {self.rank}: its collectives could not be captured: {exc}") from exc
+        self.capture_ms = (time.perf_counter() - t) * 1e3
 
     def graph(self, i: int) -> Any:
         """The CUgraph of collective `i` (the builder clones it into a child-graph node)."""
-        g = self._graphs.get(i)
-        if g is None:
-            g = self._graphs[i] = self._capture(self.collectives.table[i])
-        return g
+        if not self._graphs:
+            self._capture_all()
+        return self._graphs[i]
 
-    def signature(self, i: int) -> tuple[int, ...]:
-        """Node types of collective i's graph, in order (what the template grouping must match)."""
-        from cuda.bindings import driver as cu
-
-        from ember.runtime.graphs.driver import check, graph_nodes
-
-        return tuple(
-            int(check(cu.cuGraphNodeGetType(n), "cuGraphNodeGetType")) for n in graph_nodes(self.graph(i))
-        )
-
-    def _capture(self, calls: tuple[Call, ...]) -> Any:
-        import time
-
-        from cuda.bindings import driver as cu
-
-        from ember.runtime.graphs.driver import check
-
-        t = time.perf_counter()
-        if self._stream is None:
-            self._stream = check(
-                cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate"
-            )
-        stream = self._stream
-        # Thread-local: the engine's own thread may allocate while this (background) thread captures.
-        check(
-            cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
-            "cuStreamBeginCapture",
-        )
-        rc = 0
-        try:
-            if len(calls) > 1:
-                rc = rc or self._lib.ncclGroupStart()
-            for c in calls:
-                rc = rc or self._issue(c, int(stream))
-            if len(calls) > 1:
-                rc = self._lib.ncclGroupEnd() or rc
-        finally:
-            graph = check(cu.cuStreamEndCapture(stream), "cuStreamEndCapture")
-        if rc:
-            cu.cuGraphDestroy(graph)
-            raise Refused(LOAD, f"NCCL refused {calls[0].describe()} on rank {self.rank}: error {rc}")
-        ms = (time.perf_counter() - t) * 1e3
-        self.capture_ms += ms
-        self.captures.append(ms)
-        return graph
-
-    def _issue(self, c: Call, stream: int) -> int:
-        vp, sz, i, p = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p(self.comm)
-        s, snd, rcv, n = vp(stream), vp(c.send), vp(c.recv), sz(c.count)
-        lib, dt = self._lib, i(c.dtype)
-        if c.op == "all_reduce":
-            return int(lib.ncclAllReduce(snd, rcv, n, dt, i(c.redop), p, s))
-        if c.op == "all_gather":
-            return int(lib.ncclAllGather(snd, rcv, n, dt, p, s))
-        if c.op == "reduce_scatter":
-            return int(lib.ncclReduceScatter(snd, rcv, n, dt, i(c.redop), p, s))
-        if c.op == "all_to_all":
-            return int(lib.ncclAlltoAll(snd, rcv, n, dt, p, s))
-        if c.op == "reduce":
-            return int(lib.ncclReduce(snd, rcv, n, dt, i(c.redop), i(c.root), p, s))
-        if c.op == "broadcast":
-            return int(lib.ncclBroadcast(snd, rcv, n, dt, i(c.root), p, s))
-        if c.op == "send":
-            return int(lib.ncclSend(snd, n, dt, i(c.root), p, s))
-        if c.op == "recv":
-            return int(lib.ncclRecv(rcv, n, dt, i(c.root), p, s))
-        raise Refused(LOAD, f"unknown collective {c.op!r} in the archive")
+    def signature(self, i: int) -> int:
+        """A hash of collective i's node types in order (what the template grouping must match)."""
+        if not self._graphs:
+            self._capture_all()
+        return self._shapes[i]
 
     def close(self) -> None:
         from cuda.bindings import driver as cu
 
-        for g in self._graphs.values():
-            cu.cuGraphDestroy(g)
-        self._graphs.clear()
-        if self._stream is not None:
-            cu.cuStreamDestroy(self._stream)
-            self._stream = None
+        for g in self._graphs:
+            cu.cuGraphDestroy(cu.CUgraph(g))
+        self._graphs, self._shapes = [], []
 
 
 def torch_communicator(group: Any = None) -> int:

@@ -277,9 +277,8 @@ class ArchiveRestore:
             lib.start_dedicating(after=[self._serving])
         tm["templates_first_ms"] = (time.perf_counter() - t) * 1e3
         if self.splicer is not None:  # every collective was captured by the regrouping
-            caps = self.splicer.captures
             tm.update(splice_ms=lib.timings.splice_ms, collective_capture_ms=self.splicer.capture_ms,
-                      collectives=len(caps), collective_first_ms=caps[0] if caps else 0.0)
+                      collectives=len(self.splicer.collectives.table))
         return lib
 
     def _build_rest(self, lib: GraphLibrary, tm: dict[str, float], *, background: bool) -> None:

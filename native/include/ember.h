@@ -113,6 +113,31 @@ typedef struct ember_graph_desc {
  * other failure fails the batch: then no desc holds a graph or exec (all were destroyed). */
 int ember_build_graphs(uint64_t ctx, ember_graph_desc* graphs, size_t n, int threads);
 
+/* ---- a rank's collectives (LOAD of a multi-GPU archive; docs/multi-gpu.md) ----
+ * One NCCL call as SAVE's rank 0 issued it (the archive's collective table); `root` is the root
+ * (reduce, broadcast) or the peer (send, recv). Datatype and reduction are NCCL's enum values. */
+enum ember_coll_op { EMBER_COLL_ALL_REDUCE = 0, EMBER_COLL_ALL_GATHER, EMBER_COLL_REDUCE_SCATTER,
+                     EMBER_COLL_ALL_TO_ALL, EMBER_COLL_REDUCE, EMBER_COLL_BROADCAST, EMBER_COLL_SEND,
+                     EMBER_COLL_RECV };
+typedef struct ember_collective {
+  uint32_t op;
+  int32_t dtype;
+  int32_t redop;
+  int32_t root;
+  uint64_t send;
+  uint64_t recv;
+  uint64_t count;
+} ember_collective;
+
+/* Captures `n` collectives with the communicator `comm` (an ncclComm_t of this process's NCCL):
+ * collective i is calls[starts[i] .. starts[i+1]) (several calls: one NCCL group), captured on a
+ * stream of this call (thread-local capture mode) into its own CUgraph, returned in graphs[i]
+ * with shapes[i], a hash of its node types in order. On failure no graph is left (all destroyed)
+ * and `err` says which collective and why. */
+int ember_capture_collectives(uint64_t ctx, uint64_t comm, const ember_collective* calls,
+                              const uint32_t* starts, size_t n, uint64_t* graphs, uint64_t* shapes,
+                              char* err, size_t err_cap);
+
 #ifdef __cplusplus
 }
 #endif

@@ -87,3 +87,49 @@ def test_stub_exports_everything_torch_links_from_nccl(stub_lib: Path) -> None:
     nm = subprocess.run(["nm", "-D", "--defined-only", str(stub_lib)], capture_output=True, text=True, check=True)
     have = {line.split()[-1] for line in nm.stdout.splitlines()}
     assert want and not set(want) - have
+
+
+CAPTURE = """
+stub = ctypes.CDLL("libember_nccl.so", mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+from ember.native import EmberError
+ip.arm()
+comm = ctypes.c_void_p()
+class UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * 128)]
+assert stub.ncclCommInitRank(ctypes.byref(comm), 2, UniqueId(), 0) == 0
+buf = alloc(1 << 20)
+# (op, dtype, redop, root, send, recv, count): an all-reduce, a group exchanging with both ranks,
+# an all-gather. Placeholder i's calls are what the splice of rank r issues on its stream.
+groups = [[(0, 9, 0, -1, buf, buf, 4096)],
+          [(6, 9, -1, p, buf + 64 * p, 0, 16) for p in range(2)] + [(7, 9, -1, p, 0, buf + 4096 + 64 * p, 16) for p in range(2)],
+          [(1, 7, -1, -1, buf, buf + 8192, 128)]]
+graphs, shapes = ip.capture_collectives(comm.value, groups)
+need = stub.ember_nccl_calls(None, 0)
+out = ctypes.create_string_buffer(need)
+stub.ember_nccl_calls(out, need)
+try:
+    ip.capture_collectives(comm.value, [[(42, 9, 0, -1, buf, buf, 1)]])
+    refused = ""
+except EmberError as exc:
+    refused = str(exc)
+print(json.dumps({"graphs": graphs, "shapes": shapes, "calls": out.value.decode().splitlines(),
+                  "driver": [c for c in calls() if c.startswith("capture:") or c == "cuStreamDestroy_v2"],
+                  "refused": refused}))
+"""
+
+
+def test_a_ranks_collectives_are_captured_natively_one_graph_each(run_py, libember: Path, stub_lib: Path) -> None:
+    """ember_capture_collectives (LOAD's splice) against the stub as "NCCL": every placeholder is
+    captured on its own stream capture (thread-local mode), a group as one NCCL group, with the
+    calls as recorded; an unknown operation refuses and leaves no graph."""
+    out = run_py(CAPTURE, mode="load", env={"LD_PRELOAD": f"{libember}:{stub_lib}"})
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(r["graphs"]) == 3 and all(r["graphs"]) and len(set(r["graphs"])) == 3
+    assert len(set(r["shapes"])) == 1  # each holds one memset node here: same shape
+    calls = [json.loads(line) for line in r["calls"]]
+    assert [c["seq"] for c in calls] == [1, 2, 2, 2, 2, 3]
+    assert [c["op"] for c in calls] == ["all_reduce", "send", "send", "recv", "recv", "all_gather"]
+    assert calls[0]["count"] == 4096 and calls[-1]["dtype"] == 7 and calls[-1]["count"] == 128
+    assert r["driver"][:3] == ["capture:begin:thread-local", "capture:memset", "capture:end"]
+    assert r["driver"].count("capture:end") == 4 and r["driver"].count("cuStreamDestroy_v2") == 2
+    assert "collective 0" in r["refused"]

@@ -120,8 +120,6 @@ EXPORT CUresult cuGraphExecUpdate_v2(CUgraphExec e, CUgraph g, CUgraphExecUpdate
 }
 /* Uploads counted; free memory falls by 1 MiB per exec alive (what LOAD's cap measures). */
 static int uploads;
-EXPORT CUresult cuStreamCreate(CUstream* s, unsigned flags) { *s = (CUstream)calloc(1, 16); return CUDA_SUCCESS; }
-EXPORT CUresult cuStreamDestroy_v2(CUstream s) { free(s); return CUDA_SUCCESS; }
 EXPORT CUresult cuGraphUpload(CUgraphExec e, CUstream s) {
   if (!e) return CUDA_ERROR_INVALID_VALUE;
   __atomic_add_fetch(&uploads, 1, __ATOMIC_SEQ_CST);

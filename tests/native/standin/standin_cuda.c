@@ -186,8 +186,13 @@ EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr* b, size_t* n, CUdeviceptr p
   if (n) *n = r->n;
   return CUDA_SUCCESS;
 }
+/* Stream capture: a thread's capture collects the memsets issued meanwhile as memset nodes. */
+struct sgraph;
+static __thread struct sgraph* capture_graph;
+static CUresult capture_memset(CUdeviceptr dst);
 /* A memset writes for real (the NCCL stub's placeholder word) and is logged with its operands. */
 EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int value, size_t n, CUstream s) {
+  if (capture_graph) return capture_memset(dst);
   char line[96];
   snprintf(line, sizeof line, "cuMemsetD32Async:%llx:%u:%zu", (unsigned long long)dst, value, n);
   note(line);
@@ -518,6 +523,40 @@ EXPORT CUresult cuGraphAddEventRecordNode(CUgraphNode* out, CUgraph g, const CUg
 EXPORT CUresult cuGraphAddEventWaitNode(CUgraphNode* out, CUgraph g, const CUgraphNode* d, size_t nd, CUevent e) {
   struct snode n = {6, 0, {0}, {0}, 0, 0, {0}, (uint64_t)e};
   return e ? add_node(out, g, nd, n) : CUDA_ERROR_INVALID_VALUE;
+}
+static CUresult capture_memset(CUdeviceptr dst) {
+  CUgraphNode n;
+  struct snode node = {2, 0, {0}, {0}, 0, 0, {0}, (uint64_t)dst};
+  note("capture:memset");
+  return add_node(&n, (CUgraph)capture_graph, 0, node);
+}
+EXPORT CUresult cuStreamCreate(CUstream* s, unsigned flags) { *s = (CUstream)calloc(1, 16); return CUDA_SUCCESS; }
+EXPORT CUresult cuStreamDestroy_v2(CUstream s) { note("cuStreamDestroy_v2"); free(s); return CUDA_SUCCESS; }
+EXPORT CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode) {
+  if (capture_graph) return CUDA_ERROR_ILLEGAL_STATE;
+  note(mode == CU_STREAM_CAPTURE_MODE_THREAD_LOCAL ? "capture:begin:thread-local" : "capture:begin");
+  return cuGraphCreate((CUgraph*)&capture_graph, 0);
+}
+EXPORT CUresult cuStreamEndCapture(CUstream s, CUgraph* g) {
+  if (!capture_graph) return CUDA_ERROR_ILLEGAL_STATE;
+  *g = (CUgraph)capture_graph;
+  capture_graph = NULL;
+  note("capture:end");
+  return CUDA_SUCCESS;
+}
+static __thread struct sgraph* query_graph; /* cuGraphNodeGetType answers for the graph last listed */
+EXPORT CUresult cuGraphGetNodes(CUgraph h, CUgraphNode* nodes, size_t* count) {
+  struct sgraph* g = (struct sgraph*)h;
+  query_graph = g;
+  if (nodes) for (int i = 0; i < g->n && (size_t)i < *count; i++) nodes[i] = node_handle(g, i);
+  *count = (size_t)g->n;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphNodeGetType(CUgraphNode node, CUgraphNodeType* t) {
+  int i = query_graph ? node_index(query_graph, node) : -1;
+  if (i < 0) return CUDA_ERROR_INVALID_VALUE;
+  *t = (CUgraphNodeType)query_graph->nodes[i].type;
+  return CUDA_SUCCESS;
 }
 EXPORT CUresult cuGraphAddDependencies_v2(CUgraph h, const CUgraphNode* from, const CUgraphNode* to,
                                           const CUgraphEdgeData* data, size_t count) {
