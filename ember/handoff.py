@@ -110,6 +110,7 @@ class HandoffResult:
     run_dir: Path = field(default_factory=run_dir_from_env)
     rank: int = 0  # the rank layout of the claim (ember.dev/rank, ember.dev/world)
     world: int = 1
+    engine_args: tuple[str, ...] = ()  # the claim's extra engine arguments (ember.dev/engine-args)
 
     @property
     def restored(self) -> bool:
@@ -180,21 +181,23 @@ def _result_from_status(
     root: Path, status: dict[str, Any], waited: float, report_handoff: bool
 ) -> HandoffResult:
     identity = str(status.get("identity", ""))
+    args = tuple(str(a) for a in status.get("engine_args") or ())
     if status["state"] == FALLBACK:
-        return HandoffResult(None, str(status.get("reason") or "fallback"), identity, waited, root)
+        return HandoffResult(None, str(status.get("reason") or "fallback"), identity, waited, root,
+                             engine_args=args)
     archive_dir = Path(str(status.get("archive_dir", "")))
     if not archive_dir.is_absolute():
         archive_dir = root / archive_dir
     if not (archive_dir / "manifest").is_file():
         reason = f"archive-missing: {archive_dir} has no manifest"
         report("handoff", waited, "fallback", reason, run_dir=root)
-        return HandoffResult(None, reason, identity, waited, root)
+        return HandoffResult(None, reason, identity, waited, root, engine_args=args)
     if report_handoff:
         # Time from the sidecar publishing the archive to the engine picking it up.
         published = float(status.get("updated_at") or time.time())
         report("handoff", max(0.0, time.time() - published), "ok", run_dir=root)
     return HandoffResult(archive_dir, "", identity, waited, root,
-                         int(status.get("rank") or 0), int(status.get("world") or 1))
+                         int(status.get("rank") or 0), int(status.get("world") or 1), args)
 
 
 def report(
@@ -283,15 +286,20 @@ class HandoffWriter:
         self._write(FETCHING, identity=identity, archive=archive_uri)
 
     def ready(
-        self, identity: str, archive_dir: Path, archive_uri: str = "", rank: int = 0, world: int = 1
+        self, identity: str, archive_dir: Path, archive_uri: str = "", rank: int = 0, world: int = 1,
+        engine_args: tuple[str, ...] = (),
     ) -> None:
-        """The verified archive is in place: the engine LOADs it (as `rank` of `world`)."""
+        """The verified archive is in place: the engine LOADs it (as `rank` of `world`), started
+        with the claim's extra `engine_args`."""
         self._write(READY, identity=identity, archive_dir=str(archive_dir), archive=archive_uri,
-                    rank=rank, world=world)
+                    rank=rank, world=world, engine_args=list(engine_args))
 
-    def fallback(self, reason: str, identity: str = "", archive_uri: str = "") -> None:
+    def fallback(
+        self, reason: str, identity: str = "", archive_uri: str = "", engine_args: tuple[str, ...] = ()
+    ) -> None:
         """Capture natively; ``reason`` is short and machine-friendly (e.g. ``digest-mismatch: ...``)."""
-        self._write(FALLBACK, reason=reason, identity=identity, archive=archive_uri)
+        self._write(FALLBACK, reason=reason, identity=identity, archive=archive_uri,
+                    engine_args=list(engine_args))
 
     def load_marker(self) -> dict[str, Any] | None:
         """The crash-safety marker, if an engine is loading now or died while loading."""

@@ -59,7 +59,9 @@ def serve(
         bool, typer.Option("--preload/--no-preload", help="Re-run under libember (SAVE/LOAD need it).")
     ] = True,
     engine_kind: Annotated[
-        str, typer.Option("--engine", help="transformers (this server) or vllm (`vllm serve` + plugin).")
+        str,
+        typer.Option("--engine", envvar=contract.ENV_ENGINE,
+                     help="transformers (this server) or vllm (`vllm serve` + plugin); pods set it."),
     ] = "transformers",
 ) -> None:
     """Serve a model over HTTP (OpenAI-style) with transformers continuous batching: restored graphs

@@ -5,7 +5,9 @@ plugin (`ember.engines.vllm.plugin`) does SAVE/LOAD inside vLLM's own processes:
 1. wait for the sidecar (`ember.handoff.wait_for_archive`): a verified archive, or the reason to
    capture natively (a refusal, a timeout, a previous engine that died while loading);
 2. with an archive: `vllm serve` under libember in `load` mode with `EMBER_VLLM_ARCHIVE` set,
-   the crash marker written first; without: `vllm serve` as it is (native capture);
+   the crash marker written first; without: `vllm serve` as it is (native capture); the claim's
+   engine arguments (the deployment's `engine.args`, through the hand-off) follow the command
+   line's;
 3. once vLLM's `/health` answers, the marker goes and the sidecar hears `ready` (its readiness
    probe passes); if vLLM dies before that the marker stays, so the pod's next start captures
    natively instead of crash-looping on the same archive. Exit code and signals pass through.
@@ -75,10 +77,12 @@ def supervise(
         handoff.write_json_atomic(marker, {"identity": result.identity, "pid": os.getpid(),
                                            "started_at": time.time(), "engine": "vllm"})
     t0 = time.monotonic()
-    proc = subprocess.Popen([vllm, "serve", *vllm_args], env=env)
+    # The command line's arguments, then the claim's (the deployment's `engine.args`).
+    args = [*vllm_args, *(result.engine_args if result is not None else ())]
+    proc = subprocess.Popen([vllm, "serve", *args], env=env)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: proc.send_signal(s))
-    port, ready = _port(vllm_args), False
+    port, ready = _port(args), False
     while proc.poll() is None:
         if not ready and _healthy(port):
             ready = True

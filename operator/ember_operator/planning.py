@@ -139,6 +139,15 @@ def template_of(
     )
 
 
+def engine_args(spec: ModelDeploymentSpec) -> tuple[str, ...]:
+    """The claim's engine arguments. A warm pod learns its model only with the claim: for vLLM
+    (`ember serve --engine vllm` starts `vllm serve` after the hand-off) the model comes first."""
+    if spec.engine.kind.value == "vllm":
+        m = spec.model
+        return ("--model", m.name, "--revision", m.revision, "--dtype", m.dtype, *spec.engine.args)
+    return tuple(spec.engine.args)
+
+
 def trusted_keys_env(spec: ModelDeploymentSpec) -> str:
     """EMBER_TRUSTED_KEYS for the deployment's pods ("" when it trusts no key: not checked)."""
     keys = spec.archive.signing.trusted_keys
@@ -245,7 +254,7 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
         archive_uri=archive_uri, identity=ident_hash,
         claimed_at=obs.now.timestamp(),  # written with microseconds: the sidecar times from it
         deployment=obs.name, revision=revision, rank=0, world=spec.gpu_count(),  # the pod's ranks: 0..world-1
-        identity_spec=canonical_json(ident.canonical()).decode(), engine_args=tuple(spec.engine.args),
+        identity_spec=canonical_json(ident.canonical()).decode(), engine_args=engine_args(spec),
         native_reason="" if archive_uri else arch_condition[1],
         manifest_digest=archive.digest if archive is not None and archive_uri else "",
     )

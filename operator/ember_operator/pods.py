@@ -216,11 +216,22 @@ def sidecar_container(t: PodTemplate) -> dict[str, Any]:
     }
 
 
+def engine_command(t: PodTemplate) -> dict[str, Any]:
+    """vLLM: `ember serve` supervises `vllm serve` (ember.serving.vllm): it waits for the sidecar's
+    hand-off, then starts vLLM with the claim's arguments (the model and `engine.args`) under
+    libember, or natively with the reason. transformers: the engine image's own command."""
+    if t.engine_kind != "vllm":
+        return {}
+    return {"command": ["ember", "serve", "--engine", "vllm", "--run-dir", contract.RUN_DIR, "--",
+                        "--host", "0.0.0.0", "--port", str(contract.ENGINE_PORT)]}
+
+
 def engine_container(t: PodTemplate) -> dict[str, Any]:
     """The engine image, under libember, with the run directory and the pod's labels/annotations."""
     return {
         "name": contract.ENGINE_CONTAINER,
         "image": t.engine_image,
+        **engine_command(t),
         "env": [
             *_downward_env(),
             *libember_env(),

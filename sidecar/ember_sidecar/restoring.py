@@ -174,7 +174,8 @@ class Restorer:
         with self.lock:
             if self.current is not state:
                 return
-            self.writer.ready(claim.identity, fetched.archive_dir, claim.archive_uri, claim.rank, claim.world)
+            self.writer.ready(claim.identity, fetched.archive_dir, claim.archive_uri, claim.rank, claim.world,
+                              claim.engine_args)
             state.handed_off_at = time.time()
         log.info(
             "Archive %s handed off (%s, %.1f MB, fetch %.3fs, verify %.3fs, claim→handoff %.3fs)",
@@ -216,12 +217,13 @@ class Restorer:
                 state.result = FALLBACK_PREFIX + reason
                 identity = state.claim.identity
                 archive = state.claim.archive_uri
+                args = state.claim.engine_args
             else:
-                archive = ""
+                archive, args = "", ()
             self.metrics.fallback(reason_class(reason))
             # Before handoff this tells the waiting engine to capture; after it, an engine that
             # restarts (e.g. after a compat mismatch or divergence) captures instead of re-LOADing.
-            self.writer.fallback(reason, identity=identity, archive_uri=archive)
+            self.writer.fallback(reason, identity=identity, archive_uri=archive, engine_args=args)
         log.warning("Restore fell back to native capture: %s", reason)
         self.reporter.result(FALLBACK_PREFIX + reason)
         self.reporter.event("Warning", "RestoreFallback",

@@ -163,3 +163,23 @@ def test_status_merge_patch_removes_vanished_fields() -> None:
     new = {"phase": "Available", "archive": {"name": "n"}}
     assert merge_patch(old, new) == {"phase": "Available", "failureReason": None,
                                      "archive": {"name": "n", "uri": None}}
+
+
+def test_vllm_pods_supervise_vllm_serve_and_the_claim_names_the_model() -> None:
+    """engine.kind vllm: the engine container runs `ember serve --engine vllm` (it waits for the
+    hand-off, then starts `vllm serve` with the claim's arguments); the claim carries the model
+    first (a warm pod learns it only then), then engine.args. transformers pods keep the image's
+    own command."""
+    from ember_operator.planning import engine_args
+
+    vllm = {"kind": "vllm", "version": "0.26.0", "image": "vllm:test", "args": ["--enforce-eager"]}
+    spec = md_spec(engine=vllm)
+    engine = serving_pod(template_of("default", spec, CTX), _claim(), "p", "u")["spec"]["containers"][0]
+    assert engine["command"][:4] == ["ember", "serve", "--engine", "vllm"]
+    assert engine["command"][engine["command"].index("--") + 1:] == ["--host", "0.0.0.0", "--port", "8000"]
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    assert env[contract.ENV_ENGINE] == "vllm"
+    assert engine_args(spec) == ("--model", "Qwen/Qwen3-0.6B", "--revision", "main", "--dtype", "bfloat16",
+                                 "--enforce-eager")
+    plain = serving_pod(template_of("default", md_spec(), CTX), _claim(), "p", "u")["spec"]["containers"][0]
+    assert "command" not in plain and engine_args(md_spec()) == ()

@@ -151,3 +151,13 @@ def test_atomic_write_leaves_no_temp_files(tmp_path: Path) -> None:
     for i in range(20):
         handoff.write_json_atomic(tmp_path / "s.json", {"i": i})
     assert os.listdir(tmp_path) == ["s.json"]
+
+
+def test_the_claims_engine_arguments_reach_the_engine_restored_or_not(tmp_path: Path) -> None:
+    w = handoff.HandoffWriter(tmp_path)
+    d = _make_archive(w)
+    w.ready("abc", d, engine_args=("--max-model-len", "4096"))
+    assert handoff.wait_for_archive(tmp_path, deadline=1.0).engine_args == ("--max-model-len", "4096")
+    w.fallback("compat: another GPU", identity="abc", engine_args=("--enforce-eager",))
+    r = handoff.wait_for_archive(tmp_path, deadline=1.0)
+    assert not r.restored and r.engine_args == ("--enforce-eager",)

@@ -58,10 +58,10 @@ def fake_vllm(tmp_path: Path) -> dict[str, str]:
 
 
 def _serve(env: dict[str, str], run_dir: Path, port: int) -> subprocess.Popen[str]:
+    # --engine comes from EMBER_ENGINE, as the operator's pod sets it
     cmd = [sys.executable, "-c", "import sys; from ember.cli import app; sys.argv[0] = 'ember'; app()",
-           "serve", "--engine", "vllm", "--run-dir", str(run_dir), "--deadline", "5", "--",
-           "--model", "m", "--port", str(port)]
-    return subprocess.Popen(cmd, env=env, text=True, stderr=subprocess.PIPE)
+           "serve", "--run-dir", str(run_dir), "--deadline", "5", "--", "--model", "m", "--port", str(port)]
+    return subprocess.Popen(cmd, env={**env, "EMBER_ENGINE": "vllm"}, text=True, stderr=subprocess.PIPE)
 
 
 def _wait_ready(w: handoff.HandoffWriter, timeout: float = 20) -> dict:
@@ -85,7 +85,7 @@ def test_handed_off_archive_starts_vllm_under_libember_and_clears_the_marker(
     d = w.archive_dir("abc")
     d.mkdir(parents=True)
     (d / "manifest").write_text("{}")
-    w.ready("abc", d)
+    w.ready("abc", d, engine_args=("--max-model-len", "4096"))
     port = _port()
     proc = _serve(fake_vllm, w.run_dir, port)
     try:
@@ -93,7 +93,8 @@ def test_handed_off_archive_starts_vllm_under_libember_and_clears_the_marker(
         assert ready["restored"] is True and ready["engine"] == "vllm"
         assert not (w.run_dir / handoff.MARKER_FILE).exists()
         (call,) = _calls(fake_vllm)
-        assert call["argv"] == ["serve", "--model", "m", "--port", str(port)]
+        # the command line's arguments, then the claim's (the deployment's engine.args)
+        assert call["argv"] == ["serve", "--model", "m", "--port", str(port), "--max-model-len", "4096"]
         assert call["env"]["EMBER_MODE"] == "load" and call["env"]["EMBER_VLLM_ARCHIVE"] == str(d)
         assert "libember" in call["env"]["LD_PRELOAD"] and "libember_nccl" not in call["env"]["LD_PRELOAD"]
     finally:
