@@ -168,11 +168,15 @@ def _child(role: str, args: dict[str, Any], env: dict[str, str], timeout: float)
 def _save_child(
     workload: str, layers: int, sizes: str, store: str, env: dict[str, str], timeout: float
 ) -> dict[str, Any]:
+    args = ["--workload", workload, "--layers", str(layers), "--sizes", sizes, "--store", store]
+    return run_save([*args, "--tpot", ",".join(map(str, TPOT_BATCHES))], env, timeout)
+
+
+def run_save(args: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """`ember save <args>` in a child process: its JSON summary, or {"error", "stderr"}."""
     from ember.runtime.session import ember_argv
 
-    args = ["--workload", workload, "--layers", str(layers), "--sizes", sizes, "--store", store]
-    cmd = ember_argv("save", *args, "--tpot", ",".join(map(str, TPOT_BATCHES)))
-    proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+    proc = subprocess.run(ember_argv("save", *args), env=env, timeout=timeout, capture_output=True, text=True)
     sys.stderr.write(proc.stderr[-4000:])
     if proc.returncode != 0:
         return {"error": f"save exited {proc.returncode}", "stderr": proc.stderr[-3000:]}

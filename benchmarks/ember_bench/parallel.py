@@ -135,32 +135,13 @@ def _ranks(
 
 
 def _save(args: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, Any]:
-    from ember.runtime.session import ember_argv
+    """ONE `ember save` of the shape, on the first GPU (the stub plays rank 0 of the world)."""
+    from ember_bench.graphs import run_save
 
-    cmd = ember_argv(
-        "save",
-        "--workload",
-        args["workload"],
-        "--layers",
-        str(args["layers"]),
-        "--sizes",
-        args["sizes"],
-        "--store",
-        args["store"],
-        "--tp",
-        str(args["tp"]),
-        "--ep",
-        str(args["ep"]),
-        "--dp",
-        str(args["dp"]),
-        *(["--collectives"] if args["collectives"] else []),
-    )
-    env = {**env, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
-    proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
-    sys.stderr.write(proc.stderr[-4000:])
-    if proc.returncode != 0:
-        return {"error": f"save exited {proc.returncode}", "stderr": proc.stderr[-3000:]}
-    return json.loads(proc.stdout[proc.stdout.index("{") :])
+    argv = [f"--{k}={args[k]}" for k in ("workload", "layers", "sizes", "store", "tp", "ep", "dp")]
+    argv += ["--collectives"] if args["collectives"] else []
+    first_gpu = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    return run_save(argv, {**env, "CUDA_VISIBLE_DEVICES": first_gpu}, timeout)
 
 
 def bench_parallel(
