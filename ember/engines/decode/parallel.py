@@ -115,6 +115,10 @@ def init_process_group(par: Parallel, *, stub: bool) -> None:
     if dist.is_initialized() or not par.active:
         return
     device = torch.device("cuda", torch.cuda.current_device())
+    # Every connection at init, none at a collective's first use: LOAD's splice captures a rank's
+    # collectives on its own, and a capture that had to connect would wait for the peers to
+    # capture the same collective (a peer that fell back to native capture never would).
+    os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
     if stub:
         store = dist.HashStore()
         dist.init_process_group("nccl", store=store, rank=par.rank, world_size=par.world, device_id=device)
