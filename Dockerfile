@@ -27,7 +27,9 @@ FROM ${PYTHON_IMAGE} AS runtime
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     python -m pip install --no-cache-dir /wheels/*.whl \
  && mkdir -p /opt/ember/lib \
- && cp "$(python -c 'import ember.native as n; print(n.find_library())')" /opt/ember/lib/libember.so
+ && lib="$(python -c 'import ember.native as n; print(n.find_library())')" \
+ && cp "$lib" /opt/ember/lib/libember.so \
+ && cp "$(dirname "$lib")/libember_nccl.so" /opt/ember/lib/libember_nccl.so
 # Non-root; the operator and sidecar need no writable root filesystem.
 RUN useradd --uid 65532 --no-create-home --shell /usr/sbin/nologin ember
 USER 65532:65532
@@ -38,5 +40,6 @@ CMD ["ember-operator"]
 FROM ${ENGINE_IMAGE} AS engine
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     python -m pip install --no-cache-dir /wheels/ember-*.whl transformers
-COPY --from=runtime /opt/ember/lib/libember.so /opt/ember/lib/libember.so
+# libember_nccl.so beside libember: SAVE of a multi-GPU shape preloads it (docs/multi-gpu.md).
+COPY --from=runtime /opt/ember/lib/libember.so /opt/ember/lib/libember_nccl.so /opt/ember/lib/
 CMD ["ember", "doctor"]
