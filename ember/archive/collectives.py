@@ -41,6 +41,12 @@ class Call:
     redop: int = -1
     root: int = -1  # root (reduce, broadcast) or peer (send, recv)
 
+    @classmethod
+    def from_record(cls, rec: Mapping[str, Any]) -> Call:
+        """From one of libember_nccl's call records (`ember_nccl_calls`)."""
+        return cls(rec["op"], int(rec["send"]), int(rec["recv"]), int(rec["count"]), int(rec["dtype"]),
+                   int(rec["redop"]), int(rec["root"]))
+
     def describe(self) -> str:
         red = f" {REDOPS.get(self.redop, self.redop)}" if self.redop >= 0 else ""
         root = f" root/peer={self.root}" if self.root >= 0 else ""

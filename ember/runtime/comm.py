@@ -33,6 +33,7 @@ __all__ = ["Call", "Collectives", "PlaceholderError", "Splicer", "placeholders",
 
 STUB_NAME = "libember_nccl.so"
 
+
 class PlaceholderError(Exception):
     """The captured collectives cannot be restored on every rank from one archive."""
 
@@ -128,18 +129,7 @@ def placeholders(
                     f"graph {g.key}: node {ni}: placeholder {p.value} has no recorded call"
                 )  # type: ignore[union-attr]
             _check_spmd(calls, world)
-            key = tuple(
-                Call(
-                    c["op"],
-                    int(c["send"]),
-                    int(c["recv"]),
-                    int(c["count"]),
-                    int(c["dtype"]),
-                    int(c["redop"]),
-                    int(c["root"]),
-                )
-                for c in calls
-            )
+            key = tuple(Call.from_record(c) for c in calls)
             i = index.setdefault(key, len(table))
             if i == len(table):
                 table.append(key)
@@ -169,14 +159,6 @@ def nccl_version() -> str:
         return ".".join(str(v) for v in torch.cuda.nccl.version())
     except Exception:
         return ""
-
-
-def _nccl() -> ctypes.CDLL:
-    """The real libnccl torch loaded (diagnostics; LOAD calls it from libember)."""
-    try:
-        return ctypes.CDLL("libnccl.so.2", mode=os.RTLD_NOLOAD | os.RTLD_NOW)
-    except OSError:
-        return ctypes.CDLL("libnccl.so.2")
 
 
 class Splicer:
