@@ -43,20 +43,13 @@ def _present(sizes: list[int], wanted: tuple[int, ...]) -> list[int]:
 
 # ---- child roles ---------------------------------------------------------------------------------
 def role_native(args: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
     from ember.engines.decode.commands import make_workload, parse_sizes
     from ember.runtime.proof.replay import decode_trace, replay_fingerprints, tpot_ms
     from ember.runtime.session import ensure_context
 
     ensure_context()
     w = make_workload(args["workload"], args["layers"], parse_sizes(args["sizes"]))
-    t = time.perf_counter()
-    w.build()
-    out: dict[str, Any] = {"build_s": time.perf_counter() - t, "device": torch.cuda.get_device_name()}
-    t = time.perf_counter()
-    w.capture()
-    out["native_capture_s"] = time.perf_counter() - t
+    out = build_and_capture(w)
     launch = lambda k: w.graphs[k].replay()  # noqa: E731
     out["tpot_ms"] = {str(b): tpot_ms(w, launch, b) for b in _present(list(w.sizes), TPOT_BATCHES)}
     out["tpot_reinstantiated_ms"] = _tpot_reinstantiated(w, _present(list(w.sizes), TPOT_BATCHES))
@@ -68,6 +61,19 @@ def role_native(args: dict[str, Any]) -> dict[str, Any]:
     out["decode_repeat_identical"] = {b: again[b]["sha256"] == t["sha256"] for b, t in traces.items()}
     out["fingerprints"] = replay_fingerprints(w, launch, [(b,) for b in w.sizes], lambda k: list(w.outs[k]))
     out["graphs"] = len(w.graphs)
+    return out
+
+
+def build_and_capture(w: Any) -> dict[str, Any]:
+    """The native start, timed: build the workload, then warm up + capture every size."""
+    import torch
+
+    t = time.perf_counter()
+    w.build()
+    out: dict[str, Any] = {"build_s": time.perf_counter() - t, "device": torch.cuda.get_device_name()}
+    t = time.perf_counter()
+    w.capture()
+    out["native_capture_s"] = time.perf_counter() - t
     return out
 
 
@@ -531,9 +537,9 @@ def bench_graphs(
     if max(tp, ep, dp) > 1 or collectives:
         from ember_bench import parallel
 
+        shape = {"layers": layers, "sizes": sizes, "store": store, "tp": tp, "ep": ep, "dp": dp}
         for w in [x.strip() for x in workloads.split(",") if x.strip()]:
-            rep = parallel.run(w, layers, sizes, store, tp, ep, dp, collectives, out_dir)
-            typer.echo(parallel.markdown(rep))
+            typer.echo(parallel.markdown(parallel.run(out_dir, workload=w, collectives=collectives, **shape)))
         return
     results: list[dict[str, Any]] = []
     parse_ms = parse_ms_512()["parse_ms_512"]

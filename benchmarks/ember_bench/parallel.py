@@ -47,22 +47,16 @@ def _measure(w: Any, launch: Any, keys: list[tuple[int, ...]], outputs: Any) -> 
 
 
 def role_native(args: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
     from ember.engines.decode.commands import make_workload, parse_sizes
     from ember.engines.decode.parallel import init_process_group
     from ember.runtime.session import ensure_context
+    from ember_bench.graphs import build_and_capture
 
     ensure_context()
     par = _shape(args, int(os.environ.get("RANK", "0")))
     init_process_group(par, stub=False)
     w = make_workload(args["workload"], args["layers"], parse_sizes(args["sizes"]), parallel=par)
-    t = time.perf_counter()
-    w.build()
-    out: dict[str, Any] = {"build_s": time.perf_counter() - t, "device": torch.cuda.get_device_name()}
-    t = time.perf_counter()
-    w.capture()
-    out["native_capture_s"] = time.perf_counter() - t
+    out = build_and_capture(w)
     keys: list[tuple[int, ...]] = [(b,) for b in w.sizes]
     out.update(_measure(w, lambda k: w.graphs[k].replay(), keys, lambda k: list(w.outs[k])))
     return out
@@ -267,22 +261,14 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(
-    workload: str,
-    layers: int,
-    sizes: str,
-    store: str,
-    tp: int,
-    ep: int,
-    dp: int,
-    collectives: bool,
-    out_dir: Path,
-) -> dict[str, Any]:
-    r = bench_parallel(workload, layers, sizes, store, tp, ep, dp, collectives)
+def run(out_dir: Path, **job: Any) -> dict[str, Any]:
+    """bench_parallel(**job), its report written to `out_dir` (JSON + markdown)."""
+    r = bench_parallel(**job)
     device = str(r.get("device") or "unknown")
     report = {"device": device, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "result": r}
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    stem = f"parallel-{workload}-tp{tp}-ep{ep}-dp{dp}-{device.replace(' ', '_')}-{stamp}"
+    shape = f"tp{job['tp']}-ep{job['ep']}-dp{job['dp']}"
+    stem = f"parallel-{job['workload']}-{shape}-{device.replace(' ', '_')}-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
     (out_dir / f"{stem}.md").write_text(markdown(report))

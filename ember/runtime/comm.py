@@ -163,7 +163,7 @@ def nccl_version() -> str:
 
 class Splicer:
     """Rank r's real collective for each placeholder, captured once, all in one libember call
-    (`ember_capture_collectives`: no GIL between the captures, ~5 us each) on first use."""
+    (`ember_capture_collectives`: no GIL between the captures) on first use."""
 
     def __init__(self, collectives: Collectives, comm: int, world: int, rank: int) -> None:
         if world != collectives.world:

@@ -2,8 +2,8 @@
 // docs/multi-gpu.md). Each placeholder of an archive saved on one GPU is captured here, with the
 // rank's own NCCL communicator, on a stream of this call, into a CUgraph the graph builder then
 // clones into a child-graph node. One call for all of them: per collective it is three driver
-// calls and one NCCL call (~5 us), where the same through ctypes on LOAD's background thread
-// waited for the GIL behind the engine's model build (~1 ms a collective).
+// calls and one NCCL call, where the same through ctypes on LOAD's background thread waited for
+// the GIL behind the engine's model build at every crossing.
 #include <dlfcn.h>
 
 #include <cstring>

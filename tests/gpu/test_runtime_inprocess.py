@@ -270,6 +270,9 @@ class _RandomWorkload:
     sizes = (1, 2)
 
     def __init__(self) -> None:
+        from ember.engines.decode.parallel import SINGLE
+
+        self.parallel = SINGLE  # one GPU
         self.graphs: dict[tuple[int, ...], object] = {}
 
     def build(self) -> None:

@@ -52,7 +52,7 @@ class DecodeAdapter:
     ) -> None:
         self.workload = workload  # None at LOAD until prepare() builds it from the archive's facts
         # This process's rank and the parallel shape it serves (LOAD: SAVE's must match).
-        self.parallel = parallel or getattr(workload, "parallel", SINGLE)
+        self.parallel = parallel or (workload.parallel if workload is not None else SINGLE)
         self.model_dir = model_dir  # where this machine holds a `--model DIR` checkpoint (LOAD)
         self.tpot_batches: tuple[int, ...] = ()  # SAVE: also time the captured graphs' decode step
         self.tpot_ms: dict[str, float] = {}
@@ -235,7 +235,7 @@ def save_workload(
         raise RuntimeError(
             "an in-process (no libember) SAVE cannot be published: LOAD could not find its kernels"
         )
-    init_process_group(getattr(workload, "parallel", SINGLE), stub=True)  # rank 0 of the world, the stub
+    init_process_group(workload.parallel, stub=True)  # rank 0 of the world, under libember_nccl
     adapter = DecodeAdapter(workload, identity=identity)
     adapter.tpot_batches = tpot_batches
     result = save(adapter, ip, store_uri, log=log)
