@@ -36,7 +36,7 @@ import zstandard as zstd
 
 from ember.archive import graph_table as fmt
 from ember.archive import signing
-from ember.archive.graphs import GraphSet, NodeType
+from ember.archive.graphs import GraphSet
 from ember.archive.manifest import (
     BlobEntry,
     GraphsSummary,
@@ -56,6 +56,7 @@ GRAPH_TABLE = "graphs"
 ALLOC_LOG = "alloc-log"
 RNG_STATE = "rng-state"
 IMAGE_PREFIX = "image/"
+ATTACHMENT_PREFIX = "attachment/"
 DEFAULT_LEVEL = 3
 
 
@@ -173,9 +174,12 @@ def write_archive(
     level: int = DEFAULT_LEVEL,
     max_workers: int = 8,
     signing_key: Ed25519PrivateKey | None = None,
+    attachments: Mapping[str, bytes] | None = None,
 ) -> PublishedArchive:
     """Encode, compress and upload an archive; the manifest is written last (its signature, with
     `signing_key`, just before it).
+
+    `attachments`: engine files shipped with the graphs (a compile cache), blobs like the rest.
 
     `kernel_images` maps the content hash used in `KernelRef.image` to the image bytes (or a
     file). Every image a kernel refers to must be present; extra images are stored too.
@@ -193,7 +197,8 @@ def write_archive(
 
     used = _images_used(graphset, kernel_images)
     t = time.perf_counter()
-    pending, images = _pack_blobs(table_bytes, kernel_images, used, alloc_log, rng_state, level)
+    attachments = attachments or {}
+    pending, images = _pack_blobs(table_bytes, kernel_images, used, alloc_log, rng_state, attachments, level)
     durations["compress"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -209,6 +214,7 @@ def write_archive(
         engine=dict(engine or {}),
         alloc_log=ALLOC_LOG if alloc_log is not None else None,
         rng_state=RNG_STATE if rng_state is not None else None,
+        attachments=[ATTACHMENT_PREFIX + name for name in sorted(attachments)],
         blobs=blobs,
     )
     return _publish_manifest(store, manifest, uploaded, durations, t0, signing_key)
@@ -235,6 +241,7 @@ def _pack_blobs(
     used: dict[str, int],
     alloc_log: bytes | None,
     rng_state: bytes | None,
+    attachments: Mapping[str, bytes],
     level: int,
 ) -> tuple[list[_PackedBlob], list[KernelImage]]:
     """Every blob of the archive as stored (the graph table as is: it is compressed inside; the
@@ -255,6 +262,8 @@ def _pack_blobs(
         pending.append(pack(ALLOC_LOG, alloc_log))
     if rng_state is not None:
         pending.append(pack(RNG_STATE, rng_state))
+    for name in sorted(attachments):
+        pending.append(pack(ATTACHMENT_PREFIX + name, bytes(attachments[name])))
     return pending, images
 
 
@@ -300,14 +309,10 @@ def _publish_manifest(store: Store, manifest: Manifest, uploaded: int, durations
 
 
 def _as_store(store: Store | str | os.PathLike[str]) -> Store:
-    if isinstance(store, Store):
-        return store
-    return open_store(os.fspath(store))
+    return store if isinstance(store, Store) else open_store(os.fspath(store))
 
 
 def _expected_hash(expected: ArchiveIdentity | str | None) -> str | None:
-    if expected is None:
-        return None
     return expected.hash() if isinstance(expected, ArchiveIdentity) else expected
 
 
@@ -441,9 +446,16 @@ class Archive:
     def rng_state(self) -> bytes | None:
         return self.blob_bytes(self.manifest.rng_state) if self.manifest.rng_state else None
 
+    def attachment(self, name: str) -> bytes | None:
+        """An attached engine file's bytes (verified like every blob); None when not attached."""
+        blob = ATTACHMENT_PREFIX + name
+        return self.blob_bytes(blob) if blob in self.manifest.attachments else None
+
     def load_all(self, max_workers: int = 4) -> None:
-        """Fetch, verify and decompress every blob now (in parallel)."""
-        names = [b.name for b in self.manifest.blobs if b.name not in self._blobs]
+        """Fetch, verify and decompress every blob now (in parallel); attachments stay for
+        `attachment()` (the engine reads them when it needs them, not on LOAD's thread)."""
+        skip = set(self._blobs) | set(self.manifest.attachments)
+        names = [b.name for b in self.manifest.blobs if b.name not in skip]
         with ThreadPoolExecutor(max(1, min(max_workers, len(names) or 1))) as pool:
             for name, data in zip(names, pool.map(lambda n: self._read(self.manifest.blob(n)), names),
                                   strict=True):
@@ -557,7 +569,7 @@ def verify_archive(
     names = [b.name for b in m.blobs]
     if len(set(names)) != len(names):
         problems.append("manifest lists a blob name twice")
-    for ref in [m.graphs.table, m.alloc_log, m.rng_state, *(i.blob for i in m.kernel_images)]:
+    for ref in [m.graphs.table, m.alloc_log, m.rng_state, *(i.blob for i in m.kernel_images), *m.attachments]:
         if ref is not None and ref not in names:
             problems.append(f"manifest refers to blob {ref!r} but does not list it")
     if m.graphs.table in names and not any(m.graphs.table in p for p in problems):
@@ -586,7 +598,3 @@ def _compare_summary(m: Manifest, table: fmt.GraphTable) -> list[str]:
     if table.node_type_counts() != m.graphs.node_types:
         problems.append("node-type counts in the graph table differ from the manifest's")
     return problems
-
-
-def node_type_names() -> list[str]:
-    return [t.name for t in NodeType]

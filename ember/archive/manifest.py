@@ -23,7 +23,7 @@ import ember
 from ember.identity import ArchiveIdentity, CompatKey
 
 MANIFEST_MAJOR = 1
-MANIFEST_MINOR = 0
+MANIFEST_MINOR = 1  # 1.1: attachments
 MANIFEST_VERSION = f"{MANIFEST_MAJOR}.{MANIFEST_MINOR}"
 MANIFEST_KIND = "ember.dev/graph-archive"
 
@@ -102,6 +102,10 @@ class Manifest(_Model):
     )
     alloc_log: str | None = Field(default=None, description="BlobEntry name of the allocation log")
     rng_state: str | None = Field(default=None, description="BlobEntry name of the RNG state")
+    attachments: list[str] = Field(
+        default_factory=list,
+        description="BlobEntry names of engine files shipped with the graphs (e.g. a compile cache)",
+    )
     blobs: list[BlobEntry] = Field(default_factory=list)
 
     def blob(self, name: str) -> BlobEntry:

@@ -83,6 +83,7 @@ def open_restore(
     communicator = getattr(adapter, "communicator", None)  # multi-GPU adapters only
     return ArchiveRestore.open(
         ip, store_uri, identity_hash, adapter.engine, accept=adapter.accept,
+        attached=getattr(adapter, "attached", None),  # engines with attachments only
         communicator=communicator() if communicator is not None else None,
     )
 

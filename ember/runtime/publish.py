@@ -47,6 +47,7 @@ class ArchiveContent:
     rng_state: bytes = b""
     engine: dict[str, Any] = field(default_factory=dict)
     manifest: Manifest | None = None
+    attachments: dict[str, bytes] = field(default_factory=dict)  # engine files (adapter.attachments())
 
 
 def write(store_uri: str, archive: ArchiveContent, graph_set: GraphSet) -> tuple[str, str, int]:
@@ -69,6 +70,7 @@ def write(store_uri: str, archive: ArchiveContent, graph_set: GraphSet) -> tuple
         alloc_log=archive.alloc_log or None,
         rng_state=archive.rng_state or None,
         signing_key=signing.signing_key_from_env(),  # a key that cannot be read fails the SAVE
+        attachments=archive.attachments,
     )
     table_entry = res.manifest.blob(res.manifest.graphs.table)
     if table_entry.sha256 != hashlib.sha256(archive.graph_table).hexdigest():

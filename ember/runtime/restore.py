@@ -84,6 +84,18 @@ def _splicer(facts: dict[str, Any], communicator: tuple[int, int, int] | None) -
     return comm.Splicer(table, *communicator)
 
 
+def _accept(opened: bundle.Archive, accept: Callable[[dict[str, Any]], Any] | None,
+            attached: Callable[[bundle.Archive], Any] | None, tm: dict[str, Any]) -> Any:
+    """The engine's attachments put in place, then the engine's verdict on the archive's facts."""
+    if opened.manifest.engine.get("in_process_only"):
+        raise Refused(COMPAT, "archive was saved without libember (in-process only)")
+    if attached is not None and opened.manifest.attachments:
+        t = time.perf_counter()
+        attached(opened)
+        tm["attachments_ms"] = (time.perf_counter() - t) * 1e3
+    return accept(dict(opened.manifest.engine)) if accept is not None else None
+
+
 def _open(store_uri: str, identity_hash: str) -> bundle.Archive:
     """The archive's manifest (signature first when EMBER_TRUSTED_KEYS is set), or Refused."""
     from ember.runtime import publish
@@ -127,6 +139,7 @@ class ArchiveRestore:
         engine: str,
         *,
         accept: Callable[[dict[str, Any]], Any] | None = None,
+        attached: Callable[[bundle.Archive], Any] | None = None,
         background: bool | None = None,
         communicator: tuple[int, int, int] | None = None,
         first_keys: list[tuple[int, ...]] | None = None,
@@ -134,8 +147,9 @@ class ArchiveRestore:
         """Everything before the engine builds its model. `engine` is the compat key's engine
         string of this process (`compat.current(engine)`); `accept(manifest.engine)` may refuse
         (Refused) an archive from another engine before its blobs are read; what it returns
-        is kept as `accepted` (e.g. the engine's sizing parsed from the facts). `background`
-        (default: unless EMBER_LOAD_BACKGROUND=0) builds the templates while the model builds.
+        is kept as `accepted` (e.g. the engine's sizing); `attached(archive)` first puts the
+        archive's attachments in place (vLLM's compile cache). `background` (default: unless
+        EMBER_LOAD_BACKGROUND=0) builds the templates while the model builds.
         `communicator`: (ncclComm_t, world, rank) of this rank, for an archive with collective
         placeholders (created before this call, as the engine does natively). `first_keys`: the
         keys the engine's first requests use, built first (default: smallest first)."""
@@ -152,9 +166,7 @@ class ArchiveRestore:
         tm["read_compat_ms"] = (time.perf_counter() - t) * 1e3 - tm["read_manifest_ms"]
         if problems:
             raise Refused(COMPAT, "compatibility key differs: " + "; ".join(problems))
-        if manifest.engine.get("in_process_only"):
-            raise Refused(COMPAT, "archive was saved without libember (in-process only)")
-        accepted = accept(dict(manifest.engine)) if accept is not None else None
+        accepted = _accept(opened, accept, attached, tm)
         splicer = _splicer(manifest.engine, communicator)
         t = time.perf_counter()
         try:

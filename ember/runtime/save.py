@@ -193,6 +193,12 @@ def collective_table(adapter: EngineAdapter, graph_set: GraphSet) -> comm.Collec
     return table
 
 
+def attachments(adapter: EngineAdapter) -> dict[str, bytes]:
+    """Engine files shipped with the graphs (optional `attachments()`: vLLM's compile cache)."""
+    attach = getattr(adapter, "attachments", None)
+    return dict(attach()) if attach is not None else {}
+
+
 def _log_proof(rep: ProofReport, log: Callable[[str], None]) -> None:
     log(
         f"Proved {rep.graphs} graphs ({rep.templates} templates, {rep.programmatic_edges} programmatic "
@@ -282,6 +288,7 @@ def save(
         alloc_log=ip.export_alloc_log() if ip is not None else b"",
         rng_state=bytes(torch.cuda.get_rng_state().numpy().tobytes()),
         engine=facts,
+        attachments=attachments(adapter),
     )
     if store_uri is not None:
         _publish(out, ip, store_uri, graph_set, log)

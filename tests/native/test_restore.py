@@ -225,7 +225,8 @@ ip.capture_end()
 key = compat.current(ENGINE)
 if os.environ.get("TEST_FOREIGN_GPU") == "1":
     key = key.model_copy(update={"gpu_name": "NVIDIA H100 80GB HBM3"})
-arc = publish.ArchiveContent(IDENTITY, key, F.encode(gs), images, alloc_log=ip.export_alloc_log())
+arc = publish.ArchiveContent(IDENTITY, key, F.encode(gs), images, alloc_log=ip.export_alloc_log(),
+                             attachments={"engine-files": b"EMBR" * 1000})
 publish.write(STORE, arc, gs)
 last_json({"identity": IDENTITY.hash(), "key": key.model_dump()})
 """
@@ -409,16 +410,22 @@ def test_compat_mismatch_is_refused_before_any_blob_is_read(run_py, tmp_path: Pa
 
 
 ACCEPT = COMMON + """
+order = []
+def attached(archive):
+    order.append(["attached", archive.attachment("engine-files").decode()[:8]])
 def accept(facts):
+    order.append(["accept"])
     if os.environ.get("TEST_REFUSE") == "1":
         raise Refused("compat", "archive is not for this engine")
     return ("sizing", sorted(facts)[:1])
 try:
-    restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE, accept=accept, background=False)
+    restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE, accept=accept, attached=attached,
+                                  background=False)
     result = {"accepted": list(restore.accepted)}
 except Refused as exc:
     result = {"refused": exc.reason, "stage": exc.stage}
 result["first_import"] = first_import()
+result["order"] = order
 last_json(result)
 """
 
@@ -435,6 +442,8 @@ def test_engine_check_sees_the_facts_and_refuses_before_the_allocation_log(run_p
     ok = _last_json(run_py(ACCEPT, mode="load", env=env))
     assert ok["accepted"][0] == "sizing" and ok["accepted"][1]  # what accept() returned, kept
     assert ok["first_import"] != True  # noqa: E712 - accepted: open() imported the log itself
+    # The engine's attachments are put in place first (vLLM's compile cache, which accept looks for).
+    assert ok["order"] == [["attached", "EMBREMBR"], ["accept"]]
     refused = _last_json(run_py(ACCEPT, mode="load", env={**env, "TEST_REFUSE": "1"}))
     assert refused["stage"] == "compat" and refused["refused"] == "archive is not for this engine"
     assert refused["first_import"] is True

@@ -273,3 +273,30 @@ def test_cli_lists_archives_when_several(saved: Saved) -> None:
     out = CliRunner().invoke(app, ["inspect", store.uri, "--json"])
     assert out.exit_code == 0
     assert {a["identity_hash"] for a in json.loads(out.output)["archives"]} == {IDENTITY.hash(), other.hash()}
+
+
+def test_attachments_travel_with_the_archive_verified_and_read_only_on_demand(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    payload = bytes(range(256)) * 400
+    bundle.write_archive(store, synthetic_graphset(graphs=4, nodes=40, groups=2), IDENTITY, COMPAT,
+                         kernel_images=synthetic_images(), attachments={"engine-cache.tar": payload})
+    archive = bundle.open_archive(store, IDENTITY.hash())
+    assert archive.manifest.attachments == ["attachment/engine-cache.tar"]
+    archive.load_all()  # what LOAD's background thread reads: not the attachment
+    assert "attachment/engine-cache.tar" not in archive._blobs
+    assert archive.attachment("engine-cache.tar") == payload
+    assert archive.attachment("other") is None
+
+    # The sidecar's fetch copies it; a damaged copy is found by verify and refused on read.
+    cache = LocalStore(tmp_path / "cache")
+    fetched = bundle.fetch_archive(store, IDENTITY.hash(), cache)
+    assert fetched.attachment("engine-cache.tar") == payload
+    entry = fetched.manifest.blob("attachment/engine-cache.tar")
+    path = cache.blob_path(entry.sha256)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    problems = bundle.verify_archive(cache, IDENTITY.hash())
+    assert len(problems) == 1 and "attachment/engine-cache.tar" in problems[0]
+    with pytest.raises(bundle.ArchiveCorrupt, match="engine-cache"):
+        bundle.open_archive(cache, IDENTITY.hash()).attachment("engine-cache.tar")
