@@ -163,7 +163,7 @@ app.command("inspect")(archive_commands.inspect)
 app.command("verify")(verify)
 # extra arguments after `--` go to `vllm serve` (`--engine vllm`)
 app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve)
-app.command("save")(save)
+app.command("save", context_settings={"allow_extra_args": True})(save)  # `--job -- <vLLM args>`
 app.command("load")(load)
 
 # Command groups of other installed packages (pyproject.toml [project.entry-points."ember.commands"]).

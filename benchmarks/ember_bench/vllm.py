@@ -2,13 +2,16 @@
 
 Random weights (`load_format="dummy"`) of a real model shape, the HF config written locally (no
 model hub), graph mode FULL_AND_PIECEWISE and vLLM's default capture sizes. Each run is a fresh
-process with the engine core in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) and a fresh-then-
-shared compile cache (`VLLM_CACHE_ROOT` under the work directory):
+process with the engine core in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); native, save and
+native-warm share one compile cache (`VLLM_CACHE_ROOT` under the work directory), LOAD starts from
+an empty one and gets the compiled code from the archive (its compile-cache attachment), as a
+fresh pod does:
 
 1. `native` — plain vLLM, cold compile cache (init + compile + memory profiling + capture);
 2. `save` — libember preloaded (EMBER_MODE=save), `kv_cache_memory_bytes` from run 1, the ember
    plugin captures every key once inside libember's window, proves and publishes the archive;
-3. `load` — libember preloaded (EMBER_MODE=load), the archive restored instead of capturing;
+3. `load` — libember preloaded (EMBER_MODE=load), empty compile cache: the archive's compile cache
+   put back, the graphs restored instead of capturing;
 4. `native-warm` — plain vLLM again with the compile cache warm (what vLLM's own cache gives).
 
 Each run reports start → first token, engine init and its stages (the plugin times vLLM's worker
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -101,12 +105,22 @@ def _child_env(mode: str, work: Path, report: Path, extra: dict[str, str]) -> di
         VLLM_USE_FLASHINFER_SAMPLER="0",
         VLLM_NO_USAGE_STATS="1",
         HF_HUB_OFFLINE="1",
-        VLLM_CACHE_ROOT=str(work / "vllm-cache"),
+        VLLM_CACHE_ROOT=str(_cache_root(mode, work)),
         EMBER_VLLM_REPORT=str(report),
         PYTHONUNBUFFERED="1",
         **extra,
     )
     return env
+
+
+def _cache_root(mode: str, work: Path) -> Path:
+    """vLLM's cache root of a run: LOAD starts from an empty one, like a fresh pod, and gets the
+    compiled code from the archive's attachment; the other runs share one."""
+    if mode != "load":
+        return work / "vllm-cache"
+    fresh = work / "vllm-cache-load"
+    shutil.rmtree(fresh, ignore_errors=True)
+    return fresh
 
 
 def run_child(

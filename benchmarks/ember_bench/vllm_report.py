@@ -48,6 +48,8 @@ def summarize(results: dict[str, dict[str, Any]], store: Path) -> dict[str, Any]
             "compilation_time_s": res.get("compilation_time_s"),
             "capture_how": cap.get("how"),
             "capture_s": cap.get("seconds"),
+            "compile_cache_put_back_s": _stage(res, "compile_cache").get("seconds"),
+            "compile_cache_bytes": _stage(res, "compile_cache").get("bytes"),
             "graphs_captured_at_start": res.get("graphs_captured_at_start"),
             "graphs_captured_serving": res.get("graphs_captured_serving"),
             "tokens_identical_to_native": (toks == native.get("tokens"))
@@ -113,6 +115,8 @@ def markdown(model: str, layers: int, device: str, summary: dict[str, Any]) -> s
         "compilation_time_s",
         "capture_how",
         "capture_s",
+        "compile_cache_put_back_s",
+        "compile_cache_bytes",
         "graphs_captured_at_start",
         "graphs_captured_serving",
         "tokens_identical_to_native",

@@ -30,6 +30,7 @@ from typing import Any
 from ember import contract
 from ember.archive import signing
 from ember.contract import Claim
+from ember.engines.vllm import args as vllm_args
 from ember.identity import canonical_json
 from ember_operator import conditions, hpas, naming, switching
 from ember_operator.api import (
@@ -141,10 +142,11 @@ def template_of(
 
 def engine_args(spec: ModelDeploymentSpec) -> tuple[str, ...]:
     """The claim's engine arguments. A warm pod learns its model only with the claim: for vLLM
-    (`ember serve --engine vllm` starts `vllm serve` after the hand-off) the model comes first."""
+    (`ember serve --engine vllm` starts `vllm serve` after the hand-off) the identity's arguments
+    come first (model, capture sizes, graph mode, batch limits, parallel sizes: what the SAVE Job
+    ran, so LOAD's sizing check passes), then the deployment's own."""
     if spec.engine.kind.value == "vllm":
-        m = spec.model
-        return ("--model", m.name, "--revision", m.revision, "--dtype", m.dtype, *spec.engine.args)
+        return (*vllm_args.engine_args(spec.identity()), *spec.engine.args)
     return tuple(spec.engine.args)
 
 

@@ -36,3 +36,78 @@ def test_save_then_load_restores_every_graph(model: str, tmp_path: Path) -> None
     assert runs["load"]["graphs_captured_serving"] == 0
     assert runs["load"]["tokens_identical_to_native"] is True
     assert report["summary"]["save"]["graphs"] == report["summary"]["load"]["graphs"] > 0
+
+
+ENGINE = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.compilation.counter import compilation_counter
+from vllm.engine.arg_utils import EngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+ns = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(json.loads(sys.argv[1]))
+llm = LLM.from_engine_args(EngineArgs.from_cli_args(ns))
+start = compilation_counter.num_cudagraph_captured
+greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
+prompts = [{"prompt_token_ids": [11 + i, 12, 13 + 2 * i]} for i in range(5)]
+outs = llm.generate(prompts, greedy, use_tqdm=False)
+print("RESULT " + json.dumps({"captured_at_start": start,
+                              "captured_serving": compilation_counter.num_cudagraph_captured - start,
+                              "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+"""
+
+
+def _engine(args: list[str], env: dict[str, str]) -> dict:
+    p = subprocess.run([sys.executable, "-c", ENGINE, json.dumps(args)], env=env, capture_output=True,
+                       text=True, timeout=600, check=False)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def test_the_save_job_publishes_under_the_operators_identity_and_a_fresh_pod_restores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ember save --job` for engine vllm (probe, then SAVE, under the identity the operator
+    derived), then a pod's LOAD with an EMPTY compile cache: the archive's compile cache is put
+    back, every graph restored, none captured, the native engine's greedy tokens."""
+    import os
+
+    from ember.archive import bundle
+    from ember.engines.vllm import compile_cache
+    from ember.engines.vllm.args import engine_args
+    from ember.engines.vllm.job import save_job
+    from ember.identity import ArchiveIdentity
+    from ember.runtime.session import preload_env
+    from ember_bench.vllm import write_config
+
+    cfg = write_config("llama-3-8b", 2, tmp_path / "config")
+    ident = ArchiveIdentity(model=str(cfg), engine="vllm", engine_version="0.26",
+                            capture_sizes=(1, 2, 4, 8, 16), graph_mode="full-and-piecewise",
+                            max_num_tokens=2048, max_batch=16)
+    extra = ["--load-format", "dummy", "--skip-tokenizer-init", "--gpu-memory-utilization", "0.4",
+             "--max-model-len", "2048", "--seed", "0"]
+    store = tmp_path / "store"
+    for k, v in {"VLLM_CACHE_ROOT": str(tmp_path / "job-cache"), "VLLM_USE_FLASHINFER_SAMPLER": "0",
+                 "HF_HUB_OFFLINE": "1"}.items():
+        monkeypatch.setenv(k, v)
+    summary = save_job(ident.model_dump_json(), store.as_uri(), extra, work=tmp_path / "job")
+    assert summary["published"] is True and summary["identity"] == ident.hash()
+    archive = bundle.open_archive(store, ident.hash())
+    assert archive.manifest.attachments == ["attachment/" + compile_cache.NAME]
+    assert archive.manifest.engine["compile_cache_key"]
+
+    args = [*engine_args(ident), *extra]
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "EMBER_MODE")}
+    native = _engine(args, {**base, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                            "VLLM_CACHE_ROOT": str(tmp_path / "native-cache")})
+    report = tmp_path / "load-report.json"
+    load = _engine(args, {**preload_env("load", base), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                          "VLLM_CACHE_ROOT": str(tmp_path / "pod-cache"),
+                          "EMBER_VLLM_ARCHIVE": str(store / "archives" / ident.hash()),
+                          "EMBER_VLLM_REPORT": str(report)})
+    stages = json.loads(report.read_text())["stages"]
+    assert stages["capture"]["how"] == "restored", stages
+    assert stages["compile_cache"]["placed"] > 0
+    assert load["captured_at_start"] == 0 and load["captured_serving"] == 0
+    assert native["captured_at_start"] > 0
+    assert load["tokens"] == native["tokens"]

@@ -101,7 +101,7 @@ def test_save_job_runs_on_one_gpu_of_the_product() -> None:
     assert job["metadata"]["name"] == f"ember-save-{ident.hash()[:16]}-0"
     pod = job["spec"]["template"]["spec"]
     c = pod["containers"][0]
-    assert c["command"] == ["ember", "save", "--job"]
+    assert c["command"] == ["ember", "save", "--job", "--"]  # the engine's arguments follow (vLLM Jobs)
     assert c["resources"]["limits"] == {"nvidia.com/gpu": "1"}
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["EMBER_IDENTITY"] == canonical_json(ident.canonical()).decode()
@@ -168,8 +168,10 @@ def test_status_merge_patch_removes_vanished_fields() -> None:
 def test_vllm_pods_supervise_vllm_serve_and_the_claim_names_the_model() -> None:
     """engine.kind vllm: the engine container runs `ember serve --engine vllm` (it waits for the
     hand-off, then starts `vllm serve` with the claim's arguments); the claim carries the model
-    first (a warm pod learns it only then), then engine.args. transformers pods keep the image's
+    first (a warm pod learns it only then) with everything else the SAVE Job ran vLLM with, then
+    engine.args. transformers pods keep the image's
     own command."""
+    from ember.engines.vllm import args as vllm_args
     from ember_operator.planning import engine_args
 
     vllm = {"kind": "vllm", "version": "0.26.0", "image": "vllm:test", "args": ["--enforce-eager"]}
@@ -179,7 +181,12 @@ def test_vllm_pods_supervise_vllm_serve_and_the_claim_names_the_model() -> None:
     assert engine["command"][engine["command"].index("--") + 1:] == ["--host", "0.0.0.0", "--port", "8000"]
     env = {e["name"]: e.get("value") for e in engine["env"]}
     assert env[contract.ENV_ENGINE] == "vllm"
-    assert engine_args(spec) == ("--model", "Qwen/Qwen3-0.6B", "--revision", "main", "--dtype", "bfloat16",
-                                 "--enforce-eager")
+    # The identity's arguments (what the SAVE Job ran), then the deployment's own.
+    args = engine_args(spec)
+    assert args == (*vllm_args.engine_args(spec.identity()), "--enforce-eager")
+    assert args[:6] == ("--model", "Qwen/Qwen3-0.6B", "--revision", "main", "--dtype", "bfloat16")
+    cc = json.loads(args[args.index("--compilation-config") + 1])
+    assert cc["cudagraph_capture_sizes"] == list(spec.capture.resolved_sizes())
+    assert args[args.index("--max-num-seqs") + 1] == str(spec.capture.max_batch)
     plain = serving_pod(template_of("default", md_spec(), CTX), _claim(), "p", "u")["spec"]["containers"][0]
     assert "command" not in plain and engine_args(md_spec()) == ()

@@ -142,7 +142,33 @@ def _workload_from_identity(raw: str) -> tuple[Any, Any]:
     return make_workload(name, layers, tuple(identity.capture_sizes), parallel=par), identity
 
 
+def _job_engine() -> str:
+    try:
+        return str(json.loads(os.environ.get(contract.ENV_IDENTITY) or "{}").get("engine", ""))
+    except ValueError:
+        return ""  # the decode path reports the bad identity
+
+
+def _vllm_job(store: str, args: list[str]) -> None:
+    """The vLLM SAVE Job (ember.engines.vllm.job); exits with the Job contract's result."""
+    from ember.engines.vllm.job import save_job
+
+    try:
+        if not store:
+            raise RuntimeError("job mode needs EMBER_STORE")
+        summary = save_job(os.environ[contract.ENV_IDENTITY], store, args)
+    except Exception as exc:
+        reason = f"SAVE failed: {type(exc).__name__}: {exc}"
+        console.print(f"[red]{reason}[/red]")
+        contract.write_termination_log(reason)
+        raise typer.Exit(1) from exc
+    contract.write_termination_log(summary)
+    print(json.dumps(summary, indent=1))
+    raise typer.Exit(0)
+
+
 def save(
+    ctx: typer.Context,
     workload: WorkloadOpt = "llama3-8b",
     layers: LayersOpt = 0,
     sizes: SizesOpt = "all",
@@ -162,8 +188,12 @@ def save(
     collectives: CollectivesOpt = False,
 ) -> None:
     """SAVE: capture a workload's decode graphs, prove them bit-exact, publish the archive. A
-    multi-GPU shape (--tp/--ep/--dp) is saved on ONE GPU: every rank LOADs the same archive."""
+    multi-GPU shape (--tp/--ep/--dp) is saved on ONE GPU: every rank LOADs the same archive.
+    In job mode an identity of engine vllm runs vLLM instead, with the arguments after `--`."""
     from ember.runtime.session import reexec_under_libember
+
+    if job and _job_engine() == "vllm":
+        _vllm_job(store, list(ctx.args))
 
     par = parallel_shape(tp, ep, dp, collectives)
     reexec_under_libember("save", comm_stub=_needs_stub(job, par))

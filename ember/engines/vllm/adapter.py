@@ -15,7 +15,10 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from ember import contract
+from ember.engines.vllm import compile_cache
 from ember.engines.vllm import graphs as sites
+from ember.engines.vllm.args import mismatches
 from ember.engines.vllm.keys import GraphConfig, GraphKey, enumerate_descs, enumerate_keys
 from ember.engines.vllm.versions import check_engine, engine_version, unsupported_features
 from ember.identity import ArchiveIdentity
@@ -137,6 +140,32 @@ class VllmAdapter:
         return enumerate_keys(self.graph_config(), sites.piece_count())
 
     def identity(self) -> ArchiveIdentity:
+        """The SAVE Job's identity (EMBER_IDENTITY, the operator's name for the archive) once this
+        engine is checked to be it; else the one this engine's config describes."""
+        raw = os.environ.get(contract.ENV_IDENTITY)
+        if not raw:
+            return self.own_identity()
+        wanted = ArchiveIdentity.model_validate_json(raw)
+        problems = mismatches(wanted, self.resolved())
+        if problems:
+            raise Refused(ENGINE, "vLLM is not running the archive identity: " + "; ".join(problems))
+        return wanted
+
+    def resolved(self) -> dict[str, Any]:
+        """What `ember.engines.vllm.args.mismatches` compares with an identity."""
+        cfg, mc = self.graph_config(), self.vllm_config.model_config
+        return {
+            "model": str(mc.model),
+            "revision": str(getattr(mc, "revision", None) or "main"),
+            "dtype": str(mc.dtype).removeprefix("torch."),
+            "engine_version": engine_version(),
+            "capture_sizes": list(cfg.capture_sizes),
+            "cudagraph_mode": cfg.cudagraph_mode,
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_num_batched_tokens": int(self.vllm_config.scheduler_config.max_num_batched_tokens),
+        }
+
+    def own_identity(self) -> ArchiveIdentity:
         import torch
 
         cfg, mc = self.graph_config(), self.vllm_config.model_config
@@ -206,6 +235,7 @@ class VllmAdapter:
             "runner": self.runner_kind,
             **self._sizing(),
             "compile_cache_dir": str(getattr(cc, "local_cache_dir", "") or ""),
+            "compile_cache_key": compile_cache.key_of(str(getattr(cc, "local_cache_dir", "") or "")),
             "compilation_time_s": float(getattr(cc, "compilation_time", 0.0) or 0.0),
             "graph_memory_bytes": self.graph_bytes,
             "outputs": {name(map(str, k)): sites.describe(c.output) for k, c in self.captured.items()},
@@ -231,12 +261,30 @@ class VllmAdapter:
         saved, here = GraphConfig.from_json(facts["graph_config"]), self.graph_config()
         if (saved.capture_sizes, saved.max_num_seqs) != (here.capture_sizes, here.max_num_seqs):
             raise Refused(COMPAT, f"graph config differs: archive {saved.to_json()}, here {here.to_json()}")
-        cache = str(facts.get("compile_cache_dir") or "")
+        cache = compile_cache.model_dir(dict(facts))
         if cache and not os.path.isdir(cache):
             raise Refused(COMPAT, f"vLLM's compile cache {cache} is not on this node (LOAD would recompile)")
         if not int(facts.get("kv_cache_memory_bytes") or 0):
             raise Refused(COMPAT, "archive has no kv_cache_memory_bytes")
         return dict(facts)
+
+    def attachments(self) -> dict[str, bytes]:
+        """vLLM's compile cache, so a fresh pod loads compiled code instead of compiling
+        (EMBER_VLLM_COMPILE_CACHE=0: not shipped; LOAD then needs it on the node)."""
+        if os.environ.get("EMBER_VLLM_COMPILE_CACHE", "1") == "0":
+            return {}
+        packed = compile_cache.pack()
+        return {compile_cache.NAME: packed} if packed else {}
+
+    def attached(self, archive: Any) -> None:
+        """At LOAD, before accept(): the archive's compile cache put under this process's cache
+        root (what is there already is kept)."""
+        try:
+            data = archive.attachment(compile_cache.NAME)
+            if data:
+                self.report("compile_cache", **compile_cache.unpack(data))
+        except Exception as exc:  # damaged blob, unsafe or broken tar, full disk
+            raise Refused(LOAD, f"compile cache attachment: {type(exc).__name__}: {exc}") from exc
 
     # -- 5 install ------------------------------------------------------------------------------
     def static_addresses(self) -> dict[str, int]:

@@ -16,7 +16,9 @@ internals the adapter knows (`versions.check_engine`), it patches, in this proce
 
 Environment: `EMBER_VLLM_STORE` (SAVE: store URI to publish to), `EMBER_VLLM_ARCHIVE` (LOAD:
 `<store>/archives/<identity-hash>`), `EMBER_VLLM_MODEL` (model name in the identity),
-`EMBER_VLLM_REPORT` (a JSON file the report is written to; the stages also go to the log).
+`EMBER_VLLM_REPORT` (a JSON file the report is written to; the stages also go to the log),
+`EMBER_VLLM_PROBE=1` (with the report: end the process once `determine_available_memory` has
+returned and been reported; the SAVE Job sizes the KV cache this way).
 SAVE needs `kv_cache_memory_bytes` set (vLLM's `--kv-cache-memory-bytes`, or
 `VLLM_ENABLE_STARTUP_PLAN=1` after a native start): memory profiling allocates, and LOAD, which
 skips it, must allocate exactly as SAVE did.
@@ -106,6 +108,8 @@ def _time_worker_stages() -> None:
             out = _original(self, *a, **kw)
             extra = {"bytes": int(out)} if _name == "determine_available_memory" else {}
             report(f"worker.{_name}", seconds=round(time.perf_counter() - t, 4), **extra)
+            if extra and os.environ.get("EMBER_VLLM_PROBE") == "1":
+                os._exit(0)  # the SAVE Job's sizing probe (ember.engines.vllm.job): the figure is written
             return out
 
         setattr(gpu_worker.Worker, name, timed)

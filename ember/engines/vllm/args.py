@@ -1,0 +1,85 @@
+"""An archive identity as vLLM engine arguments, and the check that a vLLM config is that identity.
+
+The operator names archives by a deployment's identity (`ModelDeploymentSpec.identity`); the SAVE
+Job and every serving pod then run vLLM with `engine_args(identity)` first and the deployment's
+own `engine.args` after them, so the Job captures what the pods will ask for and LOAD's sizing
+check passes. `mismatches` is SAVE's guard: an archive published under an identity holds the
+graphs of that identity, or nothing is published. No vLLM import here (the operator uses it).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ember.identity import ArchiveIdentity
+
+# ModelDeployment capture.graphMode → vLLM's CUDAGraphMode name
+GRAPH_MODES = {
+    "full": "FULL",
+    "piecewise": "PIECEWISE",
+    "full-decode-only": "FULL_DECODE_ONLY",
+    "full-and-piecewise": "FULL_AND_PIECEWISE",
+}
+
+
+def _value(text: str) -> Any:
+    """A compile setting as vLLM's config wants it: JSON when it parses ("3" → 3), else the text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def compilation_config(identity: ArchiveIdentity) -> dict[str, Any]:
+    cfg: dict[str, Any] = {k: _value(v) for k, v in identity.compile.items()}
+    cfg["cudagraph_mode"] = GRAPH_MODES.get(identity.graph_mode, identity.graph_mode.upper())
+    cfg["cudagraph_capture_sizes"] = list(identity.capture_sizes)
+    return cfg
+
+
+def engine_args(identity: ArchiveIdentity) -> list[str]:
+    """`vllm serve` / EngineArgs command-line arguments that make vLLM capture `identity`'s graphs."""
+    p = identity.parallelism
+    args = [
+        "--model", identity.model,
+        "--revision", identity.revision,
+        "--dtype", identity.dtype,
+        "--max-num-seqs", str(identity.max_batch),
+        "--max-num-batched-tokens", str(identity.max_num_tokens),
+        "--compilation-config", json.dumps(compilation_config(identity), sort_keys=True),
+    ]
+    if p.tensor > 1:
+        args += ["--tensor-parallel-size", str(p.tensor)]
+    if p.data > 1:
+        args += ["--data-parallel-size", str(p.data)]
+    if p.expert > 1:
+        args += ["--enable-expert-parallel"]
+    return args
+
+
+def mismatches(identity: ArchiveIdentity, resolved: dict[str, Any]) -> list[str]:
+    """Where the engine's resolved config (`resolved`: model, revision, dtype, engine_version,
+    capture_sizes, cudagraph_mode, max_num_seqs, max_num_batched_tokens) is not `identity`."""
+    want: dict[str, Any] = {
+        "model": identity.model,
+        "revision": identity.revision,
+        "dtype": identity.dtype,
+        "engine_version": identity.engine_version,
+        "capture_sizes": list(identity.capture_sizes),
+        "cudagraph_mode": GRAPH_MODES.get(identity.graph_mode, identity.graph_mode.upper()),
+        "max_num_seqs": identity.max_batch,
+        "max_num_batched_tokens": identity.max_num_tokens,
+    }
+    out = []
+    if identity.engine != "vllm":
+        out.append(f"engine: identity {identity.engine!r}, this is vllm")
+    for key, value in want.items():
+        got = resolved.get(key)
+        if key == "capture_sizes":
+            got, value = sorted(got or []), sorted(value)
+        if key == "engine_version" and value and str(got).startswith(f"{value}."):
+            continue  # the deployment pins "0.26", vLLM says "0.26.0"
+        if got != value:
+            out.append(f"{key}: identity {value!r}, vLLM resolved {got!r}")
+    return out

@@ -1,0 +1,144 @@
+"""The SAVE Job of a vLLM deployment: `ember save --job` when EMBER_IDENTITY's engine is vllm.
+
+Same contract as every SAVE Job (ember/contract.py): identity from EMBER_IDENTITY, store from
+EMBER_STORE, a JSON summary in the termination log, a non-zero exit with the reason. On ONE GPU,
+in two child processes, each a vLLM engine with its core in-process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so that ember's plugin runs where this job can read its report:
+
+1. sizing, unless the deployment's arguments fix `--kv-cache-memory-bytes`: vLLM as it is (no
+   libember) until memory profiling has returned the KV-cache bytes, then the process ends
+   (`EMBER_VLLM_PROBE`). SAVE cannot profile: profiling allocates, and LOAD, which skips it, must
+   allocate as SAVE did. The probe's compile fills the compile cache, so step 2 compiles warm;
+2. SAVE: vLLM under libember (EMBER_MODE=save) with those bytes; the plugin captures every key
+   once inside the capture window, proves the graphs, and publishes them under the operator's
+   identity with the compile cache attached. `VllmAdapter.identity` refuses a vLLM whose resolved
+   config is not that identity, so the archive a deployment names holds the graphs its pods ask for.
+
+vLLM runs with `ember.engines.vllm.args.engine_args(identity)` and then the deployment's own
+`engine.args` (the pods get the same list through the claim). A multi-GPU shape is refused with
+its reason (vLLM's tensor/data-parallel SAVE on one GPU is not built): the GraphArchive fails and
+the deployment's pods capture natively, as with any failed SAVE.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ember.engines.vllm.args import engine_args
+from ember.identity import ArchiveIdentity
+
+KV_FLAG = "--kv-cache-memory-bytes"
+
+
+class JobFailed(RuntimeError):
+    pass
+
+
+def _has_flag(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _child_env(mode: str, report: Path, store_uri: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LD_PRELOAD", "EMBER_MODE", "EMBER_ARM", "EMBER_VLLM_ARCHIVE", "EMBER_VLLM_PROBE")}
+    if mode == "save":
+        from ember.runtime.session import preload_env
+
+        env = preload_env("save", env)
+        env["EMBER_VLLM_STORE"] = store_uri
+    else:
+        env["EMBER_VLLM_PROBE"] = "1"
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", EMBER_VLLM_REPORT=str(report), PYTHONUNBUFFERED="1")
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not in the image
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    return env
+
+
+def run_child(mode: str, args: list[str], work: Path, store_uri: str, *, python: str,
+              timeout: float) -> dict[str, Any]:
+    """One vLLM engine start (`python -m ember.engines.vllm.job <args>`); the plugin's report."""
+    report, logf = work / f"{mode}.report.json", work / f"{mode}.log"
+    report.unlink(missing_ok=True)
+    t = time.perf_counter()
+    with open(logf, "w") as log:
+        try:
+            proc = subprocess.run([python, "-m", "ember.engines.vllm.job", json.dumps(args)],
+                                  env=_child_env(mode, report, store_uri), stdout=log,
+                                  stderr=subprocess.STDOUT, timeout=timeout, check=False)
+            rc: int | str = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = f"timed out after {timeout:.0f} s"
+    out: dict[str, Any] = json.loads(report.read_text()) if report.is_file() else {}
+    out.update(rc=rc, seconds=round(time.perf_counter() - t, 2))
+    if rc != 0:
+        out["log_tail"] = logf.read_text(errors="replace")[-3000:]
+    return out
+
+
+def _stage(report: dict[str, Any], name: str) -> dict[str, Any]:
+    return dict((report.get("stages") or {}).get(name) or {})
+
+
+def _why(step: str, res: dict[str, Any]) -> str:
+    for stage in ("refused", "save_refused", "load_refused"):
+        if reason := _stage(res, stage).get("reason"):
+            return f"{step}: {reason}"
+    tail = " | ".join(line for line in str(res.get("log_tail", "")).splitlines()[-3:] if line.strip())
+    return f"{step}: the vLLM process ended with {res.get('rc')}" + (f" ({tail})" if tail else "")
+
+
+def save_job(identity_raw: str, store_uri: str, extra_args: list[str], *, work: Path | None = None,
+             python: str = sys.executable, timeout: float = 3600.0) -> dict[str, Any]:
+    """Size, then SAVE; the summary the Job reports. JobFailed with the reason otherwise."""
+    identity = ArchiveIdentity.model_validate_json(identity_raw)
+    p = identity.parallelism
+    if p.tensor * p.data * p.expert > 1:
+        raise JobFailed(f"vLLM SAVE of a multi-GPU shape (tensor {p.tensor}, expert {p.expert}, "
+                        f"data {p.data}) is not supported yet: the pods capture natively")
+    work = work or Path(tempfile.mkdtemp(prefix="ember-vllm-job-"))
+    work.mkdir(parents=True, exist_ok=True)
+    args = [*engine_args(identity), *extra_args]
+    summary: dict[str, Any] = {"engine": "vllm", "args": args}
+    steps: dict[str, float] = {}
+    if not _has_flag(args, KV_FLAG):
+        probe = run_child("probe", args, work, store_uri, python=python, timeout=timeout)
+        kv = _stage(probe, "worker.determine_available_memory").get("bytes")
+        if not kv:
+            raise JobFailed(_why("sizing (native start up to memory profiling)", probe))
+        args += [KV_FLAG, str(int(kv))]
+        steps["probe_process_s"] = probe["seconds"]
+    res = run_child("save", args, work, store_uri, python=python, timeout=timeout)
+    saved = _stage(res, "save")
+    if res["rc"] != 0 or not saved.get("published"):
+        raise JobFailed(_why("SAVE", res))
+    if saved.get("identity") != identity.hash():
+        raise JobFailed(f"SAVE published {saved.get('identity')}, not the Job's identity {identity.hash()}")
+    summary.update({k: v for k, v in saved.items() if k not in ("t", "seconds")})
+    steps["save_process_s"] = res["seconds"]
+    summary["durations"] = {**(saved.get("durations") or {}), **steps}
+    return summary
+
+
+def _child(args: list[str]) -> None:
+    """One vLLM engine built from command-line engine arguments (vLLM's own parser); the plugin
+    does the work while it starts. Arguments that are not engine arguments (`vllm serve`'s
+    front-end options) are ignored."""
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    ns, unknown = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_known_args(args)
+    if unknown:
+        print(f"ember: not engine arguments, ignored by the SAVE Job: {unknown}", flush=True)
+    LLM.from_engine_args(EngineArgs.from_cli_args(ns))
+
+
+if __name__ == "__main__":
+    _child(json.loads(sys.argv[1]))
