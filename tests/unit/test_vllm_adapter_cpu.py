@@ -159,3 +159,67 @@ def test_plugin_refuses_cleanly_without_vllm(monkeypatch, tmp_path):
     assert plugin.STATE.installed and "not importable" in plugin.STATE.refusal
     assert json.loads(report.read_text())["stages"]["refused"]["note"] == "vLLM left untouched"
     plugin.register()  # re-entrant
+
+
+def test_the_plugin_patches_only_once_the_worker_module_is_imported(monkeypatch, tmp_path):
+    """`after_import`: register() defers the touch-point check and the patches to the first import
+    of vLLM's GPU worker module, which only worker processes do (not the API server)."""
+    import sys
+
+    from ember.engines.vllm import plugin
+
+    pkg = tmp_path / "fakepkg_after_import"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "worker.py").write_text("ORDER = ['module body']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    plugin.after_import("fakepkg_after_import.worker", lambda: seen.append(
+        list(sys.modules["fakepkg_after_import.worker"].ORDER)))
+    import fakepkg_after_import  # noqa: F401 - the parent alone does not trigger it
+
+    assert seen == []
+    from fakepkg_after_import import worker
+
+    assert seen == [["module body"]]  # right after the module body ran, once
+    import importlib
+
+    importlib.reload(worker)
+    assert seen == [["module body"]] and worker.ORDER == ["module body"]
+    assert not any(type(f).__name__ == "_Hook" for f in sys.meta_path)
+    monkeypatch.delitem(sys.modules, "fakepkg_after_import.worker")
+    monkeypatch.delitem(sys.modules, "fakepkg_after_import")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_register_checks_vllm_only_where_its_worker_is_imported(monkeypatch, tmp_path):
+    """A stand-in vLLM 0.26.0 without the touch points: register() in a front-end-like process
+    leaves it alone (no check, no report); importing the worker module then runs the check, which
+    refuses with the missing touch points and leaves vLLM untouched."""
+    import json
+    import sys
+
+    from ember.engines.vllm import plugin
+
+    root = tmp_path / "vllm"
+    (root / "v1" / "worker").mkdir(parents=True)
+    (root / "__init__.py").write_text("__version__ = '0.26.0'\n")
+    for d in (root / "v1", root / "v1" / "worker"):
+        (d / "__init__.py").write_text("")
+    (root / "v1" / "worker" / "gpu_worker.py").write_text("class Worker: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(plugin, "STATE", plugin._State())
+    report = tmp_path / "r.json"
+    monkeypatch.setenv("EMBER_MODE", "load")
+    monkeypatch.setenv("EMBER_VLLM_REPORT", str(report))
+    try:
+        plugin.register()
+        assert plugin.STATE.installed and not plugin.STATE.refusal and not report.exists()
+        import vllm.v1.worker.gpu_worker  # noqa: F401 - what a worker process does
+
+        assert "GPUModelRunner.capture_model is missing" in plugin.STATE.refusal
+        assert json.loads(report.read_text())["stages"]["refused"]["note"] == "vLLM left untouched"
+    finally:
+        for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+            del sys.modules[name]
+        sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "_Hook"]

@@ -1,9 +1,11 @@
 """ember's `vllm.general_plugins` entry point: SAVE and LOAD inside vLLM's own worker.
 
-vLLM runs `register()` in every process it starts (front-end, engine core, workers), so it is
-cheap and re-entrant. With `EMBER_MODE` unset (or `EMBER_VLLM=0`) it does nothing but optional
-stage timing; with `EMBER_MODE=save|load` (libember preloaded, `EMBER_ARM=manual`) and a vLLM whose
-internals the adapter knows (`versions.check_engine`), it patches, in this process only:
+vLLM runs `register()` in every process it starts (front-end, engine core, workers, its
+model-inspection subprocess), so it is cheap and re-entrant: it only waits for the GPU worker's
+module to be imported (`after_import`). With `EMBER_MODE` unset (or `EMBER_VLLM=0`) it does nothing
+but optional stage timing; with `EMBER_MODE=save|load` (libember preloaded, `EMBER_ARM=manual`) and
+a vLLM whose internals the adapter knows (`versions.check_engine`), it patches, in the processes
+that run a GPU worker only:
 
 - the V1 and V2 `GPUModelRunner.__init__`: arm libember first (everything the runner and the model
   allocate is then at SAVE's addresses); at LOAD also open the archive there (manifest,
@@ -26,16 +28,21 @@ skips it, must allocate exactly as SAVE did.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import json
 import logging
 import os
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger("ember.vllm")
 
 RUNNERS = {"v1": "vllm.v1.worker.gpu_model_runner", "v2": "vllm.v1.worker.gpu.model_runner"}
+WORKER_MODULE = "vllm.v1.worker.gpu_worker"  # imported only where a GPU worker runs
 WORKER_STAGES = (
     "init_device",
     "load_model",
@@ -74,26 +81,65 @@ def report(stage: str, **fields: Any) -> None:
 
 
 def register() -> None:
-    """The entry point (group `vllm.general_plugins`, name `ember`)."""
+    """The entry point (group `vllm.general_plugins`, name `ember`). vLLM also runs it in processes
+    that never build a model (the API server parsing arguments, its model-inspection subprocess):
+    the worker's modules are checked and patched only once this process imports them."""
     if os.environ.get("EMBER_VLLM", "1") == "0" or STATE.installed:
         return
     mode = os.environ.get("EMBER_MODE", "off")
     timing = bool(os.environ.get("EMBER_VLLM_REPORT"))
     if mode not in ("save", "load") and not timing:
         return
+    STATE.installed = True
+    STATE.mode = mode if mode in ("save", "load") else ""
+    from ember.engines.vllm.versions import engine_version
+
+    if not engine_version():
+        _refuse_all(["vLLM is not importable"])
+    elif WORKER_MODULE in sys.modules:
+        _install()
+    else:
+        after_import(WORKER_MODULE, _install)
+
+
+def _refuse_all(problems: list[str]) -> None:
+    STATE.refusal = "; ".join(problems)
+    report("refused", at="engine", reason=STATE.refusal, note="vLLM left untouched")
+
+
+def _install() -> None:
+    """In a process that runs a GPU worker: check every touch point, then patch."""
     from ember.engines.vllm.versions import check_engine
 
     problems = check_engine()
     if problems:
-        STATE.refusal = "; ".join(problems)
-        report("refused", at="engine", reason=STATE.refusal, note="vLLM left untouched")
-        STATE.installed = True
+        _refuse_all(problems)
         return
-    STATE.mode = mode if mode in ("save", "load") else ""
     _time_worker_stages()
     for kind, module in RUNNERS.items():
         _patch_runner(module, kind)
-    STATE.installed = True
+
+
+def after_import(name: str, then: Callable[[], None]) -> None:
+    """Run `then()` right after module `name` is first imported (it is not imported yet)."""
+
+    class _Hook(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)  # the real finders' spec
+            if spec is not None and spec.loader is not None:
+                run = spec.loader.exec_module
+
+                def exec_module(module: Any) -> None:
+                    run(module)
+                    then()
+
+                spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+            return spec
+
+    sys.meta_path.insert(0, _Hook())
 
 
 def _time_worker_stages() -> None:
