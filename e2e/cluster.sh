@@ -66,8 +66,16 @@ running() {
 spawn() {
   local name="$1"; shift
   mkdir -p "$LOGS" "$PIDS"
-  # fd 9 is the cluster lock: the daemons must not inherit it.
-  setsid "$@" >>"$LOGS/$name.log" 2>&1 </dev/null 9>&- &
+  # The daemons outlive this script: they inherit none of its descriptors above 2 (fd 9, the
+  # cluster lock; a caller's lock, as in `flock FILE e2e/test.sh`), or those locks would stay held
+  # for as long as the cluster runs.
+  (
+    for fd in /proc/self/fd/*; do
+      fd="${fd##*/}"
+      if ((fd > 2)); then eval "exec ${fd}>&-"; fi
+    done
+    exec setsid "$@" >>"$LOGS/$name.log" 2>&1 </dev/null
+  ) &
   echo $! >"$PIDS/$name.pid"
   log "started $name (pid $!, log $LOGS/$name.log)"
 }

@@ -1,0 +1,37 @@
+"""e2e/cluster.sh's daemons hold no descriptor of whoever started them.
+
+A component started under a caller's lock (`flock FILE e2e/cluster.sh ...`, as the test commands
+in tests/k8s do) must not inherit that lock: the cluster outlives the caller, and an inherited
+descriptor keeps the lock held until `cluster.sh down`, blocking the next `flock FILE` for as
+long as the cluster runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from fixtures_cluster import CLUSTER_SH, LocalCluster
+
+pytestmark = [pytest.mark.k8s]
+
+
+def _open_files(pid: int) -> list[str]:
+    fds = Path(f"/proc/{pid}/fd")
+    return [os.readlink(fd) for fd in fds.iterdir() if fd.name not in ("0", "1", "2")]
+
+
+def test_a_component_restarted_under_a_callers_lock_does_not_hold_it(k8s: LocalCluster,
+                                                                     tmp_path: Path) -> None:
+    lock = tmp_path / "caller.lock"
+    proc = subprocess.run(["flock", str(lock), str(CLUSTER_SH), "restart", "kwok"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    work = Path(os.environ.get("EMBER_E2E_WORK", CLUSTER_SH.parent / ".work"))
+    pid = int((work / "run" / "pids" / "kwok.pid").read_text())
+    held = [f for f in _open_files(pid) if f.endswith(".lock")]
+    assert held == []
+    # ... so the lock is free while kwok keeps running
+    free = subprocess.run(["flock", "-n", str(lock), "true"], timeout=10)
+    assert free.returncode == 0 and Path(f"/proc/{pid}").exists()
