@@ -194,13 +194,14 @@ def test_a_save_job_of_a_parallel_identity_runs_under_the_stub(monkeypatch) -> N
     from ember.engines.decode.commands import _needs_stub, parallel_shape
     from ember.identity import ArchiveIdentity, Parallelism
 
-    def ident(**par: int) -> str:
-        return ArchiveIdentity(model="m", engine="ember-decode", engine_version="1", capture_sizes=(1,),
-                               parallelism=Parallelism(**par)).model_dump_json()
+    def ident(revision: str = "main", **par: int) -> str:
+        return ArchiveIdentity(model="m", revision=revision, engine="ember-decode", engine_version="1",
+                               capture_sizes=(1,), parallelism=Parallelism(**par)).model_dump_json()
 
-    cases = (({}, False), ({"tensor": 2}, True), ({"data": 2, "expert": 2}, True), ({"data": 4}, True))
+    cases = (({}, False), ({"tensor": 2}, True), ({"data": 2, "expert": 2}, True), ({"data": 4}, True),
+             ({"revision": "seed-0-collectives"}, True))  # the splice check: collectives in a world of one
     for par, stub in cases:
-        monkeypatch.setenv("EMBER_IDENTITY", ident(**par))
+        monkeypatch.setenv("EMBER_IDENTITY", ident(**par))  # type: ignore[arg-type]
         assert _needs_stub(True, None) is stub, par
     monkeypatch.setenv("EMBER_IDENTITY", "{not json")
     assert _needs_stub(True, None) is False  # the job reports the bad identity after the re-exec

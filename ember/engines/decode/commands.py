@@ -63,17 +63,23 @@ def parallel_shape(tp: int, ep: int, dp: int, collectives: bool = False, rank: i
 
 
 def _needs_stub(job: bool, par: Any) -> bool:
-    """SAVE of a multi-GPU shape runs under libember_nccl (one GPU plays rank 0)."""
+    """SAVE of a multi-GPU shape (or of collectives in a world of one) runs under libember_nccl
+    (one GPU plays rank 0); in job mode the shape is the identity's."""
     if job:
         from ember.identity import ArchiveIdentity
 
-        raw = os.environ.get(contract.ENV_IDENTITY) or "{}"
         try:
-            p = ArchiveIdentity.model_validate_json(raw).parallelism
+            identity = ArchiveIdentity.model_validate_json(os.environ.get(contract.ENV_IDENTITY) or "{}")
         except ValueError:
             return False  # job mode reports the bad identity after the re-exec
-        return p.tensor * p.data > 1 or p.expert > 1
+        par = _identity_parallel(identity)
     return bool(par.active)
+
+
+def _identity_parallel(identity: Any) -> Any:
+    """The Parallel an identity names (its revision's `-collectives` suffix: the splice check)."""
+    p = identity.parallelism
+    return parallel_shape(p.tensor, p.expert, p.data, identity.revision.endswith("-collectives"))
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
@@ -137,8 +143,7 @@ def _workload_from_identity(raw: str) -> tuple[Any, Any]:
     revision = identity.revision.removesuffix("-collectives")
     if revision.startswith("seed-") and "-layers-" in revision:
         layers = int(revision.rsplit("-", 1)[1])
-    p = identity.parallelism
-    par = parallel_shape(p.tensor, p.expert, p.data, identity.revision.endswith("-collectives"))
+    par = _identity_parallel(identity)
     return make_workload(name, layers, tuple(identity.capture_sizes), parallel=par), identity
 
 
