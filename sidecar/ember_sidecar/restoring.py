@@ -43,7 +43,7 @@ class ClaimState:
     observed_at: float
     handed_off_at: float | None = None
     result: str | None = None  # "restored" | "fallback: <reason>"
-    loaded: set[str] = field(default_factory=set)  # ranks that reported LOAD ok (rank, else pid)
+    loaded: set[str] = field(default_factory=set)  # ranks that reported LOAD ok (reports with a rank)
 
 
 class Restorer:
@@ -258,10 +258,14 @@ class Restorer:
             if result in ("fallback", "failed") and stage not in ("standby", "ready"):
                 self._fallback(state, reason or f"{stage}-failed")
             elif stage == "load" and result == "ok" and state is not None:
-                # A pod of `world` ranks (one engine process each) is restored when every rank is.
-                state.loaded.add(str(entry.get("rank", entry.get("pid", ""))))
-                if len(state.loaded) >= max(1, state.claim.world):
+                # A report without a rank is the one engine process of the pod (ember serve, vLLM's
+                # rank 0): the pod is restored. Engines that report ranks need every rank 0..world-1.
+                if "rank" not in entry:
                     self._restored(state, seconds)
+                else:
+                    state.loaded.add(str(entry["rank"]))
+                    if state.loaded >= {str(i) for i in range(max(1, state.claim.world))}:
+                        self._restored(state, seconds)
         with self.lock:
             state = self.current
         if (state is not None and state.handed_off_at is not None and state.result is None

@@ -337,10 +337,29 @@ def test_multi_rank_pod_is_restored_when_every_rank_loaded(store: LocalStore, tm
     assert rep.results == ["restored"]
 
 
+def test_multi_gpu_pod_with_one_rankless_engine_is_restored(store: LocalStore, tmp_path: Path) -> None:
+    """A 2-GPU replica served by one engine process (ember serve, vLLM): its `load ok` report has no
+    rank, and it alone means the pod restored; no engine-timeout fallback follows."""
+    m = write_blob_archive(store, SIZES)
+    r, rep, run_dir = make(tmp_path, engine_timeout_s=0.2)
+    r.claim(replace(claim_for(store, m.identity_hash), world=2))
+    res = handoff.wait_for_archive(run_dir, deadline=10)
+    assert res.restored and (res.rank, res.world) == (0, 2)
+    handoff.report("load", 0.2, run_dir=run_dir)
+    r.poll_engine()
+    assert rep.results == ["restored"]
+    time.sleep(0.3)  # past engine_timeout_s
+    r.poll_engine()
+    assert rep.results == ["restored"]
+    assert rep.events[-1][:2] == ("Normal", "Restored")
+    assert sample(r.metrics, "ember_restores_total", result="restored", reason="") == 1
+    assert sample(r.metrics, "ember_restores_total", result="fallback", reason="engine-timeout") == 0
+
+
 def test_drain_annotation_turns_readiness_off_and_back(store: LocalStore, tmp_path: Path) -> None:
     m = write_blob_archive(store, SIZES)
     r, _rep, run_dir = make(tmp_path)
-    claim = replace(claim_for(store, m.identity_hash))
+    claim = claim_for(store, m.identity_hash)
     r.on_annotations(claim.annotations())
     handoff.report("ready", 0.0, run_dir=run_dir)
     r.poll_engine()
