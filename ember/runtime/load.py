@@ -46,7 +46,10 @@ class Restored:
     library: GraphLibrary
     archive: ArchiveContent
     graphs: int
-    timings: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, Any] = field(default_factory=dict)  # as of the hand-over
+    # the restore's own timings, which the background thread goes on writing (the other
+    # templates); read them after `library.wait_templates()`
+    background: dict[str, Any] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -119,4 +122,4 @@ def load(adapter: EngineAdapter, restore: ArchiveRestore) -> Restored:
         restore.abandon()
         raise Refused(LOAD, f"{type(exc).__name__}: {exc}") from exc
     tm.update(restore.timings)
-    return Restored(lib, archive, count, tm)
+    return Restored(lib, archive, count, tm, restore.timings)
