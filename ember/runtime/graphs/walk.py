@@ -94,6 +94,10 @@ class WalkRefused(Exception):
         self.key, self.node, self.reason = key, node, reason
 
 
+class KernelUnnamed(WalkRefused):
+    """A kernel node whose function the resolver cannot name (the graph itself may be fine)."""
+
+
 class GraphWalker:
     """Walks graphs one by one, sharing the kernel, function-attribute and event tables."""
 
@@ -196,7 +200,7 @@ class GraphWalker:
         try:
             ref = self.resolver.lookup(func, kern)
         except KernelNotFound as exc:
-            raise WalkRefused(key, i, str(exc)) from None
+            raise KernelUnnamed(key, i, str(exc)) from None
         kidx = self._kernel_index.get(ref)
         if kidx is None:
             kidx = len(self.kernels)

@@ -27,7 +27,7 @@ import torch
 from ember.archive import graph_table
 from ember.archive.graphs import Graph, GraphSet, KernelRef
 from ember.runtime.graphs.templates import GraphLibrary
-from ember.runtime.graphs.walk import GraphWalker, WalkRefused
+from ember.runtime.graphs.walk import GraphWalker, KernelUnnamed, WalkRefused
 from ember.runtime.proof.measures import spread_of, suspect_kernels
 from ember.runtime.proof.measures import within_spread as _within
 from ember.runtime.proof.structure import structure_problems
@@ -277,13 +277,14 @@ class _StructureCheck:
         self.notes: list[str] = []
 
     def _walk(self, i: int) -> tuple[Graph, GraphWalker]:
+        """This graph walked by the resolver; only where it cannot name a kernel, this graph (and
+        no other) is named by the table's refs. Any other refusal is the graph's problem."""
         key = self.lib.keys[i]
         if self.walker is not self._fallback:
             try:
                 return self.walker.walk(self.lib.graph(i), key), self.walker
-            except WalkRefused as exc:
+            except KernelUnnamed as exc:
                 self.notes.append(f"rebuilt graph {key}: named by the table's refs ({exc.reason})")
-                self.walker = self._fallback
         return self._fallback.walk(self.lib.graph(i), key), self._fallback
 
     def _problems(self, i: int) -> list[str]:
