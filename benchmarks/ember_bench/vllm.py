@@ -33,20 +33,14 @@ from typing import Annotated, Any
 
 import typer
 
+from ember.engines.transformers_cb.engine import BUILTIN_SHAPES
+from ember.engines.vllm.args import process_env
 from ember_bench.vllm_report import write_report
 
 SHAPES: dict[str, dict[str, Any]] = {
-    "llama-3-8b": {
+    "llama-3-8b": {  # ember serve's built-in shape, with what vLLM reads from a checkpoint's config
+        **BUILTIN_SHAPES["llama-3-8b"],
         "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "vocab_size": 128256,
-        "rope_theta": 500000.0,
-        "max_position_embeddings": 8192,
         "rms_norm_eps": 1e-5,
         "hidden_act": "silu",
         "tie_word_embeddings": False,
@@ -93,16 +87,9 @@ def write_config(model: str, layers: int | None, path: Path) -> Path:
 
 
 def _child_env(mode: str, work: Path, report: Path, extra: dict[str, str]) -> dict[str, str]:
-    from ember.runtime.session import preload_env
-
-    env = dict(os.environ)
-    for k in ("LD_PRELOAD", "EMBER_MODE", "EMBER_ARM", "EMBER_VLLM_ARCHIVE", "EMBER_VLLM_STORE"):
-        env.pop(k, None)
-    if mode in ("save", "load"):
-        env = preload_env(mode, env)
+    env = process_env(mode, os.environ)
     env.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_USE_FLASHINFER_SAMPLER="0",
         VLLM_NO_USAGE_STATS="1",
         HF_HUB_OFFLINE="1",
         VLLM_CACHE_ROOT=str(_cache_root(mode, work)),

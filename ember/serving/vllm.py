@@ -27,19 +27,16 @@ from pathlib import Path
 from typing import Any
 
 from ember import handoff
+from ember.engines.vllm.args import process_env
 
 log = logging.getLogger("ember.serving.vllm")
 
 
 def vllm_env(result: handoff.HandoffResult | None, env: dict[str, str]) -> dict[str, str]:
     """vLLM's environment: LOAD of the handed-off archive, or a plain native start."""
-    env = {k: v for k, v in env.items() if k not in ("LD_PRELOAD", "EMBER_MODE", "EMBER_VLLM_ARCHIVE")}
-    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not in the image
     if result is None or result.archive_dir is None:
-        return env
-    from ember.runtime.session import preload_env
-
-    env = preload_env("load", env)
+        return process_env("native", env)
+    env = process_env("load", env)
     env["EMBER_VLLM_ARCHIVE"] = str(result.archive_dir)
     env.setdefault("EMBER_VLLM_REPORT", str(result.run_dir / "vllm-report.json"))
     return env

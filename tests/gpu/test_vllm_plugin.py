@@ -40,12 +40,10 @@ def test_save_then_load_restores_every_graph(model: str, tmp_path: Path) -> None
 
 ENGINE = r"""
 import json, sys
-from vllm import LLM, SamplingParams
+from vllm import SamplingParams
 from vllm.compilation.counter import compilation_counter
-from vllm.engine.arg_utils import EngineArgs
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-ns = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(json.loads(sys.argv[1]))
-llm = LLM.from_engine_args(EngineArgs.from_cli_args(ns))
+from ember.engines.vllm.job import llm_from_cli
+llm = llm_from_cli(json.loads(sys.argv[1]))
 start = compilation_counter.num_cudagraph_captured
 greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
 prompts = [{"prompt_token_ids": [11 + i, 12, 13 + 2 * i]} for i in range(5)]

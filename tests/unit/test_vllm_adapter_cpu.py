@@ -141,26 +141,6 @@ def test_unsupported_features_are_named():
     assert "speculative" in versions.unsupported_features(_vllm_config(spec=object()))[0]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
-def test_plugin_refuses_cleanly_without_vllm(monkeypatch, tmp_path):
-    import json
-
-    from ember.engines.vllm import plugin
-
-    monkeypatch.setattr(plugin, "STATE", plugin._State())
-    monkeypatch.delenv("EMBER_MODE", raising=False)
-    monkeypatch.delenv("EMBER_VLLM_REPORT", raising=False)
-    plugin.register()  # off: nothing at all
-    assert not plugin.STATE.installed and not plugin.STATE.refusal
-    report = tmp_path / "r.json"
-    monkeypatch.setenv("EMBER_MODE", "save")
-    monkeypatch.setenv("EMBER_VLLM_REPORT", str(report))
-    plugin.register()
-    assert plugin.STATE.installed and "not importable" in plugin.STATE.refusal
-    assert json.loads(report.read_text())["stages"]["refused"]["note"] == "vLLM left untouched"
-    plugin.register()  # re-entrant
-
-
 def test_the_plugin_patches_only_once_the_worker_module_is_imported(monkeypatch, tmp_path):
     """`after_import`: register() defers the touch-point check and the patches to the first import
     of vLLM's GPU worker module, which only worker processes do (not the API server)."""
@@ -209,11 +189,17 @@ def test_register_checks_vllm_only_where_its_worker_is_imported(monkeypatch, tmp
     (root / "v1" / "worker" / "gpu_worker.py").write_text("class Worker: pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(plugin, "STATE", plugin._State())
+    monkeypatch.delenv("EMBER_MODE", raising=False)
+    monkeypatch.delenv("EMBER_VLLM_REPORT", raising=False)
+    plugin.register()  # off: nothing at all
+    assert not plugin.STATE.installed
     report = tmp_path / "r.json"
     monkeypatch.setenv("EMBER_MODE", "load")
     monkeypatch.setenv("EMBER_VLLM_REPORT", str(report))
     try:
         plugin.register()
+        plugin.register()  # re-entrant: one hook
+        assert sum(type(f).__name__ == "_Hook" for f in sys.meta_path) == 1
         assert plugin.STATE.installed and not plugin.STATE.refusal and not report.exists()
         import vllm.v1.worker.gpu_worker  # noqa: F401 - what a worker process does
 
@@ -223,3 +209,21 @@ def test_register_checks_vllm_only_where_its_worker_is_imported(monkeypatch, tmp
         for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
             del sys.modules[name]
         sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "_Hook"]
+
+
+def test_a_failing_install_is_a_refusal_not_a_failed_import(monkeypatch, tmp_path):
+    """`_install` runs inside vLLM's import of its worker module: an exception there (a touch
+    point that breaks when patched) is reported as a refusal; vLLM's import goes on."""
+    import json
+
+    from ember.engines.vllm import plugin, versions
+
+    def broken() -> list[str]:
+        raise RuntimeError("touch point moved")
+
+    monkeypatch.setattr(plugin, "STATE", plugin._State())
+    monkeypatch.setattr(versions, "check_engine", broken)
+    monkeypatch.setenv("EMBER_VLLM_REPORT", str(tmp_path / "r.json"))
+    plugin._install()  # must not raise
+    assert "RuntimeError: touch point moved" in plugin.STATE.refusal
+    assert json.loads((tmp_path / "r.json").read_text())["stages"]["refused"]["note"] == "vLLM left untouched"

@@ -9,6 +9,7 @@ is the Job's side: which steps run, with which arguments and environment, and wh
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import stat
@@ -63,10 +64,9 @@ def standin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no
     script.write_text(f"#!{sys.executable}\n{STANDIN}")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
 
-    def run(**fake: object) -> list[dict]:
+    def run(**fake: object) -> None:
         fake = {"dir": str(tmp_path), "identity": IDENTITY.hash(), **fake}
         monkeypatch.setenv("FAKE_VLLM", json.dumps(fake))
-        return []
 
     def calls() -> list[dict]:
         path = tmp_path / "calls.jsonl"
@@ -151,6 +151,7 @@ def test_a_multi_gpu_shape_is_refused_before_any_engine_starts(standin, tmp_path
     assert standin.calls() == []
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_ember_save_job_runs_the_vllm_job_and_reports_to_the_operator(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -167,3 +168,19 @@ def test_ember_save_job_runs_the_vllm_job_and_reports_to_the_operator(
     assert reason.startswith("SAVE failed: JobFailed: sizing") and "No module named 'vllm'" in reason
     assert not (tmp_path / "store").exists()  # nothing published
     assert os.environ.get("EMBER_MODE") is None  # the job did not re-exec itself under libember
+
+
+def test_a_vllm_process_inherits_none_of_embers_per_process_variables(monkeypatch) -> None:
+    """`process_env`, shared by the Job's steps, `ember serve --engine vllm` and the bench: a probe
+    flag, an archive or a store left in the caller's environment never reaches another process."""
+    from ember import native
+
+    inherited = {"EMBER_VLLM_PROBE": "1", "EMBER_VLLM_ARCHIVE": "/a", "EMBER_VLLM_STORE": "s3://x",
+                 "EMBER_MODE": "save", "EMBER_ARM": "auto", "LD_PRELOAD": "/x/libother.so", "KEEP": "1"}
+    native_env = vargs.process_env("native", inherited)
+    assert native_env == {"KEEP": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    if native.find_library() is None:
+        pytest.skip("libember not built")
+    load = vargs.process_env("load", inherited)
+    assert load["EMBER_MODE"] == "load" and load["EMBER_ARM"] == "manual" and "libember" in load["LD_PRELOAD"]
+    assert not {"EMBER_VLLM_PROBE", "EMBER_VLLM_ARCHIVE", "EMBER_VLLM_STORE"} & set(load)

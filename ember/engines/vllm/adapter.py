@@ -234,7 +234,6 @@ class VllmAdapter:
             "version": engine_version(),
             "runner": self.runner_kind,
             **self._sizing(),
-            "compile_cache_dir": str(getattr(cc, "local_cache_dir", "") or ""),
             "compile_cache_key": compile_cache.key_of(str(getattr(cc, "local_cache_dir", "") or "")),
             "compilation_time_s": float(getattr(cc, "compilation_time", 0.0) or 0.0),
             "graph_memory_bytes": self.graph_bytes,

@@ -1,4 +1,5 @@
-"""An archive identity as vLLM engine arguments, and the check that a vLLM config is that identity.
+"""An archive identity as vLLM engine arguments, the check that a vLLM config is that identity,
+and the environment of a vLLM process under ember.
 
 The operator names archives by a deployment's identity (`ModelDeploymentSpec.identity`); the SAVE
 Job and every serving pod then run vLLM with `engine_args(identity)` first and the deployment's
@@ -10,6 +11,7 @@ graphs of that identity, or nothing is published. No vLLM import here (the opera
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from ember.identity import ArchiveIdentity
@@ -82,4 +84,21 @@ def mismatches(identity: ArchiveIdentity, resolved: dict[str, Any]) -> list[str]
             continue  # the deployment pins "0.26", vLLM says "0.26.0"
         if got != value:
             out.append(f"{key}: identity {value!r}, vLLM resolved {got!r}")
+    return out
+
+
+# ember's per-process variables: a vLLM process never inherits them from whoever started it
+PROCESS_VARS = ("LD_PRELOAD", "EMBER_MODE", "EMBER_ARM", "EMBER_VLLM_ARCHIVE", "EMBER_VLLM_STORE",
+                "EMBER_VLLM_PROBE")
+
+
+def process_env(mode: str, env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a vLLM process: under libember in `mode` ("save" or "load"; anything
+    else: vLLM as it is), with FlashInfer's sampler off (FlashInfer is not in the image)."""
+    out = {k: v for k, v in env.items() if k not in PROCESS_VARS}
+    if mode in ("save", "load"):
+        from ember.runtime.session import preload_env
+
+        out = preload_env(mode, out)
+    out.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     return out

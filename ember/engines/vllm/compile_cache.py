@@ -103,8 +103,7 @@ def key_of(local_cache_dir: str) -> str:
 
 
 def model_dir(facts: dict[str, Any]) -> str:
-    """Where this process's vLLM will look for SAVE's compiled model: SAVE's directory under this
-    process's cache root (`compile_cache_key`), else SAVE's absolute path; "" when none."""
-    if facts.get("compile_cache_key"):
-        return str(cache_root() / SUBDIR / str(facts["compile_cache_key"]))
-    return str(facts.get("compile_cache_dir") or "")
+    """Where this process's vLLM will look for SAVE's compiled model: SAVE's directory
+    (`compile_cache_key`) under this process's cache root; "" when SAVE compiled nothing."""
+    key = str(facts.get("compile_cache_key") or "")
+    return str(cache_root() / SUBDIR / key) if key else ""

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ember.engines.vllm.args import engine_args
+from ember.engines.vllm.args import engine_args, process_env
 from ember.identity import ArchiveIdentity
 
 KV_FLAG = "--kv-cache-memory-bytes"
@@ -46,17 +46,9 @@ def _has_flag(args: list[str], flag: str) -> bool:
 
 
 def _child_env(mode: str, report: Path, store_uri: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("LD_PRELOAD", "EMBER_MODE", "EMBER_ARM", "EMBER_VLLM_ARCHIVE", "EMBER_VLLM_PROBE")}
-    if mode == "save":
-        from ember.runtime.session import preload_env
-
-        env = preload_env("save", env)
-        env["EMBER_VLLM_STORE"] = store_uri
-    else:
-        env["EMBER_VLLM_PROBE"] = "1"
+    env = process_env(mode, os.environ)
+    env.update({"EMBER_VLLM_STORE": store_uri} if mode == "save" else {"EMBER_VLLM_PROBE": "1"})
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", EMBER_VLLM_REPORT=str(report), PYTHONUNBUFFERED="1")
-    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not in the image
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     return env
 
@@ -126,19 +118,18 @@ def save_job(identity_raw: str, store_uri: str, extra_args: list[str], *, work: 
     return summary
 
 
-def _child(args: list[str]) -> None:
-    """One vLLM engine built from command-line engine arguments (vLLM's own parser); the plugin
-    does the work while it starts. Arguments that are not engine arguments (`vllm serve`'s
-    front-end options) are ignored."""
+def llm_from_cli(args: list[str]) -> Any:
+    """A vLLM `LLM` built from command-line engine arguments (vLLM's own parser). Arguments that
+    are not engine arguments (`vllm serve`'s front-end options) are ignored, and said so."""
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     ns, unknown = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_known_args(args)
     if unknown:
-        print(f"ember: not engine arguments, ignored by the SAVE Job: {unknown}", flush=True)
-    LLM.from_engine_args(EngineArgs.from_cli_args(ns))
+        print(f"ember: not engine arguments, ignored: {unknown}", flush=True)
+    return LLM.from_engine_args(EngineArgs.from_cli_args(ns))
 
 
-if __name__ == "__main__":
-    _child(json.loads(sys.argv[1]))
+if __name__ == "__main__":  # one step of the Job: the plugin does the work while the engine starts
+    llm_from_cli(json.loads(sys.argv[1]))

@@ -92,11 +92,7 @@ def register() -> None:
         return
     STATE.installed = True
     STATE.mode = mode if mode in ("save", "load") else ""
-    from ember.engines.vllm.versions import engine_version
-
-    if not engine_version():
-        _refuse_all(["vLLM is not importable"])
-    elif WORKER_MODULE in sys.modules:
+    if WORKER_MODULE in sys.modules:
         _install()
     else:
         after_import(WORKER_MODULE, _install)
@@ -108,16 +104,20 @@ def _refuse_all(problems: list[str]) -> None:
 
 
 def _install() -> None:
-    """In a process that runs a GPU worker: check every touch point, then patch."""
+    """In a process that runs a GPU worker: check every touch point, then patch. It runs inside
+    vLLM's import of the worker module: whatever goes wrong is a refusal, never the import's."""
     from ember.engines.vllm.versions import check_engine
 
-    problems = check_engine()
+    try:
+        problems = check_engine()
+        if not problems:
+            _time_worker_stages()
+            for kind, module in RUNNERS.items():
+                _patch_runner(module, kind)
+    except Exception as exc:
+        problems = [f"installing the plugin failed: {type(exc).__name__}: {exc}"]
     if problems:
         _refuse_all(problems)
-        return
-    _time_worker_stages()
-    for kind, module in RUNNERS.items():
-        _patch_runner(module, kind)
 
 
 def after_import(name: str, then: Callable[[], None]) -> None:
