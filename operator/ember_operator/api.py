@@ -11,7 +11,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from ember.identity import ArchiveIdentity, Parallelism
 from ember_operator.api_autoscaling import QUANTITY, AutoscalingSpec, MetricTarget  # noqa: F401
@@ -337,6 +337,14 @@ class ModelDeploymentSpec(ApiModel):
         "taking them out of service (readiness off, out of the Service and the HPA's count) and "
         "deleting them, for requests in flight.",
     )
+
+    @model_validator(mode="after")
+    def _gpu_count(self) -> ModelDeploymentSpec:
+        # The operator's own check of objects stored before admission had the rule.
+        if self.gpu.count is not None and self.gpu.count != self.gpu_count():
+            raise ValueError(f"gpu.count {self.gpu.count} must equal parallelism.tensor × parallelism.data "
+                             f"({self.gpu_count()}), or be left unset")
+        return self
 
     def gpu_count(self, shape: ShapeSpec | None = None) -> int:
         """GPUs of one replica of `shape` (the current one by default)."""

@@ -89,9 +89,6 @@ class ShapeStatus(ApiModel):
                               "shape needs no SAVE).")
     uri: str | None = Field(None, description="Manifest URI once Available (warm pods prefetch it).")
 
-    def shape(self) -> ShapeSpec:
-        return ShapeSpec(tensor=self.tensor, expert=self.expert, data=self.data)
-
 
 class SwitchStatus(ApiModel):
     """A switch between shapes in progress: new-shape pods become Ready, then old ones drain."""

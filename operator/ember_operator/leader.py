@@ -19,9 +19,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
+from ember.contract import format_claimed_at
 from ember_operator.kube import Kube, KubeError
 
 log = logging.getLogger("ember_operator")
@@ -30,11 +30,6 @@ log = logging.getLogger("ember_operator")
 def lease_path(namespace: str, name: str = "") -> str:
     base = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
     return f"{base}/{name}" if name else base
-
-
-def micro_time(epoch: float) -> str:
-    """A Lease MicroTime (RFC 3339 with microseconds, UTC)."""
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 @dataclass
@@ -106,7 +101,7 @@ class LeaderElector:
     def _body(
         self, lease: dict[str, Any] | None, transitions: int, acquired: str | None = None,
     ) -> dict[str, Any]:
-        stamp = micro_time(self.wall())
+        stamp = format_claimed_at(self.wall())  # a Lease MicroTime: RFC 3339, UTC, 6 fraction digits
         meta: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
         if lease is not None:
             meta = {**lease["metadata"]}  # resourceVersion: the PUT is conditional

@@ -31,7 +31,7 @@ from ember import contract
 from ember.archive import signing
 from ember.contract import Claim
 from ember.engines.vllm import args as vllm_args
-from ember.identity import canonical_json
+from ember.identity import ArchiveIdentity, canonical_json
 from ember_operator import conditions, hpas, naming, switching
 from ember_operator.api import (
     ArchiveRef,
@@ -122,9 +122,6 @@ def template_of(
     namespace: str, spec: ModelDeploymentSpec, ctx: Context, shape: ShapeSpec | None = None,
 ) -> PodTemplate:
     """The pods of `spec` in `shape` (the current one by default): one pod of tensor × data GPUs."""
-    if spec.gpu.count is not None and spec.gpu.count != spec.gpu_count():
-        raise ValueError(f"gpu.count {spec.gpu.count} must equal parallelism.tensor × parallelism.data "
-                         f"({spec.gpu_count()}), or be left unset")
     return PodTemplate(
         namespace=namespace,
         gpu_product=spec.gpu.product,
@@ -140,13 +137,14 @@ def template_of(
     )
 
 
-def engine_args(spec: ModelDeploymentSpec) -> tuple[str, ...]:
+def engine_args(spec: ModelDeploymentSpec, ident: ArchiveIdentity | None = None) -> tuple[str, ...]:
     """The claim's engine arguments. A warm pod learns its model only with the claim: for vLLM
     (`ember serve --engine vllm` starts `vllm serve` after the hand-off) the identity's arguments
     come first (model, capture sizes, graph mode, batch limits, parallel sizes: what the SAVE Job
-    ran, so LOAD's sizing check passes), then the deployment's own."""
+    ran, so LOAD's sizing check passes), then the deployment's own. `ident`: spec.identity(), when
+    the caller has it."""
     if spec.engine.kind.value == "vllm":
-        return (*vllm_args.engine_args(spec.identity()), *spec.engine.args)
+        return (*vllm_args.engine_args(ident or spec.identity()), *spec.engine.args)
     return tuple(spec.engine.args)
 
 
@@ -245,9 +243,8 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
     archive = obs.archive
     if archive is None:
         plan.archive_create = archive_object(naming.archive_name(ident_hash), obs.namespace, spec, ctx)
-    for shape in switching.shapes_and_labels(obs, plan, archive):
-        name = naming.archive_name(spec.identity(shape).hash())
-        low = ctx.presave_priority_class
+    low = ctx.presave_priority_class
+    for shape, name in switching.shapes_and_labels(obs, plan, archive):
         plan.presaves.append(archive_object(name, obs.namespace, spec, ctx, shape, low))
 
     arch_condition = _archive_condition(archive)
@@ -256,7 +253,7 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
         archive_uri=archive_uri, identity=ident_hash,
         claimed_at=obs.now.timestamp(),  # written with microseconds: the sidecar times from it
         deployment=obs.name, revision=revision, rank=0, world=spec.gpu_count(),  # the pod's ranks: 0..world-1
-        identity_spec=canonical_json(ident.canonical()).decode(), engine_args=engine_args(spec),
+        identity_spec=canonical_json(ident.canonical()).decode(), engine_args=engine_args(spec, ident),
         native_reason="" if archive_uri else arch_condition[1],
         manifest_digest=archive.digest if archive is not None and archive_uri else "",
     )

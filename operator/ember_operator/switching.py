@@ -13,6 +13,7 @@ draining pods of the wanted revision back in service instead of starting new one
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -33,13 +34,9 @@ def uses_label(identity_short: str) -> str:
     return f"{contract.GROUP}/uses-{identity_short}"
 
 
-def stamp(now: datetime) -> str:
-    return now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 def drain_patch(now: datetime) -> dict[str, object]:
     return {"metadata": {"labels": {contract.LABEL_POOL: contract.POOL_DRAINING},
-                         "annotations": {contract.ANN_DRAIN: stamp(now)}}}
+                         "annotations": {contract.ANN_DRAIN: contract.format_claimed_at(now.timestamp())}}}
 
 
 def undrain_patch() -> dict[str, object]:
@@ -47,20 +44,24 @@ def undrain_patch() -> dict[str, object]:
                          "annotations": {contract.ANN_DRAIN: None}}}
 
 
-def shapes_and_labels(obs: Observed, plan: Plan, current_archive: ArchiveView | None) -> list[ShapeSpec]:
+def shapes_and_labels(
+    obs: Observed, plan: Plan, current_archive: ArchiveView | None,
+) -> list[tuple[ShapeSpec, str]]:
     """status.shapes, and the MD's `uses-` labels (stale ones removed). Returns the alternatives
-    whose GraphArchive does not exist yet (the caller creates them, at presave priority)."""
+    whose GraphArchive does not exist yet, with that archive's name (the caller creates them, at
+    presave priority)."""
     spec, missing, shapes = obs.spec, [], []
     wanted_labels = set()
     for i, shape in enumerate(spec.parallelism.shapes()):
         ident = spec.identity(shape)
+        archive = naming.archive_name(ident.hash())
         view = current_archive if i == 0 else obs.alt_archives.get(ident.hash())
         if i > 0 and view is None:
-            missing.append(shape)
+            missing.append((shape, archive))
         wanted_labels.add(uses_label(ident.short()))
         shapes.append(ShapeStatus(
             tensor=shape.tensor, expert=shape.expert, data=shape.data, gpus=shape.gpus, current=i == 0,
-            archive=naming.archive_name(ident.hash()), phase=view.phase if view else "Pending",
+            archive=archive, phase=view.phase if view else "Pending",
             uri=view.uri if view is not None and view.available else None,
         ))
     plan.status.shapes = shapes
@@ -73,11 +74,13 @@ def shapes_and_labels(obs: Observed, plan: Plan, current_archive: ArchiveView | 
     return missing
 
 
-def undrain(obs: Observed, plan: Plan, claim: Claim, count: int, is_current: object) -> list[PodView]:
+def undrain(
+    obs: Observed, plan: Plan, claim: Claim, count: int, is_current: Callable[[PodView, Claim], bool],
+) -> list[PodView]:
     """Draining pods of the wanted revision put back in service (up to `count`), newest drain last."""
     if count <= 0:
         return []
-    fits = [p for p in obs.draining if not p.deleting and not p.failed and is_current(p, claim)]  # type: ignore[operator]
+    fits = [p for p in obs.draining if not p.deleting and not p.failed and is_current(p, claim)]
     back = sorted(fits, key=lambda p: (not p.ready, p.drain_at))[:count]
     plan.undrains += [p.name for p in back]
     return back
@@ -143,18 +146,19 @@ def switch_status(
             what = f"{old.previous.label()} → {target.label()}: {want} new-shape replica(s) serving{took}"
             plan.events.append(Event("Normal", "SwitchComplete", what))
         return
-    restarted = old is None or old.target.key() != target.key()
-    started = stamp(obs.now) if restarted or old is None else old.started_time
+    going = old if old is not None and old.target.key() == target.key() else None  # this switch, seen before
+    restarted = going is None
+    started = going.started_time if going is not None else contract.format_claimed_at(obs.now.timestamp())
     draining = len({p.name for p in obs.draining} - set(plan.deletes) - set(plan.undrains)) + len(plan.drains)
     new = SwitchStatus(previous=previous, target=target, started_time=started, new_ready=new_ready,
                        replicas=want, old_serving=old_serving, draining=draining,
-                       presaved=presaved if restarted or old is None else old.presaved)
+                       presaved=going.presaved if going is not None else presaved)
     plan.status.switch = new
     if restarted:
         how = ("its archive was saved ahead: no SAVE, no capture" if presaved
                else "its archive is not saved yet: SAVE first, the old pods keep serving")
         plan.events.append(Event("Normal", "SwitchStarted", f"{previous.label()} → {target.label()}: {how}"))
-    if new_ready >= want and (restarted or old is None or old.new_ready < want):
+    if new_ready >= want and (going is None or going.new_ready < want):
         plan.events.append(Event("Normal", "NewShapeReady", f"{new_ready}/{want} {target.label()} replica(s) "
                                  f"Ready; {old_serving + len(plan.drains)} old pod(s) leave service"))
     if plan.drains:

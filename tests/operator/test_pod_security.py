@@ -110,3 +110,14 @@ def test_operator_refuses_a_non_quantity_stored_before_admission_checked_it() ->
     for ok in ("8", "500m", "1Gi", "1.5", "2e3"):
         AutoscalingSpec.model_validate({"maxReplicas": 2, "targets": [
             {"type": "Pods", "name": "x", "averageValue": ok}]})
+
+
+def test_operator_refuses_a_gpu_count_stored_before_admission_checked_it() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    gpu = {"product": "NVIDIA-H100-80GB-HBM3", "count": 1}
+    must = r"gpu.count 1 must equal parallelism.tensor × parallelism.data \(2\), or be left unset"
+    with pytest.raises(ValidationError, match=must):
+        md_spec(parallelism={"tensor": 2}, gpu=gpu)
+    assert md_spec(parallelism={"tensor": 2}, gpu={**gpu, "count": 2}).gpu_count() == 2
