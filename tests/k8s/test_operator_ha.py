@@ -1,8 +1,8 @@
 """Operator HA on the real local control plane: a coordination.k8s.io Lease decides which replica
 reconciles; a SIGKILLed leader is replaced within the lease duration; nothing is duplicated.
 
-Also the demo/test coexistence the issue measured: two operators of different configuration on
-one cluster (the demo's and a test's) must not fight over warm pods.
+Also demo/test coexistence: two operators of different configuration on one cluster (the demo's
+and a test's) do not fight over warm pods.
 """
 
 from __future__ import annotations
@@ -141,8 +141,8 @@ def test_a_stopped_leader_hands_over_at_once(ns_api: Api, tmp_path: Path) -> Non
 def test_two_operators_of_different_config_do_not_fight(
     ns_api: Api, minio: LocalMinio, tmp_path: Path,
 ) -> None:
-    """The measured fight: two operators (demo and tests) with different sidecar images made 167
-    warm pods in 60 s. Two candidates of one Lease: only the holder acts, the pool stays at size."""
+    """Two operators with different sidecar images are candidates of one Lease: only the holder
+    acts, so for 15 s the pool stays at its size (3 warm pods, never replaced, one sidecar image)."""
     api = ns_api
     ops = [_operators(api, tmp_path / "a", 1, EMBER_OPERATOR_SIDECAR_IMAGE="registry.invalid/ember/a:1")[0],
            _operators(api, tmp_path / "b", 1, EMBER_OPERATOR_SIDECAR_IMAGE="registry.invalid/ember/b:1")[0]]
