@@ -124,7 +124,6 @@ class ArchiveRestore:
         self._thread: threading.Thread | None = None
         self._handover = threading.Event()  # the first template is ready, or the thread ended
         self._serving = threading.Event()  # library() handed the library over
-        self.first_keys: list[tuple[int, ...]] = []  # the engine's first keys (need order)
 
     @property
     def manifest(self) -> Manifest:
@@ -142,7 +141,6 @@ class ArchiveRestore:
         attached: Callable[[bundle.Archive], Any] | None = None,
         background: bool | None = None,
         communicator: tuple[int, int, int] | None = None,
-        first_keys: list[tuple[int, ...]] | None = None,
     ) -> ArchiveRestore:
         """Everything before the engine builds its model. `engine` is the compat key's engine
         string of this process (`compat.current(engine)`); `accept(manifest.engine)` may refuse
@@ -151,8 +149,7 @@ class ArchiveRestore:
         archive's attachments in place (vLLM's compile cache). `background` (default: unless
         EMBER_LOAD_BACKGROUND=0) builds the templates while the model builds.
         `communicator`: (ncclComm_t, world, rank) of this rank, for an archive with collective
-        placeholders (created before this call, as the engine does natively). `first_keys`: the
-        keys the engine's first requests use, built first (default: smallest first)."""
+        placeholders (created before this call, as the engine does natively)."""
         from ember.runtime import compat
 
         if ip is None:
@@ -184,7 +181,6 @@ class ArchiveRestore:
         self = cls(ip, opened, tm)
         self.accepted = accepted
         self.splicer = splicer
-        self.first_keys = list(first_keys or [])
         if background is None:
             background = os.environ.get("EMBER_LOAD_BACKGROUND", "1") != "0"
         if background:
@@ -276,7 +272,7 @@ class ArchiveRestore:
             raise Refused(LOAD, f"kernel not found after preload: {exc}") from exc
         tm["functions_ms"] = (time.perf_counter() - t) * 1e3
         t = time.perf_counter()
-        lib = GraphLibrary(table, functions, splicer=self.splicer, first_keys=self.first_keys)
+        lib = GraphLibrary(table, functions, splicer=self.splicer)
         try:
             lib.build_first()
         except FormatError as exc:  # a chunk that does not decode: damaged, not the driver's

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,17 +33,10 @@ DEFAULT_EXEC_MEMORY_MB = 2048.0
 BATCH = 2  # graphs per builder call: small, so the first keys' execs are ready early
 
 
-def need_order(keys: Sequence[tuple[int, ...]], first: Iterable[Iterable[int]] = ()) -> list[int]:
-    """Indices of `keys` in the order requests need them: `first` (those present, in that order),
-    then the rest smallest first."""
-    index = {tuple(k): i for i, k in enumerate(keys)}
-    head: list[int] = []
-    for k in first:
-        i = index.get(tuple(k))
-        if i is not None and i not in head:
-            head.append(i)
-    rest = sorted((i for i in range(len(keys)) if i not in head), key=lambda i: (sum(keys[i]), keys[i]))
-    return head + rest
+def need_order(keys: Sequence[tuple[int, ...]]) -> list[int]:
+    """Indices of `keys` in the order requests need them: smallest first (a server starts with
+    few requests; decode sizes grow with the load)."""
+    return sorted(range(len(keys)), key=lambda i: (sum(keys[i]), keys[i]))
 
 
 def exec_memory_budget() -> int:

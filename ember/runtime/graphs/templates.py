@@ -166,11 +166,9 @@ class GraphLibrary:
         hot_after: int = 1,
         workers: int = 4,
         splicer: Any = None,
-        first_keys: Iterable[Iterable[int]] = (),
     ) -> None:
         """`splicer` (`ember.runtime.comm.Splicer`): this rank's collectives, for an archive
-        whose graphs hold collective placeholders (multi-GPU). `first_keys`: the keys the
-        engine's first requests use (need order, `ember.runtime.graphs.need`)."""
+        whose graphs hold collective placeholders (multi-GPU)."""
         self.source: GraphSource = SetSource(source) if isinstance(source, GraphSet) else source
         self.functions = functions
         self.keys: list[tuple[int, ...]] = [tuple(k) for k in self.source.keys]
@@ -198,7 +196,7 @@ class GraphLibrary:
         self._spliced: dict[int, list[tuple[int, int]]] = {}
         if splicer is not None:
             self._spliced = splicer.collectives.nodes
-        self.order = need_order(self.keys, first_keys)
+        self.order = need_order(self.keys)
         self._ready: dict[int, threading.Event] = {}  # per group: its template is instantiated
         self._failed: dict[int, BaseException] = {}  # groups whose background build failed
         self.marks: dict[str, float] = {}  # perf_counter() when: first, templates, dedicated
@@ -356,8 +354,7 @@ class GraphLibrary:
         if self.splicer is None:
             return
         t = time.perf_counter()
-        self.groups = split_groups(self.groups, self._spliced, self.splicer.signature)
-        self._group_of = {m: g.index for g in self.groups for m in g.members}
+        self.groups = split_groups(self.groups, self._spliced, self.splicer.signature)  # then _order_groups
         self.timings.splice_ms = (time.perf_counter() - t) * 1e3
 
     def prebuild_all(self) -> None:
