@@ -141,8 +141,13 @@ extern "C" EMBER_EXPORT int ember_capture_collectives(uint64_t ctx, uint64_t com
                     strprintf("collective %zu: %s %d", done, nr ? "NCCL error" : "cuStreamEndCapture", nr ? nr : rc));
       break;
     }
-    graphs[done] = reinterpret_cast<uint64_t>(g);
     shapes[done] = shape_of(r, g, &rc);
+    if (rc != CUDA_SUCCESS) {  // a partial hash would group this collective with another shape
+      r->cuGraphDestroy(g);
+      status = fail(err, err_cap, EMBER_EDRIVER, strprintf("collective %zu: cuGraphNodeGetType: %d", done, rc));
+      break;
+    }
+    graphs[done] = reinterpret_cast<uint64_t>(g);
   }
   if (r->cuStreamDestroy_v2) r->cuStreamDestroy_v2(s);
   if (status != EMBER_OK) {  // nothing half-done survives

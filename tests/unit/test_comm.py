@@ -22,7 +22,7 @@ from ember.engines.decode.parallel import Parallel
 from ember.runtime import comm, session
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.build_native import _describe
-from ember.runtime.graphs.prepared import NATIVE_CHILD, OP_MEMSET, OP_SPLICE, arrays_of, mark_splices, ops_of
+from ember.runtime.graphs.prepared import OP_CHILD, OP_MEMSET, OP_SPLICE, arrays_of, mark_splices, ops_of
 from ember.runtime.graphs.templates import _Group, split_groups
 
 SCRATCH = 0x7F00_0000_1000
@@ -128,7 +128,7 @@ def test_builder_gets_child_graphs_and_refuses_without_a_communicator() -> None:
     keep = _describe(d, prep, arrays, events={}, splices=graphs.__getitem__)
     args, codes = keep[0], keep[1]
     assert d.ops == codes.ctypes.data and d.args == args.ctypes.data
-    assert codes.tolist() == [3, NATIVE_CHILD, OP_MEMSET, NATIVE_CHILD, OP_MEMSET]
+    assert codes.tolist() == [3, OP_CHILD, OP_MEMSET, OP_CHILD, OP_MEMSET]
     assert args[1] == 0xAAA0 and args[3] == 0xBBB0
     assert arrays.codes[1] == OP_SPLICE  # the prepared graph itself is unchanged
     with pytest.raises(rebuild.RebuildError, match="no communicator"):

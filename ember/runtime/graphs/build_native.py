@@ -13,7 +13,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from ember.runtime.graphs.prepared import (
-    NATIVE_CHILD,
+    OP_CHILD,
     OP_RECORD,
     OP_SPLICE,
     OP_WAIT,
@@ -95,7 +95,7 @@ def _describe(d: Any, p: PreparedGraph, a: NodeArrays, events: Any, splices: Any
         args, codes = args.copy(), codes.copy()
         for j in spliced:
             args[j] = int(splices(int(a.args[j])))
-            codes[j] = NATIVE_CHILD
+            codes[j] = OP_CHILD
     src = np.ascontiguousarray(p.edge_src, dtype=np.uint32)
     dst = np.ascontiguousarray(p.edge_dst, dtype=np.uint32)
     data = np.frombuffer(p.edge_data, dtype=np.uint8) if p.edge_data else None

@@ -22,7 +22,6 @@ OP_KERNEL, OP_MEMSET, OP_MEMCPY, OP_EMPTY, OP_RECORD, OP_WAIT, OP_CHILD = range(
 # time to the rank's captured collective (`ember.runtime.comm.Splicer`), added as a child graph
 # (libember's EMBER_OP_CHILD).
 OP_SPLICE = 7
-NATIVE_CHILD = 6  # enum ember_op's EMBER_OP_CHILD
 
 
 class RebuildError(RuntimeError):
