@@ -16,6 +16,7 @@ import pytest
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.timeout(900),  # an engine start is 1-2 min; a test starts two to four
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
 ]
 

@@ -37,6 +37,7 @@ mode = "probe" if os.environ.get("EMBER_VLLM_PROBE") == "1" else os.environ.get(
 with open(os.path.join(fake["dir"], "calls.jsonl"), "a") as f:
     f.write(json.dumps({"mode": mode, "module": sys.argv[2], "args": args,
                         "store": os.environ.get("EMBER_VLLM_STORE"),
+                        "identity": os.environ.get("EMBER_IDENTITY"),
                         "inproc": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"),
                         "preload": "libember" in os.environ.get("LD_PRELOAD", "")}) + "\n")
 stages = {}
@@ -50,7 +51,8 @@ if mode == "save":
     if outcome == "refused":
         stages["save_refused"] = {"reason": "ProofFailed: 3 graphs differ"}
     else:
-        ident = fake["identity"] if outcome == "ok" else "0" * 64
+        given = json.loads(os.environ.get("EMBER_IDENTITY") or "{}")  # the plugin publishes under it
+        ident = fake["identity"] if outcome == "ok" and given.get("model") else "0" * 64
         stages["save"] = {"t": 2.0, "published": True, "identity": ident, "graphs": 1734, "bytes": 7142295,
                           "manifest_digest": "ab" * 32, "durations": {"capture_s": 6.9}, "seconds": 35.2}
 with open(os.environ["EMBER_VLLM_REPORT"], "w") as f:
@@ -110,13 +112,16 @@ def test_a_vllm_that_is_not_the_identity_is_named() -> None:
     assert vargs.mismatches(other, _resolved())[0].startswith("engine")
 
 
-def test_the_job_sizes_then_saves_under_the_identity(standin, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_the_job_sizes_then_saves_under_the_identity(standin, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(contract.ENV_IDENTITY, raising=False)  # the Job hands it on, not its environment
     standin(probe_bytes=54063072359)
     out = save_job(IDENTITY.model_dump_json(), "file:///store", ["--load-format", "dummy"],
                    work=tmp_path / "w", python=standin.python)
     probe, save = standin.calls()
     assert probe["mode"] == "probe" and not probe["preload"] and probe["module"] == "ember.engines.vllm.job"
     assert save["mode"] == "save" and save["preload"] and save["store"] == "file:///store"
+    assert save["identity"] == IDENTITY.model_dump_json() and probe["identity"] is None
     assert probe["inproc"] == save["inproc"] == "0"  # the plugin runs in the process the Job watches
     assert probe["args"] == [*vargs.engine_args(IDENTITY), "--load-format", "dummy"]
     assert save["args"] == [*probe["args"], "--kv-cache-memory-bytes", "54063072359"]

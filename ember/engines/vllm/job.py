@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ember import contract
 from ember.engines.vllm.args import engine_args, process_env
 from ember.identity import ArchiveIdentity
 
@@ -45,16 +46,18 @@ def _has_flag(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
-def _child_env(mode: str, report: Path, store_uri: str) -> dict[str, str]:
+def _child_env(mode: str, report: Path, store_uri: str, identity_raw: str) -> dict[str, str]:
     env = process_env(mode, os.environ)
-    env.update({"EMBER_VLLM_STORE": store_uri} if mode == "save" else {"EMBER_VLLM_PROBE": "1"})
+    # SAVE publishes under the identity it is given, whatever the Job's own environment holds
+    save = {"EMBER_VLLM_STORE": store_uri, contract.ENV_IDENTITY: identity_raw}
+    env.update(save if mode == "save" else {"EMBER_VLLM_PROBE": "1"})
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", EMBER_VLLM_REPORT=str(report), PYTHONUNBUFFERED="1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     return env
 
 
-def run_child(mode: str, args: list[str], work: Path, store_uri: str, *, python: str,
-              timeout: float) -> dict[str, Any]:
+def run_child(mode: str, args: list[str], work: Path, store_uri: str, identity_raw: str, *,
+              python: str, timeout: float) -> dict[str, Any]:
     """One vLLM engine start (`python -m ember.engines.vllm.job <args>`); the plugin's report."""
     report, logf = work / f"{mode}.report.json", work / f"{mode}.log"
     report.unlink(missing_ok=True)
@@ -62,7 +65,7 @@ def run_child(mode: str, args: list[str], work: Path, store_uri: str, *, python:
     with open(logf, "w") as log:
         try:
             proc = subprocess.run([python, "-m", "ember.engines.vllm.job", json.dumps(args)],
-                                  env=_child_env(mode, report, store_uri), stdout=log,
+                                  env=_child_env(mode, report, store_uri, identity_raw), stdout=log,
                                   stderr=subprocess.STDOUT, timeout=timeout, check=False)
             rc: int | str = proc.returncode
         except subprocess.TimeoutExpired:
@@ -100,13 +103,13 @@ def save_job(identity_raw: str, store_uri: str, extra_args: list[str], *, work: 
     summary: dict[str, Any] = {"engine": "vllm", "args": args}
     steps: dict[str, float] = {}
     if not _has_flag(args, KV_FLAG):
-        probe = run_child("probe", args, work, store_uri, python=python, timeout=timeout)
+        probe = run_child("probe", args, work, store_uri, identity_raw, python=python, timeout=timeout)
         kv = _stage(probe, "worker.determine_available_memory").get("bytes")
         if not kv:
             raise JobFailed(_why("sizing (native start up to memory profiling)", probe))
         args += [KV_FLAG, str(int(kv))]
         steps["probe_process_s"] = probe["seconds"]
-    res = run_child("save", args, work, store_uri, python=python, timeout=timeout)
+    res = run_child("save", args, work, store_uri, identity_raw, python=python, timeout=timeout)
     saved = _stage(res, "save")
     if res["rc"] != 0 or not saved.get("published"):
         raise JobFailed(_why("SAVE", res))
