@@ -73,6 +73,8 @@ def supervise(
         marker = result.run_dir / handoff.MARKER_FILE
         handoff.write_json_atomic(marker, {"identity": result.identity, "pid": os.getpid(),
                                            "started_at": time.time(), "engine": "vllm"})
+    if env.get("EMBER_VLLM_REPORT"):  # vLLM's processes add to it: a previous start's must go
+        Path(env["EMBER_VLLM_REPORT"]).unlink(missing_ok=True)
     t0 = time.monotonic()
     # The command line's arguments, then the claim's (the deployment's `engine.args`).
     args = [*vllm_args, *(result.engine_args if result is not None else ())]

@@ -23,7 +23,9 @@ FAKE = r'''#!/usr/bin/env python3
 import http.server, json, os, signal, sys
 keep = ("LD_PRELOAD", "EMBER_MODE", "EMBER_VLLM_ARCHIVE", "EMBER_VLLM_REPORT", "VLLM_USE_FLASHINFER_SAMPLER")
 with open(os.environ["FAKE_VLLM_OUT"], "a") as f:
-    f.write(json.dumps({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keep}}) + "\n")
+    f.write(json.dumps({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keep},
+                        "stale_report": os.path.exists(os.environ.get("EMBER_VLLM_REPORT") or "/none")})
+            + "\n")
 if os.environ.get("FAKE_VLLM_CRASH"):
     sys.exit(7)
 port = int(sys.argv[sys.argv.index("--port") + 1])
@@ -86,6 +88,8 @@ def test_handed_off_archive_starts_vllm_under_libember_and_clears_the_marker(
     d.mkdir(parents=True)
     (d / "manifest").write_text("{}")
     w.ready("abc", d, engine_args=("--max-model-len", "4096"))
+    stale = '{"stages": {"capture": {"how": "restored"}}}'
+    (w.run_dir / "vllm-report.json").write_text(stale)  # a previous start's
     port = _port()
     proc = _serve(fake_vllm, w.run_dir, port)
     try:
@@ -97,6 +101,8 @@ def test_handed_off_archive_starts_vllm_under_libember_and_clears_the_marker(
         assert call["argv"] == ["serve", "--model", "m", "--port", str(port), "--max-model-len", "4096"]
         assert call["env"]["EMBER_MODE"] == "load" and call["env"]["EMBER_VLLM_ARCHIVE"] == str(d)
         assert "libember" in call["env"]["LD_PRELOAD"] and "libember_nccl" not in call["env"]["LD_PRELOAD"]
+        assert call["env"]["EMBER_VLLM_REPORT"] == str(w.run_dir / "vllm-report.json")
+        assert call["stale_report"] is False  # vLLM's processes add to the report: it starts empty
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0, proc.stderr.read() if proc.stderr else ""

@@ -1,14 +1,18 @@
-"""vLLM's compile cache shipped with the archive: packed at SAVE, put back at LOAD (no vLLM needed)."""
+"""vLLM's caches shipped with the archive (compiled code, model-class facts): packed at SAVE, put
+back at LOAD (no vLLM needed)."""
 
 from __future__ import annotations
 
 import io
+import os
 import tarfile
 from pathlib import Path
 
 import pytest
 
 from ember.engines.vllm import compile_cache
+
+INFO = "vllm-model_executor-models-llama-LlamaForCausalLM.json"
 
 
 def _tree(root: Path) -> None:
@@ -19,11 +23,15 @@ def _tree(root: Path) -> None:
     (base / "torch_aot_compile" / "abc").mkdir(parents=True)
     (base / "torch_aot_compile" / "abc" / "model").write_bytes(b"aot" * 100)
     (base / "torch_aot_compile" / "abc" / "model.lock").write_text("")  # per process: not shipped
+    (root / "modelinfos").mkdir()
+    (root / "modelinfos" / INFO).write_text('{"hash": "9e"}')
+    (root / "hub-downloads").mkdir()  # not one of vLLM's caches ember ships
+    (root / "hub-downloads" / "weights").write_bytes(b"w")
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    base = root / compile_cache.SUBDIR
-    return {p.relative_to(base).as_posix(): p.read_bytes() for p in base.rglob("*") if p.is_file()}
+    return {p.relative_to(root).as_posix(): p.read_bytes() for t in compile_cache.TREES
+            for p in (root / t).rglob("*") if p.is_file()}
 
 
 def test_the_tree_comes_back_under_another_root(tmp_path: Path) -> None:
@@ -32,9 +40,10 @@ def test_the_tree_comes_back_under_another_root(tmp_path: Path) -> None:
     assert data is not None
     done = compile_cache.unpack(data, tmp_path / "pod")
     want = {k: v for k, v in _files(tmp_path / "save").items() if not k.endswith(".lock")}
-    assert _files(tmp_path / "pod") == want and len(want) == 3
-    assert done["placed"] == 2 and done["kept"] == 0  # two top-level entries, each placed whole
-    # no scratch directory is left behind
+    assert _files(tmp_path / "pod") == want and len(want) == 4
+    assert done["placed"] == 3 and done["kept"] == 0  # three top-level entries, each placed whole
+    # no scratch directory is left behind, nothing but vLLM's two caches is shipped
+    assert sorted(p.name for p in (tmp_path / "pod").iterdir()) == ["modelinfos", "torch_compile_cache"]
     assert sorted(p.name for p in (tmp_path / "pod" / compile_cache.SUBDIR).iterdir()) == [
         "3f2a9c01de", "torch_aot_compile"]
 
@@ -52,10 +61,10 @@ def test_what_the_pod_has_is_kept_and_the_rest_merged(tmp_path: Path) -> None:
     assert mine.read_text() == "the pod's own"
     assert (pod / "torch_aot_compile" / "abc" / "model").read_bytes() == b"aot" * 100
     assert (pod / "torch_aot_compile" / "other-model").is_dir()
-    assert done == {**done, "placed": 1, "kept": 1}
+    assert done == {**done, "placed": 2, "kept": 1}  # torch_aot_compile/abc and the modelinfo
     # unpacking again changes nothing
     again = compile_cache.unpack(data, tmp_path / "pod")
-    assert again["placed"] == 0 and again["kept"] == 2
+    assert again["placed"] == 0 and again["kept"] == 3
 
 
 def _tar(*members: tuple[tarfile.TarInfo, bytes | None]) -> bytes:
@@ -79,25 +88,30 @@ def _link(name: str, target: str) -> tuple[tarfile.TarInfo, None]:
 
 
 @pytest.mark.parametrize("bad", [
-    [_file("ok/a"), _file("../escaped")],
-    [_link("ok/link", "/etc/passwd")],
-    [_link("ok/link", "../../outside")],
+    [_file("torch_compile_cache/ok/a"), _file("../escaped")],
+    [_file("torch_compile_cache/ok/a"), _file("torch_compile_cache/../../escaped")],
+    [_link("modelinfos/link", "/etc/passwd")],
+    [_link("torch_compile_cache/ok/link", "../../../outside")],
 ])
 def test_an_unsafe_tar_places_nothing(tmp_path: Path, bad: list) -> None:
     with pytest.raises(tarfile.TarError):
         compile_cache.unpack(_tar(*bad), tmp_path / "pod")
-    assert list((tmp_path / "pod" / compile_cache.SUBDIR).iterdir()) == []
+    assert list((tmp_path / "pod").iterdir()) == []
     assert not (tmp_path / "escaped").exists() and not (tmp_path / "pod" / "escaped").exists()
 
 
-def test_an_absolute_member_lands_inside_the_tree(tmp_path: Path) -> None:
-    compile_cache.unpack(_tar(_file("/abs/path", b"in")), tmp_path / "pod")  # the "data" filter
-    assert (tmp_path / "pod" / compile_cache.SUBDIR / "abs" / "path").read_bytes() == b"in"
+def test_an_absolute_member_lands_inside_the_root(tmp_path: Path) -> None:
+    data = _tar(_file("/torch_compile_cache/abs", b"in"), _file("/etc/cron.d/x"))  # the "data" filter
+    compile_cache.unpack(data, tmp_path / "pod")
+    assert (tmp_path / "pod" / compile_cache.SUBDIR / "abs").read_bytes() == b"in"
+    assert sorted(p.name for p in (tmp_path / "pod").iterdir()) == [compile_cache.SUBDIR]
 
 
 def test_nothing_compiled_packs_nothing(tmp_path: Path) -> None:
     assert compile_cache.pack(tmp_path) is None
     (tmp_path / compile_cache.SUBDIR / "empty-dir").mkdir(parents=True)
+    (tmp_path / "other" / "file").parent.mkdir()
+    (tmp_path / "other" / "file").write_text("not a vLLM cache")
     assert compile_cache.pack(tmp_path) is None
 
 
@@ -131,3 +145,81 @@ def test_load_finds_the_model_under_its_own_root_once_put_back(monkeypatch: pyte
     assert (where / "vllm_compile_cache.py").read_text() == "{'graph': 1}"
     # a path outside any tree has no key; no key, nothing to look for
     assert compile_cache.key_of("/elsewhere/cache") == "" and compile_cache.model_dir({}) == ""
+
+
+def _archive_with_caches(tmp_path: Path) -> Path:
+    """A published archive whose attachment is SAVE's packed vLLM caches."""
+    from ember.archive import bundle
+    from ember.identity import ArchiveIdentity, CompatKey
+    from ember.store import LocalStore
+    from ember_bench.synthetic import synthetic_graphset, synthetic_images
+
+    _tree(tmp_path / "save")
+    packed = compile_cache.pack(tmp_path / "save")
+    assert packed is not None
+    ident = ArchiveIdentity(model="m", engine="vllm", engine_version="0.26.0", capture_sizes=(1, 2))
+    compat = CompatKey(gpu_name="NVIDIA H200", compute_capability="9.0", driver="580", cuda="13.0",
+                       torch="2.11.0")
+    store = LocalStore(tmp_path / "store")
+    bundle.write_archive(store, synthetic_graphset(graphs=2, nodes=20, groups=1), ident, compat,
+                         kernel_images=synthetic_images(), attachments={compile_cache.NAME: packed})
+    return tmp_path / "store" / "archives" / ident.hash()
+
+
+@pytest.fixture
+def plugin_state(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # type: ignore[no-untyped-def]
+    from ember.engines.vllm import plugin
+
+    monkeypatch.setattr(plugin, "STATE", plugin._State())
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "pod"))
+    monkeypatch.setenv("EMBER_VLLM_REPORT", str(tmp_path / "report.json"))
+    monkeypatch.delenv(compile_cache.PLACED, raising=False)
+    return plugin
+
+
+def test_load_places_the_caches_when_vllm_starts_once_per_process_tree(
+    plugin_state, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+) -> None:
+    """The plugin puts the archive's caches in place as vLLM loads it (before vLLM resolves the
+    model's class, which reads `modelinfos/`), marks the cache root for vLLM's own child
+    processes, and the runner's attached() then leaves it alone."""
+    import json
+
+    archive = _archive_with_caches(tmp_path)
+    monkeypatch.setenv("EMBER_VLLM_ARCHIVE", str(archive))
+    plugin_state.place_caches()
+    info = tmp_path / "pod" / "modelinfos" / INFO
+    assert info.read_text() == '{"hash": "9e"}'
+    stage = json.loads((tmp_path / "report.json").read_text())["stages"]["compile_cache"]
+    assert stage["placed"] == 3 and stage["process"] == "plugin"
+    assert os.environ[compile_cache.PLACED] == str(tmp_path / "pod")
+
+    info.unlink()  # a second process of the same tree: nothing unpacked again
+    plugin_state.place_caches()
+    assert not info.exists() and compile_cache.placed_here()  # the runner's attached() skips too
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "elsewhere"))  # another root: placed there
+    assert not compile_cache.placed_here()
+    plugin_state.place_caches()
+    assert (tmp_path / "elsewhere" / "modelinfos" / info.name).is_file()
+
+
+def test_an_unreadable_archive_leaves_placing_to_the_runner(plugin_state, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    monkeypatch.setenv("EMBER_VLLM_ARCHIVE", str(tmp_path / "store" / "archives" / ("0" * 64)))
+    plugin_state.place_caches()  # must not raise: vLLM is starting
+    stages = json.loads((tmp_path / "report.json").read_text())["stages"]
+    assert "compile_cache" not in stages and stages["compile_cache_early"]["error"]
+    assert compile_cache.PLACED not in os.environ and not (tmp_path / "pod").exists()
+
+
+def test_processes_of_one_start_add_their_stages_to_one_report(plugin_state, tmp_path: Path) -> None:
+    """vLLM's front end and its engine core write the same report one after the other."""
+    import json
+
+    plugin_state.report("compile_cache", placed=3)  # the front end
+    plugin_state.STATE = plugin_state._State()  # the engine core: its own process state
+    plugin_state.report("capture", how="restored")
+    stages = json.loads((tmp_path / "report.json").read_text())["stages"]
+    assert stages["compile_cache"]["placed"] == 3 and stages["capture"]["how"] == "restored"

@@ -268,16 +268,18 @@ class VllmAdapter:
         return dict(facts)
 
     def attachments(self) -> dict[str, bytes]:
-        """vLLM's compile cache, so a fresh pod loads compiled code instead of compiling
-        (EMBER_VLLM_COMPILE_CACHE=0: not shipped; LOAD then needs it on the node)."""
+        """vLLM's compile cache and model-class facts, so a fresh pod loads compiled code instead
+        of compiling (EMBER_VLLM_COMPILE_CACHE=0: not shipped; LOAD then needs it on the node)."""
         if os.environ.get("EMBER_VLLM_COMPILE_CACHE", "1") == "0":
             return {}
         packed = compile_cache.pack()
         return {compile_cache.NAME: packed} if packed else {}
 
     def attached(self, archive: Any) -> None:
-        """At LOAD, before accept(): the archive's compile cache put under this process's cache
-        root (what is there already is kept)."""
+        """At LOAD, before accept(): the archive's vLLM caches put under this process's cache
+        root (what is there already is kept), unless the plugin did it when vLLM started."""
+        if compile_cache.placed_here():
+            return
         try:
             data = archive.attachment(compile_cache.NAME)
             if data:

@@ -89,7 +89,7 @@ def mismatches(identity: ArchiveIdentity, resolved: dict[str, Any]) -> list[str]
 
 # ember's per-process variables: a vLLM process never inherits them from whoever started it
 PROCESS_VARS = ("LD_PRELOAD", "EMBER_MODE", "EMBER_ARM", "EMBER_VLLM_ARCHIVE", "EMBER_VLLM_STORE",
-                "EMBER_VLLM_PROBE")
+                "EMBER_VLLM_PROBE", "EMBER_VLLM_CACHES_PLACED")
 
 
 def process_env(mode: str, env: Mapping[str, str]) -> dict[str, str]:

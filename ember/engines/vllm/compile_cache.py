@@ -1,18 +1,23 @@
-"""vLLM's compile cache, shipped with the archive: SAVE packs it, LOAD puts it back before vLLM compiles.
+"""vLLM's caches, shipped with the archive: SAVE packs them, LOAD puts them back before vLLM reads them.
 
-vLLM 0.26 keeps what torch.compile produced (AOT-compiled models, Inductor artifacts) under
-`$VLLM_CACHE_ROOT/torch_compile_cache/`: `<hash>/rank_<r>_<dp>/<prefix>/` and
-`torch_aot_compile/<hash>/`, the hashes over the config, the traced code, the compiler and the
-environment. A fresh pod has none of it and compiles for tens of seconds before it could restore a
-single graph; with SAVE's tree it loads the compiled code instead. A tree whose hashes do not match
-this process (another config, another vLLM) is never read by vLLM: it compiles, as it would
-without ember, and the graphs are still checked against the archive's sizing before any launch.
+Two trees under vLLM's cache root (`$VLLM_CACHE_ROOT`) decide how long a fresh pod takes to start:
+- `torch_compile_cache/`: what torch.compile produced (AOT-compiled models, Inductor artifacts),
+  `<hash>/rank_<r>_<dp>/<prefix>/` and `torch_aot_compile/<hash>/`, the hashes over the config,
+  the traced code, the compiler and the environment. Without it vLLM compiles for tens of seconds
+  before it could restore a single graph;
+- `modelinfos/`: what vLLM's model registry learnt about the architecture's class. Without it,
+  vLLM inspects the class in a subprocess that imports vLLM again, ~20 s before the engine even
+  starts (H200, 0.26.0). Each file carries the hash of the model module it describes.
+A tree whose hashes do not match this process (another config, another vLLM) is never read by
+vLLM: it compiles or inspects, as it would without ember, and the graphs are still checked against
+the archive's sizing before any launch.
 
-The archive stores the tree as an uncompressed tar (the bundle compresses every blob with zstd).
-Unpacking never overwrites: an entry that exists (vLLM's own, a previous start's) is kept, and a
-new one appears whole (extracted aside, then renamed), so a crash midway leaves no half-written
-entry for vLLM to trip over. tarfile's "data" filter refuses members that would land outside the
-tree, links out of it, and device files.
+The archive stores both as one uncompressed tar, members relative to the cache root (the bundle
+compresses every blob with zstd). Unpacking never overwrites: an entry that exists (vLLM's own, a
+previous start's) is kept, and a new one appears whole (extracted aside, then renamed), so a crash
+midway leaves no half-written entry for vLLM to trip over. tarfile's "data" filter refuses members
+that would land outside the root, links out of it, and device files; members outside the two trees
+are dropped.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-NAME = "vllm-compile-cache.tar"  # the attachment's name in the archive
+NAME = "vllm-cache.tar"  # the attachment's name in the archive
 SUBDIR = "torch_compile_cache"
+TREES = (SUBDIR, "modelinfos")
+PLACED = "EMBER_VLLM_CACHES_PLACED"  # set by the plugin: the cache root the archive's caches went to
 
 
 def cache_root() -> Path:
@@ -36,6 +43,11 @@ def cache_root() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     default = os.path.join(xdg, "vllm")
     return Path(os.path.expanduser(os.environ.get("VLLM_CACHE_ROOT") or default))
+
+
+def placed_here() -> bool:
+    """Whether the plugin already put the archive's caches under this process's cache root."""
+    return os.environ.get(PLACED) == str(cache_root())
 
 
 def _member(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
@@ -47,14 +59,16 @@ def _member(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
 
 
 def pack(root: Path | None = None) -> bytes | None:
-    """The compile cache tree as a tar; None when this process's vLLM compiled nothing."""
-    base = (root or cache_root()) / SUBDIR
-    if not base.is_dir() or not any(p.is_file() for p in base.rglob("*")):
+    """Both trees as one tar; None when this process's vLLM wrote neither."""
+    root = root or cache_root()
+    trees = [t for t in TREES if (root / t).is_dir() and any(p.is_file() for p in (root / t).rglob("*"))]
+    if not trees:
         return None
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for entry in sorted(base.iterdir()):
-            tar.add(entry, arcname=entry.name, filter=_member)
+        for tree in trees:
+            for entry in sorted((root / tree).iterdir()):
+                tar.add(entry, arcname=f"{tree}/{entry.name}", filter=_member)
     return buf.getvalue()
 
 
@@ -79,20 +93,25 @@ def _merge(src: Path, dest: Path) -> tuple[int, int]:
 
 
 def unpack(data: bytes, root: Path | None = None) -> dict[str, Any]:
-    """Put the packed tree under `<root>/torch_compile_cache`; what was placed, kept and how long.
+    """Put the packed trees under `root` (vLLM's cache root); what was placed, kept and how long.
     Raises tarfile.TarError (a damaged or unsafe tar) with nothing placed."""
     t = time.perf_counter()
-    base = (root or cache_root()) / SUBDIR
-    base.mkdir(parents=True, exist_ok=True)
-    aside = Path(tempfile.mkdtemp(prefix=".ember-unpack-", dir=base))
+    root = root or cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    aside = Path(tempfile.mkdtemp(prefix=".ember-unpack-", dir=root))
+    placed = kept = 0
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
             tar.extractall(aside, filter="data")
-        placed, kept = _merge(aside, base)
+        for tree in TREES:
+            if (aside / tree).is_dir() and not (aside / tree).is_symlink():
+                (root / tree).mkdir(exist_ok=True)
+                p, k = _merge(aside / tree, root / tree)
+                placed, kept = placed + p, kept + k
     finally:
         shutil.rmtree(aside, ignore_errors=True)
     return {"placed": placed, "kept": kept, "bytes": len(data),
-            "seconds": round(time.perf_counter() - t, 4), "dir": str(base)}
+            "seconds": round(time.perf_counter() - t, 4), "dir": str(root)}
 
 
 def key_of(local_cache_dir: str) -> str:

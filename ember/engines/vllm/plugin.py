@@ -69,14 +69,23 @@ STATE = _State()
 
 
 def report(stage: str, **fields: Any) -> None:
-    """Record a stage (log + `EMBER_VLLM_REPORT`)."""
+    """Record a stage (log + `EMBER_VLLM_REPORT`). vLLM's processes (front end, engine core) write
+    one after the other into the same report: each adds its stages to what is there ("t": seconds
+    since that process loaded the plugin)."""
     STATE.report.setdefault("stages", {})[stage] = {"t": round(time.time() - T0, 4), **fields}
     log.info("ember %s: %s", stage, json.dumps(fields, default=str)[:2000])
     path = os.environ.get("EMBER_VLLM_REPORT")
     if path:
+        try:
+            with open(path) as f:
+                merged = dict(json.load(f))
+        except (OSError, ValueError):
+            merged = {}
+        merged.update({k: v for k, v in STATE.report.items() if k != "stages"})
+        merged["stages"] = {**(merged.get("stages") or {}), **STATE.report["stages"]}
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump(STATE.report, f, default=str)
+            json.dump(merged, f, default=str)
         os.replace(tmp, path)
 
 
@@ -92,10 +101,36 @@ def register() -> None:
         return
     STATE.installed = True
     STATE.mode = mode if mode in ("save", "load") else ""
+    if STATE.mode == "load":
+        place_caches()
     if WORKER_MODULE in sys.modules:
         _install()
     else:
         after_import(WORKER_MODULE, _install)
+
+
+def place_caches() -> None:
+    """LOAD, in the first vLLM process (plugins load in `EngineArgs.__post_init__`): the archive's
+    vLLM caches put under this process's cache root before vLLM reads them. The model-class facts
+    are read while the engine's config is built, long before a worker exists; without them vLLM
+    inspects the class in a subprocess that imports vLLM (~20 s). Once per process tree
+    (`compile_cache.PLACED`); a failure here leaves it to the runner's `attached()`, which refuses then."""
+    from pathlib import Path
+
+    from ember.engines.vllm import compile_cache
+    from ember.runtime import publish
+
+    archive = os.environ.get("EMBER_VLLM_ARCHIVE", "")
+    if not archive or compile_cache.placed_here():
+        return
+    try:
+        path = Path(archive).absolute()
+        data = publish.open_archive(path.parent.parent.as_uri(), path.name).attachment(compile_cache.NAME)
+        if data:
+            report("compile_cache", **compile_cache.unpack(data), process="plugin")
+        os.environ[compile_cache.PLACED] = str(compile_cache.cache_root())  # vLLM's processes inherit it
+    except Exception as exc:  # the runner's open reads the archive again and refuses with its reason
+        report("compile_cache_early", error=f"{type(exc).__name__}: {exc}")
 
 
 def _refuse_all(problems: list[str]) -> None:
