@@ -19,8 +19,10 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -40,6 +42,13 @@ def vllm_env(result: handoff.HandoffResult | None, env: dict[str, str]) -> dict[
     env["EMBER_VLLM_ARCHIVE"] = str(result.archive_dir)
     env.setdefault("EMBER_VLLM_REPORT", str(result.run_dir / "vllm-report.json"))
     return env
+
+
+def _vllm_command(vllm: str) -> list[str]:
+    """vLLM's CLI: its console script, else its module under this interpreter (an install without
+    scripts, e.g. a site tree on PYTHONPATH)."""
+    found = shutil.which(vllm)
+    return [found] if found else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
 def _port(args: list[str]) -> int:
@@ -78,7 +87,7 @@ def supervise(
     t0 = time.monotonic()
     # The command line's arguments, then the claim's (the deployment's `engine.args`).
     args = [*vllm_args, *(result.engine_args if result is not None else ())]
-    proc = subprocess.Popen([vllm, "serve", *args], env=env)
+    proc = subprocess.Popen([*_vllm_command(vllm), "serve", *args], env=env)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: proc.send_signal(s))
     port, ready = _port(args), False

@@ -131,3 +131,16 @@ def test_vllm_dying_while_loading_leaves_the_marker_and_the_next_start_is_native
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=10)
+
+
+def test_without_the_console_script_vllm_runs_as_a_module_of_this_interpreter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ember.serving.vllm import _vllm_command
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `vllm` here
+    assert _vllm_command("vllm") == [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    exe = tmp_path / "vllm"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    assert _vllm_command("vllm") == [str(exe)]
