@@ -32,6 +32,7 @@ from ember import handoff
 from ember.engines.vllm.args import process_env
 
 log = logging.getLogger("ember.serving.vllm")
+REPORT_FILE = "vllm-report.json"  # the plugin's stage report, in the hand-off's run dir
 
 
 def vllm_env(result: handoff.HandoffResult | None, env: dict[str, str]) -> dict[str, str]:
@@ -40,7 +41,7 @@ def vllm_env(result: handoff.HandoffResult | None, env: dict[str, str]) -> dict[
         return process_env("native", env)
     env = process_env("load", env)
     env["EMBER_VLLM_ARCHIVE"] = str(result.archive_dir)
-    env.setdefault("EMBER_VLLM_REPORT", str(result.run_dir / "vllm-report.json"))
+    env.setdefault("EMBER_VLLM_REPORT", str(result.run_dir / REPORT_FILE))
     return env
 
 
@@ -82,8 +83,9 @@ def supervise(
         marker = result.run_dir / handoff.MARKER_FILE
         handoff.write_json_atomic(marker, {"identity": result.identity, "pid": os.getpid(),
                                            "started_at": time.time(), "engine": "vllm"})
-    if env.get("EMBER_VLLM_REPORT"):  # vLLM's processes add to it: a previous start's must go
-        Path(env["EMBER_VLLM_REPORT"]).unlink(missing_ok=True)
+    report = Path(env["EMBER_VLLM_REPORT"]) if env.get("EMBER_VLLM_REPORT") else None
+    if report is not None:  # vLLM's processes add to it: a previous start's must go
+        report.unlink(missing_ok=True)
     t0 = time.monotonic()
     # The command line's arguments, then the claim's (the deployment's `engine.args`).
     args = [*vllm_args, *(result.engine_args if result is not None else ())]
@@ -97,7 +99,7 @@ def supervise(
             if marker is not None:
                 with contextlib.suppress(FileNotFoundError):
                     marker.unlink()
-            _report_ready(result, time.monotonic() - t0, run_dir)
+            _report_ready(result, time.monotonic() - t0, run_dir, report)
         time.sleep(0.2 if not ready else 1.0)
     if not ready:
         log.error("vllm serve exited %s before it was healthy%s", proc.returncode,
@@ -105,11 +107,11 @@ def supervise(
     return int(proc.returncode or 0)
 
 
-def _report_ready(result: handoff.HandoffResult | None, seconds: float, run_dir: Path | None) -> None:
+def _report_ready(result: handoff.HandoffResult | None, seconds: float, run_dir: Path | None,
+                  report: Path | None) -> None:
     """`ready` to the sidecar, with vLLM's own stage report (restored or why not) when it wrote one."""
     extra: dict[str, Any] = {"engine": "vllm", "restored": bool(result and result.archive_dir)}
-    report_file = result.run_dir / "vllm-report.json" if result is not None else None
-    if report_file is not None and report_file.is_file():
+    if report is not None and report.is_file():
         with contextlib.suppress(OSError, ValueError):
-            extra["vllm"] = json.loads(report_file.read_text())
+            extra["vllm"] = json.loads(report.read_text())
     handoff.report("ready", seconds, run_dir=run_dir if result is None else result.run_dir, **extra)

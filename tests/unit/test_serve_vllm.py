@@ -28,6 +28,9 @@ with open(os.environ["FAKE_VLLM_OUT"], "a") as f:
             + "\n")
 if os.environ.get("FAKE_VLLM_CRASH"):
     sys.exit(7)
+if os.environ.get("EMBER_VLLM_REPORT"):  # what ember's plugin writes while vLLM starts
+    with open(os.environ["EMBER_VLLM_REPORT"], "w") as f:
+        json.dump({"stages": {"capture": {"how": "fake-vllm"}}}, f)
 port = int(sys.argv[sys.argv.index("--port") + 1])
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -95,6 +98,7 @@ def test_handed_off_archive_starts_vllm_under_libember_and_clears_the_marker(
     try:
         ready = _wait_ready(w)
         assert ready["restored"] is True and ready["engine"] == "vllm"
+        assert ready["vllm"]["stages"]["capture"]["how"] == "fake-vllm"  # this start's, not the stale one
         assert not (w.run_dir / handoff.MARKER_FILE).exists()
         (call,) = _calls(fake_vllm)
         # the command line's arguments, then the claim's (the deployment's engine.args)
