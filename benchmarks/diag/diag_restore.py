@@ -123,7 +123,6 @@ class Rebuilds:
 
     def run(self, fns: list[int], key: Key) -> list[torch.Tensor]:
         lib = GraphLibrary(self.gs, fns)
-        lib.apply_function_attrs()
         i = lib.key_index(key)
         lib.dedicate(i)
         lib.launch(i)

@@ -395,8 +395,10 @@ STAGES = (  # the critical path, then the background thread's
     "join_ms",
     "reconstruct_ms",
     "read_blobs_ms",
-    "preload_start_ms",
     "decode_ms",
+    "preload_start_ms",
+    "functions_first_ms",
+    "library_first_ms",
     "functions_ms",
     "templates_ms",
 )

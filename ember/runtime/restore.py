@@ -2,9 +2,10 @@
 
 `ArchiveRestore.open()` reads the manifest, checks the compatibility key, reads the allocation
 log and imports it (the engine's allocations are checked against SAVE's from then on); then it
-starts the rest on a background thread — every other blob read and verified, the kernel images
-handed to libember (proactive loading), the graph table decoded, kernel functions resolved, one
-template per topology group built and instantiated — while the engine builds its model and KV
+starts the rest on a background thread — every other blob read and verified, the graph table
+decoded, the kernel images handed to libember (proactive loading: the first needed key's images
+first), one template per topology group built and instantiated, each graph's kernel functions
+resolved as it is prepared — while the engine builds its model and KV
 cache on the caller's thread (Foundry §4.2.1). That is safe before the capture window's
 allocations are replayed: libember maps the whole saved extent of its heap when the log is
 imported, so every address a node refers to is mapped already, and nothing is launched until
@@ -19,7 +20,10 @@ refuses the archive there, still before any launch.
     lib = restore.library()                                                      # Refused
 
 Any refusal means: capture natively. A background build the driver refused is tried once more on
-the caller's thread after the replay; only a second refusal refuses the archive.
+the caller's thread after the replay; only a second refusal refuses the archive. After the
+hand-over (the first template built), a template that fails on the background thread (the driver,
+or a kernel its image does not hold) is built again at its group's first launch, which raises if
+it fails again.
 """
 
 from __future__ import annotations
@@ -207,8 +211,9 @@ class ArchiveRestore:
         try:
             if ctx is not None:
                 cu.cuCtxSetCurrent(ctx)
-            self._read_and_preload(tm)
+            self._read(tm)
             table = self._decode(tm)
+            self._preload(table, tm)
             lib = self._build_first(table, tm)
             tm["library_first_ms"] = (time.perf_counter() - t_all) * 1e3
             self.timings.update({prefix + k: v for k, v in tm.items()})
@@ -227,8 +232,8 @@ class ArchiveRestore:
             self.timings.update({prefix + k: v for k, v in tm.items()})
             self._handover.set()
 
-    def _read_and_preload(self, tm: dict[str, float]) -> None:
-        """Every blob read and verified; kernel images handed to libember's loader threads."""
+    def _read(self, tm: dict[str, float]) -> None:
+        """Every blob read and verified."""
         from ember.runtime import publish
 
         t = time.perf_counter()
@@ -238,12 +243,27 @@ class ArchiveRestore:
             except Exception as exc:
                 raise Refused(LOAD, f"archive damaged: {exc}") from exc
         tm["read_blobs_ms"] = (time.perf_counter() - t) * 1e3
+
+    def _preload(self, table: GraphTable, tm: dict[str, float]) -> None:
+        """Kernel images handed to libember's loader threads: those of the first needed key's
+        graph first (its template waits for them), then the rest in execution order."""
+        from ember.runtime.graphs.need import need_order
+
+        assert self.archive is not None
         t = time.perf_counter()
-        try:  # images load on libember's worker threads from here on, in execution order
-            self.ip.preload([(im.content_hash, im.data, im.options) for im in self.archive.images])
+        images = self.archive.images
+        try:
+            first = table.chunk(need_order(table.keys)[0]).kpar["kernel"].tolist() if len(table) else []
+            wanted = {table.kernels[k].image for k in set(first)}
+        except Exception as exc:
+            raise Refused(LOAD, f"archive damaged: {exc}") from exc
+        images = sorted(images, key=lambda im: im.content_hash not in wanted)  # stable
+        try:
+            self.ip.preload([(im.content_hash, im.data, im.options) for im in images])
         except EmberError as exc:
             raise Refused(LOAD, f"libember refused the archive: {exc}") from exc
         tm["preload_start_ms"] = (time.perf_counter() - t) * 1e3
+        tm["images_first"] = len(wanted)
 
     def _decode(self, tm: dict[str, float]) -> GraphTable:
         from ember.archive import graph_table as archive_format
@@ -260,17 +280,19 @@ class ArchiveRestore:
         return table
 
     def _build_first(self, table: GraphTable, tm: dict[str, float]) -> GraphLibrary:
-        """Kernel functions resolved; the library with the template of the first needed key's
-        group built and instantiated (need order, `ember.runtime.graphs.need`)."""
+        """The library with the template of the first needed key's group built and instantiated
+        (need order, `ember.runtime.graphs.need`). Kernel functions are resolved as graphs are
+        prepared: this one waits only for its own kernels' images."""
         from ember.archive.table_layout import FormatError
+        from ember.runtime.graphs.kernels import KernelFunctions
+        from ember.runtime.graphs.rebuild import apply_function_attr
         from ember.runtime.graphs.templates import GraphLibrary
 
-        t = time.perf_counter()
-        try:
-            functions = [self.ip.function(k.image, k.name) for k in table.kernels]
-        except EmberError as exc:
-            raise Refused(LOAD, f"kernel not found after preload: {exc}") from exc
-        tm["functions_ms"] = (time.perf_counter() - t) * 1e3
+        refs = table.kernels
+        functions = KernelFunctions(
+            len(refs), lambda i: self.ip.function(refs[i].image, refs[i].name), table.function_attrs,
+            apply_function_attr,
+        )
         t = time.perf_counter()
         lib = GraphLibrary(table, functions, splicer=self.splicer)
         try:
@@ -278,12 +300,16 @@ class ArchiveRestore:
         except FormatError as exc:  # a chunk that does not decode: damaged, not the driver's
             lib.close()
             raise Refused(LOAD, f"archive damaged: {exc}") from exc
+        except EmberError as exc:
+            lib.close()
+            raise Refused(LOAD, f"kernel not found after preload: {exc}") from exc
         except BaseException:
             lib.close()
             raise
         if os.environ.get("EMBER_DEDICATE", "1") != "0":  # after every template and serving's start
             lib.start_dedicating(after=[self._serving])
         tm["templates_first_ms"] = (time.perf_counter() - t) * 1e3
+        tm.update(functions_first_ms=functions.resolve_ms, kernels_first=functions.resolved)
         if self.splicer is not None:  # every collective was captured by the regrouping
             tm.update(splice_ms=lib.timings.splice_ms, collective_capture_ms=self.splicer.capture_ms,
                       collectives=len(self.splicer.collectives.table))
@@ -305,7 +331,11 @@ class ArchiveRestore:
             templates_upload_ms=lt.upload_ms,
             templates_threads=lt.threads,
             function_attrs_ms=lt.function_attrs_ms,
+            functions_ms=lib.functions.resolve_ms,  # every template's kernels, waits included
+            kernels_resolved=lib.functions.resolved,
         )
+        if failed := lib.failed_templates():
+            self.timings["templates_failed"] = "; ".join(failed)
 
     def replay(self) -> None:
         """After the engine's own allocations: release torch's cache, replay the capture window."""

@@ -168,7 +168,7 @@ torch.version = types.SimpleNamespace(cuda="13.0")
 sys.modules["torch"] = torch
 from cuda.bindings import driver as cu
 from ember.archive import graph_table as F
-from ember.archive.graphs import GraphSet, KernelRef
+from ember.archive.graphs import GraphSet, KernelRef, NodeType
 from ember_bench.synthetic import synthetic_graphset
 from ember.identity import ArchiveIdentity
 from ember.runtime import compat, publish
@@ -187,16 +187,20 @@ IDENTITY = ArchiveIdentity(model="ember-test/restore", engine=ENGINE, engine_ver
                            capture_sizes=tuple(range(1, {GRAPHS} + 1)))
 
 # The synthetic graph set, its kernels moved into PTX images the stand-in loads (it keeps at most
-# 16 kernels per module; the synthetic set puts 16 in each of its 3 images).
-gs = synthetic_graphset(graphs={GRAPHS}, nodes={NODES}, groups={GROUPS}, child_graphs=False)
+# 16 kernels per module; the synthetic set puts 16 in each of its 3 images; TEST_IMAGE_PER_KERNEL=1:
+# one image per kernel). TEST_NODES: a smaller set, whose groups use different kernels.
+gs = synthetic_graphset(graphs={GRAPHS}, nodes=int(os.environ.get("TEST_NODES", {NODES})), groups={GROUPS},
+                        child_graphs=False)
+home = (lambda k: k.name) if os.environ.get("TEST_IMAGE_PER_KERNEL") == "1" else (lambda k: k.image)
 names = {{}}
 for k in gs.kernels:
-    names.setdefault(k.image, []).append(k.name)
+    names.setdefault(home(k), []).append(k.name)
 ptx = {{old: (".version 8.0\\n.target sm_90\\n" + "".join(f".entry {{n}}(\\n)\\n{{{{ ret; }}}}\\n" for n in ns)).encode() + b"\\0"
         for old, ns in names.items()}}
 new_hash = {{old: ip.hash(data) for old, data in ptx.items()}}
 images = [publish.Image(new_hash[old], data, "ptx") for old, data in ptx.items()]
-gs = GraphSet(gs.graphs, [KernelRef(new_hash[k.image], k.name) for k in gs.kernels], gs.function_attrs)
+gs = GraphSet(gs.graphs, [KernelRef(new_hash[home(k)], k.name) for k in gs.kernels], gs.function_attrs)
+used = [sorted({{n.params.kernel for n in g.nodes if n.type == NodeType.KERNEL}}) for g in gs.graphs]
 
 def model():                               # the engine's allocations before the capture window
     return [alloc(n) for n in (4096, 3 << 20, 100, 40 << 20)]
@@ -218,6 +222,11 @@ def first_import():  # True if libember takes a log now: none was given to it be
 """
 
 SAVE = COMMON + """
+missing = os.environ.get("TEST_MISSING")   # a kernel no image holds, in the first or a later template
+if missing:
+    gone = used[0][0] if missing == "first" else min(set(used[4]) - set(used[0]) - set(used[2]))
+    gs = GraphSet(gs.graphs, [KernelRef(r.image, r.name + "_gone") if i == gone else r
+                              for i, r in enumerate(gs.kernels)], gs.function_attrs)
 model()
 ip.capture_begin()
 window()
@@ -587,3 +596,69 @@ def test_signed_archive_loads_and_a_bad_signature_is_refused_before_any_blob(run
     forged = load(key)
     assert forged["refused"] and "does not match the manifest" in forged["reason"], forged
     assert forged["first_import"] is True
+
+
+NEED = COMMON + """
+restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
+model()
+ip.replay_window()
+result = {"used": used, "kernels": len(gs.kernels)}
+try:
+    lib = restore.library()
+except Refused as exc:
+    result.update(refused=exc.reason, stage=exc.stage)
+else:
+    lib.wait_templates()
+    result["preloaded"] = [im["hash"] for im in ip.catalog() if im["api"] == "preload"]
+    result["kernel_images"] = [k.image for k in gs.kernels]
+    result["launched"] = {}
+    for i in lib.order:
+        try:
+            lib.launch(i, cu.CUstream(0))
+            result["launched"][i] = "ok"
+        except Exception as exc:
+            result["launched"][i] = f"{type(exc).__name__}: {exc}"
+result["timings"] = {k: v for k, v in restore.timings.items() if isinstance(v, int | float | str)}
+restore.abandon()
+last_json(result)
+"""
+
+SMALL = {"TEST_NODES": "40", "TEST_IMAGE_PER_KERNEL": "1", "EMBER_DEDICATE": "0"}  # groups differ in kernels
+
+
+def test_the_first_template_waits_only_for_its_own_kernels_and_their_images(run_py, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    _save(run_py, store, **SMALL)
+    r = _last_json(run_py(NEED, mode="load", env={"TEST_STORE": store.as_uri(), **SMALL}))
+    first = r["used"][0]  # graph (1,): the first needed key, its group's template
+    assert 0 < len(first) < r["kernels"]
+    tm = r["timings"]
+    # Only the first template's kernels were resolved before the hand-over ...
+    assert tm["kernels_first"] == len(first)
+    # ... and their images were handed to libember's loaders before any other.
+    images = {r["kernel_images"][k] for k in first}
+    assert tm["images_first"] == len(images) < len(r["preloaded"])
+    assert set(r["preloaded"][: len(images)]) == images
+    # Every template's kernels are resolved by the time all templates are built, and every key runs.
+    templates = {0, 2, 4}
+    assert tm["kernels_resolved"] == len({k for g in templates for k in r["used"][g]})
+    assert set(r["launched"].values()) == {"ok"} and "templates_failed" not in tm
+
+
+def test_a_kernel_missing_from_its_image(run_py, tmp_path: Path) -> None:
+    """In the first template: the archive is refused before the hand-over (the engine captures).
+    In a later one: the first keys are served; that group's template fails on the background
+    thread (reported), and its keys raise at launch, naming the kernel; the other groups serve."""
+    store = tmp_path / "first"
+    _save(run_py, store, **SMALL, TEST_MISSING="first")
+    r = _last_json(run_py(NEED, mode="load", env={"TEST_STORE": store.as_uri(), **SMALL}))
+    assert r["stage"] == "load" and r["refused"].startswith("kernel not found after preload")
+    assert "_gone" in r["refused"]
+
+    store = tmp_path / "later"
+    _save(run_py, store, **SMALL, TEST_MISSING="later")
+    r = _last_json(run_py(NEED, mode="load", env={"TEST_STORE": store.as_uri(), **SMALL}))
+    assert "refused" not in r
+    assert "(5,): EmberError" in r["timings"]["templates_failed"] and "_gone" in r["timings"]["templates_failed"]
+    bad = {k: v for k, v in r["launched"].items() if v != "ok"}
+    assert sorted(bad) == ["4", "5"] and all("_gone" in v for v in bad.values())

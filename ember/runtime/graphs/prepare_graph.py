@@ -26,6 +26,7 @@ from ember.archive.graphs import (
     NodeType,
 )
 from ember.runtime.graphs import driver
+from ember.runtime.graphs.kernels import Functions
 from ember.runtime.graphs.prepared import (
     OP_CHILD,
     OP_EMPTY,
@@ -133,7 +134,7 @@ class KernelBuffers:
         return attrs
 
 
-def prepare(graph: Graph, functions: list[int], ctx: Any, memset_ctx: Any = None) -> PreparedGraph:
+def prepare(graph: Graph, functions: Functions, ctx: Any, memset_ctx: Any = None) -> PreparedGraph:
     """CPU-only preparation of one graph (no driver calls; thread-safe)."""
     buffers = KernelBuffers([n.params for n in graph.nodes if n.type == NodeType.KERNEL])
     ops: list[tuple[Any, ...]] = []

@@ -14,6 +14,7 @@ import numpy as np
 
 from ember.archive.graphs import MemcpyParams, MemsetParams, NodeType
 from ember.runtime.graphs import driver
+from ember.runtime.graphs.kernels import Functions, handles
 from ember.runtime.graphs.prepare_graph import EXTRA_SLOTS, memcpy_struct, memset_struct, prepare
 from ember.runtime.graphs.prepared import (
     OP_EMPTY,
@@ -83,7 +84,7 @@ class AttrSets:
 
 
 def prepare_from_table(
-    table: Any, i: int, functions: list[int], ctx: Any, attr_sets: AttrSets
+    table: Any, i: int, functions: Functions, ctx: Any, attr_sets: AttrSets
 ) -> PreparedGraph:
     """Like prepare(table.graph(i)) without materialising Python node objects (LOAD's hot path)."""
     types = np.asarray(table.node_types(i))
@@ -161,7 +162,7 @@ def _argument_pointers(
 
 def _kernel_structs(
     krows: np.ndarray,
-    functions: list[int],
+    functions: Functions,
     slot_addr: np.ndarray,
     has_params: np.ndarray,
     is_extra: np.ndarray,
@@ -169,7 +170,7 @@ def _kernel_structs(
     """The CUDA_KERNEL_NODE_PARAMS of every kernel node, as one record array."""
     nk = len(krows)
     st = np.zeros(nk, dtype=_KP_DT)
-    st["func"] = np.asarray(functions, dtype=np.uint64)[krows["kernel"]] if nk else 0
+    st["func"] = handles(functions, krows["kernel"]) if nk else 0
     for f in ("gx", "gy", "gz", "bx", "by", "bz", "smem"):
         st[f] = krows[f]
     st["kp"] = np.where(has_params, slot_addr, 0)

@@ -35,26 +35,25 @@ from ember.runtime.graphs.prepared import EdgeDataLost, PreparedGraph, RebuildEr
 _FA = cu.CUfunction_attribute
 
 
-def apply_function_attrs(functions: list[int], attrs: list[FunctionAttrs]) -> None:
+def apply_function_attr(func: int, fa: FunctionAttrs) -> None:
     """Re-apply per-function state recorded at SAVE where the loaded function differs."""
-    for func, fa in zip(functions, attrs, strict=True):
-        f = cu.CUfunction(func)
-        wanted = [
-            (_FA.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, fa.max_dynamic_shared),
-            (_FA.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, fa.non_portable_cluster),
-            (_FA.CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH, fa.required_cluster[0]),
-            (_FA.CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT, fa.required_cluster[1]),
-            (_FA.CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH, fa.required_cluster[2]),
-        ]
-        if fa.carveout >= 0:
-            wanted.append((_FA.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, fa.carveout))
-        for attr, value in wanted:
-            err, cur = cu.cuFuncGetAttribute(attr, f)
-            if err == OK and int(cur) == value:
-                continue
-            r = cu.cuFuncSetAttribute(f, attr, value)
-            if r[0] != OK:
-                raise CudaError(f"cuFuncSetAttribute({attr.name}={value})", r[0])
+    f = cu.CUfunction(func)
+    wanted = [
+        (_FA.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, fa.max_dynamic_shared),
+        (_FA.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, fa.non_portable_cluster),
+        (_FA.CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH, fa.required_cluster[0]),
+        (_FA.CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT, fa.required_cluster[1]),
+        (_FA.CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH, fa.required_cluster[2]),
+    ]
+    if fa.carveout >= 0:
+        wanted.append((_FA.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, fa.carveout))
+    for attr, value in wanted:
+        err, cur = cu.cuFuncGetAttribute(attr, f)
+        if err == OK and int(cur) == value:
+            continue
+        r = cu.cuFuncSetAttribute(f, attr, value)
+        if r[0] != OK:
+            raise CudaError(f"cuFuncSetAttribute({attr.name}={value})", r[0])
 
 
 def create_events(count: int) -> list[Any]:
@@ -67,7 +66,7 @@ __all__ = [
     "EdgeDataLost",
     "PreparedGraph",
     "RebuildError",
-    "apply_function_attrs",
+    "apply_function_attr",
     "build",
     "build_native",
     "create_events",

@@ -34,6 +34,7 @@ from ember.archive.graphs import FunctionAttrs, Graph, GraphSet, KernelRef
 from ember.archive.topology import group_graphs
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.driver import OK, CudaError, check, current_context, torch_stream_handle
+from ember.runtime.graphs.kernels import KernelFunctions
 from ember.runtime.graphs.need import Dedicator, need_order
 from ember.runtime.graphs.prepared import mark_splices
 
@@ -161,7 +162,7 @@ class GraphLibrary:
     def __init__(
         self,
         source: GraphSource | GraphSet,
-        functions: list[int],
+        functions: list[int] | KernelFunctions,
         *,
         hot_after: int = 1,
         workers: int = 4,
@@ -170,6 +171,12 @@ class GraphLibrary:
         """`splicer` (`ember.runtime.comm.Splicer`): this rank's collectives, for an archive
         whose graphs hold collective placeholders (multi-GPU)."""
         self.source: GraphSource = SetSource(source) if isinstance(source, GraphSet) else source
+        # resolved (and given their SAVE-time attributes) as the graphs being prepared need them
+        if not isinstance(functions, KernelFunctions):
+            known = list(functions)
+            functions = KernelFunctions(
+                len(known), known.__getitem__, self.source.function_attrs, rebuild.apply_function_attr
+            )
         self.functions = functions
         self.keys: list[tuple[int, ...]] = [tuple(k) for k in self.source.keys]
         self.groups = list(self.source.groups)
@@ -237,11 +244,6 @@ class GraphLibrary:
                     self._graphs[index] = g
         return g
 
-    def apply_function_attrs(self) -> None:
-        t = time.perf_counter()
-        rebuild.apply_function_attrs(self.functions, self.source.function_attrs)
-        self.timings.function_attrs_ms = (time.perf_counter() - t) * 1e3
-
     def build_templates(self) -> None:
         """Prepare, build and instantiate one template per group, in need order (libember builds
         and instantiates them, see build_native.build_native): `build_first` + `build_rest`.
@@ -257,7 +259,6 @@ class GraphLibrary:
 
     def build_first(self) -> None:
         """The template of the first needed key's group: the library can serve it from here on."""
-        self.apply_function_attrs()
         self._regroup()
         self._order_groups()
         self._build_groups(self.groups[:1], raise_errors=True)
@@ -268,6 +269,7 @@ class GraphLibrary:
         over already) a group that fails is recorded; its first launch builds it again there."""
         self._build_groups(self.groups[1:], raise_errors=raise_errors)
         self.timings.templates = len(self.groups)
+        self.timings.function_attrs_ms = self.functions.attrs_ms
         self.marks["templates"] = time.perf_counter()
 
     def _order_groups(self) -> None:
@@ -287,7 +289,7 @@ class GraphLibrary:
         driver needs) are built by the Python path. Uploaded; each group's ready event set."""
         try:
             if groups:
-                self._build_template_execs(groups)
+                self._build_template_execs(groups, raise_errors=raise_errors)
         except BaseException as exc:
             if raise_errors:
                 raise
@@ -298,10 +300,21 @@ class GraphLibrary:
             for g in groups:
                 self._ready[g.index].set()
 
-    def _build_template_execs(self, groups: list[_Group]) -> None:
+    def _build_template_execs(self, groups: list[_Group], *, raise_errors: bool = True) -> None:
         t = time.perf_counter()
-        preps = [self.prepared(g.template) for g in groups]
+        preps, prepared = [], []
+        for g in groups:
+            try:
+                preps.append(self.prepared(g.template))
+                prepared.append(g)
+            except Exception as exc:  # e.g. a kernel its image does not hold: this group only
+                if raise_errors:
+                    raise
+                self._failed[g.index] = exc
+        groups = prepared
         self.timings.prepare_ms += (time.perf_counter() - t) * 1e3
+        if not groups:
+            return
         with self._driver_lock:
             built, nt = rebuild.build_native(
                 preps, self.ctx, self.events, instantiate=True, splices=self._splices
@@ -376,6 +389,12 @@ class GraphLibrary:
     def wait_dedicated(self, timeout: float | None = None) -> bool:
         """Wait for the own execs (True when none are being built any more)."""
         return self.dedicator is None or self.dedicator.done.wait(timeout)
+
+    def failed_templates(self) -> list[str]:
+        """Templates the background build could not build (each is tried again at its group's
+        first launch): key and reason."""
+        return [f"{self.keys[self.groups[gi].template]}: {type(e).__name__}: {e}"[:300]
+                for gi, e in sorted(self._failed.items())]
 
     def is_template(self, index: int) -> bool:
         return self.groups[self._group_of[index]].template == index
