@@ -141,7 +141,7 @@ class KernelFunctions:
         return int(self._have.sum())
 
     def take(self, idx: np.ndarray) -> np.ndarray:
-        """Handles of kernels `idx` (a uint64 array), resolving those not resolved yet."""
+        """The handles (uint64) of kernels `idx` (table indices), resolving those not resolved yet."""
         idx = np.asarray(idx, dtype=np.int64)
         if idx.size and not self._have[idx].all():
             self._fill(np.unique(idx[~self._have[idx]]).tolist())
