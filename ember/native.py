@@ -193,7 +193,9 @@ class Interposer:
     def _check(self, rc: int, what: str) -> None:
         if rc == 0:
             return
-        message = f"{what}: {self._error() or _STATUS.get(rc, f'status {rc}')}"
+        message = self._error() or _STATUS.get(rc, f"status {rc}")
+        if not message.startswith(f"{what}:"):  # libember's own messages name the call already
+            message = f"{what}: {message}"
         if rc == EMBER_EDIVERGED:
             raise EmberDivergence(rc, message)
         raise EmberError(rc, message)

@@ -653,7 +653,7 @@ def test_a_kernel_missing_from_its_image(run_py, tmp_path: Path) -> None:
     _save(run_py, store, **SMALL, TEST_MISSING="first")
     r = _last_json(run_py(NEED, mode="load", env={"TEST_STORE": store.as_uri(), **SMALL}))
     assert r["stage"] == "load" and r["refused"].startswith("kernel not found after preload")
-    assert "_gone" in r["refused"]
+    assert "_gone" in r["refused"] and "function: function:" not in r["refused"]  # named once
 
     store = tmp_path / "later"
     _save(run_py, store, **SMALL, TEST_MISSING="later")
