@@ -105,9 +105,8 @@ class KernelFunctions:
     function attributes) the first time a graph being prepared needs it.
 
     LOAD resolves through libember, which waits for the kernel's own image only: the first
-    template therefore waits for the images its kernels live in, not for every image of the
-    archive (Qwen3-MoE under vLLM: 0.54 s of lookups before the first template when all were
-    resolved up front). A kernel that cannot be resolved raises from the prepare that needed it.
+    template waits for the images its kernels live in, not for every image of the archive. A
+    kernel that cannot be resolved raises from the prepare that needed it.
     """
 
     def __init__(
