@@ -119,6 +119,8 @@ def role(name: str, args: dict[str, Any]) -> dict[str, Any]:
                                log=lambda m: None, wait_templates=False)
         _launch_all(loaded, t0, out, "warm")
         out["warm_load_timings"] = loaded.timings
+        if ip is not None:  # each image's load: [bytes, start ms after the first preload, load ms]
+            out["warm_catalog"] = ip.stats()["catalog"]
         out["warm_library_timings"] = dataclasses.asdict(loaded.library.timings)
     else:  # cold: the manifest read, the build and the LOAD all inside the timed span
         t0 = time.perf_counter()

@@ -94,11 +94,16 @@ def read(store_uri: str, identity_hash: str) -> ArchiveContent:
     return view(arc)
 
 
+def image_order(m: Manifest) -> list[str]:
+    """The kernel images' content hashes in execution order (LOAD's preload order)."""
+    return list(m.engine.get("image_order") or [k.content_hash for k in m.kernel_images])
+
+
 def view(arc: bundle.Archive) -> ArchiveContent:
     """The runtime's view of an opened archive: every blob fetched (in parallel) and verified."""
     arc.load_all()
     m = arc.manifest
-    order = list(m.engine.get("image_order") or [k.content_hash for k in m.kernel_images])
+    order = image_order(m)
     options = m.engine.get("image_options", {})
     kinds = {k.content_hash: (k.kind, k.kernels) for k in m.kernel_images}
     images = [

@@ -2,11 +2,12 @@
 
 `ArchiveRestore.open()` reads the manifest, checks the compatibility key, reads the allocation
 log and imports it (the engine's allocations are checked against SAVE's from then on); then it
-starts the rest on a background thread — every other blob read and verified, the graph table
-decoded, the kernel images handed to libember (proactive loading: the first needed key's images
-first), one template per topology group built and instantiated, each graph's kernel functions
-resolved as it is prepared — while the engine builds its model and KV
-cache on the caller's thread (Foundry §4.2.1). That is safe before the capture window's
+starts the rest on a background thread — the graph table read and decoded, the first needed
+key's kernel images read, verified and handed to libember's loaders (proactive loading), its
+group's template built while a reader thread does the same for every other blob, then one
+template per topology group built and instantiated, each graph's kernel functions resolved as it
+is prepared — while the engine builds its model and KV cache on the caller's thread (Foundry
+§4.2.1). That is safe before the capture window's
 allocations are replayed: libember maps the whole saved extent of its heap when the log is
 imported, so every address a node refers to is mapped already, and nothing is launched until
 `library()` hands the templates over after `replay()`. A damaged blob found in the background
@@ -32,6 +33,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ember.native import EmberDivergence, EmberError, Interposer
@@ -126,6 +128,8 @@ class ArchiveRestore:
         self._lib: GraphLibrary | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._rest: threading.Thread | None = None  # reads the blobs the first template does not need
+        self._rest_error: BaseException | None = None
         self._handover = threading.Event()  # the first template is ready, or the thread ended
         self._serving = threading.Event()  # library() handed the library over
 
@@ -201,9 +205,10 @@ class ArchiveRestore:
         self._thread.start()
 
     def _reconstruct(self, ctx: Any = None, prefix: str = "") -> None:
-        """Read the blobs, preload, decode the table, resolve functions, build and instantiate
-        the templates. On the background thread (`ctx` given), errors are kept for `library()`;
-        on the caller's, they propagate. Timings are kept under `prefix`."""
+        """Read the table and the blobs (the first key's images first, handed to libember's
+        loaders), resolve functions, build and instantiate the templates. On the background
+        thread (`ctx` given), errors are kept for `library()`; on the caller's, they propagate.
+        Timings are kept under `prefix`."""
         from cuda.bindings import driver as cu
 
         tm: dict[str, float] = {}
@@ -211,10 +216,14 @@ class ArchiveRestore:
         try:
             if ctx is not None:
                 cu.cuCtxSetCurrent(ctx)
-            self._read(tm)
-            table = self._decode(tm)
-            self._preload(table, tm)
-            lib = self._build_first(table, tm)
+            table = self._read(tm)
+            try:
+                lib = self._build_first(table, tm)
+            finally:
+                damaged = self._join_rest(tm)  # also when the build failed: no reader is left behind
+            if damaged is not None:
+                lib.close()
+                raise damaged
             tm["library_first_ms"] = (time.perf_counter() - t_all) * 1e3
             self.timings.update({prefix + k: v for k, v in tm.items()})
             self._lib = lib
@@ -232,52 +241,82 @@ class ArchiveRestore:
             self.timings.update({prefix + k: v for k, v in tm.items()})
             self._handover.set()
 
-    def _read(self, tm: dict[str, float]) -> None:
-        """Every blob read and verified."""
+    def _read(self, tm: dict[str, float]) -> GraphTable:
+        """The graph table (it names the first needed key's kernels), then those kernels' images,
+        each read and verified, handed to libember's loader threads; the other blobs follow on
+        the `ember-read` thread while the first template builds (`_join_rest`)."""
+        from ember.archive import graph_table as archive_format
         from ember.runtime import publish
-
-        t = time.perf_counter()
-        if self.archive is None:
-            try:
-                self.archive = publish.view(self.opened)
-            except Exception as exc:
-                raise Refused(LOAD, f"archive damaged: {exc}") from exc
-        tm["read_blobs_ms"] = (time.perf_counter() - t) * 1e3
-
-    def _preload(self, table: GraphTable, tm: dict[str, float]) -> None:
-        """Kernel images handed to libember's loader threads: those of the first needed key's
-        graph first (its template waits for them), then the rest in execution order."""
         from ember.runtime.graphs.need import need_order
 
-        assert self.archive is not None
+        arc = self.opened
+        self._rest_error = None
         t = time.perf_counter()
-        images = self.archive.images
         try:
+            # the header and index; each graph's chunk is decoded when it is prepared, in need order
+            table: GraphTable = archive_format.decode(arc.blob_bytes(arc.manifest.graphs.table))
             first = table.chunk(need_order(table.keys)[0]).kpar["kernel"].tolist() if len(table) else []
             wanted = {table.kernels[k].image for k in set(first)}
         except Exception as exc:
             raise Refused(LOAD, f"archive damaged: {exc}") from exc
-        images = sorted(images, key=lambda im: im.content_hash not in wanted)  # stable
+        tm["read_table_ms"] = (time.perf_counter() - t) * 1e3
+        order = publish.image_order(arc.manifest)
+        pool = ThreadPoolExecutor(4, thread_name_prefix="ember-read")
         try:
-            self.ip.preload([(im.content_hash, im.data, im.options) for im in images])
-        except EmberError as exc:
-            raise Refused(LOAD, f"libember refused the archive: {exc}") from exc
-        tm["preload_start_ms"] = (time.perf_counter() - t) * 1e3
-        tm["images_first"] = len(wanted)
+            t = time.perf_counter()
+            self._hand_over_images([h for h in order if h in wanted], pool)
+            tm["images_first"] = len(wanted)
+            tm["read_first_images_ms"] = (time.perf_counter() - t) * 1e3
+        except BaseException:
+            pool.shutdown(wait=False)
+            raise
+        rest = [h for h in order if h not in wanted]
+        self._rest = threading.Thread(
+            target=self._read_rest, args=(rest, pool, tm), name="ember-read", daemon=True
+        )
+        self._rest.start()
+        return table
 
-    def _decode(self, tm: dict[str, float]) -> GraphTable:
-        from ember.archive import graph_table as archive_format
-
-        assert self.archive is not None
-        t = time.perf_counter()
+    def _hand_over_images(self, hashes: list[str], pool: ThreadPoolExecutor) -> None:
+        """These kernel images read and verified (in parallel), then queued, in this order, on
+        libember's loader threads (which hash them again, against the name the table uses)."""
+        arc = self.opened
+        options = arc.manifest.engine.get("image_options", {})
         try:
-            # the header and index; each graph's chunk is decoded when it is prepared, in need
-            # order (the blob's bytes were verified against their digest when read)
-            table: GraphTable = archive_format.decode(self.archive.graph_table)
+            data = list(pool.map(arc.kernel_image, hashes))
         except Exception as exc:
             raise Refused(LOAD, f"archive damaged: {exc}") from exc
-        tm["decode_ms"] = (time.perf_counter() - t) * 1e3
-        return table
+        try:
+            self.ip.preload([(h, d, options.get(h, {})) for h, d in zip(hashes, data, strict=True)])
+        except EmberError as exc:
+            raise Refused(LOAD, f"libember refused the archive: {exc}") from exc
+
+    def _read_rest(self, hashes: list[str], pool: ThreadPoolExecutor, tm: dict[str, float]) -> None:
+        """The other images (a few at a time, so the loaders start early), then every other blob."""
+        from ember.runtime import publish
+
+        t = time.perf_counter()
+        try:
+            for i in range(0, len(hashes), 8):
+                self._hand_over_images(hashes[i : i + 8], pool)
+            try:
+                self.archive = publish.view(self.opened)  # what is left (the RNG state), then the whole view
+            except Exception as exc:
+                raise Refused(LOAD, f"archive damaged: {exc}") from exc
+        except BaseException as exc:
+            self._rest_error = exc
+        finally:
+            pool.shutdown(wait=False)
+            tm["read_rest_ms"] = (time.perf_counter() - t) * 1e3
+
+    def _join_rest(self, tm: dict[str, float]) -> BaseException | None:
+        """Waits for the reader: every blob is read and verified before the hand-over. Returns
+        what refuses the archive (a damaged blob), if anything."""
+        t = time.perf_counter()
+        if self._rest is not None:
+            self._rest.join()
+        tm["read_rest_wait_ms"] = (time.perf_counter() - t) * 1e3
+        return self._rest_error
 
     def _build_first(self, table: GraphTable, tm: dict[str, float]) -> GraphLibrary:
         """The library with the template of the first needed key's group built and instantiated

@@ -38,6 +38,7 @@ struct Image {
   bool enumerated = false;
   std::map<std::string, std::map<int, int>> attributes;  // kernel -> attribute -> value
   Load load = Load::None;
+  uint64_t load_start_ns = 0, load_ns = 0;  // a preload's cuLibraryLoadData
   CUlibrary own_library = nullptr;  // loaded by ember (preload / function())
   std::string load_error;
 };
@@ -52,7 +53,8 @@ struct Catalog {
   std::deque<Image*> queue;
   int workers = 0;
   uint64_t loads = 0, unsized = 0, preloaded = 0, preload_failed = 0;
-  uint64_t ns_hash = 0, ns_preload = 0, ns_wait = 0;
+  uint64_t ns_hash = 0, ns_preload = 0, ns_wait = 0, ns_function = 0;
+  uint64_t preload_t0 = 0;  // the first preload call (the origin of each load's start)
 };
 
 Catalog& C() {
@@ -164,7 +166,9 @@ void worker() {
     CUlibrary lib = nullptr;
     const CUresult rc = load_library_bytes(im, &lib);
     std::lock_guard<std::mutex> g(c.mu);
-    c.ns_preload += now_ns() - t0;
+    im->load_start_ns = t0;
+    im->load_ns = now_ns() - t0;
+    c.ns_preload += im->load_ns;
     if (rc == CUDA_SUCCESS) {
       im->own_library = lib;
       c.by_library[lib] = im;
@@ -454,23 +458,34 @@ int catalog_image_bytes(const std::string& hash, const std::vector<uint8_t>** by
 int catalog_preload(std::vector<PreloadItem> items) {
   Catalog& c = C();
   if (real() == nullptr) return EMBER_ENODRIVER;
+  // Copying and hashing are most of a hand-off (an image is up to megabytes): in parallel, and
+  // outside the lock the loaders and function() need.
+  const uint64_t t0 = now_ns();
+  std::vector<std::vector<uint8_t>> bytes(items.size());
+  std::vector<std::string> got(items.size());
+  parallel_for(items.size(), std::thread::hardware_concurrency(), [&](size_t i) {
+    bytes[i].assign(items[i].data, items[i].data + items[i].size);
+    got[i] = hash_hex(bytes[i].data(), bytes[i].size());
+  });
   std::lock_guard<std::mutex> g(c.mu);
+  c.ns_hash += now_ns() - t0;
+  if (c.preload_t0 == 0) c.preload_t0 = t0;
   int bad = 0;
-  for (PreloadItem& it : items) {
-    const std::string h = hash_hex(it.bytes.data(), it.bytes.size());
-    if (h != it.hash) {
-      EMBER_LOG(Warn, "Preload: image bytes hash to %s, not %s; skipped", h.c_str(), it.hash.c_str());
+  for (size_t i = 0; i < items.size(); ++i) {
+    PreloadItem& it = items[i];
+    if (got[i] != it.hash) {
+      EMBER_LOG(Warn, "Preload: image bytes hash to %s, not %s; skipped", got[i].c_str(), it.hash.c_str());
       ++bad;
       continue;
     }
     Image* im = intern(c, it.hash);
     if (im->load != Load::None || !im->libraries.empty() || im->own_library) continue;  // loading or loaded
     if (!im->have_bytes) {
-      const ImageSpan span = size_image(it.bytes.data(), it.bytes.size());
+      const ImageSpan span = size_image(bytes[i].data(), bytes[i].size());
       im->kind = span.kind;
-      im->size = it.bytes.size();
+      im->size = bytes[i].size();
       im->api = "preload";
-      im->bytes = std::move(it.bytes);
+      im->bytes = std::move(bytes[i]);
       im->have_bytes = true;
       im->jit = std::move(it.jit);
       im->lib = std::move(it.lib);
@@ -478,7 +493,9 @@ int catalog_preload(std::vector<PreloadItem> items) {
     im->load = Load::Queued;
     c.queue.push_back(im);
   }
-  const int want = std::min<int>(4, static_cast<int>(c.queue.size()));
+  // Loader threads (EMBER_LOADER_THREADS, default 4): cuLibraryLoadData of the queue, in order.
+  const int threads = static_cast<int>(std::max<uint64_t>(1, env_u64("EMBER_LOADER_THREADS", 4)));
+  const int want = std::min<int>(threads, static_cast<int>(c.queue.size()));
   for (; c.workers < want; ++c.workers) std::thread(worker).detach();
   return bad ? EMBER_EFORMAT : EMBER_OK;
 }
@@ -519,6 +536,10 @@ int catalog_function(const std::string& hash, const std::string& name, uint64_t*
     im->load = Load::Loaded;
     c.cv.notify_all();
   }
+  // The driver's part without the lock: loaders finishing meanwhile need it.
+  const CUmodule mod = lib == nullptr ? im->modules.front() : nullptr;
+  g.unlock();
+  const uint64_t t1 = now_ns();
   CUfunction f = nullptr;
   CUresult rc;
   if (lib != nullptr) {
@@ -526,7 +547,7 @@ int catalog_function(const std::string& hash, const std::string& name, uint64_t*
     rc = r->cuLibraryGetKernel ? r->cuLibraryGetKernel(&k, lib, name.c_str()) : kNoDriver;
     if (rc == CUDA_SUCCESS) rc = r->cuKernelGetFunction ? r->cuKernelGetFunction(&f, k) : kNoDriver;
   } else {
-    rc = r->cuModuleGetFunction ? r->cuModuleGetFunction(&f, im->modules.front(), name.c_str()) : kNoDriver;
+    rc = r->cuModuleGetFunction ? r->cuModuleGetFunction(&f, mod, name.c_str()) : kNoDriver;
   }
   if (rc == CUDA_ERROR_NOT_FOUND) {
     set_last_error("function: no kernel " + name + " in image " + hash);
@@ -541,6 +562,8 @@ int catalog_function(const std::string& hash, const std::string& name, uint64_t*
   if (r->cuFuncIsLoaded && r->cuFuncIsLoaded(&st, f) == CUDA_SUCCESS && st != CU_FUNCTION_LOADING_STATE_LOADED &&
       r->cuFuncLoad)
     r->cuFuncLoad(f);
+  g.lock();
+  c.ns_function += now_ns() - t1;
   *func = reinterpret_cast<uint64_t>(f);
   return EMBER_OK;
 }
@@ -548,12 +571,23 @@ int catalog_function(const std::string& hash, const std::string& name, uint64_t*
 std::string catalog_stats_json() {
   Catalog& c = C();
   std::lock_guard<std::mutex> g(c.mu);
+  // Each preloaded image: [bytes, load start after the first preload call (ms), load (ms)].
+  std::vector<const Image*> loaded;
+  for (const auto& up : c.images)
+    if (up->load_ns) loaded.push_back(up.get());
+  std::sort(loaded.begin(), loaded.end(), [](auto* a, auto* b) { return a->load_start_ns < b->load_start_ns; });
+  std::string loads = "[";
+  for (const Image* im : loaded)
+    loads += strprintf("%s[%zu,%.3f,%.3f]", loads.size() > 1 ? "," : "", im->size,
+                       (im->load_start_ns - c.preload_t0) / 1e6, im->load_ns / 1e6);
+  loads += "]";
   return strprintf(
       "{\"images\":%zu,\"loads\":%llu,\"unsized\":%llu,\"preloaded\":%llu,\"preload_failed\":%llu,"
-      "\"preload_pending\":%zu,\"seconds\":{\"hash\":%.6f,\"preload\":%.6f,\"function_wait\":%.6f}}",
+      "\"preload_pending\":%zu,\"seconds\":{\"hash\":%.6f,\"preload\":%.6f,\"function_wait\":%.6f,"
+      "\"function\":%.6f},\"preloads\":%s}",
       c.images.size(), static_cast<unsigned long long>(c.loads), static_cast<unsigned long long>(c.unsized),
       static_cast<unsigned long long>(c.preloaded), static_cast<unsigned long long>(c.preload_failed),
-      c.queue.size(), c.ns_hash / 1e9, c.ns_preload / 1e9, c.ns_wait / 1e9);
+      c.queue.size(), c.ns_hash / 1e9, c.ns_preload / 1e9, c.ns_wait / 1e9, c.ns_function / 1e9, loads.c_str());
 }
 
 }  // namespace ember

@@ -31,7 +31,8 @@ int catalog_lookup(uint64_t func, uint64_t kern, std::string* hash, std::string*
 int catalog_image_bytes(const std::string& hash, const std::vector<uint8_t>** bytes);
 struct PreloadItem {
   std::string hash;
-  std::vector<uint8_t> bytes;
+  const uint8_t* data = nullptr;  // the caller's bytes, copied before catalog_preload returns
+  size_t size = 0;
   Options jit, lib;
 };
 int catalog_preload(std::vector<PreloadItem> items);

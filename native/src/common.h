@@ -6,11 +6,14 @@
 // cuda.h renames cuGetProcAddress to its _v2; ember exports both ABI variants by their own names.
 #undef cuGetProcAddress
 
+#include <algorithm>
 #include <atomic>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <thread>
+#include <vector>
 
 #define EMBER_EXPORT __attribute__((visibility("default")))
 #define EMBER_HIDDEN __attribute__((visibility("hidden")))
@@ -79,5 +82,18 @@ uint64_t env_u64(const char* name, uint64_t dflt);
 // The message behind the last failed control call (allocator.cpp keeps it).
 void set_last_error(const std::string& msg);
 std::string last_error();
+
+// f(0), ..., f(n-1) on up to `threads` threads, the calling one among them; returns when all ran.
+template <class F>
+void parallel_for(size_t n, size_t threads, F&& f) {
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < n;) f(i);
+  };
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < std::min(n, threads); ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+}
 
 }  // namespace ember

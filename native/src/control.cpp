@@ -147,8 +147,8 @@ EMBER_EXPORT int ember_preload(size_t n, const char* const* hashes, const void* 
     if (hashes[i] == nullptr || data[i] == nullptr || sizes[i] == 0 || sizes[i] > kMaxImage)
       return fail(EMBER_EINVAL, "preload: image " + std::to_string(i) + " is empty or invalid");
     items[i].hash = hashes[i];
-    const auto* p = static_cast<const uint8_t*>(data[i]);
-    items[i].bytes.assign(p, p + sizes[i]);
+    items[i].data = static_cast<const uint8_t*>(data[i]);
+    items[i].size = sizes[i];
     if (!parse_options(options_json ? options_json[i] : nullptr, &items[i].jit, &items[i].lib))
       return fail(EMBER_EFORMAT, "preload: malformed options for image " + std::to_string(i));
   }

@@ -114,6 +114,7 @@ try:
 except EmberError as exc:
     bad = exc.code
 print(json.dumps({"f": f, "g": g, "lookup": ip.lookup(f, 0), "missing": missing, "bad": bad,
+                  "ptx_size": len(PTX), "fat_size": len(FATBIN),
                   "calls": calls(), "st": ip.stats()["catalog"], "cat": ip.catalog()}))
 """,
         mode="load",
@@ -123,6 +124,9 @@ print(json.dumps({"f": f, "g": g, "lookup": ip.lookup(f, 0), "missing": missing,
     assert r["missing"] == -5 and r["bad"] == -10
     assert r["calls"].count("cuLibraryLoadData") == 2 and "cuFuncLoad" in r["calls"]  # lazily loaded: forced
     assert r["st"]["preloaded"] == 2 and r["st"]["preload_failed"] == 0
+    # each preload's load is reported: [bytes, start after the first preload (ms), load (ms)]
+    assert sorted(size for size, _, _ in r["st"]["preloads"]) == sorted([r["ptx_size"], r["fat_size"]])
+    assert all(start >= 0 and ms >= 0 for _, start, ms in r["st"]["preloads"])
     fat = next(c for c in r["cat"] if c["kind"] == "fatbin")
     assert fat["jit_options"] == {"0": 32} and fat["library_options"] == {"1": 1} and fat["preload"] == "loaded"
 
@@ -172,6 +176,21 @@ print(json.dumps({"cat": cat, "bytes": ip.image_bytes(linked["hash"]).decode(err
     assert "could not prelink" in out.stderr
 
 
+SLOW_FAST = """
+import time
+slow = b".version 8.0\\n.entry SLOW_kernel(\\n)\\n{}\\n\\0"
+fast = b".version 8.0\\n.entry fast_kernel(\\n)\\n{}\\n\\0"
+t0 = time.perf_counter()
+ip.preload([(ip.hash(slow), slow, {}), (ip.hash(fast), fast, {})])   # returns at once
+t_pre = time.perf_counter() - t0
+ip.function(ip.hash(fast), "fast_kernel")
+t_fast = time.perf_counter() - t0
+ip.function(ip.hash(slow), "SLOW_kernel")
+t_slow = time.perf_counter() - t0
+print(json.dumps({"pre": t_pre, "fast": t_fast, "slow": t_slow, "st": ip.stats()["catalog"]}))
+"""
+
+
 def test_function_waits_only_for_its_own_image(run_py) -> None:
     out = run_py(
         """
@@ -192,3 +211,12 @@ print(json.dumps({"pre": t_pre, "fast": t_fast, "slow": t_slow, "st": ip.stats()
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["pre"] < 0.5 and r["fast"] < 1.0 <= 1.4 <= r["slow"] < 10
     assert r["st"]["preloaded"] == 2 and r["st"]["seconds"]["function_wait"] >= 1.0
+
+
+def test_loader_threads_are_configurable(run_py) -> None:
+    """With one loader thread (EMBER_LOADER_THREADS=1) the images load one after the other, in
+    the order given: the fast image waits behind the slow one."""
+    r = _last_json(run_py(SLOW_FAST, mode="load", env={"EMBER_LOADER_THREADS": "1"}))
+    assert r["pre"] < 0.5 and 1.4 <= r["fast"] <= r["slow"] < 10
+    (_, start_slow, ms_slow), (_, start_fast, _) = r["st"]["preloads"]
+    assert ms_slow >= 1400 and start_fast >= start_slow + ms_slow

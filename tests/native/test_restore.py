@@ -322,7 +322,7 @@ def test_background_restore_builds_the_templates_the_foreground_builds(run_py, t
 
     # Built on the background thread, before library() was asked; handed over, not rebuilt.
     assert bg["built_before_library"] is True
-    assert {"join_ms", "reconstruct_ms", "templates_ms", "read_blobs_ms"} <= set(bg["timings"])
+    assert {"join_ms", "reconstruct_ms", "templates_ms", "read_first_images_ms", "read_rest_ms"} <= set(bg["timings"])
     assert not {"foreground_ms", "background_error"} & set(bg["timings"])
     # The foreground path builds in library() instead.
     assert fg["built_before_library"] is False and "foreground_ms" in fg["timings"]
@@ -390,6 +390,32 @@ def test_damaged_blob_is_refused_before_any_launch(run_py, tmp_path: Path) -> No
     assert not any(c.startswith("cuLaunchKernel") for c in r["calls"])
     assert r["execs"] == 0                          # nothing instantiated
     assert "cuLibraryLoadData" not in r["calls"]    # nor any kernel image loaded
+
+
+def test_a_damaged_image_the_first_template_does_not_need_still_refuses_before_the_hand_over(
+    run_py, tmp_path: Path
+) -> None:
+    """The first key's images are read first and its template builds while a reader thread
+    verifies the rest: damage found there refuses the archive all the same, before any launch,
+    and what was built is released."""
+    from ember.archive import bundle
+
+    store = tmp_path / "store"
+    _save(run_py, store, **SMALL)
+    arc = bundle.open_archive(store.as_uri())
+    last = arc.manifest.engine["image_order"][-1]  # first used after graph 0 (execution order)
+    image = next(k for k in arc.manifest.kernel_images if k.content_hash == last)
+    blob = store / "blobs" / arc.manifest.blob(image.blob).sha256
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    blob.write_bytes(bytes(data))
+
+    r = _last_json(run_py(DAMAGED, mode="load", env={"TEST_STORE": store.as_uri(), **SMALL}))
+    assert r["refused_in"] == "library" and r["stage"] == "load", r
+    assert r["reason"].startswith("archive damaged") and repr(image.blob) in r["reason"], r
+    assert "cuLibraryLoadData" in r["calls"]   # the first key's images were loaded meanwhile
+    assert r["launches"] == 0 and "cuGraphLaunch" not in r["calls"]
+    assert r["execs"] == 0                     # the first template, built, was released
 
 
 FOREIGN = COMMON + """
