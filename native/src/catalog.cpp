@@ -581,13 +581,14 @@ std::string catalog_stats_json() {
     loads += strprintf("%s[%zu,%.3f,%.3f]", loads.size() > 1 ? "," : "", im->size,
                        (im->load_start_ns - c.preload_t0) / 1e6, im->load_ns / 1e6);
   loads += "]";
-  return strprintf(
-      "{\"images\":%zu,\"loads\":%llu,\"unsized\":%llu,\"preloaded\":%llu,\"preload_failed\":%llu,"
-      "\"preload_pending\":%zu,\"seconds\":{\"hash\":%.6f,\"preload\":%.6f,\"function_wait\":%.6f,"
-      "\"function\":%.6f},\"preloads\":%s}",
-      c.images.size(), static_cast<unsigned long long>(c.loads), static_cast<unsigned long long>(c.unsized),
-      static_cast<unsigned long long>(c.preloaded), static_cast<unsigned long long>(c.preload_failed),
-      c.queue.size(), c.ns_hash / 1e9, c.ns_preload / 1e9, c.ns_wait / 1e9, c.ns_function / 1e9, loads.c_str());
+  return strprintf(  // strprintf's buffer is short: the list is appended, not formatted
+             "{\"images\":%zu,\"loads\":%llu,\"unsized\":%llu,\"preloaded\":%llu,\"preload_failed\":%llu,"
+             "\"preload_pending\":%zu,\"seconds\":{\"hash\":%.6f,\"preload\":%.6f,\"function_wait\":%.6f,"
+             "\"function\":%.6f},\"preloads\":",
+             c.images.size(), static_cast<unsigned long long>(c.loads), static_cast<unsigned long long>(c.unsized),
+             static_cast<unsigned long long>(c.preloaded), static_cast<unsigned long long>(c.preload_failed),
+             c.queue.size(), c.ns_hash / 1e9, c.ns_preload / 1e9, c.ns_wait / 1e9, c.ns_function / 1e9) +
+         loads + "}";
 }
 
 }  // namespace ember

@@ -220,3 +220,18 @@ def test_loader_threads_are_configurable(run_py) -> None:
     assert r["pre"] < 0.5 and 1.4 <= r["fast"] <= r["slow"] < 10
     (_, start_slow, ms_slow), (_, start_fast, _) = r["st"]["preloads"]
     assert ms_slow >= 1400 and start_fast >= start_slow + ms_slow
+
+
+def test_stats_report_every_preload_of_a_large_hand_off(run_py) -> None:
+    """The stats stay one JSON document however many images were preloaded."""
+    r = _last_json(run_py(
+        """
+images = [b".version 8.0\\n.entry k%03d(\\n)\\n{}\\n\\0" % i for i in range(150)]
+ip.preload([(ip.hash(im), im, {}) for im in images])
+for i, im in enumerate(images):
+    ip.function(ip.hash(im), "k%03d" % i)
+print(json.dumps({"st": ip.stats()["catalog"], "sizes": sorted(len(im) for im in images)}))
+""",
+        mode="load",
+    ))
+    assert r["st"]["preloaded"] == 150 and sorted(size for size, _, _ in r["st"]["preloads"]) == r["sizes"]
