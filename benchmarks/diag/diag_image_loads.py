@@ -1,6 +1,6 @@
 """Where do the first key's image loads go: is cuLibraryLoadData size-bound, do loaders scale?
 
-    python benchmarks/diag/diag_image_loads.py STORE --threads 1,4,8,16 --out DIR
+    python benchmarks/diag/diag_image_loads.py STORE --threads 1,4,16,4e --out DIR   (4e: EAGER loading)
 
 For the one archive in STORE (e.g. the store `ember bench graphs --store` saved into), per loader
 thread count, one fresh process under libember in load mode (EMBER_LOADER_THREADS=n): every image
@@ -40,7 +40,10 @@ def child(store: str) -> dict[str, Any]:
     first_kernels = sorted(set(table.chunk(need_order(table.keys)[0]).kpar["kernel"].tolist()))
     wanted = {table.kernels[k].image for k in first_kernels}
     head = [h for h in order if h in wanted]
+    kinds = {k.content_hash: (k.kind, k.kernels) for k in arc.manifest.kernel_images}
     out: dict[str, Any] = {
+        # per image, in load order: [bytes, kind, kernels of the archive in it, load options]
+        "images_detail": [[len(data[h]), *kinds.get(h, ("?", 0)), options.get(h, {})] for h in order],
         "images": len(order), "images_first": len(head), "kernels_first": len(first_kernels),
         "bytes_first": sum(len(data[h]) for h in head), "bytes_all": sum(len(d) for d in data.values()),
     }
@@ -96,17 +99,21 @@ def main() -> None:
     from ember.runtime.session import preload_env
 
     runs = {}
-    for n in [int(x) for x in a.threads.split(",")]:
+    # "4" runs with 4 loader threads; "4e" the same with CUDA_MODULE_LOADING=EAGER
+    for run in a.threads.split(","):
+        n = int(run.rstrip("e"))
         env = {**preload_env("load"), "EMBER_LOADER_THREADS": str(n)}
+        if run.endswith("e"):
+            env["CUDA_MODULE_LOADING"] = "EAGER"
         p = subprocess.run([sys.executable, __file__, a.store, "--child"], env=env, capture_output=True,
                            text=True, timeout=300)
         if p.returncode != 0:
-            runs[n] = {"error": p.stderr[-2000:]}
+            runs[run] = {"error": p.stderr[-2000:]}
             continue
         r = json.loads(p.stdout.strip().splitlines()[-1])
         r["summary"] = summarize(r)
-        runs[n] = r
-        print(n, {k: v for k, v in r.items() if not isinstance(v, list | dict)}, r["summary"], flush=True)
+        runs[run] = r
+        print(run, {k: v for k, v in r.items() if not isinstance(v, list | dict)}, r["summary"], flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / f"diag-image-loads-{a.tag}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(runs, indent=1))

@@ -3,7 +3,8 @@
 The formats and the store protocol are the archive engineer's (`ember.archive.bundle`,
 `graph_table`, `manifest`, `ember.store`): this module only adds what the runtime needs on top, kept in
 the manifest's free-form `engine` facts:
-- `image_order`: the kernel images in execution order (templates first), for proactive loading;
+- `image_order`: the kernel images in execution order (templates first, in need order), the
+  order LOAD reads and loads them in;
 - `image_options`: libember's recorded load options per image (JIT and library options).
 The graph table SAVE publishes is byte-identical to the one it proved (checked before upload).
 SAVE signs the manifest when EMBER_SIGNING_KEY names a key; LOAD checks the signature when
@@ -92,6 +93,19 @@ def read(store_uri: str, identity_hash: str) -> ArchiveContent:
     """Fetch every blob (in parallel), verify digests and sizes, return the runtime's view."""
     arc = bundle.read_archive(store_uri, identity_hash)
     return view(arc)
+
+
+def execution_order(graph_set: GraphSet, first: list[int]) -> list[str]:
+    """Image hashes in the order kernels run: the graphs `first` (the templates, in need order:
+    the first needed key's images lead), then the rest."""
+    seen: dict[str, None] = {}
+    order = first + [i for i in range(len(graph_set.graphs)) if i not in set(first)]
+    for i in order:
+        for node in graph_set.graphs[i].nodes:
+            k = getattr(node.params, "kernel", None)
+            if k is not None:
+                seen.setdefault(graph_set.kernels[k].image, None)
+    return list(seen)
 
 
 def image_order(m: Manifest) -> list[str]:

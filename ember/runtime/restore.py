@@ -36,15 +36,24 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from cuda.bindings import driver as cu
+
+from ember.archive import graph_table as archive_format
+from ember.archive.table_layout import FormatError
 from ember.native import EmberDivergence, EmberError, Interposer
+from ember.runtime import compat, publish
 from ember.runtime.adapter import COMPAT, LOAD, Refused
+from ember.runtime.graphs.driver import CudaError, current_context
+from ember.runtime.graphs.kernels import KernelFunctions
+from ember.runtime.graphs.need import need_order
+from ember.runtime.graphs.rebuild import RebuildError, apply_function_attr
+from ember.runtime.graphs.templates import GraphLibrary
 
 if TYPE_CHECKING:
     from ember.archive import bundle
     from ember.archive.graph_table import GraphTable
+    from ember.archive.graphs import KernelRef
     from ember.archive.manifest import Manifest
-    from ember.runtime import publish
-    from ember.runtime.graphs.templates import GraphLibrary
 
 
 def release_cached_memory(ip: Interposer | None = None) -> dict[str, float]:
@@ -104,8 +113,6 @@ def _accept(opened: bundle.Archive, accept: Callable[[dict[str, Any]], Any] | No
 
 def _open(store_uri: str, identity_hash: str) -> bundle.Archive:
     """The archive's manifest (signature first when EMBER_TRUSTED_KEYS is set), or Refused."""
-    from ember.runtime import publish
-
     try:
         return publish.open_archive(store_uri, identity_hash)
     except (publish.bundle.ArchiveUntrusted, publish.signing.SigningKeyError) as exc:
@@ -117,7 +124,6 @@ def _open(store_uri: str, identity_hash: str) -> bundle.Archive:
 
 class ArchiveRestore:
     """One archive on its way into this process; see the module docstring for the order."""
-
     def __init__(self, ip: Interposer, opened: bundle.Archive, timings: dict[str, Any]) -> None:
         self.ip = ip
         self.opened = opened
@@ -130,6 +136,7 @@ class ArchiveRestore:
         self._thread: threading.Thread | None = None
         self._rest: threading.Thread | None = None  # reads the blobs the first template does not need
         self._rest_error: BaseException | None = None
+        self._handed: dict[str, threading.Event] = {}  # per kernel image: handed to libember
         self._handover = threading.Event()  # the first template is ready, or the thread ended
         self._serving = threading.Event()  # library() handed the library over
 
@@ -158,8 +165,6 @@ class ArchiveRestore:
         EMBER_LOAD_BACKGROUND=0) builds the templates while the model builds.
         `communicator`: (ncclComm_t, world, rank) of this rank, for an archive with collective
         placeholders (created before this call, as the engine does natively)."""
-        from ember.runtime import compat
-
         if ip is None:
             raise Refused(LOAD, "libember is not preloaded with EMBER_MODE=load")
         tm: dict[str, Any] = {}
@@ -196,8 +201,6 @@ class ArchiveRestore:
         return self
 
     def _start_background(self) -> None:
-        from ember.runtime.graphs.driver import current_context
-
         ctx = current_context()
         self._thread = threading.Thread(
             target=self._reconstruct, args=(ctx,), name="ember-reconstruct", daemon=True
@@ -209,8 +212,6 @@ class ArchiveRestore:
         loaders), resolve functions, build and instantiate the templates. On the background
         thread (`ctx` given), errors are kept for `library()`; on the caller's, they propagate.
         Timings are kept under `prefix`."""
-        from cuda.bindings import driver as cu
-
         tm: dict[str, float] = {}
         t_all = time.perf_counter()
         try:
@@ -219,9 +220,11 @@ class ArchiveRestore:
             table = self._read(tm)
             try:
                 lib = self._build_first(table, tm)
-            finally:
-                damaged = self._join_rest(tm)  # also when the build failed: no reader is left behind
-            if damaged is not None:
+            except BaseException:
+                if (damaged := self._join_rest(tm)) is not None:
+                    raise damaged from None  # the cause (an image that never came), not its effect
+                raise
+            if (damaged := self._join_rest(tm)) is not None:
                 lib.close()
                 raise damaged
             tm["library_first_ms"] = (time.perf_counter() - t_all) * 1e3
@@ -242,72 +245,73 @@ class ArchiveRestore:
             self._handover.set()
 
     def _read(self, tm: dict[str, float]) -> GraphTable:
-        """The graph table (it names the first needed key's kernels), then those kernels' images,
-        each read and verified, handed to libember's loader threads; the other blobs follow on
-        the `ember-read` thread while the first template builds (`_join_rest`)."""
-        from ember.archive import graph_table as archive_format
-        from ember.runtime import publish
-        from ember.runtime.graphs.need import need_order
-
+        """Starts the reader thread (`_read_blobs`), then reads and decodes the graph table here
+        meanwhile."""
         arc = self.opened
         self._rest_error = None
+        self._handed = {h: threading.Event() for h in publish.image_order(arc.manifest)}
+        self._rest = threading.Thread(target=self._read_blobs, args=(tm,), name="ember-read", daemon=True)
+        self._rest.start()
         t = time.perf_counter()
         try:
             # the header and index; each graph's chunk is decoded when it is prepared, in need order
             table: GraphTable = archive_format.decode(arc.blob_bytes(arc.manifest.graphs.table))
             first = table.chunk(need_order(table.keys)[0]).kpar["kernel"].tolist() if len(table) else []
-            wanted = {table.kernels[k].image for k in set(first)}
         except Exception as exc:
             raise Refused(LOAD, f"archive damaged: {exc}") from exc
         tm["read_table_ms"] = (time.perf_counter() - t) * 1e3
-        order = publish.image_order(arc.manifest)
-        pool = ThreadPoolExecutor(4, thread_name_prefix="ember-read")
-        try:
-            t = time.perf_counter()
-            self._hand_over_images([h for h in order if h in wanted], pool)
-            tm["images_first"] = len(wanted)
-            tm["read_first_images_ms"] = (time.perf_counter() - t) * 1e3
-        except BaseException:
-            pool.shutdown(wait=False)
-            raise
-        rest = [h for h in order if h not in wanted]
-        self._rest = threading.Thread(
-            target=self._read_rest, args=(rest, pool, tm), name="ember-read", daemon=True
-        )
-        self._rest.start()
+        tm["images_first"] = len({table.kernels[k].image for k in set(first)})
         return table
 
-    def _hand_over_images(self, hashes: list[str], pool: ThreadPoolExecutor) -> None:
-        """These kernel images read and verified (in parallel), then queued, in this order, on
-        libember's loader threads (which hash them again, against the name the table uses)."""
+    def _read_blobs(self, tm: dict[str, float]) -> None:
+        """Every kernel image read and verified (4 threads), in the archive's order: SAVE writes
+        it need-first, so the first needed key's images lead. Each is handed to libember's loader
+        threads as soon as it and those before it are read; then every other blob. A damaged
+        blob is kept for `_join_rest`."""
         arc = self.opened
+        order = list(self._handed)
         options = arc.manifest.engine.get("image_options", {})
-        try:
-            data = list(pool.map(arc.kernel_image, hashes))
-        except Exception as exc:
-            raise Refused(LOAD, f"archive damaged: {exc}") from exc
-        try:
-            self.ip.preload([(h, d, options.get(h, {})) for h, d in zip(hashes, data, strict=True)])
-        except EmberError as exc:
-            raise Refused(LOAD, f"libember refused the archive: {exc}") from exc
-
-    def _read_rest(self, hashes: list[str], pool: ThreadPoolExecutor, tm: dict[str, float]) -> None:
-        """The other images (a few at a time, so the loaders start early), then every other blob."""
-        from ember.runtime import publish
-
         t = time.perf_counter()
+        pool = ThreadPoolExecutor(4, thread_name_prefix="ember-read")
         try:
-            for i in range(0, len(hashes), 8):
-                self._hand_over_images(hashes[i : i + 8], pool)
+            reads = [pool.submit(arc.kernel_image, h) for h in order]
+            i = 0
+            while i < len(order):  # hand over whatever is read, in order, as it comes
+                j = i + 1
+                while j < len(order) and reads[j].done():
+                    j += 1
+                try:
+                    data = [f.result() for f in reads[i:j]]
+                except Exception as exc:
+                    raise Refused(LOAD, f"archive damaged: {exc}") from exc
+                try:
+                    handed = zip(order[i:j], data, strict=True)
+                    self.ip.preload([(h, d, options.get(h, {})) for h, d in handed])
+                except EmberError as exc:
+                    raise Refused(LOAD, f"libember refused the archive: {exc}") from exc
+                tm.setdefault("images_handed_first_ms", (time.perf_counter() - t) * 1e3)
+                for h in order[i:j]:
+                    self._handed[h].set()
+                i = j
+            tm["images_handed_ms"] = (time.perf_counter() - t) * 1e3
             try:
-                self.archive = publish.view(self.opened)  # what is left (the RNG state), then the whole view
+                self.archive = publish.view(arc)  # what is left (the RNG state), then the whole view
             except Exception as exc:
                 raise Refused(LOAD, f"archive damaged: {exc}") from exc
         except BaseException as exc:
             self._rest_error = exc
         finally:
-            pool.shutdown(wait=False)
-            tm["read_rest_ms"] = (time.perf_counter() - t) * 1e3
+            pool.shutdown(wait=False, cancel_futures=True)
+            for ev in self._handed.values():  # no lookup waits for an image that will not come
+                ev.set()
+            tm["read_blobs_ms"] = (time.perf_counter() - t) * 1e3
+
+    def _function(self, ref: KernelRef) -> int:
+        """The kernel's CUfunction, once the reader handed its image to libember (which then
+        waits for that image's load only)."""
+        if (handed := self._handed.get(ref.image)) is not None:
+            handed.wait()
+        return self.ip.function(ref.image, ref.name)
 
     def _join_rest(self, tm: dict[str, float]) -> BaseException | None:
         """Waits for the reader: every blob is read and verified before the hand-over. Returns
@@ -322,16 +326,9 @@ class ArchiveRestore:
         """The library with the template of the first needed key's group built and instantiated
         (need order, `ember.runtime.graphs.need`). Kernel functions are resolved as graphs are
         prepared: this one waits only for its own kernels' images."""
-        from ember.archive.table_layout import FormatError
-        from ember.runtime.graphs.kernels import KernelFunctions
-        from ember.runtime.graphs.rebuild import apply_function_attr
-        from ember.runtime.graphs.templates import GraphLibrary
-
         refs = table.kernels
-        functions = KernelFunctions(
-            len(refs), lambda i: self.ip.function(refs[i].image, refs[i].name), table.function_attrs,
-            apply_function_attr,
-        )
+        functions = KernelFunctions(len(refs), lambda i: self._function(refs[i]), table.function_attrs,
+                                    apply_function_attr)
         t = time.perf_counter()
         lib = GraphLibrary(table, functions, splicer=self.splicer)
         try:
@@ -402,9 +399,6 @@ class ArchiveRestore:
         as serving starts). Builds them here when there was no thread; retries a refused
         background build once here (the driver may have refused for a reason the replay
         removed); Refused when the archive cannot be restored."""
-        from ember.runtime.graphs.driver import CudaError
-        from ember.runtime.graphs.rebuild import RebuildError
-
         t = time.perf_counter()
         if self._thread is not None:
             self._handover.wait()

@@ -94,27 +94,15 @@ def proof_facts(rep: ProofReport) -> dict[str, Any]:
     }
 
 
-def execution_order(graph_set: GraphSet, first: list[int]) -> list[str]:
-    """Image hashes in the order kernels run: template graphs first, then the rest."""
-    seen: dict[str, None] = {}
-    order = first + [i for i in range(len(graph_set.graphs)) if i not in set(first)]
-    for i in order:
-        for node in graph_set.graphs[i].nodes:
-            k = getattr(node.params, "kernel", None)
-            if k is not None:
-                seen.setdefault(graph_set.kernels[k].image, None)
-    return list(seen)
-
-
 def kernel_images(ip: Interposer, graph_set: GraphSet, templates: list[int]) -> list[publish.Image]:
-    """The kernel images the graphs use (only those), in execution order, with libember's load
-    options, for LOAD's proactive loading."""
+    """The kernel images the graphs use (only those), in execution order with `templates` (in
+    need order) first, with libember's load options, for LOAD's proactive loading."""
     catalog = {e["hash"]: e for e in ip.catalog()}
     per_image: dict[str, int] = {}
     for k in graph_set.kernels:
         per_image[k.image] = per_image.get(k.image, 0) + 1
     images = []
-    for h in execution_order(graph_set, templates):
+    for h in publish.execution_order(graph_set, templates):
         e = catalog.get(h, {})
         opts = {"jit": e.get("jit_options", {}), "library": e.get("library_options", {})}
         images.append(
@@ -256,7 +244,7 @@ def save(
     subject = adapter.proof_subject(graphs)
     rep, table_blob, lib = prove(subject, graph_set, resolver.function_list, resolver=resolver)
     d["prove_s"] = time.perf_counter() - t
-    templates = [g.template for g in lib.groups]
+    templates = [g.template for g in lib.groups]  # in need order (build_templates ordered them)
     lib.close()
     if not rep.ok:
         _refuse_unproven(rep)
