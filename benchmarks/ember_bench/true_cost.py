@@ -16,10 +16,11 @@ the build. These figures count everything the user waits for:
   a full queue blocks until the GPU drains, ~10-20 ms, which is not the key's first-use cost)
   and the exec updates it caused are counted (`first_use_updates`);
   the own execs' device memory (`exec_mb`) and the keys past the cap (`exec_capped`) are kept.
-- cold: a pod that starts with its archive. (a process that builds the model AND restores, until
-  every key is launchable through its own exec and ran once) minus (a process that only builds
-  the same model, restoring nothing), both under libember in load mode, both timed from the
-  armed session on.
+- cold: a pod that starts with its archive. (a process that imports ember's LOAD path, builds
+  the model AND restores, until every key is launchable through its own exec and ran once) minus
+  (a process that only builds the same model, restoring nothing), both under libember in load
+  mode, both timed from the armed session on. In the warm figures the LOAD path's modules were
+  imported when the process started, as an engine that waits for its archive does.
 
 Each in its own fresh process, `repeats` times; the report keeps every run and the medians.
 Children: `python -m ember_bench.true_cost ROLE ARGS_JSON`.
@@ -102,7 +103,6 @@ def _launch_all(loaded: Any, t0: float, out: dict[str, Any], prefix: str) -> Non
 
 
 def role(name: str, args: dict[str, Any]) -> dict[str, Any]:
-    from ember.engines.decode.adapter import load_workload
     from ember.runtime.session import native_session
 
     ip = native_session("load")  # armed before anything is built, as in a pod
@@ -112,7 +112,9 @@ def role(name: str, args: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         _build(facts)
         out["build_ms"] = (time.perf_counter() - t0) * 1e3
-    elif name == "warm":
+    elif name == "warm":  # the engine process imported ember's LOAD path when it started
+        from ember.engines.decode.adapter import load_workload
+
         prebuilt = _build(_facts(args["store"], args["identity"]))
         t0 = time.perf_counter()
         loaded = load_workload(args["store"], args["identity"], interposer=ip, prebuilt=prebuilt,
@@ -122,8 +124,10 @@ def role(name: str, args: dict[str, Any]) -> dict[str, Any]:
         if ip is not None:  # each image's load: [bytes, start ms after the first preload, load ms]
             out["warm_catalog"] = ip.stats()["catalog"]
         out["warm_library_timings"] = dataclasses.asdict(loaded.library.timings)
-    else:  # cold: the manifest read, the build and the LOAD all inside the timed span
+    else:  # cold: importing the LOAD path, the manifest read, the build and the LOAD all timed
         t0 = time.perf_counter()
+        from ember.engines.decode.adapter import load_workload
+
         loaded = load_workload(args["store"], args["identity"], interposer=ip, log=lambda m: None,
                                wait_templates=False)
         _launch_all(loaded, t0, out, "cold")
