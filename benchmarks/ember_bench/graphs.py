@@ -395,6 +395,7 @@ STAGES = (  # the critical path, then the background thread's
     "join_ms",
     "reconstruct_ms",
     "read_table_ms",
+    "first_handed_wait_ms",
     "images_handed_first_ms",
     "images_handed_ms",
     "read_blobs_ms",
