@@ -395,7 +395,6 @@ STAGES = (  # the critical path, then the background thread's
     "join_ms",
     "reconstruct_ms",
     "read_table_ms",
-    "first_handed_wait_ms",
     "images_handed_first_ms",
     "images_handed_ms",
     "read_blobs_ms",

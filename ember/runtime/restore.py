@@ -137,7 +137,6 @@ class ArchiveRestore:
         self._rest: threading.Thread | None = None  # reads the blobs the first template does not need
         self._rest_error: BaseException | None = None
         self._handed: dict[str, threading.Event] = {}  # per kernel image: handed to libember
-        self._first_handed = threading.Event()  # the reader's first hand-over (or its end)
         self._handover = threading.Event()  # the first template is ready, or the thread ended
         self._serving = threading.Event()  # library() handed the library over
 
@@ -251,23 +250,16 @@ class ArchiveRestore:
         arc = self.opened
         self._rest_error = None
         self._handed = {h: threading.Event() for h in publish.image_order(arc.manifest)}
-        self._first_handed = threading.Event()
         self._rest = threading.Thread(target=self._read_blobs, args=(tm,), name="ember-read", daemon=True)
         self._rest.start()
         t = time.perf_counter()
         try:
-            raw = arc.blob_bytes(arc.manifest.graphs.table)
-            tm["read_table_ms"] = (time.perf_counter() - t) * 1e3
-            # The decode and the build are Python that holds the GIL: the reader's threads would
-            # get it back only every switch interval (5 ms) per call and hand the first images
-            # over late. Let them hand the first ones to libember's loaders first.
-            self._first_handed.wait(timeout=1.0)
-            tm["first_handed_wait_ms"] = (time.perf_counter() - t) * 1e3 - tm["read_table_ms"]
             # the header and index; each graph's chunk is decoded when it is prepared, in need order
-            table: GraphTable = archive_format.decode(raw)
+            table: GraphTable = archive_format.decode(arc.blob_bytes(arc.manifest.graphs.table))
             first = table.chunk(need_order(table.keys)[0]).kpar["kernel"].tolist() if len(table) else []
         except Exception as exc:
             raise Refused(LOAD, f"archive damaged: {exc}") from exc
+        tm["read_table_ms"] = (time.perf_counter() - t) * 1e3
         tm["images_first"] = len({table.kernels[k].image for k in set(first)})
         return table
 
@@ -300,7 +292,6 @@ class ArchiveRestore:
                 tm.setdefault("images_handed_first_ms", (time.perf_counter() - t) * 1e3)
                 for h in order[i:j]:
                     self._handed[h].set()
-                self._first_handed.set()
                 i = j
             tm["images_handed_ms"] = (time.perf_counter() - t) * 1e3
             try:
@@ -311,7 +302,7 @@ class ArchiveRestore:
             self._rest_error = exc
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-            for ev in [*self._handed.values(), self._first_handed]:  # nothing waits for what will not come
+            for ev in self._handed.values():  # no lookup waits for an image that will not come
                 ev.set()
             tm["read_blobs_ms"] = (time.perf_counter() - t) * 1e3
 
