@@ -192,22 +192,7 @@ print(json.dumps({"pre": t_pre, "fast": t_fast, "slow": t_slow, "st": ip.stats()
 
 
 def test_function_waits_only_for_its_own_image(run_py) -> None:
-    out = run_py(
-        """
-import time
-slow = b".version 8.0\\n.entry SLOW_kernel(\\n)\\n{}\\n\\0"
-fast = b".version 8.0\\n.entry fast_kernel(\\n)\\n{}\\n\\0"
-t0 = time.perf_counter()
-ip.preload([(ip.hash(slow), slow, {}), (ip.hash(fast), fast, {})])   # returns at once
-t_pre = time.perf_counter() - t0
-ip.function(ip.hash(fast), "fast_kernel")
-t_fast = time.perf_counter() - t0
-ip.function(ip.hash(slow), "SLOW_kernel")
-t_slow = time.perf_counter() - t0
-print(json.dumps({"pre": t_pre, "fast": t_fast, "slow": t_slow, "st": ip.stats()["catalog"]}))
-""",
-        mode="load",
-    )
+    out = run_py(SLOW_FAST, mode="load")
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["pre"] < 0.5 and r["fast"] < 1.0 <= 1.4 <= r["slow"] < 10
     assert r["st"]["preloaded"] == 2 and r["st"]["seconds"]["function_wait"] >= 1.0
