@@ -137,6 +137,7 @@ class ArchiveRestore:
         self._rest: threading.Thread | None = None  # reads the blobs the first template does not need
         self._rest_error: BaseException | None = None
         self._handed: dict[str, threading.Event] = {}  # per kernel image: handed to libember
+        self._stop_reading = threading.Event()  # the reconstruction failed: the reader stops
         self._handover = threading.Event()  # the first template is ready, or the thread ended
         self._serving = threading.Event()  # library() handed the library over
 
@@ -217,10 +218,10 @@ class ArchiveRestore:
         try:
             if ctx is not None:
                 cu.cuCtxSetCurrent(ctx)
-            table = self._read(tm)
             try:
-                lib = self._build_first(table, tm)
+                lib = self._build_first(self._read(tm), tm)
             except BaseException:
+                self._stop_reading.set()  # no reader is left behind, loading for nothing
                 if (damaged := self._join_rest(tm)) is not None:
                     raise damaged from None  # the cause (an image that never came), not its effect
                 raise
@@ -249,6 +250,7 @@ class ArchiveRestore:
         meanwhile."""
         arc = self.opened
         self._rest_error = None
+        self._stop_reading = threading.Event()
         self._handed = {h: threading.Event() for h in publish.image_order(arc.manifest)}
         self._rest = threading.Thread(target=self._read_blobs, args=(tm,), name="ember-read", daemon=True)
         self._rest.start()
@@ -276,7 +278,7 @@ class ArchiveRestore:
         try:
             reads = [pool.submit(arc.kernel_image, h) for h in order]
             i = 0
-            while i < len(order):  # hand over whatever is read, in order, as it comes
+            while i < len(order) and not self._stop_reading.is_set():  # what is read, in order
                 j = i + 1
                 while j < len(order) and reads[j].done():
                     j += 1
@@ -293,6 +295,8 @@ class ArchiveRestore:
                 for h in order[i:j]:
                     self._handed[h].set()
                 i = j
+            if self._stop_reading.is_set():
+                return
             tm["images_handed_ms"] = (time.perf_counter() - t) * 1e3
             try:
                 self.archive = publish.view(arc)  # what is left (the RNG state), then the whole view
@@ -301,7 +305,7 @@ class ArchiveRestore:
         except BaseException as exc:
             self._rest_error = exc
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown(wait=True, cancel_futures=True)  # at most the reads in flight
             for ev in self._handed.values():  # no lookup waits for an image that will not come
                 ev.set()
             tm["read_blobs_ms"] = (time.perf_counter() - t) * 1e3

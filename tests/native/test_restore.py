@@ -370,8 +370,9 @@ else:
     except Refused as exc:
         result.update(refused_in="library", reason=exc.reason, stage=exc.stage)
     restore.abandon()
+import threading
 last_json({**result, "launches": cuda.standin_graph_launches(), "execs": cuda.standin_execs_alive(),
-           "calls": calls()})
+           "calls": calls(), "threads": [t.name for t in threading.enumerate()]})
 """
 
 
@@ -393,8 +394,9 @@ def test_damaged_blob_is_refused_before_any_launch(run_py, tmp_path: Path) -> No
     assert not any(c.startswith("cuLaunchKernel") for c in r["calls"])
     assert r["execs"] == 0                          # nothing instantiated
     # The reader may have loaded kernel images meanwhile (each checked against its digest), but
-    # no kernel of them was resolved: no graph was built.
+    # no kernel of them was resolved: no graph was built; and no reader thread is left behind.
     assert "cuLibraryGetKernel" not in r["calls"]
+    assert not any(name.startswith("ember-read") for name in r["threads"]), r["threads"]
 
 
 def test_a_damaged_image_the_first_template_does_not_need_still_refuses_before_the_hand_over(
@@ -421,6 +423,7 @@ def test_a_damaged_image_the_first_template_does_not_need_still_refuses_before_t
     assert "cuLibraryLoadData" in r["calls"]   # the first key's images were loaded meanwhile
     assert r["launches"] == 0 and "cuGraphLaunch" not in r["calls"]
     assert r["execs"] == 0                     # the first template, built, was released
+    assert not any(name.startswith("ember-read") for name in r["threads"]), r["threads"]
 
 
 FOREIGN = COMMON + """
