@@ -398,7 +398,7 @@ STAGES = (  # the critical path, then the background thread's
     "images_handed_first_ms",
     "images_handed_ms",
     "read_blobs_ms",
-    "read_rest_wait_ms",
+    "reader_wait_ms",
     "functions_first_ms",
     "library_first_ms",
     "functions_ms",

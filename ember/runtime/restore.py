@@ -134,8 +134,8 @@ class ArchiveRestore:
         self._lib: GraphLibrary | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._rest: threading.Thread | None = None  # reads the blobs the first template does not need
-        self._rest_error: BaseException | None = None
+        self._reader: threading.Thread | None = None  # reads every blob but the table (`_read_blobs`)
+        self._reader_error: BaseException | None = None
         self._handed: dict[str, threading.Event] = {}  # per kernel image: handed to libember
         self._stop_reading = threading.Event()  # the reconstruction failed: the reader stops
         self._handover = threading.Event()  # the first template is ready, or the thread ended
@@ -222,10 +222,10 @@ class ArchiveRestore:
                 lib = self._build_first(self._read(tm), tm)
             except BaseException:
                 self._stop_reading.set()  # no reader is left behind, loading for nothing
-                if (damaged := self._join_rest(tm)) is not None:
+                if (damaged := self._join_reader(tm)) is not None:
                     raise damaged from None  # the cause (an image that never came), not its effect
                 raise
-            if (damaged := self._join_rest(tm)) is not None:
+            if (damaged := self._join_reader(tm)) is not None:
                 lib.close()
                 raise damaged
             tm["library_first_ms"] = (time.perf_counter() - t_all) * 1e3
@@ -249,11 +249,11 @@ class ArchiveRestore:
         """Starts the reader thread (`_read_blobs`), then reads and decodes the graph table here
         meanwhile."""
         arc = self.opened
-        self._rest_error = None
+        self._reader_error = None
         self._stop_reading = threading.Event()
         self._handed = {h: threading.Event() for h in publish.image_order(arc.manifest)}
-        self._rest = threading.Thread(target=self._read_blobs, args=(tm,), name="ember-read", daemon=True)
-        self._rest.start()
+        self._reader = threading.Thread(target=self._read_blobs, args=(tm,), name="ember-read", daemon=True)
+        self._reader.start()
         t = time.perf_counter()
         try:
             # the header and index; each graph's chunk is decoded when it is prepared, in need order
@@ -269,7 +269,7 @@ class ArchiveRestore:
         """Every kernel image read and verified (4 threads), in the archive's order: SAVE writes
         it need-first, so the first needed key's images lead. Each is handed to libember's loader
         threads as soon as it and those before it are read; then every other blob. A damaged
-        blob is kept for `_join_rest`."""
+        blob is kept for `_join_reader`."""
         arc = self.opened
         order = list(self._handed)
         options = arc.manifest.engine.get("image_options", {})
@@ -303,7 +303,7 @@ class ArchiveRestore:
             except Exception as exc:
                 raise Refused(LOAD, f"archive damaged: {exc}") from exc
         except BaseException as exc:
-            self._rest_error = exc
+            self._reader_error = exc
         finally:
             pool.shutdown(wait=True, cancel_futures=True)  # at most the reads in flight
             for ev in self._handed.values():  # no lookup waits for an image that will not come
@@ -317,14 +317,14 @@ class ArchiveRestore:
             handed.wait()
         return self.ip.function(ref.image, ref.name)
 
-    def _join_rest(self, tm: dict[str, float]) -> BaseException | None:
+    def _join_reader(self, tm: dict[str, float]) -> BaseException | None:
         """Waits for the reader: every blob is read and verified before the hand-over. Returns
         what refuses the archive (a damaged blob), if anything."""
         t = time.perf_counter()
-        if self._rest is not None:
-            self._rest.join()
-        tm["read_rest_wait_ms"] = (time.perf_counter() - t) * 1e3
-        return self._rest_error
+        if self._reader is not None:
+            self._reader.join()
+        tm["reader_wait_ms"] = (time.perf_counter() - t) * 1e3
+        return self._reader_error
 
     def _build_first(self, table: GraphTable, tm: dict[str, float]) -> GraphLibrary:
         """The library with the template of the first needed key's group built and instantiated
