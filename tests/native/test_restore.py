@@ -422,7 +422,7 @@ def test_a_damaged_image_the_first_template_does_not_need_still_refuses_before_t
     assert r["reason"].startswith("archive damaged") and repr(image.blob) in r["reason"], r
     assert "cuLibraryLoadData" in r["calls"]   # the first key's images were loaded meanwhile
     assert r["launches"] == 0 and "cuGraphLaunch" not in r["calls"]
-    assert r["execs"] == 0                     # the first template, built, was released
+    assert r["execs"] == 0                     # whatever was built meanwhile was released
     assert not any(name.startswith("ember-read") for name in r["threads"]), r["threads"]
 
 
