@@ -25,7 +25,7 @@ import torch
 from ember.archive.graphs import GraphSet
 from ember.identity import ArchiveIdentity
 from ember.native import Interposer
-from ember.runtime import comm, compat, publish
+from ember.runtime import comm, compat, publish, slim_images
 from ember.runtime.adapter import ENGINE, EngineAdapter, Refused
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.kernels import KernelResolver, LiveResolver, NativeResolver
@@ -199,6 +199,35 @@ def _log_proof(rep: ProofReport, log: Callable[[str], None]) -> None:
         log(f"Warning: kernels used only by the non-bit-stable graphs: {', '.join(rep.suspects[:8])}")
 
 
+def _prove_with_cut_images(
+    adapter: EngineAdapter,
+    graphs: Any,
+    graph_set: GraphSet,
+    ip: Interposer | None,
+    resolver: KernelResolver,
+    d: dict[str, float],
+    log: Callable[[str], None],
+) -> tuple[ProofReport, bytes, Any, slim_images.SlimReport | None]:
+    """The proof, with the kernel images cut to what the graphs use (slim_images) where libember
+    is there; should it fail with cut images, the proof again with the whole ones."""
+    cut = None
+    if ip is not None and slim_images.enabled():
+        t = time.perf_counter()
+        major, minor = torch.cuda.get_device_capability()
+        cut = slim_images.slim(ip, graph_set, major * 10 + minor, log)
+        d["slim_s"] = time.perf_counter() - t
+    subject = adapter.proof_subject(graphs)
+    rep, table_blob, lib = prove(subject, graph_set, resolver.function_list, resolver=resolver)
+    if not rep.ok and cut is not None and cut.images:
+        # Not expected (each cut kernel's attributes were compared): the whole images then
+        log("[ember] the proof failed with the cut kernel images; proving with the whole images")
+        lib.close()
+        slim_images.undo(graph_set, cut)
+        cut = None
+        rep, table_blob, lib = prove(subject, graph_set, resolver.function_list, resolver=resolver)
+    return rep, table_blob, lib, cut
+
+
 def _refuse_unproven(rep: ProofReport) -> None:
     raise ProofFailed(
         "archive NOT published: "
@@ -241,9 +270,8 @@ def save(
     collectives = collective_table(adapter, graph_set)
     d["walk_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    subject = adapter.proof_subject(graphs)
-    rep, table_blob, lib = prove(subject, graph_set, resolver.function_list, resolver=resolver)
-    d["prove_s"] = time.perf_counter() - t
+    rep, table_blob, lib, cut = _prove_with_cut_images(adapter, graphs, graph_set, ip, resolver, d, log)
+    d["prove_s"] = time.perf_counter() - t - d.get("slim_s", 0.0)
     templates = [g.template for g in lib.groups]  # in need order (build_templates ordered them)
     lib.close()
     if not rep.ok:
@@ -257,6 +285,7 @@ def save(
         **proof_facts(rep),
         "region": list(ip.region()) if ip is not None else None,
         **({"collectives": collectives.to_facts()} if collectives is not None else {}),
+        **(cut.facts() if cut is not None else {}),
     }
     d["facts_s"] = time.perf_counter() - t
     out = SaveOutcome(
