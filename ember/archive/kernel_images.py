@@ -1,8 +1,8 @@
 """Kernel images cut down to what the graphs use: one architecture's cubin, only the used kernels.
 
 A framework's fatbin carries one compressed cubin per architecture, and each cubin carries every
-kernel of its translation unit: torch's elementwise fatbins hold 400+ kernels of which a decode
-graph runs one or two. The driver's load cost follows the size of the cubin it loads (a whole
+kernel of its translation unit: torch's elementwise fatbins hold up to 434 kernels, of which a
+decode graph runs one to four. The driver's load cost follows the size of the cubin it loads (a whole
 LOAD's fatbins decompress to ~120 MB of sm_90 ELF), so SAVE stores instead, per image:
 
 - `fatbin_cubin(fatbin, arch)`: this architecture's ELF entry, decompressed;
@@ -10,10 +10,12 @@ LOAD's fatbins decompress to ~120 MB of sm_90 ELF), so SAVE stores instead, per 
 
 `prune` keeps every section and symbol at its index, so nothing that refers to them by number
 (relocations, the `.nv.info` attributes, the call graph) needs rewriting. A kernel that is not
-kept loses its per-kernel sections' contents (code, constant bank, attributes, relocations) and
-its symbol stops being a kernel entry. Kernels that a kept kernel calls (a relocation against
-another `.text.<name>` section) are kept too. The archive stays correct without any of this:
-SAVE proves the graphs rebuilt from the cut images, and keeps an image whole where cutting fails.
+kept loses its per-kernel sections (their headers become inactive, their contents go), its symbol
+stops being a kernel entry, and its call-graph edges go (the driver refuses an edge from a symbol
+that is no longer a function); the string tables keep the kept names only. Functions a kept
+kernel reaches (a call-graph edge, or a relocation against another `.text.<name>` section) are
+kept too. The archive stays correct without any of this: SAVE proves the graphs rebuilt from the
+cut images, and keeps an image whole where cutting fails.
 
 Layouts: ELF64 (the System V gABI); the fatbin container (a 16-byte header, then per entry a
 header whose size it gives, then the payload; a compressed payload is a zstd frame).
