@@ -79,9 +79,12 @@ def fatbin_cubin(data: bytes, arch: int) -> bytes | None:
             if flags & _ENTRY_COMPRESSED:
                 if payload[:4] != _ZSTD_MAGIC:
                     return None  # another compression (older toolkits): leave the fatbin whole
-                payload = zstandard.ZstdDecompressor().decompress(
-                    payload, max_output_size=raw_size or 1 << 31
-                )
+                try:
+                    payload = zstandard.ZstdDecompressor().decompress(
+                        payload, max_output_size=raw_size or 1 << 31
+                    )
+                except zstandard.ZstdError as e:
+                    raise ImageFormatError(f"fatbin entry at {pos} does not decompress: {e}") from e
             found.append(payload)
         pos += ehsize + padded
     return found[0] if len(found) == 1 and is_cubin(found[0]) else None
@@ -189,6 +192,13 @@ def _reachable(
 def prune(elf: bytes, keep: set[str]) -> bytes:
     """`elf` with the code of every kernel not in `keep` (nor called by one that is) left out.
     Raises ImageFormatError for a name `elf` does not define or a layout this does not know."""
+    try:
+        return _prune(elf, keep)
+    except (struct.error, IndexError, UnicodeDecodeError) as e:  # offsets past the end, bad tables
+        raise ImageFormatError(f"the cubin is damaged or not laid out as expected: {e}") from e
+
+
+def _prune(elf: bytes, keep: set[str]) -> bytes:
     e = _read(elf)
     secs, syms = e.secs, e.syms
     text = {s.name[len(".text.") :]: i for i, s in enumerate(secs) if s.name.startswith(".text.")}

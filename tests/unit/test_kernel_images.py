@@ -110,3 +110,13 @@ def test_prune_is_deterministic_and_refuses_unknown_kernels(cubin: bytes) -> Non
     struct.pack_into("<H", bad, 58, 40)  # e_shentsize
     with pytest.raises(ki.ImageFormatError):
         ki.prune(bytes(bad), {"plain"})
+
+
+def test_damaged_images_are_refused_not_crashed_on(cubin: bytes) -> None:
+    with pytest.raises(ki.ImageFormatError):
+        ki.prune(cubin[: len(cubin) // 3], {"plain"})  # section headers past the end
+    fat = bytearray((DATA / "fixture.fatbin").read_bytes())
+    frame = fat.rfind(b"\x28\xb5\x2f\xfd")  # the last entry's zstd frame: the sm_90 cubin
+    fat[frame + 8 : frame + 40] = bytes(32)
+    with pytest.raises(ki.ImageFormatError, match="decompress"):
+        ki.fatbin_cubin(bytes(fat), 90)
