@@ -3,7 +3,7 @@
 The fixtures are real nvcc output (tests/data/kernel_images/build.sh, CUDA 13): a sm_90 cubin
 with four kernels, and a fatbin with compressed sm_80/sm_90 entries plus PTX whose sm_90 entry
 cuobjdump extracted. That the driver loads a cut image and its kernels compute the same is
-tests/gpu/test_kernel_images.py.
+tests/gpu/test_kernel_images_gpu.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """SAVE's cut of the graphs' kernel images (ember.runtime.slim_images), with a stand-in for
 libember: which images are cut, where the graph set's references then point, and when an image
-stays whole. The real library and driver run in tests/gpu (test_kernel_images.py, and every
+stays whole. The real library and driver run in tests/gpu (test_kernel_images_gpu.py, and every
 SAVE/LOAD test, whose proof replays the graphs with the cut images)."""
 
 from __future__ import annotations

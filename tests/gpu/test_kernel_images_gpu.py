@@ -1,5 +1,5 @@
 """Cut kernel images on a real GPU: the driver loads them, and their kernels compute what the
-whole image's do (`pytest -m gpu tests/gpu/test_kernel_images.py`; needs nvcc to build the
+whole image's do (`pytest -m gpu tests/gpu/test_kernel_images_gpu.py`; needs nvcc to build the
 fixture, tests/data/kernel_images/build.sh).
 """
 
