@@ -59,6 +59,7 @@ struct Config {
   uint64_t size = 0;       // 0: heap + 2.5 x device memory
   uint64_t heap_size = 0;  // 0: 1.25 x device memory
   uint64_t map_chunk = 256ull << 20;
+  uint64_t premap_piece = 0;  // 0: LOAD premaps SAVE's extent in one piece
   bool manual_arm = false;
 };
 
@@ -126,6 +127,7 @@ void allocator_configure_from_env() {
   s.cfg.size = env_u64("EMBER_REGION_SIZE", 0);
   s.cfg.heap_size = env_u64("EMBER_HEAP_SIZE", 0);
   s.cfg.map_chunk = env_u64("EMBER_MAP_CHUNK", s.cfg.map_chunk);
+  s.cfg.premap_piece = env_u64("EMBER_PREMAP_PIECE", 0);
   const char* arm = getenv("EMBER_ARM");
   s.cfg.manual_arm = arm != nullptr && strcmp(arm, "manual") == 0;
 }
@@ -692,12 +694,20 @@ int region_import_log(const char* data, size_t len) {
   return EMBER_OK;
 }
 
-// LOAD: map the heap up to the extent SAVE reached by the window's end, in one piece.
+// LOAD: map the heap up to the extent SAVE reached by the window's end, in one piece. One large
+// piece lets the driver use large pages, and a decode step, which streams the weights, runs
+// faster than over pieces (benchmarks/diag/diag_backing.py); EMBER_PREMAP_PIECE maps it in
+// pieces of that size instead, to measure exactly that.
 static int premap_saved_extent(State& s) {
   if (!s.divergence.empty()) return EMBER_OK;
   const uint64_t t0 = now_ns();
   const uint64_t end = s.base + std::min(round_up(s.saved_heap_high, s.gran), s.heap_size);
-  const CUresult rc = ensure_mapped(s, end);
+  CUresult rc = CUDA_SUCCESS;
+  if (s.cfg.premap_piece > 0) {
+    const uint64_t piece = round_up(s.cfg.premap_piece, s.gran);
+    while (rc == CUDA_SUCCESS && s.mapped_end < end) rc = ensure_mapped(s, std::min(end, s.mapped_end + piece));
+  }
+  if (rc == CUDA_SUCCESS) rc = ensure_mapped(s, end);
   s.ns_premap += now_ns() - t0;
   if (rc != CUDA_SUCCESS) {
     s.last_error = "premapping the saved extent failed: " + cu_err(real(), rc);

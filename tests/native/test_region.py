@@ -212,6 +212,26 @@ print(json.dumps({{"log": ip.export_alloc_log().decode(), "st": ip.stats(), "aft
     assert r["st"]["seconds"]["replay"] >= 0 and r["after"] > max(saved["t"])
 
 
+def test_load_premaps_the_saved_extent_in_one_piece_unless_told_pieces(run_py, tmp_path) -> None:
+    _save(run_py, tmp_path)
+    snippet = f"""
+ip.arm()  # as ember.runtime.session does: armed, then the log imported (which premaps)
+ip.import_alloc_log(open({str(tmp_path / 'log')!r}, 'rb').read())
+""" + PRE + """
+ip.replay_window()
+assert ip.divergence() is None
+st = ip.stats()
+print(json.dumps({"maps": st["map_calls"], "mapped": st["bytes_mapped"]}))
+"""
+    runs = {piece: json.loads(run_py(snippet, mode="load", env={"EMBER_MAP_CHUNK": "2M", **env})
+                              .stdout.strip().splitlines()[-1])
+            for piece, env in (("one", {}), ("8M", {"EMBER_PREMAP_PIECE": "8M"}))}
+    # the same extent either way (it holds the 40 MiB block), in 1 piece or in 8 MiB pieces
+    assert runs["one"]["mapped"] == runs["8M"]["mapped"] >= 40 << 20
+    assert runs["one"]["maps"] == 1
+    assert runs["8M"]["maps"] == -(-runs["8M"]["mapped"] // (8 << 20))
+
+
 def test_extra_allocation_in_load_is_divergence_and_process_continues(run_py, tmp_path) -> None:
     _save(run_py, tmp_path)
     out = run_py(
