@@ -154,7 +154,8 @@ def main() -> None:
     out["vs_torch"] = {b: {k: v / ref[k] for k, v in r.items()} for b, r in out["best_ms"].items()}
     text = json.dumps(out, indent=1)
     if a.out:
-        Path(a.out).write_text(text)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(text)
     print(text)
 
 

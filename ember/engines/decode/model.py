@@ -497,15 +497,19 @@ class DecodeWorkload:
         return [self.ids, self.pos, self.step_no]
 
     # ---- capture ----------------------------------------------------------------------------
-    def capture(self, sizes: tuple[int, ...] | None = None) -> dict[tuple[int, ...], Any]:
-        """Warm up and capture every size, largest first, into one shared pool (engine style)."""
+    def capture(
+        self, sizes: tuple[int, ...] | None = None, capture_error_mode: str = "global"
+    ) -> dict[tuple[int, ...], Any]:
+        """Warm up and capture every size, largest first, into one shared pool (engine style).
+        `capture_error_mode="thread_local"` captures in a LOAD process, where libember may map
+        memory for the pool while capturing (the global mode refuses that)."""
         pool = torch.cuda.graph_pool_handle()
         with torch.no_grad():
             for b in sorted(sizes or self.sizes, reverse=True):
                 self.step(b)
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph(keep_graph=True)
-                with torch.cuda.graph(g, pool=pool):
+                with torch.cuda.graph(g, pool=pool, capture_error_mode=capture_error_mode):
                     out = self.step(b)
                 self.outs[(b,)] = out
                 self.graphs[(b,)] = g
