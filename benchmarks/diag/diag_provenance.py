@@ -45,7 +45,7 @@ def _rebuilt_with_runtime_functions(w: Any, sizes: tuple[int, ...]) -> Any:
     table = fmt.decode(fmt.encode(gs))
     lib = GraphLibrary(table, resolver.function_list(table.kernels), hot_after=0)
     lib.build_templates()
-    execs = {(b,): lib.dedicate(lib.key_index((b,))) for b in sizes}
+    execs: dict[tuple[int, ...], Any] = {(b,): lib.dedicate(lib.key_index((b,))) for b in sizes}
 
     def launch(k: tuple[int, ...]) -> None:
         assert cu.cuGraphLaunch(execs[k], torch_stream_handle(None))[0] == OK
@@ -68,6 +68,25 @@ def _context_state() -> dict[str, int]:
     }
     state["cache_config"] = int(cu.cuCtxGetCacheConfig()[1])
     return state
+
+
+def _extra_execs(w: Any, lib: Any, launch: Any, sizes: tuple[int, ...], out: dict[str, Any]) -> None:
+    """The restored graphs' TPOT while more and more execs (of the largest size's graph,
+    instantiated and uploaded) are alive in the context, then after they are destroyed."""
+    from ember.runtime.graphs.rebuild import instantiate
+
+    graph = lib.graph(lib.key_index((max(sizes),)))
+    extra: list[Any] = []
+    out["0"] = {b: tpot_ms(w, launch, b) for b in sizes}
+    for n in (8, 16, 32, 64):
+        while len(extra) < n:
+            ex = instantiate(graph)
+            assert cu.cuGraphUpload(ex, torch_stream_handle(None))[0] == OK
+            extra.append(ex)
+        out[str(n)] = {b: tpot_ms(w, launch, b) for b in sizes}
+    for ex in extra:
+        cu.cuGraphExecDestroy(ex)
+    out["destroyed"] = {b: tpot_ms(w, launch, b) for b in sizes}
 
 
 def _stages(w: Any, launch: Any, sizes: tuple[int, ...], out: dict[str, Any]) -> None:
@@ -102,6 +121,7 @@ def main() -> None:
     ap.add_argument("identity")
     ap.add_argument("--sizes", default="1,64")
     ap.add_argument("--out", default="")
+    ap.add_argument("--extra-execs", action="store_true", help="first: TPOT with more execs alive")
     a = ap.parse_args()
     sizes = tuple(int(s) for s in a.sizes.split(","))
     loaded = load_workload(a.store, a.identity, log=lambda m: None)
@@ -109,7 +129,9 @@ def main() -> None:
     for b in sizes:  # every size on its own exec, as a serving pod runs once settled
         loaded.launch((b,))
     lib.settle()
-    out: dict[str, Any] = {"sizes": sizes, "tpot_ms": {}, "stages": {}}
+    out: dict[str, Any] = {"sizes": sizes, "tpot_ms": {}, "stages": {}, "extra_execs": {}}
+    if a.extra_execs:
+        _extra_execs(w, lib, loaded.launch, sizes, out["extra_execs"])
     _stages(w, loaded.launch, sizes, out["stages"])
     launches = {"restored": loaded.launch}
     w.capture(sizes, capture_error_mode="thread_local")
