@@ -16,6 +16,9 @@ in different backings, interleaved over rounds (clocks drift), best round kept:
 - `vmm:one`: the whole range in one piece (what LOAD's premap does).
 
     python benchmarks/diag/diag_backing.py --gib 16 --out result.json
+
+H100 result: every backing within 0.7 % (benchmarks/results/diag-backing-H100-20261125.json), so
+the backing is not why restored steps ran faster (benchmarks/results/tpot-explained-*.md).
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ def reinstantiated(w: Any, batches: list[int]) -> dict[str, float]:
 
 def same_process(w: Any, launch: Any, batches: list[int]) -> dict[str, dict[str, float]]:
     """The restored graphs against torch capturing the same sizes in THIS process, in alternating
-    rounds, best kept. A process that has launched only restored graphs can run every graph with
-    shorter gaps between kernels, and leaves that state as it does more GPU work; across
+    rounds, best kept. A process with few graph execs instantiated runs every graph with shorter
+    gaps between kernels, and leaves that state once it instantiates more; across
     processes the restored step then looks faster than native while the graphs are not
     (benchmarks/results/tpot-explained-h100-20261125.md). This ratio compares like with like."""
     from ember.runtime.proof.replay import tpot_ms

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+import numpy.ma  # np.unique imports it on first use: ~10 ms on LOAD's first key, not there
 import zstandard as zstd
 
 from ember.archive.graphs import (

@@ -694,10 +694,9 @@ int region_import_log(const char* data, size_t len) {
   return EMBER_OK;
 }
 
-// LOAD: map the heap up to the extent SAVE reached by the window's end, in one piece. One large
-// piece lets the driver use large pages, and a decode step, which streams the weights, runs
-// faster than over pieces (benchmarks/diag/diag_backing.py); EMBER_PREMAP_PIECE maps it in
-// pieces of that size instead, to measure exactly that.
+// LOAD: map the heap up to the extent SAVE reached by the window's end, in one piece (one create,
+// map and SetAccess). EMBER_PREMAP_PIECE maps it in pieces of that size instead, for diagnosis:
+// the pieces do not change a decode step's speed (benchmarks/results/tpot-explained-*.md).
 static int premap_saved_extent(State& s) {
   if (!s.divergence.empty()) return EMBER_OK;
   const uint64_t t0 = now_ns();

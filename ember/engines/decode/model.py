@@ -501,8 +501,9 @@ class DecodeWorkload:
         self, sizes: tuple[int, ...] | None = None, capture_error_mode: str = "global"
     ) -> dict[tuple[int, ...], Any]:
         """Warm up and capture every size, largest first, into one shared pool (engine style).
-        `capture_error_mode="thread_local"` captures in a LOAD process, where libember may map
-        memory for the pool while capturing (the global mode refuses that)."""
+        `capture_error_mode="thread_local"` captures in a LOAD process (the bench's control): there
+        the global mode's capture was invalidated (H100; libember's background threads or its
+        mapping of the pool's memory, not isolated)."""
         pool = torch.cuda.graph_pool_handle()
         with torch.no_grad():
             for b in sorted(sizes or self.sizes, reverse=True):
