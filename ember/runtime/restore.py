@@ -33,7 +33,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from cuda.bindings import driver as cu
@@ -138,6 +138,11 @@ class ArchiveRestore:
         self._reader_error: BaseException | None = None
         self._handed: dict[str, threading.Event] = {}  # per kernel image: handed to libember
         self._stop_reading = threading.Event()  # the reconstruction failed: the reader stops
+        # The reader reads the first needed key's images, then holds back until that key's
+        # template is in the driver's hands (its Python would take turns for the GIL with the
+        # table decode and the template's preparation: on H100 that tripled the first key's path).
+        self._first_upto: int | None = None  # images of `image_order` the first key needs read
+        self._rest = threading.Event()  # the reader may read the other blobs now
         self._handover = threading.Event()  # the first template is ready, or the thread ended
         self._serving = threading.Event()  # library() handed the library over
 
@@ -222,6 +227,7 @@ class ArchiveRestore:
                 lib = self._build_first(self._read(tm), tm)
             except BaseException:
                 self._stop_reading.set()  # no reader is left behind, loading for nothing
+                self._rest.set()
                 if (damaged := self._join_reader(tm)) is not None:
                     raise damaged from None  # the cause (an image that never came), not its effect
                 raise
@@ -251,6 +257,7 @@ class ArchiveRestore:
         arc = self.opened
         self._reader_error = None
         self._stop_reading = threading.Event()
+        self._first_upto, self._rest = None, threading.Event()
         self._handed = {h: threading.Event() for h in publish.image_order(arc.manifest)}
         self._reader = threading.Thread(target=self._read_blobs, args=(tm,), name="ember-read", daemon=True)
         self._reader.start()
@@ -262,25 +269,38 @@ class ArchiveRestore:
         except Exception as exc:
             raise Refused(LOAD, f"archive damaged: {exc}") from exc
         tm["read_table_ms"] = (time.perf_counter() - t) * 1e3
-        tm["images_first"] = len({table.kernels[k].image for k in set(first)})
+        images = {table.kernels[k].image for k in set(first)}
+        tm["images_first"] = len(images)
+        order = list(self._handed)
+        # An image the order does not name is not read by the reader: the lookup says so.
+        self._first_upto = max((order.index(h) + 1 for h in images if h in self._handed), default=0)
         return table
 
     def _read_blobs(self, tm: dict[str, float]) -> None:
         """Every kernel image read and verified (4 threads), in the archive's order: SAVE writes
         it need-first, so the first needed key's images lead. Each is handed to libember's loader
-        threads as soon as it and those before it are read; then every other blob. A damaged
-        blob is kept for `_join_reader`."""
+        threads as soon as it and those before it are read. Once the first key's images are
+        handed, it waits until that key's template goes to libember's builder (`_rest`), then
+        reads every other blob. A damaged blob is kept for `_join_reader`."""
         arc = self.opened
         order = list(self._handed)
         options = arc.manifest.engine.get("image_options", {})
         t = time.perf_counter()
         pool = ThreadPoolExecutor(4, thread_name_prefix="ember-read")
         try:
-            reads = [pool.submit(arc.kernel_image, h) for h in order]
+            reads: list[Future[bytes]] = []
             i = 0
             while i < len(order) and not self._stop_reading.is_set():  # what is read, in order
+                if not self._rest.is_set() and self._first_upto is not None and i >= self._first_upto:
+                    tm.setdefault("images_held_ms", (time.perf_counter() - t) * 1e3)
+                    self._rest.wait()  # the first key's images are handed: its template comes first
+                    continue
+                # until `_rest`: the first key's images (8 ahead while the table is decoded)
+                upto = len(order) if self._rest.is_set() else min(self._first_upto or i + 8, len(order))
+                reads += [pool.submit(arc.kernel_image, h) for h in order[len(reads) : upto]]
+                wait(reads[i : i + 1])
                 j = i + 1
-                while j < len(order) and reads[j].done():
+                while j < len(reads) and reads[j].done():
                     j += 1
                 try:
                     data = [f.result() for f in reads[i:j]]
@@ -321,6 +341,7 @@ class ArchiveRestore:
         """Waits for the reader: every blob is read and verified before the hand-over. Returns
         what refuses the archive (a damaged blob), if anything."""
         t = time.perf_counter()
+        self._rest.set()  # a reader still holding back would never end
         if self._reader is not None:
             self._reader.join()
         tm["reader_wait_ms"] = (time.perf_counter() - t) * 1e3
@@ -333,10 +354,15 @@ class ArchiveRestore:
         refs = table.kernels
         functions = KernelFunctions(len(refs), lambda i: self._function(refs[i]), table.function_attrs,
                                     apply_function_attr)
+
+        def read_on() -> None:  # the first template is in libember's builder: the reader goes on
+            tm["images_at_first_build"] = sum(ev.is_set() for ev in self._handed.values())
+            self._rest.set()
+
         t = time.perf_counter()
         lib = GraphLibrary(table, functions, splicer=self.splicer)
         try:
-            lib.build_first()
+            lib.build_first(before_build=read_on)
         except FormatError as exc:  # a chunk that does not decode: damaged, not the driver's
             lib.close()
             raise Refused(LOAD, f"archive damaged: {exc}") from exc

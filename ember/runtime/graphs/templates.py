@@ -23,7 +23,7 @@ import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -257,11 +257,12 @@ class GraphLibrary:
         self.build_first()
         self.build_rest()
 
-    def build_first(self) -> None:
-        """The template of the first needed key's group: the library can serve it from here on."""
+    def build_first(self, before_build: Callable[[], None] | None = None) -> None:
+        """The template of the first needed key's group: the library can serve it from here on.
+        `before_build()` runs once it is prepared, as libember's builder takes it (no GIL held)."""
         self._regroup()
         self._order_groups()
-        self._build_groups(self.groups[:1], raise_errors=True)
+        self._build_groups(self.groups[:1], raise_errors=True, before_build=before_build)
         self.marks["first"] = time.perf_counter()
 
     def build_rest(self, *, raise_errors: bool = True) -> None:
@@ -283,13 +284,15 @@ class GraphLibrary:
         self._group_of = {m: g.index for g in self.groups for m in g.members}
         self._ready = {g.index: threading.Event() for g in self.groups}
 
-    def _build_groups(self, groups: list[_Group], *, raise_errors: bool) -> None:
+    def _build_groups(
+        self, groups: list[_Group], *, raise_errors: bool, before_build: Callable[[], None] | None = None
+    ) -> None:
         """Templates of `groups` in one libember call (one builder thread unless
         EMBER_BUILD_THREADS says otherwise); any it leaves (child graphs, an edge strategy this
         driver needs) are built by the Python path. Uploaded; each group's ready event set."""
         try:
             if groups:
-                self._build_template_execs(groups, raise_errors=raise_errors)
+                self._build_template_execs(groups, raise_errors=raise_errors, before_build=before_build)
         except BaseException as exc:
             if raise_errors:
                 raise
@@ -300,7 +303,10 @@ class GraphLibrary:
             for g in groups:
                 self._ready[g.index].set()
 
-    def _build_template_execs(self, groups: list[_Group], *, raise_errors: bool = True) -> None:
+    def _build_template_execs(
+        self, groups: list[_Group], *, raise_errors: bool = True,
+        before_build: Callable[[], None] | None = None,
+    ) -> None:
         t = time.perf_counter()
         preps, prepared = [], []
         for g in groups:
@@ -313,6 +319,8 @@ class GraphLibrary:
                 self._failed[g.index] = exc
         groups = prepared
         self.timings.prepare_ms += (time.perf_counter() - t) * 1e3
+        if before_build is not None:
+            before_build()
         if not groups:
             return
         with self._driver_lock:
