@@ -433,9 +433,8 @@ class Archive:
             raise ArchiveCorrupt(f"archive {self.identity_hash[:12]} graph table: {exc}") from exc
 
     def kernel_image(self, content_hash: str) -> bytes:
-        for img in self.manifest.kernel_images:
-            if img.content_hash == content_hash:
-                return self.blob_bytes(img.blob)
+        if (img := self.manifest.kernel_image(content_hash)) is not None:
+            return self.blob_bytes(img.blob)
         raise ArchiveMissing(f"archive {self.identity_hash[:12]} has no kernel image {content_hash}")
 
     @property

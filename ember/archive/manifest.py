@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import UTC, datetime
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -109,10 +110,21 @@ class Manifest(_Model):
     blobs: list[BlobEntry] = Field(default_factory=list)
 
     def blob(self, name: str) -> BlobEntry:
-        for b in self.blobs:
-            if b.name == name:
-                return b
-        raise ManifestError(f"manifest names no blob {name!r}")
+        if (entry := self.blob_index.get(name)) is None:
+            raise ManifestError(f"manifest names no blob {name!r}")
+        return entry
+
+    def kernel_image(self, content_hash: str) -> KernelImage | None:
+        return self.image_index.get(content_hash)
+
+    # LOAD looks up every blob by name and every image by hash: indexes, not scans (the model is frozen)
+    @cached_property
+    def blob_index(self) -> dict[str, BlobEntry]:
+        return {b.name: b for b in self.blobs}
+
+    @cached_property
+    def image_index(self) -> dict[str, KernelImage]:
+        return {k.content_hash: k for k in self.kernel_images}
 
     @property
     def total_bytes(self) -> int:
