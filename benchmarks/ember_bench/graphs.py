@@ -384,6 +384,7 @@ STAGES = (  # the critical path, then the background thread's
     "reconstruct_ms",
     "read_table_ms",
     "images_handed_first_ms",
+    "images_held_ms",  # the first key's images handed: the reader waits for its template's build
     "images_handed_ms",
     "read_blobs_ms",
     "reader_wait_ms",
