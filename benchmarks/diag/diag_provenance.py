@@ -11,7 +11,9 @@ runtime's functions runs at native speed (diag_speedup.py). This times, in ONE L
 - `rebuilt-runtime`: that capture walked and rebuilt by LOAD's code, with the runtime's functions.
 
 If `captured` is as fast as `restored`, the LOAD process is the cause; if it is as slow as native,
-the functions' provenance is. Each variant's step is also profiled (kernel time vs gaps).
+the functions' provenance is. Each variant's step is also profiled (kernel time vs gaps), and each
+variant's CUgraph instantiated here (`instantiate_ms`): whether LOAD's ~16 ms a graph is the
+driver's cost for any graph of that size or something of the restored graph's.
 
     EMBER_MODE=load LD_PRELOAD=libember.so python benchmarks/diag/diag_provenance.py STORE IDENTITY
 """
@@ -51,6 +53,26 @@ def _rebuilt_with_runtime_functions(w: Any, sizes: tuple[int, ...]) -> Any:
         assert cu.cuGraphLaunch(execs[k], torch_stream_handle(None))[0] == OK
 
     return lib, launch
+
+
+def _instantiate_ms(graphs: dict[str, Any], rounds: int = 3) -> dict[str, float]:
+    """cuGraphInstantiate + cuGraphUpload of each named CUgraph, the best of `rounds`, each exec
+    destroyed again (interleaved: the process's state drifts)."""
+    import time
+
+    from ember.runtime.graphs.rebuild import instantiate
+
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            t = time.perf_counter()
+            ex = instantiate(graph)
+            assert cu.cuGraphUpload(ex, torch_stream_handle(None))[0] == OK
+            assert cu.cuStreamSynchronize(torch_stream_handle(None))[0] == OK
+            ms = (time.perf_counter() - t) * 1e3
+            cu.cuGraphExecDestroy(ex)
+            best[name] = min(ms, best.get(name, ms))
+    return best
 
 
 def _context_state() -> dict[str, int]:
@@ -142,6 +164,14 @@ def main() -> None:
             for b in sizes:
                 t = tpot_ms(w, launch, b)
                 out["tpot_ms"].setdefault(name, {})[b] = min(t, out["tpot_ms"].get(name, {}).get(b, t))
+    out["instantiate_ms"] = {
+        str(b): _instantiate_ms({
+            "restored": lib.graph(lib.key_index((b,))),
+            "captured": w.graphs[(b,)].raw_cuda_graph(),
+            "rebuilt-runtime": keep.graph(keep.key_index((b,))),
+        })
+        for b in sizes
+    }
     profiles = {name: {str(b): profile_steps(launch, b) for b in sizes} for name, launch in launches.items()}
     out["gaps"] = {
         name: compare(profiles["restored"], p) for name, p in profiles.items() if name != "restored"
