@@ -142,6 +142,7 @@ class ArchiveRestore:
         # template is in the driver's hands (its Python would take turns for the GIL with the
         # table decode and the template's preparation: on H100 that tripled the first key's path).
         self._first_upto: int | None = None  # images of `image_order` the first key needs read
+        self._position: dict[str, int] = {}  # each image's place in `image_order`
         self._rest = threading.Event()  # the reader may read the other blobs now
         self._handover = threading.Event()  # the first template is ready, or the thread ended
         self._serving = threading.Event()  # library() handed the library over
@@ -259,6 +260,7 @@ class ArchiveRestore:
         self._stop_reading = threading.Event()
         self._first_upto, self._rest = None, threading.Event()
         self._handed = {h: threading.Event() for h in publish.image_order(arc.manifest)}
+        self._position = {h: i for i, h in enumerate(self._handed)}
         self._reader = threading.Thread(target=self._read_blobs, args=(tm,), name="ember-read", daemon=True)
         self._reader.start()
         t = time.perf_counter()
@@ -271,9 +273,8 @@ class ArchiveRestore:
         tm["read_table_ms"] = (time.perf_counter() - t) * 1e3
         images = {table.kernels[k].image for k in set(first)}
         tm["images_first"] = len(images)
-        order = list(self._handed)
-        # An image the order does not name is not read by the reader: the lookup says so.
-        self._first_upto = max((order.index(h) + 1 for h in images if h in self._handed), default=0)
+        # Its child graphs' kernels are not in its chunk: a lookup of one lets the reader go on.
+        self._first_upto = max((self._position[h] + 1 for h in images if h in self._position), default=0)
         return table
 
     def _read_blobs(self, tm: dict[str, float]) -> None:
@@ -334,6 +335,8 @@ class ArchiveRestore:
         """The kernel's CUfunction, once the reader handed its image to libember (which then
         waits for that image's load only)."""
         if (handed := self._handed.get(ref.image)) is not None:
+            if not handed.is_set() and self._position[ref.image] >= (self._first_upto or 0):
+                self._rest.set()  # past the first key's images (a child graph's kernel): read on
             handed.wait()
         return self.ip.function(ref.image, ref.name)
 

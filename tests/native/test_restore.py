@@ -190,7 +190,7 @@ IDENTITY = ArchiveIdentity(model="ember-test/restore", engine=ENGINE, engine_ver
 # 16 kernels per module; the synthetic set puts 16 in each of its 3 images; TEST_IMAGE_PER_KERNEL=1:
 # one image per kernel). TEST_NODES: a smaller set, whose groups use different kernels.
 gs = synthetic_graphset(graphs={GRAPHS}, nodes=int(os.environ.get("TEST_NODES", {NODES})), groups={GROUPS},
-                        child_graphs=False)
+                        child_graphs=os.environ.get("TEST_CHILD_GRAPHS") == "1")
 home = (lambda k: k.name) if os.environ.get("TEST_IMAGE_PER_KERNEL") == "1" else (lambda k: k.image)
 names = {{}}
 for k in gs.kernels:
@@ -683,6 +683,24 @@ def test_the_first_template_waits_only_for_its_own_kernels_and_their_images(run_
     templates = {0, 2, 4}
     assert tm["kernels_resolved"] == len({k for g in templates for k in r["used"][g]})
     assert set(r["launched"].values()) == {"ok"} and "templates_failed" not in tm
+
+
+def test_a_child_graphs_kernel_past_the_first_keys_images_does_not_stall_the_reader(
+    run_py, tmp_path: Path
+) -> None:
+    """A child graph's kernels are not in its parent's chunk, and SAVE's image order does not
+    follow child graphs: the first template may need an image the reader holds back. Looking it
+    up lets the reader go on; the archive restores."""
+    env = {**SMALL, "TEST_CHILD_GRAPHS": "1"}
+    store = tmp_path / "store"
+    _save(run_py, store, **env)
+    r = _last_json(run_py(NEED, mode="load", env={"TEST_STORE": store.as_uri(), **env}))
+    assert "refused" not in r, r.get("refused")
+    tm = r["timings"]
+    # the synthetic child graph's kernel (1): not the parent's, its image past the first key's
+    assert 1 not in r["used"][0]
+    assert r["image_order"].index(r["kernel_images"][1]) >= tm["images_first"]
+    assert set(r["launched"].values()) == {"ok"}
 
 
 def test_a_kernel_missing_from_its_image(run_py, tmp_path: Path) -> None:
