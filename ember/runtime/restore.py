@@ -56,6 +56,9 @@ if TYPE_CHECKING:
     from ember.archive.manifest import Manifest
 
 
+READ_AHEAD = 8  # images the reader reads before the decoded table says which the first key needs
+
+
 def release_cached_memory(ip: Interposer | None = None) -> dict[str, float]:
     """Give torch's cached, unused segments back before `replay_window()`.
 
@@ -143,6 +146,7 @@ class ArchiveRestore:
         # table decode and the template's preparation: on H100 that tripled the first key's path).
         self._first_upto: int | None = None  # images of `image_order` the first key needs read
         self._position: dict[str, int] = {}  # each image's place in `image_order`
+        self._decoded = threading.Event()  # the table is decoded (or failed to): `_first_upto` is known
         self._rest = threading.Event()  # the reader may read the other blobs now
         self._handover = threading.Event()  # the first template is ready, or the thread ended
         self._serving = threading.Event()  # library() handed the library over
@@ -258,7 +262,7 @@ class ArchiveRestore:
         arc = self.opened
         self._reader_error = None
         self._stop_reading = threading.Event()
-        self._first_upto, self._rest = None, threading.Event()
+        self._first_upto, self._rest, self._decoded = None, threading.Event(), threading.Event()
         self._handed = {h: threading.Event() for h in publish.image_order(arc.manifest)}
         self._position = {h: i for i, h in enumerate(self._handed)}
         self._reader = threading.Thread(target=self._read_blobs, args=(tm,), name="ember-read", daemon=True)
@@ -268,13 +272,15 @@ class ArchiveRestore:
             # the header and index; each graph's chunk is decoded when it is prepared, in need order
             table: GraphTable = archive_format.decode(arc.blob_bytes(arc.manifest.graphs.table))
             first = table.chunk(need_order(table.keys)[0]).kpar["kernel"].tolist() if len(table) else []
+            images = {table.kernels[k].image for k in set(first)}
+            # Its child graphs' kernels are not in its chunk: a lookup of one lets the reader go on.
+            self._first_upto = max((self._position[h] + 1 for h in images if h in self._position), default=0)
         except Exception as exc:
             raise Refused(LOAD, f"archive damaged: {exc}") from exc
+        finally:
+            self._decoded.set()
         tm["read_table_ms"] = (time.perf_counter() - t) * 1e3
-        images = {table.kernels[k].image for k in set(first)}
         tm["images_first"] = len(images)
-        # Its child graphs' kernels are not in its chunk: a lookup of one lets the reader go on.
-        self._first_upto = max((self._position[h] + 1 for h in images if h in self._position), default=0)
         return table
 
     def _read_blobs(self, tm: dict[str, float]) -> None:
@@ -292,12 +298,12 @@ class ArchiveRestore:
             reads: list[Future[bytes]] = []
             i = 0
             while i < len(order) and not self._stop_reading.is_set():  # what is read, in order
-                if not self._rest.is_set() and self._first_upto is not None and i >= self._first_upto:
-                    tm.setdefault("images_held_ms", (time.perf_counter() - t) * 1e3)
-                    self._rest.wait()  # the first key's images are handed: its template comes first
+                upto = self._may_read(len(order))
+                if i >= upto:  # the first key's images are handed: its template comes first
+                    if self._first_upto is not None:
+                        tm.setdefault("images_held_ms", (time.perf_counter() - t) * 1e3)
+                    (self._rest if self._decoded.is_set() else self._decoded).wait()
                     continue
-                # until `_rest`: the first key's images (8 ahead while the table is decoded)
-                upto = len(order) if self._rest.is_set() else min(self._first_upto or i + 8, len(order))
                 reads += [pool.submit(arc.kernel_image, h) for h in order[len(reads) : upto]]
                 wait(reads[i : i + 1])
                 j = i + 1
@@ -330,6 +336,15 @@ class ArchiveRestore:
             for ev in self._handed.values():  # no lookup waits for an image that will not come
                 ev.set()
             tm["read_blobs_ms"] = (time.perf_counter() - t) * 1e3
+
+    def _may_read(self, n: int) -> int:
+        """How many of the `n` images the reader may read now: all once `_rest` is set; before,
+        the first key's (READ_AHEAD while the table that names them is being decoded)."""
+        if self._rest.is_set():
+            return n
+        if self._first_upto is not None:
+            return min(self._first_upto, n)
+        return n if self._decoded.is_set() else min(READ_AHEAD, n)  # decoded: it failed, read on
 
     def _function(self, ref: KernelRef) -> int:
         """The kernel's CUfunction, once the reader handed its image to libember (which then
