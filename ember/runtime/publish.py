@@ -19,7 +19,7 @@ from typing import Any
 
 from ember.archive import bundle, signing
 from ember.archive import graph_table as archive_format
-from ember.archive.graphs import GraphSet
+from ember.archive.graphs import Graph, GraphSet
 from ember.archive.manifest import Manifest
 from ember.identity import ArchiveIdentity, CompatKey
 
@@ -97,14 +97,18 @@ def read(store_uri: str, identity_hash: str) -> ArchiveContent:
 
 def execution_order(graph_set: GraphSet, first: list[int]) -> list[str]:
     """Image hashes in the order kernels run: the graphs `first` (the templates, in need order:
-    the first needed key's images lead), then the rest."""
+    the first needed key's images lead), then the rest; a child graph's where its node runs."""
     seen: dict[str, None] = {}
-    order = first + [i for i in range(len(graph_set.graphs)) if i not in set(first)]
-    for i in order:
-        for node in graph_set.graphs[i].nodes:
-            k = getattr(node.params, "kernel", None)
-            if k is not None:
+
+    def visit(graph: Graph) -> None:
+        for node in graph.nodes:
+            if isinstance(node.params, Graph):
+                visit(node.params)
+            elif (k := getattr(node.params, "kernel", None)) is not None:
                 seen.setdefault(graph_set.kernels[k].image, None)
+
+    for i in first + [i for i in range(len(graph_set.graphs)) if i not in set(first)]:
+        visit(graph_set.graphs[i])
     return list(seen)
 
 

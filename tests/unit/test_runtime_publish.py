@@ -11,6 +11,7 @@ pytest.importorskip("cuda.bindings")
 
 from ember.archive import bundle
 from ember.archive import graph_table as fmt
+from ember.archive.graphs import GraphSet, KernelRef, NodeType
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.runtime import compat, publish
 from ember.store import open_store
@@ -100,3 +101,17 @@ def test_compat_mismatch_names_each_difference() -> None:
     problems = compat.check_compat(a, b)
     assert len(problems) == 2 and any("driver" in p for p in problems) and any("env" in p for p in problems)
     assert compat.check_compat(a, a) == []
+
+
+def test_execution_order_names_the_images_of_child_graphs_where_they_run() -> None:
+    """SAVE publishes only the images `execution_order` names: one used only in a child graph
+    must be among them (LOAD could not find its kernel otherwise)."""
+    gs = synthetic_graphset(graphs=2, nodes=40, groups=1, child_graphs=True)
+    # every kernel in an image of its own, so that the child's kernel (1) has one to itself
+    gs = GraphSet(gs.graphs, [KernelRef(f"img-{i}", k.name) for i, k in enumerate(gs.kernels)],
+                  gs.function_attrs)
+    top = {n.params.kernel for g in gs.graphs for n in g.nodes if n.type == NodeType.KERNEL}
+    assert 1 not in top  # the synthetic child graph's kernel runs only there
+    order = publish.execution_order(gs, [1])
+    assert "img-1" in order
+    assert sorted(order) == sorted({f"img-{k}" for k in top | {1}})
