@@ -202,7 +202,7 @@ gs = GraphSet(gs.graphs, [KernelRef(new_hash[home(k)], k.name) for k in gs.kerne
 by_hash = {{new_hash[old]: data for old, data in ptx.items()}}
 # in SAVE's order: the templates' (graphs 0, 2, 4: keys (1,), (3,), (5,), in need order) images first
 order = publish.execution_order(gs, [0, 2, 4])
-if os.environ.get("TEST_CHILD_GRAPHS") == "1":  # the child's image last, as SAVE once ordered it
+if os.environ.get("TEST_CHILD_GRAPHS") == "1":  # the child's image last (past the parent's)
     order = [h for h in order if h != gs.kernels[1].image] + [gs.kernels[1].image]
 images = [publish.Image(h, by_hash[h], "ptx") for h in order + [h for h in by_hash if h not in order]]
 used = [sorted({{n.params.kernel for n in g.nodes if n.type == NodeType.KERNEL}}) for g in gs.graphs]
@@ -690,9 +690,9 @@ def test_the_first_template_waits_only_for_its_own_kernels_and_their_images(run_
 def test_a_child_graphs_kernel_past_the_first_keys_images_does_not_stall_the_reader(
     run_py, tmp_path: Path
 ) -> None:
-    """A child graph's kernels are not in its parent's chunk, and archives SAVEd before the image
-    order followed child graphs have their images last: the first template may need an image the
-    reader holds back. Looking it up lets the reader go on; the archive restores."""
+    """A child graph's kernels are not in its parent's chunk, so the first key's images the
+    reader reads first are its parent's: the first template may need an image the reader holds
+    back (here the child's is last). Looking it up lets the reader go on; the archive restores."""
     env = {**SMALL, "TEST_CHILD_GRAPHS": "1"}
     store = tmp_path / "store"
     _save(run_py, store, **env)

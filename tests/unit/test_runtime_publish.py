@@ -105,7 +105,7 @@ def test_compat_mismatch_names_each_difference() -> None:
 
 def test_execution_order_names_the_images_of_child_graphs_where_they_run() -> None:
     """SAVE publishes only the images `execution_order` names: one used only in a child graph
-    must be among them (LOAD could not find its kernel otherwise)."""
+    must be among them (publishing refuses an archive without it)."""
     gs = synthetic_graphset(graphs=2, nodes=40, groups=1, child_graphs=True)
     # every kernel in an image of its own, so that the child's kernel (1) has one to itself
     gs = GraphSet(gs.graphs, [KernelRef(f"img-{i}", k.name) for i, k in enumerate(gs.kernels)],
