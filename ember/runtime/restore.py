@@ -142,8 +142,9 @@ class ArchiveRestore:
         self._handed: dict[str, threading.Event] = {}  # per kernel image: handed to libember
         self._stop_reading = threading.Event()  # the reconstruction failed: the reader stops
         # The reader reads the first needed key's images, then holds back until that key's
-        # template is in the driver's hands (its Python would take turns for the GIL with the
-        # table decode and the template's preparation: on H100 that tripled the first key's path).
+        # template is in libember's builder: its Python took turns for the GIL with the table
+        # decode and the template's preparation (H100: the table's read and decode took 58-84 ms
+        # beside it; alone it takes ~5 ms on a 2-core VM).
         self._first_upto: int | None = None  # images of `image_order` the first key needs read
         self._position: dict[str, int] = {}  # each image's place in `image_order`
         self._decoded = threading.Event()  # the table is decoded (or failed to): `_first_upto` is known
@@ -232,7 +233,6 @@ class ArchiveRestore:
                 lib = self._build_first(self._read(tm), tm)
             except BaseException:
                 self._stop_reading.set()  # no reader is left behind, loading for nothing
-                self._rest.set()
                 if (damaged := self._join_reader(tm)) is not None:
                     raise damaged from None  # the cause (an image that never came), not its effect
                 raise
