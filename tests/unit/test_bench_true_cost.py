@@ -24,8 +24,9 @@ def _warm(first: float, ready: float, p99: float) -> dict[str, Any]:
 RUNS = {
     "warm": [_warm(f, a, p) for f, a, p in ((9, 30, 0.02), (5, 20, 0.05), (7, 90, 0.03))],
     "cold": [
-        {"cold_first_ms": 60, "cold_templates_ms": 70, "cold_ready_ms": a, "cold_all_ms": a + 3}
-        for a in (700, 500, 800)
+        {"cold_first_ms": 60, "cold_templates_ms": 70, "cold_ready_ms": a, "cold_all_ms": a + 3,
+         "cold_build_ms": b}
+        for a, b in ((700, 450), (500, 420), (800, 700))
     ],
     "build": [{"build_ms": b} for b in (400, 480, 300)],
 }
@@ -47,6 +48,9 @@ def test_medians_and_the_cold_difference(monkeypatch: pytest.MonkeyPatch) -> Non
     assert out["build_only_ms"] == 400 and out["cold_ready_ms"] == 700
     assert out["cold_extra_ms"] == 300  # median restored process (every key ready) minus median bare build
     assert out["cold_extra_first_ms"] == 60 - 400
+    # the restoring process's build (median 450) against a bare one (400); after it, per run 250,
+    # 80, 100: the median of the per-run tails (100), not a difference of medians (700 - 450)
+    assert out["cold_build_slowdown_ms"] == 50 and out["cold_after_build_ms"] == 100
     assert out["first_use_extra_p99_ms"] == 0.05  # the worst run's p99, not a median
     assert out["warm_first_use_updates"] == 0 and out["warm_exec_mb"] == 90.0
     assert len(out["runs"]["warm"]) == 3 and "error" not in out
