@@ -31,6 +31,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -419,6 +420,40 @@ def _markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def operator_bench(
+    name: str, kubeconfig: str, out: Path, markdown: Callable[[dict[str, Any]], str], **facts: Any
+) -> Iterator[tuple[_Bench, dict[str, Any]]]:
+    """The operator running in a fresh namespace of the local control plane; yields it and the
+    result dict, which is written to `out`.json / .md (with `markdown`) whatever happens."""
+    kubeconfig = kubeconfig or os.environ.get("KUBECONFIG") or str(REPO / "e2e" / ".work" / "kubeconfig")
+    workdir = Path(tempfile.mkdtemp(prefix=f"ember-bench-{name}-"))
+    bench = _Bench(kubeconfig, workdir)
+    result: dict[str, Any] = {
+        "host": platform.node(), "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "namespace": bench.ns, **facts,
+    }
+    with contextlib.suppress(Exception):
+        from kubernetes import client
+
+        result["kubernetes"] = client.VersionApi(bench.api).get_code().git_version
+    try:
+        bench.setup()
+        console.print(f"operator running in namespace {bench.ns} (log {workdir / 'operator.log'})")
+        yield bench, result
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        bench.teardown()
+        with contextlib.suppress(OSError):
+            result["load_average"] = os.getloadavg()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        out.with_suffix(".md").write_text(markdown(result))
+        console.print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+
+
 def bench_claims(
     replicas: Annotated[int, typer.Option(help="Warm pool size and scale-up target.")] = 100,
     deployments: Annotated[int, typer.Option(help="ModelDeployments for the throughput run (0 skips).")]
@@ -429,35 +464,10 @@ def bench_claims(
     = REPO / "benchmarks" / "results" / "operator-local",
 ) -> None:
     """Warm-pool claim latency (p50/p99) and reconcile throughput on the local control plane."""
-    kubeconfig = kubeconfig or os.environ.get("KUBECONFIG") or str(REPO / "e2e" / ".work" / "kubeconfig")
-    workdir = Path(tempfile.mkdtemp(prefix="ember-bench-claims-"))
-    bench = _Bench(kubeconfig, workdir)
-    result: dict[str, Any] = {
-        "host": platform.node(), "cpus": os.cpu_count(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "namespace": bench.ns,
-    }
-    with contextlib.suppress(Exception):
-        from kubernetes import client
-
-        result["kubernetes"] = client.VersionApi(bench.api).get_code().git_version
-    try:
-        bench.setup()
-        console.print(f"operator running in namespace {bench.ns} (log {workdir / 'operator.log'})")
+    with operator_bench("claims", kubeconfig, out, _markdown) as (bench, result):
         if replicas > 0:
             result["claims"] = bench.claims(replicas)
             console.print_json(json.dumps(result["claims"]))
         if deployments > 0:
             result["throughput"] = bench.throughput(deployments)
             console.print_json(json.dumps(result["throughput"]))
-    except Exception as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        raise
-    finally:
-        bench.teardown()
-        with contextlib.suppress(OSError):
-            result["load_average"] = os.getloadavg()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        out.with_suffix(".md").write_text(_markdown(result))
-        console.print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")

@@ -17,11 +17,7 @@ Ready), the floor under what a GPU cluster adds (engine start, LOAD).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import platform
-import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -30,7 +26,7 @@ import typer
 from rich.console import Console
 
 from ember import contract
-from ember_bench.claims import MD, REPO, _Bench, _percentile
+from ember_bench.claims import MD, REPO, _Bench, _percentile, operator_bench
 
 console = Console()
 SHAPE_A = {"tensor": 1, "expert": 1, "data": 1}
@@ -177,28 +173,11 @@ def bench_switch(
     = Path(""),
 ) -> None:
     """Switch latency (p50/p99) by CR edit vs the same pods from scratch, on the local control plane."""
-    kubeconfig = kubeconfig or os.environ.get("KUBECONFIG") or str(REPO / "e2e" / ".work" / "kubeconfig")
     out = out if str(out) not in ("", ".") else (
         REPO / "benchmarks" / "results" / f"switch-local-{time.strftime('%Y%m%d')}")
-    workdir = Path(tempfile.mkdtemp(prefix="ember-bench-switch-"))
-    bench = _Bench(kubeconfig, workdir)
-    result: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(), "replicas": replicas,
-                              "warm": warm, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    with contextlib.suppress(Exception):
-        from kubernetes import client
-
-        result["kubernetes"] = client.VersionApi(bench.api).get_code().git_version
-    run = _Switches(bench, replicas, warm)
-    try:
-        bench.setup()
-        console.print(f"operator running in namespace {bench.ns} (log {workdir / 'operator.log'})")
+    facts = {"replicas": replicas, "warm": warm}
+    with operator_bench("switch", kubeconfig, out, _markdown, **facts) as (bench, result):
+        run = _Switches(bench, replicas, warm)
         result["switch"] = run.switches(switches)
         result["from_scratch"] = run.from_scratch(switches)
-    finally:
-        bench.teardown()
-        with contextlib.suppress(OSError):
-            result["load_average"] = os.getloadavg()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        out.with_suffix(".md").write_text(_markdown(result))
         console.print(_markdown(result))
