@@ -22,7 +22,9 @@ the build. These figures count everything the user waits for:
   mode, both timed from the armed session on. Split in two (medians): how much longer the
   restoring process's own build took than a bare build (`cold_build_slowdown_ms`: background work
   competing with it), and how long after its build every key became launchable
-  (`cold_after_build_ms`). In the warm figures the LOAD path's modules were
+  (`cold_after_build_ms`); and the cold figure once more with the own execs started as soon as
+  the templates are built, not when serving starts (`cold_early_*`, EMBER_DEDICATE_EARLY=1: on
+  trial). In the warm figures the LOAD path's modules were
   imported when the process started, as an engine that waits for its archive does.
 
 Each in its own fresh process, `repeats` times; the report keeps every run and the medians.
@@ -153,10 +155,12 @@ def measure(
 ) -> dict[str, Any]:
     """Warm and cold LOAD cost, `repeats` fresh processes each (interleaved), with medians."""
     args = {"store": store, "identity": identity}
-    runs: dict[str, list[dict[str, Any]]] = {r: [] for r in ROLES}
+    runs: dict[str, list[dict[str, Any]]] = {r: [] for r in (*ROLES, "cold_early")}
+    early = {**env, "EMBER_DEDICATE_EARLY": "1"}  # own execs without waiting for serving
     for _ in range(repeats):
         for name in ROLES:
             runs[name].append(_run(name, args, env, timeout))
+        runs["cold_early"].append(_run("cold", args, early, timeout))
     errors = [r for rs in runs.values() for r in rs if "error" in r]
     out: dict[str, Any] = {"runs": runs, "repeats": repeats}
     if errors:
@@ -178,6 +182,8 @@ def measure(
     out["cold_build_slowdown_ms"] = out["cold_build_ms"] - out["build_only_ms"]
     tails = [r["cold_ready_ms"] - r["cold_build_ms"] for r in runs["cold"]]
     out["cold_after_build_ms"] = statistics.median(tails)
+    out["cold_early_ready_ms"] = med("cold_early", "cold_ready_ms")
+    out["cold_early_extra_ms"] = out["cold_early_ready_ms"] - out["build_only_ms"]
     for key in ("first_use_updates", "exec_mb", "execs", "exec_capped"):
         vals = [v for r in runs["warm"] if (v := r.get(f"warm_{key}")) is not None]
         out[f"warm_{key}"] = max(vals) if vals else None  # the worst run
@@ -214,7 +220,8 @@ def report_line(r: dict[str, Any]) -> str:
         f"launchable {tc['cold_ready_ms']:.0f} ms (first key {tc['cold_first_ms']:.0f} ms) vs a bare "
         f"build {tc['build_only_ms']:.0f} ms: LOAD adds {tc['cold_extra_ms']:.0f} ms (its build "
         f"{tc['cold_build_slowdown_ms']:+.0f} ms, then {tc['cold_after_build_ms']:.0f} ms until every "
-        f"key is launchable); native capture / "
+        f"key is launchable; with the own execs started before serving, EMBER_DEDICATE_EARLY=1: "
+        f"{tc['cold_early_extra_ms']:+.0f} ms); native capture / "
         f"warm LOAD {r['native_over_warm_load']:.1f}x, / cold extra {r['native_over_cold_load']:.1f}x "
         f"(critical-path load_ms {r['load_ms']:.1f})"
     )

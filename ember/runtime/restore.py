@@ -391,7 +391,10 @@ class ArchiveRestore:
             lib.close()
             raise
         if os.environ.get("EMBER_DEDICATE", "1") != "0":  # after every template and serving's start
-            lib.start_dedicating(after=[self._serving])
+            # EMBER_DEDICATE_EARLY=1: without waiting for serving (a cold pod's model build then
+            # overlaps them; on trial: `ember bench graphs` measures the cold figure both ways)
+            early = os.environ.get("EMBER_DEDICATE_EARLY") == "1"
+            lib.start_dedicating(after=[] if early else [self._serving])
         tm["templates_first_ms"] = (time.perf_counter() - t) * 1e3
         tm.update(functions_first_ms=functions.resolve_ms, kernels_first=functions.resolved)
         if self.splicer is not None:  # every collective was captured by the regrouping

@@ -572,6 +572,31 @@ last_json({"keys": [list(k) for k in lib.keys], "order": lib.order,
 """
 
 
+EARLY = COMMON + """
+restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
+restore._handover.wait()                   # the first template is built; the model is not
+ready = restore._lib.wait_dedicated(timeout=2)
+execs = restore._lib.dedicator.stats.execs
+model()
+ip.replay_window()
+lib = restore.library()
+last_json({"ready_before_serving": ready, "execs_before_serving": execs,
+           "ready": lib.wait_dedicated(timeout=30), "execs": lib.dedicator.stats.execs})
+"""
+
+
+def test_own_execs_wait_for_serving_unless_dedicated_early(run_py, tmp_path: Path) -> None:
+    """By default the own execs start once serving does (library()); EMBER_DEDICATE_EARLY=1
+    starts them once the templates are built, before the model is (a cold pod's build overlaps
+    them)."""
+    env = _saved(run_py, tmp_path)
+    late = _last_json(run_py(EARLY, mode="load", env=env))
+    assert late["ready_before_serving"] is False and late["execs_before_serving"] == 0
+    early = _last_json(run_py(EARLY, mode="load", env={**env, "EMBER_DEDICATE_EARLY": "1"}))
+    assert early["ready_before_serving"] is True and early["execs_before_serving"] > 0
+    assert late["ready"] and early["ready"] and early["execs"] == late["execs"] > 0
+
+
 def test_every_key_gets_its_own_exec_in_need_order_within_the_memory_cap(run_py, tmp_path: Path) -> None:
     env = _saved(run_py, tmp_path)
     r = _last_json(run_py(OWN_EXECS, mode="load", env=env))

@@ -30,13 +30,16 @@ RUNS = {
     ],
     "build": [{"build_ms": b} for b in (400, 480, 300)],
 }
+EARLY = [{"cold_first_ms": 60, "cold_templates_ms": 70, "cold_ready_ms": a, "cold_all_ms": a + 3,
+          "cold_build_ms": 500} for a in (520, 560, 480)]
 
 
 def _fake(runs: dict[str, list[dict[str, Any]]]) -> Any:
-    taken = {k: iter(v) for k, v in runs.items()}
+    taken = {k: iter(v) for k, v in {**runs, "cold_early": EARLY}.items()}
 
     def run(name: str, args: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, Any]:
-        return {"role": name, **next(taken[name])}
+        early = env.get("EMBER_DEDICATE_EARLY") == "1"  # the same role, another env
+        return {"role": name, **next(taken["cold_early" if early else name])}
 
     return run
 
@@ -51,6 +54,7 @@ def test_medians_and_the_cold_difference(monkeypatch: pytest.MonkeyPatch) -> Non
     # the restoring process's build (median 450) against a bare one (400); after it, per run 250,
     # 80, 100: the median of the per-run tails (100), not a difference of medians (700 - 450)
     assert out["cold_build_slowdown_ms"] == 50 and out["cold_after_build_ms"] == 100
+    assert out["cold_early_ready_ms"] == 520 and out["cold_early_extra_ms"] == 120  # runs with the env
     assert out["first_use_extra_p99_ms"] == 0.05  # the worst run's p99, not a median
     assert out["warm_first_use_updates"] == 0 and out["warm_exec_mb"] == 90.0
     assert len(out["runs"]["warm"]) == 3 and "error" not in out
