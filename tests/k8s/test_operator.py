@@ -122,8 +122,9 @@ def test_example_goes_through_every_phase(env: Any, minio: LocalMinio) -> None:
     for expected in ("Pending", "Saving", "Deploying", "Ready"):
         assert expected in phases, f"phase {expected} never seen in {phases}"
     assert phases.index("Saving") < phases.index("Deploying") < phases.index("Ready")
-    reasons = {e["reason"] for e in api.events_for("qwen")}
-    assert {"Phase", "ArchiveAvailable"} <= reasons
+    # the events are posted after the status that says Ready: wait for them too
+    wait_for(lambda: {"Phase", "ArchiveAvailable"} <= {e["reason"] for e in api.events_for("qwen")},
+             "the Phase and ArchiveAvailable events", op)
     # Prometheus metrics on the metrics port.
     text = urllib.request.urlopen(f"http://127.0.0.1:{op.metrics_port}/metrics", timeout=5).read().decode()
     assert 'ember_saves_total{result="succeeded"} 1.0' in text

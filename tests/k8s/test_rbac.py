@@ -70,7 +70,9 @@ def test_full_scenario_as_the_chart_service_account(
         write_test_archive(minio, prefix, spec)
         wait_for(lambda: phase(api, "sa") == "Ready", "Ready", op, timeout=90)
         wait_for(lambda: api.hpa.list_namespaced_horizontal_pod_autoscaler(api.ns).items, "the HPA", op)
-        assert {e["reason"] for e in api.events_for("sa")} >= {"Phase", "ArchiveAvailable"}
+        # the events are posted after the status that says Ready: wait for them too
+        wait_for(lambda: {e["reason"] for e in api.events_for("sa")} >= {"Phase", "ArchiveAvailable"},
+                 "the Phase and ArchiveAvailable events", op)
         assert len(api.archives()) == 1 and identity_of(spec)
         api.delete_md("sa")
         wait_for(lambda: not api.serving("sa"), "pods cleaned up by the finalizer", op)
