@@ -8,8 +8,8 @@
 # Versions come from e2e/versions.env. Binaries land in e2e/.work/bin/<component>-<version>/ and
 # are reused when present; the module cache lives in e2e/.work/gomodcache. The build cache
 # (e2e/.work/gocache) is emptied after each component is built, so the disk holds one
-# component's compiled packages at a time (Kubernetes' ~2.5 GB, not all six's ~5.7 GB; a CI run
-# ran out of disk keeping them all); EMBER_KEEP_GOCACHE=1 keeps it.
+# component's compiled packages at a time (Kubernetes' ~2.5 GB, not all six's ~6 GB: more than a
+# CI machine may have free); EMBER_KEEP_GOCACHE=1 keeps it.
 # Each build's wall time is appended to e2e/.work/build-times.log.
 set -euo pipefail
 
