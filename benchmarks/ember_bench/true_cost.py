@@ -19,13 +19,15 @@ the build. These figures count everything the user waits for:
 - cold: a pod that starts with its archive. (a process that imports ember's LOAD path, builds
   the model AND restores, until every key is launchable through its own exec and ran once) minus
   (a process that only builds the same model, restoring nothing), both under libember in load
-  mode, both timed from the armed session on. Split in two (medians): how much longer the
-  restoring process's own build took than a bare build (`cold_build_slowdown_ms`: background work
-  competing with it), and how long after its build every key became launchable
-  (`cold_after_build_ms`); and the cold figure once more with the own execs started as soon as
-  the templates are built, not when serving starts (`cold_early_*`, EMBER_DEDICATE_EARLY=1: on
-  trial). In the warm figures the LOAD path's modules were
-  imported when the process started, as an engine that waits for its archive does.
+  mode, both timed from the armed session on, both importing torch and the model code in that
+  time. Split in two (medians): how much later the restoring process's build ended than a bare
+  build does (`cold_build_slowdown_ms`: LOAD's imports and manifest read, and background work
+  competing with the build), and how long after its build ended every key became launchable
+  (`cold_after_build_ms`). The cold figure is measured once more per variant (`VARIANTS`: the
+  own execs started once serving starts, not once the templates are built), as
+  `<variant>_ready_ms`, `<variant>_extra_ms`, `<variant>_templates_ms`, with the same split.
+  In the warm figures the LOAD path's modules were imported when the process started, as an
+  engine that waits for its archive does.
 
 Each in its own fresh process, `repeats` times; the report keeps every run and the medians.
 Children: `python -m ember_bench.true_cost ROLE ARGS_JSON`.
@@ -45,6 +47,8 @@ from pathlib import Path
 from typing import Any
 
 ROLES = ("warm", "cold", "build")
+# The cold figure again with one setting changed: what that setting buys, in the same run.
+VARIANTS = {"cold_late": {"EMBER_DEDICATE_EARLY": "0"}}
 
 
 def _facts(store: str, identity: str) -> dict[str, Any]:
@@ -132,11 +136,22 @@ def role(name: str, args: dict[str, Any]) -> dict[str, Any]:
     else:  # cold: importing the LOAD path, the manifest read, the build and the LOAD all timed
         t0 = time.perf_counter()
         from ember.engines.decode.adapter import load_workload
+        from ember.engines.decode.model import DecodeWorkload
 
+        build, built_at = DecodeWorkload.build, []
+
+        def timed_build(*a: Any, **k: Any) -> Any:
+            try:
+                return build(*a, **k)
+            finally:
+                built_at.append(time.perf_counter())
+
+        DecodeWorkload.build = timed_build  # type: ignore[method-assign]
         loaded = load_workload(args["store"], args["identity"], interposer=ip, log=lambda m: None,
                                wait_templates=False)
         _launch_all(loaded, t0, out, "cold")
-        out["cold_build_ms"] = loaded.timings["build_workload_ms"]
+        out["cold_build_ms"] = (built_at[0] - t0) * 1e3  # from t0 like a bare build: imports too
+        out["cold_timings"] = loaded.timings
     return out
 
 
@@ -155,12 +170,12 @@ def measure(
 ) -> dict[str, Any]:
     """Warm and cold LOAD cost, `repeats` fresh processes each (interleaved), with medians."""
     args = {"store": store, "identity": identity}
-    runs: dict[str, list[dict[str, Any]]] = {r: [] for r in (*ROLES, "cold_early")}
-    early = {**env, "EMBER_DEDICATE_EARLY": "1"}  # own execs without waiting for serving
+    runs: dict[str, list[dict[str, Any]]] = {r: [] for r in (*ROLES, *VARIANTS)}
     for _ in range(repeats):
         for name in ROLES:
             runs[name].append(_run(name, args, env, timeout))
-        runs["cold_early"].append(_run("cold", args, early, timeout))
+        for variant, changed in VARIANTS.items():
+            runs[variant].append(_run("cold", args, {**env, **changed}, timeout))
     errors = [r for rs in runs.values() for r in rs if "error" in r]
     out: dict[str, Any] = {"runs": runs, "repeats": repeats}
     if errors:
@@ -182,8 +197,13 @@ def measure(
     out["cold_build_slowdown_ms"] = out["cold_build_ms"] - out["build_only_ms"]
     tails = [r["cold_ready_ms"] - r["cold_build_ms"] for r in runs["cold"]]
     out["cold_after_build_ms"] = statistics.median(tails)
-    out["cold_early_ready_ms"] = med("cold_early", "cold_ready_ms")
-    out["cold_early_extra_ms"] = out["cold_early_ready_ms"] - out["build_only_ms"]
+    for variant in VARIANTS:
+        for what in ("templates", "ready", "build"):
+            out[f"{variant}_{what}_ms"] = med(variant, f"cold_{what}_ms")
+        out[f"{variant}_extra_ms"] = out[f"{variant}_ready_ms"] - out["build_only_ms"]
+        out[f"{variant}_after_build_ms"] = statistics.median(
+            r["cold_ready_ms"] - r["cold_build_ms"] for r in runs[variant]
+        )
     for key in ("first_use_updates", "exec_mb", "execs", "exec_capped"):
         vals = [v for r in runs["warm"] if (v := r.get(f"warm_{key}")) is not None]
         out[f"warm_{key}"] = max(vals) if vals else None  # the worst run
@@ -218,10 +238,17 @@ def report_line(r: dict[str, Any]) -> str:
         f"{tc.get('warm_execs')} taking {tc.get('warm_exec_mb') or 0:.0f} MiB "
         f"({tc.get('warm_exec_capped')} keys past the cap); cold, build + LOAD until every key is "
         f"launchable {tc['cold_ready_ms']:.0f} ms (first key {tc['cold_first_ms']:.0f} ms) vs a bare "
-        f"build {tc['build_only_ms']:.0f} ms: LOAD adds {tc['cold_extra_ms']:.0f} ms (its build "
-        f"{tc['cold_build_slowdown_ms']:+.0f} ms, then {tc['cold_after_build_ms']:.0f} ms until every "
-        f"key is launchable; with the own execs started before serving, EMBER_DEDICATE_EARLY=1: "
-        f"{tc['cold_early_extra_ms']:+.0f} ms); native capture / "
+        f"build {tc['build_only_ms']:.0f} ms: LOAD adds {tc['cold_extra_ms']:.0f} ms (its build ends "
+        f"{tc['cold_build_slowdown_ms']:+.0f} ms later, then {tc['cold_after_build_ms']:.0f} ms until "
+        f"every key is launchable; every template ready at {tc['cold_templates_ms']:.0f} ms); "
+        + "; ".join(
+            f"{v} ({', '.join(f'{k}={x}' for k, x in VARIANTS[v].items())}): adds "
+            f"{tc[f'{v}_extra_ms']:+.0f} ms (its build ends "
+            f"{tc[f'{v}_build_ms'] - tc['build_only_ms']:+.0f} ms later, then "
+            f"{tc[f'{v}_after_build_ms']:.0f} ms), templates at {tc[f'{v}_templates_ms']:.0f} ms"
+            for v in VARIANTS if f"{v}_extra_ms" in tc
+        )
+        + "; native capture / "
         f"warm LOAD {r['native_over_warm_load']:.1f}x, / cold extra {r['native_over_cold_load']:.1f}x "
         f"(critical-path load_ms {r['load_ms']:.1f})"
     )

@@ -30,16 +30,31 @@ RUNS = {
     ],
     "build": [{"build_ms": b} for b in (400, 480, 300)],
 }
-EARLY = [{"cold_first_ms": 60, "cold_templates_ms": 70, "cold_ready_ms": a, "cold_all_ms": a + 3,
-          "cold_build_ms": 500} for a in (520, 560, 480)]
+def _variant(ready: tuple[float, ...], templates: float) -> list[dict[str, Any]]:
+    return [{"cold_first_ms": 60, "cold_templates_ms": templates, "cold_ready_ms": a, "cold_all_ms": a + 3,
+             "cold_build_ms": 500} for a in ready]
+
+
+# Two variants, whatever the module measures today: each is the cold role with its env changed.
+VARIANTS = {"cold_early": {"EMBER_DEDICATE_EARLY": "1"}, "cold_switch_5ms": {"EMBER_SWITCH_INTERVAL_US": "0"}}
+VARIANT_RUNS = {
+    "cold_early": _variant((520, 560, 480), 70),
+    "cold_switch_5ms": _variant((900, 950, 990), 400),
+}
+
+
+@pytest.fixture(autouse=True)
+def two_variants(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(true_cost, "VARIANTS", VARIANTS)
 
 
 def _fake(runs: dict[str, list[dict[str, Any]]]) -> Any:
-    taken = {k: iter(v) for k, v in {**runs, "cold_early": EARLY}.items()}
+    taken = {k: iter(v) for k, v in {**runs, **VARIANT_RUNS}.items()}
 
     def run(name: str, args: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, Any]:
-        early = env.get("EMBER_DEDICATE_EARLY") == "1"  # the same role, another env
-        return {"role": name, **next(taken["cold_early" if early else name])}
+        # the same role, another env: which variant is told by the env alone
+        variant = [v for v, changed in true_cost.VARIANTS.items() if changed.items() <= env.items()]
+        return {"role": name, **next(taken[variant[0] if variant else name])}
 
     return run
 
@@ -54,7 +69,13 @@ def test_medians_and_the_cold_difference(monkeypatch: pytest.MonkeyPatch) -> Non
     # the restoring process's build (median 450) against a bare one (400); after it, per run 250,
     # 80, 100: the median of the per-run tails (100), not a difference of medians (700 - 450)
     assert out["cold_build_slowdown_ms"] == 50 and out["cold_after_build_ms"] == 100
-    assert out["cold_early_ready_ms"] == 520 and out["cold_early_extra_ms"] == 120  # runs with the env
+    # each variant: the cold runs with its env, against the same bare builds
+    assert out["cold_early_ready_ms"] == 520 and out["cold_early_extra_ms"] == 120
+    assert out["cold_switch_5ms_ready_ms"] == 950 and out["cold_switch_5ms_extra_ms"] == 550
+    assert out["cold_switch_5ms_templates_ms"] == 400 and out["cold_templates_ms"] == 70
+    # per variant the same split: builds of 500 ms, then per run 20, 60, -20 ms → median 20
+    assert out["cold_early_build_ms"] == 500 and out["cold_early_after_build_ms"] == 20
+    assert all(len(out["runs"][v]) == 3 for v in true_cost.VARIANTS)
     assert out["first_use_extra_p99_ms"] == 0.05  # the worst run's p99, not a median
     assert out["warm_first_use_updates"] == 0 and out["warm_exec_mb"] == 90.0
     assert len(out["runs"]["warm"]) == 3 and "error" not in out
@@ -76,3 +97,19 @@ def test_the_true_cost_goals_read_the_medians_and_the_worst_p99(monkeypatch: pyt
     assert g["cold_extra<=150ms"] is False  # 300 ms
     assert g["first_use_p99<=0.1ms"] is True  # worst run 0.05 ms
     assert true_cost.goals({"error": "exited 1"}) == {}
+
+
+def test_the_report_line_names_each_variant_and_its_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(true_cost, "_run", _fake(RUNS))
+    tc = true_cost.measure("file:///s", "h" * 64, {}, repeats=3)
+    line = true_cost.report_line(
+        {"workload": "llama3-8b", "true_cost": tc, "native_over_warm_load": 5.0,
+         "native_over_cold_load": 9.0, "load_ms": 10.8}
+    )
+    assert "LOAD adds 300 ms (its build ends +50 ms later, then 100 ms until" in line
+    assert (
+        "cold_switch_5ms (EMBER_SWITCH_INTERVAL_US=0): adds +550 ms (its build ends +100 ms later, then "
+        "450 ms), templates at 400 ms"
+    ) in line
+    assert "cold_early (EMBER_DEDICATE_EARLY=1): adds +120 ms (its build ends +100 ms later, then 20 ms)" \
+        in line
