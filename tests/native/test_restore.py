@@ -585,16 +585,56 @@ last_json({"ready_before_serving": ready, "execs_before_serving": execs,
 """
 
 
-def test_own_execs_wait_for_serving_unless_dedicated_early(run_py, tmp_path: Path) -> None:
-    """By default the own execs start once serving does (library()); EMBER_DEDICATE_EARLY=1
-    starts them once the templates are built, before the model is (a cold pod's build overlaps
-    them)."""
+def test_own_execs_start_once_the_templates_are_built_or_with_serving_when_told(
+    run_py, tmp_path: Path
+) -> None:
+    """By default the own execs start once the templates are built, before the model is (a cold
+    pod's build overlaps them); EMBER_DEDICATE_EARLY=0 makes them wait until serving starts
+    (library())."""
     env = _saved(run_py, tmp_path)
-    late = _last_json(run_py(EARLY, mode="load", env=env))
-    assert late["ready_before_serving"] is False and late["execs_before_serving"] == 0
-    early = _last_json(run_py(EARLY, mode="load", env={**env, "EMBER_DEDICATE_EARLY": "1"}))
+    early = _last_json(run_py(EARLY, mode="load", env=env))
     assert early["ready_before_serving"] is True and early["execs_before_serving"] > 0
+    late = _last_json(run_py(EARLY, mode="load", env={**env, "EMBER_DEDICATE_EARLY": "0"}))
+    assert late["ready_before_serving"] is False and late["execs_before_serving"] == 0
     assert late["ready"] and early["ready"] and early["execs"] == late["execs"] > 0
+
+
+SWITCH = COMMON + """
+import sys
+from ember.runtime.graphs import need
+seen = {}
+
+def spy(name, fn):
+    def wrapped(*a, **k):
+        seen[name] = sys.getswitchinterval()
+        return fn(*a, **k)
+    return wrapped
+
+ArchiveRestore._reconstruct = spy("reconstruct", ArchiveRestore._reconstruct)
+need.Dedicator.run = spy("dedicate", need.Dedicator.run)
+before = sys.getswitchinterval()
+restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
+model()
+ip.replay_window()
+lib = restore.library()
+assert lib.wait_dedicated(timeout=30)
+restore._thread.join()
+lib.dedicator.join()
+last_json({"before": before, **seen, "after": sys.getswitchinterval()})
+"""
+
+
+def test_background_work_runs_with_a_short_switch_interval_and_restores_the_engines(
+    run_py, tmp_path: Path
+) -> None:
+    """The reconstruction and the own execs run while the engine's thread holds the GIL: each
+    of their thousands of GIL hand-backs waits at most the switch interval (ember/runtime/gil.py)."""
+    env = _saved(run_py, tmp_path)
+    r = _last_json(run_py(SWITCH, mode="load", env=env))
+    assert r["reconstruct"] == r["dedicate"] == pytest.approx(200e-6)
+    assert r["before"] == r["after"] == pytest.approx(0.005)
+    off = _last_json(run_py(SWITCH, mode="load", env={**env, "EMBER_SWITCH_INTERVAL_US": "0"}))
+    assert off["reconstruct"] == off["dedicate"] == off["after"] == pytest.approx(0.005)
 
 
 def test_every_key_gets_its_own_exec_in_need_order_within_the_memory_cap(run_py, tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ when it names them, then the rest by size, smallest first (a decode server's fir
 are small batches). LOAD builds the templates in that order, hands the library over as soon as
 the first one is instantiated, and builds the rest behind it.
 
-Own execs (`Dedicator`): after serving starts, every key that is not its group's template gets an
+Own execs (`Dedicator`): once the templates are built (in a cold pod, while the model still
+builds; EMBER_DEDICATE_EARLY=0: once serving starts), every key that is not its group's template gets an
 exec instantiated from its own graph, in need order, on a background thread (libember's builder:
 graph build + instantiate in C, no GIL), uploaded to the device there too. A key whose exec is
 ready is launched through it: no `cuGraphExecUpdate` on the request path, and no exec updated
@@ -27,6 +28,7 @@ from typing import Any
 
 from cuda.bindings import driver as cu
 
+from ember.runtime.gil import short_switch_interval
 from ember.runtime.graphs.driver import OK
 
 DEFAULT_EXEC_MEMORY_MB = 2048.0
@@ -91,7 +93,8 @@ class Dedicator:
                     while not ev.wait(0.05):
                         if self.stop.is_set():
                             return
-                self.run()
+                with short_switch_interval():  # serving's thread wants the GIL too (gil.py)
+                    self.run()
             finally:
                 self.done.set()
 
