@@ -306,6 +306,9 @@ def run_child(
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "ember_bench.cb", phase, json.dumps(opts), str(out)]
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    # perf_counter is CLOCK_MONOTONIC on Linux, one clock for every process: the child's process
+    # start → first token then counts the interpreter's start and its imports too
+    full_env["EMBER_T_PROCESS"] = repr(time.perf_counter())
     try:
         proc = subprocess.run(cmd, env=full_env, timeout=timeout, capture_output=True, text=True)
         log = proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -330,6 +333,9 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "capture_all_s": save.get("capture_all_s"),
         "native_start_to_first_token_s": native.get("start_to_first_token_s"),
         "restored_start_to_first_token_s": load.get("start_to_first_token_s"),
+        # the same from the process's start: the model build (not restored) counts here
+        "native_process_to_first_token_s": native.get("process_to_first_token_s"),
+        "restored_process_to_first_token_s": load.get("process_to_first_token_s"),
         "native_captures_while_serving": native.get("captures_while_serving"),
         "restored_captures_while_serving": load.get("captures_while_serving"),
         "save_process_captures_while_serving": save.get("captures_while_serving"),
@@ -351,10 +357,15 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     )
     n, r = s["native_start_to_first_token_s"], s["restored_start_to_first_token_s"]
     s["restored_over_native"] = (r / n) if n and r else None
+    n, r = s["native_process_to_first_token_s"], s["restored_process_to_first_token_s"]
+    s["process_restored_over_native"] = (r / n) if n and r else None
     goals = {
         "restored start <= 1/10 of native": None
         if s["restored_over_native"] is None
         else s["restored_over_native"] <= 0.1,
+        "process start -> first token <= 1/10 of native": None
+        if s["process_restored_over_native"] is None
+        else s["process_restored_over_native"] <= 0.1,
         "0 graphs captured while serving (restored)": None
         if load.get("captures_while_serving") is None
         else load["captures_while_serving"] == 0,
