@@ -395,8 +395,8 @@ class ArchiveRestore:
             lib.close()
             raise
         if os.environ.get("EMBER_DEDICATE", "1") != "0":  # once every template is built
-            # ... while a cold pod's model still builds: measured on H100, a key waited 0.25-0.6 s
-            # after the build for its own exec, 1.0-1.3 s when they waited for serving
+            # ... while a cold pod's model still builds: measured on H100, a key waited 0.25-0.62 s
+            # after the build for its own exec, 1.01-1.41 s when they waited for serving
             # (EMBER_DEDICATE_EARLY=0; `ember bench graphs` measures both)
             early = os.environ.get("EMBER_DEDICATE_EARLY", "1") != "0"
             lib.start_dedicating(after=[] if early else [self._serving])

@@ -6,12 +6,12 @@ are small batches). LOAD builds the templates in that order, hands the library o
 the first one is instantiated, and builds the rest behind it.
 
 Own execs (`Dedicator`): once the templates are built (in a cold pod, while the model still
-builds; EMBER_DEDICATE_EARLY=0: once serving starts), every key that is not its group's template gets an
-exec instantiated from its own graph, in need order, on a background thread (libember's builder:
-graph build + instantiate in C, no GIL), uploaded to the device there too. A key whose exec is
-ready is launched through it: no `cuGraphExecUpdate` on the request path, and no exec updated
-away from what it was instantiated from (on H100 an updated exec ran up to 24 % slower). Their
-device memory is measured (free memory before/after each batch, uploads synchronised) and
+builds; EMBER_DEDICATE_EARLY=0: once serving starts), every key that is not its group's template
+gets an exec instantiated from its own graph, in need order, on a background thread
+(libember's builder: graph build + instantiate in C, no GIL), uploaded to the device there too.
+A key whose exec is ready is launched through it: no `cuGraphExecUpdate` on the request path,
+and no exec updated away from what it was instantiated from (on H100 an updated exec ran up to
+24 % slower). Their device memory is measured (free memory before/after each batch, uploads synchronised) and
 capped (`EMBER_EXEC_MEMORY_MB`, default 2048): keys past the cap stay on their group template.
 A template that was switched to another key before that key's own exec was ready gets an own
 exec for its template key too, at the end.
