@@ -410,7 +410,7 @@ class ArchiveRestore:
     def _build_rest(self, lib: GraphLibrary, tm: dict[str, float], *, background: bool) -> None:
         """The other templates (on the background thread, a failure is the launch's to retry:
         the library may be serving already); every key's own exec follows on the library's
-        Dedicator thread once they are built and serving started."""
+        Dedicator thread once they are built (and serving started, with EMBER_DEDICATE_EARLY=0)."""
         t = time.perf_counter()
         lib.build_rest(raise_errors=not background)
         tm["templates_ms"] = tm.get("templates_first_ms", 0.0) + (time.perf_counter() - t) * 1e3
@@ -451,10 +451,10 @@ class ArchiveRestore:
     def library(self) -> GraphLibrary:
         """The library, as soon as the template of the first needed key's group is instantiated
         (`join_ms` waited for it): the other templates follow on the background thread (a launch
-        that comes first waits for its own group's), then every key's own exec (started here,
-        as serving starts). Builds them here when there was no thread; retries a refused
-        background build once here (the driver may have refused for a reason the replay
-        removed); Refused when the archive cannot be restored."""
+        that comes first waits for its own group's), then every key's own exec (with
+        EMBER_DEDICATE_EARLY=0 started here, as serving starts). Builds them here when there was
+        no thread; retries a refused background build once here (the driver may have refused for
+        a reason the replay removed); Refused when the archive cannot be restored."""
         t = time.perf_counter()
         if self._thread is not None:
             self._handover.wait()
