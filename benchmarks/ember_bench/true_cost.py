@@ -191,6 +191,9 @@ def measure(
             key = f"{role_name}_{what}_ms"
             out[key] = med(role_name, key)
     out["build_only_ms"] = med("build", "build_ms")
+    # how far bare builds alone spread: a cold difference smaller than this is not resolved
+    builds = [r["build_ms"] for r in runs["build"]]
+    out["build_only_range_ms"] = [min(builds), max(builds)]
     out["cold_extra_ms"] = out["cold_ready_ms"] - out["build_only_ms"]  # restoring's cost over a bare build
     out["cold_extra_first_ms"] = out["cold_first_ms"] - out["build_only_ms"]
     # where the cold extra goes: the build slowed by the background work, then what is left after it
@@ -239,7 +242,8 @@ def report_line(r: dict[str, Any]) -> str:
         f"{tc.get('warm_execs')} taking {tc.get('warm_exec_mb') or 0:.0f} MiB "
         f"({tc.get('warm_exec_capped')} keys past the cap); cold, build + LOAD until every key is "
         f"launchable {tc['cold_ready_ms']:.0f} ms (first key {tc['cold_first_ms']:.0f} ms) vs a bare "
-        f"build {tc['build_only_ms']:.0f} ms: LOAD adds {tc['cold_extra_ms']:.0f} ms (its build ends "
+        f"build {tc['build_only_ms']:.0f} ms (runs {tc['build_only_range_ms'][0]:.0f}-"
+        f"{tc['build_only_range_ms'][1]:.0f} ms): LOAD adds {tc['cold_extra_ms']:.0f} ms (its build ends "
         f"{tc['cold_build_slowdown_ms']:+.0f} ms later, then {tc['cold_after_build_ms']:.0f} ms until "
         f"every key is launchable; every template ready at {tc['cold_templates_ms']:.0f} ms); "
         + "; ".join(
