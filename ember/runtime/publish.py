@@ -107,7 +107,8 @@ def execution_order(graph_set: GraphSet, first: list[int]) -> list[str]:
             elif (k := getattr(node.params, "kernel", None)) is not None:
                 seen.setdefault(graph_set.kernels[k].image, None)
 
-    for i in first + [i for i in range(len(graph_set.graphs)) if i not in set(first)]:
+    firsts = set(first)
+    for i in first + [i for i in range(len(graph_set.graphs)) if i not in firsts]:
         visit(graph_set.graphs[i])
     return list(seen)
 
