@@ -62,11 +62,14 @@ _STATUS = {
     -9: "no CUDA driver",
     -10: "malformed input",
     -11: "edge data not kept by the driver",
+    -12: "a system library is missing",
 }
 EMBER_ERANGE = -6
 EMBER_EDIVERGED = -4
 EMBER_EEDGES = -11
+EMBER_EUNAVAILABLE = -12
 BUILD_INSTANTIATE = 1
+FUNC_ATTRS = 6  # per kernel in `Interposer.functions` (EMBER_FUNC_ATTRS)
 
 
 class GraphDesc(ctypes.Structure):
@@ -93,6 +96,22 @@ class GraphDesc(ctypes.Structure):
         ("build_ns", ctypes.c_uint64),
         ("instantiate_ns", ctypes.c_uint64),
         ("error", ctypes.c_char * 240),
+    ]
+
+
+class BlobRead(ctypes.Structure):
+    """struct ember_blob_read (native/include/ember.h): one kernel-image blob for `read_images`."""
+
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("hash", ctypes.c_char_p),
+        ("path", ctypes.c_char_p),
+        ("sha256", ctypes.c_char_p),
+        ("raw_sha256", ctypes.c_char_p),
+        ("stored_size", ctypes.c_uint64),
+        ("raw_size", ctypes.c_uint64),
+        ("options_json", ctypes.c_char_p),
+        ("codec", ctypes.c_int32),
     ]
 
 
@@ -146,6 +165,13 @@ def _declare(lib: ctypes.CDLL) -> None:
             c.c_size_t, c.POINTER(c.c_char_p), c.POINTER(c.c_void_p), szp, c.POINTER(c.c_char_p),
         ],
         "ember_function": [c.c_char_p, c.c_char_p, u64p],
+        "ember_functions": [
+            c.c_size_t, c.POINTER(c.c_char_p), c.POINTER(c.c_char_p), c.POINTER(c.c_int32), u64p, szp,
+        ],
+        "ember_read_images": [c.c_void_p, c.c_size_t, c.c_int, c.POINTER(c.c_void_p)],
+        "ember_read_allow": [c.c_void_p, c.c_size_t],
+        "ember_read_wait": [c.c_void_p, c.c_size_t, c.c_uint32, szp],
+        "ember_read_close": [c.c_void_p],
         "ember_stats_json": [c.c_char_p, c.c_size_t, szp],
         "ember_image_size": [c.c_void_p, c.c_size_t, c.POINTER(c.c_int), szp],
         "ember_hash_hex": [c.c_void_p, c.c_size_t, c.c_char_p, c.c_size_t],
@@ -287,11 +313,33 @@ class Interposer:
         opts = (ctypes.c_char_p * n)(*[json.dumps(o or {}).encode() for _, _, o in images])
         self._check(self._lib.ember_preload(n, hashes, ptrs, sizes, opts), "preload")
 
+    def read_images(self, blobs: list[BlobRead], threads: int = 4) -> ImageReads:
+        """libember's reader threads read, verify and preload these kernel-image blobs (in this
+        order, as far as `ImageReads.allow` lets them). EmberError with EMBER_EUNAVAILABLE
+        when libzstd or libcrypto is missing here."""
+        arr = (BlobRead * len(blobs))(*blobs)
+        handle = ctypes.c_void_p()
+        rc = self._lib.ember_read_images(arr, len(blobs), threads, ctypes.byref(handle))
+        self._check(rc, "read_images")
+        return ImageReads(self, handle)
+
     def function(self, hash: str, name: str) -> int:
         """A CUfunction for the current context (waits only for this image's preload)."""
         out = ctypes.c_uint64()
         self._check(self._lib.ember_function(hash.encode(), name.encode(), ctypes.byref(out)), "function")
         return out.value
+
+    def functions(self, kernels: list[tuple[str, str, tuple[int, ...]]]) -> list[int]:
+        """`function` for each (image hash, name, attributes) in one call, each function given
+        its FUNC_ATTRS attributes (-1: leave as loaded) where it differs."""
+        n = len(kernels)
+        hashes = (ctypes.c_char_p * n)(*[h.encode() for h, _, _ in kernels])
+        names = (ctypes.c_char_p * n)(*[k.encode() for _, k, _ in kernels])
+        attrs = (ctypes.c_int32 * (n * FUNC_ATTRS))(*[v for _, _, a in kernels for v in a])
+        funcs, failed = (ctypes.c_uint64 * n)(), ctypes.c_size_t()
+        rc = self._lib.ember_functions(n, hashes, names, attrs, funcs, ctypes.byref(failed))
+        self._check(rc, "function")
+        return list(funcs)
 
     def build_graphs(self, ctx: int, descs: ctypes.Array[GraphDesc], threads: int) -> int:
         """ember_build_graphs; returns its status (each desc says how its graph went). Raises
@@ -338,3 +386,29 @@ class Interposer:
         out = ctypes.create_string_buffer(64)
         self._check(self._lib.ember_hash_hex(data, len(data), out, len(out)), "hash")
         return out.value.decode()
+
+
+class ImageReads:
+    """Blobs being read by libember (`Interposer.read_images`); close() stops the readers."""
+
+    def __init__(self, ip: Interposer, handle: ctypes.c_void_p) -> None:
+        self._ip = ip
+        self._handle: ctypes.c_void_p | None = handle
+
+    def allow(self, upto: int) -> None:
+        """The readers may read the first `upto` blobs."""
+        self._ip._lib.ember_read_allow(self._handle, upto)
+
+    def wait(self, upto: int, timeout: float) -> int:
+        """How many leading blobs are preloaded, once `upto` are or `timeout` seconds passed
+        (the GIL is released meanwhile). EmberError names the first damaged blob."""
+        done = ctypes.c_size_t()
+        ms = max(0, min(int(timeout * 1e3), 2**32 - 1))
+        rc = self._ip._lib.ember_read_wait(self._handle, upto, ms, ctypes.byref(done))
+        self._ip._check(rc, "read_images")
+        return done.value
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._ip._lib.ember_read_close(self._handle)
+            self._handle = None

@@ -450,10 +450,11 @@ class Archive:
         blob = ATTACHMENT_PREFIX + name
         return self.blob_bytes(blob) if blob in self.manifest.attachments else None
 
-    def load_all(self, max_workers: int = 4) -> None:
-        """Fetch, verify and decompress every blob now (in parallel); attachments stay for
-        `attachment()` (the engine reads them when it needs them, not on LOAD's thread)."""
-        skip = set(self._blobs) | set(self.manifest.attachments)
+    def load_all(self, max_workers: int = 4, *, images: bool = True) -> None:
+        """Fetch, verify and decompress every blob now (in parallel), but the attachments (read
+        by the engine, `attachment()`) and, with `images=False`, the kernel images."""
+        m = self.manifest
+        skip = {*self._blobs, *m.attachments, *(k.blob for k in m.kernel_images if not images)}
         names = [b.name for b in self.manifest.blobs if b.name not in skip]
         with ThreadPoolExecutor(max(1, min(max_workers, len(names) or 1))) as pool:
             for name, data in zip(names, pool.map(lambda n: self._read(self.manifest.blob(n)), names),

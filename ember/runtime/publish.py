@@ -43,7 +43,7 @@ class ArchiveContent:
     identity: ArchiveIdentity
     compat: CompatKey
     graph_table: bytes
-    images: list[Image]  # in execution order (LOAD preloads in this order)
+    images: list[Image]  # in execution order (LOAD preloads in this order; empty when libember read them)
     alloc_log: bytes = b""
     rng_state: bytes = b""
     engine: dict[str, Any] = field(default_factory=dict)
@@ -118,14 +118,15 @@ def image_order(m: Manifest) -> list[str]:
     return list(m.engine.get("image_order") or [k.content_hash for k in m.kernel_images])
 
 
-def view(arc: bundle.Archive) -> ArchiveContent:
-    """The runtime's view of an opened archive: every blob fetched (in parallel) and verified."""
-    arc.load_all()
+def view(arc: bundle.Archive, *, images: bool = True) -> ArchiveContent:
+    """The runtime's view of an opened archive: every blob fetched (in parallel) and verified;
+    `images=False`: none of the kernel images (libember read them, `ember.runtime.image_reads`)."""
+    arc.load_all(images=images)
     m = arc.manifest
-    order = image_order(m)
+    order = image_order(m) if images else []
     options = m.engine.get("image_options", {})
     kinds = {k.content_hash: (k.kind, k.kernels) for k in m.kernel_images}
-    images = [
+    content = [
         Image(
             h,
             arc.kernel_image(h),
@@ -139,7 +140,7 @@ def view(arc: bundle.Archive) -> ArchiveContent:
         identity=m.identity,
         compat=m.compat,
         graph_table=arc.blob_bytes(m.graphs.table),
-        images=images,
+        images=content,
         alloc_log=arc.alloc_log or b"",
         rng_state=arc.rng_state or b"",
         engine=dict(m.engine),

@@ -33,7 +33,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from cuda.bindings import driver as cu
@@ -41,23 +40,28 @@ from cuda.bindings import driver as cu
 from ember.archive import graph_table as archive_format
 from ember.archive.table_layout import FormatError
 from ember.native import EmberDivergence, EmberError, Interposer
-from ember.runtime import compat, publish
+from ember.runtime import compat, image_reads, publish
 from ember.runtime.adapter import COMPAT, LOAD, Refused
 from ember.runtime.gil import short_switch_interval
 from ember.runtime.graphs.driver import CudaError, current_context
 from ember.runtime.graphs.kernels import KernelFunctions
 from ember.runtime.graphs.need import need_order
-from ember.runtime.graphs.rebuild import RebuildError, apply_function_attr
+from ember.runtime.graphs.rebuild import RebuildError
 from ember.runtime.graphs.templates import GraphLibrary
 
 if TYPE_CHECKING:
     from ember.archive import bundle
     from ember.archive.graph_table import GraphTable
-    from ember.archive.graphs import KernelRef
+    from ember.archive.graphs import FunctionAttrs
     from ember.archive.manifest import Manifest
 
 
 READ_AHEAD = 8  # images the reader reads before the decoded table says which the first key needs
+
+
+def _attr_values(fa: FunctionAttrs) -> tuple[int, ...]:
+    """`Interposer.functions`' attributes of one kernel (rebuild.apply_function_attr's)."""
+    return (fa.max_dynamic_shared, fa.non_portable_cluster, *fa.required_cluster, fa.carveout)
 
 
 def release_cached_memory(ip: Interposer | None = None) -> dict[str, float]:
@@ -287,19 +291,20 @@ class ArchiveRestore:
         tm["images_first"] = len(images)
         return table
 
-    def _read_blobs(self, tm: dict[str, float]) -> None:
-        """Every kernel image read and verified (4 threads), in the archive's order: SAVE writes
-        it need-first, so the first needed key's images lead. Each is handed to libember's loader
-        threads as soon as it and those before it are read. Once the first key's images are
-        handed, it waits until that key's template goes to libember's builder (`_rest`), then
-        reads every other blob. A damaged blob is kept for `_join_reader`."""
+    def _read_blobs(self, tm: dict[str, Any]) -> None:
+        """Every kernel image read and verified, in the archive's order (`image_reads`: by
+        libember's reader threads for a local store): SAVE writes it need-first, so the first
+        needed key's images lead. Each is handed to libember's loader threads as soon as it and
+        those before it are read. Once the first key's images are handed, it waits until that
+        key's template goes to libember's builder (`_rest`), then reads every other blob. A
+        damaged blob is kept for `_join_reader`."""
         arc = self.opened
         order = list(self._handed)
-        options = arc.manifest.engine.get("image_options", {})
         t = time.perf_counter()
-        pool = ThreadPoolExecutor(4, thread_name_prefix="ember-read")
+        reads: image_reads.Reads | None = None
         try:
-            reads: list[Future[bytes]] = []
+            reads = image_reads.open_reads(self.ip, arc, order)
+            tm["image_reader"] = reads.kind
             i = 0
             while i < len(order) and not self._stop_reading.is_set():  # what is read, in order
                 upto = self._may_read(len(order))
@@ -308,35 +313,25 @@ class ArchiveRestore:
                         tm.setdefault("images_held_ms", (time.perf_counter() - t) * 1e3)
                     (self._rest if self._decoded.is_set() else self._decoded).wait()
                     continue
-                reads += [pool.submit(arc.kernel_image, h) for h in order[len(reads) : upto]]
-                wait(reads[i : i + 1])
-                j = i + 1
-                while j < len(reads) and reads[j].done():
-                    j += 1
-                try:
-                    data = [f.result() for f in reads[i:j]]
-                except Exception as exc:
-                    raise Refused(LOAD, f"archive damaged: {exc}") from exc
-                try:
-                    handed = zip(order[i:j], data, strict=True)
-                    self.ip.preload([(h, d, options.get(h, {})) for h, d in handed])
-                except EmberError as exc:
-                    raise Refused(LOAD, f"libember refused the archive: {exc}") from exc
-                tm.setdefault("images_handed_first_ms", (time.perf_counter() - t) * 1e3)
+                reads.allow(upto)
+                j = reads.wait(i, 0.05)
+                if j > i:
+                    tm.setdefault("images_handed_first_ms", (time.perf_counter() - t) * 1e3)
                 for h in order[i:j]:
                     self._handed[h].set()
                 i = j
             if self._stop_reading.is_set():
                 return
             tm["images_handed_ms"] = (time.perf_counter() - t) * 1e3
-            try:
-                self.archive = publish.view(arc)  # what is left (the RNG state), then the whole view
+            try:  # what is left (the RNG state), then the whole view
+                self.archive = publish.view(arc, images=reads.kind != "native")
             except Exception as exc:
                 raise Refused(LOAD, f"archive damaged: {exc}") from exc
         except BaseException as exc:
             self._reader_error = exc
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)  # at most the reads in flight
+            if reads is not None:
+                reads.close()
             for ev in self._handed.values():  # no lookup waits for an image that will not come
                 ev.set()
             tm["read_blobs_ms"] = (time.perf_counter() - t) * 1e3
@@ -350,14 +345,16 @@ class ArchiveRestore:
             return min(self._first_upto, n)
         return n if self._decoded.is_set() else min(READ_AHEAD, n)  # decoded: it failed, read on
 
-    def _function(self, ref: KernelRef) -> int:
-        """The kernel's CUfunction, once the reader handed its image to libember (which then
-        waits for that image's load only)."""
-        if (handed := self._handed.get(ref.image)) is not None:
-            if not handed.is_set() and self._position[ref.image] >= (self._first_upto or 0):
-                self._rest.set()  # past the first key's images (a child graph's kernel): read on
-            handed.wait()
-        return self.ip.function(ref.image, ref.name)
+    def _functions(self, table: GraphTable, idx: list[int]) -> list[int]:
+        """The kernels' CUfunctions with their SAVE-time attributes (one libember call), once the
+        reader handed their images to libember (which then waits for each image's load only)."""
+        refs, attrs = table.kernels, table.function_attrs
+        for image in {refs[i].image for i in idx}:
+            if (handed := self._handed.get(image)) is not None:
+                if not handed.is_set() and self._position[image] >= (self._first_upto or 0):
+                    self._rest.set()  # past the first key's images (a child graph's kernel): read on
+                handed.wait()
+        return self.ip.functions([(refs[i].image, refs[i].name, _attr_values(attrs[i])) for i in idx])
 
     def _join_reader(self, tm: dict[str, float]) -> BaseException | None:
         """Waits for the reader: every blob is read and verified before the hand-over. Returns
@@ -374,8 +371,8 @@ class ArchiveRestore:
         (need order, `ember.runtime.graphs.need`). Kernel functions are resolved as graphs are
         prepared: this one waits only for its own kernels' images."""
         refs = table.kernels
-        functions = KernelFunctions(len(refs), lambda i: self._function(refs[i]), table.function_attrs,
-                                    apply_function_attr)
+        functions = KernelFunctions(len(refs), lambda i: self._functions(table, [i])[0],
+                                    resolve_many=lambda idx: self._functions(table, idx))
 
         def read_on() -> None:  # the first template is in libember's builder: the reader goes on
             tm["images_at_first_build"] = sum(ev.is_set() for ev in self._handed.values())

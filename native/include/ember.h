@@ -24,6 +24,7 @@ enum ember_status {
   EMBER_ENODRIVER = -9,  /* no CUDA driver in this process */
   EMBER_EFORMAT = -10,   /* malformed input (log, image) */
   EMBER_EEDGES = -11,    /* the driver did not keep the edge data it was given */
+  EMBER_EUNAVAILABLE = -12, /* an optional system library (libzstd, libcrypto) is missing */
 };
 
 int ember_abi_version(void);
@@ -56,6 +57,37 @@ int ember_image_bytes(const char* hash, void* buf, size_t cap, size_t* needed);
 int ember_preload(size_t n, const char* const* hashes, const void* const* data, const size_t* sizes,
                   const char* const* options_json);
 int ember_function(const char* hash, const char* name, uint64_t* func);
+/* ember_function for n kernels in one call, each given the function attributes SAVE recorded
+ * where the loaded function differs: attrs holds EMBER_FUNC_ATTRS values per kernel, in the
+ * order max dynamic shared bytes, non-portable cluster size allowed, required cluster width,
+ * height, depth, preferred shared-memory carveout; -1 leaves one as loaded. On failure *failed
+ * is the kernel's index and the message names it. */
+#define EMBER_FUNC_ATTRS 6
+int ember_functions(size_t n, const char* const* hashes, const char* const* names, const int32_t* attrs,
+                    uint64_t* funcs, size_t* failed);
+/* LOAD's kernel-image reader (blob_reader.cpp): reader threads read each blob file of a local
+ * archive, check its size and sha256, zstd-decompress it (codec 1; 0 = stored raw), check the raw
+ * size and sha256 (when given), and preload it under `hash` (as ember_preload), in order. They
+ * read only the first `upto` of ember_read_allow; ember_read_wait waits (at most timeout_ms) until
+ * the first `upto` are preloaded and sets *done to how many leading ones are; the first damaged
+ * blob stops every reader and is returned by each later wait (its message names the blob).
+ * ember_read_close stops the readers, waits for the reads in flight and frees `reads`.
+ * EMBER_EUNAVAILABLE: libzstd.so.1 or libcrypto is missing (the caller reads the blobs itself). */
+typedef struct ember_blob_read {
+  const char* name;          /* the manifest's blob name, for messages */
+  const char* hash;          /* the image's content hash (ember_hash_hex) */
+  const char* path;
+  const char* sha256;        /* hex digest of the stored bytes */
+  const char* raw_sha256;    /* hex digest of the uncompressed bytes, or NULL */
+  uint64_t stored_size;
+  uint64_t raw_size;
+  const char* options_json;  /* as ember_preload's; may be NULL */
+  int32_t codec;
+} ember_blob_read;
+int ember_read_images(const ember_blob_read* items, size_t n, int threads, void** reads);
+int ember_read_allow(void* reads, size_t upto);
+int ember_read_wait(void* reads, size_t upto, uint32_t timeout_ms, size_t* done);
+int ember_read_close(void* reads);
 int ember_stats_json(char* buf, size_t cap, size_t* needed);
 /* Sizes an in-memory image by its magic without reading past readable memory or `limit`
  * bytes (0 = no limit). kind: 1 wrapper, 2 fatbin, 3 elf, 4 ptx. */

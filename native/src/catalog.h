@@ -14,6 +14,8 @@
 namespace ember {
 
 using Options = std::vector<std::pair<int, int64_t>>;
+// {"jit": {opt: value}, "library": {opt: value}} (integer keys and values; NULL or "" is empty).
+bool parse_options(const char* js, Options* jit, Options* lib);
 
 // Called by the loader hooks after the driver loaded an image successfully.
 // file: path for cuModuleLoad / cuLibraryLoadFromFile (image == nullptr then).

@@ -34,6 +34,11 @@ void copy_str(const std::string& s, char* buf, size_t cap) {
   buf[n] = '\0';
 }
 
+
+}  // namespace
+
+namespace ember {
+
 // {"jit": {"7": 4}, "library": {"1": 1}}: a deliberately small parser for integer maps.
 bool parse_options(const char* js, Options* jit, Options* lib) {
   if (js == nullptr || *js == '\0') return true;
@@ -65,7 +70,7 @@ bool parse_options(const char* js, Options* jit, Options* lib) {
   return true;
 }
 
-}  // namespace
+}  // namespace ember
 
 extern "C" {
 

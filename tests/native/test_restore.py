@@ -401,12 +401,16 @@ def test_damaged_blob_is_refused_before_any_launch(run_py, tmp_path: Path) -> No
     assert not any(name.startswith("ember-read") for name in r["threads"]), r["threads"]
 
 
+READERS = {"native": {}, "python": {"EMBER_NATIVE_READ": "0"}}  # libember's reader threads, or Python's
+
+
+@pytest.mark.parametrize("reader", sorted(READERS))
 def test_a_damaged_image_the_first_template_does_not_need_still_refuses_before_the_hand_over(
-    run_py, tmp_path: Path
+    run_py, tmp_path: Path, reader: str
 ) -> None:
     """The first key's images are read first and its template builds while the reader thread
     goes on with the rest: damage found there refuses the archive all the same, before any
-    launch, and what was built is released."""
+    launch, and what was built is released (either reader)."""
     from ember.archive import bundle
 
     store = tmp_path / "store"
@@ -419,7 +423,7 @@ def test_a_damaged_image_the_first_template_does_not_need_still_refuses_before_t
     data[len(data) // 2] ^= 0x40
     blob.write_bytes(bytes(data))
 
-    r = _last_json(run_py(DAMAGED, mode="load", env={"TEST_STORE": store.as_uri(), **SMALL}))
+    r = _last_json(run_py(DAMAGED, mode="load", env={"TEST_STORE": store.as_uri(), **SMALL, **READERS[reader]}))
     assert r["refused_in"] == "library" and r["stage"] == "load", r
     assert r["reason"].startswith("archive damaged") and repr(image.blob) in r["reason"], r
     assert "cuLibraryLoadData" in r["calls"]   # the first key's images were loaded meanwhile
@@ -713,6 +717,17 @@ else:
     result["preloaded"] = [im["hash"] for im in ip.catalog() if im["api"] == "preload"]
     result["kernel_images"] = [k.image for k in gs.kernels]
     result["image_order"] = restore.manifest.engine["image_order"]
+    result["python_read_images"] = sorted({k.blob for k in restore.manifest.kernel_images} & set(restore.opened._blobs))
+    A = cu.CUfunction_attribute
+    result["attrs"] = {  # each resolved kernel's attributes now, and SAVE's
+        k: [[cu.cuFuncGetAttribute(a, cu.CUfunction(lib.functions[k]))[1] for a in (
+                A.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, A.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                A.CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH, A.CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT,
+                A.CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH)],
+            [gs.function_attrs[k].max_dynamic_shared, gs.function_attrs[k].non_portable_cluster,
+             *gs.function_attrs[k].required_cluster]]
+        for k in range(len(gs.kernels)) if lib.functions._have[k]}
+    result["attr_sets"] = calls().count("cuFuncSetAttribute")
     result["launched"] = {}
     for i in lib.order:
         try:
@@ -728,13 +743,22 @@ last_json(result)
 SMALL = {"TEST_NODES": "40", "TEST_IMAGE_PER_KERNEL": "1", "EMBER_DEDICATE": "0"}  # groups differ in kernels
 
 
-def test_the_first_template_waits_only_for_its_own_kernels_and_their_images(run_py, tmp_path: Path) -> None:
+@pytest.mark.parametrize("reader", sorted(READERS))
+def test_the_first_template_waits_only_for_its_own_kernels_and_their_images(
+    run_py, tmp_path: Path, reader: str
+) -> None:
     store = tmp_path / "store"
     _save(run_py, store, **SMALL)
-    r = _last_json(run_py(NEED, mode="load", env={"TEST_STORE": store.as_uri(), **SMALL}))
+    r = _last_json(run_py(NEED, mode="load", env={"TEST_STORE": store.as_uri(), **SMALL, **READERS[reader]}))
     first = r["used"][0]  # graph (1,): the first needed key, its group's template
     assert 0 < len(first) < r["kernels"]
     tm = r["timings"]
+    assert tm["image_reader"] == reader
+    # libember read the images: Python read none of them (the other blobs it reads itself)
+    assert (len(r["python_read_images"]) == 0) == (reader == "native")
+    # every resolved kernel has SAVE's attributes, set only where the loaded function differed
+    assert r["attrs"] and not {k: v for k, v in r["attrs"].items() if v[0] != v[1]}
+    assert r["attr_sets"] == sum(sum(v != 0 for v in saved) for _, saved in r["attrs"].values()) > 0
     # Only the first template's kernels were resolved before the hand-over ...
     assert tm["kernels_first"] == len(first)
     # ... and their images were handed to libember's loaders before any other.

@@ -115,9 +115,14 @@ class KernelFunctions:
         resolve: Callable[[int], int],
         attrs: Sequence[FunctionAttrs] | None = None,
         apply_attrs: Callable[[int, FunctionAttrs], None] | None = None,
+        resolve_many: Callable[[list[int]], list[int]] | None = None,
     ) -> None:
+        """`resolve_many`, when given, resolves (and gives their attributes to) every missing
+        kernel of a take() in one call (libember's ember_functions) instead of `resolve` and
+        `apply_attrs` per kernel."""
         self._count = count
         self._resolve = resolve  # kernel index -> CUfunction
+        self._resolve_many = resolve_many
         self._attrs = attrs
         self._apply = apply_attrs
         self._funcs = np.zeros(self._count, dtype=np.uint64)
@@ -148,6 +153,13 @@ class KernelFunctions:
 
     def _fill(self, missing: list[int]) -> None:
         with self._lock:
+            if self._resolve_many is not None:
+                todo = [i for i in missing if not self._have[i]]
+                t = time.perf_counter()
+                self._funcs[todo] = self._resolve_many(todo) if todo else []
+                self._have[todo] = True
+                self.resolve_ms += (time.perf_counter() - t) * 1e3  # attributes included
+                return
             for i in missing:
                 if self._have[i]:
                     continue
