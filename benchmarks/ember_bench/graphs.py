@@ -400,6 +400,8 @@ def _stages(r: dict[str, Any]) -> str:
     while the model builds, `join` is what the critical path waited for it."""
     lt = r.get("load_timings", {})
     text = ", ".join(f"{k[:-3]} {lt[k]:.0f}" for k in STAGES if isinstance(lt.get(k), int | float))
+    if lt.get("image_reader"):
+        text += f"; kernel images read by {lt['image_reader']}"
     if lt.get("background_error"):
         text += f"; background build refused, redone after the replay: {lt['background_error'][:120]}"
     ts = r.get("tpot_save_ms") or {}

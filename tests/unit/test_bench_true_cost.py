@@ -35,11 +35,16 @@ def _variant(ready: tuple[float, ...], templates: float) -> list[dict[str, Any]]
              "cold_build_ms": 500} for a in ready]
 
 
-# Two variants, whatever the module measures today: each is the cold role with its env changed.
-VARIANTS = {"cold_early": {"EMBER_DEDICATE_EARLY": "1"}, "cold_switch_5ms": {"EMBER_SWITCH_INTERVAL_US": "0"}}
+# Three variants, whatever the module measures today: a role with its env changed.
+VARIANTS = {
+    "cold_early": ("cold", {"EMBER_DEDICATE_EARLY": "1"}),
+    "cold_switch_5ms": ("cold", {"EMBER_SWITCH_INTERVAL_US": "0"}),
+    "warm_slow_reads": ("warm", {"EMBER_NATIVE_READ": "0"}),
+}
 VARIANT_RUNS = {
     "cold_early": _variant((520, 560, 480), 70),
     "cold_switch_5ms": _variant((900, 950, 990), 400),
+    "warm_slow_reads": [{**w, "warm_first_ms": w["warm_first_ms"] + 50} for w in RUNS["warm"]],
 }
 
 
@@ -53,7 +58,9 @@ def _fake(runs: dict[str, list[dict[str, Any]]]) -> Any:
 
     def run(name: str, args: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, Any]:
         # the same role, another env: which variant is told by the env alone
-        variant = [v for v, changed in true_cost.VARIANTS.items() if changed.items() <= env.items()]
+        variant = [v for v, (role, changed) in true_cost.VARIANTS.items() if changed.items() <= env.items()]
+        if variant:
+            assert true_cost.VARIANTS[variant[0]][0] == name  # the variant's role ran
         return {"role": name, **next(taken[variant[0] if variant else name])}
 
     return run
@@ -77,6 +84,9 @@ def test_medians_and_the_cold_difference(monkeypatch: pytest.MonkeyPatch) -> Non
     # per variant the same split: builds of 500 ms, then per run 20, 60, -20 ms → median 20
     assert out["cold_early_build_ms"] == 500 and out["cold_early_after_build_ms"] == 20
     assert all(len(out["runs"][v]) == 3 for v in true_cost.VARIANTS)
+    # a warm variant: the warm figures of its runs (first key 50 ms later in each)
+    assert out["warm_slow_reads_first_ms"] == out["warm_first_ms"] + 50
+    assert out["warm_slow_reads_ready_ms"] == out["warm_ready_ms"] and "warm_slow_reads_extra_ms" not in out
     assert out["first_use_extra_p99_ms"] == 0.05  # the worst run's p99, not a median
     assert out["warm_first_use_updates"] == 0 and out["warm_exec_mb"] == 90.0
     assert len(out["runs"]["warm"]) == 3 and "error" not in out
@@ -114,3 +124,4 @@ def test_the_report_line_names_each_variant_and_its_setting(monkeypatch: pytest.
     ) in line
     assert "cold_early (EMBER_DEDICATE_EARLY=1): adds +120 ms (its build ends +100 ms later, then 20 ms)" \
         in line
+    assert "warm_slow_reads (EMBER_NATIVE_READ=0): first key 57 ms, every template" in line
