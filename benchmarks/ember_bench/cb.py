@@ -18,13 +18,18 @@ and says which goals were missed.
 
 from __future__ import annotations
 
+import contextlib
+import cProfile
 import json
 import os
+import pstats
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -32,6 +37,12 @@ from typing import Annotated, Any
 import typer
 
 PHASES = ("native", "save", "load", "claim-restored", "claim-native")
+# --repeats: the process figures again, interleaved, per name: (phase, env changed)
+PROCESS_RUNS: dict[str, tuple[str, dict[str, str]]] = {
+    "native": ("native", {}),
+    "load": ("load", {}),
+    "load_late": ("load", {"EMBER_DEDICATE_EARLY": "0"}),  # own execs once serving starts
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,13 +137,32 @@ class _Phase:
     t0: float = 0.0
 
 
+@contextlib.contextmanager
+def _profiled(path: str | None) -> Iterator[None]:
+    """cProfile of the block, its top calls by cumulative time written to `path` (a diagnosis)."""
+    if not path:
+        yield
+        return
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        with open(path, "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
+
+
 def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
     """Run one phase in this process; returns its figures."""
     t_process = float(opts.get("t_process", time.perf_counter()))
+    marks = {"started": time.perf_counter()}  # where the process's time goes before the model build
     import torch
 
     from ember.engines.transformers_cb import adapter as cb_adapter
     from ember.engines.transformers_cb import engine as cb_engine
+
+    marks["imported"] = time.perf_counter()
 
     starts = {"native": _start_native, "save": _start_save, "load": _start_load}
     start = _start_claim if phase in ("claim-restored", "claim-native") else starts.get(phase)
@@ -142,9 +172,11 @@ def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
     mode = {"save": "save", "load": "load", "claim-restored": "load"}.get(phase)
     ip = cb_adapter.session(mode) if mode else None  # armed before the model: same allocation order
     result["libember"] = ip is not None
+    marks["session"] = time.perf_counter()
     if phase == "load":  # a pod that starts with its archive on the node: LOAD overlaps the build
-        cb_adapter.open_early(Path(opts["store_dir"]) / "archives" / opts["identity"])
-    t = time.perf_counter()
+        with _profiled(os.environ.get("EMBER_BENCH_PROFILE_OPEN")):
+            cb_adapter.open_early(Path(opts["store_dir"]) / "archives" / opts["identity"])
+    t = marks["opened"] = time.perf_counter()
     model = cb_engine.build_model(
         opts["model"], opts.get("model_config"), layers=opts.get("layers"), seed=opts.get("seed", 0)
     )
@@ -157,6 +189,10 @@ def run_phase(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
     _serve_and_count(run)
     if "start_to_first_token_s" in result:
         result["process_to_first_token_s"] = result["start_to_first_token_s"] + (run.t0 - t_process)
+        # seconds from process start: interpreter and bench imports, torch and the engine, libember's
+        # session, the archive opened, the model built, the engine made (then its start)
+        marks.update(built=t + result["model_init_s"], engine=run.t0)
+        result["process_marks_s"] = {k: round(v - t_process, 3) for k, v in marks.items()}
     engine.stop()
     return result
 
@@ -322,6 +358,38 @@ def run_child(
     return data
 
 
+def repeat_processes(opts: dict[str, Any], work: Path, timeout: float, repeats: int) -> dict[str, Any]:
+    """Each of PROCESS_RUNS `repeats` times in fresh processes, interleaved: process start →
+    first token and where it went (`process_marks_s`)."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in PROCESS_RUNS}
+    for _ in range(repeats):
+        for name, (phase, changed) in PROCESS_RUNS.items():
+            r = run_child(phase, opts, work, timeout, env={**(_phase_env(phase) or {}), **changed})
+            keep = ("process_to_first_token_s", "start_to_first_token_s", "process_marks_s", "error")
+            runs[name].append({k: r[k] for k in keep if k in r})
+    return runs
+
+
+def process_medians(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per name, medians of the runs without an error: process start → first token, the time
+    before the model build (imports, libember's session, the archive opened) and the build."""
+    out: dict[str, Any] = {}
+    for name, rs in runs.items():
+        ok = [r for r in rs if "error" not in r and r.get("process_marks_s")]
+        if not ok:
+            continue
+        m = [r["process_marks_s"] for r in ok]
+        out[name] = {
+            "runs": len(ok),
+            "to_first_token_s": round(statistics.median(r["process_to_first_token_s"] for r in ok), 3),
+            "before_build_s": round(statistics.median(x["opened"] for x in m), 3),
+            "build_s": round(statistics.median(x["built"] - x["opened"] for x in m), 3),
+            "to_first_token_range_s": [min(r["process_to_first_token_s"] for r in ok),
+                                       max(r["process_to_first_token_s"] for r in ok)],
+        }
+    return out
+
+
 def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The report's headline figures and goal verdicts from the phase results."""
     native, save, load = results.get("native", {}), results.get("save", {}), results.get("load", {})
@@ -336,6 +404,8 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         # the same from the process's start: the model build (not restored) counts here
         "native_process_to_first_token_s": native.get("process_to_first_token_s"),
         "restored_process_to_first_token_s": load.get("process_to_first_token_s"),
+        "native_process_marks_s": native.get("process_marks_s"),
+        "restored_process_marks_s": load.get("process_marks_s"),
         "native_captures_while_serving": native.get("captures_while_serving"),
         "restored_captures_while_serving": load.get("captures_while_serving"),
         "save_process_captures_while_serving": save.get("captures_while_serving"),
@@ -359,6 +429,11 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     s["restored_over_native"] = (r / n) if n and r else None
     n, r = s["native_process_to_first_token_s"], s["restored_process_to_first_token_s"]
     s["process_restored_over_native"] = (r / n) if n and r else None
+    if "process" in results:  # --repeats: the medians decide
+        med = s["process_medians"] = process_medians(results["process"])
+        if "native" in med and "load" in med:
+            n, r = med["native"]["to_first_token_s"], med["load"]["to_first_token_s"]
+            s["process_restored_over_native"] = r / n
     goals = {
         "restored start <= 1/10 of native": None
         if s["restored_over_native"] is None
@@ -438,6 +513,9 @@ def bench_cb(
     ),
     out: Annotated[Path, typer.Option(help="Report folder.")] = Path("benchmarks/results"),
     timeout: Annotated[float, typer.Option(help="Seconds per phase.")] = 600.0,
+    repeats: Annotated[
+        int, typer.Option(help="After the phases, native and load (and load_late) again this often: medians.")
+    ] = 0,
 ) -> None:
     """Engine start → first token, restored vs native; graphs captured while serving (GPU machine)."""
     work_dir = work_dir.absolute()
@@ -462,6 +540,9 @@ def bench_cb(
         if "error" in results[phase]:
             typer.echo(f"  failed: {results[phase]['error']}")
         write_report(results, out)  # after every phase: a cut-off run still leaves its figures
+    if repeats and "identity" in opts:
+        typer.echo(f"process figures x{repeats} ...")
+        results["process"] = repeat_processes(opts, work_dir, timeout, repeats)
     js, md = write_report(results, out)
     typer.echo(md.read_text())
     typer.echo(f"wrote {js} and {md}")
