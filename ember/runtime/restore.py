@@ -391,11 +391,11 @@ class ArchiveRestore:
         except BaseException:
             lib.close()
             raise
-        if os.environ.get("EMBER_DEDICATE", "1") != "0":  # once every template is built
-            # ... while a cold pod's model still builds: measured on H100, a key waited 0.25-0.62 s
-            # after the build for its own exec, 1.01-1.41 s when they waited for serving
-            # (EMBER_DEDICATE_EARLY=0; `ember bench graphs` measures both)
-            early = os.environ.get("EMBER_DEDICATE_EARLY", "1") != "0"
+        if os.environ.get("EMBER_DEDICATE", "1") != "0":  # once every template is built and
+            # serving starts: built while a cold pod's model still builds (EMBER_DEDICATE_EARLY=1)
+            # they slowed that build, and the first token with it: CB engine on H100, medians of 6
+            # processes, 15.4 s vs 13.5 s late (`ember bench cb --repeats`)
+            early = os.environ.get("EMBER_DEDICATE_EARLY", "0") == "1"
             lib.start_dedicating(after=[] if early else [self._serving])
         tm["templates_first_ms"] = (time.perf_counter() - t) * 1e3
         tm.update(functions_first_ms=functions.resolve_ms, kernels_first=functions.resolved)
@@ -407,7 +407,7 @@ class ArchiveRestore:
     def _build_rest(self, lib: GraphLibrary, tm: dict[str, float], *, background: bool) -> None:
         """The other templates (on the background thread, a failure is the launch's to retry:
         the library may be serving already); every key's own exec follows on the library's
-        Dedicator thread once they are built (and serving started, with EMBER_DEDICATE_EARLY=0)."""
+        Dedicator thread once they are built and serving started (EMBER_DEDICATE_EARLY=1: once built)."""
         t = time.perf_counter()
         lib.build_rest(raise_errors=not background)
         tm["templates_ms"] = tm.get("templates_first_ms", 0.0) + (time.perf_counter() - t) * 1e3
@@ -448,8 +448,8 @@ class ArchiveRestore:
     def library(self) -> GraphLibrary:
         """The library, as soon as the template of the first needed key's group is instantiated
         (`join_ms` waited for it): the other templates follow on the background thread (a launch
-        that comes first waits for its own group's), then every key's own exec (with
-        EMBER_DEDICATE_EARLY=0 started here, as serving starts). Builds them here when there was
+        that comes first waits for its own group's), then every key's own exec (started here,
+        as serving starts, unless EMBER_DEDICATE_EARLY=1). Builds them here when there was
         no thread; retries a refused background build once here (the driver may have refused for
         a reason the replay removed); Refused when the archive cannot be restored."""
         t = time.perf_counter()

@@ -589,16 +589,16 @@ last_json({"ready_before_serving": ready, "execs_before_serving": execs,
 """
 
 
-def test_own_execs_start_once_the_templates_are_built_or_with_serving_when_told(
+def test_own_execs_start_with_serving_or_once_the_templates_are_built_when_told(
     run_py, tmp_path: Path
 ) -> None:
-    """By default the own execs start once the templates are built, before the model is (a cold
-    pod's build overlaps them); EMBER_DEDICATE_EARLY=0 makes them wait until serving starts
-    (library())."""
+    """By default the own execs wait until serving starts (library()): a cold pod's model build
+    is not slowed by them. EMBER_DEDICATE_EARLY=1 starts them once the templates are built,
+    before the model is."""
     env = _saved(run_py, tmp_path)
-    early = _last_json(run_py(EARLY, mode="load", env=env))
+    early = _last_json(run_py(EARLY, mode="load", env={**env, "EMBER_DEDICATE_EARLY": "1"}))
     assert early["ready_before_serving"] is True and early["execs_before_serving"] > 0
-    late = _last_json(run_py(EARLY, mode="load", env={**env, "EMBER_DEDICATE_EARLY": "0"}))
+    late = _last_json(run_py(EARLY, mode="load", env=env))
     assert late["ready_before_serving"] is False and late["execs_before_serving"] == 0
     assert late["ready"] and early["ready"] and early["execs"] == late["execs"] > 0
 

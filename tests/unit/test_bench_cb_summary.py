@@ -54,14 +54,14 @@ def test_repeated_processes_give_medians_and_the_ratio_follows_them() -> None:
     phases["process"] = {
         "native": [_run(15.0, 4.5, 14.0), _run(14.0, 4.4, 13.5), _run(20.0, 4.6, 19.0)],
         "load": [_run(17.0, 7.0, 16.5), _run(18.0, 7.2, 17.8), _run(16.0, 6.9, 15.0)],
-        "load_late": [_run(15.5, 7.0, 15.0), {"error": "timed out after 600s"}],
+        "load_early": [_run(15.5, 7.0, 15.0), {"error": "timed out after 600s"}],
     }
     s = summarize(phases)
     med = s["process_medians"]
     assert med["native"] == {"runs": 3, "to_first_token_s": 15.0, "before_build_s": 4.5, "build_s": 9.5,
                              "to_first_token_range_s": [14.0, 20.0]}
     assert med["load"]["to_first_token_s"] == 17.0 and med["load"]["build_s"] == 9.5
-    assert med["load_late"]["runs"] == 1  # a failed run is left out, not counted as a figure
+    assert med["load_early"]["runs"] == 1  # a failed run is left out, not counted as a figure
     # the medians decide the ratio, not the single phase runs (15.4 / 23.0)
     assert s["process_restored_over_native"] == 17.0 / 15.0
     assert s["goals"]["process start -> first token <= 1/10 of native"] is False

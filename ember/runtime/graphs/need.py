@@ -5,9 +5,9 @@ when it names them, then the rest by size, smallest first (a decode server's fir
 are small batches). LOAD builds the templates in that order, hands the library over as soon as
 the first one is instantiated, and builds the rest behind it.
 
-Own execs (`Dedicator`): once the templates are built (in a cold pod, while the model still
-builds; EMBER_DEDICATE_EARLY=0: once serving starts), every key that is not its group's template
-gets an exec instantiated from its own graph, in need order, on a background thread
+Own execs (`Dedicator`): once the templates are built and serving starts (EMBER_DEDICATE_EARLY=1:
+once the templates are built, in a cold pod while the model still builds), every key that is not
+its group's template gets an exec instantiated from its own graph, in need order, on a background thread
 (libember's builder: graph build + instantiate in C, no GIL), uploaded to the device there too.
 A key whose exec is ready is launched through it: no `cuGraphExecUpdate` on the request path,
 and no exec updated away from what it was instantiated from (on H100 an updated exec ran up to
