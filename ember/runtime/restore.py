@@ -371,8 +371,7 @@ class ArchiveRestore:
         (need order, `ember.runtime.graphs.need`). Kernel functions are resolved as graphs are
         prepared: this one waits only for its own kernels' images."""
         refs = table.kernels
-        functions = KernelFunctions(len(refs), lambda i: self._functions(table, [i])[0],
-                                    resolve_many=lambda idx: self._functions(table, idx))
+        functions = KernelFunctions(len(refs), resolve_many=lambda idx: self._functions(table, idx))
 
         def read_on() -> None:  # the first template is in libember's builder: the reader goes on
             tm["images_at_first_build"] = sum(ev.is_set() for ev in self._handed.values())

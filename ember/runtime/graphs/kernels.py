@@ -112,14 +112,16 @@ class KernelFunctions:
     def __init__(
         self,
         count: int,
-        resolve: Callable[[int], int],
+        resolve: Callable[[int], int] | None = None,
         attrs: Sequence[FunctionAttrs] | None = None,
         apply_attrs: Callable[[int, FunctionAttrs], None] | None = None,
         resolve_many: Callable[[list[int]], list[int]] | None = None,
     ) -> None:
-        """`resolve_many`, when given, resolves (and gives their attributes to) every missing
-        kernel of a take() in one call (libember's ember_functions) instead of `resolve` and
-        `apply_attrs` per kernel."""
+        """Either `resolve` (then `apply_attrs(func, attrs[i])`) per kernel, or `resolve_many`:
+        every missing kernel of a take() resolved, with its attributes, in one call (libember's
+        ember_functions)."""
+        if (resolve is None) == (resolve_many is None):
+            raise TypeError("KernelFunctions takes one of resolve and resolve_many")
         self._count = count
         self._resolve = resolve  # kernel index -> CUfunction
         self._resolve_many = resolve_many
@@ -160,6 +162,7 @@ class KernelFunctions:
                 self._have[todo] = True
                 self.resolve_ms += (time.perf_counter() - t) * 1e3  # attributes included
                 return
+            assert self._resolve is not None
             for i in missing:
                 if self._have[i]:
                     continue
