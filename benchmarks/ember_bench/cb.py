@@ -434,7 +434,16 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         if "native" in med and "load" in med:
             n, r = med["native"]["to_first_token_s"], med["load"]["to_first_token_s"]
             s["process_restored_over_native"] = r / n
-    goals = {
+    s["goals"] = _goals(s, save, load, cr)
+    s["errors"] = {p: r["error"] for p, r in results.items() if "error" in r}
+    return s
+
+
+def _goals(
+    s: dict[str, Any], save: dict[str, Any], load: dict[str, Any], cr: dict[str, Any]
+) -> dict[str, Any]:
+    """The goal verdicts (None: not measured) from the summary and the phases they read."""
+    return {
         "restored start <= 1/10 of native": None
         if s["restored_over_native"] is None
         else s["restored_over_native"] <= 0.1,
@@ -453,9 +462,6 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         else cr.get("mode") == "restored" and s["claim_to_first_token_restored_s"] <= 1.0,
         "tokens identical restored vs native": s["tokens_identical_restored_vs_native"],
     }
-    s["goals"] = goals
-    s["errors"] = {p: r["error"] for p, r in results.items() if "error" in r}
-    return s
 
 
 def render_markdown(summary: dict[str, Any]) -> str:
