@@ -24,10 +24,10 @@ the build. These figures count everything the user waits for:
   build does (`cold_build_slowdown_ms`: LOAD's imports and manifest read, and background work
   competing with the build), and how long after its build ended every key became launchable
   (`cold_after_build_ms`).
-- variants (`VARIANTS`): a role measured once more with one setting changed (today: the kernel
-  images read by Python instead of libember), as `<variant>_first/templates/ready_ms` (warm) or
-  `<variant>_ready/extra/templates_ms` with the same split (cold); and the cold role with the own
-  execs built while the model builds.
+- variants (`VARIANTS`): a role measured once more with one setting changed (the warm role with
+  the kernel images read by Python instead of libember, the cold role with the own execs built
+  while the model builds), as `<variant>_first/templates/ready_ms` (warm) or
+  `<variant>_ready/extra/templates_ms` with the same split (cold).
   In the warm figures the LOAD path's modules were imported when the process started, as an
   engine that waits for its archive does.
 
