@@ -220,7 +220,9 @@ def test_manifest_replaced_or_deleted_after_available_is_noticed(env: Any, minio
     second = wait_for(lambda: (d := _ga_status(api, spec).get("digest")) != first and d,
                       "the new digest", op, timeout=30)
     ga_name = f"ga-{identity_of(spec).hash()[:16]}"
-    assert any(e["reason"] == "ManifestReplaced" for e in api.events_for(ga_name))
+    # the Warning is its own API write after the status patch: waited for, not read at once
+    wait_for(lambda: any(e["reason"] == "ManifestReplaced" for e in api.events_for(ga_name)),
+             "the ManifestReplaced Warning", op, timeout=30)
     wait_for(lambda: _restoring(api, "swap", 2, second), "pods re-pinned to the new digest", op)
 
     s3.delete_object(Bucket=minio.bucket, Key=key)
