@@ -38,6 +38,8 @@ from ember.runtime.graphs.kernels import KernelFunctions
 from ember.runtime.graphs.need import Dedicator, need_order
 from ember.runtime.graphs.prepared import mark_splices
 
+TEMPLATE_BATCH = 2  # templates per libember call after the first (each batch ready on its own)
+
 
 class GraphSource(Protocol):
     """What the library reads graphs from: a GraphSet (via SetSource) or a lazily decoded
@@ -207,6 +209,7 @@ class GraphLibrary:
         self._ready: dict[int, threading.Event] = {}  # per group: its template is instantiated
         self._failed: dict[int, BaseException] = {}  # groups whose background build failed
         self.marks: dict[str, float] = {}  # perf_counter() when: first, templates, dedicated
+        self.ready_at: dict[int, float] = {}  # perf_counter() when each group's template was ready
         self.waited_ms: list[float] = []  # launches that waited for their template
         self.dedicator: Dedicator | None = None
         self._upload_stream: Any = None
@@ -247,13 +250,9 @@ class GraphLibrary:
     def build_templates(self) -> None:
         """Prepare, build and instantiate one template per group, in need order (libember builds
         and instantiates them, see build_native.build_native): `build_first` + `build_rest`.
-
-        Nothing else is started: any other key is prepared and built when it is first asked for
-        (one graph: ~10-20 ms at 2,000 nodes), or by `start_dedicating` in the background.
-        Preparing every graph on worker threads right away made the engine's first request wait:
-        its foreground build took turns for the GIL with ~1 s of background preparation
-        (benchmarks/results/cb-nvidia-h200.md: first token 0.89 s).
-        """
+        Any other key is prepared and built when it is first asked for, or by `start_dedicating`
+        (preparing every graph right away made the engine's first request wait for the GIL:
+        benchmarks/results/cb-nvidia-h200.md)."""
         self.build_first()
         self.build_rest()
 
@@ -266,12 +265,36 @@ class GraphLibrary:
         self.marks["first"] = time.perf_counter()
 
     def build_rest(self, *, raise_errors: bool = True) -> None:
-        """Every other template, in need order. With `raise_errors=False` (the library was handed
-        over already) a group that fails is recorded; its first launch builds it again there."""
-        self._build_groups(self.groups[1:], raise_errors=raise_errors)
+        """Every other template, in need order, TEMPLATE_BATCH at a time: each batch is launchable
+        as soon as it is built and uploaded (one batch of 24 made the second key wait for the
+        25th template). With `raise_errors=False` (the library was handed over already) a group
+        that fails is recorded; its first launch builds it again there. The next batch is
+        prepared on a pool thread while libember builds this one (its call holds no GIL)."""
+        rest = self.groups[1:]
+        batches = [rest[i : i + TEMPLATE_BATCH] for i in range(0, len(rest), TEMPLATE_BATCH)]
+        ahead = [self.prepare_ahead([g.template for g in b]) for b in batches[:1]]
+        for n, batch in enumerate(batches):
+            self.timings.prepare_ms += sum(f.result() for f in ahead)  # (a failure: met below)
+            ahead = [self.prepare_ahead([g.template for g in b]) for b in batches[n + 1 : n + 2]]
+            self._build_groups(batch, raise_errors=raise_errors)
         self.timings.templates = len(self.groups)
         self.timings.function_attrs_ms = self.functions.attrs_ms
         self.marks["templates"] = time.perf_counter()
+
+    def prepare_ahead(self, indices: list[int]) -> Future[float]:
+        """Prepare these graphs on a pool thread (the library's context made current), while the
+        caller's builder call runs; a failure is left for the caller's own `prepared()` to meet.
+        The future's result: the milliseconds it took."""
+
+        def run() -> float:
+            t = time.perf_counter()
+            with contextlib.suppress(Exception):
+                check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+                for i in indices:
+                    self.prepared(i)
+            return (time.perf_counter() - t) * 1e3
+
+        return self._pool.submit(run)
 
     def _order_groups(self) -> None:
         """Groups in need order, each with its first needed member as template (so the first key
@@ -300,7 +323,9 @@ class GraphLibrary:
                 if g.index not in self._templates:
                     self._failed[g.index] = exc
         finally:
+            now = time.perf_counter()
             for g in groups:
+                self.ready_at.setdefault(g.index, now)
                 self._ready[g.index].set()
 
     def _build_template_execs(
@@ -397,6 +422,11 @@ class GraphLibrary:
     def wait_dedicated(self, timeout: float | None = None) -> bool:
         """Wait for the own execs (True when none are being built any more)."""
         return self.dedicator is None or self.dedicator.done.wait(timeout)
+
+    def launchable_at(self, index: int) -> float | None:
+        """perf_counter() when key `index` became launchable (its group's template built and
+        uploaded: through an exec update unless it is the template's key); None before that."""
+        return self.ready_at.get(self._group_of[index])
 
     def failed_templates(self) -> list[str]:
         """Templates the background build could not build (each is tried again at its group's
