@@ -554,7 +554,17 @@ def test_a_key_switched_to_gets_a_dedicated_exec_that_serves_it_from_then_on(run
 
 
 OWN_EXECS = COMMON + """
+import threading
+from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.templates import RestoredGraph
+prepared_on = {}
+prepare_from_table = rebuild.prepare_from_table
+
+def spy_prepare(table, i, *a, **k):
+    prepared_on[i] = threading.current_thread().name.split("_")[0]
+    return prepare_from_table(table, i, *a, **k)
+
+rebuild.prepare_from_table = spy_prepare
 restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
 model()
 ip.replay_window()
@@ -572,6 +582,7 @@ last_json({"keys": [list(k) for k in lib.keys], "order": lib.order,
            "groups": [[g.template, list(g.members)] for g in lib.groups],
            "templates": templates, "own": own, "launched": launched,
            "updates": cuda.standin_exec_updates() - updates, "uploads": cuda.standin_uploads(),
+           "prepared_on": prepared_on,
            "stats": {"execs": st.execs, "bytes": st.bytes, "capped": st.capped, "failed": st.failed}})
 """
 
@@ -601,6 +612,55 @@ def test_own_execs_start_with_serving_or_once_the_templates_are_built_when_told(
     late = _last_json(run_py(EARLY, mode="load", env=env))
     assert late["ready_before_serving"] is False and late["execs_before_serving"] == 0
     assert late["ready"] and early["ready"] and early["execs"] == late["execs"] > 0
+
+
+BATCHES = COMMON + """
+from ember.runtime.graphs import rebuild, templates
+templates.TEMPLATE_BATCH = 1
+calls = []                                 # per template build: the groups ready when it started
+build_native = rebuild.build_native
+
+def spy(preps, *a, **k):
+    if k.get("instantiate") and restore._lib is not None:
+        calls.append(sorted(g for g, ev in restore._lib._ready.items() if ev.is_set()))
+    return build_native(preps, *a, **k)
+
+rebuild.build_native = spy
+import threading
+prepared_on = {}
+prepare_from_table = rebuild.prepare_from_table
+
+def spy_prepare(table, i, *a, **k):
+    prepared_on[i] = threading.current_thread().name.split("_")[0]
+    return prepare_from_table(table, i, *a, **k)
+
+rebuild.prepare_from_table = spy_prepare
+restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
+model()
+ip.replay_window()
+lib = restore.library()
+lib.wait_templates()
+at = [lib.launchable_at(i) for i in lib.order]
+last_json({"calls": calls, "groups": len(lib.groups), "templates": [g.template for g in lib.groups],
+           "prepared_on": prepared_on,
+           "ready_in_need_order": all(a is not None for a in at) and at == sorted(at),
+           "ready_at": [lib.ready_at[g.index] for g in lib.groups]})
+"""
+
+
+def test_templates_after_the_first_are_launchable_one_batch_at_a_time(run_py, tmp_path: Path) -> None:
+    """A key whose template is built early need not wait for the last template: each batch is
+    ready (built and uploaded) before the next one is built."""
+    env = {**_saved(run_py, tmp_path), "EMBER_DEDICATE": "0"}
+    r = _last_json(run_py(BATCHES, mode="load", env=env))
+    assert r["groups"] == GROUPS
+    # the second and third templates: built after the first, and after each other was ready
+    assert r["calls"] == [[0], [0, 1]]
+    assert r["ready_in_need_order"] is True and r["ready_at"] == sorted(r["ready_at"])
+    # the first template is prepared on the reconstruct thread; the others ahead, on the pool
+    on = {int(i): name for i, name in r["prepared_on"].items()}
+    first, *rest = r["templates"]
+    assert on[first] == "ember-reconstruct" and all(on[t] == "ember-prepare" for t in rest)
 
 
 SWITCH = COMMON + """
@@ -663,6 +723,9 @@ def test_every_key_gets_its_own_exec_in_need_order_within_the_memory_cap(run_py,
     assert r["updates"] == 0  # no exec update on the request path
     assert r["uploads"] == len(groups) + len(others)  # every exec uploaded off the request path
     assert r["stats"]["bytes"] == len(others) << 20  # the stand-in's 1 MiB per exec, measured
+    # the first batch prepared on the Dedicator's thread, the next ahead on the library's pool
+    on = {int(i): name for i, name in r["prepared_on"].items()}
+    assert {on[i] for i in others[:2]} == {"ember-dedicate"} and on[others[2]] == "ember-prepare"
 
     capped = _last_json(run_py(OWN_EXECS, mode="load", env={**env, "EMBER_EXEC_MEMORY_MB": "2"}))
     st = capped["stats"]
