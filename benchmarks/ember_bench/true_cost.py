@@ -10,7 +10,10 @@ the build. These figures count everything the user waits for:
   launchable, through an exec update for a key that is not its group's template), until EVERY
   key is launchable through an exec of its own, no update (`warm_ready_ms`: the background
   Dedicator done, `ember.runtime.graphs.need`), and until every key then ran once
-  (`warm_all_ms`). Work on background threads counts: every figure waits for it.
+  (`warm_all_ms`). Work on background threads counts: every figure waits for it. Beside them,
+  when each key became launchable at all (its group's template built and uploaded; a key that
+  is not the template's runs through an exec update): the first key, the median key and the
+  last in need order (`warm_launchable_ms`; the last is `warm_templates_ms`).
 - first use: in that last pass each key's first launch is timed on the host against its second,
   each on an idle GPU (`first_use_extra_ms` p50/p99; without the synchronisation a launch behind
   a full queue blocks until the GPU drains, ~10-20 ms, which is not the key's first-use cost)
@@ -86,6 +89,11 @@ def _launch_all(loaded: Any, t0: float, out: dict[str, Any], prefix: str) -> Non
     lib.wait_templates()
     # when the last one was built: in a cold pod that is during the build, before the first launch
     out[f"{prefix}_templates_ms"] = (lib.marks.get("templates", time.perf_counter()) - t0) * 1e3
+    # when each key became launchable (its template ready), over the keys in need order
+    ready = [((lib.launchable_at(i) or time.perf_counter()) - t0) * 1e3 for i in lib.order]
+    out[f"{prefix}_launchable_ms"] = {
+        "first": ready[0], "p50": statistics.median(ready), "all": max(ready)
+    }
     lib.wait_dedicated()
     out[f"{prefix}_ready_ms"] = (time.perf_counter() - t0) * 1e3
     updates = len(lib.switch_ms)
@@ -195,6 +203,10 @@ def measure(
         for what in ("first", "templates", "ready", "all"):
             key = f"{role_name}_{what}_ms"
             out[key] = med(role_name, key)
+    for what in ("first", "p50"):
+        out[f"warm_launchable_{what}_ms"] = statistics.median(
+            r["warm_launchable_ms"][what] for r in runs["warm"]
+        )
     out["build_only_ms"] = med("build", "build_ms")
     # how far bare builds alone spread: a cold difference smaller than this is not resolved
     builds = [r["build_ms"] for r in runs["build"]]
@@ -230,7 +242,9 @@ def goals(tc: dict[str, Any] | None) -> dict[str, bool | None]:
         return {}
     return {
         "warm_every_key_own_exec<=150ms": tc["warm_ready_ms"] <= 150,
-        "warm_first_key<=30ms": tc["warm_first_ms"] <= 30,
+        "warm_every_key_launchable<=150ms": tc["warm_templates_ms"] <= 150,  # exec update allowed
+        "warm_first_key<=30ms": tc["warm_first_ms"] <= 30,  # launched and run once
+        "warm_first_key_launchable<=30ms": tc.get("warm_launchable_first_ms", 1e9) <= 30,
         "cold_extra<=150ms": tc["cold_extra_ms"] <= 150,
         "first_use_no_exec_update": tc.get("warm_first_use_updates") == 0,
         "first_use_p99<=0.1ms": tc.get("first_use_extra_p99_ms", 1e9) <= 0.1,
@@ -253,8 +267,10 @@ def report_line(r: dict[str, Any]) -> str:
     if "error" in tc:
         return f"- {r['workload']}: true cost not measured: {tc['error']}"
     return (
-        f"- {r['workload']} ({tc['repeats']} runs each): warm pod, archive opened → first key run "
-        f"{tc['warm_first_ms']:.0f} ms, every template ready {tc['warm_templates_ms']:.0f} ms, "
+        f"- {r['workload']} ({tc['repeats']} runs each): warm pod, archive opened → first key "
+        f"launchable {tc['warm_launchable_first_ms']:.0f} ms, run {tc['warm_first_ms']:.0f} ms; half the "
+        f"keys launchable {tc['warm_launchable_p50_ms']:.0f} ms, every template ready (every key "
+        f"launchable) {tc['warm_templates_ms']:.0f} ms, "
         f"**every key launchable through its own exec {tc['warm_ready_ms']:.0f} ms**, every key run "
         f"once {tc['warm_all_ms']:.0f} ms; first use of a key after that: "
         f"{tc.get('warm_first_use_updates')} exec updates, host launch p99 "
