@@ -417,6 +417,7 @@ class ArchiveRestore:
             templates_instantiate_ms=lt.instantiate_ms,
             templates_native_ms=lt.native_ms,
             templates_upload_ms=lt.upload_ms,
+            templates_upload_call_ms=lt.upload_call_ms,
             templates_threads=lt.threads,
             function_attrs_ms=lt.function_attrs_ms,
             functions_ms=lib.functions.resolve_ms,  # every template's kernels, waits included

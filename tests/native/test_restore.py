@@ -622,7 +622,9 @@ build_native = rebuild.build_native
 
 def spy(preps, *a, **k):
     if k.get("instantiate") and restore._lib is not None:
-        calls.append(sorted(g for g, ev in restore._lib._ready.items() if ev.is_set()))
+        # every template before this one becomes ready (uploaded behind) without waiting for it
+        earlier = list(restore._lib._ready.items())[: len(calls) + 1]
+        calls.append([g for g, ev in earlier if ev.wait(10)])
     return build_native(preps, *a, **k)
 
 rebuild.build_native = spy
@@ -635,6 +637,14 @@ def spy_prepare(table, i, *a, **k):
     return prepare_from_table(table, i, *a, **k)
 
 rebuild.prepare_from_table = spy_prepare
+uploaded_on = []
+upload = templates.Uploader.upload
+
+def spy_upload(self, execs):
+    uploaded_on.append([threading.current_thread().name.split("_")[0], len(execs)])
+    return upload(self, execs)
+
+templates.Uploader.upload = spy_upload
 restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
 model()
 ip.replay_window()
@@ -642,7 +652,7 @@ lib = restore.library()
 lib.wait_templates()
 at = [lib.launchable_at(i) for i in lib.order]
 last_json({"calls": calls, "groups": len(lib.groups), "templates": [g.template for g in lib.groups],
-           "prepared_on": prepared_on,
+           "prepared_on": prepared_on, "uploaded_on": uploaded_on,
            "ready_in_need_order": all(a is not None for a in at) and at == sorted(at),
            "ready_at": [lib.ready_at[g.index] for g in lib.groups]})
 """
@@ -650,7 +660,7 @@ last_json({"calls": calls, "groups": len(lib.groups), "templates": [g.template f
 
 def test_templates_after_the_first_are_launchable_one_batch_at_a_time(run_py, tmp_path: Path) -> None:
     """A key whose template is built early need not wait for the last template: each batch is
-    ready (built and uploaded) before the next one is built."""
+    ready (built and uploaded) without waiting for the next one's build; it uploads meanwhile."""
     env = {**_saved(run_py, tmp_path), "EMBER_DEDICATE": "0"}
     r = _last_json(run_py(BATCHES, mode="load", env=env))
     assert r["groups"] == GROUPS
@@ -661,6 +671,8 @@ def test_templates_after_the_first_are_launchable_one_batch_at_a_time(run_py, tm
     on = {int(i): name for i, name in r["prepared_on"].items()}
     first, *rest = r["templates"]
     assert on[first] == "ember-reconstruct" and all(on[t] == "ember-prepare" for t in rest)
+    # uploaded where it was built, then one by one on the uploader's thread, each in turn
+    assert r["uploaded_on"] == [["ember-reconstruct", 1], ["ember-upload", 1], ["ember-upload", 1]]
 
 
 SWITCH = COMMON + """

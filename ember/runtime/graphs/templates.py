@@ -37,6 +37,7 @@ from ember.runtime.graphs.driver import OK, CudaError, check, current_context, t
 from ember.runtime.graphs.kernels import KernelFunctions
 from ember.runtime.graphs.need import Dedicator, need_order
 from ember.runtime.graphs.prepared import mark_splices
+from ember.runtime.graphs.uploads import Uploader
 
 TEMPLATE_BATCH = 2  # templates per libember call after the first (each batch ready on its own)
 
@@ -118,7 +119,8 @@ class LoadTimings:
     function_attrs_ms: float = 0.0
     templates: int = 0
     splice_ms: float = 0.0  # capturing this rank's collectives and regrouping (multi-GPU)
-    upload_ms: float = 0.0  # cuGraphUpload of the templates (own execs: Dedicator.stats)
+    upload_ms: float = 0.0  # cuGraphUpload of the templates, waits included (own execs: Dedicator.stats)
+    upload_call_ms: float = 0.0  # of which in the cuGraphUpload calls
     per_graph: list[tuple[float, float]] = field(default_factory=list)  # (build, instantiate) ms
 
 
@@ -212,7 +214,7 @@ class GraphLibrary:
         self.ready_at: dict[int, float] = {}  # perf_counter() when each group's template was ready
         self.waited_ms: list[float] = []  # launches that waited for their template
         self.dedicator: Dedicator | None = None
-        self._upload_stream: Any = None
+        self.uploads = Uploader(self.ctx)
 
     # ---- building -----------------------------------------------------------------------
     def key_index(self, key: Iterable[int]) -> int:
@@ -276,7 +278,9 @@ class GraphLibrary:
         for n, batch in enumerate(batches):
             self.timings.prepare_ms += sum(f.result() for f in ahead)  # (a failure: met below)
             ahead = [self.prepare_ahead([g.template for g in b]) for b in batches[n + 1 : n + 2]]
-            self._build_groups(batch, raise_errors=raise_errors)
+            self._build_groups(batch, raise_errors=raise_errors, upload_behind=True)
+        self.uploads.drain()  # each batch uploads while the next one builds
+        self.timings.upload_ms, self.timings.upload_call_ms = self.uploads.ms, self.uploads.call_ms
         self.timings.templates = len(self.groups)
         self.timings.function_attrs_ms = self.functions.attrs_ms
         self.marks["templates"] = time.perf_counter()
@@ -308,11 +312,13 @@ class GraphLibrary:
         self._ready = {g.index: threading.Event() for g in self.groups}
 
     def _build_groups(
-        self, groups: list[_Group], *, raise_errors: bool, before_build: Callable[[], None] | None = None
+        self, groups: list[_Group], *, raise_errors: bool, before_build: Callable[[], None] | None = None,
+        upload_behind: bool = False,
     ) -> None:
         """Templates of `groups` in one libember call (one builder thread unless
         EMBER_BUILD_THREADS says otherwise); any it leaves (child graphs, an edge strategy this
-        driver needs) are built by the Python path. Uploaded; each group's ready event set."""
+        driver needs) are built by the Python path. Uploaded (here, or on the uploader's thread
+        with `upload_behind`), then each group's ready event set."""
         try:
             if groups:
                 self._build_template_execs(groups, raise_errors=raise_errors, before_build=before_build)
@@ -323,10 +329,19 @@ class GraphLibrary:
                 if g.index not in self._templates:
                     self._failed[g.index] = exc
         finally:
-            now = time.perf_counter()
-            for g in groups:
-                self.ready_at.setdefault(g.index, now)
-                self._ready[g.index].set()
+            execs = [self._templates[g.index].handle for g in groups if g.index in self._templates]
+
+            def ready() -> None:
+                now = time.perf_counter()
+                for g in groups:
+                    self.ready_at.setdefault(g.index, now)
+                    self._ready[g.index].set()
+
+            if upload_behind:
+                self.uploads.behind(execs, ready)
+            else:
+                self.upload(execs)
+                ready()
 
     def _build_template_execs(
         self, groups: list[_Group], *, raise_errors: bool = True,
@@ -363,7 +378,6 @@ class GraphLibrary:
                 self._templates[group.index] = _Exec(pair[1], group.template)
             else:
                 self._template_here(group)
-        self.upload([self._templates[g.index].handle for g in groups])
 
     def _template_here(self, group: _Group) -> None:
         """One template by the Python path (what libember's builder leaves, or a retry)."""
@@ -377,23 +391,8 @@ class GraphLibrary:
         self._templates[group.index] = _Exec(handle, group.template)
 
     def upload(self, execs: list[Any]) -> None:
-        """Upload execs to the device now (off the request path: a first launch would otherwise
-        upload), on the library's own stream, and wait for it."""
-        if not execs:
-            return
-        t = time.perf_counter()
-        try:
-            if self._upload_stream is None:
-                err, stream = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
-                if err != OK:
-                    return
-                self._upload_stream = stream
-            for ex in execs:
-                cu.cuGraphUpload(ex, self._upload_stream)
-            cu.cuStreamSynchronize(self._upload_stream)
-        except RuntimeError:  # a driver without these entry points: the first launch uploads
-            return
-        self.timings.upload_ms += (time.perf_counter() - t) * 1e3
+        """Upload execs to the device now, and wait for it (`ember.runtime.graphs.uploads`)."""
+        self.uploads.upload(execs)
 
     def _regroup(self) -> None:
         """Split topology groups by the shapes of this rank's collectives (see split_groups)."""
@@ -590,9 +589,7 @@ class GraphLibrary:
             for g in self._graphs.values():
                 cu.cuGraphDestroy(g)
             self.events.destroy()
-            if self._upload_stream is not None:
-                cu.cuStreamDestroy(self._upload_stream)
-                self._upload_stream = None
+            self.uploads.close()
             if self.splicer is not None:
                 self.splicer.close()
             self._dedicated.clear()
