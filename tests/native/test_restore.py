@@ -673,6 +673,8 @@ def test_templates_after_the_first_are_launchable_one_batch_at_a_time(run_py, tm
     assert on[first] == "ember-reconstruct" and all(on[t] == "ember-prepare" for t in rest)
     # uploaded where it was built, then one by one on the uploader's thread, each in turn
     assert r["uploaded_on"] == [["ember-reconstruct", 1], ["ember-upload", 1], ["ember-upload", 1]]
+    inline = _last_json(run_py(BATCHES, mode="load", env={**env, "EMBER_UPLOAD_BEHIND": "0"}))
+    assert inline["calls"] == r["calls"] and inline["uploaded_on"] == [["ember-reconstruct", 1]] * 3
 
 
 SWITCH = COMMON + """

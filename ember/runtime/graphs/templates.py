@@ -20,6 +20,7 @@ Everything a restored graph references stays alive as long as the library: kerne
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import Counter
@@ -274,11 +275,12 @@ class GraphLibrary:
         prepared on a pool thread while libember builds this one (its call holds no GIL)."""
         rest = self.groups[1:]
         batches = [rest[i : i + TEMPLATE_BATCH] for i in range(0, len(rest), TEMPLATE_BATCH)]
+        behind = os.environ.get("EMBER_UPLOAD_BEHIND", "1") != "0"  # 0: in line (diagnosis)
         ahead = [self.prepare_ahead([g.template for g in b]) for b in batches[:1]]
         for n, batch in enumerate(batches):
             self.timings.prepare_ms += sum(f.result() for f in ahead)  # (a failure: met below)
             ahead = [self.prepare_ahead([g.template for g in b]) for b in batches[n + 1 : n + 2]]
-            self._build_groups(batch, raise_errors=raise_errors, upload_behind=True)
+            self._build_groups(batch, raise_errors=raise_errors, upload_behind=behind)
         self.uploads.drain()  # each batch uploads while the next one builds
         self.timings.upload_ms, self.timings.upload_call_ms = self.uploads.ms, self.uploads.call_ms
         self.timings.templates = len(self.groups)
