@@ -553,10 +553,10 @@ def test_a_key_switched_to_gets_a_dedicated_exec_that_serves_it_from_then_on(run
     assert off["third"] == off["second"]
 
 
-OWN_EXECS = COMMON + """
+# which thread prepared each graph (prepared_on: index -> thread name without its number)
+PREPARED_ON = """
 import threading
 from ember.runtime.graphs import rebuild
-from ember.runtime.graphs.templates import RestoredGraph
 prepared_on = {}
 prepare_from_table = rebuild.prepare_from_table
 
@@ -565,6 +565,10 @@ def spy_prepare(table, i, *a, **k):
     return prepare_from_table(table, i, *a, **k)
 
 rebuild.prepare_from_table = spy_prepare
+"""
+
+OWN_EXECS = COMMON + PREPARED_ON + """
+from ember.runtime.graphs.templates import RestoredGraph
 restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
 model()
 ip.replay_window()
@@ -628,15 +632,7 @@ def spy(preps, *a, **k):
     return build_native(preps, *a, **k)
 
 rebuild.build_native = spy
-import threading
-prepared_on = {}
-prepare_from_table = rebuild.prepare_from_table
-
-def spy_prepare(table, i, *a, **k):
-    prepared_on[i] = threading.current_thread().name.split("_")[0]
-    return prepare_from_table(table, i, *a, **k)
-
-rebuild.prepare_from_table = spy_prepare
+""" + PREPARED_ON + """
 uploaded_on = []
 upload = templates.Uploader.upload
 
