@@ -673,6 +673,39 @@ def test_templates_after_the_first_are_launchable_one_batch_at_a_time(run_py, tm
     assert inline["calls"] == r["calls"] and inline["uploaded_on"] == [["ember-reconstruct", 1]] * 3
 
 
+RACE = COMMON + """
+import threading, time
+from ember.runtime.graphs import rebuild
+restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
+model()
+ip.replay_window()
+lib = restore.library()
+lib.wait_templates()
+i = next(k for k in lib.order if k not in lib._prepared)
+prepare_from_table = rebuild.prepare_from_table
+
+def slow(*a, **k):                         # both threads are inside before either is done
+    time.sleep(0.2)
+    return prepare_from_table(*a, **k)
+
+rebuild.prepare_from_table = slow
+got = []
+threads = [threading.Thread(target=lambda: got.append(lib.prepared(i))) for _ in range(2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+last_json({"n": len(got), "same": got[0] is got[1] is lib._prepared[i]})
+"""
+
+
+def test_a_graph_prepared_by_two_threads_at_once_is_one_object(run_py, tmp_path: Path) -> None:
+    """The pool prepares ahead while a launch may prepare the same graph: both get the first."""
+    env = {**_saved(run_py, tmp_path), "EMBER_DEDICATE": "0"}
+    r = _last_json(run_py(RACE, mode="load", env=env))
+    assert r == {"n": 2, "same": True}
+
+
 SWITCH = COMMON + """
 import sys
 from ember.runtime.graphs import need

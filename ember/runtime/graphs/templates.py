@@ -232,7 +232,8 @@ class GraphLibrary:
                 prep = rebuild.prepare(self.source.graph(index), self.functions, self.ctx)
             if index in self._spliced:
                 mark_splices(prep, self._spliced[index])
-            self._prepared[index] = prep
+            # two threads may prepare one graph (the pool ahead, a launch): all use the first
+            prep = self._prepared.setdefault(index, prep)
         return prep
 
     def graph(self, index: int) -> Any:
