@@ -706,6 +706,45 @@ def test_a_graph_prepared_by_two_threads_at_once_is_one_object(run_py, tmp_path:
     assert r == {"n": 2, "same": True}
 
 
+UPLOAD_RACE = COMMON + """
+import threading, time
+from ember.runtime.graphs import templates
+events = []
+upload = templates.Uploader.upload
+
+def slow_upload(self, execs):
+    if threading.current_thread().name.startswith("ember-upload"):
+        time.sleep(0.3)                    # the uploads behind the builder take their time
+        events.append("uploaded")
+    return upload(self, execs)
+
+templates.Uploader.upload = slow_upload
+restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
+model()
+ip.replay_window()
+lib = restore.library()                    # handed over after the first template
+g = lib.groups[1]
+while g.index not in lib._templates:       # built; its upload is still behind
+    time.sleep(0.001)
+pending = not lib._ready[g.index].is_set()
+lib.launch(g.template, cu.CUstream(0))
+events.append("launched")
+lib.wait_templates()
+last_json({"pending": pending, "events": events})
+"""
+
+
+def test_a_template_is_not_launched_before_its_upload_behind_the_builder_is_done(
+    run_py, tmp_path: Path
+) -> None:
+    """A launch (or exec update) racing the exec's upload on another stream is undefined: a key
+    whose template is built but still uploading waits for the upload."""
+    env = {**_saved(run_py, tmp_path), "EMBER_DEDICATE": "0"}
+    r = _last_json(run_py(UPLOAD_RACE, mode="load", env=env))
+    assert r["pending"] is True  # the launch came while the upload was under way
+    assert r["events"] == ["uploaded", "launched"]
+
+
 SWITCH = COMMON + """
 import sys
 from ember.runtime.graphs import need

@@ -519,11 +519,11 @@ class GraphLibrary:
         return tmpl.handle
 
     def _template_of(self, index: int) -> _Exec:
-        """The group template of `index`, once built: a launch may come before the background
-        built it (waits, `waited_ms`), or after it failed there (built here, or CudaError)."""
+        """The group template of `index`, once built and uploaded (a launch or an update racing
+        its upload is undefined): a launch may come before that (waits, `waited_ms`), or after
+        the build failed (built here, or CudaError)."""
         gi = self._group_of[index]
-        tmpl = self._templates.get(gi)
-        if tmpl is not None:
+        if (tmpl := self._templates.get(gi)) is not None and self._ready[gi].is_set():
             return tmpl
         t = time.perf_counter()
         self._ready[gi].wait()
