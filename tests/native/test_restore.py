@@ -656,7 +656,8 @@ last_json({"calls": calls, "groups": len(lib.groups), "templates": [g.template f
 
 def test_templates_after_the_first_are_launchable_one_batch_at_a_time(run_py, tmp_path: Path) -> None:
     """A key whose template is built early need not wait for the last template: each batch is
-    ready (built and uploaded) without waiting for the next one's build; it uploads meanwhile."""
+    ready (built and uploaded) without waiting for the next one's build (EMBER_UPLOAD_BEHIND=1: it
+    uploads on its own thread meanwhile)."""
     env = {**_saved(run_py, tmp_path), "EMBER_DEDICATE": "0"}
     r = _last_json(run_py(BATCHES, mode="load", env=env))
     assert r["groups"] == GROUPS
@@ -668,9 +669,10 @@ def test_templates_after_the_first_are_launchable_one_batch_at_a_time(run_py, tm
     first, *rest = r["templates"]
     assert on[first] == "ember-reconstruct" and all(on[t] == "ember-prepare" for t in rest)
     # uploaded where it was built, then one by one on the uploader's thread, each in turn
-    assert r["uploaded_on"] == [["ember-reconstruct", 1], ["ember-upload", 1], ["ember-upload", 1]]
-    inline = _last_json(run_py(BATCHES, mode="load", env={**env, "EMBER_UPLOAD_BEHIND": "0"}))
-    assert inline["calls"] == r["calls"] and inline["uploaded_on"] == [["ember-reconstruct", 1]] * 3
+    assert r["uploaded_on"] == [["ember-reconstruct", 1]] * 3  # in line by default
+    behind = _last_json(run_py(BATCHES, mode="load", env={**env, "EMBER_UPLOAD_BEHIND": "1"}))
+    assert behind["calls"] == r["calls"]
+    assert behind["uploaded_on"] == [["ember-reconstruct", 1], ["ember-upload", 1], ["ember-upload", 1]]
 
 
 RACE = COMMON + """
@@ -739,7 +741,7 @@ def test_a_template_is_not_launched_before_its_upload_behind_the_builder_is_done
 ) -> None:
     """A launch (or exec update) racing the exec's upload on another stream is undefined: a key
     whose template is built but still uploading waits for the upload."""
-    env = {**_saved(run_py, tmp_path), "EMBER_DEDICATE": "0"}
+    env = {**_saved(run_py, tmp_path), "EMBER_DEDICATE": "0", "EMBER_UPLOAD_BEHIND": "1"}
     r = _last_json(run_py(UPLOAD_RACE, mode="load", env=env))
     assert r["pending"] is True  # the launch came while the upload was under way
     assert r["events"] == ["uploaded", "launched"]

@@ -276,7 +276,7 @@ class GraphLibrary:
         prepared on a pool thread while libember builds this one (its call holds no GIL)."""
         rest = self.groups[1:]
         batches = [rest[i : i + TEMPLATE_BATCH] for i in range(0, len(rest), TEMPLATE_BATCH)]
-        behind = os.environ.get("EMBER_UPLOAD_BEHIND", "1") != "0"  # 0: in line (diagnosis)
+        behind = os.environ.get("EMBER_UPLOAD_BEHIND", "0") == "1"  # opt-in: not GPU-proven yet
         ahead = [self.prepare_ahead([g.template for g in b]) for b in batches[:1]]
         for n, batch in enumerate(batches):
             self.timings.prepare_ms += sum(f.result() for f in ahead)  # (a failure: met below)

@@ -1,8 +1,9 @@
 """Execs uploaded to the device off the request path (a first launch would otherwise upload).
 
 `Uploader.upload(execs)` uploads on the library's own stream and waits for it. `behind(execs,
-then)` does the same on the uploader's one thread, in the order asked, then calls `then()`: the
-builder goes on to the next templates while these upload. An upload is host work inside
+then)` (EMBER_UPLOAD_BEHIND=1, not the default yet) does the same on the uploader's one thread, in
+the order asked, then calls `then()`: the builder goes on to the next templates while these
+upload. An upload is host work inside
 `cuGraphUpload` (~3 ms a template of the Llama-3-8B shape on an H100), and the driver lets it
 overlap the next instantiation: the time to every template ready on top of libember's builder
 call fell from 22-32 % to 15-16 % in the same run
