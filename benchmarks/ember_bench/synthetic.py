@@ -131,3 +131,50 @@ def _graph(batch: int, g: int, plan: _Plan, weights: list[int], child_graphs: bo
     edges = [Edge(a, a + 1, 0, 0, 1 if (a % 50 == 49) else 0) for a in range(n - 1)]
     edges.append(Edge(0, 5))  # the child graph also waits on the memset
     return Graph((batch,), nodes, edges)
+
+
+def synthetic_chains(sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 64), layers: int = 4,
+                     seed: int = 0) -> GraphSet:
+    """Decode chains shaped like an eager Llama capture on an H100, one per batch size: per layer
+    norm, QKV GEMM, rope, cache write, attention (4 kernels), output GEMM, residual add, norm, up
+    GEMM, activation, gate multiply, down GEMM, residual add, chained by plain edges. The sizes
+    differ the way cuBLAS makes them differ: the GEMMs' cluster dimension changes with the batch
+    (2 below 16, else 4; the up GEMM 1 from 32), small batches add a split-K reduction after the
+    output GEMM, and a few sizes zero a workspace first (a memset). So the graphs fall into
+    several topology groups but chain into one union."""
+    rng = random.Random(seed)
+    images = list(synthetic_images())
+    names = ["norm", "qkv", "rope", "cache", "mask", "attn", "softmax", "pv", "oproj", "reduce", "add",
+             "norm2", "up", "act", "mul", "down", "add2"]
+    kernels = [KernelRef(images[k % len(images)], f"_Z{len(n)}{n}Pfi") for k, n in enumerate(names)]
+    fattrs = [FunctionAttrs(max_dynamic_shared=16384 * (k % 3)) for k in range(len(names))]
+    weights = [_BASE + 0x1_0000_0000 + i * 0x10_0000 for i in range(layers * len(names))]
+    salt = rng.randrange(1 << 30)
+
+    def cluster(x: int) -> dict[int, bytes]:
+        return {CLUSTER_DIMENSION: _attr(struct.pack("<3I", x, 1, 1))} if x > 1 else {}
+
+    out = []
+    for b in sizes:
+        act = _BASE + 0x4000_0000
+        nodes: list[Node] = []
+        for layer in range(layers):
+            for k, name in enumerate(names):
+                if name == "reduce" and b > 4:
+                    continue
+                if name == "up" and b in (24, 40, 56):
+                    nodes.append(Node(NodeType.MEMSET, MemsetParams(act + 0x9000, 0, 0, 4, 64 * b, 1)))
+                attrs = {}
+                if name in ("qkv", "oproj", "down"):
+                    attrs = cluster(2 if b < 16 else 4)
+                elif name == "up":
+                    attrs = cluster(1 if b >= 32 else 2)
+                w = weights[layer * len(names) + k]
+                args = struct.pack("<QQQii", w, act, act + 0x8000, b, salt)
+                p = KernelParams(k, (max(1, b // 4), 8 if name in ("qkv", "up") else 1, 1), (128, 1, 1),
+                                 fattrs[k].max_dynamic_shared, args=args, arg_offsets=(0, 8, 16, 24, 28),
+                                 arg_sizes=(8, 8, 8, 4, 4), attrs=attrs)
+                nodes.append(Node(NodeType.KERNEL, p))
+        edges = [Edge(i, i + 1) for i in range(len(nodes) - 1)]
+        out.append(Graph((b,), nodes, edges))
+    return GraphSet(out, kernels, fattrs)

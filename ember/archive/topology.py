@@ -31,7 +31,7 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ember.archive.graphs import FunctionAttrs, Graph, KernelParams, MemsetParams, NodeType
+from ember.archive.graphs import FunctionAttrs, Graph, KernelParams, MemsetParams, Node, NodeType
 
 SIGNATURE_VERSION = 1
 _NO_FATTR = FunctionAttrs()
@@ -50,6 +50,38 @@ class TopologyGroup:
         return self.members[0]
 
 
+def node_items(
+    node: Node, fattrs: Sequence[FunctionAttrs], at: str
+) -> Iterator[tuple[str, bytes]]:
+    """What one node (not a child graph) adds to the signature: everything exec update cannot
+    change about it. Two nodes with equal items can take each other's parameters."""
+    yield f"{at} type {node.type.name}", struct.pack("<B", int(node.type))
+    p = node.params
+    if node.type == NodeType.KERNEL and isinstance(p, KernelParams):
+        fa = fattrs[p.kernel] if 0 <= p.kernel < len(fattrs) else _NO_FATTR
+        yield (
+            f"{at} function cluster requirement {fa.required_cluster}/{fa.non_portable_cluster}",
+            struct.pack("<3Ii", *fa.required_cluster, fa.non_portable_cluster),
+        )
+        yield f"{at} attribute count {len(p.attrs)}", struct.pack("<I", len(p.attrs))
+        for attr_id in sorted(p.attrs):
+            value = p.attrs[attr_id]
+            yield (
+                f"{at} attribute {attr_id} = {value.rstrip(bytes(1)).hex() or '0'}",
+                struct.pack("<II", attr_id, len(value)) + value,
+            )
+    elif node.type == NodeType.MEMSET and isinstance(p, MemsetParams):
+        yield (
+            f"{at} memset element size {p.element_size}, {'2-D' if p.height > 1 else '1-D'}",
+            struct.pack("<IB", p.element_size, 1 if p.height > 1 else 0),
+        )
+
+
+def node_class(node: Node, fattrs: Sequence[FunctionAttrs] = ()) -> bytes:
+    """The node's signature bytes: nodes of one class may share a slot of one exec."""
+    return b"".join(piece for _, piece in node_items(node, fattrs, ""))
+
+
 def _items(
     graph: Graph, fattrs: Sequence[FunctionAttrs], depth: int, where: str = ""
 ) -> Iterator[tuple[str, bytes]]:
@@ -61,28 +93,9 @@ def _items(
     )
     for i, node in enumerate(graph.nodes):
         at = f"{where}node {i}"
-        yield f"{at} type {node.type.name}", struct.pack("<B", int(node.type))
-        p = node.params
-        if node.type == NodeType.KERNEL and isinstance(p, KernelParams):
-            fa = fattrs[p.kernel] if 0 <= p.kernel < len(fattrs) else _NO_FATTR
-            yield (
-                f"{at} function cluster requirement {fa.required_cluster}/{fa.non_portable_cluster}",
-                struct.pack("<3Ii", *fa.required_cluster, fa.non_portable_cluster),
-            )
-            yield f"{at} attribute count {len(p.attrs)}", struct.pack("<I", len(p.attrs))
-            for attr_id in sorted(p.attrs):
-                value = p.attrs[attr_id]
-                yield (
-                    f"{at} attribute {attr_id} = {value.rstrip(bytes(1)).hex() or '0'}",
-                    struct.pack("<II", attr_id, len(value)) + value,
-                )
-        elif node.type == NodeType.MEMSET and isinstance(p, MemsetParams):
-            yield (
-                f"{at} memset element size {p.element_size}, {'2-D' if p.height > 1 else '1-D'}",
-                struct.pack("<IB", p.element_size, 1 if p.height > 1 else 0),
-            )
-        elif node.type == NodeType.GRAPH and isinstance(p, Graph):
-            yield from _items(p, fattrs, depth + 1, f"{at} child: ")
+        yield from node_items(node, fattrs, at)
+        if node.type == NodeType.GRAPH and isinstance(node.params, Graph):
+            yield from _items(node.params, fattrs, depth + 1, f"{at} child: ")
     for j, e in enumerate(graph.edges):
         yield (
             f"{where}edge {j} {e.src}->{e.dst} ports {e.from_port}/{e.to_port} type {e.type}",

@@ -1,0 +1,210 @@
+"""Union templates: one exec for chains of different topologies.
+
+A topology group's template serves only graphs of its exact topology, and on an H100 the eager
+Llama-3-8B shape's 67 decode sizes fall into 25 groups: per layer, one kernel's cluster dimension
+or one extra node (a split-K reduction, a memset) differs. Instantiating 25 templates is most of
+LOAD's driver time. A union template is one chain that holds every node of several chains: a
+common supersequence of their node classes (`topology.node_class`: what exec update cannot
+change). A member runs on it with its own parameters in its slots and every other slot disabled
+(`cuGraphNodeSetEnabled`: a disabled kernel, memset or memcpy node is an empty node, and the
+chain keeps the order of what is left).
+
+Only chains qualify: every edge is (i, i + 1) with default edge data, and every node is a kernel,
+memset or memcpy node (the types a node can be disabled as). Anything else stays in its topology
+group. A union grows only while it stays within `MAX_GROWTH` times its longest member: a union
+made of very different chains would launch more disabled nodes than it saves instantiations.
+
+Pure Python, no CUDA. SAVE computes the unions (`union_groups`), the graph table stores each
+union template as a graph of its own plus every member's slot map, and LOAD instantiates the
+template once (ember.runtime.graphs.templates).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ember.archive.graphs import Edge, FunctionAttrs, Graph, NodeType
+from ember.archive.topology import node_class
+
+MAX_GROWTH = 1.5  # a union's length over its longest member's, at most
+MAX_EDITS = 4096  # insertions + deletions one merge may need (Myers' diff stops beyond)
+_DISABLEABLE = frozenset({NodeType.KERNEL, NodeType.MEMSET, NodeType.MEMCPY})
+
+
+@dataclass(frozen=True)
+class UnionGroup:
+    """Chains served by one union template.
+
+    `slots[m][j]` is the union slot of node j of member `members[m]` (strictly increasing);
+    `graph` is the template: each slot holds the node of the first member that has it."""
+
+    index: int
+    members: tuple[int, ...]
+    slots: tuple[tuple[int, ...], ...]
+    graph: Graph
+
+    def optional(self) -> list[int]:
+        """Slots some member lacks: those are enabled or disabled per member."""
+        everyone = set(range(len(self.graph.nodes)))
+        for s in self.slots:
+            everyone &= set(s)
+        return sorted(set(range(len(self.graph.nodes))) - everyone)
+
+
+def not_a_chain(graph: Graph) -> str:
+    """Why `graph` cannot join a union ("" when it can)."""
+    n = len(graph.nodes)
+    if n == 0:
+        return "no nodes"
+    bad = [i for i, node in enumerate(graph.nodes) if node.type not in _DISABLEABLE]
+    if bad:
+        return f"node {bad[0]} is a {NodeType(graph.nodes[bad[0]].type).name} node, which cannot be disabled"
+    if len(graph.edges) != n - 1:
+        return f"{len(graph.edges)} edges for {n} nodes: not a chain"
+    for i, e in enumerate(graph.edges):
+        if (e.src, e.dst) != (i, i + 1) or e.from_port or e.to_port or e.type:
+            data = f"ports {e.from_port}/{e.to_port}, type {e.type}"
+            return f"edge {i} is {e.src}->{e.dst} ({data}): not a chain"
+    return ""
+
+
+def _lcs(a: Sequence[int], b: Sequence[int], max_edits: int) -> list[tuple[int, int]] | None:
+    """Index pairs of a longest common subsequence of a and b (Myers' O((N+M)D) diff), or None
+    when they differ by more than `max_edits` insertions and deletions."""
+    n, m = len(a), len(b)
+    top = min(n + m, max_edits)
+    off = top + 1
+    v = [0] * (2 * top + 3)
+    trace: list[list[int]] = []
+    for d in range(top + 1):
+        trace.append(v[:])
+        for k in range(-d, d + 1, 2):
+            if k == -d or (k != d and v[off + k - 1] < v[off + k + 1]):
+                x = v[off + k + 1]  # down: an element of b
+            else:
+                x = v[off + k - 1] + 1  # right: an element of a
+            y = x - k
+            while x < n and y < m and a[x] == b[y]:
+                x, y = x + 1, y + 1
+            v[off + k] = x
+            if x >= n and y >= m:
+                return _backtrack(trace, v, off, n, m, d)
+    return None
+
+
+def _backtrack(trace: list[list[int]], last: list[int], off: int, n: int, m: int, d: int
+               ) -> list[tuple[int, int]]:
+    pairs: list[tuple[int, int]] = []
+    x, y = n, m
+    for dd in range(d, 0, -1):
+        v = trace[dd]
+        k = x - y
+        down = k == -dd or (k != dd and v[off + k - 1] < v[off + k + 1])
+        pk = k + 1 if down else k - 1
+        px = v[off + pk]
+        py = px - pk
+        sx = px if down else px + 1  # where the snake of step dd began
+        while x > sx:
+            x, y = x - 1, y - 1
+            pairs.append((x, y))
+        x, y = px, py
+    while x > 0 and y > 0:  # the snake of step 0
+        x, y = x - 1, y - 1
+        pairs.append((x, y))
+    pairs.reverse()
+    return pairs
+
+
+def supersequence(
+    a: Sequence[int], b: Sequence[int], max_edits: int = MAX_EDITS
+) -> tuple[list[int], list[int], list[int]] | None:
+    """A shortest common supersequence of a and b: (merged, where each a[i] went, where each b[j]
+    went), both maps strictly increasing; None when they differ by more than `max_edits`."""
+    pairs = _lcs(a, b, max_edits)
+    if pairs is None:
+        return None
+    merged: list[int] = []
+    amap: list[int] = []
+    bmap: list[int] = []
+    i = j = 0
+    for x, y in [*pairs, (len(a), len(b))]:
+        for t in a[i:x]:
+            amap.append(len(merged))
+            merged.append(t)
+        for t in b[j:y]:
+            bmap.append(len(merged))
+            merged.append(t)
+        if x < len(a):
+            amap.append(len(merged))
+            bmap.append(len(merged))
+            merged.append(a[x])
+        i, j = x + 1, y + 1
+    return merged, amap, bmap
+
+
+@dataclass
+class _Union:
+    classes: list[int]
+    owners: list[tuple[int, int]]  # per slot: (graph index, node index) whose node fills it
+    members: dict[int, list[int]] = field(default_factory=dict)  # graph index -> its slots
+    longest: int = 0
+
+    def merge(self, g: int, seq: list[int], max_growth: float) -> bool:
+        longest = max(self.longest, len(seq))
+        budget = int(2 * max_growth * longest) - len(self.classes) - len(seq)  # see module doc
+        if budget < 0:
+            return False
+        found = supersequence(self.classes, seq, min(budget, MAX_EDITS))
+        if found is None or len(found[0]) > max_growth * longest:
+            return False
+        merged, amap, bmap = found
+        owners: list[tuple[int, int] | None] = [None] * len(merged)
+        for s, owner in enumerate(self.owners):
+            owners[amap[s]] = owner
+        for j, s in enumerate(bmap):
+            if owners[s] is None:
+                owners[s] = (g, j)
+        self.classes, self.owners, self.longest = merged, [o for o in owners if o is not None], longest
+        self.members = {m: [amap[s] for s in slots] for m, slots in self.members.items()}
+        self.members[g] = bmap
+        return True
+
+
+def union_groups(
+    graphs: Sequence[Graph], function_attrs: Sequence[FunctionAttrs] = (), *,
+    order: Sequence[int] | None = None, max_growth: float = MAX_GROWTH,
+) -> list[UnionGroup]:
+    """Unions of the chains among `graphs`, merged in `order` (default: input order; need order
+    puts the first needed key's nodes first). A union with one topology only is left out: its
+    topology group serves it already. Members keep input order."""
+    ids: dict[bytes, int] = {}
+    unions: list[_Union] = []
+    seen: dict[tuple[int, ...], tuple[_Union, int]] = {}  # a topology met before: same slots
+    for g in order if order is not None else range(len(graphs)):
+        if not_a_chain(graphs[g]):
+            continue
+        seq = [ids.setdefault(node_class(nd, function_attrs), len(ids)) for nd in graphs[g].nodes]
+        if (hit := seen.get(tuple(seq))) is not None:
+            u, like = hit
+            u.members[g] = list(u.members[like])
+            continue
+        for u in unions:
+            if u.merge(g, seq, max_growth):
+                break
+        else:
+            u = _Union(list(seq), [(g, j) for j in range(len(seq))], {g: list(range(len(seq)))}, len(seq))
+            unions.append(u)
+        seen[tuple(seq)] = (u, g)
+    out: list[UnionGroup] = []
+    for u in unions:
+        topologies = {tuple(s) for s in u.members.values()}
+        if len(topologies) < 2:
+            continue
+        members = sorted(u.members)
+        nodes = [copy.deepcopy(graphs[g].nodes[j]) for g, j in u.owners]
+        template = Graph((), nodes, [Edge(i, i + 1) for i in range(len(nodes) - 1)])
+        slots = tuple(tuple(u.members[m]) for m in members)
+        out.append(UnionGroup(len(out), tuple(members), slots, template))
+    return out

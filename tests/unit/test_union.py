@@ -1,0 +1,127 @@
+"""Union templates (ember.archive.union): one chain holding every node of several chains."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from ember.archive.graphs import Edge, EventParams, Graph, Node, NodeType
+from ember.archive.topology import group_graphs, node_class
+from ember.archive.union import not_a_chain, supersequence, union_groups
+from ember_bench.synthetic import synthetic_chains, synthetic_graphset
+
+
+def lcs_length(a: list[int], b: list[int]) -> int:
+    t = [[0] * (len(b) + 1) for _ in range(len(a) + 1)]
+    for i, j in itertools.product(range(len(a)), range(len(b))):
+        t[i + 1][j + 1] = t[i][j] + 1 if a[i] == b[j] else max(t[i][j + 1], t[i + 1][j])
+    return t[len(a)][len(b)]
+
+
+def is_embedding(seq: list[int], merged: list[int], where: list[int]) -> bool:
+    increasing = all(x < y for x, y in itertools.pairwise(where))
+    return len(where) == len(seq) and increasing and [merged[s] for s in where] == seq
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_supersequence_is_shortest_and_holds_both(seed: int) -> None:
+    rng = random.Random(seed)
+    a = [rng.randrange(3) for _ in range(rng.randrange(0, 30))]
+    b = [rng.randrange(3) for _ in range(rng.randrange(0, 30))]
+    found = supersequence(a, b)
+    assert found is not None
+    merged, amap, bmap = found
+    assert is_embedding(a, merged, amap)
+    assert is_embedding(b, merged, bmap)
+    assert len(merged) == len(a) + len(b) - lcs_length(a, b)
+
+
+def test_supersequence_gives_up_past_its_edit_budget() -> None:
+    a, b = [1] * 50, [2] * 50  # 100 edits apart
+    assert supersequence(a, b, max_edits=99) is None
+    found = supersequence(a, b, max_edits=100)
+    assert found is not None and len(found[0]) == 100
+
+
+def test_only_chains_of_disableable_nodes_qualify() -> None:
+    gs = synthetic_chains(sizes=(1, 8))
+    assert not_a_chain(gs.graphs[0]) == ""
+    forked = synthetic_chains(sizes=(1,)).graphs[0]
+    forked.edges.append(Edge(0, 2))
+    assert "not a chain" in not_a_chain(forked)
+    programmatic = synthetic_chains(sizes=(1,)).graphs[0]
+    programmatic.edges[3] = Edge(3, 4, 0, 0, 1)
+    assert "type 1" in not_a_chain(programmatic)
+    shuffled = synthetic_chains(sizes=(1,)).graphs[0]
+    shuffled.edges[0], shuffled.edges[1] = shuffled.edges[1], shuffled.edges[0]
+    assert "not a chain" in not_a_chain(shuffled)
+    evented = synthetic_chains(sizes=(1,)).graphs[0]
+    evented.nodes[2] = Node(NodeType.EVENT_RECORD, EventParams(0))
+    assert "EVENT_RECORD" in not_a_chain(evented)
+    assert not_a_chain(Graph((1,), [], [])) == "no nodes"
+
+
+def test_a_union_holds_every_member_in_its_slots() -> None:
+    gs = synthetic_chains()
+    groups = group_graphs(gs.graphs, gs.function_attrs)
+    assert len(groups) > 2  # the sizes differ in topology: several templates without a union
+    (u,) = union_groups(gs.graphs, gs.function_attrs)
+    assert u.members == tuple(range(len(gs.graphs)))
+    fa = gs.function_attrs
+    union_classes = [node_class(n, fa) for n in u.graph.nodes]
+    for m, slots in zip(u.members, u.slots, strict=True):
+        g = gs.graphs[m]
+        assert is_embedding([node_class(n, fa) for n in g.nodes], union_classes, list(slots))  # type: ignore[arg-type]
+    assert u.graph.edges == [Edge(i, i + 1) for i in range(len(u.graph.nodes) - 1)]
+    assert len(u.graph.nodes) < sum(len(gs.graphs[grp.template].nodes) for grp in groups)
+    assert 0 < len(u.optional()) < len(u.graph.nodes)
+
+
+def test_the_template_takes_each_slot_from_its_first_member() -> None:
+    gs = synthetic_chains()
+    (u,) = union_groups(gs.graphs, gs.function_attrs)
+    first = {}
+    for m, slots in zip(u.members, u.slots, strict=True):
+        for j, s in enumerate(slots):
+            first.setdefault(s, (m, j))
+    for s, node in enumerate(u.graph.nodes):
+        m, j = first[s]
+        assert node == gs.graphs[m].nodes[j]
+        assert node is not gs.graphs[m].nodes[j]  # a copy: the template owns its nodes
+
+
+def test_members_of_one_topology_share_slots_and_a_lone_topology_makes_no_union() -> None:
+    gs = synthetic_chains(sizes=(1, 2, 4))  # one topology
+    assert len(group_graphs(gs.graphs, gs.function_attrs)) == 1
+    assert union_groups(gs.graphs, gs.function_attrs) == []
+    gs = synthetic_chains(sizes=(1, 2, 32, 64))
+    (u,) = union_groups(gs.graphs, gs.function_attrs)
+    assert u.slots[0] == u.slots[1] and u.slots[2] == u.slots[3] and u.slots[0] != u.slots[2]
+
+
+def test_the_growth_cap_splits_unions() -> None:
+    gs = synthetic_chains()
+    (whole,) = union_groups(gs.graphs, gs.function_attrs)
+    longest = max(len(g.nodes) for g in gs.graphs)
+    cap = (len(whole.graph.nodes) - 1) / longest
+    parts = union_groups(gs.graphs, gs.function_attrs, max_growth=cap)
+    assert parts and all(len(p.graph.nodes) <= cap * longest for p in parts)
+    assert [p.members for p in parts] != [whole.members]
+    covered = [m for p in parts for m in p.members]
+    assert len(covered) == len(set(covered))  # a graph joins one union at most
+
+
+def test_graphs_that_are_not_chains_stay_out() -> None:
+    gs = synthetic_graphset(graphs=6, nodes=80, groups=2)  # event and child-graph nodes
+    assert union_groups(gs.graphs, gs.function_attrs) == []
+
+
+def test_the_merge_order_puts_the_first_needed_members_nodes_first() -> None:
+    gs = synthetic_chains(sizes=(1, 32))
+    (a,) = union_groups(gs.graphs, gs.function_attrs, order=[0, 1])
+    (b,) = union_groups(gs.graphs, gs.function_attrs, order=[1, 0])
+    assert a.members == b.members == (0, 1)  # members keep input order
+    assert a.graph.nodes[0] == gs.graphs[0].nodes[0] and b.graph.nodes[0] == gs.graphs[1].nodes[0]
+    assert a.slots[0] == tuple(sorted(a.slots[0]))
