@@ -107,7 +107,8 @@ def graph_chunk_target() -> Callable[[bytes], None]:
     base = (SEED_CORPUS / "graph_table" / INDEX_BASE).read_bytes()
     minor, flags, ioff, ilen, iraw, coff = gt.read_header(base)
     raw_index = zstd.ZstdDecompressor().decompress(base[ioff:ioff + ilen], max_output_size=iraw)
-    sections = {k: np.array(v) for k, v in gt.unpack_container(raw_index, gt.INDEX_SECTIONS, "index").items()}
+    sections = {k: np.array(v) for k, v in gt.unpack_container(raw_index, gt.INDEX_SECTIONS, "index",
+                                                                     gt.OPTIONAL_INDEX_SECTIONS).items()}
     row = int(sections[b"ROOT"][0])  # graph 0: a template, its chunk compressed without a dictionary
     chunks = base[coff:]
     comp = zstd.ZstdCompressor(level=1)

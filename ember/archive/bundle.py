@@ -34,17 +34,15 @@ from typing import Any, Literal
 
 import zstandard as zstd
 
+from ember.archive import graph_summary, signing
 from ember.archive import graph_table as fmt
-from ember.archive import signing
 from ember.archive.graphs import GraphSet
 from ember.archive.manifest import (
     BlobEntry,
-    GraphsSummary,
     KernelImage,
     Manifest,
     ManifestError,
     ManifestVersionError,
-    TopologyGroupSummary,
 )
 from ember.archive.manifest import loads as load_manifest
 from ember.archive.signing import Ed25519PrivateKey, TrustedKey
@@ -137,29 +135,6 @@ class _PackedBlob:
     raw_sha256: str | None
 
 
-def summarize_graphs(gs: GraphSet, groups: list[TopologyGroup], table: fmt.GraphTable) -> GraphsSummary:
-    keys = [list(g.key) for g in gs.graphs]
-    return GraphsSummary(
-        table=GRAPH_TABLE,
-        table_version=fmt.VERSION,
-        count=len(gs.graphs),
-        keys=keys,
-        nodes=table.node_total,
-        node_types=table.node_type_counts(),
-        kernels=len(gs.kernels),
-        groups=[
-            TopologyGroupSummary(
-                signature=g.signature,
-                keys=[keys[m] for m in g.members],
-                template=keys[g.template],
-                nodes=len(gs.graphs[g.template].nodes),
-                edges=len(gs.graphs[g.template].edges),
-            )
-            for g in groups
-        ],
-    )
-
-
 def write_archive(
     store: Store | str,
     graphset: GraphSet,
@@ -209,7 +184,7 @@ def write_archive(
         identity=identity,
         identity_hash=identity.hash(),
         compat=compat,
-        graphs=summarize_graphs(graphset, groups, table),
+        graphs=graph_summary.summarize(graphset, groups, table, GRAPH_TABLE),
         kernel_images=images,
         engine=dict(engine or {}),
         alloc_log=ALLOC_LOG if alloc_log is not None else None,
@@ -576,25 +551,9 @@ def verify_archive(
         try:
             table = archive.graph_table
             table.validate()
-            problems += _compare_summary(m, table)
+            problems += graph_summary.differences(m, table)
         except ArchiveError as exc:
             problems.append(str(exc))
         except fmt.FormatError as exc:
             problems.append(f"graph table: {exc}")
-    return problems
-
-
-def _compare_summary(m: Manifest, table: fmt.GraphTable) -> list[str]:
-    problems = []
-    if [list(k) for k in table.keys] != m.graphs.keys:
-        problems.append("graph keys in the graph table differ from the manifest's")
-    sigs = [g.signature for g in table.groups]
-    if sigs != [g.signature for g in m.graphs.groups]:
-        problems.append("topology groups in the graph table differ from the manifest's")
-    have = {i.content_hash for i in m.kernel_images}
-    lost = sorted({k.image for k in table.kernels} - have)
-    if lost:
-        problems.append(f"{len(lost)} kernel image(s) the graphs use are not in the archive, e.g. {lost[0]}")
-    if table.node_type_counts() != m.graphs.node_types:
-        problems.append("node-type counts in the graph table differ from the manifest's")
     return problems

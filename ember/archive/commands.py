@@ -132,7 +132,7 @@ def _head_table(archive: bundle.Archive) -> Table:
         head.add_row(f"engine: {k}", json.dumps(v) if not isinstance(v, str) else v)
     head.add_row("size", f"{_mb(m.total_bytes)} stored, {_mb(m.raw_bytes)} uncompressed")
     head.add_row("graphs", f"{m.graphs.count} graphs, {m.graphs.nodes:,} nodes, {m.graphs.kernels} kernels, "
-                           f"{len(m.graphs.groups)} topology groups")
+                           f"{len(m.graphs.groups)} topology groups, {len(m.graphs.unions)} union templates")
     head.add_row("node types", ", ".join(f"{k} {v:,}" for k, v in m.graphs.node_types.items()))
     return head
 
@@ -156,6 +156,13 @@ def _print_archive(archive: bundle.Archive, show_graphs: bool) -> None:
         [(str(i), g.signature[:16], str(len(g.keys)), "x".join(map(str, g.template)), str(g.nodes),
           str(g.edges), _keys_text(g.keys), apart[i]) for i, g in enumerate(m.graphs.groups)],
     ))
+    if m.graphs.unions:
+        console.print(_table(
+            "union templates (one exec for several topologies; a member's missing nodes disabled)",
+            ("#", "graphs", "nodes", "optional nodes", "keys"),
+            [(str(i), str(len(u.keys)), str(u.nodes), str(u.optional), _keys_text(u.keys))
+             for i, u in enumerate(m.graphs.unions)],
+        ))
     console.print(_table(
         "blobs", ("name", "sha256", "stored", "uncompressed", "codec"),
         [(b.name, b.sha256[:16], _mb(b.compressed_size), _mb(b.size), b.codec) for b in m.blobs],

@@ -35,12 +35,13 @@ the sections and row fields it knows: unknown sections are skipped and rows may 
 (each section records its row size).
 """
 
-from ember.archive.table_decoder import GraphChunk, GraphTable, GroupInfo, decode, read_header
-from ember.archive.table_encoder import encode
+from ember.archive.table_decoder import GraphChunk, GraphTable, GroupInfo, UnionInfo, decode, read_header
+from ember.archive.table_encoder import encode, unions_by_default
 from ember.archive.table_layout import (
     CHUNK_SECTIONS,
     DEFAULT_LEVEL,
     GRAPH_IS_CHILD,
+    GRAPH_IS_UNION,
     GRPH_DT,
     INDEX_SECTIONS,
     KPAR_DT,
@@ -49,6 +50,7 @@ from ember.archive.table_layout import (
     MAJOR,
     MINOR,
     NONE,
+    OPTIONAL_INDEX_SECTIONS,
     OUTER,
     SERIALIZABLE,
     VERSION,
@@ -63,6 +65,7 @@ __all__ = [
     "CHUNK_SECTIONS",
     "DEFAULT_LEVEL",
     "GRAPH_IS_CHILD",
+    "GRAPH_IS_UNION",
     "GRPH_DT",
     "INDEX_SECTIONS",
     "KPAR_DT",
@@ -71,6 +74,7 @@ __all__ = [
     "MAJOR",
     "MINOR",
     "NONE",
+    "OPTIONAL_INDEX_SECTIONS",
     "OUTER",
     "SERIALIZABLE",
     "VERSION",
@@ -79,10 +83,12 @@ __all__ = [
     "GraphChunk",
     "GraphTable",
     "GroupInfo",
+    "UnionInfo",
     "UnsupportedNode",
     "decode",
     "encode",
     "pack_container",
     "read_header",
+    "unions_by_default",
     "unpack_container",
 ]

@@ -24,7 +24,7 @@ import ember
 from ember.identity import ArchiveIdentity, CompatKey
 
 MANIFEST_MAJOR = 1
-MANIFEST_MINOR = 1  # 1.1: attachments
+MANIFEST_MINOR = 2  # 1.1: attachments; 1.2: graphs.unions
 MANIFEST_VERSION = f"{MANIFEST_MAJOR}.{MANIFEST_MINOR}"
 MANIFEST_KIND = "ember.dev/graph-archive"
 
@@ -76,15 +76,22 @@ class TopologyGroupSummary(_Model):
     edges: int = Field(ge=0)
 
 
+class UnionSummary(_Model):
+    keys: list[list[int]] = Field(description="keys of the graphs one union template serves")
+    nodes: int = Field(ge=0, description="the template's nodes")
+    optional: int = Field(ge=0, description="its nodes some member lacks (disabled for that member)")
+
+
 class GraphsSummary(_Model):
     table: str = Field(description="name of the BlobEntry holding the graph table")
     table_version: str = Field(description="graph table format version MAJOR.MINOR")
     count: int = Field(ge=0)
     keys: list[list[int]]
-    nodes: int = Field(ge=0, description="nodes over all graphs, children included")
+    nodes: int = Field(ge=0, description="nodes over all graphs, children and union templates included")
     node_types: dict[str, int] = Field(default_factory=dict, description="node type name → count")
     kernels: int = Field(ge=0, description="distinct kernels (image, name)")
     groups: list[TopologyGroupSummary] = Field(default_factory=list)
+    unions: list[UnionSummary] = Field(default_factory=list)
 
 
 class Manifest(_Model):

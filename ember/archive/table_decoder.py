@@ -31,11 +31,13 @@ from ember.archive.graphs import (
 )
 from ember.archive.table_layout import (
     CHUNK_SECTIONS,
+    GRAPH_IS_UNION,
     INDEX_SECTIONS,
     KPAR_EXTRA,
     MAGIC,
     MAJOR,
     NONE,
+    OPTIONAL_INDEX_SECTIONS,
     OUTER,
     SERIALIZABLE,
     FormatError,
@@ -78,6 +80,18 @@ class GroupInfo:
     signature: str
     members: tuple[int, ...]  # root graph indices
     template: int  # root graph index
+
+
+@dataclass(frozen=True)
+class UnionInfo:
+    """A union template (ember.archive.union) as the table holds it."""
+
+    index: int
+    row: int  # GRPH row of the template graph
+    members: tuple[int, ...]  # root graph indices, in root order
+    slots: tuple[np.ndarray, ...]  # per member: the template slot of each of its nodes
+    nodes: int  # the template's node count
+    optional: np.ndarray  # slots some member lacks (enabled per member)
 
 
 # No index or chunk comes near this (an 8B decode set's index is a few MB): a larger size is a
@@ -140,7 +154,7 @@ class GraphTable:
         self.minor, self.flags, ioff, ilen, iraw, coff = read_header(self.blob)
         frame = bytes(self.blob[ioff:ioff + ilen])
         index = inflate(zstd.ZstdDecompressor(), frame, iraw, "graph table index", "header")
-        s = unpack_container(index, INDEX_SECTIONS, "graph table index")
+        s = unpack_container(index, INDEX_SECTIONS, "graph table index", OPTIONAL_INDEX_SECTIONS)
         self._chunks_off = coff
         self.rows: np.ndarray = s[b"GRPH"]
         self.roots: np.ndarray = s[b"ROOT"]
@@ -148,6 +162,7 @@ class GraphTable:
         self._topo, self._kern, self._fatr, self._strs = s[b"TOPO"], s[b"KERN"], s[b"FATR"], s[b"STRS"]
         self._layo, self._lpar = s[b"LAYO"], s[b"LPAR"]
         self._atts, self._attr, self._aval = s[b"ATTS"], s[b"ATTR"], s[b"AVAL"]
+        self._unio, self._umem, self._uslt = s[b"UNIO"], s[b"UMEM"], s[b"USLT"]
         self._tls = threading.local()  # zstd decompressors are not thread-safe: one set per thread
         self._cache: dict[int, GraphChunk] = {}
         self._pos_cache: dict[tuple[int, int], dict[int, np.ndarray]] = {}
@@ -226,6 +241,51 @@ class GraphTable:
             for n, t in enumerate(self._topo)
         ]
 
+    @cached_property
+    def unions(self) -> list[UnionInfo]:
+        """The union templates and their members, checked: each member's slots rise strictly,
+        lie in the template and hold nodes of the member's types (FormatError otherwise)."""
+        if not len(self._unio):
+            return []
+        rows = self._unio["graph"].astype(np.int64)
+        if (rows >= len(self.rows)).any() or not all(self.is_union_row(int(r)) for r in rows):
+            raise FormatError("graph table index: a union names a graph row that is not a union template")
+        if len(self._umem) != self.count:
+            raise FormatError(f"graph table index: {len(self._umem)} union entries for {self.count} graphs")
+        members: list[list[tuple[int, np.ndarray]]] = [[] for _ in rows]
+        for i, (u, off) in enumerate(self._umem.tolist()):
+            if u >= len(rows):
+                raise FormatError(f"graph {self.keys[i]}: in union {u}, the table has {len(rows)}")
+            if u >= 0:
+                members[u].append((i, self._slots(i, int(rows[u]), off)))
+        out = []
+        for u, row in enumerate(rows.tolist()):
+            nodes = int(self.rows[row]["node_count"])
+            shared = np.ones(nodes, dtype=bool)
+            for _, run in members[u]:
+                shared &= np.isin(np.arange(nodes), run)
+            out.append(UnionInfo(u, row, tuple(i for i, _ in members[u]), tuple(r for _, r in members[u]),
+                                 nodes, np.nonzero(~shared)[0]))
+        return out
+
+    def _slots(self, i: int, urow: int, off: int) -> np.ndarray:
+        """Graph i's slots in the union template at row `urow`, checked."""
+        n = int(self.rows[self._row(i)]["node_count"])
+        run = self._uslt[off:off + n]
+        within = len(run) == n and (n == 0 or int(run[-1]) < int(self.rows[urow]["node_count"]))
+        if not within or (np.diff(run.astype(np.int64)) <= 0).any():
+            raise FormatError(f"graph {self.keys[i]}: its union slots are out of range or out of order")
+        if not np.array_equal(self.node_types(urow, row=True)[run], self.node_types(i)):
+            raise FormatError(f"graph {self.keys[i]}: its node types differ from its union slots'")
+        return run
+
+    def is_union_row(self, row: int) -> bool:
+        return bool(int(self.rows[row]["flags"]) & GRAPH_IS_UNION)
+
+    def union_of(self, i: int) -> int:
+        """The union graph i belongs to, -1 for none."""
+        return int(self._umem[i]["union"]) if len(self._umem) else -1
+
     def group_of(self, i: int) -> int:
         return int(self.rows[self._row(i)]["group"])
 
@@ -291,6 +351,8 @@ class GraphTable:
         return d
 
     def _what(self, row: int) -> str:
+        if self.is_union_row(row):
+            return f"union template (row {row})"
         return f"graph {self.key_of_row(row)} (row {row})"
 
     def chunk_of_row(self, row: int, *, keep: bool = True) -> GraphChunk:

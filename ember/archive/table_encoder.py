@@ -9,6 +9,7 @@ The layout is ember/archive/table_layout.py.
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +33,7 @@ from ember.archive.table_layout import (
     EDGE_DT,
     FATR_DT,
     GRAPH_IS_CHILD,
+    GRAPH_IS_UNION,
     GRPH_DT,
     I64,
     KERN_DT,
@@ -49,11 +51,14 @@ from ember.archive.table_layout import (
     SPAN_DT,
     TOPO_DT,
     U32,
+    UMEM_DT,
+    UNIO_DT,
     FormatError,
     UnsupportedNode,
     pack_container,
 )
 from ember.archive.topology import TopologyGroup, group_graphs, group_index
+from ember.archive.union import UnionGroup, union_groups
 
 _WHY_NOT = {  # why a node type cannot be archived
     NodeType.HOST: "host nodes call a CPU function pointer with user data that cannot be saved",
@@ -231,10 +236,19 @@ class _Encoder:
         return types, refs, kpar, bytes(bpol.buf), list(mset), list(mcpy)
 
 
+def unions_by_default() -> bool:
+    """Whether SAVE writes union templates (EMBER_UNION_TEMPLATES=1). Off by default until the
+    union path has run on a GPU: LOAD uses the unions an archive holds either way."""
+    return os.environ.get("EMBER_UNION_TEMPLATES", "0") == "1"
+
+
 def encode(
-    gs: GraphSet, groups: Sequence[TopologyGroup] | None = None, level: int = DEFAULT_LEVEL
+    gs: GraphSet, groups: Sequence[TopologyGroup] | None = None, level: int = DEFAULT_LEVEL,
+    unions: Sequence[UnionGroup] | bool | None = None,
 ) -> bytes:
-    """Encode a GraphSet. `groups` defaults to `topology.group_graphs(gs.graphs, ...)`.
+    """Encode a GraphSet. `groups` defaults to `topology.group_graphs(gs.graphs, ...)`; `unions`
+    (union templates, ember.archive.union) to `union_groups(...)` when `unions_by_default()`
+    (True/False: computed or none).
 
     Raises UnsupportedNode (naming graph, node and reason) for nodes that cannot be restored.
     """
@@ -247,9 +261,16 @@ def encode(
             groups = group_graphs(gs.graphs, gs.function_attrs)
         except ValueError as exc:
             raise FormatError(str(exc)) from exc
+    if unions is None:
+        unions = unions_by_default()
+    if isinstance(unions, bool):
+        unions = union_groups(gs.graphs, gs.function_attrs) if unions else []
     enc = _Encoder(gs)
     for i, g in enumerate(gs.graphs):
         enc.add_graph(g, f"graph {i} (key {tuple(g.key)})", child=False)
+    union_rows = [enc.add_graph(u.graph, f"union template {u.index}", child=False) for u in unions]
+    for row in union_rows:
+        enc.rows[row]["flags"] = GRAPH_IS_UNION
     done = 0
     while done < len(enc.pending):  # children are appended while encoding their parents
         row, graph, where = enc.pending[done]
@@ -257,7 +278,7 @@ def encode(
         done += 1
     plain = zstd.ZstdCompressor(level=level, write_checksum=True)
     frames = _compress_chunks(enc, groups, level, plain)
-    index = _pack_index(enc, groups)
+    index = _pack_index(enc, groups, unions, union_rows)
     index_frame = plain.compress(index)
     chunks_off = OUTER.size + len(index_frame)
     header = OUTER.pack(MAGIC, MAJOR, MINOR, OUTER.size, 0, OUTER.size, len(index_frame), len(index),
@@ -295,8 +316,29 @@ def _compress_chunks(enc: _Encoder, groups: Sequence[TopologyGroup], level: int,
     return frames
 
 
-def _pack_index(enc: _Encoder, groups: Sequence[TopologyGroup]) -> bytes:
-    """The index container (uncompressed): graph rows, keys, groups, pools, kernels, strings."""
+def _union_sections(roots: int, unions: Sequence[UnionGroup], union_rows: list[int]
+                    ) -> dict[bytes, np.ndarray]:
+    """UNIO (each union's template row), UMEM (each root's union and slot run), USLT (slot runs,
+    identical runs stored once)."""
+    umem = np.zeros(roots, dtype=UMEM_DT)
+    umem["union"] = -1
+    pool: list[int] = []
+    runs: dict[tuple[int, ...], int] = {}
+    for u in unions:
+        for m, slots in zip(u.members, u.slots, strict=True):
+            off = runs.get(slots)
+            if off is None:
+                off = runs[slots] = len(pool)
+                pool.extend(slots)
+            umem[m] = (u.index, off)
+    unio = np.array([(row, 0) for row in union_rows], dtype=UNIO_DT)
+    return {b"UNIO": unio, b"UMEM": umem, b"USLT": np.array(pool, dtype=U32)}
+
+
+def _pack_index(enc: _Encoder, groups: Sequence[TopologyGroup], unions: Sequence[UnionGroup] = (),
+                union_rows: list[int] | None = None) -> bytes:
+    """The index container (uncompressed): graph rows, keys, groups, pools, kernels, strings,
+    union templates."""
     gs = enc.gs
     fattrs = list(gs.function_attrs) or [FunctionAttrs() for _ in gs.kernels]
     kern = []
@@ -323,4 +365,5 @@ def _pack_index(enc: _Encoder, groups: Sequence[TopologyGroup]) -> bytes:
         b"ATTS": np.array(enc.atts, dtype=SPAN_DT),
         b"ATTR": np.array(enc.attr_rows, dtype=ATTR_DT),
         b"AVAL": bytes(enc.aval.buf),
+        **_union_sections(len(gs.graphs), unions, union_rows or []),
     })

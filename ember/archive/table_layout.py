@@ -17,7 +17,7 @@ from ember.archive.graphs import NodeType
 
 MAGIC = b"EMGT"
 MAJOR = 1
-MINOR = 0
+MINOR = 1  # 1.1 added union templates (GRAPH_IS_UNION rows, UNIO/UMEM/USLT)
 VERSION = f"{MAJOR}.{MINOR}"
 NONE = 0xFFFFFFFF
 DEFAULT_LEVEL = 3
@@ -39,6 +39,7 @@ GRPH_DT = np.dtype([
     ("reserved", "<u4"),
 ])
 GRAPH_IS_CHILD = 1
+GRAPH_IS_UNION = 2  # a union template (ember.archive.union): neither a root nor a child
 TOPO_DT = np.dtype([("signature", "V32"), ("template", "<u4")])
 EDGE_DT = np.dtype([("src", "<u4"), ("dst", "<u4"), ("from_port", "u1"), ("to_port", "u1"),
                     ("type", "u1"), ("pad", "u1")])
@@ -53,6 +54,8 @@ KPAR_DT = np.dtype([
     ("bz", "<u4"), ("smem", "<u4"), ("args_off", "<u4"), ("args_len", "<u4"), ("layout", "<u4"),
     ("attrs", "<u4"), ("flags", "<u4"), ("reserved", "<u4"), ("args_hash", "<u8"),
 ])
+UNIO_DT = np.dtype([("graph", "<u4"), ("reserved", "<u4")])  # per union: its template's GRPH row
+UMEM_DT = np.dtype([("union", "<i4"), ("slots_off", "<u4")])  # per root: its union (-1: none)
 KPAR_EXTRA = 1  # argument bytes are the opaque `extra` buffer, not a packed argument list
 MSET_DT = np.dtype([("dst", "<u8"), ("pitch", "<u8"), ("value", "<u4"), ("element_size", "<u4"),
                     ("width", "<u8"), ("height", "<u8")])
@@ -64,7 +67,9 @@ INDEX_SECTIONS: dict[bytes, np.dtype] = {
     b"GRPH": GRPH_DT, b"ROOT": U32, b"KEYS": I64, b"TOPO": TOPO_DT, b"NTYP": U8, b"EDGE": EDGE_DT,
     b"KERN": KERN_DT, b"FATR": FATR_DT, b"STRS": U8, b"LAYO": SPAN_DT, b"LPAR": LPAR_DT,
     b"ATTS": SPAN_DT, b"ATTR": ATTR_DT, b"AVAL": U8,
+    b"UNIO": UNIO_DT, b"UMEM": UMEM_DT, b"USLT": U32,
 }
+OPTIONAL_INDEX_SECTIONS = frozenset({b"UNIO", b"UMEM", b"USLT"})  # absent from 1.0 tables
 # Chunk container (one per graph):
 CHUNK_SECTIONS: dict[bytes, np.dtype] = {
     b"REFS": U32, b"KPAR": KPAR_DT, b"BPOL": U8, b"MSET": MSET_DT, b"MCPY": MCPY_DT,
@@ -122,7 +127,10 @@ def _with_itemsize(dt: np.dtype, row: int) -> np.dtype:
 MAX_ROW = 1 << 16  # a newer minor may grow rows, not by this much
 
 
-def unpack_container(buf: bytes | memoryview, known: dict[bytes, np.dtype], what: str) -> dict[bytes, Any]:
+def unpack_container(buf: bytes | memoryview, known: dict[bytes, np.dtype], what: str,
+                     optional: frozenset[bytes] = frozenset()) -> dict[bytes, Any]:
+    """The known sections of a container (numpy views); an `optional` one that is absent comes
+    back empty, any other that is absent is a FormatError."""
     mv = memoryview(buf)
     if len(mv) < CONTAINER.size:
         raise FormatError(f"{what}: truncated ({len(mv)} bytes)")
@@ -141,6 +149,8 @@ def unpack_container(buf: bytes | memoryview, known: dict[bytes, np.dtype], what
                 f"(row {row} B x {n} at {off}+{length}, container {len(mv)} B)"
             )
         out[sid] = np.frombuffer(mv, dtype=_with_itemsize(dt, row), count=n, offset=off)
+    for sid in optional - out.keys():
+        out[sid] = np.zeros(0, dtype=known[sid])
     missing = [s.decode() for s in known if s not in out]
     if missing:
         raise FormatError(f"{what}: sections missing: {', '.join(missing)}")

@@ -147,7 +147,7 @@ def test_graph_table_of_another_major_version_is_refused(saved: Saved) -> None:
     raw = json.loads(store.get_manifest(IDENTITY.hash()) or b"")
     raw["blobs"][0].update(sha256=digest, raw_sha256=None)
     store.put_manifest(IDENTITY.hash(), json.dumps(raw).encode())
-    with pytest.raises(bundle.ArchiveVersionError, match=r"graph table format 9\.0"):
+    with pytest.raises(bundle.ArchiveVersionError, match=r"graph table format 9\.\d+ "):
         _ = bundle.open_archive(store, IDENTITY.hash()).graph_table
 
 

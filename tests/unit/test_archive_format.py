@@ -184,7 +184,7 @@ def test_foreign_magic_zstd_and_major_version_are_refused() -> None:
         fmt.GraphTable(b"\x28\xb5\x2f\xfd" + blob[4:])
     newer = bytearray(blob)
     struct.pack_into("<H", newer, 4, fmt.MAJOR + 1)
-    with pytest.raises(fmt.FormatVersionError, match=r"format 2\.0 .*upgrade ember"):
+    with pytest.raises(fmt.FormatVersionError, match=r"format 2\.\d+ .*upgrade ember"):
         fmt.GraphTable(bytes(newer))
 
 

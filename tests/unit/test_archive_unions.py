@@ -1,0 +1,141 @@
+"""Union templates in the graph table (format 1.1): written, read back, checked, and absent from 1.0."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zstandard as zstd
+
+from ember.archive import bundle
+from ember.archive import graph_table as fmt
+from ember.archive.graphs import NodeType
+from ember.archive.union import union_groups
+from ember.identity import ArchiveIdentity, CompatKey
+from ember.store import LocalStore
+from ember_bench.synthetic import synthetic_chains, synthetic_graphset, synthetic_images
+
+Change = Callable[[dict[bytes, np.ndarray]], None]
+
+
+def rewrite_index(blob: bytes, change: Change, minor: int = fmt.MINOR) -> bytes:
+    """The table with its index sections changed by `change` (and the header's minor set)."""
+    _minor, _flags, ioff, ilen, iraw, coff = fmt.read_header(blob)
+    index = zstd.ZstdDecompressor().decompress(blob[ioff:ioff + ilen], max_output_size=iraw)
+    sections = {k: np.array(v) for k, v in fmt.unpack_container(
+        index, fmt.INDEX_SECTIONS, "index", fmt.OPTIONAL_INDEX_SECTIONS).items()}
+    change(sections)
+    new_index = fmt.pack_container(sections)
+    frame = zstd.ZstdCompressor().compress(new_index)
+    header = fmt.OUTER.pack(fmt.MAGIC, fmt.MAJOR, minor, fmt.OUTER.size, 0, fmt.OUTER.size, len(frame),
+                            len(new_index), fmt.OUTER.size + len(frame))
+    return header + frame + blob[coff:]
+
+
+def test_unions_round_trip_beside_the_graphs_and_their_groups() -> None:
+    gs = synthetic_chains()
+    expected = union_groups(gs.graphs, gs.function_attrs)
+    plain = fmt.GraphTable(fmt.encode(gs, unions=False))
+    table = fmt.GraphTable(fmt.encode(gs, unions=True))
+    assert table.version == "1.1"
+    assert table.to_graphset().graphs == gs.graphs  # the roots are untouched
+    assert [g.members for g in table.groups] == [g.members for g in plain.groups]
+    assert plain.unions == []
+    (u,) = table.unions
+    assert u.members == expected[0].members
+    assert [tuple(s.tolist()) for s in u.slots] == list(expected[0].slots)
+    assert u.nodes == len(expected[0].graph.nodes)
+    assert u.optional.tolist() == expected[0].optional()
+    assert table.graph_of_row(u.row) == expected[0].graph
+    assert table.is_union_row(u.row) and not table.is_union_row(int(table.roots[0]))
+    assert [table.union_of(i) for i in range(table.count)] == [0] * table.count
+    assert len(table.rows) == table.count + 1  # the template is a row of its own, not a root
+
+
+def test_graphs_outside_any_union_say_so() -> None:
+    gs = synthetic_graphset(graphs=4, nodes=60, groups=2)  # not chains
+    table = fmt.GraphTable(fmt.encode(gs, unions=True))
+    assert table.unions == [] and [table.union_of(i) for i in range(4)] == [-1] * 4
+
+
+def test_the_writer_writes_unions_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    gs = synthetic_chains()
+    monkeypatch.delenv("EMBER_UNION_TEMPLATES", raising=False)
+    assert fmt.GraphTable(fmt.encode(gs)).unions == []
+    monkeypatch.setenv("EMBER_UNION_TEMPLATES", "1")
+    assert len(fmt.GraphTable(fmt.encode(gs)).unions) == 1
+
+
+def test_a_table_without_union_sections_reads_as_before() -> None:
+    """A 1.0 table has no UNIO/UMEM/USLT: it decodes, with no unions."""
+    gs = synthetic_chains()
+
+    def drop(sections: dict[bytes, np.ndarray]) -> None:
+        for sid in fmt.OPTIONAL_INDEX_SECTIONS:
+            del sections[sid]
+
+    table = fmt.GraphTable(rewrite_index(fmt.encode(gs, unions=False), drop, minor=0))
+    assert table.version == "1.0" and table.unions == []
+    assert table.to_graphset().graphs == gs.graphs
+
+
+def _damaged(change: Change) -> fmt.GraphTable:
+    return fmt.GraphTable(rewrite_index(fmt.encode(synthetic_chains(), unions=True), change))
+
+
+def _another_type(s: dict[bytes, np.ndarray]) -> None:
+    """Graph 0 (slot run at 0, no memset) gets a memset's slot in place of a kernel's."""
+    gs = synthetic_chains()
+    (u,) = union_groups(gs.graphs, gs.function_attrs)
+    memset = next(i for i, n in enumerate(u.graph.nodes) if n.type == NodeType.MEMSET)
+    s[b"USLT"][next(j for j, slot in enumerate(u.slots[0]) if slot > memset)] = memset
+
+
+def _field(section: bytes, name: str, value: int) -> Change:
+    def change(s: dict[bytes, np.ndarray]) -> None:
+        s[section][name][0] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda s: s[b"USLT"].__setitem__(slice(0, 2), [5, 3]), "out of order"),
+        (lambda s: s[b"USLT"].__setitem__(-1, 10_000), "out of range"),
+        (_another_type, "node types differ"),
+        (_field(b"UNIO", "graph", 0), "not a union template"),
+        (_field(b"UMEM", "union", 7), "in union 7"),
+        (lambda s: s.__setitem__(b"UMEM", s[b"UMEM"][:2]), "union entries"),
+    ],
+    ids=["out of order", "past the template", "another node type", "union names a root",
+         "missing union", "memberships cut short"],
+)
+def test_damaged_union_sections_are_refused(change: Change, match: str) -> None:
+    table = _damaged(change)
+    with pytest.raises(fmt.FormatError, match=match):
+        _ = table.unions
+
+
+def test_the_manifest_lists_the_unions_and_verify_compares_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EMBER_UNION_TEMPLATES", "1")
+    store = LocalStore(tmp_path / "store")
+    gs = synthetic_chains()
+    identity = ArchiveIdentity(model="test/chains", engine="decode", engine_version="1", capture_sizes=(1, 2))
+    compat = CompatKey(gpu_name="NVIDIA H100", compute_capability="9.0", driver="580", cuda="13.0")
+    result = bundle.write_archive(store, gs, identity, compat, kernel_images=synthetic_images())
+    (u,) = result.manifest.graphs.unions
+    assert u.keys == [list(g.key) for g in gs.graphs]
+    assert u.nodes == len(union_groups(gs.graphs, gs.function_attrs)[0].graph.nodes) and u.optional > 0
+    assert result.manifest.format_version == "1.2"
+    assert bundle.verify_archive(store, identity.hash()) == []
+    raw = json.loads(store.get_manifest(identity.hash()) or b"")
+    raw["graphs"]["unions"][0]["nodes"] += 1
+    store.put_manifest(identity.hash(), json.dumps(raw).encode())
+    problems = bundle.verify_archive(store, identity.hash())
+    assert "union templates in the graph table differ" in " ".join(problems)
