@@ -88,6 +88,7 @@ class GraphDesc(ctypes.Structure):
         ("edge_dst", ctypes.c_void_p),
         ("edge_data", ctypes.c_void_p),
         ("flags", ctypes.c_uint32),
+        ("node_handles", ctypes.c_void_p),
         ("status", ctypes.c_int32),
         ("failed_node", ctypes.c_int32),
         ("cu_result", ctypes.c_uint32),
@@ -176,6 +177,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ember_image_size": [c.c_void_p, c.c_size_t, c.POINTER(c.c_int), szp],
         "ember_hash_hex": [c.c_void_p, c.c_size_t, c.c_char_p, c.c_size_t],
         "ember_build_graphs": [c.c_uint64, c.c_void_p, c.c_size_t, c.c_int],
+        "ember_exec_enable": [c.c_uint64, c.c_void_p, c.c_void_p, c.c_size_t, szp],
         "ember_capture_collectives": [
             c.c_uint64, c.c_uint64, c.c_void_p, c.c_void_p, c.c_size_t, c.c_void_p, c.c_void_p, c.c_char_p,
             c.c_size_t,
@@ -348,6 +350,15 @@ class Interposer:
         if rc in (-1, -9) and all(d.status == 0 and d.graph == 0 for d in descs):
             self._check(rc, "build_graphs")
         return int(rc)
+
+    def exec_enable(self, exec_handle: int, nodes: Any, on: Any) -> None:
+        """ember_exec_enable: node i of `nodes` (uint64 CUgraphNodes, a numpy array) enabled in the
+        exec where on[i] (uint8), else disabled. EmberError names the node the driver refused."""
+        n, failed = len(nodes), ctypes.c_size_t()
+        if len(on) != n:
+            raise ValueError(f"{n} nodes, {len(on)} flags")
+        rc = self._lib.ember_exec_enable(exec_handle, nodes.ctypes.data, on.ctypes.data, n, ctypes.byref(failed))
+        self._check(rc, "exec_enable")
 
     def capture_collectives(
         self, comm: int, groups: list[list[tuple[int, int, int, int, int, int, int]]], ctx: int = 0

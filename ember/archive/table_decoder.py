@@ -279,6 +279,25 @@ class GraphTable:
             raise FormatError(f"graph {self.keys[i]}: its node types differ from its union slots'")
         return run
 
+    def check_union_member(self, u: UnionInfo, m: int) -> None:
+        """FormatError unless member m of union u (a root index) matches the template's nodes in
+        its slots in everything exec update cannot change: launch attributes and function cluster
+        requirements of kernels, element size and shape of memsets (`topology.node_class`)."""
+        i = u.members[m]
+        slots, types = u.slots[m], self.node_types(i)
+        a, b = self.chunk_of_row(u.row), self.chunk(i)
+        fatr = self._fatr[["cluster_x", "cluster_y", "cluster_z", "non_portable_cluster"]]
+        k = np.nonzero(types == _KERNEL)[0]
+        ka, kb = a.kpar[a.refs[slots[k]]], b.kpar[b.refs[k]]
+        same = (ka["attrs"] == kb["attrs"]) & (fatr[ka["kernel"]] == fatr[kb["kernel"]])
+        ms = np.nonzero(types == _MEMSET)[0]
+        sa, sb = a.mset[a.refs[slots[ms]]], b.mset[b.refs[ms]]
+        same_ms = (sa["element_size"] == sb["element_size"]) & ((sa["height"] > 1) == (sb["height"] > 1))
+        bad = np.concatenate([k[~same], ms[~same_ms]])
+        if len(bad):
+            raise FormatError(f"graph {self.keys[i]}: node {int(bad.min())} does not match its union slot "
+                              "(attributes, cluster requirement or memset shape): damaged archive")
+
     def is_union_row(self, row: int) -> bool:
         return bool(int(self.rows[row]["flags"]) & GRAPH_IS_UNION)
 

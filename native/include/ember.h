@@ -128,6 +128,7 @@ typedef struct ember_graph_desc {
   const uint32_t* edge_dst;
   const uint8_t* edge_data;   /* 8 bytes per edge, or NULL */
   uint32_t flags;             /* EMBER_BUILD_INSTANTIATE: also instantiate (flags 0) */
+  uint64_t* node_handles;     /* optional: filled with each node's CUgraphNode, in node order */
   /* results */
   int32_t status;             /* EMBER_OK or an ember_status */
   int32_t failed_node;        /* the node a failure names, -1 for the graph as a whole */
@@ -144,6 +145,12 @@ typedef struct ember_graph_desc {
  * says how it went. A graph whose edge data the driver dropped (EMBER_EEDGES) fails alone; any
  * other failure fails the batch: then no desc holds a graph or exec (all were destroyed). */
 int ember_build_graphs(uint64_t ctx, ember_graph_desc* graphs, size_t n, int threads);
+
+/* Sets each of `n` nodes of `exec` enabled (on[i] != 0) or disabled (cuGraphNodeSetEnabled): a
+ * union template's slots a member lacks are disabled (ember/archive/union.py). nodes[i] is the
+ * CUgraphNode of the graph the exec was instantiated from. Stops at the first refusal (its index
+ * in `failed`, when given). */
+int ember_exec_enable(uint64_t exec, const uint64_t* nodes, const uint8_t* on, size_t n, size_t* failed);
 
 /* ---- a rank's collectives (LOAD of a multi-GPU archive; docs/multi-gpu.md) ----
  * One NCCL call as SAVE's rank 0 issued it (the archive's collective table); `root` is the root

@@ -182,7 +182,10 @@ bool fill(const Real* r, CUcontext ctx, CUgraph g, const ember_graph_desc* d, Fa
       return false;
     }
   }
-  return add_edges(r, g, d, nodes, f);
+  if (!add_edges(r, g, d, nodes, f)) return false;
+  if (d->node_handles != nullptr)  // a union template's nodes are enabled one by one later
+    for (uint32_t i = 0; i < d->nodes; ++i) d->node_handles[i] = reinterpret_cast<uint64_t>(nodes[i]);
+  return true;
 }
 
 void build_one(const Real* r, CUcontext ctx, ember_graph_desc* d) {
@@ -274,6 +277,29 @@ extern "C" EMBER_EXPORT int ember_build_graphs(uint64_t ctx, ember_graph_desc* g
     if (graphs[i].status != EMBER_OK) {
       set_last_error(strprintf("graph %zu: %s", i, graphs[i].error));
       return graphs[i].status;
+    }
+  }
+  return EMBER_OK;
+}
+
+extern "C" EMBER_EXPORT int ember_exec_enable(uint64_t exec, const uint64_t* nodes, const uint8_t* on, size_t n,
+                                             size_t* failed) {
+  if (n > 0 && (exec == 0 || nodes == nullptr || on == nullptr)) {
+    set_last_error("ember_exec_enable: exec, nodes and on are required");
+    return EMBER_EINVAL;
+  }
+  const Real* r = real();
+  if (r == nullptr || r->cuGraphNodeSetEnabled == nullptr) {
+    set_last_error("ember_exec_enable: the driver lacks cuGraphNodeSetEnabled");
+    return EMBER_ENODRIVER;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const CUresult rc = r->cuGraphNodeSetEnabled(reinterpret_cast<CUgraphExec>(exec),
+                                                 reinterpret_cast<CUgraphNode>(nodes[i]), on[i] ? 1u : 0u);
+    if (rc != CUDA_SUCCESS) {
+      if (failed) *failed = i;
+      set_last_error(strprintf("ember_exec_enable: node %zu: %s", i, cu_name(r, rc).c_str()));
+      return EMBER_EDRIVER;
     }
   }
   return EMBER_OK;

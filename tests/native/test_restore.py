@@ -104,18 +104,11 @@ EXPORT CUresult cuFuncGetAttribute(int* v, CUfunction_attribute a, CUfunction f)
   return CUDA_SUCCESS;
 }
 static CUgraphExec last_launched;
-static int exec_updates;
 EXPORT CUresult cuGraphLaunch(CUgraphExec e, CUstream s) {
   note("cuGraphLaunch");
   if (!e) return CUDA_ERROR_INVALID_VALUE;
   __atomic_add_fetch(&graph_launches, 1, __ATOMIC_SEQ_CST);
   last_launched = e;
-  return CUDA_SUCCESS;
-}
-EXPORT CUresult cuGraphExecUpdate_v2(CUgraphExec e, CUgraph g, CUgraphExecUpdateResultInfo* info) {
-  if (!e || !g) return CUDA_ERROR_INVALID_VALUE;
-  if (info) memset(info, 0, sizeof *info);
-  __atomic_add_fetch(&exec_updates, 1, __ATOMIC_SEQ_CST);
   return CUDA_SUCCESS;
 }
 /* Uploads counted; free memory falls by 1 MiB per exec alive (what LOAD's cap measures). */
@@ -132,7 +125,6 @@ EXPORT CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
 }
 EXPORT int standin_uploads(void) { return uploads; }
 EXPORT uint64_t standin_last_launched(void) { return (uint64_t)last_launched; }
-EXPORT int standin_exec_updates(void) { return exec_updates; }
 EXPORT int standin_graph_launches(void) { return graph_launches; }
 EXPORT int standin_events_alive(void) { return events_alive; }
 """

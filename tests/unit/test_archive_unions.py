@@ -139,3 +139,19 @@ def test_the_manifest_lists_the_unions_and_verify_compares_them(
     store.put_manifest(identity.hash(), json.dumps(raw).encode())
     problems = bundle.verify_archive(store, identity.hash())
     assert "union templates in the graph table differ" in " ".join(problems)
+
+
+def test_members_match_their_slots_and_a_mismatch_is_refused() -> None:
+    gs = synthetic_chains()
+    table = fmt.GraphTable(fmt.encode(gs, unions=True))
+    (u,) = table.unions
+    for m in range(len(u.members)):
+        table.check_union_member(u, m)  # every member as SAVE wrote it
+    # A member whose GEMM has another cluster dimension than its slot's: exec update would keep
+    # the old one (benchmarks/results/diag-cluster-update-H100-20261125.json).
+    gs2 = synthetic_chains()
+    node = next(n for n in gs2.graphs[0].nodes if n.params.attrs)  # type: ignore[union-attr]
+    node.params.attrs = {4: bytes(64)}  # type: ignore[union-attr]
+    forged = fmt.GraphTable(fmt.encode(gs2, unions=union_groups(gs.graphs, gs.function_attrs)))
+    with pytest.raises(fmt.FormatError, match="does not match its union slot"):
+        forged.check_union_member(forged.unions[0], 0)

@@ -34,7 +34,7 @@ def native_threads() -> int:
 
 def build_native(
     preps: list[PreparedGraph], ctx: Any, events: Any, *, instantiate: bool, threads: int | None = None,
-    interposer: Any = None, splices: Any = None,
+    interposer: Any = None, splices: Any = None, nodes_out: list[np.ndarray | None] | None = None,
 ) -> tuple[list[tuple[Any, Any] | None], dict[str, Any]]:
     """Build (and instantiate) graphs with libember's ember_build_graphs (native_threads()
     builder threads unless `threads` is given).
@@ -44,7 +44,8 @@ def build_native(
     timings {"wall_ms", "build_cpu_ms", "instantiate_cpu_ms", "threads", "per_graph": [(build
     ms, instantiate ms)]}. A graph the driver
     refuses for any other reason raises RebuildError (libember kept nothing of the batch).
-    `splices(i)`: the CUgraph of collective i (graphs with OP_SPLICE nodes need it)."""
+    `splices(i)`: the CUgraph of collective i (graphs with OP_SPLICE nodes need it).
+    `nodes_out[i]` (uint64, one per node), where given: filled with graph i's CUgraphNodes."""
     from ember import native
 
     ip = interposer or _interposer()
@@ -61,9 +62,14 @@ def build_native(
         return out, timings
     descs = (native.GraphDesc * len(todo))()
     keep: list[Any] = []
-    for d, (_, p, a) in zip(descs, todo, strict=True):
+    for d, (i, p, a) in zip(descs, todo, strict=True):
         keep += _describe(d, p, a, events, splices)
         d.flags = native.BUILD_INSTANTIATE if instantiate else 0
+        out_i = nodes_out[i] if nodes_out is not None else None
+        if out_i is not None:
+            if out_i.dtype != np.uint64 or len(out_i) < len(a.codes) or not out_i.flags.c_contiguous:
+                raise ValueError(f"graph {p.key}: nodes_out needs {len(a.codes)} contiguous uint64")
+            d.node_handles = out_i.ctypes.data
     n_threads = threads or native_threads()
     t = time.perf_counter()
     ip.build_graphs(int(ctx) if ctx is not None else 0, descs, n_threads)

@@ -84,14 +84,16 @@ class AttrSets:
 
 
 def prepare_from_table(
-    table: Any, i: int, functions: Functions, ctx: Any, attr_sets: AttrSets
+    table: Any, i: int, functions: Functions, ctx: Any, attr_sets: AttrSets, *, row: int | None = None
 ) -> PreparedGraph:
-    """Like prepare(table.graph(i)) without materialising Python node objects (LOAD's hot path)."""
-    types = np.asarray(table.node_types(i))
+    """Like prepare(table.graph(i)) without materialising Python node objects (LOAD's hot path).
+    `row`: a graph row of the table instead of root graph i (a union template)."""
+    row = int(table.roots[i]) if row is None else row
+    types = np.asarray(table.node_types(row, row=True))
     if (types == int(NodeType.GRAPH)).any():
-        return prepare(table.graph(i), functions, ctx)
-    key = table.keys[i]
-    c = table.chunk(i)
+        return prepare(table.graph_of_row(row), functions, ctx)
+    key = table.key_of_row(row)
+    c = table.chunk_of_row(row)
     refs = np.asarray(c.refs)
     kmask = types == int(NodeType.KERNEL)
     krows = c.kpar[refs[kmask]]
@@ -101,7 +103,7 @@ def prepare_from_table(
     codes, args, objects = _node_ops(key, types, refs, kmask, st, c)
     attr_start, attr_count, attr_ids, attr_values = _attribute_ranges(krows, kmask, attr_sets)
     arrays = NodeArrays(codes, args, attr_start, attr_count, attr_ids, attr_values, objects)
-    src, dst, data = _edges_by_destination(table.edges(i))
+    src, dst, data = _edges_by_destination(table.edges(row, row=True))
     return PreparedGraph(
         key=key,
         ops=[],
@@ -112,6 +114,27 @@ def prepare_from_table(
         nodes=len(types),
         arrays=arrays,
     )
+
+
+def in_union(template: PreparedGraph, member: PreparedGraph, slots: np.ndarray) -> PreparedGraph:
+    """Member's nodes in their union slots, the template's in the others: the graph a union
+    template exec is updated to for this member (ember.archive.union). Its edges are the
+    template's chain; the member's nodes keep the buffers of `member` (kept alive with it)."""
+    u, m = template.arrays, member.arrays
+    if u is None or m is None:
+        raise RebuildError(f"graph {member.key}: a union member must be prepared from the table")
+    codes, args = u.codes.copy(), u.args.copy()
+    codes[slots], args[slots] = m.codes, m.args
+    start, count = u.attr_start.copy(), u.attr_count.copy()
+    start[slots] = m.attr_start + np.uint32(len(u.attr_ids))
+    count[slots] = m.attr_count
+    objects = {s: obj for s, obj in u.objects.items()}
+    objects.update({int(slots[j]): obj for j, obj in m.objects.items()})
+    arrays = NodeArrays(codes, args, start, count, np.concatenate([u.attr_ids, m.attr_ids]),
+                        np.concatenate([u.attr_values, m.attr_values]), objects)
+    return PreparedGraph(key=member.key, ops=[], edge_src=template.edge_src, edge_dst=template.edge_dst,
+                         edge_data=template.edge_data, keepalive=[template, member], nodes=len(codes),
+                         arrays=arrays)
 
 
 def _argument_pointers(

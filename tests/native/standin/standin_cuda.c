@@ -582,31 +582,76 @@ EXPORT CUresult cuGraphGetEdges_v2(CUgraph h, CUgraphNode* from, CUgraphNode* to
   }
   return CUDA_SUCCESS;
 }
-static int execs_alive;
+/* An exec remembers the graph it was instantiated from (node identity, for cuGraphNodeSetEnabled),
+ * the graph whose parameters it holds now (the last cuGraphExecUpdate's) and which nodes are
+ * disabled. standin_exec_dump prints what a launch would run: the enabled nodes with the
+ * parameters it holds. cuGraphExecUpdate refuses another topology (node count and types). */
+struct sexec { struct sgraph* from; struct sgraph* holds; unsigned char* off; int n; };
+static int execs_alive, exec_updates, enable_calls;
 EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec* out, CUgraph h, unsigned long long flags) {
   if (getenv("STANDIN_FAIL_INSTANTIATE")) return CUDA_ERROR_INVALID_VALUE;
-  *out = (CUgraphExec)calloc(1, 16);
+  struct sexec* e = calloc(1, sizeof *e);
+  e->from = e->holds = (struct sgraph*)h;
+  e->n = e->from->n;
+  e->off = calloc((size_t)e->n + 1, 1);
+  *out = (CUgraphExec)e;
   __atomic_add_fetch(&execs_alive, 1, __ATOMIC_SEQ_CST);
   return CUDA_SUCCESS;
 }
-EXPORT CUresult cuGraphExecDestroy(CUgraphExec e) {
+EXPORT CUresult cuGraphExecDestroy(CUgraphExec h) {
+  struct sexec* e = (struct sexec*)h;
+  if (e) free(e->off);
   free(e);
   __atomic_sub_fetch(&execs_alive, 1, __ATOMIC_SEQ_CST);
   return CUDA_SUCCESS;
 }
+EXPORT CUresult cuGraphExecUpdate_v2(CUgraphExec h, CUgraph g, CUgraphExecUpdateResultInfo* info) {
+  struct sexec* e = (struct sexec*)h;
+  struct sgraph* to = (struct sgraph*)g;
+  if (!e || !to) return CUDA_ERROR_INVALID_VALUE;
+  if (info) memset(info, 0, sizeof *info);
+  int same = to->n == e->n;
+  for (int i = 0; same && i < e->n; i++) same = to->nodes[i].type == e->from->nodes[i].type;
+  if (!same) {
+    if (info) info->result = CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED;
+    return CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE;
+  }
+  e->holds = to;
+  __atomic_add_fetch(&exec_updates, 1, __ATOMIC_SEQ_CST);
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphNodeSetEnabled(CUgraphExec h, CUgraphNode node, unsigned on) {
+  struct sexec* e = (struct sexec*)h;
+  int i = e ? node_index(e->from, node) : -1;
+  if (i < 0 || i >= e->n || e->from->nodes[i].type > 2) return CUDA_ERROR_INVALID_VALUE;  /* kernel, memcpy, memset */
+  e->off[i] = !on;
+  __atomic_add_fetch(&enable_calls, 1, __ATOMIC_SEQ_CST);
+  return CUDA_SUCCESS;
+}
+EXPORT int standin_exec_updates(void) { return exec_updates; }
+EXPORT int standin_enable_calls(void) { return enable_calls; }
+static size_t dump_node(struct snode* n, char* buf, size_t len, size_t cap);
+/* The nodes a launch of the exec would run, as standin_graph_dump prints nodes. */
+EXPORT size_t standin_exec_dump(CUgraphExec h, char* buf, size_t cap) {
+  struct sexec* e = (struct sexec*)h;
+  size_t len = 0;
+  for (int i = 0; i < e->n; i++)
+    if (!e->off[i]) len = dump_node(&e->holds->nodes[i], buf, len, cap);
+  return len;
+}
 EXPORT int standin_execs_alive(void) { return execs_alive; }
 /* "N type func gx gy gz bx smem attrs" per node, then "E src dst from_port to_port type" per edge. */
+static size_t dump_node(struct snode* n, char* buf, size_t len, size_t cap) {
+  len += snprintf(buf + len, len < cap ? cap - len : 0, "N %d %llu %u %u %u %u %u", n->type,
+                  (unsigned long long)(n->func ? n->func : n->arg), n->grid[0], n->grid[1], n->grid[2],
+                  n->block[0], n->smem);
+  for (int a = 0; a < n->nattr; a++) len += snprintf(buf + len, len < cap ? cap - len : 0, " %d", n->attr[a]);
+  return len + snprintf(buf + len, len < cap ? cap - len : 0, "\n");
+}
 EXPORT size_t standin_graph_dump(CUgraph h, char* buf, size_t cap) {
   struct sgraph* g = (struct sgraph*)h;
   size_t len = 0;
-  for (int i = 0; i < g->n; i++) {
-    struct snode* n = &g->nodes[i];
-    len += snprintf(buf + len, len < cap ? cap - len : 0, "N %d %llu %u %u %u %u %u", n->type,
-                    (unsigned long long)(n->func ? n->func : n->arg), n->grid[0], n->grid[1], n->grid[2],
-                    n->block[0], n->smem);
-    for (int a = 0; a < n->nattr; a++) len += snprintf(buf + len, len < cap ? cap - len : 0, " %d", n->attr[a]);
-    len += snprintf(buf + len, len < cap ? cap - len : 0, "\n");
-  }
+  for (int i = 0; i < g->n; i++) len = dump_node(&g->nodes[i], buf, len, cap);
   for (int e = 0; e < g->ne; e++)
     len += snprintf(buf + len, len < cap ? cap - len : 0, "E %d %d %d %d %d\n", g->edges[e].src, g->edges[e].dst,
                     g->edges[e].d.from_port, g->edges[e].d.to_port, g->edges[e].d.type);
