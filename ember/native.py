@@ -357,7 +357,8 @@ class Interposer:
         n, failed = len(nodes), ctypes.c_size_t()
         if len(on) != n:
             raise ValueError(f"{n} nodes, {len(on)} flags")
-        rc = self._lib.ember_exec_enable(exec_handle, nodes.ctypes.data, on.ctypes.data, n, ctypes.byref(failed))
+        rc = self._lib.ember_exec_enable(exec_handle, nodes.ctypes.data, on.ctypes.data, n,
+                                         ctypes.byref(failed))
         self._check(rc, "exec_enable")
 
     def capture_collectives(

@@ -89,7 +89,7 @@ def main() -> None:
         return start.elapsed_time(end) / n
 
     timed = 0
-    rows = []
+    rows: list[dict[str, Any]] = []
     for g in lib.groups:
         members = list(g.members)
         if len(members) < 2:

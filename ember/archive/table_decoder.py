@@ -44,6 +44,7 @@ from ember.archive.table_layout import (
     FormatVersionError,
     unpack_container,
 )
+from ember.archive.table_unions import UnionInfo, check_member, read_unions
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _SERIALIZABLE_INTS = frozenset(int(t) for t in SERIALIZABLE)
@@ -80,18 +81,6 @@ class GroupInfo:
     signature: str
     members: tuple[int, ...]  # root graph indices
     template: int  # root graph index
-
-
-@dataclass(frozen=True)
-class UnionInfo:
-    """A union template (ember.archive.union) as the table holds it."""
-
-    index: int
-    row: int  # GRPH row of the template graph
-    members: tuple[int, ...]  # root graph indices, in root order
-    slots: tuple[np.ndarray, ...]  # per member: the template slot of each of its nodes
-    nodes: int  # the template's node count
-    optional: np.ndarray  # slots some member lacks (enabled per member)
 
 
 # No index or chunk comes near this (an 8B decode set's index is a few MB): a larger size is a
@@ -243,60 +232,12 @@ class GraphTable:
 
     @cached_property
     def unions(self) -> list[UnionInfo]:
-        """The union templates and their members, checked: each member's slots rise strictly,
-        lie in the template and hold nodes of the member's types (FormatError otherwise)."""
-        if not len(self._unio):
-            return []
-        rows = self._unio["graph"].astype(np.int64)
-        if (rows >= len(self.rows)).any() or not all(self.is_union_row(int(r)) for r in rows):
-            raise FormatError("graph table index: a union names a graph row that is not a union template")
-        if len(self._umem) != self.count:
-            raise FormatError(f"graph table index: {len(self._umem)} union entries for {self.count} graphs")
-        members: list[list[tuple[int, np.ndarray]]] = [[] for _ in rows]
-        for i, (u, off) in enumerate(self._umem.tolist()):
-            if u >= len(rows):
-                raise FormatError(f"graph {self.keys[i]}: in union {u}, the table has {len(rows)}")
-            if u >= 0:
-                members[u].append((i, self._slots(i, int(rows[u]), off)))
-        out = []
-        for u, row in enumerate(rows.tolist()):
-            nodes = int(self.rows[row]["node_count"])
-            shared = np.ones(nodes, dtype=bool)
-            for _, run in members[u]:
-                shared &= np.isin(np.arange(nodes), run)
-            out.append(UnionInfo(u, row, tuple(i for i, _ in members[u]), tuple(r for _, r in members[u]),
-                                 nodes, np.nonzero(~shared)[0]))
-        return out
-
-    def _slots(self, i: int, urow: int, off: int) -> np.ndarray:
-        """Graph i's slots in the union template at row `urow`, checked."""
-        n = int(self.rows[self._row(i)]["node_count"])
-        run = self._uslt[off:off + n]
-        within = len(run) == n and (n == 0 or int(run[-1]) < int(self.rows[urow]["node_count"]))
-        if not within or (np.diff(run.astype(np.int64)) <= 0).any():
-            raise FormatError(f"graph {self.keys[i]}: its union slots are out of range or out of order")
-        if not np.array_equal(self.node_types(urow, row=True)[run], self.node_types(i)):
-            raise FormatError(f"graph {self.keys[i]}: its node types differ from its union slots'")
-        return run
+        """The union templates and their members, checked (`table_unions.read_unions`)."""
+        return read_unions(self, self._unio, self._umem, self._uslt)
 
     def check_union_member(self, u: UnionInfo, m: int) -> None:
-        """FormatError unless member m of union u (a root index) matches the template's nodes in
-        its slots in everything exec update cannot change: launch attributes and function cluster
-        requirements of kernels, element size and shape of memsets (`topology.node_class`)."""
-        i = u.members[m]
-        slots, types = u.slots[m], self.node_types(i)
-        a, b = self.chunk_of_row(u.row), self.chunk(i)
-        fatr = self._fatr[["cluster_x", "cluster_y", "cluster_z", "non_portable_cluster"]]
-        k = np.nonzero(types == _KERNEL)[0]
-        ka, kb = a.kpar[a.refs[slots[k]]], b.kpar[b.refs[k]]
-        same = (ka["attrs"] == kb["attrs"]) & (fatr[ka["kernel"]] == fatr[kb["kernel"]])
-        ms = np.nonzero(types == _MEMSET)[0]
-        sa, sb = a.mset[a.refs[slots[ms]]], b.mset[b.refs[ms]]
-        same_ms = (sa["element_size"] == sb["element_size"]) & ((sa["height"] > 1) == (sb["height"] > 1))
-        bad = np.concatenate([k[~same], ms[~same_ms]])
-        if len(bad):
-            raise FormatError(f"graph {self.keys[i]}: node {int(bad.min())} does not match its union slot "
-                              "(attributes, cluster requirement or memset shape): damaged archive")
+        """FormatError unless member m of union u matches its slots (`table_unions.check_member`)."""
+        check_member(self, u, m)
 
     def is_union_row(self, row: int) -> bool:
         return bool(int(self.rows[row]["flags"]) & GRAPH_IS_UNION)

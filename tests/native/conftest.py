@@ -71,6 +71,22 @@ def standin(tmp_path_factory: pytest.TempPathFactory) -> Standin:
     return Standin(out, out / "probe")
 
 
+@pytest.fixture(scope="session")
+def bindings_standin(tmp_path_factory: pytest.TempPathFactory) -> Standin:
+    """The stand-in rebuilt with what cuda.bindings needs (standin/bindings_shim.c: a
+    cuGetProcAddress that falls back to its own exports, device queries, events, launches). A
+    module that restores archives through cuda.bindings overrides `standin` with it."""
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no C compiler")
+    out = tmp_path_factory.mktemp("standin-bindings")
+    subprocess.run([cc, "-O1", "-g", "-shared", "-fPIC", "-fvisibility=hidden", "-Wl,-Bsymbolic",
+                    "-Wl,-soname,libcuda.so.1", f"-I{cuda_include()}", f"-I{STANDIN}",
+                    str(STANDIN / "bindings_shim.c"), "-o", str(out / "libcuda.so.1"), "-ldl", "-lpthread"],
+                   check=True)
+    return Standin(out, out / "no-probe")
+
+
 @pytest.fixture
 def run_py(libember: Path, standin: Standin):
     """Runs a Python snippet with libember preloaded against the stand-in driver.

@@ -22,8 +22,8 @@ from ember.engines.decode.parallel import Parallel
 from ember.runtime import comm, session
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.build_native import _describe
+from ember.runtime.graphs.groups import Group, split_groups
 from ember.runtime.graphs.prepared import OP_CHILD, OP_MEMSET, OP_SPLICE, arrays_of, mark_splices, ops_of
-from ember.runtime.graphs.templates import _Group, split_groups
 
 SCRATCH = 0x7F00_0000_1000
 
@@ -136,7 +136,7 @@ def test_builder_gets_child_graphs_and_refuses_without_a_communicator() -> None:
 
 
 def test_groups_split_by_the_shapes_of_this_ranks_collectives() -> None:
-    groups = [_Group(0, [0, 1, 2, 3], 1), _Group(1, [4], 4)]
+    groups = [Group(0, [0, 1, 2, 3], 1), Group(1, [4], 4)]
     spliced = {0: [(1, 0)], 1: [(1, 1)], 2: [(1, 1)], 3: [(1, 0)]}
     shapes = {0: (0,), 1: (0, 7)}  # collective 1 came out as kernel + event record here
     out = split_groups(groups, spliced, shapes.__getitem__)

@@ -47,8 +47,9 @@ def edge_strategy() -> str:
     return EDGE_STRATEGIES[_edge_strategy[0]]
 
 
-def build(prep: PreparedGraph, ctx: Any, events: Any, splices: Any = None) -> Any:
-    """Create the CUgraph of a prepared graph (driver calls; one thread).
+def build(prep: PreparedGraph, ctx: Any, events: Any, splices: Any = None, nodes_out: Any = None) -> Any:
+    """Create the CUgraph of a prepared graph (driver calls; one thread). `nodes_out` (uint64, one
+    per node), where given: filled with its CUgraphNodes.
 
     Edge data is read back after the edges are added; if the driver dropped it, the graph is
     built again with the next strategy of EDGE_STRATEGIES (see there), and a graph whose edge data
@@ -57,7 +58,9 @@ def build(prep: PreparedGraph, ctx: Any, events: Any, splices: Any = None) -> An
         strategy = EDGE_STRATEGIES[_edge_strategy[0]]
         g = check(cu.cuGraphCreate(0), "cuGraphCreate")
         try:
-            _add_nodes_and_edges(g, prep, ctx, events, strategy, splices)
+            nodes = _add_nodes_and_edges(g, prep, ctx, events, strategy, splices)
+            if nodes_out is not None:
+                nodes_out[: len(nodes)] = [int(n) for n in nodes]
             return g
         except EdgeDataLost as exc:
             cu.cuGraphDestroy(g)
@@ -84,7 +87,7 @@ def _err_name(rc: int) -> str:
 
 def _add_nodes_and_edges(
     g: Any, prep: PreparedGraph, ctx: Any, events: Any, strategy: str, splices: Any = None
-) -> None:
+) -> list[Any]:
     nodes: list[Any] = []
     append = nodes.append
     out = ctypes.c_uint64(0)
@@ -132,6 +135,7 @@ def _add_nodes_and_edges(
             raise RebuildError(f"graph {prep.key}: node {i}: adding the node failed: {err}")
         append(node)
     add_edges(g, prep, nodes, strategy)
+    return nodes
 
 
 def add_edges(g: Any, prep: PreparedGraph, nodes: list[Any], strategy: str = EDGE_STRATEGIES[0]) -> None:

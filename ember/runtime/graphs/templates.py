@@ -1,8 +1,9 @@
 """The restored graphs of one archive, kept alive together, and how they are launched.
 
-One instantiated exec per topology group (its template); any other graph of the group is
-served by `cuGraphExecUpdate` of the template exec with that graph (the update is on demand,
-when the key differs from what the exec holds now). A key the template was switched to gets a
+One instantiated exec per topology group (its template), or per union template (one exec for
+chains of several topologies, `unions.py`); any other graph of the group is served by
+`cuGraphExecUpdate` of the template exec with that graph (on demand, when the key differs from
+what the exec holds now). A key the template was switched to gets a
 dedicated exec, instantiated from its own graph in the background after `hot_after` launches
 through an updated template (default one): on H100 an exec updated to a graph ran its decode
 step up to 24 % slower than an exec instantiated from that same graph (gemma3, B=1: 10.536 vs
@@ -26,103 +27,30 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from cuda.bindings import driver as cu
 
-from ember.archive.graphs import FunctionAttrs, Graph, GraphSet, KernelRef
-from ember.archive.topology import group_graphs
+from ember.archive.graphs import GraphSet
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.driver import OK, CudaError, check, current_context, torch_stream_handle
+from ember.runtime.graphs.groups import (
+    Events,
+    GraphSource,
+    Group,
+    LoadTimings,
+    SetSource,
+    TemplateExec,
+    initial_groups,
+    split_groups,
+)
 from ember.runtime.graphs.kernels import KernelFunctions
 from ember.runtime.graphs.need import Dedicator, need_order
 from ember.runtime.graphs.prepared import mark_splices
+from ember.runtime.graphs.unions import UnionTemplate
 from ember.runtime.graphs.uploads import Uploader
 
 TEMPLATE_BATCH = 2  # templates per libember call after the first (each batch ready on its own)
-
-
-class GraphSource(Protocol):
-    """What the library reads graphs from: a GraphSet (via SetSource) or a lazily decoded
-    `ember.archive.graph_table.GraphTable`."""
-
-    @property
-    def keys(self) -> list[tuple[int, ...]]: ...
-    @property
-    def kernels(self) -> list[KernelRef]: ...
-    @property
-    def function_attrs(self) -> list[FunctionAttrs]: ...
-    @property
-    def groups(self) -> Sequence[Any]: ...  # each with .index, .members, .template
-
-    def graph(self, i: int) -> Graph: ...
-
-
-class SetSource:
-    """A GraphSet (in memory) as a GraphSource; groups by topology signature."""
-
-    def __init__(self, graph_set: GraphSet) -> None:
-        self.graph_set = graph_set
-        self.keys = [tuple(g.key) for g in graph_set.graphs]
-        self.kernels = graph_set.kernels
-        self.function_attrs = graph_set.function_attrs
-        self.groups = group_graphs(graph_set.graphs, graph_set.function_attrs)
-
-    def graph(self, i: int) -> Graph:
-        return self.graph_set.graphs[i]
-
-
-class _Events:
-    """Fresh CUevents, created on first use by index (LOAD never scans all graphs for them)."""
-
-    def __init__(self) -> None:
-        self._events: dict[int, Any] = {}
-
-    def __getitem__(self, i: int) -> Any:
-        ev = self._events.get(i)
-        if ev is None:
-            ev = self._events[i] = rebuild.create_events(1)[0]
-        return ev
-
-    def destroy(self) -> None:
-        for ev in self._events.values():
-            cu.cuEventDestroy(ev)
-        self._events.clear()
-
-
-@dataclass
-class _Group:
-    index: int
-    members: list[int]
-    template: int
-
-
-@dataclass
-class _Exec:
-    handle: Any
-    holds: int  # graph index currently loaded into the exec
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    updated: bool = False  # exec-updated at least once (no longer as instantiated)
-
-
-@dataclass
-class LoadTimings:
-    """Where building the templates went. With libember's builder, `native_ms` is the wall time
-    of its call on `threads` builder threads and build/instantiate_ms the summed per-graph times
-    (equal to the wall time on one thread, larger when several overlap)."""
-
-    prepare_ms: float = 0.0
-    build_ms: float = 0.0
-    instantiate_ms: float = 0.0
-    native_ms: float = 0.0
-    threads: int = 0
-    function_attrs_ms: float = 0.0
-    templates: int = 0
-    splice_ms: float = 0.0  # capturing this rank's collectives and regrouping (multi-GPU)
-    upload_ms: float = 0.0  # cuGraphUpload of the templates, waits included (own execs: Dedicator.stats)
-    upload_call_ms: float = 0.0  # of which in the cuGraphUpload calls
-    per_graph: list[tuple[float, float]] = field(default_factory=list)  # (build, instantiate) ms
 
 
 class RestoredGraph:
@@ -142,23 +70,6 @@ class RestoredGraph:
 
     def __repr__(self) -> str:
         return f"RestoredGraph(key={self.key})"
-
-
-def split_groups(
-    groups: Sequence[Any], spliced: dict[int, list[tuple[int, int]]], shape: Any
-) -> list[_Group]:
-    """Topology groups split so that members also agree on the shapes (`shape(i)`: node types of
-    collective i's graph on this rank) of the collectives spliced into them: NCCL may pick another
-    algorithm for another message size, and a template exec only takes graphs of its topology.
-    A group keeps its template where it can."""
-    out: list[_Group] = []
-    for g in groups:
-        parts: dict[tuple[Any, ...], list[int]] = {}
-        for m in g.members:
-            parts.setdefault(tuple(shape(i) for _, i in spliced.get(m, [])), []).append(m)
-        for members in parts.values():
-            out.append(_Group(len(out), members, g.template if g.template in members else members[0]))
-    return out
 
 
 class GraphLibrary:
@@ -184,16 +95,21 @@ class GraphLibrary:
             )
         self.functions = functions
         self.keys: list[tuple[int, ...]] = [tuple(k) for k in self.source.keys]
-        self.groups = list(self.source.groups)
+        # union templates (one exec for several topologies) unless this rank splices collectives
+        # into the graphs (a placeholder may become another shape per rank) or EMBER_UNION_TEMPLATES=0
+        use_unions = splicer is None and os.environ.get("EMBER_UNION_TEMPLATES", "") != "0"
+        unions = [UnionTemplate(u) for u in getattr(self.source, "unions", ())] if use_unions else []
+        self.groups: list[Group] = initial_groups(self.source, unions)
         self._group_of: dict[int, int] = {m: g.index for g in self.groups for m in g.members}
+        self._first_own: int | None = None  # a union's first key: its own exec comes first
         self._index = {k: i for i, k in enumerate(self.keys)}
         self.ctx = current_context()
-        self.events = _Events()
+        self.events = Events()
         # A decoded graph table is prepared straight from its chunks (no Python node objects).
         self._attr_sets = rebuild.AttrSets(self.source) if hasattr(self.source, "chunk") else None
         self._prepared: dict[int, rebuild.PreparedGraph] = {}
         self._graphs: dict[int, Any] = {}
-        self._templates: dict[int, _Exec] = {}
+        self._templates: dict[int, TemplateExec] = {}
         self._dedicated: dict[int, Any] = {}
         self._uses: Counter[int] = Counter()  # launches through an updated template, per key
         self._hot_after = hot_after
@@ -261,37 +177,56 @@ class GraphLibrary:
         self.build_rest()
 
     def build_first(self, before_build: Callable[[], None] | None = None) -> None:
-        """The template of the first needed key's group: the library can serve it from here on.
-        `before_build()` runs once it is prepared, as libember's builder takes it (no GIL held)."""
+        """The first needed key made launchable: the library can serve it from here on. That is
+        its group's template, or where the group is a union, the key's own exec (a union template
+        needs every member's kernels; it follows in `build_rest`). `before_build()` runs once it
+        is prepared, as libember's builder takes it (no GIL held)."""
         self._regroup()
         self._order_groups()
-        self._build_groups(self.groups[:1], raise_errors=True, before_build=before_build)
+        if self.groups and self.groups[0].union is not None:
+            self._own_first(self.order[0], before_build)
+        else:
+            self._build_groups(self.groups[:1], raise_errors=True, before_build=before_build)
         self.marks["first"] = time.perf_counter()
+
+    def _own_first(self, index: int, before_build: Callable[[], None] | None) -> None:
+        t = time.perf_counter()
+        self.prepared(index)
+        self.timings.prepare_ms += (time.perf_counter() - t) * 1e3
+        if before_build is not None:
+            before_build()
+        ((_, ex),) = self.build_execs([index], self.timings.per_graph)
+        self.upload([ex])
+        self.adopt_dedicated(index, ex)
+        self._first_own = index
 
     def build_rest(self, *, raise_errors: bool = True) -> None:
         """Every other template, in need order, TEMPLATE_BATCH at a time: each batch is launchable
         as soon as it is built and uploaded (one batch of 24 made the second key wait for the
         25th template). With `raise_errors=False` (the library was handed over already) a group
-        that fails is recorded; its first launch builds it again there. The next batch is
-        prepared on a pool thread while libember builds this one (its call holds no GIL)."""
-        rest = self.groups[1:]
+        that fails is recorded; its first launch builds it again there, except a union template:
+        its members go back to their topology groups, built here. The next batch is prepared on
+        a pool thread while libember builds this one (its call holds no GIL)."""
+        rest = [g for g in self.groups if g.index not in self._ready or not self._ready[g.index].is_set()]
         batches = [rest[i : i + TEMPLATE_BATCH] for i in range(0, len(rest), TEMPLATE_BATCH)]
         behind = os.environ.get("EMBER_UPLOAD_BEHIND", "0") == "1"  # opt-in: not GPU-proven yet
-        ahead = [self.prepare_ahead([g.template for g in b]) for b in batches[:1]]
+        ahead = [self.prepare_ahead(groups=b) for b in batches[:1]]
         for n, batch in enumerate(batches):
             self.timings.prepare_ms += sum(f.result() for f in ahead)  # (a failure: met below)
-            ahead = [self.prepare_ahead([g.template for g in b]) for b in batches[n + 1 : n + 2]]
+            ahead = [self.prepare_ahead(groups=b) for b in batches[n + 1 : n + 2]]
             self._build_groups(batch, raise_errors=raise_errors, upload_behind=behind)
         self.uploads.drain()  # each batch uploads while the next one builds
+        for g in [g for g in rest if g.union is not None and g.index in self._failed]:
+            self._unfold(g)
         self.timings.upload_ms, self.timings.upload_call_ms = self.uploads.ms, self.uploads.call_ms
-        self.timings.templates = len(self.groups)
+        self.timings.templates = len(self._templates)
         self.timings.function_attrs_ms = self.functions.attrs_ms
         self.marks["templates"] = time.perf_counter()
 
-    def prepare_ahead(self, indices: list[int]) -> Future[float]:
-        """Prepare these graphs on a pool thread (the library's context made current), while the
-        caller's builder call runs; a failure is left for the caller's own `prepared()` to meet.
-        The future's result: the milliseconds it took."""
+    def prepare_ahead(self, indices: Sequence[int] = (), groups: Sequence[Group] = ()) -> Future[float]:
+        """Prepare these graphs (and these groups' templates) on a pool thread (the library's
+        context made current), while the caller's builder call runs; a failure is left for the
+        caller's own `prepared()` to meet. The future's result: the milliseconds it took."""
 
         def run() -> float:
             t = time.perf_counter()
@@ -299,29 +234,64 @@ class GraphLibrary:
                 check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
                 for i in indices:
                     self.prepared(i)
+                for g in groups:
+                    self.template_prepared(g)
             return (time.perf_counter() - t) * 1e3
 
         return self._pool.submit(run)
 
+    def template_prepared(self, group: Group) -> rebuild.PreparedGraph:
+        """What a group's template exec is instantiated from: its template key's graph, or the
+        union template (its members checked against their slots first: FormatError)."""
+        if group.union is None:
+            return self.prepared(group.template)
+        u: UnionTemplate = group.union
+        prep = u.prepared(self.source, self.functions, self.ctx, self._attr_sets)
+        u.check(self.source)
+        return prep
+
     def _order_groups(self) -> None:
         """Groups in need order, each with its first needed member as template (so the first key
-        of a group runs on an exec instantiated from its own graph)."""
+        of a group runs on an exec instantiated from its own graph; a union's template is its own)."""
         rank = {i: r for r, i in enumerate(self.order)}
         ordered = sorted(self.groups, key=lambda g: min(rank[m] for m in g.members))
         self.groups = [
-            _Group(n, list(g.members), min(g.members, key=rank.__getitem__)) for n, g in enumerate(ordered)
+            Group(n, list(g.members), -1 if g.union is not None else min(g.members, key=rank.__getitem__),
+                  g.union)
+            for n, g in enumerate(ordered)
         ]
         self._group_of = {m: g.index for g in self.groups for m in g.members}
         self._ready = {g.index: threading.Event() for g in self.groups}
 
+    def _unfold(self, union: Group) -> None:
+        """A union template that could not be built (or whose members do not match its slots):
+        its members get their topology groups' templates, built here. A launch waiting for the
+        union wakes and finds its new group."""
+        rank = {i: r for r, i in enumerate(self.order)}
+        taken, new = set(union.members), list[Group]()
+        for g in self.source.groups:
+            members = sorted((m for m in g.members if m in taken), key=rank.__getitem__)
+            if members:
+                new.append(Group(len(self.groups) + len(new), members, members[0]))
+        for g in new:
+            self._ready[g.index] = threading.Event()
+        self.groups.extend(new)
+        for g in new:
+            for m in g.members:
+                self._group_of[m] = g.index
+        self._ready[union.index].set()  # its waiters look up their group again
+        for i in range(0, len(new), TEMPLATE_BATCH):
+            self._build_groups(new[i : i + TEMPLATE_BATCH], raise_errors=False)
+
     def _build_groups(
-        self, groups: list[_Group], *, raise_errors: bool, before_build: Callable[[], None] | None = None,
+        self, groups: list[Group], *, raise_errors: bool, before_build: Callable[[], None] | None = None,
         upload_behind: bool = False,
     ) -> None:
         """Templates of `groups` in one libember call (one builder thread unless
         EMBER_BUILD_THREADS says otherwise); any it leaves (child graphs, an edge strategy this
         driver needs) are built by the Python path. Uploaded (here, or on the uploader's thread
-        with `upload_behind`), then each group's ready event set."""
+        with `upload_behind`), then each group's ready event set (a failed union's only once its
+        members have their groups again: `_unfold`)."""
         try:
             if groups:
                 self._build_template_execs(groups, raise_errors=raise_errors, before_build=before_build)
@@ -333,10 +303,11 @@ class GraphLibrary:
                     self._failed[g.index] = exc
         finally:
             execs = [self._templates[g.index].handle for g in groups if g.index in self._templates]
+            done = [g for g in groups if g.union is None or g.index not in self._failed]
 
             def ready() -> None:
                 now = time.perf_counter()
-                for g in groups:
+                for g in done:
                     self.ready_at.setdefault(g.index, now)
                     self._ready[g.index].set()
 
@@ -347,14 +318,14 @@ class GraphLibrary:
                 ready()
 
     def _build_template_execs(
-        self, groups: list[_Group], *, raise_errors: bool = True,
+        self, groups: list[Group], *, raise_errors: bool = True,
         before_build: Callable[[], None] | None = None,
     ) -> None:
         t = time.perf_counter()
         preps, prepared = [], []
         for g in groups:
             try:
-                preps.append(self.prepared(g.template))
+                preps.append(self.template_prepared(g))
                 prepared.append(g)
             except Exception as exc:  # e.g. a kernel its image does not hold: this group only
                 if raise_errors:
@@ -366,9 +337,10 @@ class GraphLibrary:
             before_build()
         if not groups:
             return
+        nodes = [g.union.nodes if g.union is not None else None for g in groups]
         with self._driver_lock:
             built, nt = rebuild.build_native(
-                preps, self.ctx, self.events, instantiate=True, splices=self._splices
+                preps, self.ctx, self.events, instantiate=True, splices=self._splices, nodes_out=nodes
             )
         self.timings.native_ms += nt["wall_ms"]
         self.timings.threads = int(nt["threads"])
@@ -376,22 +348,29 @@ class GraphLibrary:
         self.timings.instantiate_ms += nt["instantiate_cpu_ms"]
         self.timings.per_graph += nt["per_graph"]
         for group, pair in zip(groups, built, strict=True):
-            if pair is not None:
-                self._graphs[group.template] = pair[0]
-                self._templates[group.index] = _Exec(pair[1], group.template)
-            else:
+            if pair is None:
                 self._template_here(group)
+            elif group.union is not None:
+                group.union.graph = pair[0]
+                self._templates[group.index] = TemplateExec(pair[1], -1)
+            else:
+                self._graphs[group.template] = pair[0]
+                self._templates[group.index] = TemplateExec(pair[1], group.template)
 
-    def _template_here(self, group: _Group) -> None:
+    def _template_here(self, group: Group) -> None:
         """One template by the Python path (what libember's builder leaves, or a retry)."""
         t = time.perf_counter()
-        g = self.graph(group.template)
+        if group.union is not None:
+            prep = self.template_prepared(group)
+            g = group.union.graph = rebuild.build(prep, self.ctx, self.events, nodes_out=group.union.nodes)
+        else:
+            g = self.graph(group.template)
         t0 = time.perf_counter()
         with self._driver_lock:
             handle = rebuild.instantiate(g)
         self.timings.build_ms += (t0 - t) * 1e3
         self.timings.instantiate_ms += (time.perf_counter() - t0) * 1e3
-        self._templates[group.index] = _Exec(handle, group.template)
+        self._templates[group.index] = TemplateExec(handle, group.template)
 
     def upload(self, execs: list[Any]) -> None:
         """Upload execs to the device now, and wait for it (`ember.runtime.graphs.uploads`)."""
@@ -418,8 +397,14 @@ class GraphLibrary:
         return self.dedicator
 
     def wait_templates(self, timeout: float | None = None) -> bool:
-        """Wait until every group's template is built (or failed: built again at its first launch)."""
-        return all(ev.wait(timeout) for ev in self._ready.values())
+        """Wait until every group's template is built (or failed: built again at its first launch;
+        a union that failed: its members' topology groups, added meanwhile, too)."""
+        while True:
+            events = list(self._ready.values())
+            if not all(ev.wait(timeout) for ev in events):
+                return False
+            if len(self._ready) == len(events):
+                return True
 
     def wait_dedicated(self, timeout: float | None = None) -> bool:
         """Wait for the own execs (True when none are being built any more)."""
@@ -427,14 +412,20 @@ class GraphLibrary:
 
     def launchable_at(self, index: int) -> float | None:
         """perf_counter() when key `index` became launchable (its group's template built and
-        uploaded: through an exec update unless it is the template's key); None before that."""
+        uploaded: through an exec update unless it is the template's key; a union's first key:
+        its own exec); None before that."""
+        if index == self._first_own:
+            return self.marks.get("first")
         return self.ready_at.get(self._group_of[index])
 
     def failed_templates(self) -> list[str]:
         """Templates the background build could not build (each is tried again at its group's
         first launch): key and reason."""
-        return [f"{self.keys[self.groups[gi].template]}: {type(e).__name__}: {e}"[:300]
-                for gi, e in sorted(self._failed.items())]
+        def name(g: Group) -> str:
+            return f"union of {len(g.members)} graphs" if g.union is not None else str(self.keys[g.template])
+
+        failed = sorted(self._failed.items())
+        return [f"{name(self.groups[gi])}: {type(e).__name__}: {e}"[:300] for gi, e in failed]
 
     def is_template(self, index: int) -> bool:
         return self.groups[self._group_of[index]].template == index
@@ -518,7 +509,7 @@ class GraphLibrary:
                 self._pending.append(self._pool.submit(self._dedicate_quietly, index))
         return tmpl.handle
 
-    def _template_of(self, index: int) -> _Exec:
+    def _template_of(self, index: int) -> TemplateExec:
         """The group template of `index`, once built and uploaded (a launch or an update racing
         its upload is undefined): a launch may come before that (waits, `waited_ms`), or after
         the build failed (built here, or CudaError)."""
@@ -528,6 +519,8 @@ class GraphLibrary:
         t = time.perf_counter()
         self._ready[gi].wait()
         self.waited_ms.append((time.perf_counter() - t) * 1e3)
+        if self._group_of[index] != gi:  # a union that failed: its members have groups of their own
+            return self._template_of(index)
         if gi in self._failed:
             with self._driver_lock:
                 if gi not in self._templates:
@@ -538,10 +531,13 @@ class GraphLibrary:
     def switch(self, index: int) -> float:
         """Load graph `index` into its group's template exec; returns the update's milliseconds."""
         tmpl = self._template_of(index)
-        g = self.graph(index)
+        union = self.groups[self._group_of[index]].union
+        g = union.graph_of(self, index) if union is not None else self.graph(index)
         with self._driver_lock:
             t = time.perf_counter()
             err, info = cu.cuGraphExecUpdate(tmpl.handle, g)
+            if err == OK and union is not None:
+                union.enable(tmpl.handle, index)  # the slots it lacks off, all others on
             ms = (time.perf_counter() - t) * 1e3
             if err != OK:
                 result = getattr(info, "result", info)
@@ -565,9 +561,7 @@ class GraphLibrary:
 
     def launch(self, index: int, stream: Any = None) -> None:
         ex = self.exec_for(index)
-        r = cu.cuGraphLaunch(
-            ex, torch_stream_handle(stream) if not isinstance(stream, cu.CUstream) else stream
-        )
+        r = cu.cuGraphLaunch(ex, _stream(stream))
         if r[0] != OK:
             raise CudaError(f"cuGraphLaunch(graph {self.keys[index]})", r[0])
 
@@ -576,7 +570,7 @@ class GraphLibrary:
         tmpl = self._template_of(index)
         if tmpl.holds != index:
             self.switch(index)
-        check(cu.cuGraphLaunch(tmpl.handle, torch_stream_handle(stream)), "cuGraphLaunch")
+        check(cu.cuGraphLaunch(tmpl.handle, _stream(stream)), "cuGraphLaunch")
 
     # ---- teardown -----------------------------------------------------------------------
     def close(self) -> None:
@@ -591,6 +585,9 @@ class GraphLibrary:
                 cu.cuGraphExecDestroy(t.handle)
             for g in self._graphs.values():
                 cu.cuGraphDestroy(g)
+            for group in self.groups:
+                if group.union is not None:
+                    group.union.destroy()
             self.events.destroy()
             self.uploads.close()
             if self.splicer is not None:
@@ -598,3 +595,8 @@ class GraphLibrary:
             self._dedicated.clear()
             self._templates.clear()
             self._graphs.clear()
+
+
+def _stream(stream: Any) -> Any:
+    """A CUstream as is; a torch stream (or None: torch's current one) as its handle."""
+    return stream if isinstance(stream, cu.CUstream) else torch_stream_handle(stream)

@@ -1,0 +1,168 @@
+"""Union templates through a real LOAD (ArchiveRestore over libember and the stand-in driver).
+
+SAVE (EMBER_UNION_TEMPLATES=1) publishes Llama-like decode chains of several topologies
+(`ember_bench.synthetic.synthetic_chains`) with one union template. LOAD then:
+- hands the library over with the first needed key on its own exec, then builds ONE template
+  exec for all keys (where topology groups would need several);
+- switches it to each key: what a launch would run (the stand-in's exec dump: the enabled nodes
+  with the parameters the exec holds) is node for node that key's own graph, whatever key the
+  exec held before;
+- gives every other key its own exec in the background (the Dedicator);
+- with EMBER_UNION_TEMPLATES=0, or when a member does not match its slots (a forged archive),
+  serves the keys from their topology groups instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+SIZES = (1, 2, 4, 8, 16, 24, 32, 64)  # six topologies (ember_bench.synthetic.synthetic_chains)
+
+
+@pytest.fixture(scope="module")
+def standin(bindings_standin):
+    """The stand-in driver with what cuda.bindings needs (tests/native/standin/bindings_shim.c)."""
+    return bindings_standin
+
+
+COMMON = f"""
+import types
+torch = types.ModuleType("torch")          # what compat.current() reads of torch, nothing more
+torch.__version__ = "0.0+standin"
+torch.version = types.SimpleNamespace(cuda="13.0")
+sys.modules["torch"] = torch
+from cuda.bindings import driver as cu
+from ember.archive import graph_table as F
+from ember.archive.graphs import GraphSet, KernelRef
+from ember.identity import ArchiveIdentity
+from ember.runtime import compat, publish
+from ember_bench.synthetic import synthetic_chains
+for name in ("standin_execs_alive", "standin_exec_updates", "standin_enable_calls"):
+    getattr(cuda, name).restype = ctypes.c_int
+for name in ("standin_graph_dump", "standin_exec_dump"):
+    getattr(cuda, name).restype = ctypes.c_size_t
+    getattr(cuda, name).argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+
+ENGINE = "ember-union-test"
+STORE = os.environ["TEST_STORE"]
+SIZES = {SIZES}
+IDENTITY = ArchiveIdentity(model="ember-test/union", engine=ENGINE, engine_version="0", capture_sizes=SIZES)
+# the chains' kernels moved into PTX images the stand-in loads (one per synthetic image)
+gs = synthetic_chains(sizes=SIZES, layers=3)
+names = {{}}
+for k in gs.kernels:
+    names.setdefault(k.image, []).append(k.name)
+entries = {{old: "".join(f".entry {{n}}(\\n)\\n{{{{ ret; }}}}\\n" for n in ns) for old, ns in names.items()}}
+ptx = {{old: (".version 8.0\\n.target sm_90\\n" + e).encode() + b"\\0" for old, e in entries.items()}}
+new_hash = {{old: ip.hash(data) for old, data in ptx.items()}}
+gs = GraphSet(gs.graphs, [KernelRef(new_hash[k.image], k.name) for k in gs.kernels], gs.function_attrs)
+images = [publish.Image(new_hash[old], data, "ptx") for old, data in ptx.items()]
+
+def model():
+    return [alloc(n) for n in (4096, 3 << 20)]
+
+def window():
+    return [alloc(2 << 20), alloc(1 << 20)]
+
+def last_json(obj):
+    print(json.dumps(obj))
+"""
+
+SAVE = COMMON + """
+if os.environ.get("TEST_FORGE") == "1":  # graph 0's QKV GEMM gets another cluster dimension, the
+    # union keeps the slots of the true graphs: exec update would keep the old dimension
+    from ember.archive import table_encoder, union
+    true = [g for g in synthetic_chains(sizes=SIZES, layers=3).graphs]
+    table_encoder.union_groups = lambda graphs, fa: union.union_groups(true, fa)
+    node = next(n for n in gs.graphs[0].nodes if n.params.attrs)
+    node.params.attrs = {4: (3).to_bytes(4, "little").ljust(64, b"\\0")}
+model()
+ip.capture_begin()
+window()
+ip.capture_end()
+arc = publish.ArchiveContent(IDENTITY, compat.current(ENGINE), F.encode(gs), images,
+                             alloc_log=ip.export_alloc_log())
+publish.write(STORE, arc, gs)
+last_json({"unions": len(F.GraphTable(arc.graph_table).unions)})
+"""
+
+LOAD = COMMON + """
+from ember.runtime.restore import ArchiveRestore
+
+def dump(fn, handle):
+    buf = ctypes.create_string_buffer(1 << 20)
+    n = fn(int(handle), buf, len(buf))
+    return [line for line in buf.raw[:n].decode().splitlines() if line.startswith("N ")]
+
+restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
+model()
+ip.replay_window()
+lib = restore.library()
+first = lib.order[0]
+out = {"first_own": lib.has_dedicated(first), "first_launchable": lib.launchable_at(first) is not None}
+lib.wait_templates()
+out["groups"] = [[len(g.members), g.union is not None] for g in lib.groups]
+out["template_execs"] = len(lib._templates)
+out["failed"] = lib.failed_templates()
+stream = cu.CUstream(0)
+same, updates = [], cuda.standin_exec_updates()
+for i in [*lib.order, 0, len(SIZES) - 1, 1]:  # every key, then back and forth
+    lib.launch_template(i, stream)
+    tmpl = lib._templates[lib._group_of[i]]
+    same.append(dump(cuda.standin_exec_dump, tmpl.handle) == dump(cuda.standin_graph_dump, lib.graph(i)))
+out["same"] = same
+out["updates"] = cuda.standin_exec_updates() - updates
+out["enable_calls"] = cuda.standin_enable_calls()
+if os.environ.get("EMBER_DEDICATE") != "0":
+    lib.wait_dedicated(30)
+    out["own"] = [lib.has_dedicated(i) for i in range(len(SIZES))]
+    out["dedicate_failed"] = lib.dedicator.stats.failed
+last_json(out)
+"""
+
+
+def _json(proc) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _saved(run_py, tmp_path: Path, **env: str) -> dict[str, str]:
+    store = {"TEST_STORE": (tmp_path / "store").as_uri()}
+    saved = _json(run_py(SAVE, mode="save", env={**store, "EMBER_UNION_TEMPLATES": "1", **env}))
+    assert saved["unions"] == 1
+    return store
+
+
+def test_one_union_exec_serves_every_key_as_its_own_graph(run_py, tmp_path: Path) -> None:
+    env = {**_saved(run_py, tmp_path), "EMBER_DEDICATE": "0"}
+    r = _json(run_py(LOAD, mode="load", env=env))
+    assert r["first_own"] and r["first_launchable"]  # handed over on the first key's own exec
+    assert r["groups"] == [[len(SIZES), True]] and r["template_execs"] == 1 and r["failed"] == []
+    assert r["same"] == [True] * (len(SIZES) + 3)
+    assert r["updates"] == len(SIZES) + 3  # one exec update per switch (the exec held no key)
+    assert r["enable_calls"] > 0
+
+
+def test_every_key_gets_its_own_exec_behind_the_union(run_py, tmp_path: Path) -> None:
+    r = _json(run_py(LOAD, mode="load", env=_saved(run_py, tmp_path)))
+    assert r["same"] == [True] * (len(SIZES) + 3)
+    assert r["own"] == [True] * len(SIZES) and r["dedicate_failed"] == []
+
+
+def test_without_unions_the_topology_groups_serve(run_py, tmp_path: Path) -> None:
+    env = {**_saved(run_py, tmp_path), "EMBER_DEDICATE": "0", "EMBER_UNION_TEMPLATES": "0"}
+    r = _json(run_py(LOAD, mode="load", env=env))
+    assert len(r["groups"]) > 1 and not any(union for _, union in r["groups"])
+    assert r["template_execs"] == len(r["groups"]) and r["same"] == [True] * (len(SIZES) + 3)
+    assert r["enable_calls"] == 0
+
+
+def test_a_member_that_does_not_match_its_slot_unfolds_the_union(run_py, tmp_path: Path) -> None:
+    env = {**_saved(run_py, tmp_path, TEST_FORGE="1"), "EMBER_DEDICATE": "0"}
+    r = _json(run_py(LOAD, mode="load", env=env))
+    assert "does not match its union slot" in " ".join(r["failed"])
+    groups = [g for g in r["groups"] if not g[1]]
+    assert sum(n for n, _ in groups) == len(SIZES) and r["template_execs"] == len(groups)
+    assert r["same"] == [True] * (len(SIZES) + 3) and r["enable_calls"] == 0
