@@ -150,11 +150,13 @@ def write_archive(
     max_workers: int = 8,
     signing_key: Ed25519PrivateKey | None = None,
     attachments: Mapping[str, bytes] | None = None,
+    unions: bool | None = None,
 ) -> PublishedArchive:
     """Encode, compress and upload an archive; the manifest is written last (its signature, with
     `signing_key`, just before it).
 
     `attachments`: engine files shipped with the graphs (a compile cache), blobs like the rest.
+    `unions`: union templates in the graph table (default: `graph_table.unions_by_default()`).
 
     `kernel_images` maps the content hash used in `KernelRef.image` to the image bytes (or a
     file). Every image a kernel refers to must be present; extra images are stored too.
@@ -166,7 +168,7 @@ def write_archive(
     durations: dict[str, float] = {}
     if groups is None:
         groups = group_graphs(graphset.graphs, graphset.function_attrs)
-    table_bytes = fmt.encode(graphset, groups, level=level)
+    table_bytes = fmt.encode(graphset, groups, level=level, unions=unions)
     table = fmt.GraphTable(table_bytes)
     durations["encode"] = time.perf_counter() - t0
 

@@ -53,7 +53,8 @@ class ArchiveContent:
 
 def write(store_uri: str, archive: ArchiveContent, graph_set: GraphSet) -> tuple[str, str, int]:
     """Publish through bundle.write_archive; returns (manifest URI, manifest sha256, stored bytes)."""
-    if archive_format.encode(graph_set) != archive.graph_table:
+    unions = bool(archive_format.decode(archive.graph_table).unions)  # as SAVE proved it
+    if archive_format.encode(graph_set, unions=unions) != archive.graph_table:
         raise ArchiveError(
             "the graph table does not encode deterministically: refusing to publish "
             "bytes other than the ones SAVE proved"
@@ -72,6 +73,7 @@ def write(store_uri: str, archive: ArchiveContent, graph_set: GraphSet) -> tuple
         rng_state=archive.rng_state or None,
         signing_key=signing.signing_key_from_env(),  # a key that cannot be read fails the SAVE
         attachments=archive.attachments,
+        unions=unions,
     )
     table_entry = res.manifest.blob(res.manifest.graphs.table)
     if table_entry.sha256 != hashlib.sha256(archive.graph_table).hexdigest():

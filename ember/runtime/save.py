@@ -87,6 +87,7 @@ def proof_facts(rep: ProofReport) -> dict[str, Any]:
         "programmatic_edges_intact": rep.ok,  # the proof requires every edge's data rebuilt as captured
         "edge_strategy": rebuild.edge_strategy(),
         "bitwise_proven": rep.bitwise,
+        "union_templates": rep.unions,
         "within_native_spread": rep.within_spread,
         "native_nondeterministic": _finite(rep.nondeterministic),
         "nondeterminism_suspects": rep.suspects[:20],
@@ -189,7 +190,8 @@ def attachments(adapter: EngineAdapter) -> dict[str, bytes]:
 
 def _log_proof(rep: ProofReport, log: Callable[[str], None]) -> None:
     log(
-        f"Proved {rep.graphs} graphs ({rep.templates} templates, {rep.programmatic_edges} programmatic "
+        f"Proved {rep.graphs} graphs ({rep.templates} templates, {rep.unions} of them union templates, "
+        f"{rep.programmatic_edges} programmatic "
         f"edges kept) in {rep.seconds:.2f} s: {rep.bitwise} bit-identical, {rep.within_spread} within "
         "the native run-to-run spread (captured graph not bit-stable on its own)"
     )
@@ -209,7 +211,8 @@ def _prove_with_cut_images(
     log: Callable[[str], None],
 ) -> tuple[ProofReport, bytes, Any, slim_images.SlimReport | None]:
     """The proof, with the kernel images cut to what the graphs use (slim_images) where libember
-    is there; should it fail with cut images, the proof again with the whole ones."""
+    is there; should it fail with cut images, the proof again with the whole ones; should it fail
+    with union templates, again without them."""
     cut = None
     if ip is not None and slim_images.enabled():
         t = time.perf_counter()
@@ -225,6 +228,13 @@ def _prove_with_cut_images(
         slim_images.undo(graph_set, cut)
         cut = None
         rep, table_blob, lib = prove(subject, graph_set, resolver.function_list, resolver=resolver)
+    if not rep.ok and rep.unions:
+        # the union templates are an optimisation: the topology groups' templates then
+        log(f"[ember] the proof failed with union templates ({'; '.join(rep.mismatches[:2])}); "
+            "proving without them")
+        lib.close()
+        rep, table_blob, lib = prove(subject, graph_set, resolver.function_list, resolver=resolver,
+                                     unions=False)
     return rep, table_blob, lib, cut
 
 
@@ -272,7 +282,9 @@ def save(
     t = time.perf_counter()
     rep, table_blob, lib, cut = _prove_with_cut_images(adapter, graphs, graph_set, ip, resolver, d, log)
     d["prove_s"] = time.perf_counter() - t - d.get("slim_s", 0.0)
-    templates = [g.template for g in lib.groups]  # in need order (build_templates ordered them)
+    # what LOAD builds first, in need order (build_templates ordered them): a union's members
+    # after the first key's own exec
+    templates = [lib.order[0], *(g.template for g in lib.groups if g.template >= 0)]
     lib.close()
     if not rep.ok:
         _refuse_unproven(rep)

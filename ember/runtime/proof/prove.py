@@ -87,6 +87,7 @@ def rng_consumers(graphs: dict[tuple[int, ...], Any]) -> dict[tuple[int, ...], i
 class ProofReport:
     graphs: int = 0
     templates: int = 0
+    unions: int = 0  # union templates among them (ember.archive.union)
     template_ok: int = 0
     dedicated_ok: int = 0
     bitwise: int = 0  # graphs proven bit-identical (native replays bit-stable, rebuilt equal)
@@ -206,12 +207,15 @@ def prove(
     repeats: int = 2,
     native_repeats: int = NATIVE_REPEATS,
     resolver: Any = None,
+    unions: bool | None = None,
 ) -> tuple[ProofReport, bytes, GraphLibrary]:
     """Encode → decode → rebuild → replay every graph against the captured one (same process).
 
     `functions_of(kernel_refs)` resolves the decoded KernelRefs to CUfunctions; `resolver` (a
     KernelResolver, SAVE's) names the rebuilt graphs' kernels again from their handles for the
-    structure check (without one, the table's refs name them). Returns the
+    structure check (without one, the table's refs name them). `unions`: whether the table holds
+    union templates (default: `graph_table.unions_by_default()`); their members are proven
+    through them. Returns the
     report, the encoded graph table (what gets published) and the proven library.
     Steps: serialize and read back (`_encode_decode`), structure (`_StructureCheck`), replay and
     compare per key (`_prove_key`), report the graphs that are not bit-stable (`_note_unstable`).
@@ -219,11 +223,12 @@ def prove(
     rep = ProofReport(graphs=len(graph_set.graphs))
     rep.programmatic_edges = sum(e.type == 1 for g in graph_set.graphs for e in g.edges)
     t0 = time.perf_counter()
-    blob, table = _encode_decode(graph_set, rep)
+    blob, table = _encode_decode(graph_set, rep, unions)
     functions = functions_of(table.kernels)
     lib = GraphLibrary(table, functions, hot_after=0)  # the proof dedicates itself
     lib.build_templates()
     rep.templates = len(lib.groups)
+    rep.unions = sum(g.union is not None for g in lib.groups)
     structure = _StructureCheck(graph_set, lib, functions, table.kernels, resolver)
     rep.mismatches.extend(structure.check_all())
     rep.notes.extend(structure.notes[:3])
@@ -247,10 +252,11 @@ def prove(
     return rep, blob, lib
 
 
-def _encode_decode(graph_set: GraphSet, rep: ProofReport) -> tuple[bytes, graph_table.GraphTable]:
+def _encode_decode(graph_set: GraphSet, rep: ProofReport, unions: bool | None = None
+                   ) -> tuple[bytes, graph_table.GraphTable]:
     """The graph table as it will be published, and decoded again as LOAD reads it."""
     t = time.perf_counter()
-    blob = graph_table.encode(graph_set)
+    blob = graph_table.encode(graph_set, unions=unions)
     rep.encode_ms = (time.perf_counter() - t) * 1e3
     rep.table_bytes = len(blob)
     t = time.perf_counter()
@@ -276,16 +282,18 @@ class _StructureCheck:
         self.walker = GraphWalker(resolver) if resolver is not None else self._fallback
         self.notes: list[str] = []
 
-    def _walk(self, i: int) -> tuple[Graph, GraphWalker]:
-        """This graph walked by the resolver; only where it cannot name a kernel, this graph (and
-        no other) is named by the table's refs. Any other refusal is the graph's problem."""
-        key = self.lib.keys[i]
+    def _walk(self, i: int, graph: Any = None) -> tuple[Graph, GraphWalker]:
+        """This graph (or `graph`, a union template) walked by the resolver; only where it cannot
+        name a kernel, this graph (and no other) is named by the table's refs. Any other refusal
+        is the graph's problem."""
+        key = self.lib.keys[i] if graph is None else ()
+        graph = self.lib.graph(i) if graph is None else graph
         if self.walker is not self._fallback:
             try:
-                return self.walker.walk(self.lib.graph(i), key), self.walker
+                return self.walker.walk(graph, key), self.walker
             except KernelUnnamed as exc:
                 self.notes.append(f"rebuilt graph {key}: named by the table's refs ({exc.reason})")
-        return self._fallback.walk(self.lib.graph(i), key), self._fallback
+        return self._fallback.walk(graph, key), self._fallback
 
     def _problems(self, i: int) -> list[str]:
         try:
@@ -305,7 +313,21 @@ class _StructureCheck:
         out: list[str] = []
         for i in range(len(self.lib.keys)):
             out.extend(self._problems(i))
+        for g in self.lib.groups:  # a union template, walked back like the graphs
+            if g.union is not None:
+                out.extend(self._union_problems(g.union))
         return out
+
+    def _union_problems(self, union: Any) -> list[str]:
+        where = f"union template of {len(union.members)} graphs"
+        try:
+            rebuilt, w = self._walk(-1, union.graph)
+        except WalkRefused as exc:
+            return [f"{where}: not walkable: {exc.reason}"]
+        gs, expected = self.graph_set, self.lib.source.graph_of_row(union.info.row)  # type: ignore[attr-defined]
+        found = structure_problems(expected, rebuilt, gs.kernels, w.kernels, gs.function_attrs,
+                                   w.function_attrs)
+        return [f"{where}: rebuilt structure: {p}" for p in found]
 
 
 def _prove_key(
