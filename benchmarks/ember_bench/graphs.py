@@ -238,6 +238,7 @@ def _save_facts(res: dict[str, Any], native: dict[str, Any], saved: dict[str, An
         "programmatic_edges_intact",
         "edge_strategy",
         "bitwise_proven",
+        "union_templates",
         "within_native_spread",
         "native_nondeterministic",
         "nondeterminism_suspects",

@@ -28,7 +28,8 @@ the build. These figures count everything the user waits for:
   competing with the build), and how long after its build ended every key became launchable
   (`cold_after_build_ms`).
 - variants (`VARIANTS`): a role measured once more with one setting changed (the warm role with
-  each pair of templates uploaded on its own thread while the next pair builds, the cold role
+  each pair of templates uploaded on its own thread while the next pair builds, the warm role
+  with an archive's union templates ignored: one template per topology group, the cold role
   with the own execs built while the model builds), as `<variant>_first/templates/ready_ms` (warm) or
   `<variant>_ready/extra/templates_ms` with the same split (cold).
   In the warm figures the LOAD path's modules were imported when the process started, as an
@@ -55,6 +56,8 @@ ROLES = ("warm", "cold", "build")
 # A role again with one setting changed: what that setting buys, in the same run (name: role, env).
 VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "warm_uploads_behind": ("warm", {"EMBER_UPLOAD_BEHIND": "1"}),  # pairs upload on their own thread
+    # an archive with union templates (SAVE under EMBER_UNION_TEMPLATES=1) LOADed without them
+    "warm_topology_groups": ("warm", {"EMBER_UNION_TEMPLATES": "0"}),
     "cold_early": ("cold", {"EMBER_DEDICATE_EARLY": "1"}),  # own execs during the model build
 }
 
