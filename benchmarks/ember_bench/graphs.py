@@ -239,6 +239,7 @@ def _save_facts(res: dict[str, Any], native: dict[str, Any], saved: dict[str, An
         "edge_strategy",
         "bitwise_proven",
         "union_templates",
+        "union_templates_dropped",
         "within_native_spread",
         "native_nondeterministic",
         "nondeterminism_suspects",

@@ -88,6 +88,7 @@ def proof_facts(rep: ProofReport) -> dict[str, Any]:
         "edge_strategy": rebuild.edge_strategy(),
         "bitwise_proven": rep.bitwise,
         "union_templates": rep.unions,
+        "union_templates_dropped": rep.unions_dropped,
         "within_native_spread": rep.within_spread,
         "native_nondeterministic": _finite(rep.nondeterministic),
         "nondeterminism_suspects": rep.suspects[:20],
@@ -230,11 +231,12 @@ def _prove_with_cut_images(
         rep, table_blob, lib = prove(subject, graph_set, resolver.function_list, resolver=resolver)
     if not rep.ok and rep.unions:
         # the union templates are an optimisation: the topology groups' templates then
-        log(f"[ember] the proof failed with union templates ({'; '.join(rep.mismatches[:2])}); "
-            "proving without them")
+        why = "; ".join(rep.mismatches[:2])
+        log(f"[ember] the proof failed with union templates ({why}); proving without them")
         lib.close()
         rep, table_blob, lib = prove(subject, graph_set, resolver.function_list, resolver=resolver,
                                      unions=False)
+        rep.unions_dropped = why[:500]
     return rep, table_blob, lib, cut
 
 

@@ -88,6 +88,7 @@ class ProofReport:
     graphs: int = 0
     templates: int = 0
     unions: int = 0  # union templates among them (ember.archive.union)
+    unions_dropped: str = ""  # why SAVE proved again without union templates (their proof failed)
     template_ok: int = 0
     dedicated_ok: int = 0
     bitwise: int = 0  # graphs proven bit-identical (native replays bit-stable, rebuilt equal)
