@@ -425,6 +425,8 @@ class ArchiveRestore:
         )
         if failed := lib.failed_templates():
             self.timings["templates_failed"] = "; ".join(failed)
+        if lib.unions_refused:
+            self.timings["unions_refused"] = lib.unions_refused
 
     def replay(self) -> None:
         """After the engine's own allocations: release torch's cache, replay the capture window."""

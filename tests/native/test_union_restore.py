@@ -8,8 +8,9 @@ SAVE (EMBER_UNION_TEMPLATES=1) publishes Llama-like decode chains of several top
   with the parameters the exec holds) is node for node that key's own graph, whatever key the
   exec held before;
 - gives every other key its own exec in the background (the Dedicator);
-- with EMBER_UNION_TEMPLATES=0, or when a member does not match its slots (a forged archive),
-  serves the keys from their topology groups instead.
+- with EMBER_UNION_TEMPLATES=0, or when the driver refuses the union template, serves the keys
+  from their topology groups instead; a member that does not match its slots (a forged archive)
+  is never switched in: its own exec serves it.
 """
 
 from __future__ import annotations
@@ -72,12 +73,12 @@ def last_json(obj):
 """
 
 SAVE = COMMON + """
-if os.environ.get("TEST_FORGE") == "1":  # graph 0's QKV GEMM gets another cluster dimension, the
+if os.environ.get("TEST_FORGE") == "1":  # graph 1's QKV GEMM gets another cluster dimension, the
     # union keeps the slots of the true graphs: exec update would keep the old dimension
     from ember.archive import table_encoder, union
     true = [g for g in synthetic_chains(sizes=SIZES, layers=3).graphs]
     table_encoder.union_groups = lambda graphs, fa: union.union_groups(true, fa)
-    node = next(n for n in gs.graphs[0].nodes if n.params.attrs)
+    node = next(n for n in gs.graphs[1].nodes if n.params.attrs)
     node.params.attrs = {4: (3).to_bytes(4, "little").ljust(64, b"\\0")}
 model()
 ip.capture_begin()
@@ -159,10 +160,40 @@ def test_without_unions_the_topology_groups_serve(run_py, tmp_path: Path) -> Non
     assert r["enable_calls"] == 0
 
 
-def test_a_member_that_does_not_match_its_slot_unfolds_the_union(run_py, tmp_path: Path) -> None:
-    env = {**_saved(run_py, tmp_path, TEST_FORGE="1"), "EMBER_DEDICATE": "0"}
+def test_a_union_the_driver_refuses_gives_its_members_back_to_their_groups(run_py, tmp_path: Path) -> None:
+    # the union template (63 nodes) is the largest graph (48-51): the stand-in refuses it alone
+    env = {**_saved(run_py, tmp_path), "EMBER_DEDICATE": "0", "STANDIN_FAIL_INSTANTIATE_ABOVE": "60"}
     r = _json(run_py(LOAD, mode="load", env=env))
-    assert "does not match its union slot" in " ".join(r["failed"])
+    assert r["first_own"] and any("union of" in f for f in r["failed"])
     groups = [g for g in r["groups"] if not g[1]]
     assert sum(n for n, _ in groups) == len(SIZES) and r["template_execs"] == len(groups)
     assert r["same"] == [True] * (len(SIZES) + 3) and r["enable_calls"] == 0
+
+
+FORGED = LOAD.split("stream = cu.CUstream(0)")[0] + """
+stream = cu.CUstream(0)
+from ember.archive.table_layout import FormatError
+try:
+    lib.launch_template(1, stream)
+    out["through_union"] = "switched"
+except FormatError as exc:
+    out["through_union"] = str(exc)
+out["own_before"] = lib.has_dedicated(1)
+lib.launch(1, stream)  # the engine's path: its own exec, built there and then
+out["own"] = lib.has_dedicated(1)
+out["others_same"] = []
+for i in [0, *range(2, len(SIZES))]:
+    lib.launch_template(i, stream)
+    tmpl = lib._templates[lib._group_of[i]]
+    held = dump(cuda.standin_exec_dump, tmpl.handle)
+    out["others_same"].append(held == dump(cuda.standin_graph_dump, lib.graph(i)))
+last_json(out)
+"""
+
+
+def test_a_member_that_does_not_match_its_slot_is_never_switched_in(run_py, tmp_path: Path) -> None:
+    env = {**_saved(run_py, tmp_path, TEST_FORGE="1"), "EMBER_DEDICATE": "0"}
+    r = _json(run_py(FORGED, mode="load", env=env))
+    assert r["groups"] == [[len(SIZES), True]] and r["failed"] == []
+    assert "does not match its union slot" in r["through_union"]
+    assert not r["own_before"] and r["own"] and r["others_same"] == [True] * (len(SIZES) - 1)

@@ -115,6 +115,18 @@ def initial_groups(source: Any, unions: Sequence[Any] = ()) -> list[Group]:
     return out
 
 
+def unfolded(source: Any, union: Group, order: Sequence[int], first_index: int) -> list[Group]:
+    """The topology groups of a union's members (indexed from `first_index`), each with its
+    first needed member as template (`order`: need order)."""
+    rank = {i: r for r, i in enumerate(order)}
+    taken, out = set(union.members), list[Group]()
+    for g in source.groups:
+        members = sorted((m for m in g.members if m in taken), key=rank.__getitem__)
+        if members:
+            out.append(Group(first_index + len(out), members, members[0]))
+    return out
+
+
 def split_groups(
     groups: Sequence[Any], spliced: dict[int, list[tuple[int, int]]], shape: Any
 ) -> list[Group]:

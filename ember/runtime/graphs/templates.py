@@ -3,17 +3,14 @@
 One instantiated exec per topology group (its template), or per union template (one exec for
 chains of several topologies, `unions.py`); any other graph of the group is served by
 `cuGraphExecUpdate` of the template exec with that graph (on demand, when the key differs from
-what the exec holds now). A key the template was switched to gets a
-dedicated exec, instantiated from its own graph in the background after `hot_after` launches
-through an updated template (default one): on H100 an exec updated to a graph ran its decode
-step up to 24 % slower than an exec instantiated from that same graph (gemma3, B=1: 10.536 vs
-8.509 ms, benchmarks/results/graphs-NVIDIA_H100_80GB_HBM3-20261122-114613.md; one exec measured
-both ways: benchmarks/results/switch-diag-H100-20261122-qwen3-8b.json), so the template only
-bridges a key's first steps.
+what the exec holds now). A key the template was switched to gets a dedicated exec, instantiated
+from its own graph in the background after `hot_after` launches through an updated template
+(default one): on H100 an exec updated to a graph ran its decode step up to 24 % slower than an
+exec instantiated from that same graph (benchmarks/results/switch-diag-H100-20261122-qwen3-8b.json),
+so the template only bridges a key's first steps.
 
 `RestoredGraph` is the small object engines hold: `replay(stream=None)` and `reset()`, like
 torch.cuda.CUDAGraph (transformers' continuous batching registry calls exactly these two).
-
 Everything a restored graph references stays alive as long as the library: kernel functions
 (held by the native catalog), prepared argument buffers, events, CUgraphs, execs.
 """
@@ -32,6 +29,7 @@ from typing import Any
 from cuda.bindings import driver as cu
 
 from ember.archive.graphs import GraphSet
+from ember.archive.table_layout import FormatError
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.driver import OK, CudaError, check, current_context, torch_stream_handle
 from ember.runtime.graphs.groups import (
@@ -43,6 +41,7 @@ from ember.runtime.graphs.groups import (
     TemplateExec,
     initial_groups,
     split_groups,
+    unfolded,
 )
 from ember.runtime.graphs.kernels import KernelFunctions
 from ember.runtime.graphs.need import Dedicator, need_order
@@ -98,7 +97,11 @@ class GraphLibrary:
         # union templates (one exec for several topologies) unless this rank splices collectives
         # into the graphs (a placeholder may become another shape per rank) or EMBER_UNION_TEMPLATES=0
         use_unions = splicer is None and os.environ.get("EMBER_UNION_TEMPLATES", "") != "0"
-        unions = [UnionTemplate(u) for u in getattr(self.source, "unions", ())] if use_unions else []
+        self.unions_refused = ""  # why an archive's union sections were not used (damaged)
+        try:
+            unions = [UnionTemplate(u) for u in getattr(self.source, "unions", ())] if use_unions else []
+        except FormatError as exc:  # damaged union sections: the topology groups serve
+            unions, self.unions_refused = [], str(exc)
         self.groups: list[Group] = initial_groups(self.source, unions)
         self._group_of: dict[int, int] = {m: g.index for g in self.groups for m in g.members}
         self._first_own: int | None = None  # a union's first key: its own exec comes first
@@ -242,13 +245,10 @@ class GraphLibrary:
 
     def template_prepared(self, group: Group) -> rebuild.PreparedGraph:
         """What a group's template exec is instantiated from: its template key's graph, or the
-        union template (its members checked against their slots first: FormatError)."""
+        union template."""
         if group.union is None:
             return self.prepared(group.template)
-        u: UnionTemplate = group.union
-        prep = u.prepared(self.source, self.functions, self.ctx, self._attr_sets)
-        u.check(self.source)
-        return prep
+        return group.union.prepared(self.source, self.functions, self.ctx, self._attr_sets)
 
     def _order_groups(self) -> None:
         """Groups in need order, each with its first needed member as template (so the first key
@@ -264,21 +264,13 @@ class GraphLibrary:
         self._ready = {g.index: threading.Event() for g in self.groups}
 
     def _unfold(self, union: Group) -> None:
-        """A union template that could not be built (or whose members do not match its slots):
-        its members get their topology groups' templates, built here. A launch waiting for the
-        union wakes and finds its new group."""
-        rank = {i: r for r, i in enumerate(self.order)}
-        taken, new = set(union.members), list[Group]()
-        for g in self.source.groups:
-            members = sorted((m for m in g.members if m in taken), key=rank.__getitem__)
-            if members:
-                new.append(Group(len(self.groups) + len(new), members, members[0]))
+        """A union template that could not be built: its members get their topology groups'
+        templates, built here. A launch waiting for the union wakes and finds its new group."""
+        new = unfolded(self.source, union, self.order, len(self.groups))
         for g in new:
             self._ready[g.index] = threading.Event()
         self.groups.extend(new)
-        for g in new:
-            for m in g.members:
-                self._group_of[m] = g.index
+        self._group_of.update({m: g.index for g in new for m in g.members})
         self._ready[union.index].set()  # its waiters look up their group again
         for i in range(0, len(new), TEMPLATE_BATCH):
             self._build_groups(new[i : i + TEMPLATE_BATCH], raise_errors=False)
@@ -421,11 +413,11 @@ class GraphLibrary:
     def failed_templates(self) -> list[str]:
         """Templates the background build could not build (each is tried again at its group's
         first launch): key and reason."""
-        def name(g: Group) -> str:
-            return f"union of {len(g.members)} graphs" if g.union is not None else str(self.keys[g.template])
+        return [f"{self._name(self.groups[gi])}: {type(e).__name__}: {e}"[:300]
+                for gi, e in sorted(self._failed.items())]
 
-        failed = sorted(self._failed.items())
-        return [f"{name(self.groups[gi])}: {type(e).__name__}: {e}"[:300] for gi, e in failed]
+    def _name(self, g: Group) -> str:
+        return f"union of {len(g.members)} graphs" if g.union is not None else str(self.keys[g.template])
 
     def is_template(self, index: int) -> bool:
         return self.groups[self._group_of[index]].template == index
@@ -501,7 +493,10 @@ class GraphLibrary:
             return ex
         tmpl = self._template_of(index)
         if tmpl.holds != index:
-            self.switch(index)
+            try:
+                self.switch(index)
+            except FormatError:  # a union member that does not match its slots: its own exec
+                return self.dedicate(index)
         if tmpl.updated and self._hot_after and index not in self._asked:
             self._uses[index] += 1
             if self._uses[index] >= self._hot_after:
@@ -532,6 +527,8 @@ class GraphLibrary:
         """Load graph `index` into its group's template exec; returns the update's milliseconds."""
         tmpl = self._template_of(index)
         union = self.groups[self._group_of[index]].union
+        if union is not None:
+            union.check_member(self.source, index)  # FormatError: damaged, not to be switched in
         g = union.graph_of(self, index) if union is not None else self.graph(index)
         with self._driver_lock:
             t = time.perf_counter()

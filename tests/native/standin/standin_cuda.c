@@ -590,6 +590,8 @@ struct sexec { struct sgraph* from; struct sgraph* holds; unsigned char* off; in
 static int execs_alive, exec_updates, enable_calls;
 EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec* out, CUgraph h, unsigned long long flags) {
   if (getenv("STANDIN_FAIL_INSTANTIATE")) return CUDA_ERROR_INVALID_VALUE;
+  const char* above = getenv("STANDIN_FAIL_INSTANTIATE_ABOVE");  /* graphs of more nodes refused */
+  if (above && ((struct sgraph*)h)->n > atoi(above)) return CUDA_ERROR_OUT_OF_MEMORY;
   struct sexec* e = calloc(1, sizeof *e);
   e->from = e->holds = (struct sgraph*)h;
   e->n = e->from->n;
