@@ -5,6 +5,7 @@ against its slots. `GraphTable.unions` and `GraphTable.check_union_member` call 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,19 +40,23 @@ def read_unions(table: Any, unio: np.ndarray, umem: np.ndarray, uslt: np.ndarray
     if len(umem) != table.count:
         raise FormatError(f"graph table index: {len(umem)} union entries for {table.count} graphs")
     members: list[list[tuple[int, np.ndarray]]] = [[] for _ in rows]
+    checked: dict[tuple[int, int, int], np.ndarray] = {}  # members of one topology share a run
     for i, (u, off) in enumerate(umem.tolist()):
         if u >= len(rows):
             raise FormatError(f"graph {table.keys[i]}: in union {u}, the table has {len(rows)}")
         if u >= 0:
-            members[u].append((i, _slots(table, uslt, i, int(rows[u]), off)))
+            seg = (u, off, int(table.rows[int(table.roots[i])]["ntyp_off"]))
+            if seg not in checked:
+                checked[seg] = _slots(table, uslt, i, int(rows[u]), off)
+            members[u].append((i, checked[seg]))
     out = []
     for u, row in enumerate(rows.tolist()):
-        nodes = int(table.rows[row]["node_count"])
-        shared = np.ones(nodes, dtype=bool)
-        for _, run in members[u]:
-            shared &= np.isin(np.arange(nodes), run)
+        uses = np.zeros(int(table.rows[row]["node_count"]), dtype=np.int64)  # members per slot
+        runs, counts = {id(r): r for _, r in members[u]}, Counter(id(r) for _, r in members[u])
+        for key, run in runs.items():
+            uses[run] += counts[key]
         out.append(UnionInfo(u, row, tuple(i for i, _ in members[u]), tuple(r for _, r in members[u]),
-                             nodes, np.nonzero(~shared)[0]))
+                             len(uses), np.nonzero(uses < len(members[u]))[0]))
     return out
 
 
