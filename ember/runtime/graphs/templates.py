@@ -198,6 +198,7 @@ class GraphLibrary:
         self.timings.prepare_ms += (time.perf_counter() - t) * 1e3
         if before_build is not None:
             before_build()
+        self.prepare_ahead(groups=self.groups[:1])  # the union template, while libember builds this
         ((_, ex),) = self.build_execs([index], self.timings.per_graph)
         self.upload([ex])
         self.adopt_dedicated(index, ex)
