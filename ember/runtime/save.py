@@ -284,9 +284,7 @@ def save(
     t = time.perf_counter()
     rep, table_blob, lib, cut = _prove_with_cut_images(adapter, graphs, graph_set, ip, resolver, d, log)
     d["prove_s"] = time.perf_counter() - t - d.get("slim_s", 0.0)
-    # what LOAD builds first, in need order (build_templates ordered them): a union's members
-    # after the first key's own exec
-    templates = [lib.order[0], *(g.template for g in lib.groups if g.template >= 0)]
+    templates = [lib.order[0], *(g.template for g in lib.groups if g.template >= 0)]  # LOAD's order
     lib.close()
     if not rep.ok:
         _refuse_unproven(rep)

@@ -75,6 +75,9 @@ class Group:
     template: int
     union: Any = None  # ember.runtime.graphs.unions.UnionTemplate
 
+    def name(self, keys: Sequence[tuple[int, ...]]) -> str:
+        return f"union of {len(self.members)} graphs" if self.union is not None else str(keys[self.template])
+
 
 @dataclass
 class TemplateExec:

@@ -94,15 +94,8 @@ class GraphLibrary:
             )
         self.functions = functions
         self.keys: list[tuple[int, ...]] = [tuple(k) for k in self.source.keys]
-        # union templates (one exec for several topologies) unless this rank splices collectives
-        # into the graphs (a placeholder may become another shape per rank) or EMBER_UNION_TEMPLATES=0
-        use_unions = splicer is None and os.environ.get("EMBER_UNION_TEMPLATES", "") != "0"
         self.unions_refused = ""  # why an archive's union sections were not used (damaged)
-        try:
-            unions = [UnionTemplate(u) for u in getattr(self.source, "unions", ())] if use_unions else []
-        except FormatError as exc:  # damaged union sections: the topology groups serve
-            unions, self.unions_refused = [], str(exc)
-        self.groups: list[Group] = initial_groups(self.source, unions)
+        self.groups: list[Group] = initial_groups(self.source, self._unions(splicer))
         self._group_of: dict[int, int] = {m: g.index for g in self.groups for m in g.members}
         self._first_own: int | None = None  # a union's first key: its own exec comes first
         self._index = {k: i for i, k in enumerate(self.keys)}
@@ -135,6 +128,17 @@ class GraphLibrary:
         self.waited_ms: list[float] = []  # launches that waited for their template
         self.dedicator: Dedicator | None = None
         self.uploads = Uploader(self.ctx)
+
+    def _unions(self, splicer: Any) -> list[UnionTemplate]:
+        """The source's union templates, unless this rank splices collectives into the graphs (a
+        placeholder may become another shape per rank) or EMBER_UNION_TEMPLATES=0."""
+        if splicer is not None or os.environ.get("EMBER_UNION_TEMPLATES", "") == "0":
+            return []
+        try:
+            return [UnionTemplate(u) for u in getattr(self.source, "unions", ())]
+        except FormatError as exc:  # damaged union sections: the topology groups serve
+            self.unions_refused = str(exc)
+            return []
 
     # ---- building -----------------------------------------------------------------------
     def key_index(self, key: Iterable[int]) -> int:
@@ -171,11 +175,9 @@ class GraphLibrary:
         return g
 
     def build_templates(self) -> None:
-        """Prepare, build and instantiate one template per group, in need order (libember builds
-        and instantiates them, see build_native.build_native): `build_first` + `build_rest`.
-        Any other key is prepared and built when it is first asked for, or by `start_dedicating`
-        (preparing every graph right away made the engine's first request wait for the GIL:
-        benchmarks/results/cb-nvidia-h200.md)."""
+        """`build_first` + `build_rest`. Any other key is prepared and built when it is first asked
+        for, or by `start_dedicating` (preparing every graph right away made the engine's first
+        request wait for the GIL: benchmarks/results/cb-nvidia-h200.md)."""
         self.build_first()
         self.build_rest()
 
@@ -228,9 +230,9 @@ class GraphLibrary:
         self.marks["templates"] = time.perf_counter()
 
     def prepare_ahead(self, indices: Sequence[int] = (), groups: Sequence[Group] = ()) -> Future[float]:
-        """Prepare these graphs (and these groups' templates) on a pool thread (the library's
-        context made current), while the caller's builder call runs; a failure is left for the
-        caller's own `prepared()` to meet. The future's result: the milliseconds it took."""
+        """Prepare these graphs and groups' templates on a pool thread (in the library's context)
+        while the caller's builder call runs; a failure is left for the caller's own `prepared()`
+        to meet. The future's result: the milliseconds it took."""
 
         def run() -> float:
             t = time.perf_counter()
@@ -414,11 +416,8 @@ class GraphLibrary:
     def failed_templates(self) -> list[str]:
         """Templates the background build could not build (each is tried again at its group's
         first launch): key and reason."""
-        return [f"{self._name(self.groups[gi])}: {type(e).__name__}: {e}"[:300]
+        return [f"{self.groups[gi].name(self.keys)}: {type(e).__name__}: {e}"[:300]
                 for gi, e in sorted(self._failed.items())]
-
-    def _name(self, g: Group) -> str:
-        return f"union of {len(g.members)} graphs" if g.union is not None else str(self.keys[g.template])
 
     def is_template(self, index: int) -> bool:
         return self.groups[self._group_of[index]].template == index
