@@ -64,7 +64,7 @@ class Chain:
                 keep += [a0, a1, argv]
                 p = cu.CUDA_KERNEL_NODE_PARAMS()
                 p.func = func
-                p.gridDimX, p.gridDimY, p.gridDimZ = 2 if len(item) > 2 else 1, 1, 1
+                p.gridDimX, p.gridDimY, p.gridDimZ = item[2] if len(item) > 2 else 1, 1, 1  # whole clusters
                 p.blockDimX, p.blockDimY, p.blockDimZ = 32, 1, 1
                 p.kernelParams = ctypes.addressof(argv)
                 node = ok(cu.cuGraphAddKernelNode(self.graph, prev, len(prev), p), "add kernel")
