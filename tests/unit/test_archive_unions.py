@@ -9,11 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zstandard as zstd
+from typer.testing import CliRunner
 
 from ember.archive import bundle
 from ember.archive import graph_table as fmt
 from ember.archive.graphs import NodeType
 from ember.archive.union import union_groups
+from ember.cli import app
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import LocalStore
 from ember_bench.synthetic import synthetic_chains, synthetic_graphset, synthetic_images
@@ -134,6 +136,8 @@ def test_the_manifest_lists_the_unions_and_verify_compares_them(
     assert u.nodes == len(union_groups(gs.graphs, gs.function_attrs)[0].graph.nodes) and u.optional > 0
     assert result.manifest.format_version == "1.2"
     assert bundle.verify_archive(store, identity.hash()) == []
+    shown = CliRunner().invoke(app, ["inspect", (tmp_path / "store").as_uri()], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0 and "1 union templates" in shown.output and "1, 2, 4, 8, 16" in shown.output
     raw = json.loads(store.get_manifest(identity.hash()) or b"")
     raw["graphs"]["unions"][0]["nodes"] += 1
     store.put_manifest(identity.hash(), json.dumps(raw).encode())
