@@ -87,6 +87,18 @@ def bindings_standin(tmp_path_factory: pytest.TempPathFactory) -> Standin:
     return Standin(out, out / "no-probe")
 
 
+# What compat.current() reads of torch, nothing more (torch is not installed in CI), and the
+# driver binding: for snippets that restore archives (`restore_py`).
+RESTORE_PRELUDE = """
+import types
+torch = types.ModuleType("torch")
+torch.__version__ = "0.0+standin"
+torch.version = types.SimpleNamespace(cuda="13.0")
+sys.modules["torch"] = torch
+from cuda.bindings import driver as cu
+"""
+
+
 @pytest.fixture
 def run_py(libember: Path, standin: Standin):
     """Runs a Python snippet with libember preloaded against the stand-in driver.
@@ -94,7 +106,17 @@ def run_py(libember: Path, standin: Standin):
     The snippet gets `cuda` (ctypes handle of libcuda.so.1: hooked names resolve to ember's
     wrappers through the dlsym door), `ip` (an attached Interposer) and helpers `alloc`, `free`.
     """
+    return _runner(libember, standin)
 
+
+@pytest.fixture
+def restore_py(libember: Path, bindings_standin: Standin):
+    """`run_py` for snippets that restore archives through cuda.bindings: the stand-in with what
+    the binding needs, a stand-in `torch` module and `cu` (cuda.bindings.driver) in the snippet."""
+    return _runner(libember, bindings_standin, RESTORE_PRELUDE)
+
+
+def _runner(libember: Path, standin: Standin, extra: str = ""):
     prelude = textwrap.dedent(
         """
         import ctypes, json, os, sys
@@ -136,8 +158,9 @@ def run_py(libember: Path, standin: Standin):
         if mode:
             e["EMBER_MODE"] = mode
         e.update(env or {})
-        proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], env=e, text=True,
-                              capture_output=True, timeout=timeout)
+        source = prelude + extra + textwrap.dedent(code)
+        proc = subprocess.run([sys.executable, "-c", source], env=e, text=True, capture_output=True,
+                              timeout=timeout)
         if check and proc.returncode != 0:
             raise AssertionError(f"snippet failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         return proc

@@ -16,13 +16,11 @@ process (EMBER_MODE=load) then restores it through ArchiveRestore. The tests pro
 - a compatibility-key mismatch is refused by open() with stage "compat" without reading any blob
   (the store holds none) and before libember imports the allocation log.
 
-The stand-in resolves only libember's own entry points through cuGetProcAddress, and cuda.bindings
-resolves everything that way; the module's `standin` fixture therefore builds the stand-in again
-with a cuGetProcAddress that falls back to its own exports, plus the few calls the restore path
-makes through cuda.bindings (device name and attributes, driver version, events, function
-attributes) and a counting cuGraphLaunch. torch is not installed: compat.current() reads only
-`torch.version.cuda` and `torch.__version__`, so the snippets put a module with those two in
-sys.modules, and the archive is written with the key compat.current() returns under it.
+The snippets run through `restore_py` (tests/native/conftest.py): the stand-in built again with
+what cuda.bindings needs (tests/native/standin/bindings_shim.c: a cuGetProcAddress that falls back
+to its own exports, device queries, events, function attributes, a counting cuGraphLaunch) and,
+torch not being installed, a stand-in `torch` module with the two fields compat.current() reads;
+the archive is written with the key compat.current() returns under it.
 """
 
 from __future__ import annotations
@@ -40,21 +38,9 @@ GRAPHS, NODES, GROUPS = 6, 300, 3  # the graph set both processes build (determi
 
 
 
-@pytest.fixture(scope="module")
-def standin(bindings_standin):
-    """The stand-in driver with what cuda.bindings needs (tests/native/standin/bindings_shim.c)."""
-    return bindings_standin
-
-
 # ---- the snippets' common part -------------------------------------------------------------------
 
 COMMON = f"""
-import types
-torch = types.ModuleType("torch")          # what compat.current() reads of torch, nothing more
-torch.__version__ = "0.0+standin"
-torch.version = types.SimpleNamespace(cuda="13.0")
-sys.modules["torch"] = torch
-from cuda.bindings import driver as cu
 from ember.archive import graph_table as F
 from ember.archive.graphs import GraphSet, KernelRef, NodeType
 from ember_bench.synthetic import synthetic_graphset
@@ -181,8 +167,8 @@ def _last_json(out) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _save(run_py, store: Path, **env: str) -> dict:
-    return _last_json(run_py(SAVE, mode="save", env={"TEST_STORE": store.as_uri(), **env}))
+def _save(restore_py, store: Path, **env: str) -> dict:
+    return _last_json(restore_py(SAVE, mode="save", env={"TEST_STORE": store.as_uri(), **env}))
 
 
 def _expected_template(index: int) -> list[list[str]]:
@@ -203,15 +189,15 @@ def _expected_template(index: int) -> list[list[str]]:
 # ---- the tests -----------------------------------------------------------------------------------
 
 
-def test_background_restore_builds_the_templates_the_foreground_builds(run_py, tmp_path: Path) -> None:
+def test_background_restore_builds_the_templates_the_foreground_builds(restore_py, tmp_path: Path) -> None:
     store = tmp_path / "store"
-    saved = _save(run_py, store)
+    saved = _save(restore_py, store)
     assert saved["key"]["gpu_name"] == "Stand-in GPU" and saved["key"]["engine"] == "ember-restore-test"
     # Dedication off: its thread would add each key's own exec whenever it gets to run, and the
     # count below is of templates (dedicated execs have their own test further down).
     env = {"TEST_STORE": store.as_uri(), "EMBER_DEDICATE": "0"}
-    bg = _last_json(run_py(LOAD, mode="load", env={**env, "TEST_BACKGROUND": "1"}))
-    fg = _last_json(run_py(LOAD, mode="load", env={**env, "TEST_BACKGROUND": "0"}))
+    bg = _last_json(restore_py(LOAD, mode="load", env={**env, "TEST_BACKGROUND": "1"}))
+    fg = _last_json(restore_py(LOAD, mode="load", env={**env, "TEST_BACKGROUND": "0"}))
 
     # Built on the background thread, before library() was asked; handed over, not rebuilt.
     assert bg["built_before_library"] is True
@@ -266,15 +252,15 @@ last_json({**result, "launches": cuda.standin_graph_launches(), "execs": cuda.st
 """
 
 
-def test_damaged_blob_is_refused_before_any_launch(run_py, tmp_path: Path) -> None:
+def test_damaged_blob_is_refused_before_any_launch(restore_py, tmp_path: Path) -> None:
     store = tmp_path / "store"
-    _save(run_py, store)
+    _save(restore_py, store)
     blob = max((store / "blobs").iterdir(), key=lambda p: p.stat().st_size)
     data = bytearray(blob.read_bytes())
     data[len(data) // 3] ^= 0x40
     blob.write_bytes(bytes(data))
 
-    r = _last_json(run_py(DAMAGED, mode="load", env={"TEST_STORE": store.as_uri()}))
+    r = _last_json(restore_py(DAMAGED, mode="load", env={"TEST_STORE": store.as_uri()}))
     # The largest blob is the graph table: open() reads only the manifest and the allocation
     # log, the background thread finds the damage and library() refuses with it.
     assert r["refused_in"] == "library", r
@@ -294,7 +280,7 @@ READERS = {"native": {}, "python": {"EMBER_NATIVE_READ": "0"}}  # libember's rea
 
 @pytest.mark.parametrize("reader", sorted(READERS))
 def test_a_damaged_image_the_first_template_does_not_need_still_refuses_before_the_hand_over(
-    run_py, tmp_path: Path, reader: str
+    restore_py, tmp_path: Path, reader: str
 ) -> None:
     """The first key's images are read first and its template builds while the reader thread
     goes on with the rest: damage found there refuses the archive all the same, before any
@@ -302,7 +288,7 @@ def test_a_damaged_image_the_first_template_does_not_need_still_refuses_before_t
     from ember.archive import bundle
 
     store = tmp_path / "store"
-    _save(run_py, store, **SMALL)
+    _save(restore_py, store, **SMALL)
     arc = bundle.open_archive(store.as_uri())
     last = arc.manifest.engine["image_order"][-1]  # first used after graph 0 (execution order)
     image = next(k for k in arc.manifest.kernel_images if k.content_hash == last)
@@ -311,7 +297,7 @@ def test_a_damaged_image_the_first_template_does_not_need_still_refuses_before_t
     data[len(data) // 2] ^= 0x40
     blob.write_bytes(bytes(data))
 
-    r = _last_json(run_py(DAMAGED, mode="load", env={"TEST_STORE": store.as_uri(), **SMALL, **READERS[reader]}))
+    r = _last_json(restore_py(DAMAGED, mode="load", env={"TEST_STORE": store.as_uri(), **SMALL, **READERS[reader]}))
     assert r["refused_in"] == "library" and r["stage"] == "load", r
     assert r["reason"].startswith("archive damaged") and repr(image.blob) in r["reason"], r
     assert "cuLibraryLoadData" in r["calls"]   # the first key's images were loaded meanwhile
@@ -331,15 +317,15 @@ last_json(result)
 """
 
 
-def test_compat_mismatch_is_refused_before_any_blob_is_read(run_py, tmp_path: Path) -> None:
+def test_compat_mismatch_is_refused_before_any_blob_is_read(restore_py, tmp_path: Path) -> None:
     store = tmp_path / "store"
-    _save(run_py, store, TEST_FOREIGN_GPU="1")
+    _save(restore_py, store, TEST_FOREIGN_GPU="1")
     blobs = list((store / "blobs").iterdir())
     assert blobs
     for blob in blobs:  # only the manifest is left: reading any blob would fail
         blob.unlink()
 
-    r = _last_json(run_py(FOREIGN, mode="load", env={"TEST_STORE": store.as_uri()}))
+    r = _last_json(restore_py(FOREIGN, mode="load", env={"TEST_STORE": store.as_uri()}))
     assert r["refused"] and r["stage"] == "compat", r
     assert r["reason"].startswith("compatibility key differs")
     assert "gpu_name: archive='NVIDIA H100 80GB HBM3' here='Stand-in GPU'" in r["reason"]
@@ -367,21 +353,21 @@ last_json(result)
 """
 
 
-def _saved(run_py, tmp_path: Path) -> dict[str, str]:
+def _saved(restore_py, tmp_path: Path) -> dict[str, str]:
     """SAVE into a fresh store; the env a LOAD snippet reads it with."""
     store = tmp_path / "store"
-    _save(run_py, store)
+    _save(restore_py, store)
     return {"TEST_STORE": store.as_uri()}
 
 
-def test_engine_check_sees_the_facts_and_refuses_before_the_allocation_log(run_py, tmp_path: Path) -> None:
-    env = _saved(run_py, tmp_path)
-    ok = _last_json(run_py(ACCEPT, mode="load", env=env))
+def test_engine_check_sees_the_facts_and_refuses_before_the_allocation_log(restore_py, tmp_path: Path) -> None:
+    env = _saved(restore_py, tmp_path)
+    ok = _last_json(restore_py(ACCEPT, mode="load", env=env))
     assert ok["accepted"][0] == "sizing" and ok["accepted"][1]  # what accept() returned, kept
     assert ok["first_import"] != True  # noqa: E712 - accepted: open() imported the log itself
     # The engine's attachments are put in place first (vLLM's compile cache, which accept looks for).
     assert ok["order"] == [["attached", "EMBREMBR"], ["accept"]]
-    refused = _last_json(run_py(ACCEPT, mode="load", env={**env, "TEST_REFUSE": "1"}))
+    refused = _last_json(restore_py(ACCEPT, mode="load", env={**env, "TEST_REFUSE": "1"}))
     assert refused["stage"] == "compat" and refused["refused"] == "archive is not for this engine"
     assert refused["first_import"] is True
 
@@ -420,9 +406,9 @@ last_json(seen)
 """
 
 
-def test_a_key_switched_to_gets_a_dedicated_exec_that_serves_it_from_then_on(run_py, tmp_path: Path) -> None:
-    env = {**_saved(run_py, tmp_path), "EMBER_DEDICATE": "0"}  # only the keys switched to
-    r = _last_json(run_py(POLICY, mode="load", env=env))
+def test_a_key_switched_to_gets_a_dedicated_exec_that_serves_it_from_then_on(restore_py, tmp_path: Path) -> None:
+    env = {**_saved(restore_py, tmp_path), "EMBER_DEDICATE": "0"}  # only the keys switched to
+    r = _last_json(restore_py(POLICY, mode="load", env=env))
     base = r["execs"]  # the templates
     assert r["first"] == {"exec": "template", "updates": 1, "execs": r["first"]["execs"]}
     assert r["pending_after_settle"] == 0
@@ -436,7 +422,7 @@ def test_a_key_switched_to_gets_a_dedicated_exec_that_serves_it_from_then_on(run
     assert r["after_reset_settled"] == {"exec": "other", "updates": 1, "execs": base + 1}
 
     # With dedication off, the template serves every step.
-    off = _last_json(run_py(POLICY, mode="load", env={**env, "TEST_HOT_AFTER": "0"}))
+    off = _last_json(restore_py(POLICY, mode="load", env={**env, "TEST_HOT_AFTER": "0"}))
     assert off["second"] == {"exec": "template", "updates": 1, "execs": off["execs"]}
     assert off["third"] == off["second"]
 
@@ -493,15 +479,15 @@ last_json({"ready_before_serving": ready, "execs_before_serving": execs,
 
 
 def test_own_execs_start_with_serving_or_once_the_templates_are_built_when_told(
-    run_py, tmp_path: Path
+    restore_py, tmp_path: Path
 ) -> None:
     """By default the own execs wait until serving starts (library()): a cold pod's model build
     is not slowed by them. EMBER_DEDICATE_EARLY=1 starts them once the templates are built,
     before the model is."""
-    env = _saved(run_py, tmp_path)
-    early = _last_json(run_py(EARLY, mode="load", env={**env, "EMBER_DEDICATE_EARLY": "1"}))
+    env = _saved(restore_py, tmp_path)
+    early = _last_json(restore_py(EARLY, mode="load", env={**env, "EMBER_DEDICATE_EARLY": "1"}))
     assert early["ready_before_serving"] is True and early["execs_before_serving"] > 0
-    late = _last_json(run_py(EARLY, mode="load", env=env))
+    late = _last_json(restore_py(EARLY, mode="load", env=env))
     assert late["ready_before_serving"] is False and late["execs_before_serving"] == 0
     assert late["ready"] and early["ready"] and early["execs"] == late["execs"] > 0
 
@@ -542,12 +528,12 @@ last_json({"calls": calls, "groups": len(lib.groups), "templates": [g.template f
 """
 
 
-def test_templates_after_the_first_are_launchable_one_batch_at_a_time(run_py, tmp_path: Path) -> None:
+def test_templates_after_the_first_are_launchable_one_batch_at_a_time(restore_py, tmp_path: Path) -> None:
     """A key whose template is built early need not wait for the last template: each batch is
     ready (built and uploaded) without waiting for the next one's build (EMBER_UPLOAD_BEHIND=1: it
     uploads on its own thread meanwhile)."""
-    env = {**_saved(run_py, tmp_path), "EMBER_DEDICATE": "0"}
-    r = _last_json(run_py(BATCHES, mode="load", env=env))
+    env = {**_saved(restore_py, tmp_path), "EMBER_DEDICATE": "0"}
+    r = _last_json(restore_py(BATCHES, mode="load", env=env))
     assert r["groups"] == GROUPS
     # the second and third templates: built after the first, and after each other was ready
     assert r["calls"] == [[0], [0, 1]]
@@ -558,7 +544,7 @@ def test_templates_after_the_first_are_launchable_one_batch_at_a_time(run_py, tm
     assert on[first] == "ember-reconstruct" and all(on[t] == "ember-prepare" for t in rest)
     # uploaded where it was built, then one by one on the uploader's thread, each in turn
     assert r["uploaded_on"] == [["ember-reconstruct", 1]] * 3  # in line by default
-    behind = _last_json(run_py(BATCHES, mode="load", env={**env, "EMBER_UPLOAD_BEHIND": "1"}))
+    behind = _last_json(restore_py(BATCHES, mode="load", env={**env, "EMBER_UPLOAD_BEHIND": "1"}))
     assert behind["calls"] == r["calls"]
     assert behind["uploaded_on"] == [["ember-reconstruct", 1], ["ember-upload", 1], ["ember-upload", 1]]
 
@@ -589,10 +575,10 @@ last_json({"n": len(got), "same": got[0] is got[1] is lib._prepared[i]})
 """
 
 
-def test_a_graph_prepared_by_two_threads_at_once_is_one_object(run_py, tmp_path: Path) -> None:
+def test_a_graph_prepared_by_two_threads_at_once_is_one_object(restore_py, tmp_path: Path) -> None:
     """The pool prepares ahead while a launch may prepare the same graph: both get the first."""
-    env = {**_saved(run_py, tmp_path), "EMBER_DEDICATE": "0"}
-    r = _last_json(run_py(RACE, mode="load", env=env))
+    env = {**_saved(restore_py, tmp_path), "EMBER_DEDICATE": "0"}
+    r = _last_json(restore_py(RACE, mode="load", env=env))
     assert r == {"n": 2, "same": True}
 
 
@@ -625,12 +611,12 @@ last_json({"pending": pending, "events": events})
 
 
 def test_a_template_is_not_launched_before_its_upload_behind_the_builder_is_done(
-    run_py, tmp_path: Path
+    restore_py, tmp_path: Path
 ) -> None:
     """A launch (or exec update) racing the exec's upload on another stream is undefined: a key
     whose template is built but still uploading waits for the upload."""
-    env = {**_saved(run_py, tmp_path), "EMBER_DEDICATE": "0", "EMBER_UPLOAD_BEHIND": "1"}
-    r = _last_json(run_py(UPLOAD_RACE, mode="load", env=env))
+    env = {**_saved(restore_py, tmp_path), "EMBER_DEDICATE": "0", "EMBER_UPLOAD_BEHIND": "1"}
+    r = _last_json(restore_py(UPLOAD_RACE, mode="load", env=env))
     assert r["pending"] is True  # the launch came while the upload was under way
     assert r["events"] == ["uploaded", "launched"]
 
@@ -661,21 +647,21 @@ last_json({"before": before, **seen, "after": sys.getswitchinterval()})
 
 
 def test_background_work_runs_with_a_short_switch_interval_and_restores_the_engines(
-    run_py, tmp_path: Path
+    restore_py, tmp_path: Path
 ) -> None:
     """The reconstruction and the own execs run while the engine's thread holds the GIL: each
     of their thousands of GIL hand-backs waits at most the switch interval (ember/runtime/gil.py)."""
-    env = _saved(run_py, tmp_path)
-    r = _last_json(run_py(SWITCH, mode="load", env=env))
+    env = _saved(restore_py, tmp_path)
+    r = _last_json(restore_py(SWITCH, mode="load", env=env))
     assert r["reconstruct"] == r["dedicate"] == pytest.approx(200e-6)
     assert r["before"] == r["after"] == pytest.approx(0.005)
-    off = _last_json(run_py(SWITCH, mode="load", env={**env, "EMBER_SWITCH_INTERVAL_US": "0"}))
+    off = _last_json(restore_py(SWITCH, mode="load", env={**env, "EMBER_SWITCH_INTERVAL_US": "0"}))
     assert off["reconstruct"] == off["dedicate"] == off["after"] == pytest.approx(0.005)
 
 
-def test_every_key_gets_its_own_exec_in_need_order_within_the_memory_cap(run_py, tmp_path: Path) -> None:
-    env = _saved(run_py, tmp_path)
-    r = _last_json(run_py(OWN_EXECS, mode="load", env=env))
+def test_every_key_gets_its_own_exec_in_need_order_within_the_memory_cap(restore_py, tmp_path: Path) -> None:
+    env = _saved(restore_py, tmp_path)
+    r = _last_json(restore_py(OWN_EXECS, mode="load", env=env))
     keys, order = [tuple(k) for k in r["keys"]], r["order"]
     assert [keys[i] for i in order] == sorted(keys)  # need order: smallest first
     rank = {i: n for n, i in enumerate(order)}
@@ -699,7 +685,7 @@ def test_every_key_gets_its_own_exec_in_need_order_within_the_memory_cap(run_py,
     on = {int(i): name for i, name in r["prepared_on"].items()}
     assert {on[i] for i in others[:2]} == {"ember-dedicate"} and on[others[2]] == "ember-prepare"
 
-    capped = _last_json(run_py(OWN_EXECS, mode="load", env={**env, "EMBER_EXEC_MEMORY_MB": "2"}))
+    capped = _last_json(restore_py(OWN_EXECS, mode="load", env={**env, "EMBER_EXEC_MEMORY_MB": "2"}))
     st = capped["stats"]
     assert st["execs"] == 2 and st["bytes"] == 2 << 20  # one batch of two, then the cap
     assert sorted(map(int, capped["own"])) == sorted(others[:2])  # the first needed ones
@@ -707,19 +693,19 @@ def test_every_key_gets_its_own_exec_in_need_order_within_the_memory_cap(run_py,
     assert capped["updates"] == len(others) - 2  # the rest ride their templates
 
 
-def test_signed_archive_loads_and_a_bad_signature_is_refused_before_any_blob(run_py, tmp_path: Path) -> None:
+def test_signed_archive_loads_and_a_bad_signature_is_refused_before_any_blob(restore_py, tmp_path: Path) -> None:
     from ember.archive import signing
 
     key, other = (signing.Ed25519PrivateKey.generate() for _ in range(2))
     key_file = tmp_path / "signing-key.pem"
     key_file.write_bytes(signing.private_key_pem(key))
     store = tmp_path / "store"
-    _save(run_py, store, EMBER_SIGNING_KEY=str(key_file))  # SAVE signs through publish.write
+    _save(restore_py, store, EMBER_SIGNING_KEY=str(key_file))  # SAVE signs through publish.write
     assert list(store.glob("archives/*/manifest.sig"))
 
     def load(*trusted: signing.Ed25519PrivateKey) -> dict:
         keys = signing.trusted_keys_json([(f"k{i}", signing.public_key_text(k)) for i, k in enumerate(trusted)])
-        return _last_json(run_py(FOREIGN, mode="load", env={"TEST_STORE": store.as_uri(),
+        return _last_json(restore_py(FOREIGN, mode="load", env={"TEST_STORE": store.as_uri(),
                                                              "EMBER_TRUSTED_KEYS": keys}))
 
     ok = load(other, key)  # rotation: either trusted key will do
@@ -780,11 +766,11 @@ SMALL = {"TEST_NODES": "40", "TEST_IMAGE_PER_KERNEL": "1", "EMBER_DEDICATE": "0"
 
 @pytest.mark.parametrize("reader", sorted(READERS))
 def test_the_first_template_waits_only_for_its_own_kernels_and_their_images(
-    run_py, tmp_path: Path, reader: str
+    restore_py, tmp_path: Path, reader: str
 ) -> None:
     store = tmp_path / "store"
-    _save(run_py, store, **SMALL)
-    r = _last_json(run_py(NEED, mode="load", env={"TEST_STORE": store.as_uri(), **SMALL, **READERS[reader]}))
+    _save(restore_py, store, **SMALL)
+    r = _last_json(restore_py(NEED, mode="load", env={"TEST_STORE": store.as_uri(), **SMALL, **READERS[reader]}))
     first = r["used"][0]  # graph (1,): the first needed key, its group's template
     assert 0 < len(first) < r["kernels"]
     tm = r["timings"]
@@ -812,15 +798,15 @@ def test_the_first_template_waits_only_for_its_own_kernels_and_their_images(
 
 
 def test_a_child_graphs_kernel_past_the_first_keys_images_does_not_stall_the_reader(
-    run_py, tmp_path: Path
+    restore_py, tmp_path: Path
 ) -> None:
     """A child graph's kernels are not in its parent's chunk, so the first key's images the
     reader reads first are its parent's: the first template may need an image the reader holds
     back (here the child's is last). Looking it up lets the reader go on; the archive restores."""
     env = {**SMALL, "TEST_CHILD_GRAPHS": "1"}
     store = tmp_path / "store"
-    _save(run_py, store, **env)
-    r = _last_json(run_py(NEED, mode="load", env={"TEST_STORE": store.as_uri(), **env}))
+    _save(restore_py, store, **env)
+    r = _last_json(restore_py(NEED, mode="load", env={"TEST_STORE": store.as_uri(), **env}))
     assert "refused" not in r, r.get("refused")
     tm = r["timings"]
     # the synthetic child graph's kernel (1): not the parent's, its image past the first key's
@@ -829,19 +815,19 @@ def test_a_child_graphs_kernel_past_the_first_keys_images_does_not_stall_the_rea
     assert set(r["launched"].values()) == {"ok"}
 
 
-def test_a_kernel_missing_from_its_image(run_py, tmp_path: Path) -> None:
+def test_a_kernel_missing_from_its_image(restore_py, tmp_path: Path) -> None:
     """In the first template: the archive is refused before the hand-over (the engine captures).
     In a later one: the first keys are served; that group's template fails on the background
     thread (reported), and its keys raise at launch, naming the kernel; the other groups serve."""
     store = tmp_path / "first"
-    _save(run_py, store, **SMALL, TEST_MISSING="first")
-    r = _last_json(run_py(NEED, mode="load", env={"TEST_STORE": store.as_uri(), **SMALL}))
+    _save(restore_py, store, **SMALL, TEST_MISSING="first")
+    r = _last_json(restore_py(NEED, mode="load", env={"TEST_STORE": store.as_uri(), **SMALL}))
     assert r["stage"] == "load" and r["refused"].startswith("kernel not found after preload")
     assert "_gone" in r["refused"] and "function: function:" not in r["refused"]  # named once
 
     store = tmp_path / "later"
-    _save(run_py, store, **SMALL, TEST_MISSING="later")
-    r = _last_json(run_py(NEED, mode="load", env={"TEST_STORE": store.as_uri(), **SMALL}))
+    _save(restore_py, store, **SMALL, TEST_MISSING="later")
+    r = _last_json(restore_py(NEED, mode="load", env={"TEST_STORE": store.as_uri(), **SMALL}))
     assert "refused" not in r
     assert "(5,): EmberError" in r["timings"]["templates_failed"] and "_gone" in r["timings"]["templates_failed"]
     bad = {k: v for k, v in r["launched"].items() if v != "ok"}

@@ -18,24 +18,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 SIZES = (1, 2, 4, 8, 16, 24, 32, 64)  # six topologies (ember_bench.synthetic.synthetic_chains)
 
 
-@pytest.fixture(scope="module")
-def standin(bindings_standin):
-    """The stand-in driver with what cuda.bindings needs (tests/native/standin/bindings_shim.c)."""
-    return bindings_standin
-
-
 COMMON = f"""
-import types
-torch = types.ModuleType("torch")          # what compat.current() reads of torch, nothing more
-torch.__version__ = "0.0+standin"
-torch.version = types.SimpleNamespace(cuda="13.0")
-sys.modules["torch"] = torch
-from cuda.bindings import driver as cu
 from ember.archive import graph_table as F
 from ember.archive.graphs import GraphSet, KernelRef
 from ember.identity import ArchiveIdentity
@@ -129,16 +115,16 @@ def _json(proc) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _saved(run_py, tmp_path: Path, **env: str) -> dict[str, str]:
+def _saved(restore_py, tmp_path: Path, **env: str) -> dict[str, str]:
     store = {"TEST_STORE": (tmp_path / "store").as_uri()}
-    saved = _json(run_py(SAVE, mode="save", env={**store, "EMBER_UNION_TEMPLATES": "1", **env}))
+    saved = _json(restore_py(SAVE, mode="save", env={**store, "EMBER_UNION_TEMPLATES": "1", **env}))
     assert saved["unions"] == 1
     return store
 
 
-def test_one_union_exec_serves_every_key_as_its_own_graph(run_py, tmp_path: Path) -> None:
-    env = {**_saved(run_py, tmp_path), "EMBER_DEDICATE": "0"}
-    r = _json(run_py(LOAD, mode="load", env=env))
+def test_one_union_exec_serves_every_key_as_its_own_graph(restore_py, tmp_path: Path) -> None:
+    env = {**_saved(restore_py, tmp_path), "EMBER_DEDICATE": "0"}
+    r = _json(restore_py(LOAD, mode="load", env=env))
     assert r["first_own"] and r["first_launchable"]  # handed over on the first key's own exec
     assert r["groups"] == [[len(SIZES), True]] and r["template_execs"] == 1 and r["failed"] == []
     assert r["same"] == [True] * (len(SIZES) + 3)
@@ -146,24 +132,26 @@ def test_one_union_exec_serves_every_key_as_its_own_graph(run_py, tmp_path: Path
     assert r["enable_calls"] > 0
 
 
-def test_every_key_gets_its_own_exec_behind_the_union(run_py, tmp_path: Path) -> None:
-    r = _json(run_py(LOAD, mode="load", env=_saved(run_py, tmp_path)))
+def test_every_key_gets_its_own_exec_behind_the_union(restore_py, tmp_path: Path) -> None:
+    r = _json(restore_py(LOAD, mode="load", env=_saved(restore_py, tmp_path)))
     assert r["same"] == [True] * (len(SIZES) + 3)
     assert r["own"] == [True] * len(SIZES) and r["dedicate_failed"] == []
 
 
-def test_without_unions_the_topology_groups_serve(run_py, tmp_path: Path) -> None:
-    env = {**_saved(run_py, tmp_path), "EMBER_DEDICATE": "0", "EMBER_UNION_TEMPLATES": "0"}
-    r = _json(run_py(LOAD, mode="load", env=env))
+def test_without_unions_the_topology_groups_serve(restore_py, tmp_path: Path) -> None:
+    env = {**_saved(restore_py, tmp_path), "EMBER_DEDICATE": "0", "EMBER_UNION_TEMPLATES": "0"}
+    r = _json(restore_py(LOAD, mode="load", env=env))
     assert len(r["groups"]) > 1 and not any(union for _, union in r["groups"])
     assert r["template_execs"] == len(r["groups"]) and r["same"] == [True] * (len(SIZES) + 3)
     assert r["enable_calls"] == 0
 
 
-def test_a_union_the_driver_refuses_gives_its_members_back_to_their_groups(run_py, tmp_path: Path) -> None:
+def test_a_union_the_driver_refuses_gives_its_members_back_to_their_groups(
+    restore_py, tmp_path: Path
+) -> None:
     # the union template (63 nodes) is the largest graph (48-51): the stand-in refuses it alone
-    env = {**_saved(run_py, tmp_path), "EMBER_DEDICATE": "0", "STANDIN_FAIL_INSTANTIATE_ABOVE": "60"}
-    r = _json(run_py(LOAD, mode="load", env=env))
+    env = {**_saved(restore_py, tmp_path), "EMBER_DEDICATE": "0", "STANDIN_FAIL_INSTANTIATE_ABOVE": "60"}
+    r = _json(restore_py(LOAD, mode="load", env=env))
     assert r["first_own"] and any("union of" in f for f in r["failed"])
     groups = [g for g in r["groups"] if not g[1]]
     assert sum(n for n, _ in groups) == len(SIZES) and r["template_execs"] == len(groups)
@@ -191,9 +179,9 @@ last_json(out)
 """
 
 
-def test_a_member_that_does_not_match_its_slot_is_never_switched_in(run_py, tmp_path: Path) -> None:
-    env = {**_saved(run_py, tmp_path, TEST_FORGE="1"), "EMBER_DEDICATE": "0"}
-    r = _json(run_py(FORGED, mode="load", env=env))
+def test_a_member_that_does_not_match_its_slot_is_never_switched_in(restore_py, tmp_path: Path) -> None:
+    env = {**_saved(restore_py, tmp_path, TEST_FORGE="1"), "EMBER_DEDICATE": "0"}
+    r = _json(restore_py(FORGED, mode="load", env=env))
     assert r["groups"] == [[len(SIZES), True]] and r["failed"] == []
     assert "does not match its union slot" in r["through_union"]
     assert not r["own_before"] and r["own"] and r["others_same"] == [True] * (len(SIZES) - 1)
