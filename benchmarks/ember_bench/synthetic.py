@@ -133,15 +133,17 @@ def _graph(batch: int, g: int, plan: _Plan, weights: list[int], child_graphs: bo
     return Graph((batch,), nodes, edges)
 
 
-def synthetic_chains(sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 64), layers: int = 4,
+def synthetic_chains(sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64), layers: int = 4,
                      seed: int = 0) -> GraphSet:
     """Decode chains shaped like an eager Llama capture on an H100, one per batch size: per layer
     norm, QKV GEMM, rope, cache write, attention (4 kernels), output GEMM, residual add, norm, up
     GEMM, activation, gate multiply, down GEMM, residual add, chained by plain edges. The sizes
     differ the way cuBLAS makes them differ: the GEMMs' cluster dimension changes with the batch
     (2 below 16, else 4; the up GEMM 1 from 32), small batches add a split-K reduction after the
-    output GEMM, and a few sizes zero a workspace first (a memset). So the graphs fall into
-    several topology groups but chain into one union."""
+    output GEMM, and a few sizes zero a workspace before the up GEMM (a memset). Every size zeroes
+    the attention's workspace (a memset all share). So the graphs fall into several topology
+    groups and, but for the sizes with the extra memset (a union's memsets are common to all its
+    members, ember.archive.union), chain into one union."""
     rng = random.Random(seed)
     images = list(synthetic_images())
     names = ["norm", "qkv", "rope", "cache", "mask", "attn", "softmax", "pv", "oproj", "reduce", "add",
@@ -162,6 +164,8 @@ def synthetic_chains(sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 64), laye
             for k, name in enumerate(names):
                 if name == "reduce" and b > 4:
                     continue
+                if name == "attn":
+                    nodes.append(Node(NodeType.MEMSET, MemsetParams(act + 0xA000, 0, 0, 4, 16 * b, 1)))
                 if name == "up" and b in (24, 40, 56):
                     nodes.append(Node(NodeType.MEMSET, MemsetParams(act + 0x9000, 0, 0, 4, 64 * b, 1)))
                 attrs = {}

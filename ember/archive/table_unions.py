@@ -31,7 +31,8 @@ class UnionInfo:
 
 def read_unions(table: Any, unio: np.ndarray, umem: np.ndarray, uslt: np.ndarray) -> list[UnionInfo]:
     """The union templates and their members, checked: each member's slots rise strictly, lie in
-    the template and hold nodes of the member's types (FormatError otherwise)."""
+    the template and hold nodes of the member's types, and only kernel slots are optional
+    (ember.archive.union: a disabled memset is not inert); FormatError otherwise."""
     if not len(unio):
         return []
     rows = unio["graph"].astype(np.int64)
@@ -55,8 +56,11 @@ def read_unions(table: Any, unio: np.ndarray, umem: np.ndarray, uslt: np.ndarray
         runs, counts = {id(r): r for _, r in members[u]}, Counter(id(r) for _, r in members[u])
         for key, run in runs.items():
             uses[run] += counts[key]
+        optional = np.nonzero(uses < len(members[u]))[0]
+        if (table.node_types(row, row=True)[optional] != _KERNEL).any():
+            raise FormatError(f"graph table index: union {u} leaves a memset or memcpy node out of a member")
         out.append(UnionInfo(u, row, tuple(i for i, _ in members[u]), tuple(r for _, r in members[u]),
-                             len(uses), np.nonzero(uses < len(members[u]))[0]))
+                             len(uses), optional))
     return out
 
 

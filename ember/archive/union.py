@@ -6,13 +6,18 @@ or one extra node (a split-K reduction, a memset) differs. Instantiating 25 temp
 LOAD's driver time. A union template is one chain that holds every node of several chains: a
 common supersequence of their node classes (`topology.node_class`: what exec update cannot
 change). A member runs on it with its own parameters in its slots and every other slot disabled
-(`cuGraphNodeSetEnabled`: a disabled kernel, memset or memcpy node is an empty node, and the
-chain keeps the order of what is left).
+(`cuGraphNodeSetEnabled`: a disabled kernel node is an empty node, and the chain keeps the order
+of what is left).
 
 Only chains qualify: every edge is (i, i + 1) with default edge data, and every node is a kernel,
-memset or memcpy node (the types a node can be disabled as). Anything else stays in its topology
-group. A union grows only while it stays within `MAX_GROWTH` times its longest member: a union
-made of very different chains would launch more disabled nodes than it saves instantiations.
+memset or memcpy node. Anything else stays in its topology group. Only kernel slots may be
+optional: memset and memcpy nodes are anchors that every member of a union has, in the same
+order, and the merge aligns the kernels between them. The driver documents a disabled memset as
+an empty node, but on an H200 (driver 580.159) a disabled 4-byte memset still wrote its
+destination, which in another member's graph is live memory (benchmarks/diag/
+diag_union_members.py: the members it broke passed once those memset nodes were removed). A
+union grows only while it stays within `MAX_GROWTH` times its longest member: a union made of
+very different chains would launch more disabled nodes than it saves instantiations.
 
 Pure Python, no CUDA. SAVE computes the unions (`union_groups`), the graph table stores each
 union template as a graph of its own plus every member's slot map, and LOAD instantiates the
@@ -30,7 +35,8 @@ from ember.archive.topology import node_class
 
 MAX_GROWTH = 1.5  # a union's length over its longest member's, at most
 MAX_EDITS = 4096  # insertions + deletions one merge may need (Myers' diff stops beyond)
-_DISABLEABLE = frozenset({NodeType.KERNEL, NodeType.MEMSET, NodeType.MEMCPY})
+_CHAIN_NODES = frozenset({NodeType.KERNEL, NodeType.MEMSET, NodeType.MEMCPY})
+OPTIONAL_NODES = frozenset({NodeType.KERNEL})  # the only type a member may lack (module doc)
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,7 @@ def not_a_chain(graph: Graph) -> str:
     n = len(graph.nodes)
     if n == 0:
         return "no nodes"
-    bad = [i for i, node in enumerate(graph.nodes) if node.type not in _DISABLEABLE]
+    bad = [i for i, node in enumerate(graph.nodes) if node.type not in _CHAIN_NODES]
     if bad:
         return f"node {bad[0]} is a {NodeType(graph.nodes[bad[0]].type).name} node, which cannot be disabled"
     if len(graph.edges) != n - 1:
@@ -144,6 +150,36 @@ def supersequence(
     return merged, amap, bmap
 
 
+def anchored_supersequence(
+    a: Sequence[int], b: Sequence[int], anchors: frozenset[int] | set[int], max_edits: int = MAX_EDITS
+) -> tuple[list[int], list[int], list[int]] | None:
+    """`supersequence` in which every element of `anchors` is common to a and b: None unless both
+    hold the same anchors in the same order. The parts between anchors are merged one by one."""
+    ia = [i for i, t in enumerate(a) if t in anchors]
+    ib = [j for j, t in enumerate(b) if t in anchors]
+    if [a[i] for i in ia] != [b[j] for j in ib]:
+        return None
+    merged: list[int] = []
+    amap: list[int] = []
+    bmap: list[int] = []
+    pa = pb = 0
+    for x, y in [*zip(ia, ib, strict=True), (len(a), len(b))]:
+        found = supersequence(a[pa:x], b[pb:y], max_edits)
+        if found is None:
+            return None
+        part, pmap, qmap = found
+        max_edits -= 2 * len(part) - (x - pa) - (y - pb)  # the insertions and deletions it took
+        amap += [len(merged) + s for s in pmap]
+        bmap += [len(merged) + s for s in qmap]
+        merged += part
+        if x < len(a):  # the anchor itself: one slot for both
+            amap.append(len(merged))
+            bmap.append(len(merged))
+            merged.append(a[x])
+        pa, pb = x + 1, y + 1
+    return merged, amap, bmap
+
+
 @dataclass
 class _Union:
     classes: list[int]
@@ -151,12 +187,12 @@ class _Union:
     members: dict[int, list[int]] = field(default_factory=dict)  # graph index -> its slots
     longest: int = 0
 
-    def merge(self, g: int, seq: list[int], max_growth: float) -> bool:
+    def merge(self, g: int, seq: list[int], max_growth: float, anchors: set[int]) -> bool:
         longest = max(self.longest, len(seq))
         budget = int(2 * max_growth * longest) - len(self.classes) - len(seq)  # see module doc
         if budget < 0:
             return False
-        found = supersequence(self.classes, seq, min(budget, MAX_EDITS))
+        found = anchored_supersequence(self.classes, seq, anchors, min(budget, MAX_EDITS))
         if found is None or len(found[0]) > max_growth * longest:
             return False
         merged, amap, bmap = found
@@ -181,17 +217,19 @@ def union_groups(
     topology group serves it already. Members keep input order."""
     ids: dict[bytes, int] = {}
     unions: list[_Union] = []
+    anchors: set[int] = set()  # classes every member must have (not OPTIONAL_NODES)
     seen: dict[tuple[int, ...], tuple[_Union, int]] = {}  # a topology met before: same slots
     for g in order if order is not None else range(len(graphs)):
         if not_a_chain(graphs[g]):
             continue
         seq = [ids.setdefault(node_class(nd, function_attrs), len(ids)) for nd in graphs[g].nodes]
+        anchors.update(c for c, nd in zip(seq, graphs[g].nodes, strict=True) if nd.type not in OPTIONAL_NODES)
         if (hit := seen.get(tuple(seq))) is not None:
             u, like = hit
             u.members[g] = list(u.members[like])
             continue
         for u in unions:
-            if u.merge(g, seq, max_growth):
+            if u.merge(g, seq, max_growth, anchors):
                 break
         else:
             u = _Union(list(seq), [(g, j) for j in range(len(seq))], {g: list(range(len(seq)))}, len(seq))

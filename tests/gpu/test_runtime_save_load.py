@@ -64,14 +64,16 @@ def test_save_then_load_in_fresh_perturbed_process(workload: str, store: str) ->
     assert goal, (r["tokens_verdict"], r["tokens_first_divergence"])
 
 
-UNION_SIZES = "1,2,4,8,16,24,32,48,64,128"  # cuBLAS picks GEMMs of several topologies among these
+# cuBLAS picks GEMMs of several topologies among these: the small sizes on an H100, the large on an H200
+UNION_SIZES = "1,2,4,8,16,24,32,48,64,128,280,304,312,320,344,384"
 
 
 def test_union_templates_serve_every_size_bit_identical(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SAVE with union templates (EMBER_UNION_TEMPLATES=1): one exec serves every size through
-    exec update + disabled slots, proven by SAVE; LOAD's outputs and tokens match SAVE's."""
+    """SAVE with union templates (EMBER_UNION_TEMPLATES=1): one exec serves sizes of several
+    topologies through exec update + disabled kernel slots, proven by SAVE; LOAD's outputs and
+    tokens match SAVE's."""
     _need_lib()
     from ember_bench.graphs import _tokens_goal, bench_one
 
@@ -81,7 +83,7 @@ def test_union_templates_serve_every_size_bit_identical(
     assert not r.get("union_templates_dropped"), r["union_templates_dropped"]  # their proof failed
     if not r.get("union_templates"):
         pytest.skip(f"these sizes share one topology on this GPU: nothing to unite ({r.get('proof_notes')})")
-    assert r["union_templates"] == 1 and r["groups"] == 1, (r["groups"], r.get("proof_notes"))
+    assert r["union_templates"] >= 1 and r["groups"] < len(UNION_SIZES.split(",")), r["groups"]
     unstable = set(r.get("native_nondeterministic") or {})
     assert set(r["outputs_identical_vs_save"]["differ"]) <= unstable, r["outputs_identical_vs_save"]
     assert r["outputs_identical_vs_native"] >= r["graphs"] - len(unstable)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SIZES = (1, 2, 4, 8, 16, 24, 32, 64)  # six topologies (ember_bench.synthetic.synthetic_chains)
+SIZES = (1, 2, 4, 8, 16, 32, 48, 64)  # four topologies (ember_bench.synthetic.synthetic_chains)
 
 
 COMMON = f"""

@@ -11,7 +11,7 @@ import pytest
 import zstandard as zstd
 from typer.testing import CliRunner
 
-from ember.archive import bundle
+from ember.archive import bundle, union
 from ember.archive import graph_table as fmt
 from ember.archive.graphs import NodeType
 from ember.archive.union import union_groups
@@ -63,12 +63,12 @@ def test_graphs_outside_any_union_say_so() -> None:
     assert table.unions == [] and [table.union_of(i) for i in range(4)] == [-1] * 4
 
 
-def test_the_writer_writes_unions_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_writer_writes_unions_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
     gs = synthetic_chains()
     monkeypatch.delenv("EMBER_UNION_TEMPLATES", raising=False)
-    assert fmt.GraphTable(fmt.encode(gs)).unions == []
-    monkeypatch.setenv("EMBER_UNION_TEMPLATES", "1")
     assert len(fmt.GraphTable(fmt.encode(gs)).unions) == 1
+    monkeypatch.setenv("EMBER_UNION_TEMPLATES", "0")
+    assert fmt.GraphTable(fmt.encode(gs)).unions == []
 
 
 def test_a_table_without_union_sections_reads_as_before() -> None:
@@ -89,11 +89,17 @@ def _damaged(change: Change) -> fmt.GraphTable:
 
 
 def _another_type(s: dict[bytes, np.ndarray]) -> None:
-    """Graph 0 (slot run at 0, no memset) gets a memset's slot in place of a kernel's."""
+    """The last member's nodes from just after an optional slot up to its next memset move one slot
+    back: still in order, but the memset lands in a kernel's slot."""
     gs = synthetic_chains()
     (u,) = union_groups(gs.graphs, gs.function_attrs)
-    memset = next(i for i, n in enumerate(u.graph.nodes) if n.type == NodeType.MEMSET)
-    s[b"USLT"][next(j for j, slot in enumerate(u.slots[0]) if slot > memset)] = memset
+    m = len(u.members) - 1
+    slots, nodes = list(u.slots[m]), gs.graphs[u.members[m]].nodes
+    j = next(j for j in range(len(slots) - 1) if slots[j + 1] - slots[j] > 1)
+    jm = next(k for k in range(j + 1, len(nodes)) if nodes[k].type == NodeType.MEMSET)
+    moved = [slots[j] + 1, *slots[j + 1:jm]]
+    off = int(s[b"UMEM"][u.members[m]][1])
+    s[b"USLT"][off + j + 1:off + jm + 1] = moved
 
 
 def _field(section: bytes, name: str, value: int) -> Change:
@@ -119,6 +125,18 @@ def _field(section: bytes, name: str, value: int) -> Change:
 def test_damaged_union_sections_are_refused(change: Change, match: str) -> None:
     table = _damaged(change)
     with pytest.raises(fmt.FormatError, match=match):
+        _ = table.unions
+
+
+def test_a_union_that_leaves_a_memset_out_of_a_member_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disabled memset still writes (ember.archive.union): such a union is not read, whoever
+    wrote it."""
+    gs = synthetic_chains(sizes=(1, 24, 32))
+    monkeypatch.setattr(union, "OPTIONAL_NODES", frozenset({NodeType.KERNEL, NodeType.MEMSET}))
+    (u,) = union.union_groups(gs.graphs, gs.function_attrs)
+    assert any(u.graph.nodes[s].type == NodeType.MEMSET for s in u.optional())
+    table = fmt.GraphTable(fmt.encode(gs, unions=[u]))
+    with pytest.raises(fmt.FormatError, match="leaves a memset or memcpy node out"):
         _ = table.unions
 
 

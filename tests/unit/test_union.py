@@ -9,7 +9,7 @@ import pytest
 
 from ember.archive.graphs import Edge, EventParams, Graph, Node, NodeType
 from ember.archive.topology import group_graphs, node_class
-from ember.archive.union import not_a_chain, supersequence, union_groups
+from ember.archive.union import anchored_supersequence, not_a_chain, supersequence, union_groups
 from ember_bench.synthetic import synthetic_chains, synthetic_graphset
 
 
@@ -43,6 +43,41 @@ def test_supersequence_gives_up_past_its_edit_budget() -> None:
     assert supersequence(a, b, max_edits=99) is None
     found = supersequence(a, b, max_edits=100)
     assert found is not None and len(found[0]) == 100
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_an_anchored_supersequence_shares_every_anchor(seed: int) -> None:
+    rng = random.Random(seed)
+    anchors = [rng.choice((7, 8)) for _ in range(rng.randrange(0, 4))]
+
+    def around(marks: list[int]) -> tuple[list[int], list[list[int]]]:
+        parts = [[rng.randrange(3) for _ in range(rng.randrange(0, 8))] for _ in range(len(marks) + 1)]
+        seq = list(parts[0])
+        for mark, part in zip(marks, parts[1:], strict=True):
+            seq += [mark, *part]
+        return seq, parts
+
+    (a, pa), (b, pb) = around(anchors), around(anchors)
+    found = anchored_supersequence(a, b, {7, 8})
+    assert found is not None
+    merged, amap, bmap = found
+    assert is_embedding(a, merged, amap) and is_embedding(b, merged, bmap)
+    shared = set(amap) & set(bmap)
+    assert all(s in shared for s, t in enumerate(merged) if t in (7, 8))  # no anchor is optional
+    assert len(merged) == len(anchors) + sum(
+        len(x) + len(y) - lcs_length(x, y) for x, y in zip(pa, pb, strict=True))  # shortest such
+    if anchors:
+        assert anchored_supersequence(a, [*b, anchors[0]], {7, 8}) is None  # anchors differ
+        assert anchored_supersequence(a, b, {7, 8}, max_edits=-1) is None
+
+
+def test_members_share_every_memset_and_one_with_another_memset_stays_out() -> None:
+    gs = synthetic_chains(sizes=(1, 24, 32, 64))  # 24 zeroes a workspace the others do not
+    (u,) = union_groups(gs.graphs, gs.function_attrs)
+    assert u.members == (0, 2, 3)
+    optional = u.optional()
+    assert optional and all(u.graph.nodes[s].type == NodeType.KERNEL for s in optional)
+    assert any(n.type == NodeType.MEMSET for n in u.graph.nodes)  # the memsets all share
 
 
 def test_only_chains_of_disableable_nodes_qualify() -> None:
