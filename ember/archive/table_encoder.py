@@ -237,9 +237,9 @@ class _Encoder:
 
 
 def unions_by_default() -> bool:
-    """Whether SAVE writes union templates (EMBER_UNION_TEMPLATES=1). Off by default until the
-    union path has run on a GPU: LOAD uses the unions an archive holds either way."""
-    return os.environ.get("EMBER_UNION_TEMPLATES", "0") == "1"
+    """Whether SAVE writes union templates (default; EMBER_UNION_TEMPLATES=0 turns them off). SAVE
+    proves them and drops them when a member differs; LOAD uses those an archive holds."""
+    return os.environ.get("EMBER_UNION_TEMPLATES", "1") != "0"
 
 
 def encode(
