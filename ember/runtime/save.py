@@ -30,6 +30,7 @@ from ember.runtime.adapter import ENGINE, EngineAdapter, Refused
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.kernels import KernelResolver, LiveResolver, NativeResolver
 from ember.runtime.graphs.walk import GraphWalker
+from ember.runtime.proof.fallbacks import prove_falling_back
 from ember.runtime.proof.prove import ProofFailed, ProofReport, prove, rng_consumers
 
 
@@ -212,8 +213,8 @@ def _prove_with_cut_images(
     log: Callable[[str], None],
 ) -> tuple[ProofReport, bytes, Any, slim_images.SlimReport | None]:
     """The proof, with the kernel images cut to what the graphs use (slim_images) where libember
-    is there; should it fail with cut images, the proof again with the whole ones; should it fail
-    with union templates, again without them."""
+    is there; should it fail, again without union templates, then with the whole images
+    (proof/fallbacks.py)."""
     cut = None
     if ip is not None and slim_images.enabled():
         t = time.perf_counter()
@@ -221,22 +222,18 @@ def _prove_with_cut_images(
         cut = slim_images.slim(ip, graph_set, major * 10 + minor, log)
         d["slim_s"] = time.perf_counter() - t
     subject = adapter.proof_subject(graphs)
-    rep, table_blob, lib = prove(subject, graph_set, resolver.function_list, resolver=resolver)
-    if not rep.ok and cut is not None and cut.images:
-        # Not expected (each cut kernel's attributes were compared): the whole images then
-        log("[ember] the proof failed with the cut kernel images; proving with the whole images")
-        lib.close()
-        slim_images.undo(graph_set, cut)
-        cut = None
-        rep, table_blob, lib = prove(subject, graph_set, resolver.function_list, resolver=resolver)
-    if not rep.ok and rep.unions:
-        # the union templates are an optimisation: the topology groups' templates then
-        why = "; ".join(rep.mismatches[:2])
-        log(f"[ember] the proof failed with union templates ({why}); proving without them")
-        lib.close()
-        rep, table_blob, lib = prove(subject, graph_set, resolver.function_list, resolver=resolver,
-                                     unions=False)
-        rep.unions_dropped = why[:500]
+
+    def run(unions: bool | None) -> tuple[ProofReport, bytes, Any]:
+        return prove(subject, graph_set, resolver.function_list, resolver=resolver, unions=unions)
+
+    def undo() -> None:
+        if cut is not None:
+            slim_images.undo(graph_set, cut)
+
+    was_cut = cut is not None and bool(cut.images)
+    rep, table_blob, lib, still_cut = prove_falling_back(run, was_cut, undo, log)
+    if was_cut and not still_cut:
+        cut = None  # the whole images were published
     return rep, table_blob, lib, cut
 
 
