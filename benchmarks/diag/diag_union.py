@@ -9,7 +9,10 @@ supersequence); a key runs on it with the nodes it does not have disabled
 - whether `cuGraphExecUpdate` keeps or resets the enabled state it is given;
 - a disabled node with a cluster dimension is fine;
 - what a chain of N nodes costs to instantiate and to run, with and without disabled nodes,
-  and what one `cuGraphNodeSetEnabled` costs.
+  and what one `cuGraphNodeSetEnabled` costs;
+- which memset shapes a disabled memset node really skips: on an H200 (driver 580.159) one of
+  element size 1 and width 4 inside a Llama graph still wrote (diag_union_members.py), while
+  element size 4, width 1 here was inert.
 
     python benchmarks/diag/diag_union.py --out DIR      (needs nvcc and an sm_90 GPU)
 """
@@ -51,7 +54,8 @@ def kernel(arch: str) -> Any:
 
 
 class Chain:
-    """A chain graph: ("k", v[, cluster]) kernel nodes, ("m", value) 4-byte memsets of out."""
+    """A chain graph: ("k", v[, cluster]) kernel nodes, ("m", value[, element size, width]) memsets
+    of out (default: one 4-byte element)."""
 
     def __init__(self, func: Any, out: int, spec: list[tuple[Any, ...]], keep: list[Any]) -> None:
         self.graph = ok(cu.cuGraphCreate(0), "cuGraphCreate")
@@ -75,7 +79,8 @@ class Chain:
                     ok(cu.cuGraphKernelNodeSetAttribute(node, attr, v), "cluster attr")
             else:
                 m = cu.CUDA_MEMSET_NODE_PARAMS()
-                m.dst, m.pitch, m.value, m.elementSize, m.width, m.height = out, 0, item[1], 4, 1, 1
+                size, width = item[2:4] if len(item) > 2 else (4, 1)
+                m.dst, m.pitch, m.value, m.elementSize, m.width, m.height = out, 0, item[1], size, width, 1
                 keep.append(m)
                 ctx = ok(cu.cuCtxGetCurrent(), "ctx")
                 node = ok(cu.cuGraphAddMemsetNode(self.graph, prev, len(prev), m, ctx), "add memset")
@@ -132,6 +137,27 @@ def semantics(func: Any, out: int, stream: Any, keep: list[Any]) -> dict[str, An
     return r
 
 
+def memset_shapes(func: Any, out: int, stream: Any, keep: list[Any]) -> list[dict[str, Any]]:
+    """k → memset → k with the memset disabled, per memset shape: did the memset still write?"""
+    rows = []
+    for size, width in ((1, 4), (1, 1), (1, 64), (1, 4096), (2, 2), (2, 64), (4, 1), (4, 16), (4, 1024)):
+        value = {1: 0x05, 2: 0x0005, 4: 5}[size]
+        spec = [("k", 1), ("m", value, size, width), ("k", 2)]
+        ch = Chain(func, out, spec, keep)
+        ex = ok(cu.cuGraphInstantiate(ch.graph, 0), "instantiate")
+        set_enabled(ex, ch, [True, False, True])
+        got = run(ex, stream, out)
+        word = bytearray(expect(spec[:1], [True]).to_bytes(4, "little"))  # out after the first kernel
+        written = min(4, size * width)
+        word[:written] = (value.to_bytes(size, "little") * 4)[:written]
+        skipped = expect(spec, [True, False, True])
+        if_ran = (int.from_bytes(word, "little") * 3 + 2) & 0xFFFFFFFF
+        rows.append({"element_size": size, "width": width, "got": got, "if_skipped": skipped,
+                     "if_ran": if_ran, "inert": got == skipped})
+        ok(cu.cuGraphExecDestroy(ex), "destroy")
+    return rows
+
+
 def costs(func: Any, out: int, stream: Any, keep: list[Any], n: int, extra: int) -> dict[str, Any]:
     """Instantiate and run a chain of n nodes, and one of n + extra with the extra ones disabled."""
     base = [("k", i % 7) for i in range(n)]
@@ -177,11 +203,13 @@ def main() -> None:
     ctx = ok(cu.cuDevicePrimaryCtxRetain(dev), "retain")
     ok(cu.cuCtxSetCurrent(ctx), "set ctx")
     func = kernel(a.arch)
-    out = int(ok(cu.cuMemAlloc(64), "cuMemAlloc"))
+    out = int(ok(cu.cuMemAlloc(1 << 16), "cuMemAlloc"))
     stream = ok(cu.cuStreamCreate(0), "cuStreamCreate")
     keep: list[Any] = []
     report: dict[str, Any] = {"semantics": semantics(func, out, stream, keep)}
     print(json.dumps(report["semantics"]))
+    report["memset_shapes"] = memset_shapes(func, out, stream, keep)
+    print(json.dumps(report["memset_shapes"]))
     report["costs"] = [costs(func, out, stream, keep, 2450, extra) for extra in (0, 250, 250, 0)]
     for c in report["costs"]:
         print(json.dumps(c))
