@@ -9,8 +9,11 @@ change). A member runs on it with its own parameters in its slots and every othe
 (`cuGraphNodeSetEnabled`: a disabled kernel node is an empty node, and the chain keeps the order
 of what is left).
 
-Only chains qualify: every edge is (i, i + 1) with default edge data, and every node is a kernel,
-memset or memcpy node. Anything else stays in its topology group. Only kernel slots may be
+Only chains qualify: every edge is (i, i + 1), and every node is a kernel, memset or memcpy node.
+Anything else stays in its topology group. An edge with edge data (programmatic dependent launch,
+as cuBLAS's GEMMs on Hopper use) qualifies only with EMBER_UNION_PROGRAMMATIC=1 until a GPU run
+has proven it: the template keeps a programmatic edge only between slots every member has and
+links the same way, and makes every other edge a default one (`_edges`). Only kernel slots may be
 optional: memset and memcpy nodes are anchors that every member of a union has, in the same
 order, and the merge aligns the kernels between them. The driver documents a disabled memset as
 an empty node, but on an H200 (driver 580.159) a disabled 4-byte memset still wrote its
@@ -27,6 +30,7 @@ template once (ember.runtime.graphs.templates).
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -59,8 +63,15 @@ class UnionGroup:
         return sorted(set(range(len(self.graph.nodes))) - everyone)
 
 
-def not_a_chain(graph: Graph) -> str:
-    """Why `graph` cannot join a union ("" when it can)."""
+def programmatic_by_default() -> bool:
+    """Whether chains with programmatic edges may join unions (EMBER_UNION_PROGRAMMATIC=1): off
+    until a GPU run has proven such unions (module doc)."""
+    return os.environ.get("EMBER_UNION_PROGRAMMATIC", "0") == "1"
+
+
+def not_a_chain(graph: Graph, programmatic: bool = False) -> str:
+    """Why `graph` cannot join a union ("" when it can); `programmatic`: its edges i -> i + 1
+    may carry edge data (programmatic dependent launch) too."""
     n = len(graph.nodes)
     if n == 0:
         return "no nodes"
@@ -70,7 +81,7 @@ def not_a_chain(graph: Graph) -> str:
     if len(graph.edges) != n - 1:
         return f"{len(graph.edges)} edges for {n} nodes: not a chain"
     for i, e in enumerate(graph.edges):
-        if (e.src, e.dst) != (i, i + 1) or e.from_port or e.to_port or e.type:
+        if (e.src, e.dst) != (i, i + 1) or (not programmatic and (e.from_port or e.to_port or e.type)):
             data = f"ports {e.from_port}/{e.to_port}, type {e.type}"
             return f"edge {i} is {e.src}->{e.dst} ({data}): not a chain"
     return ""
@@ -210,17 +221,20 @@ class _Union:
 
 def union_groups(
     graphs: Sequence[Graph], function_attrs: Sequence[FunctionAttrs] = (), *,
-    order: Sequence[int] | None = None, max_growth: float = MAX_GROWTH,
+    order: Sequence[int] | None = None, max_growth: float = MAX_GROWTH, programmatic: bool | None = None,
 ) -> list[UnionGroup]:
     """Unions of the chains among `graphs`, merged in `order` (default: input order; need order
     puts the first needed key's nodes first). A union with one topology only is left out: its
-    topology group serves it already. Members keep input order."""
+    topology group serves it already. Members keep input order. `programmatic` (default:
+    `programmatic_by_default()`): chains with programmatic edges join too (`_edges`)."""
+    if programmatic is None:
+        programmatic = programmatic_by_default()
     ids: dict[bytes, int] = {}
     unions: list[_Union] = []
     anchors: set[int] = set()  # classes every member must have (not OPTIONAL_NODES)
     seen: dict[tuple[int, ...], tuple[_Union, int]] = {}  # a topology met before: same slots
     for g in order if order is not None else range(len(graphs)):
-        if not_a_chain(graphs[g]):
+        if not_a_chain(graphs[g], programmatic):
             continue
         seq = [ids.setdefault(node_class(nd, function_attrs), len(ids)) for nd in graphs[g].nodes]
         anchors.update(c for c, nd in zip(seq, graphs[g].nodes, strict=True) if nd.type not in OPTIONAL_NODES)
@@ -242,7 +256,28 @@ def union_groups(
             continue
         members = sorted(u.members)
         nodes = [copy.deepcopy(graphs[g].nodes[j]) for g, j in u.owners]
-        template = Graph((), nodes, [Edge(i, i + 1) for i in range(len(nodes) - 1)])
         slots = tuple(tuple(u.members[m]) for m in members)
+        template = Graph((), nodes, _edges(graphs, members, slots, len(nodes)))
         out.append(UnionGroup(len(out), tuple(members), slots, template))
     return out
+
+
+def _edges(graphs: Sequence[Graph], members: list[int], slots: tuple[tuple[int, ...], ...], n: int
+           ) -> list[Edge]:
+    """The template's chain: edge s -> s + 1 keeps its edge data (a programmatic edge) only where
+    every member has both slots and the same edge between them. Anywhere else it is a default
+    edge: a member whose programmatic edge spans disabled slots waits for its predecessor to
+    complete, which is stricter than its own graph (its kernel's early start is lost, its result
+    is the same), and a disabled node is never an end of a programmatic edge."""
+    data: list[set[tuple[int, int, int]] | None] = [set() for _ in range(n - 1)]
+    for m, run in zip(members, slots, strict=True):
+        held = set(run)
+        for s in range(n - 1):
+            if s not in held or s + 1 not in held:
+                data[s] = None
+        for j, e in enumerate(graphs[m].edges):
+            d = data[run[j]]
+            if run[j + 1] == run[j] + 1 and d is not None:
+                d.add((e.from_port, e.to_port, e.type))
+    return [Edge(s, s + 1, *next(iter(d))) if d is not None and len(d) == 1 else Edge(s, s + 1)
+            for s, d in enumerate(data)]

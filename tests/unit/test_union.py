@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -80,6 +82,54 @@ def test_members_share_every_memset_and_one_with_another_memset_stays_out() -> N
     assert any(n.type == NodeType.MEMSET for n in u.graph.nodes)  # the memsets all share
 
 
+PDL = (1, 0, 1)  # from the kernel's programmatic port, programmatic dependency
+
+
+def with_pdl(gs: Any, into: dict[str, Callable[[int], bool]]) -> Any:
+    """Programmatic edges into the kernels named in `into`, for the sizes its test accepts."""
+    for g in gs.graphs:
+        for j, e in enumerate(g.edges):
+            node = g.nodes[e.dst]
+            name = gs.kernels[node.params.kernel].name if node.type == NodeType.KERNEL else ""
+            if any(k in name and test(g.key[0]) for k, test in into.items()):
+                g.edges[j] = Edge(e.src, e.dst, *PDL)
+    return gs
+
+
+def test_chains_with_programmatic_edges_join_only_when_asked() -> None:
+    gs = with_pdl(synthetic_chains(), {"qkv": lambda b: b >= 32})
+    (u,) = union_groups(gs.graphs, gs.function_attrs, programmatic=False)
+    assert u.members == (0, 1, 2, 3, 4)  # sizes 32, 48, 64 have programmatic edges
+    (u,) = union_groups(gs.graphs, gs.function_attrs, programmatic=True)
+    assert u.members == tuple(range(len(gs.graphs)))
+
+
+def test_a_union_keeps_a_programmatic_edge_only_where_every_member_has_it() -> None:
+    everyone = lambda b: True  # noqa: E731
+    # rope -> cache: every member, common slots; act -> mul: only some sizes; oproj -> reduce and
+    # the GEMMs: slots some members lack (reduce below 8, the GEMMs' cluster dimensions)
+    gs = with_pdl(synthetic_chains(), {"cache": everyone, "mul": lambda b: b >= 32, "reduce": everyone,
+                                       "qkv": everyone})
+    (u,) = union_groups(gs.graphs, gs.function_attrs, programmatic=True)
+    kept = {(e.src, e.dst) for e in u.graph.edges if (e.from_port, e.to_port, e.type) == PDL}
+    assert all((e.from_port, e.to_port, e.type) in (PDL, (0, 0, 0)) for e in u.graph.edges)
+    for s in range(len(u.graph.nodes) - 1):  # the rule, edge by edge
+        datas = set()
+        for m, run in zip(u.members, u.slots, strict=True):
+            j = run.index(s) if s in run else -1
+            if j < 0 or j + 1 >= len(run) or run[j + 1] != s + 1:
+                datas.add(None)  # a member without both slots: default
+            else:
+                e = gs.graphs[m].edges[j]
+                datas.add((e.from_port, e.to_port, e.type))
+        assert ((s, s + 1) in kept) is (datas == {PDL}), s
+
+    def into(name: str) -> int:
+        return sum(name in gs.kernels[u.graph.nodes[d].params.kernel].name for _, d in kept)
+
+    assert into("cache") == 4 and len(kept) == 4  # one per layer; mul, reduce and qkv none
+
+
 def test_only_chains_of_disableable_nodes_qualify() -> None:
     gs = synthetic_chains(sizes=(1, 8))
     assert not_a_chain(gs.graphs[0]) == ""
@@ -89,6 +139,7 @@ def test_only_chains_of_disableable_nodes_qualify() -> None:
     programmatic = synthetic_chains(sizes=(1,)).graphs[0]
     programmatic.edges[3] = Edge(3, 4, 0, 0, 1)
     assert "type 1" in not_a_chain(programmatic)
+    assert not_a_chain(programmatic, programmatic=True) == ""
     shuffled = synthetic_chains(sizes=(1,)).graphs[0]
     shuffled.edges[0], shuffled.edges[1] = shuffled.edges[1], shuffled.edges[0]
     assert "not a chain" in not_a_chain(shuffled)
