@@ -240,6 +240,7 @@ def _save_facts(res: dict[str, Any], native: dict[str, Any], saved: dict[str, An
         "bitwise_proven",
         "union_templates",
         "union_templates_dropped",
+        "topology_groups",
         "within_native_spread",
         "native_nondeterministic",
         "nondeterminism_suspects",
@@ -430,6 +431,13 @@ def _stages(r: dict[str, Any]) -> str:
     return text
 
 
+def _groups(r: dict[str, Any]) -> str:
+    """Templates; with unions, also how many unions and the topology groups there would be."""
+    n, unions = r["groups"], r.get("union_templates") or 0
+    return f"{n} ({unions} unions; {r['topology_groups']} topology groups)" if unions and r.get(
+        "topology_groups") else str(n)
+
+
 def _table_row(r: dict[str, Any]) -> str:
     """One workload's row of the report's table (or its failure)."""
     if "load_ms" not in r:
@@ -448,7 +456,7 @@ def _table_row(r: dict[str, Any]) -> str:
     label = r["workload"] if r["layers"] == "model" else f"{r['workload']} ({r['layers']} layers)"
     return (
         f"| {label} | {r['graphs']} | "
-        f"{r['groups']} | {r['native_capture_s']:.2f} | {r['load_ms']:.1f} | "
+        f"{_groups(r)} | {r['native_capture_s']:.2f} | {r['load_ms']:.1f} | "
         f"{r['native_over_load']:.1f} | "
         f"{sw.get('p50', 0):.3f}/{sw.get('p99', 0):.3f} | {tp} | "
         f"{_yn(r['tokens_identical'])} | "
@@ -468,7 +476,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"parse_ms_512 (synthetic 512 graphs × 1800 nodes, header+index+templates): "
         f"**{report['parse_ms_512']:.1f} ms**",
         "",
-        "| workload | graphs | groups | native_capture_s | load_ms | native/load | switch p50/p99 ms | "
+        "| workload | graphs | templates | native_capture_s | load_ms | native/load | switch p50/p99 ms | "
         "TPOT native/restored ms (B) | tokens identical (B) | control: native = native | "
         "outputs = SAVE (control: native = SAVE) | bitwise / in spread | archive MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -89,6 +89,7 @@ def proof_facts(rep: ProofReport) -> dict[str, Any]:
         "edge_strategy": rebuild.edge_strategy(),
         "bitwise_proven": rep.bitwise,
         "union_templates": rep.unions,
+        "topology_groups": rep.topology_groups,
         "union_templates_dropped": rep.unions_dropped,
         "within_native_spread": rep.within_spread,
         "native_nondeterministic": _finite(rep.nondeterministic),

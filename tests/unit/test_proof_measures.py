@@ -143,3 +143,12 @@ def test_load_stages_line_names_the_critical_path_the_background_and_the_control
     assert "redone after the replay" not in line
     r["load_timings"]["background_error"] = "CudaError: cuGraphInstantiate"
     assert "background build refused, redone after the replay: CudaError" in _stages(r)
+
+
+def test_the_report_names_unions_and_the_topology_groups_they_replace() -> None:
+    from ember_bench.graphs import _groups
+
+    assert _groups({"groups": 26, "union_templates": 2, "topology_groups": 32}) == (
+        "26 (2 unions; 32 topology groups)")
+    assert _groups({"groups": 32, "union_templates": 0, "topology_groups": 32}) == "32"
+    assert _groups({"groups": 25}) == "25"  # a report from before unions

@@ -88,6 +88,7 @@ class ProofReport:
     graphs: int = 0
     templates: int = 0
     unions: int = 0  # union templates among them (ember.archive.union)
+    topology_groups: int = 0  # the templates there would be without unions
     unions_dropped: str = ""  # why SAVE proved again without union templates (their proof failed)
     template_ok: int = 0
     dedicated_ok: int = 0
@@ -230,6 +231,7 @@ def prove(
     lib.build_templates()
     rep.templates = len(lib.groups)
     rep.unions = sum(g.union is not None for g in lib.groups)
+    rep.topology_groups = len(table.groups)
     structure = _StructureCheck(graph_set, lib, functions, table.kernels, resolver)
     rep.mismatches.extend(structure.check_all())
     rep.notes.extend(structure.notes[:3])
