@@ -46,13 +46,14 @@ def ok(res: tuple[Any, ...], what: str) -> Any:
     return res[1] if len(res) == 2 else res[1:]
 
 
-def kernel(arch: str) -> Any:
+def kernel(arch: str, src: str = SRC, name: bytes = b"cluster_size") -> Any:
+    """Function `name` of the CUDA source `src`, built with nvcc for `arch` (diag_union.py too)."""
     with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "k.cu").write_text(SRC)
+        (Path(d) / "k.cu").write_text(src)
         subprocess.run(["nvcc", "-cubin", f"-arch={arch}", "-o", f"{d}/k.cubin", f"{d}/k.cu"], check=True)
         image = (Path(d) / "k.cubin").read_bytes()
     mod = ok(cu.cuModuleLoadData(image), "cuModuleLoadData")
-    return ok(cu.cuModuleGetFunction(mod, b"cluster_size"), "cuModuleGetFunction")
+    return ok(cu.cuModuleGetFunction(mod, name), "cuModuleGetFunction")
 
 
 def one_node_graph(func: Any, out: int, cluster: tuple[int, int, int] | None, keep: list[Any]) -> Any:

@@ -210,21 +210,28 @@ def window_culprits(w: DecodeWorkload, state: list[torch.Tensor],
     return culprits
 
 
-def main() -> None:
-    sizes = tuple(int(s) for s in (sys.argv[1] if len(sys.argv) > 1 else "1,16,24,32,64,256").split(","))
-    ip = native_session("save")
-    assert ip is not None, "run under libember (save mode)"
-    w = DecodeWorkload.from_name("llama3-8b", sizes=sizes, deterministic=os.environ.get("DIAG_DET") == "1")
+def captured_graph_set(ip: Any, w: DecodeWorkload) -> tuple[Any, list[int]]:
+    """Build and capture `w` under libember (save mode) and walk its graphs: the GraphSet and, per
+    kernel, the function handle the capture used (diag_union_members.py too)."""
     w.build()
     ip.capture_begin()
     w.capture()
     ip.capture_end()
     walker = GraphWalker(NativeResolver(ip))
     gs = walker.graph_set([walker.walk(w.graphs[(b,)].raw_cuda_graph(), (b,)) for b in w.sizes])
-    n = len(gs.kernels)
-    orig = [0] * n  # the function handles the capture used
+    orig = [0] * len(gs.kernels)
     for (func, _kern), k in walker._by_handle.items():
         orig[k] = orig[k] or func
+    return gs, orig
+
+
+def main() -> None:
+    sizes = tuple(int(s) for s in (sys.argv[1] if len(sys.argv) > 1 else "1,16,24,32,64,256").split(","))
+    ip = native_session("save")
+    assert ip is not None, "run under libember (save mode)"
+    w = DecodeWorkload.from_name("llama3-8b", sizes=sizes, deterministic=os.environ.get("DIAG_DET") == "1")
+    gs, orig = captured_graph_set(ip, w)
+    n = len(gs.kernels)
     catalog = {e["hash"]: e for e in ip.catalog()}
     natf = [int(ip.function(r.image, r.name)) for r in gs.kernels]
     fresh, fresh_err = fresh_functions(ip, gs, natf)

@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from cuda.bindings import driver as cu
+from diag_cluster_update import kernel  # run from benchmarks/diag: its siblings import
 
 SRC = r"""
 extern "C" __global__ void step(unsigned* out, unsigned v) {
@@ -42,15 +41,6 @@ def ok(res: Any, what: str) -> Any:
     if int(res[0]) != 0:
         raise RuntimeError(f"{what}: {res[0]}")
     return res[1] if len(res) == 2 else (res[1:] if len(res) > 2 else None)
-
-
-def kernel(arch: str) -> Any:
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "k.cu").write_text(SRC)
-        subprocess.run(["nvcc", "-cubin", f"-arch={arch}", "-o", f"{d}/k.cubin", f"{d}/k.cu"], check=True)
-        image = (Path(d) / "k.cubin").read_bytes()
-    mod = ok(cu.cuModuleLoadData(image), "cuModuleLoadData")
-    return ok(cu.cuModuleGetFunction(mod, b"step"), "cuModuleGetFunction")
 
 
 class Chain:
@@ -202,7 +192,7 @@ def main() -> None:
     dev = ok(cu.cuDeviceGet(0), "cuDeviceGet")
     ctx = ok(cu.cuDevicePrimaryCtxRetain(dev), "retain")
     ok(cu.cuCtxSetCurrent(ctx), "set ctx")
-    func = kernel(a.arch)
+    func = kernel(a.arch, SRC, b"step")
     out = int(ok(cu.cuMemAlloc(1 << 16), "cuMemAlloc"))
     stream = ok(cu.cuStreamCreate(0), "cuStreamCreate")
     keep: list[Any] = []

@@ -13,7 +13,7 @@ does. For each member that differs from its captured graph it tells apart:
 - the member's optional slots: which of its kernels sit where another member's nodes are off;
 - the union-shaped graph without its disabled memsets, or without its disabled kernels.
 
-`--memsets-optional` lets unions leave memsets out of members, as SAVE did before 2026-11-27. On
+`--memsets-optional` lets unions leave memsets out of members, as SAVE once did. On
 an H200 (driver 580.159) the three members lacking a 4-byte memset per layer then differed, with
 the enabled state as asked; they passed once the disabled memset nodes were removed, and failed
 with only the disabled kernels removed (benchmarks/results/union-members-h200-20261127.json). So
@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 from cuda.bindings import driver as cu
+from diag_restore import captured_graph_set  # run from benchmarks/diag: its siblings import
 
 from ember.archive import graph_table as fmt
 from ember.archive import union
@@ -38,9 +39,7 @@ from ember.archive.graphs import NodeType
 from ember.archive.union import union_groups
 from ember.engines.decode.model import DecodeWorkload
 from ember.runtime.graphs.driver import add_dependencies, check, graph_edges, graph_nodes
-from ember.runtime.graphs.kernels import NativeResolver
 from ember.runtime.graphs.templates import GraphLibrary
-from ember.runtime.graphs.walk import GraphWalker
 from ember.runtime.session import native_session
 
 
@@ -180,15 +179,7 @@ def main() -> None:
     assert ip is not None, "run under libember (save mode)"
     kw = {"sizes": tuple(int(s) for s in argv[0].split(","))} if argv else {}
     w = DecodeWorkload.from_name("llama3-8b", **kw)
-    w.build()
-    ip.capture_begin()
-    w.capture()
-    ip.capture_end()
-    walker = GraphWalker(NativeResolver(ip))
-    gs = walker.graph_set([walker.walk(w.graphs[(b,)].raw_cuda_graph(), (b,)) for b in w.sizes])
-    orig = [0] * len(gs.kernels)
-    for (func, _kern), k in walker._by_handle.items():
-        orig[k] = orig[k] or func
+    gs, orig = captured_graph_set(ip, w)
     ugs = union_groups(gs.graphs, gs.function_attrs)
     report: dict[str, Any] = {"unions": [
         {"members": [gs.graphs[m].key[0] for m in u.members], "nodes": len(u.graph.nodes),

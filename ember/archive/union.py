@@ -269,15 +269,11 @@ def _edges(graphs: Sequence[Graph], members: list[int], slots: tuple[tuple[int, 
     edge: a member whose programmatic edge spans disabled slots waits for its predecessor to
     complete, which is stricter than its own graph (its kernel's early start is lost, its result
     is the same), and a disabled node is never an end of a programmatic edge."""
-    data: list[set[tuple[int, int, int]] | None] = [set() for _ in range(n - 1)]
+    common = set.intersection(*(set(run) for run in slots))
+    data = [set() if s in common and s + 1 in common else None for s in range(n - 1)]
     for m, run in zip(members, slots, strict=True):
-        held = set(run)
-        for s in range(n - 1):
-            if s not in held or s + 1 not in held:
-                data[s] = None
-        for j, e in enumerate(graphs[m].edges):
-            d = data[run[j]]
-            if run[j + 1] == run[j] + 1 and d is not None:
+        for j, e in enumerate(graphs[m].edges):  # both ends common: nothing between them, j -> j + 1
+            if (d := data[run[j]]) is not None:
                 d.add((e.from_port, e.to_port, e.type))
     return [Edge(s, s + 1, *next(iter(d))) if d is not None and len(d) == 1 else Edge(s, s + 1)
             for s, d in enumerate(data)]
