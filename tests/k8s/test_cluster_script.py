@@ -18,8 +18,15 @@ pytestmark = [pytest.mark.k8s]
 
 
 def _open_files(pid: int) -> list[str]:
-    fds = Path(f"/proc/{pid}/fd")
-    return [os.readlink(fd) for fd in fds.iterdir() if fd.name not in ("0", "1", "2")]
+    targets = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        if fd.name in ("0", "1", "2"):
+            continue
+        try:
+            targets.append(os.readlink(fd))
+        except FileNotFoundError:  # closed by the daemon while we listed them
+            continue
+    return targets
 
 
 def test_a_component_restarted_under_a_callers_lock_does_not_hold_it(k8s: LocalCluster,

@@ -150,7 +150,9 @@ def test_missing_archive_and_bad_claim_fall_back(store: LocalStore, tmp_path: Pa
 
 def test_store_unavailable_falls_back_after_retries(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # An S3 endpoint nobody listens on: botocore retries, then the sidecar's own retry budget.
-    r, _rep, run_dir = make(tmp_path, retry_s=0.6)
+    # The budget counts from the first attempt, whose client set-up alone can take a second on a
+    # loaded CI machine: 3 s leaves room for at least one retry there.
+    r, _rep, run_dir = make(tmp_path, retry_s=3.0)
     r.cache.store_options = {"endpoint": "http://127.0.0.1:9", "max_attempts": 1, "connect_timeout": 0.2,
                              "access_key": "x", "secret_key": "y"}
     h = "ab" * 32
