@@ -222,11 +222,13 @@ class _Union:
 def union_groups(
     graphs: Sequence[Graph], function_attrs: Sequence[FunctionAttrs] = (), *,
     order: Sequence[int] | None = None, max_growth: float = MAX_GROWTH, programmatic: bool | None = None,
+    optional: frozenset[NodeType] = OPTIONAL_NODES,
 ) -> list[UnionGroup]:
     """Unions of the chains among `graphs`, merged in `order` (default: input order; need order
     puts the first needed key's nodes first). A union with one topology only is left out: its
     topology group serves it already. Members keep input order. `programmatic` (default:
-    `programmatic_by_default()`): chains with programmatic edges join too (`_edges`)."""
+    `programmatic_by_default()`): chains with programmatic edges join too (`_edges`). `optional`:
+    the node types a member may lack (what-if analyses only: LOAD refuses anything else)."""
     if programmatic is None:
         programmatic = programmatic_by_default()
     ids: dict[bytes, int] = {}
@@ -237,7 +239,7 @@ def union_groups(
         if not_a_chain(graphs[g], programmatic):
             continue
         seq = [ids.setdefault(node_class(nd, function_attrs), len(ids)) for nd in graphs[g].nodes]
-        anchors.update(c for c, nd in zip(seq, graphs[g].nodes, strict=True) if nd.type not in OPTIONAL_NODES)
+        anchors.update(c for c, nd in zip(seq, graphs[g].nodes, strict=True) if nd.type not in optional)
         if (hit := seen.get(tuple(seq))) is not None:
             u, like = hit
             u.members[g] = list(u.members[like])

@@ -211,3 +211,26 @@ def test_the_merge_order_puts_the_first_needed_members_nodes_first() -> None:
     assert a.members == b.members == (0, 1)  # members keep input order
     assert a.graph.nodes[0] == gs.graphs[0].nodes[0] and b.graph.nodes[0] == gs.graphs[1].nodes[0]
     assert a.slots[0] == tuple(sorted(a.slots[0]))
+
+
+def test_the_what_if_diag_counts_templates_per_policy() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmarks" / "diag" / "union_whatif.py"
+    spec = importlib.util.spec_from_file_location("union_whatif", path)
+    assert spec is not None and spec.loader is not None
+    whatif = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(whatif)
+    # 24 zeroes a workspace the others do not; 48 and 64 have programmatic edges
+    gs = with_pdl(synthetic_chains(sizes=(1, 8, 24, 32, 48, 64)), {"qkv": lambda b: b >= 48})
+    groups = len(group_graphs(gs.graphs, gs.function_attrs))
+    got = {name: whatif.plan(list(gs.graphs), gs.function_attrs, **policy)
+           for name, policy in whatif.POLICIES.items()}
+    default, prog, memsets = got["default"], got["programmatic"], got["programmatic, memsets optional"]
+    assert default["topology_groups"] == groups and len(default["unions"]) == 1
+    assert default["left_out_because"] == {"programmatic edges": 2, "did not merge": 1}
+    assert prog["left_out_because"] == {"did not merge": 1}
+    assert prog["templates"] < default["templates"] and memsets["templates"] == 1
+    (u,) = memsets["unions"]
+    assert len(u["members"]) == 6 and u["optional_slots"] > 0
