@@ -8,9 +8,8 @@ length, optional slots, programmatic edges kept) and why the graphs left out are
     python benchmarks/diag/union_whatif.py STORE_URI [IDENTITY] [--out FILE.json]
 
 Policies: `default` (what SAVE writes now), `programmatic` (EMBER_UNION_PROGRAMMATIC=1),
-`programmatic, growth 2.0`, and `programmatic, memsets optional`: a member may lack a memset
-too. That last one LOAD refuses (a disabled memset wrote on an H200); it says how many templates
-a memset placeholder that writes harmlessly (a scratch destination) would save.
+`programmatic, growth 2.0`, and `programmatic, memsets`: EMBER_UNION_MEMSETS=1 too, a member
+may lack a 1-D memset, where it runs a placeholder writing scratch.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ POLICIES: dict[str, dict[str, Any]] = {
     "default": {"programmatic": False},
     "programmatic": {"programmatic": True},
     "programmatic, growth 2.0": {"programmatic": True, "max_growth": 2.0},
-    "programmatic, memsets optional": {"programmatic": True,
-                                       "optional": OPTIONAL_NODES | {NodeType.MEMSET}},
+    "programmatic, memsets": {"programmatic": True, "optional": OPTIONAL_NODES | {NodeType.MEMSET}},
 }
 
 
@@ -59,7 +57,7 @@ def plan(graphs: list[Any], fattrs: Any, **policy: Any) -> dict[str, Any]:
 def _why_out(graph: Any, programmatic: bool) -> str:
     """Why a graph is in no union, in a word or three."""
     if not not_a_chain(graph, programmatic):
-        return "did not merge"  # another memset, or past the growth cap
+        return "did not merge"  # another memset or memcpy, or past the growth cap
     if not programmatic and not not_a_chain(graph, True):
         return "programmatic edges"
     return "not a chain"

@@ -13,6 +13,7 @@ import numpy as np
 
 from ember.archive.graphs import NodeType
 from ember.archive.table_layout import FormatError
+from ember.archive.union import PLACEHOLDER_BYTES
 
 _KERNEL, _MEMSET = int(NodeType.KERNEL), int(NodeType.MEMSET)
 
@@ -26,13 +27,16 @@ class UnionInfo:
     members: tuple[int, ...]  # root graph indices, in root order
     slots: tuple[np.ndarray, ...]  # per member: the template slot of each of its nodes
     nodes: int  # the template's node count
-    optional: np.ndarray  # slots some member lacks (enabled per member)
+    optional: np.ndarray  # slots some member lacks
+    placeholders: np.ndarray  # the memsets among them (a member that lacks one runs a placeholder)
+    scratch_bytes: int  # what the largest placeholder writes
 
 
 def read_unions(table: Any, unio: np.ndarray, umem: np.ndarray, uslt: np.ndarray) -> list[UnionInfo]:
     """The union templates and their members, checked: each member's slots rise strictly, lie in
-    the template and hold nodes of the member's types, and only kernel slots are optional
-    (ember.archive.union: a disabled memset is not inert); FormatError otherwise."""
+    the template and hold nodes of the member's types, and only kernel slots and 1-D memsets of at
+    most PLACEHOLDER_BYTES are optional (ember.archive.union: a member that lacks a memset runs a
+    placeholder into scratch); FormatError otherwise."""
     if not len(unio):
         return []
     rows = unio["graph"].astype(np.int64)
@@ -57,11 +61,27 @@ def read_unions(table: Any, unio: np.ndarray, umem: np.ndarray, uslt: np.ndarray
         for key, run in runs.items():
             uses[run] += counts[key]
         optional = np.nonzero(uses < len(members[u]))[0]
-        if (table.node_types(row, row=True)[optional] != _KERNEL).any():
-            raise FormatError(f"graph table index: union {u} leaves a memset or memcpy node out of a member")
+        types = table.node_types(row, row=True)[optional]
+        if ((types != _KERNEL) & (types != _MEMSET)).any():
+            raise FormatError(f"graph table index: union {u} leaves a memcpy node out of a member")
+        placeholders = optional[types == _MEMSET]
         out.append(UnionInfo(u, row, tuple(i for i, _ in members[u]), tuple(r for _, r in members[u]),
-                             len(uses), optional))
+                             len(uses), optional, placeholders, _scratch_bytes(table, u, row, placeholders)))
     return out
+
+
+def _scratch_bytes(table: Any, u: int, row: int, placeholders: np.ndarray) -> int:
+    """What the largest of union u's placeholder memsets writes; FormatError unless every one is
+    1-D and writes at most PLACEHOLDER_BYTES (exec update cannot change a memset's dimensions)."""
+    if not len(placeholders):
+        return 0
+    c = table.chunk_of_row(row)
+    ms = c.mset[c.refs[placeholders]]
+    nbytes = ms["width"].astype(np.int64) * ms["element_size"].astype(np.int64)
+    if (ms["height"] > 1).any() or (nbytes > PLACEHOLDER_BYTES).any() or (nbytes <= 0).any():
+        raise FormatError(f"graph table index: union {u} leaves a memset out of a member that no "
+                          f"placeholder can stand in for (2-D, empty or over {PLACEHOLDER_BYTES} bytes)")
+    return int(nbytes.max())
 
 
 def _slots(table: Any, uslt: np.ndarray, i: int, urow: int, off: int) -> np.ndarray:

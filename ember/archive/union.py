@@ -13,12 +13,17 @@ Only chains qualify: every edge is (i, i + 1), and every node is a kernel, memse
 Anything else stays in its topology group. An edge with edge data (programmatic dependent launch,
 as cuBLAS's GEMMs on Hopper use) qualifies only with EMBER_UNION_PROGRAMMATIC=1 until a GPU run
 has proven it: the template keeps a programmatic edge only between slots every member has and
-links the same way, and makes every other edge a default one (`_edges`). Only kernel slots may be
-optional: memset and memcpy nodes are anchors that every member of a union has, in the same
-order, and the merge aligns the kernels between them. The driver documents a disabled memset as
-an empty node, but on an H200 (driver 580.159) a disabled 4-byte memset still wrote its
-destination, which in another member's graph is live memory (benchmarks/diag/
-diag_union_members.py: the members it broke passed once those memset nodes were removed). A
+links the same way, and makes every other edge a default one (`_edges`). Kernel slots may be
+optional: disabled for a member that lacks them. A disabled memset is not inert: the driver
+documents it as an empty node, but on an H200 (driver 580.159) a disabled 4-byte memset still
+wrote its destination, which in another member's graph is live memory (benchmarks/diag/
+diag_union_members.py: the members it broke passed once those memset nodes were removed). So a
+memset slot is optional only with EMBER_UNION_MEMSETS=1 (until a GPU run has proven it), and is
+never disabled: a member that lacks it runs a placeholder there, the slot's memset with its
+destination moved to a scratch buffer LOAD allocates (`placeable`: 1-D, at most
+`PLACEHOLDER_BYTES`; exec update may change a 1-D memset's address, not its dimensions).
+Otherwise memset and memcpy nodes are anchors that every member of a union has, in the same
+order, and the merge aligns the other nodes between them. A
 union grows only while it stays within `MAX_GROWTH` times its longest member: a union made of
 very different chains would launch more disabled nodes than it saves instantiations.
 
@@ -34,13 +39,14 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ember.archive.graphs import Edge, FunctionAttrs, Graph, NodeType
+from ember.archive.graphs import Edge, FunctionAttrs, Graph, MemsetParams, Node, NodeType
 from ember.archive.topology import node_class
 
 MAX_GROWTH = 1.5  # a union's length over its longest member's, at most
 MAX_EDITS = 4096  # insertions + deletions one merge may need (Myers' diff stops beyond)
 _CHAIN_NODES = frozenset({NodeType.KERNEL, NodeType.MEMSET, NodeType.MEMCPY})
-OPTIONAL_NODES = frozenset({NodeType.KERNEL})  # the only type a member may lack (module doc)
+OPTIONAL_NODES = frozenset({NodeType.KERNEL})  # the types a member may lack by default (module doc)
+PLACEHOLDER_BYTES = 1 << 20  # an optional memset writes at most this much (its placeholder's scratch)
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,18 @@ def programmatic_by_default() -> bool:
     """Whether chains with programmatic edges may join unions (EMBER_UNION_PROGRAMMATIC=1): off
     until a GPU run has proven such unions (module doc)."""
     return os.environ.get("EMBER_UNION_PROGRAMMATIC", "0") == "1"
+
+
+def memsets_by_default() -> bool:
+    """Whether memset slots may be optional (EMBER_UNION_MEMSETS=1, module doc)."""
+    return os.environ.get("EMBER_UNION_MEMSETS", "0") == "1"
+
+
+def placeable(node: Node) -> bool:
+    """A memset whose placeholder (same shape, scratch destination) can stand in for it."""
+    p = node.params
+    return (node.type == NodeType.MEMSET and isinstance(p, MemsetParams) and p.height <= 1
+            and p.width * p.element_size <= PLACEHOLDER_BYTES)
 
 
 def not_a_chain(graph: Graph, programmatic: bool = False) -> str:
@@ -222,24 +240,29 @@ class _Union:
 def union_groups(
     graphs: Sequence[Graph], function_attrs: Sequence[FunctionAttrs] = (), *,
     order: Sequence[int] | None = None, max_growth: float = MAX_GROWTH, programmatic: bool | None = None,
-    optional: frozenset[NodeType] = OPTIONAL_NODES,
+    optional: frozenset[NodeType] | None = None,
 ) -> list[UnionGroup]:
     """Unions of the chains among `graphs`, merged in `order` (default: input order; need order
     puts the first needed key's nodes first). A union with one topology only is left out: its
     topology group serves it already. Members keep input order. `programmatic` (default:
     `programmatic_by_default()`): chains with programmatic edges join too (`_edges`). `optional`:
-    the node types a member may lack (what-if analyses only: LOAD refuses anything else)."""
+    the node types a member may lack (default: kernels, and `placeable` memsets with
+    `memsets_by_default()`)."""
     if programmatic is None:
         programmatic = programmatic_by_default()
+    if optional is None:
+        optional = OPTIONAL_NODES | ({NodeType.MEMSET} if memsets_by_default() else set())
     ids: dict[bytes, int] = {}
+    chains = [g for g in (order if order is not None else range(len(graphs)))
+              if not not_a_chain(graphs[g], programmatic)]
+    seqs = {g: [ids.setdefault(node_class(nd, function_attrs), len(ids)) for nd in graphs[g].nodes]
+            for g in chains}
+    anchors = {c for g in chains for c, nd in zip(seqs[g], graphs[g].nodes, strict=True)  # in every member
+               if nd.type not in optional or (nd.type == NodeType.MEMSET and not placeable(nd))}
     unions: list[_Union] = []
-    anchors: set[int] = set()  # classes every member must have (not OPTIONAL_NODES)
     seen: dict[tuple[int, ...], tuple[_Union, int]] = {}  # a topology met before: same slots
-    for g in order if order is not None else range(len(graphs)):
-        if not_a_chain(graphs[g], programmatic):
-            continue
-        seq = [ids.setdefault(node_class(nd, function_attrs), len(ids)) for nd in graphs[g].nodes]
-        anchors.update(c for c, nd in zip(seq, graphs[g].nodes, strict=True) if nd.type not in optional)
+    for g in chains:
+        seq = seqs[g]
         if (hit := seen.get(tuple(seq))) is not None:
             u, like = hit
             u.members[g] = list(u.members[like])

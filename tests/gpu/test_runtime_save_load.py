@@ -68,18 +68,21 @@ def test_save_then_load_in_fresh_perturbed_process(workload: str, store: str) ->
 UNION_SIZES = "1,2,4,8,16,24,32,48,64,128,280,304,312,320,344,384"
 
 
-@pytest.mark.parametrize("programmatic", ["0", "1"], ids=["default-edges", "programmatic-edges"])
+@pytest.mark.parametrize("programmatic, memsets", [("0", "0"), ("1", "0"), ("1", "1")],
+                         ids=["default-edges", "programmatic-edges", "programmatic-edges-and-memsets"])
 def test_union_templates_serve_every_size_bit_identical(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, programmatic: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, programmatic: str, memsets: str
 ) -> None:
     """SAVE with union templates (EMBER_UNION_TEMPLATES=1): one exec serves sizes of several
     topologies through exec update + disabled kernel slots, proven by SAVE; LOAD's outputs and
-    tokens match SAVE's. With EMBER_UNION_PROGRAMMATIC=1, chains with programmatic edges join."""
+    tokens match SAVE's. With EMBER_UNION_PROGRAMMATIC=1, chains with programmatic edges join;
+    with EMBER_UNION_MEMSETS=1, chains with other memsets (placeholders writing scratch)."""
     _need_lib()
     from ember_bench.graphs import _tokens_goal, bench_one
 
     monkeypatch.setenv("EMBER_UNION_TEMPLATES", "1")
     monkeypatch.setenv("EMBER_UNION_PROGRAMMATIC", programmatic)
+    monkeypatch.setenv("EMBER_UNION_MEMSETS", memsets)
     r = bench_one("llama3-8b", LAYERS, UNION_SIZES, tmp_path.as_uri(), timeout=600)
     assert "load_ms" in r, r.get("load_error") or r.get("save_error") or r.get("native_error") or r
     assert not r.get("union_templates_dropped"), r["union_templates_dropped"]  # their proof failed

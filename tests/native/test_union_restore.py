@@ -35,7 +35,7 @@ for name in ("standin_graph_dump", "standin_exec_dump"):
 
 ENGINE = "ember-union-test"
 STORE = os.environ["TEST_STORE"]
-SIZES = {SIZES}
+SIZES = tuple(json.loads(os.environ["TEST_SIZES"])) if "TEST_SIZES" in os.environ else {SIZES}
 IDENTITY = ArchiveIdentity(model="ember-test/union", engine=ENGINE, engine_version="0", capture_sizes=SIZES)
 # the chains' kernels moved into PTX images the stand-in loads (one per synthetic image)
 gs = synthetic_chains(sizes=SIZES, layers=3)
@@ -185,3 +185,35 @@ def test_a_member_that_does_not_match_its_slot_is_never_switched_in(restore_py, 
     assert r["groups"] == [[len(SIZES), True]] and r["failed"] == []
     assert "does not match its union slot" in r["through_union"]
     assert not r["own_before"] and r["own"] and r["others_same"] == [True] * (len(SIZES) - 1)
+
+
+PLACEHOLDERS = LOAD.split("stream = cu.CUstream(0)")[0] + """
+stream = cu.CUstream(0)
+union = lib.groups[0].union
+out["scratch_bytes"] = union.info.scratch_bytes
+out["same"], out["placeholders"] = [], []
+for i in [*lib.order, *lib.order]:  # every key, twice: after a key with the memset and one without
+    lib.launch_template(i, stream)
+    held = dump(cuda.standin_exec_dump, lib._templates[lib._group_of[i]].handle)
+    into_scratch = [line for line in held if line.startswith(f"N 2 {union.scratch} ")]
+    own = [line for line in held if line not in into_scratch]
+    out["same"].append(own == dump(cuda.standin_graph_dump, lib.graph(i)))
+    out["placeholders"].append(len(into_scratch))
+out["keys"] = [lib.keys[i][0] for i in [*lib.order, *lib.order]]
+out["scratch"] = union.scratch
+last_json(out)
+"""
+
+
+def test_a_member_that_lacks_a_memset_runs_a_placeholder_into_scratch(restore_py, tmp_path: Path) -> None:
+    """EMBER_UNION_MEMSETS=1: size 24 zeroes a workspace the others do not; all join ONE union
+    and the others run that memset's placeholder, writing LOAD's scratch buffer instead."""
+    sizes = json.dumps([1, 8, 24, 32, 64])
+    env = {**_saved(restore_py, tmp_path, TEST_SIZES=sizes, EMBER_UNION_MEMSETS="1"),
+           "EMBER_DEDICATE": "0", "TEST_SIZES": sizes}
+    r = _json(restore_py(PLACEHOLDERS, mode="load", env=env))
+    assert r["groups"] == [[5, True]] and r["failed"] == []
+    assert r["scratch"] and r["scratch_bytes"] == 64 * 24 * 4
+    assert r["same"] == [True] * 10  # beside its placeholders, what runs is the key's own graph
+    layers = 3
+    assert r["placeholders"] == [0 if b == 24 else layers for b in r["keys"]]

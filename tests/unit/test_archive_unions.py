@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +14,7 @@ from typer.testing import CliRunner
 
 from ember.archive import bundle, union
 from ember.archive import graph_table as fmt
-from ember.archive.graphs import NodeType
+from ember.archive.graphs import Edge, MemcpyParams, Node, NodeType
 from ember.archive.union import union_groups
 from ember.cli import app
 from ember.identity import ArchiveIdentity, CompatKey
@@ -21,6 +22,7 @@ from ember.store import LocalStore
 from ember_bench.synthetic import synthetic_chains, synthetic_graphset, synthetic_images
 
 Change = Callable[[dict[bytes, np.ndarray]], None]
+MEMSETS_TOO = frozenset({NodeType.KERNEL, NodeType.MEMSET})  # EMBER_UNION_MEMSETS=1
 
 
 def rewrite_index(blob: bytes, change: Change, minor: int = fmt.MINOR) -> bytes:
@@ -128,15 +130,45 @@ def test_damaged_union_sections_are_refused(change: Change, match: str) -> None:
         _ = table.unions
 
 
-def test_a_union_that_leaves_a_memset_out_of_a_member_is_refused() -> None:
-    """A disabled memset still writes (ember.archive.union): such a union is not read, whoever
-    wrote it."""
+def test_a_union_that_leaves_a_memset_out_reads_it_as_a_placeholder() -> None:
+    gs = synthetic_chains(sizes=(1, 24, 32))  # 24 zeroes a workspace (6,144 bytes) the others do not
+    (u,) = union.union_groups(gs.graphs, gs.function_attrs, optional=MEMSETS_TOO)
+    assert u.members == (0, 1, 2)
+    (info,) = fmt.GraphTable(fmt.encode(gs, unions=[u])).unions
+    memsets = [s for s in info.optional.tolist() if u.graph.nodes[s].type == NodeType.MEMSET]
+    assert memsets and info.placeholders.tolist() == memsets
+    assert info.scratch_bytes == 64 * 24 * 4
+
+
+@pytest.mark.parametrize("height, width", [(2, 16), (1, union.PLACEHOLDER_BYTES // 4 + 1)],
+                         ids=["2-D", "too large"])
+def test_a_memset_no_placeholder_can_stand_in_for_is_never_optional(
+    monkeypatch: pytest.MonkeyPatch, height: int, width: int
+) -> None:
+    """Exec update cannot change a memset's dimensions, and the scratch is bounded."""
     gs = synthetic_chains(sizes=(1, 24, 32))
-    memsets_too = frozenset({NodeType.KERNEL, NodeType.MEMSET})
-    (u,) = union.union_groups(gs.graphs, gs.function_attrs, optional=memsets_too)
-    assert any(u.graph.nodes[s].type == NodeType.MEMSET for s in u.optional())
+    for node in gs.graphs[1].nodes:
+        if node.type == NodeType.MEMSET and node.params.width == 64 * 24:  # type: ignore[union-attr]
+            node.params = dataclasses.replace(node.params, width=width, height=height)  # type: ignore[arg-type]
+    ugs = union.union_groups(gs.graphs, gs.function_attrs, optional=MEMSETS_TOO)
+    assert all(1 not in u.members for u in ugs)  # the planner keeps it an anchor ...
+    monkeypatch.setattr(union, "placeable", lambda node: True)  # ... and a forged union is refused
+    (u,) = union.union_groups(gs.graphs, gs.function_attrs, optional=MEMSETS_TOO)
     table = fmt.GraphTable(fmt.encode(gs, unions=[u]))
-    with pytest.raises(fmt.FormatError, match="leaves a memset or memcpy node out"):
+    with pytest.raises(fmt.FormatError, match="no placeholder can stand in for"):
+        _ = table.unions
+
+
+def test_a_union_that_leaves_a_memcpy_out_of_a_member_is_refused() -> None:
+    gs = synthetic_chains(sizes=(1, 32))
+    extra = Node(NodeType.MEMCPY, MemcpyParams(0x7F00_0000_0000, 0x7F00_1000_0000, 64))
+    g = gs.graphs[1]
+    g.nodes.insert(3, extra)
+    g.edges[:] = [Edge(i, i + 1) for i in range(len(g.nodes) - 1)]
+    memcpys_too = frozenset({NodeType.KERNEL, NodeType.MEMCPY})  # no policy writes that: a forgery
+    (u,) = union.union_groups(gs.graphs, gs.function_attrs, optional=memcpys_too)
+    table = fmt.GraphTable(fmt.encode(gs, unions=[u]))
+    with pytest.raises(fmt.FormatError, match="leaves a memcpy node out"):
         _ = table.unions
 
 

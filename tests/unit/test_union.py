@@ -82,6 +82,17 @@ def test_members_share_every_memset_and_one_with_another_memset_stays_out() -> N
     assert any(n.type == NodeType.MEMSET for n in u.graph.nodes)  # the memsets all share
 
 
+def test_with_memsets_optional_a_member_may_lack_a_1d_memset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EMBER_UNION_MEMSETS", "1")  # LOAD runs a placeholder into scratch there
+    gs = synthetic_chains(sizes=(1, 24, 32, 64))
+    (u,) = union_groups(gs.graphs, gs.function_attrs)
+    assert u.members == (0, 1, 2, 3)
+    lacked = [s for s in u.optional() if u.graph.nodes[s].type == NodeType.MEMSET]
+    assert lacked and all(s in u.slots[1] for s in lacked)  # size 24's workspace memsets
+    shared = [s for s, n in enumerate(u.graph.nodes) if n.type == NodeType.MEMSET and s not in lacked]
+    assert shared and all(s in run for run in u.slots for s in shared)  # the attention memsets
+
+
 PDL = (1, 0, 1)  # from the kernel's programmatic port, programmatic dependency
 
 
@@ -227,7 +238,7 @@ def test_the_what_if_diag_counts_templates_per_policy() -> None:
     groups = len(group_graphs(gs.graphs, gs.function_attrs))
     got = {name: whatif.plan(list(gs.graphs), gs.function_attrs, **policy)
            for name, policy in whatif.POLICIES.items()}
-    default, prog, memsets = got["default"], got["programmatic"], got["programmatic, memsets optional"]
+    default, prog, memsets = got["default"], got["programmatic"], got["programmatic, memsets"]
     assert default["topology_groups"] == groups and len(default["unions"]) == 1
     assert default["left_out_because"] == {"programmatic edges": 2, "did not merge": 1}
     assert prog["left_out_because"] == {"did not merge": 1}

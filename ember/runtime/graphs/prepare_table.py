@@ -116,10 +116,13 @@ def prepare_from_table(
     )
 
 
-def in_union(template: PreparedGraph, member: PreparedGraph, slots: np.ndarray) -> PreparedGraph:
+def in_union(template: PreparedGraph, member: PreparedGraph, slots: np.ndarray,
+             placeholders: np.ndarray | None = None, scratch: int = 0) -> PreparedGraph:
     """Member's nodes in their union slots, the template's in the others: the graph a union
     template exec is updated to for this member (ember.archive.union). Its edges are the
-    template's chain; the member's nodes keep the buffers of `member` (kept alive with it)."""
+    template's chain; the member's nodes keep the buffers of `member` (kept alive with it). A
+    memset slot among `placeholders` that the member lacks gets the template's memset writing
+    to `scratch` instead: never disabled, it must write nothing the member uses."""
     u, m = template.arrays, member.arrays
     if u is None or m is None:
         raise RebuildError(f"graph {member.key}: a union member must be prepared from the table")
@@ -130,11 +133,22 @@ def in_union(template: PreparedGraph, member: PreparedGraph, slots: np.ndarray) 
     count[slots] = m.attr_count
     objects = {s: obj for s, obj in u.objects.items()}
     objects.update({int(slots[j]): obj for j, obj in m.objects.items()})
+    lacking = np.setdiff1d(placeholders if placeholders is not None else [], slots).tolist()
+    if lacking and not scratch:
+        raise RebuildError(f"graph {member.key}: its union's placeholder memsets have no scratch")
+    for s in lacking:
+        mp = memset_struct(MemsetParams(scratch, 0, *_memset_shape(u.objects[s])))
+        objects[s], args[s] = mp, int(mp.getPtr())
     arrays = NodeArrays(codes, args, start, count, np.concatenate([u.attr_ids, m.attr_ids]),
                         np.concatenate([u.attr_values, m.attr_values]), objects)
     return PreparedGraph(key=member.key, ops=[], edge_src=template.edge_src, edge_dst=template.edge_dst,
                          edge_data=template.edge_data, keepalive=[template, member], nodes=len(codes),
                          arrays=arrays)
+
+
+def _memset_shape(mp: Any) -> tuple[int, int, int, int]:
+    """(value, element size, width, height) of a CUDA_MEMSET_NODE_PARAMS."""
+    return int(mp.value), int(mp.elementSize), int(mp.width), int(mp.height)
 
 
 def _argument_pointers(

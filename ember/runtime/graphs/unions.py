@@ -2,9 +2,12 @@
 
 The template is instantiated once from the table's union row (every slot filled by its first
 member). A member is switched in by `cuGraphExecUpdate` to the union-shaped graph of that member
-(`prepare_table.in_union`: its nodes in its slots, the template's in the others), then every slot
-it lacks is disabled and every slot it has enabled (libember's `ember_exec_enable`: all of them,
-every switch, so no enabled state left from an earlier member or reset by the update counts).
+(`prepare_table.in_union`: its nodes in its slots, the template's in the others), then every kernel
+slot it lacks is disabled and every one it has enabled (libember's `ember_exec_enable`: all of
+them, every switch, so no enabled state left from an earlier member or reset by the update
+counts). A memset slot it lacks is never disabled (a disabled memset still wrote on an H200): the
+update gives it a placeholder that writes the union's scratch buffer, allocated once per union
+through the driver like the engine's own memory (exec update keeps a memset's kind of allocation).
 Until the first switch the exec holds no member: `holds` is -1 and a launch switches first.
 """
 
@@ -30,7 +33,9 @@ class UnionTemplate:
     def __init__(self, info: Any) -> None:
         self.info = info
         self.position = {m: p for p, m in enumerate(info.members)}
-        self.optional = np.ascontiguousarray(info.optional, dtype=np.int64)
+        # the slots enabled per member: the optional kernels (placeholder memsets stay enabled)
+        self.optional = np.setdiff1d(info.optional, info.placeholders).astype(np.int64)
+        self.scratch = 0  # device buffer the placeholders write (cuMemAlloc), once a member needs it
         self.nodes = np.zeros(info.nodes, dtype=np.uint64)  # the template's CUgraphNodes (builder)
         self.graph: Any = None  # the template's CUgraph, once built
         self.graphs: dict[int, Any] = {}  # member (graph index) -> its union-shaped CUgraph
@@ -61,7 +66,11 @@ class UnionTemplate:
         """Graph `index` (prepared on its own) in the template's shape."""
         if self._prep is None:
             raise RuntimeError("the union template is not prepared yet")
-        return in_union(self._prep, member, self.info.slots[self.position[index]])
+        slots = self.info.slots[self.position[index]]
+        placeholders = self.info.placeholders
+        if len(np.setdiff1d(placeholders, slots)) and not self.scratch:
+            self.scratch = int(check(cu.cuMemAlloc(self.info.scratch_bytes), "cuMemAlloc (union scratch)"))
+        return in_union(self._prep, member, slots, placeholders, self.scratch)
 
     def graph_of(self, lib: Any, index: int) -> Any:
         """Graph `index` in the template's shape, built once and kept (`lib`: the GraphLibrary)."""
@@ -98,3 +107,6 @@ class UnionTemplate:
             cu.cuGraphDestroy(g)
         self.graphs.clear()
         self.graph = None
+        if self.scratch:
+            cu.cuMemFree(self.scratch)
+            self.scratch = 0
