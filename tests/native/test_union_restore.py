@@ -187,6 +187,28 @@ def test_a_member_that_does_not_match_its_slot_is_never_switched_in(restore_py, 
     assert not r["own_before"] and r["own"] and r["others_same"] == [True] * (len(SIZES) - 1)
 
 
+REFUSED = LOAD.split("stream = cu.CUstream(0)")[0] + """
+stream = cu.CUstream(0)
+out["same"] = []
+for i in lib.order:  # the engine's path: a switch the driver refuses falls back to the key's own exec
+    lib.launch(i, stream)
+    held = dump(cuda.standin_exec_dump, lib.exec_for(i))
+    out["same"].append(held == dump(cuda.standin_graph_dump, lib.graph(i)))
+out["own"] = [lib.has_dedicated(i) for i in range(len(SIZES))]
+out["holds"] = lib._templates[0].holds
+last_json(out)
+"""
+
+
+def test_a_switch_the_driver_refuses_serves_the_key_from_its_own_exec(restore_py, tmp_path: Path) -> None:
+    # the union-shaped graphs (63 nodes) are the largest: the stand-in refuses updates to them
+    env = {**_saved(restore_py, tmp_path), "EMBER_DEDICATE": "0", "STANDIN_FAIL_EXEC_UPDATE_ABOVE": "60"}
+    r = _json(restore_py(REFUSED, mode="load", env=env))
+    assert r["groups"] == [[len(SIZES), True]]
+    assert r["own"] == [True] * len(SIZES) and r["same"] == [True] * len(SIZES)
+    assert r["holds"] == -1  # the template claims no key after a refused update
+
+
 PLACEHOLDERS = LOAD.split("stream = cu.CUstream(0)")[0] + """
 stream = cu.CUstream(0)
 union = lib.groups[0].union

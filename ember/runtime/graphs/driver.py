@@ -54,7 +54,9 @@ def graph_nodes(graph: Any) -> list[Any]:
 
 
 def torch_stream_handle(stream: Any = None) -> Any:
-    """A CUstream for a torch stream (the current one when None)."""
+    """A CUstream for a torch stream (the current one when None); a CUstream as it is."""
+    if isinstance(stream, cu.CUstream):
+        return stream
     import torch
 
     s = stream if stream is not None else torch.cuda.current_stream()

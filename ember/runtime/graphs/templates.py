@@ -18,6 +18,7 @@ Everything a restored graph references stays alive as long as the library: kerne
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -30,6 +31,7 @@ from cuda.bindings import driver as cu
 
 from ember.archive.graphs import GraphSet
 from ember.archive.table_layout import FormatError
+from ember.native import EmberError
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.driver import OK, CudaError, check, current_context, torch_stream_handle
 from ember.runtime.graphs.groups import (
@@ -49,6 +51,7 @@ from ember.runtime.graphs.prepared import mark_splices
 from ember.runtime.graphs.unions import UnionTemplate
 from ember.runtime.graphs.uploads import Uploader
 
+log = logging.getLogger(__name__)
 TEMPLATE_BATCH = 2  # templates per libember call after the first (each batch ready on its own)
 
 
@@ -117,9 +120,7 @@ class GraphLibrary:
         self.switch_ms: list[float] = []
         self.splicer = splicer
         self._splices = splicer.graph if splicer is not None else None
-        self._spliced: dict[int, list[tuple[int, int]]] = {}
-        if splicer is not None:
-            self._spliced = splicer.collectives.nodes
+        self._spliced: dict[int, list[tuple[int, int]]] = {} if splicer is None else splicer.collectives.nodes
         self.order = need_order(self.keys)
         self._ready: dict[int, threading.Event] = {}  # per group: its template is instantiated
         self._failed: dict[int, BaseException] = {}  # groups whose background build failed
@@ -408,15 +409,13 @@ class GraphLibrary:
 
     def launchable_at(self, index: int) -> float | None:
         """perf_counter() when key `index` became launchable (its group's template built and
-        uploaded: through an exec update unless it is the template's key; a union's first key:
-        its own exec); None before that."""
+        uploaded, through an exec update; a union's first key: its own exec), else None."""
         if index == self._first_own:
             return self.marks.get("first")
         return self.ready_at.get(self._group_of[index])
 
     def failed_templates(self) -> list[str]:
-        """Templates the background build could not build (each is tried again at its group's
-        first launch): key and reason."""
+        """Templates not built in the background (tried again at their first launch), and why."""
         return [f"{self.groups[gi].name(self.keys)}: {type(e).__name__}: {e}"[:300]
                 for gi, e in sorted(self._failed.items())]
 
@@ -496,7 +495,11 @@ class GraphLibrary:
         if tmpl.holds != index:
             try:
                 self.switch(index)
-            except FormatError:  # a union member that does not match its slots: its own exec
+            except (FormatError, CudaError, EmberError) as exc:
+                if self.groups[self._group_of[index]].union is None:
+                    raise
+                # a union member that does not match its slots, or whose switch the driver refused
+                log.warning("Graph %s: its own exec, not its union template (%s)", self.keys[index], exc)
                 return self.dedicate(index)
         if tmpl.updated and self._hot_after and index not in self._asked:
             self._uses[index] += 1
@@ -533,13 +536,14 @@ class GraphLibrary:
         g = union.graph_of(self, index) if union is not None else self.graph(index)
         with self._driver_lock:
             t = time.perf_counter()
+            tmpl.holds = -1  # no key until the update (and a union's mask) is in: a failure leaves none
             err, info = cu.cuGraphExecUpdate(tmpl.handle, g)
-            if err == OK and union is not None:
-                union.enable(tmpl.handle, index)  # the slots it lacks off, all others on
-            ms = (time.perf_counter() - t) * 1e3
             if err != OK:
                 result = getattr(info, "result", info)
                 raise CudaError(f"cuGraphExecUpdate(graph {self.keys[index]})", f"{err} ({result})")
+            if union is not None:
+                union.enable(tmpl.handle, index)  # the kernel slots it lacks off, all others on
+            ms = (time.perf_counter() - t) * 1e3
             tmpl.holds, tmpl.updated = index, True
         self.switch_ms.append(ms)
         return ms
@@ -559,7 +563,7 @@ class GraphLibrary:
 
     def launch(self, index: int, stream: Any = None) -> None:
         ex = self.exec_for(index)
-        r = cu.cuGraphLaunch(ex, _stream(stream))
+        r = cu.cuGraphLaunch(ex, torch_stream_handle(stream))
         if r[0] != OK:
             raise CudaError(f"cuGraphLaunch(graph {self.keys[index]})", r[0])
 
@@ -568,7 +572,7 @@ class GraphLibrary:
         tmpl = self._template_of(index)
         if tmpl.holds != index:
             self.switch(index)
-        check(cu.cuGraphLaunch(tmpl.handle, _stream(stream)), "cuGraphLaunch")
+        check(cu.cuGraphLaunch(tmpl.handle, torch_stream_handle(stream)), "cuGraphLaunch")
 
     # ---- teardown -----------------------------------------------------------------------
     def close(self) -> None:
@@ -594,7 +598,3 @@ class GraphLibrary:
             self._templates.clear()
             self._graphs.clear()
 
-
-def _stream(stream: Any) -> Any:
-    """A CUstream as is; a torch stream (or None: torch's current one) as its handle."""
-    return stream if isinstance(stream, cu.CUstream) else torch_stream_handle(stream)

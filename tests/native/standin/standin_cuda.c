@@ -612,6 +612,11 @@ EXPORT CUresult cuGraphExecUpdate_v2(CUgraphExec h, CUgraph g, CUgraphExecUpdate
   struct sgraph* to = (struct sgraph*)g;
   if (!e || !to) return CUDA_ERROR_INVALID_VALUE;
   if (info) memset(info, 0, sizeof *info);
+  const char* above = getenv("STANDIN_FAIL_EXEC_UPDATE_ABOVE");  /* updates to larger graphs refused */
+  if (above && to->n > atoi(above)) {
+    if (info) info->result = CU_GRAPH_EXEC_UPDATE_ERROR_NOT_SUPPORTED;
+    return CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE;
+  }
   int same = to->n == e->n;
   for (int i = 0; same && i < e->n; i++) same = to->nodes[i].type == e->from->nodes[i].type;
   if (!same) {
