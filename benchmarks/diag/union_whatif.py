@@ -70,6 +70,7 @@ def _union(u: Any, graphs: list[Any]) -> dict[str, Any]:
         "nodes": len(u.graph.nodes),
         "over_longest": round(len(u.graph.nodes) / longest, 3),
         "optional_slots": len(u.optional()),
+        "placeholders": sum(1 for s in u.optional() if u.graph.nodes[s].type == NodeType.MEMSET),
         "programmatic_edges": sum(1 for e in u.graph.edges if e.from_port or e.to_port or e.type),
     }
 

@@ -244,4 +244,5 @@ def test_the_what_if_diag_counts_templates_per_policy() -> None:
     assert prog["left_out_because"] == {"did not merge": 1}
     assert prog["templates"] < default["templates"] and memsets["templates"] == 1
     (u,) = memsets["unions"]
-    assert len(u["members"]) == 6 and u["optional_slots"] > 0
+    assert len(u["members"]) == 6 and u["optional_slots"] > u["placeholders"] > 0
+    assert all(v["placeholders"] == 0 for v in prog["unions"])
