@@ -130,3 +130,23 @@ def test_the_report_line_names_each_variant_and_its_setting(monkeypatch: pytest.
     assert "cold_early (EMBER_DEDICATE_EARLY=1): adds +120 ms (its build ends +100 ms later, then 20 ms)" \
         in line
     assert "warm_slow_reads (EMBER_NATIVE_READ=0): first key 57 ms, every template" in line
+
+
+def test_the_cold_difference_with_each_runs_torch_import_taken_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    # bare builds 400/480/300 ms of which imports took 100/180/0: alike once those are out
+    imports = {"build": (100, 180, 0), "cold": (90, 150, 300)}
+    timed = {role: [{**r, "torch_import_ms": t} for r, t in zip(RUNS[role], imports[role], strict=True)]
+             for role in imports}
+    runs = {**RUNS, **timed}
+    monkeypatch.setattr(true_cost, "_run", _fake(runs))
+    tc = true_cost.measure("file:///s", "h" * 64, {}, repeats=3)
+    assert tc["cold_extra_ms"] == 300  # unchanged: medians of whole runs
+    assert tc["build_less_import_range_ms"] == [300, 300]
+    # restored runs less their imports: 610, 350, 500 → median 500; bare builds: 300
+    assert tc["cold_extra_less_import_ms"] == 200
+    line = true_cost.report_line({"workload": "llama3-8b", "true_cost": tc, "native_over_warm_load": 5.0,
+                                  "native_over_cold_load": 9.0, "load_ms": 10.8})
+    assert ("LOAD adds 300 ms (200 ms with each run's torch import taken out, bare builds then "
+            "300-300 ms) (its build ends") in line
+    monkeypatch.setattr(true_cost, "_run", _fake(RUNS))  # children that did not time it: no such figure
+    assert "cold_extra_less_import_ms" not in true_cost.measure("file:///s", "h" * 64, {}, repeats=3)
