@@ -228,13 +228,7 @@ def measure(
     builds = [r["build_ms"] for r in runs["build"]]
     out["build_only_range_ms"] = [min(builds), max(builds)]
     out["cold_extra_ms"] = out["cold_ready_ms"] - out["build_only_ms"]  # restoring's cost over a bare build
-    if all("torch_import_ms" in r for r in [*runs["cold"], *runs["build"]]):
-        # The same as cold_extra_ms with each run's torch import (the same first step in both, before
-        # anything of ember's runs) taken out: where bare builds spread by their import, what is left.
-        less = [r["build_ms"] - r["torch_import_ms"] for r in runs["build"]]
-        out["build_less_import_range_ms"] = [min(less), max(less)]
-        out["cold_extra_less_import_ms"] = statistics.median(
-            r["cold_ready_ms"] - r["torch_import_ms"] for r in runs["cold"]) - statistics.median(less)
+    out.update(_less_import(runs))
     out["cold_extra_first_ms"] = out["cold_first_ms"] - out["build_only_ms"]
     # where the cold extra goes: the build slowed by the background work, then what is left after it
     out["cold_build_ms"] = med("cold", "cold_build_ms")
@@ -257,6 +251,17 @@ def measure(
         out[f"warm_{key}"] = max(vals) if vals else None  # the worst run
     out["first_use_extra_p99_ms"] = max(r["warm_first_use_extra_ms"]["p99"] for r in runs["warm"])
     return out
+
+
+def _less_import(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """cold_extra_ms with each run's torch import (the same first step in both, before anything of
+    ember's runs) taken out: where bare builds spread by their import, what is left."""
+    if not all("torch_import_ms" in r for r in [*runs["cold"], *runs["build"]]):
+        return {}  # children that did not time it
+    less = [r["build_ms"] - r["torch_import_ms"] for r in runs["build"]]
+    restored = statistics.median(r["cold_ready_ms"] - r["torch_import_ms"] for r in runs["cold"])
+    return {"build_less_import_range_ms": [min(less), max(less)],
+            "cold_extra_less_import_ms": restored - statistics.median(less)}
 
 
 def goals(tc: dict[str, Any] | None) -> dict[str, bool | None]:
