@@ -8,6 +8,7 @@ graph: argument pointers, kernel structs, node codes, attribute ranges, edges.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -117,7 +118,7 @@ def prepare_from_table(
 
 
 def in_union(template: PreparedGraph, member: PreparedGraph, slots: np.ndarray,
-             placeholders: np.ndarray | None = None, scratch: int = 0) -> PreparedGraph:
+             placeholders: Sequence[int] = (), scratch: int = 0) -> PreparedGraph:
     """Member's nodes in their union slots, the template's in the others: the graph a union
     template exec is updated to for this member (ember.archive.union). Its edges are the
     template's chain; the member's nodes keep the buffers of `member` (kept alive with it). A
@@ -133,7 +134,7 @@ def in_union(template: PreparedGraph, member: PreparedGraph, slots: np.ndarray,
     count[slots] = m.attr_count
     objects = {s: obj for s, obj in u.objects.items()}
     objects.update({int(slots[j]): obj for j, obj in m.objects.items()})
-    lacking = np.setdiff1d(placeholders if placeholders is not None else [], slots).tolist()
+    lacking = np.setdiff1d(placeholders, slots).tolist()
     if lacking and not scratch:
         raise RebuildError(f"graph {member.key}: its union's placeholder memsets have no scratch")
     for s in lacking:

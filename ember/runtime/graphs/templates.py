@@ -218,7 +218,7 @@ class GraphLibrary:
         rest = [g for g in self.groups if g.index not in self._ready or not self._ready[g.index].is_set()]
         batches = [rest[i : i + TEMPLATE_BATCH] for i in range(0, len(rest), TEMPLATE_BATCH)]
         behind = os.environ.get("EMBER_UPLOAD_BEHIND", "0") == "1"  # opt-in: not GPU-proven yet
-        ahead = self._ahead or [self.prepare_ahead(groups=b) for b in batches[:1]]  # (timed below)
+        ahead, self._ahead = self._ahead or [self.prepare_ahead(groups=b) for b in batches[:1]], []
         for n, batch in enumerate(batches):
             self.timings.prepare_ms += sum(f.result() for f in ahead)  # (a failure: met below)
             ahead = [self.prepare_ahead(groups=b) for b in batches[n + 1 : n + 2]]
