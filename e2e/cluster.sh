@@ -76,8 +76,15 @@ spawn() {
     done
     exec setsid "$@" >>"$LOGS/$name.log" 2>&1 </dev/null
   ) &
-  echo $! >"$PIDS/$name.pid"
-  log "started $name (pid $!, log $LOGS/$name.log)"
+  local pid=$! i
+  echo "$pid" >"$PIDS/$name.pid"
+  # Until the subshell has closed its descriptors and exec'd CMD, its cmdline is bash's or
+  # setsid's, and `running` would call it gone: wait (10 s at most) until CMD runs or the pid exits.
+  for i in $(seq 1 200); do
+    { running "$name" || ! kill -0 "$pid" 2>/dev/null; } && break
+    sleep 0.05
+  done
+  log "started $name (pid $pid, log $LOGS/$name.log)"
 }
 
 stop() {

@@ -42,3 +42,19 @@ def test_a_component_restarted_under_a_callers_lock_does_not_hold_it(k8s: LocalC
     # ... so the lock is free while kwok keeps running
     free = subprocess.run(["flock", "-n", str(lock), "true"], timeout=10)
     assert free.returncode == 0 and Path(f"/proc/{pid}").exists()
+
+
+def test_a_component_slow_to_exec_is_waited_for_not_called_exited(k8s: LocalCluster) -> None:
+    """The started process is bash, then setsid, before it is the component: on a loaded machine
+    the first readiness poll can see it as neither. Thousands of inherited descriptors (each closed
+    in the subshell before exec) stretch that window; `up` must still wait for the component."""
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(3000)]
+    try:
+        proc = subprocess.run([str(CLUSTER_SH), "restart", "kube-apiserver"], capture_output=True,
+                              text=True, timeout=300, pass_fds=fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert proc.returncode == 0, proc.stderr
+    assert "exited while waiting" not in proc.stderr
+    assert subprocess.run([str(CLUSTER_SH), "status"], capture_output=True, timeout=60).returncode == 0
