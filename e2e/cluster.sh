@@ -62,6 +62,8 @@ running() {
     tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -Eq "$pattern"
 }
 
+START_MARK="--- e2e/cluster.sh started"  # spawn's first line in a component's log
+
 # spawn NAME CMD...: start CMD detached (own session, survives the caller), log and pid files.
 spawn() {
   local name="$1"; shift
@@ -74,6 +76,7 @@ spawn() {
       fd="${fd##*/}"
       if ((fd > 2)); then eval "exec ${fd}>&-"; fi
     done
+    echo "$START_MARK $name at $(date -u +%FT%TZ)" >>"$LOGS/$name.log"
     exec setsid "$@" >>"$LOGS/$name.log" 2>&1 </dev/null
   ) &
   local pid=$! i
@@ -99,17 +102,23 @@ stop() {
   rm -f "$PIDS/$name.pid"
 }
 
+# The last 30 lines NAME logged since its latest start (logs are appended across restarts).
+log_tail() {
+  awk -v mark="$START_MARK" 'index($0, mark) == 1 { n = 0 } { line[n++] = $0 }
+    END { for (i = (n > 30 ? n - 30 : 0); i < n; i++) print line[i] }' "$LOGS/$1.log" >&2 || true
+}
+
 # wait_for WHAT SECONDS NAME CMD...: poll CMD until it succeeds; fail with NAME's log tail.
 wait_for() {
   local what="$1" secs="$2" name="$3"; shift 3
   local deadline=$((SECONDS + secs))
   until "$@" >/dev/null 2>&1; do
     if [[ -n "$name" ]] && ! running "$name"; then
-      tail -n 30 "$LOGS/$name.log" >&2 || true
+      log_tail "$name"
       die "$name exited while waiting for $what (log: $LOGS/$name.log)"
     fi
     if ((SECONDS >= deadline)); then
-      [[ -n "$name" ]] && { tail -n 30 "$LOGS/$name.log" >&2 || true; }
+      [[ -n "$name" ]] && log_tail "$name"
       die "timed out after ${secs}s waiting for $what"
     fi
     sleep 0.5
