@@ -35,7 +35,7 @@ class UnionTemplate:
         self.position = {m: p for p, m in enumerate(info.members)}
         # the slots enabled per member: the optional kernels (placeholder memsets stay enabled)
         self.optional = np.setdiff1d(info.optional, info.placeholders).astype(np.int64)
-        self.scratch = 0  # device buffer the placeholders write (cuMemAlloc), once a member needs it
+        self.scratch = 0  # device buffer the placeholders write (cuMemAlloc), at the first member's switch
         self.nodes = np.zeros(info.nodes, dtype=np.uint64)  # the template's CUgraphNodes (builder)
         self.graph: Any = None  # the template's CUgraph, once built
         self.graphs: dict[int, Any] = {}  # member (graph index) -> its union-shaped CUgraph
@@ -66,11 +66,10 @@ class UnionTemplate:
         """Graph `index` (prepared on its own) in the template's shape."""
         if self._prep is None:
             raise RuntimeError("the union template is not prepared yet")
-        slots = self.info.slots[self.position[index]]
-        placeholders = self.info.placeholders
-        if len(np.setdiff1d(placeholders, slots)) and not self.scratch:
+        if self.info.scratch_bytes and not self.scratch:  # some member lacks a memset (it is optional)
             self.scratch = int(check(cu.cuMemAlloc(self.info.scratch_bytes), "cuMemAlloc (union scratch)"))
-        return in_union(self._prep, member, slots, placeholders, self.scratch)
+        return in_union(self._prep, member, self.info.slots[self.position[index]], self.info.placeholders,
+                        self.scratch)
 
     def graph_of(self, lib: Any, index: int) -> Any:
         """Graph `index` in the template's shape, built once and kept (`lib`: the GraphLibrary)."""
