@@ -198,9 +198,21 @@ class Layer(nn.Module):
             self.router = nn.Linear(s.hidden, s.experts, bias=False)
             self.w_gu = nn.Parameter(torch.empty(self.experts, s.hidden, 2 * s.moe_inter))
             self.w_d = nn.Parameter(torch.empty(self.experts, s.moe_inter, s.hidden))
+            if self.experts != s.experts:
+                # Which experts are this rank's lives in device memory, written at build: a graph
+                # reads it from one address on every rank, so one archive serves them all. A view
+                # offset (`combine[:, first:]`) would freeze rank 0's offset into the kernel
+                # arguments SAVE captured, and every other rank would weigh the wrong experts.
+                self.register_buffer("expert_ids", torch.empty(self.experts, dtype=torch.long), persistent=False)
         else:
             self.gu = nn.Linear(s.hidden, 2 * inter, bias=False)
             self.d = nn.Linear(inter, s.hidden, bias=False)
+
+    def place_experts(self) -> None:
+        """Write this rank's expert ids (after the model is materialised on the device)."""
+        if hasattr(self, "expert_ids"):
+            first = (self.par.rank % self.par.expert) * self.experts
+            self.expert_ids.copy_(torch.arange(first, first + self.experts))
 
     def _act(self, g: torch.Tensor) -> torch.Tensor:
         return F.gelu(g, approximate="tanh") if self.spec.act == "gelu" else F.silu(g)
@@ -219,8 +231,7 @@ class Layer(nn.Module):
         w = (w / w.sum(-1, keepdim=True)).to(h.dtype)
         combine = torch.zeros(h.shape[0], s.experts, device=h.device, dtype=h.dtype).scatter(1, idx, w)
         if self.experts != s.experts:
-            first = (self.par.rank % self.par.expert) * self.experts
-            combine = combine[:, first : first + self.experts]
+            combine = combine.index_select(1, self.expert_ids)
         gu = torch.matmul(h.unsqueeze(0), self.w_gu)  # [E, B, 2I]
         g, u = gu.chunk(2, -1)
         out = torch.matmul(self._act(g) * u, self.w_d)  # [E, B, H]
@@ -426,6 +437,8 @@ class DecodeWorkload:
                     p.fill_(1.0)
                 else:
                     p.normal_(0.0, 0.02, generator=gen)
+            for layer in model.layers:
+                layer.place_experts()
         if self.weights:
             from ember.engines.decode.checkpoint import load_into
 
