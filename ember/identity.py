@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -18,6 +19,22 @@ from pydantic import BaseModel, ConfigDict, Field
 def canonical_json(value: Any) -> bytes:
     """Canonical JSON: sorted keys, no whitespace, UTF-8. Stable across Python versions."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+# Keys of a model configuration that name or describe it without changing any graph.
+_CONFIG_NOT_SHAPE = frozenset({
+    "_name_or_path", "name_or_path", "_commit_hash", "transformers_version", "id2label", "label2id",
+    "torch_dtype_orig", "_attn_implementation_autoset", "auto_map",
+})
+
+
+def config_digest(config: Mapping[str, Any]) -> str:
+    """16 hex of a model configuration's shape: architecture, layer and head counts, sizes,
+    rope and window settings, dtype (a transformers `config.to_dict()`, a ModelSpec's fields).
+    Names, paths and versions are left out: the same shape under another name digests the same."""
+    shape = {k: v for k, v in config.items() if k not in _CONFIG_NOT_SHAPE}
+    text = json.dumps(shape, sort_keys=True, separators=(",", ":"), default=str)  # dtypes, enums
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class Parallelism(BaseModel):
@@ -43,9 +60,16 @@ class ArchiveIdentity(BaseModel):
     max_batch: int = 512
     parallelism: Parallelism = Parallelism()
     gpu_product: str = ""
+    # `config_digest()` of the model's configuration where the identity's maker knows it (every
+    # engine does; the operator, which never reads the model, leaves it empty and LOAD compares
+    # the archive's recorded digest with the engine's own instead).
+    config: str = ""
 
     def canonical(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        out = self.model_dump(mode="json")
+        if not out["config"]:
+            del out["config"]  # identities made without one keep the hash they always had
+        return out
 
     def hash(self) -> str:
         return hashlib.sha256(canonical_json(self.canonical())).hexdigest()

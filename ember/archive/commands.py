@@ -115,6 +115,8 @@ def _head_table(archive: bundle.Archive) -> Table:
                            f"ember {m.ember_version}")
     head.add_row("created", m.created_at.isoformat())
     head.add_row("model", f"{ident.model} @ {ident.revision}  dtype {ident.dtype}")
+    if config := ident.config or m.engine.get("config"):
+        head.add_row("model config", f"{config} (digest of its shape; LOAD refuses another)")
     head.add_row("engine", f"{ident.engine} {ident.engine_version}  graph mode {ident.graph_mode}")
     head.add_row("capture sizes", _keys_text([[s] for s in ident.capture_sizes], 20))
     head.add_row("parallelism", f"tensor {ident.parallelism.tensor}, expert {ident.parallelism.expert}, "

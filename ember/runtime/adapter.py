@@ -102,3 +102,11 @@ class EngineAdapter(Protocol):
     def report(self, stage: str, **fields: Any) -> None:
         """A start-up stage reached (compat, load, capture, first_token, ready)."""
         ...
+
+
+def model_config_digest(adapter: EngineAdapter) -> str:
+    """The engine's `ember.identity.config_digest` of its model, "" where the adapter has none.
+    SAVE records it in the facts; LOAD refuses an archive whose recorded digest differs (one
+    model name and revision reused for another shape: a local path, a fine-tune's config)."""
+    get = getattr(adapter, "config_digest", None)
+    return str(get()) if callable(get) else ""

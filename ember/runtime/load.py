@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from ember import handoff
 from ember.native import Interposer
-from ember.runtime.adapter import COMPAT, LOAD, EngineAdapter, Refused
+from ember.runtime.adapter import COMPAT, LOAD, EngineAdapter, Refused, model_config_digest
 from ember.runtime.restore import ArchiveRestore, release_cached_memory
 
 __all__ = ["Restored", "attempt_marker", "load", "open_restore", "release_cached_memory"]
@@ -100,6 +100,9 @@ def load(adapter: EngineAdapter, restore: ArchiveRestore) -> Restored:
         t = time.perf_counter()
         adapter.prepare(facts)
         tm["prepare_ms"] = (time.perf_counter() - t) * 1e3
+        saved, here = facts.get("config"), model_config_digest(adapter)
+        if saved and here and saved != here:  # one model name and revision, another shape
+            raise Refused(COMPAT, f"model configuration differs: archive {saved}, engine {here}")
         t = time.perf_counter()
         if div := restore.ip.divergence():
             raise Refused(LOAD, f"allocation sequence diverged from SAVE: {div}")

@@ -26,7 +26,7 @@ from ember.archive.graphs import GraphSet
 from ember.identity import ArchiveIdentity
 from ember.native import Interposer
 from ember.runtime import comm, compat, publish, slim_images
-from ember.runtime.adapter import ENGINE, EngineAdapter, Refused
+from ember.runtime.adapter import ENGINE, EngineAdapter, Refused, model_config_digest
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.kernels import KernelResolver, LiveResolver, NativeResolver
 from ember.runtime.graphs.walk import GraphWalker
@@ -296,6 +296,7 @@ def save(
         "region": list(ip.region()) if ip is not None else None,
         **({"collectives": collectives.to_facts()} if collectives is not None else {}),
         **(cut.facts() if cut is not None else {}),
+        **({"config": digest} if (digest := model_config_digest(adapter)) else {}),
     }
     d["facts_s"] = time.perf_counter() - t
     out = SaveOutcome(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import torch
 import ember
 from ember.engines.decode.model import DecodeWorkload, OutputSpec
 from ember.engines.decode.parallel import SINGLE, Parallel, init_process_group
-from ember.identity import ArchiveIdentity, Parallelism
+from ember.identity import ArchiveIdentity, Parallelism, config_digest
 from ember.native import Interposer
 from ember.runtime.adapter import COMPAT, LOAD, GraphKey, Refused
 from ember.runtime.graphs.templates import GraphLibrary
@@ -77,6 +77,9 @@ class DecodeAdapter:
 
     def identity(self) -> ArchiveIdentity:
         return self._identity or identity_for(self._w())
+
+    def config_digest(self) -> str:
+        return config_digest(asdict(self._w().spec))
 
     def prepare(self, facts: Mapping[str, Any] | None) -> None:
         t = time.perf_counter()
@@ -196,6 +199,7 @@ def identity_for(workload: DecodeWorkload) -> ArchiveIdentity:
         dtype="bfloat16",
         max_batch=workload.max_batch,
         gpu_product=torch.cuda.get_device_name(),
+        config=config_digest(asdict(workload.spec)),
     )
 
 

@@ -45,7 +45,7 @@ from ember.engines.transformers_cb.hooks import (
     new_manager,
 )
 from ember.engines.transformers_cb.keys import CBSizing, enumerate_keys
-from ember.identity import ArchiveIdentity
+from ember.identity import ArchiveIdentity, config_digest
 from ember.runtime.adapter import COMPAT, LOAD, GraphKey, Refused
 
 if TYPE_CHECKING:
@@ -87,6 +87,7 @@ def cb_identity(
     revision: str = "random-weights",
     dtype: str = "bfloat16",
     gpu_product: str = "",
+    config: str = "",
 ) -> ArchiveIdentity:
     """The identity of a continuous-batching archive: the key set follows from the sizing."""
     q_sizes = sorted({k[0] for k in enumerate_keys(sizing)})
@@ -107,6 +108,7 @@ def cb_identity(
         max_num_tokens=sizing.max_batch_tokens,
         max_batch=sizing.max_requests_per_batch,
         gpu_product=gpu_product,
+        config=config,
     )
 
 
@@ -196,7 +198,12 @@ class CBEngineAdapter:
     def identity(self) -> ArchiveIdentity:
         import torch
 
-        return cb_identity(self.model_name, self.hooks.sizing, gpu_product=torch.cuda.get_device_name())
+        return cb_identity(self.model_name, self.hooks.sizing, gpu_product=torch.cuda.get_device_name(),
+                           config=self.config_digest())
+
+    def config_digest(self) -> str:
+        assert self.cb is not None
+        return config_digest(self.cb.model.config.to_dict())
 
     def prepare(self, facts: Mapping[str, Any] | None) -> None:
         """The manager and its batch processor (KV cache, static IO): sized from the overrides at

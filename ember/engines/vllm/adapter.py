@@ -21,7 +21,7 @@ from ember.engines.vllm import graphs as sites
 from ember.engines.vllm.args import mismatches
 from ember.engines.vllm.keys import GraphConfig, GraphKey, enumerate_descs, enumerate_keys
 from ember.engines.vllm.versions import check_engine, engine_version, unsupported_features
-from ember.identity import ArchiveIdentity
+from ember.identity import ArchiveIdentity, config_digest
 from ember.runtime.adapter import COMPAT, ENGINE, LOAD, Refused
 
 if TYPE_CHECKING:
@@ -181,7 +181,11 @@ class VllmAdapter:
             max_num_tokens=int(self.vllm_config.scheduler_config.max_num_batched_tokens),
             max_batch=cfg.max_num_seqs,
             gpu_product=torch.cuda.get_device_name(),
+            config=self.config_digest(),
         )
+
+    def config_digest(self) -> str:
+        return config_digest(self.vllm_config.model_config.hf_config.to_dict())
 
     # -- 3 capture ------------------------------------------------------------------------------
     def prepare(self, facts: Mapping[str, Any] | None) -> None:
