@@ -241,7 +241,8 @@ def _start_load(run: _Phase) -> None:
     archive_dir = Path(run.opts["store_dir"]) / "archives" / run.opts["identity"]
     info = cb_adapter.restore_into(engine, archive_dir, run.ip)
     result["first_token"], result["start_to_first_token_s"] = _first_token(engine, run.t0)
-    result.update(startup=info.seconds, startup_graphs=info.graphs, sizing=info.sizing)
+    result.update(startup=info.seconds, startup_graphs=info.graphs, sizing=info.sizing, mode=info.mode,
+                  reason=info.reason)
     if engine.library is not None:
         lib = engine.library
         result["library_timings"] = dict(vars(lib.timings))

@@ -11,6 +11,7 @@ import typer
 
 from ember_bench.cb import bench_cb
 from ember_bench.claims import bench_claims
+from ember_bench.correctness import bench_correctness
 from ember_bench.fetch import bench_fetch
 from ember_bench.fuzz import bench_fuzz
 from ember_bench.graphs import bench_graphs
@@ -29,3 +30,4 @@ app.command("parse")(bench_parse)
 app.command("switch")(bench_switch)
 app.command("fuzz")(bench_fuzz)
 app.command("vllm")(bench_vllm)
+app.command("correctness")(bench_correctness)

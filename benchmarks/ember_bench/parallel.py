@@ -97,8 +97,11 @@ def _free_port() -> int:
 def _ranks(
     role: str, args: dict[str, Any], env: dict[str, str], world: int, timeout: float
 ) -> list[dict[str, Any]]:
-    """One child per rank, all at once (they rendezvous); each writes its JSON, then exits."""
+    """One child per rank, all at once (they rendezvous); each writes its JSON, then exits. Rank r
+    runs on the r-th GPU that `env`'s CUDA_VISIBLE_DEVICES lists (all of them if unset)."""
     port, procs, outs = _free_port(), [], []
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(r) for r in range(world)]
     for r in range(world):
         fd, out = tempfile.mkstemp(suffix=".json")
         os.close(fd)
@@ -110,7 +113,7 @@ def _ranks(
             "MASTER_PORT": str(port),
         }
         if world > 1:
-            e["CUDA_VISIBLE_DEVICES"] = str(r)
+            e["CUDA_VISIBLE_DEVICES"] = devices[r]
         cmd = [sys.executable, "-m", "ember_bench.parallel", role, json.dumps({**args, "out": out})]
         procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outs.append(out)

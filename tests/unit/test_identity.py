@@ -81,8 +81,8 @@ class _Restore:
 
 
 def test_load_refuses_an_archive_of_another_model_shape_before_anything_is_installed() -> None:
-    adapter, restore = _Adapter(config_digest(MISTRAL)), _Restore({"config": config_digest({**MISTRAL,
-                                                                                            "num_hidden_layers": 8})})
+    other = config_digest({**MISTRAL, "num_hidden_layers": 8})
+    adapter, restore = _Adapter(config_digest(MISTRAL)), _Restore({"config": other})
     with pytest.raises(Refused) as err:
         load(adapter, restore)  # type: ignore[arg-type]
     assert err.value.stage == COMPAT and "model configuration differs" in err.value.reason

@@ -203,7 +203,8 @@ class Layer(nn.Module):
                 # reads it from one address on every rank, so one archive serves them all. A view
                 # offset (`combine[:, first:]`) would freeze rank 0's offset into the kernel
                 # arguments SAVE captured, and every other rank would weigh the wrong experts.
-                self.register_buffer("expert_ids", torch.empty(self.experts, dtype=torch.long), persistent=False)
+                ids = torch.empty(self.experts, dtype=torch.long)
+                self.register_buffer("expert_ids", ids, persistent=False)
         else:
             self.gu = nn.Linear(s.hidden, 2 * inter, bias=False)
             self.d = nn.Linear(inter, s.hidden, bias=False)

@@ -223,8 +223,31 @@ class CBEngine:
     def generate_many(
         self, prompts: list[list[int]], max_new_tokens: int, timeout: float | None = 300.0
     ) -> list[list[int]]:
-        futures = [self.submit(p, max_new_tokens) for p in prompts]
+        """All `prompts` reach the engine's queue at once, so its next step schedules them
+        together: one by one, how many the running generation loop took into a batch depended on
+        thread timing, and so did the padded keys and with them the tokens (a batch's size
+        changes a GEMM's kernel and its rounding)."""
+        futures = self.submit_together(prompts, max_new_tokens)
         return [f.result(timeout=timeout) for f in futures]
+
+    def submit_together(self, prompts: list[list[int]], max_new_tokens: int) -> list[Future[list[int]]]:
+        real = self.manager.input_queue
+        staged: list[Any] = []
+
+        class Staging:  # `add_request` validates and builds each request state, then puts it here
+            def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+                staged.append(item)
+
+        self.manager.input_queue = Staging()
+        try:
+            futures = [self.submit(p, max_new_tokens) for p in prompts]
+        finally:
+            self.manager.input_queue = real
+        with real.not_empty:  # one put of them all (the generation loop drains under this lock)
+            real.queue.extend(staged)
+            real.unfinished_tasks += len(staged)
+            real.not_empty.notify()
+        return futures
 
     def _dispatch(self) -> None:
         while not self._stopping.is_set():
