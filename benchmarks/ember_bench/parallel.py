@@ -218,6 +218,8 @@ def _verdict(rank: int, native: dict[str, Any], loaded: dict[str, Any]) -> dict[
         collective_capture_ms=loaded["collective_capture_ms"],
         collectives=loaded["collectives"],
         native_over_load=native["native_capture_s"] * 1e3 / loaded["load_ms"],
+        verify_ms=loaded["timings"].get("verify_ms"),
+        verify=loaded["timings"].get("verify"),
         templates=loaded["templates"],
         tokens_identical={
             b: native["decode_sha256"].get(b) == sha for b, sha in loaded["decode_sha256"].items()

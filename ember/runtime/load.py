@@ -100,9 +100,9 @@ def load(adapter: EngineAdapter, restore: ArchiveRestore) -> Restored:
         t = time.perf_counter()
         adapter.prepare(facts)
         tm["prepare_ms"] = (time.perf_counter() - t) * 1e3
-        saved, here = facts.get("config"), model_config_digest(adapter)
-        if saved and here and saved != here:  # one model name and revision, another shape
-            raise Refused(COMPAT, f"model configuration differs: archive {saved}, engine {here}")
+        config = model_config_digest(adapter)
+        if facts.get("config") and config and facts["config"] != config:  # a name reused for another shape
+            raise Refused(COMPAT, f"model configuration differs: archive {facts['config']}, engine {config}")
         t = time.perf_counter()
         if div := restore.ip.divergence():
             raise Refused(LOAD, f"allocation sequence diverged from SAVE: {div}")
@@ -118,6 +118,8 @@ def load(adapter: EngineAdapter, restore: ArchiveRestore) -> Restored:
         assert archive is not None  # read in full before library() returns
         count = adapter.install(lib, archive)
         tm["restore_ms"] = (time.perf_counter() - t) * 1e3
+        if (verify := getattr(adapter, "verify", None)) is not None:  # before any request
+            tm.update(verify(lib))
     except Refused:
         restore.abandon()
         raise

@@ -29,11 +29,12 @@ from ember.native import Interposer
 from ember.runtime.adapter import COMPAT, LOAD, GraphKey, Refused
 from ember.runtime.graphs.templates import GraphLibrary
 from ember.runtime.load import Restored, load, open_restore
-from ember.runtime.proof.replay import decode_trace, replay_fingerprints, tpot_ms
+from ember.runtime.proof.replay import decode_trace, fingerprint, replay_fingerprints, tpot_ms
 from ember.runtime.publish import ArchiveContent
 from ember.runtime.save import SaveOutcome, save
 
 KIND = "ember-decode"
+CANARY_SEED = 11  # the canary's input ids (any seed: both of its steps start from the same state)
 DECODE_CHECK_BATCHES = (1, 8, 64)
 
 
@@ -57,6 +58,7 @@ class DecodeAdapter:
         self.tpot_batches: tuple[int, ...] = ()  # SAVE: also time the captured graphs' decode step
         self.tpot_ms: dict[str, float] = {}
         self.outputs: dict[GraphKey, list[torch.Tensor]] = {}
+        self._saved_prints: dict[str, list[int]] = {}  # SAVE's output fingerprints (single GPU)
         self.library: GraphLibrary | None = None
         self.build_ms = 0.0
         self._identity = identity  # the SAVE Job's, when it names one
@@ -167,7 +169,45 @@ class DecodeAdapter:
             for k, v in archive.engine["outputs"].items()
         }
         self.library = library
+        self._saved_prints = dict(archive.engine.get("fingerprints", {}))
         return len(library.keys)
+
+    def verify(self, library: GraphLibrary) -> dict[str, Any]:
+        """LOAD's canary (`ember.runtime.verify`): the first needed key's graph against the
+        workload's own eager step, on every rank (Refused on any difference). A compiled step is
+        not the eager one: single-GPU archives are checked against SAVE's reference outputs
+        instead; a compiled multi-GPU archive is not checked."""
+        from ember.runtime import verify
+
+        w, par = self._w(), self.parallel
+        index = library.order[0]
+        key, b = library.keys[index], library.keys[index][0]
+        reset = lambda: w.reset_state(seed=CANARY_SEED)  # noqa: E731
+
+        def graph_step() -> list[torch.Tensor]:
+            library.launch_template(index)
+            return self.outputs[key]
+
+        def round_trip() -> bool:
+            other = next((m for m in library.group_members(index) if m != index), None)
+            if other is None:
+                return False
+            library.switch(other)
+            library.switch(index)
+            return True
+
+        if not w.compiled:
+            own = lambda: list(w.step(b))  # noqa: E731
+        elif par.world == 1 and key == min(library.keys) and (saved := self._saved_prints.get(f"{b}")):
+            # SAVE fingerprinted its native graphs from reset_state(seed 7), smallest key first
+            reset = lambda: w.reset_state(7)  # noqa: E731
+            own, step = (lambda: saved), graph_step
+            graph_step = lambda: fingerprint(step())  # noqa: E731
+        else:
+            return {"verify": "skipped: a compiled step with no reference from SAVE for this shape"}
+        result = verify.canary(own, graph_step, reset, round_trip)
+        verify.refuse_unless(result, par.world, par.rank)
+        return {"verify_ms": result["verify_ms"], "verify": "+".join(result["checked"])}
 
     def report(self, stage: str, **fields: Any) -> None:
         pass  # the commands and the benchmark print their own summaries

@@ -419,6 +419,9 @@ class GraphLibrary:
         return [f"{self.groups[gi].name(self.keys)}: {type(e).__name__}: {e}"[:300]
                 for gi, e in sorted(self._failed.items())]
 
+    def group_members(self, index: int) -> list[int]:
+        return list(self.groups[self._group_of[index]].members)
+
     def is_template(self, index: int) -> bool:
         return self.groups[self._group_of[index]].template == index
 

@@ -1,0 +1,114 @@
+"""LOAD proves itself before it serves: a canary step through the restored graphs, compared bitwise
+with what the engine's own path computes on the same state, on every rank.
+
+SAVE's proof compares each rebuilt graph with the graph captured in the same process. It cannot
+see a fault that only LOAD has: a per-rank value frozen at SAVE (a multi-GPU archive's SAVE plays
+rank 0 and moves no data), a wrong collective splice, a kernel argument LOAD rebuilt wrongly, an
+exec update that leaves a parameter stale. The canary can, for the key the first request needs:
+
+1. the engine's own step (no graph) from a seeded state → reference outputs;
+2. the restored graph, launched through its group's template as instantiated, same state;
+3. where the group has another member, the template updated to it and back (an exec update),
+   launched again, same state.
+Every output must equal the reference bit for bit. Collectives run in each step, so on a
+multi-GPU shape every rank runs the canary at the same point of its start, and the verdict is
+unanimous (one all-reduce): if any rank's canary fails, every rank captures natively together
+(a rank alone capturing would issue its warm-up collectives to peers that are not issuing any).
+
+What it cannot catch, and says so in docs/runtime.md: a fault in a key other than the canary's
+that the canary's key does not share (each graph's arguments are rebuilt from its own table
+rows); an engine whose own step is not the captured step (a compiled step: then the canary
+compares with SAVE's reference outputs where SAVE saw real data, and is skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ember.runtime.adapter import Refused
+
+VERIFY = "verify"
+
+Outputs = Sequence[Any]  # torch tensors
+
+
+def first_difference(ref: Outputs, got: Outputs) -> str:
+    """'' when every tensor is bitwise equal, else where the first one differs."""
+    import torch
+
+    for i, (a, b) in enumerate(zip(ref, got, strict=True)):
+        if not isinstance(a, torch.Tensor):  # a fingerprint (SAVE's reference)
+            if a != b:
+                return f"output {i}: fingerprint {b}, SAVE's {a}"
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"output {i}: {tuple(b.shape)} {b.dtype}, expected {tuple(a.shape)} {a.dtype}"
+        same = torch.eq(a.view(torch.uint8) if a.dtype == torch.bool else a, b).view(-1)
+        if not bool(same.all()):
+            at = int((~same).nonzero()[0])
+            return f"output {i}: element {at} of {a.numel()} differs"
+    return ""
+
+
+def canary(
+    own_step: Callable[[], Outputs],
+    graph_step: Callable[[], Outputs],
+    reset: Callable[[], None],
+    switch_round_trip: Callable[[], bool] | None = None,
+) -> dict[str, Any]:
+    """Run the canary; returns {"ok", "why", "verify_ms", "checked"}. `own_step()` and
+    `graph_step()` run one step from the state `reset()` sets and return copies of the outputs;
+    `switch_round_trip()` updates the template away and back (False: the group has one member)."""
+    import torch
+
+    def snap(outputs: Outputs) -> list[Any]:
+        return [x.clone() if isinstance(x, torch.Tensor) else x for x in outputs]
+
+    with torch.no_grad():
+        return _canary(own_step, graph_step, reset, switch_round_trip, snap)
+
+
+def _canary(own_step: Callable[[], Outputs], graph_step: Callable[[], Outputs], reset: Callable[[], None],
+            switch_round_trip: Callable[[], bool] | None, snap: Callable[[Outputs], list[Any]]) -> dict[str, Any]:
+    import torch
+
+    t = time.perf_counter()
+    reset()
+    ref = snap(own_step())
+    reset()
+    got = snap(graph_step())
+    checked = ["template"]
+    why = first_difference(ref, got)
+    if not why and switch_round_trip is not None and switch_round_trip():
+        reset()
+        again = snap(graph_step())
+        checked.append("exec update")
+        why = first_difference(ref, again)
+        why = f"after an exec update: {why}" if why else ""
+    elif why:
+        why = f"as instantiated: {why}"
+    reset()
+    torch.cuda.synchronize()
+    return {"ok": not why, "why": why, "checked": checked, "verify_ms": (time.perf_counter() - t) * 1e3}
+
+
+def unanimous(ok: bool, world: int) -> bool:
+    """Every rank's verdict at once (MIN over the world; one rank's own verdict in a world of one)."""
+    if world <= 1:
+        return ok
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device="cuda")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def refuse_unless(result: dict[str, Any], world: int, rank: int) -> None:
+    """Raise Refused(VERIFY) unless every rank's canary passed."""
+    if unanimous(bool(result["ok"]), world):
+        return
+    why = result["why"] or "another rank's canary failed"
+    raise Refused(VERIFY, f"rank {rank}: restored graphs do not compute what the engine does: {why}")
