@@ -70,8 +70,10 @@ def canary(
         return _canary(own_step, graph_step, reset, switch_round_trip, snap)
 
 
-def _canary(own_step: Callable[[], Outputs], graph_step: Callable[[], Outputs], reset: Callable[[], None],
-            switch_round_trip: Callable[[], bool] | None, snap: Callable[[Outputs], list[Any]]) -> dict[str, Any]:
+def _canary(
+    own_step: Callable[[], Outputs], graph_step: Callable[[], Outputs], reset: Callable[[], None],
+    switch_round_trip: Callable[[], bool] | None, snap: Callable[[Outputs], list[Any]],
+) -> dict[str, Any]:
     import torch
 
     t = time.perf_counter()
