@@ -163,8 +163,10 @@ def _cb_case(case: Case, env: dict[str, str], starts: int, work: Path, timeout: 
     opts = {"model": arch, "model_config": str(work / "config.json"), "layers": None,
             "store": store.as_uri(), "store_dir": str(store), "work_dir": str(work)}
 
+    lane = {k: env[k] for k in ("CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE")}  # run_child adds os.environ
+
     def child(phase: str) -> dict[str, Any]:
-        return cb.run_child(phase, opts, work, timeout, env={**env, **(cb._phase_env(phase) or {})})
+        return cb.run_child(phase, opts, work, timeout, env={**lane, **(cb._phase_env(phase) or {})})
 
     native = child("native")
     if "error" in native:
