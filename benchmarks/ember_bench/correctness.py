@@ -38,7 +38,7 @@ PARALLEL = (("tp", "llama3-8b"), ("ep", "qwen3-moe"), ("dp", "llama3-8b"))
 SIZES = "1,2,4,8,16,32,64"
 
 _SMALL = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4, "num_attention_heads": 16,
-          "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 4096}
+          "num_key_value_heads": 4, "vocab_size": 32768, "max_position_embeddings": 4096}
 _MOE = {"num_local_experts": 8, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 512}
 # model_type → what it is, and the settings beyond _SMALL that make it that (sliding window, MoE,
 # multi-query, parallel attention, hybrid local/global layers)
