@@ -173,10 +173,11 @@ class DecodeAdapter:
         return len(library.keys)
 
     def verify(self, library: GraphLibrary) -> dict[str, Any]:
-        """LOAD's canary (`ember.runtime.verify`): the first needed key's graph against the
-        workload's own eager step, on every rank (Refused on any difference). A compiled step is
-        not the eager one: single-GPU archives are checked against SAVE's reference outputs
-        instead; a compiled multi-GPU archive is not checked."""
+        """LOAD's canary (`ember.runtime.verify`): the first needed key's graph, as instantiated and
+        after an exec update, against SAVE's fingerprint of its native graph (single GPU), or
+        against the workload's own eager step on every rank of a multi-GPU shape, whose SAVE saw
+        no data (Refused on any difference). A compiled multi-GPU step is not checked: its eager
+        step is not the compiled one."""
         from ember.runtime import verify
 
         w, par = self._w(), self.parallel
@@ -196,15 +197,16 @@ class DecodeAdapter:
             library.switch(index)
             return True
 
-        if not w.compiled:
-            own = lambda: list(w.step(b))  # noqa: E731
-        elif par.world == 1 and key == min(library.keys) and (saved := self._saved_prints.get(f"{b}")):
-            # SAVE fingerprinted its native graphs from reset_state(seed 7), smallest key first
+        if par.world == 1 and key == min(library.keys) and (saved := self._saved_prints.get(f"{b}")):
+            # SAVE saw real data: it fingerprinted its native graphs from reset_state(seed 7),
+            # smallest key first (one launch here; an eager step costs its kernels' first loads)
             reset = lambda: w.reset_state(7)  # noqa: E731
             own, step = (lambda: saved), graph_step
             graph_step = lambda: fingerprint(step())  # noqa: E731
+        elif not w.compiled:  # a multi-GPU SAVE moved no data: the eager step is the reference
+            own = lambda: list(w.step(b))  # noqa: E731
         else:
-            return {"verify": "skipped: a compiled step with no reference from SAVE for this shape"}
+            return {"verify": "skipped: a compiled multi-GPU step has no reference here"}
         result = verify.canary(own, graph_step, reset, round_trip)
         verify.refuse_unless(result, par.world, par.rank)
         return {"verify_ms": result["verify_ms"], "verify": "+".join(result["checked"])}

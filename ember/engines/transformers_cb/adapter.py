@@ -224,7 +224,15 @@ class CBEngineAdapter:
         return _ProofView(self.hooks, dict(graphs))
 
     def facts(self, graphs: Mapping[GraphKey, Any]) -> dict[str, Any]:
-        return {**self.hooks.engine_facts(), "inputs": static_addresses(self.hooks)}
+        """The engine's sizing, the static addresses, and the canary LOAD checks itself with: the
+        key its first request needs, what the NATIVE graph computes from the canary state."""
+        from ember.runtime.graphs.need import need_order
+
+        keys = list(graphs)
+        first = keys[need_order(keys)[0]]
+        canary = self.hooks.canary(first, lambda stream: graphs[first].replay())
+        return {**self.hooks.engine_facts(), "inputs": static_addresses(self.hooks),
+                "canary": {"key": list(first), "fingerprint": canary}}
 
     def accept(self, facts: Mapping[str, Any]) -> CBSizing:
         if facts.get("kind") != ENGINE:
@@ -240,7 +248,35 @@ class CBEngineAdapter:
     def install(self, library: GraphLibrary, archive: ArchiveContent) -> int:
         assert self.cb is not None
         self.cb.library = library  # keeps every exec and argument buffer alive while serving
+        self._canary = archive.engine.get("canary")
         return self.hooks.install(library.all_restored())
+
+    def verify(self, library: GraphLibrary) -> dict[str, Any]:
+        """LOAD's canary (`ember.runtime.verify`): the first needed key's restored graph, through
+        its template as instantiated and after an exec update, against SAVE's native fingerprint
+        of the same state (Refused on any difference; archives without one are not checked)."""
+        from ember.runtime import verify
+
+        index = library.order[0]
+        key = library.keys[index]
+        saved = getattr(self, "_canary", None)
+        if not saved or tuple(saved["key"]) != tuple(key):
+            return {"verify": "skipped: the archive records no canary for its first key"}
+
+        def graph_step() -> list[int]:
+            return self.hooks.canary(key, lambda stream: library.launch_template(index, stream))
+
+        def round_trip() -> bool:
+            other = next((m for m in library.group_members(index) if m != index), None)
+            if other is None:
+                return False
+            library.switch(other)
+            library.switch(index)
+            return True
+
+        result = verify.canary(lambda: saved["fingerprint"], graph_step, lambda: None, round_trip)
+        verify.refuse_unless(result, 1, 0)
+        return {"verify_ms": result["verify_ms"], "verify": "+".join(result["checked"])}
 
     def report(self, stage: str, **fields: Any) -> None:
         log.info("%s: %s", stage, fields)

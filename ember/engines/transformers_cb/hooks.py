@@ -370,6 +370,41 @@ class ManagerHooks:
 
     def _run_key(self, akey: ArchiveKey) -> None:
         """One synthetic batch padded to `akey`, through prepare → get_model_kwargs → compute_batch."""
+        self._with_batch(akey, lambda batch: self.runner.compute_batch(self.manager.model, batch))
+
+    def canary(self, akey: ArchiveKey, launch: Callable[[Any], None], seed: int = 5) -> list[int]:
+        """LOAD's canary state for `akey` and what `launch(stream)` (the key's graph) computes from it:
+        the synthetic batch SAVE captured the key with, its input ids seeded, the KV cache zeroed,
+        the output poisoned; returns the fingerprint of the sampled tokens. SAVE records it with
+        the native graph; LOAD compares the restored one (`ember.runtime.verify`)."""
+        import torch
+
+        from ember.runtime.proof.replay import fingerprint
+
+        pair, _ = split_archive_key(akey)
+        io = self.device_ios()[pair]
+        cache = self.processor.cache
+        vocab = int(self.manager.model.config.get_text_config().vocab_size)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+
+        def run(batch: Any) -> None:
+            torch.cuda.synchronize()  # the batch's host-to-device copies are in
+            for t in (*cache.key_cache, *cache.value_cache):
+                t.zero_()
+            io.output_ids.view(torch.uint8).fill_(0xA5)
+            ids = batch["input_ids"]
+            ids.copy_(torch.randint(1, vocab, tuple(ids.shape), generator=gen, dtype=ids.dtype))
+            stream = self.io.compute_stream or torch.cuda.current_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                launch(stream)
+
+        self._with_batch(akey, run)
+        return fingerprint([io.output_ids])
+
+    def _with_batch(self, akey: ArchiveKey, run: Callable[[Any], None]) -> None:
+        """`run(model kwargs)` on one synthetic batch padded to `akey` (prepare → get_model_kwargs);
+        its cache blocks are freed after."""
         import torch
         from transformers.generation.continuous_batching.requests import RequestStatus
         from transformers.generation.continuous_batching.utils import create_warmup_future_states
@@ -396,7 +431,7 @@ class ManagerHooks:
                 for layer_type, length in zip(list(host.max_seqlen_k), key[2:], strict=True):
                     host.max_seqlen_k[layer_type] = length
             batch = self.io.get_model_kwargs(use_padding=True)
-            self.runner.compute_batch(self.manager.model, batch)
+            run(batch)
             torch.cuda.synchronize()
         finally:
             for fs in states:
