@@ -832,3 +832,45 @@ def test_a_kernel_missing_from_its_image(restore_py, tmp_path: Path) -> None:
     assert "(5,): EmberError" in r["timings"]["templates_failed"] and "_gone" in r["timings"]["templates_failed"]
     bad = {k: v for k, v in r["launched"].items() if v != "ok"}
     assert sorted(bad) == ["4", "5"] and all("_gone" in v for v in bad.values())
+
+
+SWAP = COMMON + """
+restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
+model()
+ip.replay_window()
+lib = restore.library()
+lib.wait_templates()
+lib.wait_dedicated(timeout=30)             # built; with EMBER_SWAP_AT_LAUNCH they wait for that launch
+for name in ("standin_graph_dump", "standin_exec_dump"):
+    getattr(cuda, name).restype = ctypes.c_size_t
+    getattr(cuda, name).argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+
+def nodes(dump, handle):
+    buf = ctypes.create_string_buffer(1 << 20)
+    n = dump(int(handle), buf, len(buf))
+    return [line for line in buf.raw[:n].decode().splitlines() if line.startswith("N ")]
+
+steps = []
+for s in range(3 * len(lib.keys)):         # every key three times, in need order, round and round
+    i = lib.order[s % len(lib.keys)]
+    lib.launch(i, cu.CUstream(0))
+    launched = cuda.standin_last_launched()
+    own = launched == int(lib._dedicated[i]) if i in lib._dedicated else False
+    steps.append([own, nodes(cuda.standin_exec_dump, launched) == nodes(cuda.standin_graph_dump, lib.graph(i))])
+last_json({"steps": steps, "templates": [g.template for g in lib.groups], "order": lib.order})
+"""
+
+
+@pytest.mark.parametrize("at", [0, 4, 9])
+def test_a_swap_to_own_execs_at_any_step_launches_what_the_key_holds(restore_py, tmp_path: Path, at: int) -> None:
+    """The swap from a template (exec-updated from key to key) to each key's own exec, forced at
+    launch `at` (EMBER_SWAP_AT_LAUNCH): before it every key runs on its group's template, from it
+    on every key but the templates' own on its own exec, and every launch runs exactly the nodes
+    and parameters of that key's graph, whichever exec ran it."""
+    env = {**_saved(restore_py, tmp_path), "EMBER_SWAP_AT_LAUNCH": str(at)}
+    r = _last_json(restore_py(SWAP, mode="load", env=env))
+    templates = set(r["templates"])
+    assert all(same for _, same in r["steps"]), r["steps"]
+    for s, (own, _) in enumerate(r["steps"]):
+        key = r["order"][s % len(r["order"])]
+        assert own == (s >= at and key not in templates), (s, key)

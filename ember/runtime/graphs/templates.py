@@ -130,6 +130,15 @@ class GraphLibrary:
         self.dedicator: Dedicator | None = None
         self.uploads = Uploader(self.ctx)
         self._ahead: list[Future[float]] = []  # the union template, prepared during the first build
+        self.launches = 0
+        # EMBER_SWAP_AT_LAUNCH=k (tests and diagnosis): own execs wait, built, until launch k, and
+        # all take their keys there, on the launching thread: the swap from template to own exec
+        # at a chosen step, not wherever the background thread happens to be.
+        swap_at = os.environ.get("EMBER_SWAP_AT_LAUNCH", "")
+        self._swap_at = int(swap_at) if swap_at else None
+        self._parked: dict[int, Any] = {}
+        if self._swap_at is not None:
+            self._hot_after = 0
 
     def _unions(self, splicer: Any) -> list[UnionTemplate]:
         """The source's union templates, unless this rank splices collectives into the graphs (a
@@ -458,8 +467,10 @@ class GraphLibrary:
 
     def adopt_dedicated(self, index: int, ex: Any) -> None:
         with self._driver_lock:
-            if index in self._dedicated:
+            if index in self._dedicated or index in self._parked:
                 cu.cuGraphExecDestroy(ex)
+            elif self._swap_at is not None and self.launches < self._swap_at:
+                self._parked[index] = ex
             else:
                 self._dedicated[index] = ex
                 self._asked.add(index)
@@ -565,7 +576,13 @@ class GraphLibrary:
             self.dedicate(index)
 
     def launch(self, index: int, stream: Any = None) -> None:
+        if self._parked and self._swap_at is not None and self.launches >= self._swap_at:
+            with self._driver_lock:
+                self._dedicated.update(self._parked)
+                self._asked.update(self._parked)
+                self._parked.clear()
         ex = self.exec_for(index)
+        self.launches += 1
         r = cu.cuGraphLaunch(ex, torch_stream_handle(stream))
         if r[0] != OK:
             raise CudaError(f"cuGraphLaunch(graph {self.keys[index]})", r[0])
@@ -584,7 +601,7 @@ class GraphLibrary:
             self.dedicator.join()
         self._pool.shutdown(wait=True)
         with self._driver_lock:
-            for ex in list(self._dedicated.values()):
+            for ex in [*self._dedicated.values(), *self._parked.values()]:
                 cu.cuGraphExecDestroy(ex)
             for t in self._templates.values():
                 cu.cuGraphExecDestroy(t.handle)
