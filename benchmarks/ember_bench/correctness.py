@@ -88,6 +88,11 @@ def all_cases(gpus: int) -> list[Case]:
                 continue
             cases.append(Case(f"parallel/{dim}{n}-{w}", "parallel", n, {"workload": w, dim: n}))
     cases += [Case(f"cb/{a}", "cb", 1, {"arch": a}) for a in ARCHITECTURES]
+    # the sliding-window shape whose restores once differed, its own execs swapped in at a chosen
+    # launch (EMBER_SWAP_AT_LAUNCH) instead of wherever the background thread got to
+    swap = [("mistral-full-size", k) for k in (8, 64)]
+    cases += [Case(f"cb/{a}@swap-at-{k}", "cb", 1, {"arch": a, "load_env": {"EMBER_SWAP_AT_LAUNCH": str(k)}})
+              for a, k in swap]
     return [c for c in cases if c.world <= max(gpus, 1)] + [
         Case(c.name, c.kind, c.world, {**c.args, "skip": f"needs {c.world} GPUs, this machine has {gpus}"})
         for c in cases if c.world > max(gpus, 1)
@@ -166,7 +171,8 @@ def _cb_case(case: Case, env: dict[str, str], starts: int, work: Path, timeout: 
     lane = {k: env[k] for k in ("CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE")}  # run_child adds os.environ
 
     def child(phase: str) -> dict[str, Any]:
-        return cb.run_child(phase, opts, work, timeout, env={**lane, **(cb._phase_env(phase) or {})})
+        extra = case.args.get("load_env", {}) if phase == "load" else {}
+        return cb.run_child(phase, opts, work, timeout, env={**lane, **(cb._phase_env(phase) or {}), **extra})
 
     native = child("native")
     if "error" in native:
