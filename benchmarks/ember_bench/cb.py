@@ -243,6 +243,8 @@ def _start_load(run: _Phase) -> None:
     result["first_token"], result["start_to_first_token_s"] = _first_token(engine, run.t0)
     result.update(startup=info.seconds, startup_graphs=info.graphs, sizing=info.sizing, mode=info.mode,
                   reason=info.reason)
+    if "restore.verify_ms" in info.seconds:  # LOAD's canary, part of the start
+        result["verify_ms"] = info.seconds["restore.verify_ms"] * 1e3
     if engine.library is not None:
         lib = engine.library
         result["library_timings"] = dict(vars(lib.timings))
