@@ -236,10 +236,15 @@ def _start_save(run: _Phase) -> None:
 def _start_load(run: _Phase) -> None:
     """A pod that starts with its archive on the node (opened before the model build)."""
     from ember.engines.transformers_cb import adapter as cb_adapter
+    from ember.runtime.adapter import Refused
 
     engine, result = run.engine, run.result
     archive_dir = Path(run.opts["store_dir"]) / "archives" / run.opts["identity"]
-    info = cb_adapter.restore_into(engine, archive_dir, run.ip)
+    try:
+        info = cb_adapter.restore_into(engine, archive_dir, run.ip)
+    except Refused as exc:  # as `ember serve` does: the engine's own start, its tokens still compared
+        info = engine.start_native(**run.sizing)
+        info.reason = f"{exc.stage}: {exc.reason}"
     result["first_token"], result["start_to_first_token_s"] = _first_token(engine, run.t0)
     result.update(startup=info.seconds, startup_graphs=info.graphs, sizing=info.sizing, mode=info.mode,
                   reason=info.reason)
