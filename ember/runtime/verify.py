@@ -113,4 +113,6 @@ def refuse_unless(result: dict[str, Any], world: int, rank: int) -> None:
     if unanimous(bool(result["ok"]), world):
         return
     why = result["why"] or "another rank's canary failed"
-    raise Refused(VERIFY, f"rank {rank}: restored graphs do not compute what the engine does: {why}")
+    # "canary differs" first: the fallback metric's reason class is a reason's head
+    raise Refused(VERIFY, f"canary differs: rank {rank}: restored graphs do not compute what the engine "
+                          f"does: {why}")
