@@ -92,7 +92,8 @@ def _canary(
     elif why:
         why = f"as instantiated: {why}"
     reset()
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return {"ok": not why, "why": why, "checked": checked, "verify_ms": (time.perf_counter() - t) * 1e3}
 
 

@@ -1,0 +1,58 @@
+"""LOAD's canary (ember.runtime.verify): its verdicts, and the refusal the fallback path reports."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ember.runtime.adapter import Refused
+from ember.runtime.verify import VERIFY, refuse_unless
+from ember_sidecar.claims import reason_class
+
+
+def test_a_failed_canary_refuses_with_its_own_reason_class() -> None:
+    with pytest.raises(Refused) as err:
+        refuse_unless({"ok": False, "why": "as instantiated: output 0: element 3 of 8 differs"}, 1, 0)
+    assert err.value.stage == VERIFY
+    assert "element 3 of 8" in err.value.reason
+    assert reason_class(err.value.reason) == "canary-differs"  # the fallback metric's label
+
+
+def test_a_passed_canary_lets_the_rank_serve() -> None:
+    refuse_unless({"ok": True, "why": ""}, 1, 0)
+
+
+class _Engine:
+    """A step that writes [1, 2, 3]; the 'graph' can be wrong as instantiated or after an update."""
+
+    def __init__(self, torch: Any, wrong_at: str = "") -> None:
+        self.torch, self.wrong_at, self.updated, self.resets = torch, wrong_at, False, 0
+
+    def own(self) -> list[Any]:
+        return [self.torch.tensor([1, 2, 3])]
+
+    def graph(self) -> list[Any]:
+        bad = self.wrong_at == ("update" if self.updated else "instantiated")
+        return [self.torch.tensor([1, 2, 4 if bad else 3])]
+
+    def round_trip(self) -> bool:
+        self.updated = True
+        return True
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+@pytest.mark.parametrize("wrong_at,why", [("", ""), ("instantiated", "as instantiated: output 0: element 2"),
+                                          ("update", "after an exec update: output 0: element 2")])
+def test_the_canary_compares_both_paths_bitwise(wrong_at: str, why: str) -> None:
+    torch = pytest.importorskip("torch")
+    from ember.runtime import verify
+
+    e = _Engine(torch, wrong_at)
+    r = verify.canary(e.own, e.graph, e.reset, e.round_trip)
+    assert r["ok"] is (not why) and r["why"].startswith(why)
+    assert e.resets >= 3  # every step from the same state
+    if not wrong_at:
+        assert r["checked"] == ["template", "exec update"]
