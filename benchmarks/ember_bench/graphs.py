@@ -257,6 +257,7 @@ def _load_facts(
     res["load_edge_strategy"] = loaded.get("edge_strategy")
     res["load_timings"] = loaded["timings"]
     res["native_over_load"] = res["native_capture_s"] * 1e3 / res["load_ms"]
+    res["verify_ms"] = loaded["timings"].get("verify_ms")  # LOAD's canary: part of load_ms
     # Cold start as a pod sees it: model build + graphs. LOAD builds its templates on a thread
     # while the model builds, so a LOAD build slower than native's is what that overlap costs.
     lt = loaded["timings"]
