@@ -299,15 +299,9 @@ def save(
         **({"config": digest} if (digest := model_config_digest(adapter)) else {}),
     }
     d["facts_s"] = time.perf_counter() - t
-    out = SaveOutcome(
-        identity=adapter.identity(),
-        graphs=len(graphs),
-        groups=rep.templates,
-        proof=rep,
-        durations=d,
-        captured=graphs,
-        graph_stats={"nodes": sum(len(g.nodes) for g in graph_set.graphs), "kernels": len(graph_set.kernels)},
-    )
+    stats = {"nodes": sum(len(g.nodes) for g in graph_set.graphs), "kernels": len(graph_set.kernels)}
+    out = SaveOutcome(identity=adapter.identity(), graphs=len(graphs), groups=rep.templates, proof=rep,
+                      durations=d, captured=graphs, graph_stats=stats)
     out.archive = publish.ArchiveContent(
         identity=out.identity,
         compat=compat.current(adapter.engine),

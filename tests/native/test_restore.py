@@ -373,7 +373,7 @@ def test_engine_check_sees_the_facts_and_refuses_before_the_allocation_log(resto
 
 
 POLICY = COMMON + """
-from ember.runtime.graphs.templates import RestoredGraph
+from ember.runtime.graphs.restored import RestoredGraph
 restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
 model()
 ip.replay_window()
@@ -442,7 +442,7 @@ rebuild.prepare_from_table = spy_prepare
 """
 
 OWN_EXECS = COMMON + PREPARED_ON + """
-from ember.runtime.graphs.templates import RestoredGraph
+from ember.runtime.graphs.restored import RestoredGraph
 restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
 model()
 ip.replay_window()

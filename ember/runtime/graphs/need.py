@@ -156,6 +156,27 @@ class Dedicator:
         return True
 
 
+class SwapGate:
+    """EMBER_SWAP_AT_LAUNCH=k (tests and diagnosis): own execs, once built, are held back until
+    launch k and all take their keys there, on the launching thread: the swap from template to
+    own exec at a chosen step, not wherever the background thread happens to be."""
+
+    def __init__(self) -> None:
+        at = os.environ.get("EMBER_SWAP_AT_LAUNCH", "")
+        self.at = int(at) if at else None
+        self.parked: dict[int, Any] = {}  # graph index -> own exec, held back
+
+    def holds(self, launches: int) -> bool:
+        return self.at is not None and launches < self.at
+
+    def release(self, launches: int) -> dict[int, Any]:
+        """The held execs once launch `at` has come (empty before, and after)."""
+        if not self.parked or self.holds(launches):
+            return {}
+        out, self.parked = self.parked, {}
+        return out
+
+
 def check_ctx(ctx: Any) -> None:
     if ctx is not None:
         cu.cuCtxSetCurrent(ctx)

@@ -9,8 +9,7 @@ from its own graph in the background after `hot_after` launches through an updat
 exec instantiated from that same graph (benchmarks/results/switch-diag-H100-20261122-qwen3-8b.json),
 so the template only bridges a key's first steps.
 
-`RestoredGraph` is the small object engines hold: `replay(stream=None)` and `reset()`, like
-torch.cuda.CUDAGraph (transformers' continuous batching registry calls exactly these two).
+`RestoredGraph` (restored.py) is the small object engines hold.
 Everything a restored graph references stays alive as long as the library: kernel functions
 (held by the native catalog), prepared argument buffers, events, CUgraphs, execs.
 """
@@ -46,32 +45,14 @@ from ember.runtime.graphs.groups import (
     unfolded,
 )
 from ember.runtime.graphs.kernels import KernelFunctions
-from ember.runtime.graphs.need import Dedicator, need_order
+from ember.runtime.graphs.need import Dedicator, SwapGate, need_order
 from ember.runtime.graphs.prepared import mark_splices
+from ember.runtime.graphs.restored import RestoredGraph
 from ember.runtime.graphs.unions import UnionTemplate
 from ember.runtime.graphs.uploads import Uploader
 
 log = logging.getLogger(__name__)
 TEMPLATE_BATCH = 2  # templates per libember call after the first (each batch ready on its own)
-
-
-class RestoredGraph:
-    """A graph of the library under its engine key. Same surface as torch.cuda.CUDAGraph's replay/reset."""
-
-    def __init__(self, library: GraphLibrary, index: int) -> None:
-        self._library = library
-        self.index = index
-        self.key = library.keys[index]
-
-    def replay(self, stream: Any = None) -> None:
-        self._library.launch(self.index, stream)
-
-    def reset(self) -> None:
-        """Drop this key's dedicated exec, if any (the template stays, it serves the group)."""
-        self._library.drop_dedicated(self.index)
-
-    def __repr__(self) -> str:
-        return f"RestoredGraph(key={self.key})"
 
 
 class GraphLibrary:
@@ -111,7 +92,6 @@ class GraphLibrary:
         self._templates: dict[int, TemplateExec] = {}
         self._dedicated: dict[int, Any] = {}
         self._uses: Counter[int] = Counter()  # launches through an updated template, per key
-        self._hot_after = hot_after
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ember-prepare")
         self._pending: list[Future[None]] = []
         self._asked: set[int] = set()  # keys whose dedicated exec was asked for
@@ -131,14 +111,8 @@ class GraphLibrary:
         self.uploads = Uploader(self.ctx)
         self._ahead: list[Future[float]] = []  # the union template, prepared during the first build
         self.launches = 0
-        # EMBER_SWAP_AT_LAUNCH=k (tests and diagnosis): own execs wait, built, until launch k, and
-        # all take their keys there, on the launching thread: the swap from template to own exec
-        # at a chosen step, not wherever the background thread happens to be.
-        swap_at = os.environ.get("EMBER_SWAP_AT_LAUNCH", "")
-        self._swap_at = int(swap_at) if swap_at else None
-        self._parked: dict[int, Any] = {}
-        if self._swap_at is not None:
-            self._hot_after = 0
+        self.gate = SwapGate()  # EMBER_SWAP_AT_LAUNCH: own execs swapped in at a chosen launch
+        self._hot_after = 0 if self.gate.at is not None else hot_after
 
     def _unions(self, splicer: Any) -> list[UnionTemplate]:
         """The source's union templates, unless this rank splices collectives into the graphs (a
@@ -467,10 +441,10 @@ class GraphLibrary:
 
     def adopt_dedicated(self, index: int, ex: Any) -> None:
         with self._driver_lock:
-            if index in self._dedicated or index in self._parked:
+            if index in self._dedicated or index in self.gate.parked:
                 cu.cuGraphExecDestroy(ex)
-            elif self._swap_at is not None and self.launches < self._swap_at:
-                self._parked[index] = ex
+            elif self.gate.holds(self.launches):
+                self.gate.parked[index] = ex
             else:
                 self._dedicated[index] = ex
                 self._asked.add(index)
@@ -576,11 +550,10 @@ class GraphLibrary:
             self.dedicate(index)
 
     def launch(self, index: int, stream: Any = None) -> None:
-        if self._parked and self._swap_at is not None and self.launches >= self._swap_at:
+        if released := self.gate.release(self.launches):
             with self._driver_lock:
-                self._dedicated.update(self._parked)
-                self._asked.update(self._parked)
-                self._parked.clear()
+                self._dedicated.update(released)
+                self._asked.update(released)
         ex = self.exec_for(index)
         self.launches += 1
         r = cu.cuGraphLaunch(ex, torch_stream_handle(stream))
@@ -601,7 +574,7 @@ class GraphLibrary:
             self.dedicator.join()
         self._pool.shutdown(wait=True)
         with self._driver_lock:
-            for ex in [*self._dedicated.values(), *self._parked.values()]:
+            for ex in [*self._dedicated.values(), *self.gate.parked.values()]:
                 cu.cuGraphExecDestroy(ex)
             for t in self._templates.values():
                 cu.cuGraphExecDestroy(t.handle)
