@@ -109,6 +109,27 @@ def unanimous(ok: bool, world: int) -> bool:
     return bool(flag.item())
 
 
+def round_trip(library: Any, index: int) -> Callable[[], bool]:
+    """`switch_round_trip` for graph `index` of a GraphLibrary: its template exec-updated to
+    another member of its group and back (False: the group has one member)."""
+
+    def run() -> bool:
+        other = next((m for m in library.group_members(index) if m != index), None)
+        if other is None:
+            return False
+        library.switch(other)
+        library.switch(index)
+        return True
+
+    return run
+
+
+def settle(result: dict[str, Any], world: int, rank: int) -> dict[str, Any]:
+    """What LOAD's timings record of a passed canary; Refused(VERIFY) unless every rank's passed."""
+    refuse_unless(result, world, rank)
+    return {"verify_ms": result["verify_ms"], "verify": "+".join(result["checked"])}
+
+
 def refuse_unless(result: dict[str, Any], world: int, rank: int) -> None:
     """Raise Refused(VERIFY) unless every rank's canary passed."""
     if unanimous(bool(result["ok"]), world):

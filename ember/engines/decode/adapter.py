@@ -189,14 +189,6 @@ class DecodeAdapter:
             library.launch_template(index)
             return self.outputs[key]
 
-        def round_trip() -> bool:
-            other = next((m for m in library.group_members(index) if m != index), None)
-            if other is None:
-                return False
-            library.switch(other)
-            library.switch(index)
-            return True
-
         if par.world == 1 and key == min(library.keys) and (saved := self._saved_prints.get(f"{b}")):
             # SAVE saw real data: it fingerprinted its native graphs from reset_state(seed 7),
             # smallest key first (one launch here; an eager step costs its kernels' first loads)
@@ -207,9 +199,8 @@ class DecodeAdapter:
             own = lambda: list(w.step(b))  # noqa: E731
         else:
             return {"verify": "skipped: a compiled multi-GPU step has no reference here"}
-        result = verify.canary(own, graph_step, reset, round_trip)
-        verify.refuse_unless(result, par.world, par.rank)
-        return {"verify_ms": result["verify_ms"], "verify": "+".join(result["checked"])}
+        result = verify.canary(own, graph_step, reset, verify.round_trip(library, index))
+        return verify.settle(result, par.world, par.rank)
 
     def report(self, stage: str, **fields: Any) -> None:
         pass  # the commands and the benchmark print their own summaries

@@ -179,6 +179,7 @@ class CBEngineAdapter:
         self.model_name = model_name
         self.sizing_overrides = dict(sizing_overrides or {})
         self.max_graphs = max_graphs
+        self._canary: dict[str, Any] | None = None  # SAVE's (`facts`), read at install
 
     @property
     def engine(self) -> str:
@@ -259,24 +260,16 @@ class CBEngineAdapter:
 
         index = library.order[0]
         key = library.keys[index]
-        saved = getattr(self, "_canary", None)
+        saved = self._canary
         if not saved or tuple(saved["key"]) != tuple(key):
             return {"verify": "skipped: the archive records no canary for its first key"}
 
         def graph_step() -> list[int]:
             return self.hooks.canary(key, lambda stream: library.launch_template(index, stream))
 
-        def round_trip() -> bool:
-            other = next((m for m in library.group_members(index) if m != index), None)
-            if other is None:
-                return False
-            library.switch(other)
-            library.switch(index)
-            return True
-
-        result = verify.canary(lambda: saved["fingerprint"], graph_step, lambda: None, round_trip)
-        verify.refuse_unless(result, 1, 0)
-        return {"verify_ms": result["verify_ms"], "verify": "+".join(result["checked"])}
+        result = verify.canary(lambda: saved["fingerprint"], graph_step, lambda: None,
+                               verify.round_trip(library, index))
+        return verify.settle(result, 1, 0)
 
     def report(self, stage: str, **fields: Any) -> None:
         log.info("%s: %s", stage, fields)
