@@ -26,6 +26,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,7 +119,9 @@ class Lanes:
 
 
 # ---- one case --------------------------------------------------------------------------------
-def _decode_case(case: Case, env: dict[str, str], starts: int, store: str, timeout: float) -> dict[str, Any]:
+def _decode_case(
+    case: Case, env: dict[str, str], starts: int, together: int, store: str, timeout: float
+) -> dict[str, Any]:
     """Native ranks once, ONE SAVE, `starts` LOADs of every rank (ember_bench.parallel's roles)."""
     from ember.runtime.session import preload_env
     from ember_bench import parallel
@@ -134,12 +137,14 @@ def _decode_case(case: Case, env: dict[str, str], starts: int, store: str, timeo
     saved = parallel._save(args, env, timeout)
     if "error" in saved:
         return {"error": f"save: {saved['error']} {saved.get('stderr', '')[-600:]}"}
-    runs = []
-    for _ in range(starts):
+
+    def start(_: int) -> dict[str, Any]:
         loaded = parallel._ranks("load", {**args, "identity": saved["identity"]}, preload_env("load", env),
                                  case.world, timeout)
-        ranks = [parallel._verdict(r, n, lo) for r, (n, lo) in enumerate(zip(native, loaded, strict=True))]
-        runs.append(_decode_start(ranks))
+        return _decode_start([parallel._verdict(r, n, lo)
+                              for r, (n, lo) in enumerate(zip(native, loaded, strict=True))])
+
+    runs = _starts(start, starts, together)
     return {"identity": saved["identity"], "graphs": saved.get("graphs"), "starts": runs}
 
 
@@ -157,7 +162,9 @@ def _decode_start(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "verify_ms": [x.get("verify_ms") for x in ranks]}
 
 
-def _cb_case(case: Case, env: dict[str, str], starts: int, work: Path, timeout: float) -> dict[str, Any]:
+def _cb_case(
+    case: Case, env: dict[str, str], starts: int, together: int, work: Path, timeout: float
+) -> dict[str, Any]:
     from ember_bench import cb
 
     arch = case.args["arch"]
@@ -170,9 +177,9 @@ def _cb_case(case: Case, env: dict[str, str], starts: int, work: Path, timeout: 
 
     lane = {k: env[k] for k in ("CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE")}  # run_child adds os.environ
 
-    def child(phase: str) -> dict[str, Any]:
+    def child(phase: str, out: Path = work) -> dict[str, Any]:
         extra = case.args.get("load_env", {}) if phase == "load" else {}
-        return cb.run_child(phase, opts, work, timeout, env={**lane, **(cb._phase_env(phase) or {}), **extra})
+        return cb.run_child(phase, opts, out, timeout, env={**lane, **(cb._phase_env(phase) or {}), **extra})
 
     native = child("native")
     if "error" in native:
@@ -182,18 +189,26 @@ def _cb_case(case: Case, env: dict[str, str], starts: int, work: Path, timeout: 
         return {"error": f"save: {saved.get('error') or 'no archive'}", "log": saved.get("log", "")[-600:]}
     opts["identity"] = saved["archive"]["identity"]
     ref = native.get("tokens")
-    runs = []
-    for _ in range(starts):
-        lo = child("load")
+
+    def start(i: int) -> dict[str, Any]:
+        (work / f"start-{i}").mkdir(exist_ok=True)
+        lo = child("load", work / f"start-{i}")
         if "error" in lo:
-            runs.append({"verdict": "error", "why": lo["error"][:400]})
-            continue
+            return {"verdict": "error", "why": lo["error"][:400]}
         same = lo.get("tokens") == ref
         fell_back = lo.get("mode") == "native"
         why = lo.get("reason", "") if fell_back else "" if same else _first_difference(ref, lo.get("tokens"))
         verdict = ("fell back" if fell_back else "identical") if same else "wrong"
-        runs.append({"verdict": verdict, "why": why, "verify_ms": lo.get("verify_ms")})
+        return {"verdict": verdict, "why": why, "verify_ms": lo.get("verify_ms")}
+
+    runs = _starts(start, starts, together)
     return {"identity": opts["identity"], "save_identical": saved.get("tokens") == ref, "starts": runs}
+
+
+def _starts(start: Callable[[int], dict[str, Any]], n: int, together: int) -> list[dict[str, Any]]:
+    """`n` fresh starts, `together` at a time on the case's GPUs (each its own processes)."""
+    with ThreadPoolExecutor(max_workers=max(together, 1)) as pool:
+        return list(pool.map(start, range(n)))
 
 
 def _first_difference(a: Any, b: Any) -> str:
@@ -206,7 +221,9 @@ def _first_difference(a: Any, b: Any) -> str:
     return "token lists differ in length"
 
 
-def run_case(case: Case, lanes: Lanes, starts: int, work: Path, timeout: float) -> dict[str, Any]:
+def run_case(
+    case: Case, lanes: Lanes, starts: int, work: Path, timeout: float, together: int = 1
+) -> dict[str, Any]:
     out: dict[str, Any] = {"case": case.name, "kind": case.kind, "world": case.world}
     if "skip" in case.args:
         return {**out, "skipped": case.args["skip"]}
@@ -218,9 +235,9 @@ def run_case(case: Case, lanes: Lanes, starts: int, work: Path, timeout: float) 
         d = work / case.name.replace("/", "_")
         d.mkdir(parents=True, exist_ok=True)
         if case.kind == "cb":
-            res = _cb_case(case, env, starts, d, timeout)
+            res = _cb_case(case, env, starts, together, d, timeout)
         else:
-            res = _decode_case(case, env, starts, (d / "store").as_uri(), timeout)
+            res = _decode_case(case, env, starts, together, (d / "store").as_uri(), timeout)
     except Exception as exc:  # a case that cannot run says why; the others go on
         res = {"error": f"{type(exc).__name__}: {exc}"}
     finally:
@@ -260,6 +277,8 @@ def bench_correctness(
     out_dir: Annotated[Path, typer.Option(help="Where the reports go.")] = Path("benchmarks/results"),
     timeout: Annotated[float, typer.Option(help="Seconds per child process.")] = 900,
     list_cases: Annotated[bool, typer.Option("--list", help="Print the cases and exit.")] = False,
+    together: Annotated[int, typer.Option(help="A case's LOAD starts run this many at a time on its GPUs "
+                                               "(small models: the sweep in less device time).")] = 1,
 ) -> None:
     """Native once, SAVE once, N fresh LOADs per case, compared with native: wrong starts / N."""
     import torch
@@ -283,7 +302,7 @@ def bench_correctness(
     lock = threading.Lock()
 
     def one(case: Case) -> None:
-        r = run_case(case, lanes, starts, work, timeout)
+        r = run_case(case, lanes, starts, work, timeout, together)
         with lock:
             report["cases"].append(r)
             typer.echo(f"{case.name}: {r.get('counts') or r.get('skipped') or r.get('error')}", err=True)
