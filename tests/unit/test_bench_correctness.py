@@ -1,0 +1,77 @@
+"""`ember bench correctness`'s bookkeeping (no GPU): cases, lanes, verdicts, the report."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ember_bench.correctness import (
+    ARCHITECTURES,
+    Lanes,
+    _decode_start,
+    _first_difference,
+    all_cases,
+    markdown,
+)
+
+
+def test_cases_cover_the_shapes_and_skip_what_the_machine_cannot_run() -> None:
+    names = {c.name: c for c in all_cases(2)}
+    assert {"parallel/ep2-qwen3-moe", "parallel/tp2-llama3-8b", "parallel/dp2-llama3-8b"} <= set(names)
+    assert "skip" in names["parallel/tp4-llama3-8b"].args
+    assert "skip" not in names["parallel/ep2-qwen3-moe"].args
+    assert sum(n.startswith("decode/") for n in names) == 8  # four workloads, eager and compiled
+    cb = [n for n in names if n.startswith("cb/") and "@" not in n]
+    assert len(ARCHITECTURES) >= 15 and len(cb) == len(ARCHITECTURES)
+    assert all("skip" not in c.args for c in all_cases(4))
+
+
+def test_a_wide_case_waits_for_enough_free_gpus() -> None:
+    lanes = Lanes(["0", "1", "2", "3"])
+    one = lanes.take(1)
+    got: list[list[str]] = []
+    t = threading.Thread(target=lambda: got.append(lanes.take(4)))
+    t.start()
+    time.sleep(0.1)
+    assert not got  # three are free, the case needs four
+    lanes.give(one)
+    t.join(2)
+    assert sorted(got[0]) == ["0", "1", "2", "3"]
+
+
+def _rank(rank: int, tokens: bool = True, outputs: int = 3, **extra: object) -> dict:
+    return {"rank": rank, "load_ms": 1.0, "tokens_identical": {"1": tokens, "8": True},
+            "outputs_identical": outputs, "outputs": 3, **extra}
+
+
+def test_a_start_is_wrong_if_any_rank_differs() -> None:
+    assert _decode_start([_rank(0), _rank(1)])["verdict"] == "identical"
+    wrong = _decode_start([_rank(0), _rank(1, tokens=False)])
+    assert wrong["verdict"] == "wrong" and "rank 1" in wrong["why"]
+    assert _decode_start([_rank(0, outputs=2), _rank(1)])["verdict"] == "wrong"
+
+
+def test_a_refusal_on_every_failing_rank_is_a_fallback_not_an_error() -> None:
+    refused = {"rank": 1, "load_error": "refused: verify: canary differs: rank 1: ..."}
+    assert _decode_start([_rank(0), refused])["verdict"] == "fell back"
+    crashed = {"rank": 1, "load_error": "load rank 1 exited -11"}
+    assert _decode_start([_rank(0), crashed])["verdict"] == "error"
+
+
+def test_the_first_differing_token_is_named() -> None:
+    ref = [[[1, 2, 3], [4, 5, 6]], [[7, 8]]]
+    got = [[[1, 2, 3], [4, 5, 6]], [[7, 9]]]
+    assert _first_difference(ref, got) == "wave 1 prompt 0 token 1"
+
+
+def test_the_report_counts_wrong_starts_per_case() -> None:
+    report = {"starts": 2, "device": "H200", "gpus": 2, "date": "d", "cases": [
+        {"case": "cb/mistral", "world": 1, "wall_s": 1.0,
+         "counts": {"identical": 1, "wrong": 1, "fell back": 0, "error": 0},
+         "starts": [{"verdict": "identical", "why": ""},
+                    {"verdict": "wrong", "why": "wave 1 prompt 7 token 9"}]},
+        {"case": "parallel/tp4-llama3-8b", "world": 4, "skipped": "needs 4 GPUs, this machine has 2"},
+    ]}
+    md = markdown(report)
+    assert "| cb/mistral | 1 | 1 / 2 | 1 | 0 | 0 | 1.0 | wave 1 prompt 7 token 9 |" in md
+    assert "needs 4 GPUs" in md
