@@ -59,6 +59,7 @@ class DecodeAdapter:
         self.tpot_ms: dict[str, float] = {}
         self.outputs: dict[GraphKey, list[torch.Tensor]] = {}
         self._saved_prints: dict[str, list[int]] = {}  # SAVE's output fingerprints (single GPU)
+        self.voted = False  # this rank took part in the canary's first vote (multi-GPU)
         self.library: GraphLibrary | None = None
         self.build_ms = 0.0
         self._identity = identity  # the SAVE Job's, when it names one
@@ -189,6 +190,10 @@ class DecodeAdapter:
             library.launch_template(index)
             return self.outputs[key]
 
+        if par.world > 1:  # every rank got here (a rank that refused earlier votes no: load_workload)
+            self.voted = True
+            if not verify.unanimous(True, par.world):
+                raise Refused(verify.VERIFY, f"rank {par.rank}: a peer refused the archive before the canary")
         if par.world == 1 and key == min(library.keys) and (saved := self._saved_prints.get(f"{b}")):
             # SAVE saw real data: it fingerprinted its native graphs from reset_state(seed 7),
             # smallest key first (one launch here; an eager step costs its kernels' first loads)
@@ -338,7 +343,14 @@ def load_workload(
     init_process_group(par, stub=False)
     tm["communicator_ms"] = (time.perf_counter() - t) * 1e3
     adapter = DecodeAdapter(prebuilt, model_dir=model_dir, parallel=par)
-    restored = load(adapter, open_restore(adapter, ip, store_uri, identity_hash))
+    try:
+        restored = load(adapter, open_restore(adapter, ip, store_uri, identity_hash))
+    except Refused:
+        if par.world > 1 and not adapter.voted:  # the peers wait in the canary's first vote
+            from ember.runtime.verify import unanimous
+
+            unanimous(False, par.world)
+        raise
     t_first = time.perf_counter()
     if wait_templates:
         restored.library.wait_templates()
