@@ -57,41 +57,40 @@ def canary(
     graph_step: Callable[[], Outputs],
     reset: Callable[[], None],
     switch_round_trip: Callable[[], bool] | None = None,
+    own_exec_step: Callable[[], Outputs] | None = None,
 ) -> dict[str, Any]:
     """Run the canary; returns {"ok", "why", "verify_ms", "checked"}. `own_step()` and
     `graph_step()` run one step from the state `reset()` sets and return copies of the outputs;
-    `switch_round_trip()` updates the template away and back (False: the group has one member)."""
+    `switch_round_trip()` updates the template away and back (False: the group has one member);
+    `own_exec_step()` runs the key's own exec (the path it takes once the Dedicator built it)."""
     import torch
 
     def snap(outputs: Outputs) -> list[Any]:
         return [x.clone() if isinstance(x, torch.Tensor) else x for x in outputs]
 
-    with torch.no_grad():
-        return _canary(own_step, graph_step, reset, switch_round_trip, snap)
-
-
-def _canary(
-    own_step: Callable[[], Outputs], graph_step: Callable[[], Outputs], reset: Callable[[], None],
-    switch_round_trip: Callable[[], bool] | None, snap: Callable[[Outputs], list[Any]],
-) -> dict[str, Any]:
-    import torch
-
     t = time.perf_counter()
-    reset()
-    ref = snap(own_step())
-    reset()
-    got = snap(graph_step())
-    checked = ["template"]
-    why = first_difference(ref, got)
-    if not why and switch_round_trip is not None and switch_round_trip():
+    with torch.no_grad():
         reset()
-        again = snap(graph_step())
-        checked.append("exec update")
-        why = first_difference(ref, again)
-        why = f"after an exec update: {why}" if why else ""
-    elif why:
-        why = f"as instantiated: {why}"
-    reset()
+        ref = snap(own_step())
+        def updated() -> Outputs | None:
+            return graph_step() if switch_round_trip is not None and switch_round_trip() else None
+
+        paths: list[tuple[str, str, Callable[[], Outputs | None]]] = [
+            ("template", "as instantiated", graph_step), ("exec update", "after an exec update", updated)]
+        if own_exec_step is not None:
+            paths.append(("own exec", "on its own exec", own_exec_step))
+        checked: list[str] = []
+        why = ""
+        for name, label, step in paths:
+            reset()
+            got = step()
+            if got is None:  # no other member to update to
+                continue
+            checked.append(name)
+            if diff := first_difference(ref, snap(got)):
+                why = f"{label}: {diff}"
+                break
+        reset()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return {"ok": not why, "why": why, "checked": checked, "verify_ms": (time.perf_counter() - t) * 1e3}

@@ -56,3 +56,13 @@ def test_the_canary_compares_both_paths_bitwise(wrong_at: str, why: str) -> None
     assert e.resets >= 3  # every step from the same state
     if not wrong_at:
         assert r["checked"] == ["template", "exec update"]
+
+
+def test_the_own_exec_is_checked_too_and_a_lone_template_skips_the_update() -> None:
+    torch = pytest.importorskip("torch")
+    from ember.runtime import verify
+
+    e = _Engine(torch)
+    r = verify.canary(e.own, e.graph, e.reset, lambda: False, lambda: [torch.tensor([1, 2, 5])])
+    assert r["checked"] == ["template", "own exec"]
+    assert r["why"].startswith("on its own exec: output 0: element 2")

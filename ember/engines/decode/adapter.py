@@ -180,6 +180,7 @@ class DecodeAdapter:
         no data (Refused on any difference). A compiled multi-GPU step is not checked: its eager
         step is not the compiled one."""
         from ember.runtime import verify
+        from ember.runtime.graphs.driver import launch_exec
 
         w, par = self._w(), self.parallel
         index = library.order[0]
@@ -190,6 +191,10 @@ class DecodeAdapter:
             library.launch_template(index)
             return self.outputs[key]
 
+        def own_exec_step() -> list[torch.Tensor]:
+            launch_exec(library.own_exec(index))
+            return self.outputs[key]
+
         if par.world > 1:  # every rank got here (a rank that refused earlier votes no: load_workload)
             self.voted = True
             if not verify.unanimous(True, par.world):
@@ -198,13 +203,14 @@ class DecodeAdapter:
             # SAVE saw real data: it fingerprinted its native graphs from reset_state(seed 7),
             # smallest key first (one launch here; an eager step costs its kernels' first loads)
             reset = lambda: w.reset_state(7)  # noqa: E731
-            own, step = (lambda: saved), graph_step
+            own, step, own_exec = (lambda: saved), graph_step, own_exec_step
             graph_step = lambda: fingerprint(step())  # noqa: E731
+            own_exec_step = lambda: fingerprint(own_exec())  # noqa: E731
         elif not w.compiled:  # a multi-GPU SAVE moved no data: the eager step is the reference
             own = lambda: list(w.step(b))  # noqa: E731
         else:
             return {"verify": "skipped: a compiled multi-GPU step has no reference here"}
-        result = verify.canary(own, graph_step, reset, verify.round_trip(library, index))
+        result = verify.canary(own, graph_step, reset, verify.round_trip(library, index), own_exec_step)
         return verify.settle(result, par.world, par.rank)
 
     def report(self, stage: str, **fields: Any) -> None:

@@ -257,6 +257,7 @@ class CBEngineAdapter:
         its template as instantiated and after an exec update, against SAVE's native fingerprint
         of the same state (Refused on any difference; archives without one are not checked)."""
         from ember.runtime import verify
+        from ember.runtime.graphs.driver import launch_exec
 
         index = library.order[0]
         key = library.keys[index]
@@ -267,8 +268,11 @@ class CBEngineAdapter:
         def graph_step() -> list[int]:
             return self.hooks.canary(key, lambda stream: library.launch_template(index, stream))
 
+        def own_exec_step() -> list[int]:
+            return self.hooks.canary(key, lambda stream: launch_exec(library.own_exec(index), stream))
+
         result = verify.canary(lambda: saved["fingerprint"], graph_step, lambda: None,
-                               verify.round_trip(library, index))
+                               verify.round_trip(library, index), own_exec_step)
         return verify.settle(result, 1, 0)
 
     def report(self, stage: str, **fields: Any) -> None:

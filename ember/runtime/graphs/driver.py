@@ -63,6 +63,13 @@ def torch_stream_handle(stream: Any = None) -> Any:
     return cu.CUstream(s.cuda_stream)
 
 
+def launch_exec(ex: Any, stream: Any = None, what: str = "cuGraphLaunch") -> None:
+    """Launch a graph exec on `stream` (a torch stream, a CUstream, or the current torch stream)."""
+    r = cu.cuGraphLaunch(ex, torch_stream_handle(stream))
+    if r[0] != OK:
+        raise CudaError(what, r[0])
+
+
 # ---- edges, read without cuda.bindings ----------------------------------------------------------
 # cuda.bindings' cuGraphGetEdges (13.x) returns CUgraphEdgeData objects that point into an array
 # it has already freed, so the edge data it hands back is whatever reuses that memory. Edges are

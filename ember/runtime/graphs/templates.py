@@ -32,7 +32,7 @@ from ember.archive.graphs import GraphSet
 from ember.archive.table_layout import FormatError
 from ember.native import EmberError
 from ember.runtime.graphs import rebuild
-from ember.runtime.graphs.driver import OK, CudaError, check, current_context, torch_stream_handle
+from ember.runtime.graphs.driver import OK, CudaError, check, current_context, launch_exec
 from ember.runtime.graphs.groups import (
     Events,
     GraphSource,
@@ -439,6 +439,15 @@ class GraphLibrary:
             out.append((i, pair[1]))
         return out
 
+    def own_exec(self, index: int) -> Any:
+        """Key `index`'s own exec now, built as the Dedicator builds them, uploaded and adopted
+        (LOAD's canary launches it before the first request)."""
+        if (ex := self._dedicated.get(index)) is None:
+            ((_, ex),) = self.build_execs([index])
+            self.upload([ex])
+            self.adopt_dedicated(index, ex)
+        return self._dedicated.get(index) or self.gate.parked.get(index) or ex
+
     def adopt_dedicated(self, index: int, ex: Any) -> None:
         with self._driver_lock:
             if index in self._dedicated or index in self.gate.parked:
@@ -556,16 +565,14 @@ class GraphLibrary:
                 self._asked.update(released)
         ex = self.exec_for(index)
         self.launches += 1
-        r = cu.cuGraphLaunch(ex, torch_stream_handle(stream))
-        if r[0] != OK:
-            raise CudaError(f"cuGraphLaunch(graph {self.keys[index]})", r[0])
+        launch_exec(ex, stream, f"cuGraphLaunch(graph {self.keys[index]})")
 
     def launch_template(self, index: int, stream: Any = None) -> None:
         """Launch through the group template (never the dedicated exec): SAVE's proof uses it."""
         tmpl = self._template_of(index)
         if tmpl.holds != index:
             self.switch(index)
-        check(cu.cuGraphLaunch(tmpl.handle, torch_stream_handle(stream)), "cuGraphLaunch")
+        launch_exec(tmpl.handle, stream)
 
     # ---- teardown -----------------------------------------------------------------------
     def close(self) -> None:
