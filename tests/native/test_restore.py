@@ -874,3 +874,17 @@ def test_a_swap_to_own_execs_at_any_step_launches_what_the_key_holds(restore_py,
     for s, (own, _) in enumerate(r["steps"]):
         key = r["order"][s % len(r["order"])]
         assert own == (s >= at and key not in templates), (s, key)
+
+
+OWN_EXEC = SWAP.split("steps = []")[0] + """
+i = lib.order[-1]
+ex = lib.own_exec(i)
+last_json({"same": nodes(cuda.standin_exec_dump, ex) == nodes(cuda.standin_graph_dump, lib.graph(i)),
+           "adopted": int(lib._dedicated[i]) == int(ex), "again": int(lib.own_exec(i)) == int(ex)})
+"""
+
+
+def test_the_canary_builds_a_keys_own_exec_now_as_the_dedicator_would(restore_py, tmp_path: Path) -> None:
+    """`GraphLibrary.own_exec` (LOAD's canary launches it): the key's graph, adopted, built once."""
+    env = {**_saved(restore_py, tmp_path), "EMBER_DEDICATE": "0"}
+    assert _last_json(restore_py(OWN_EXEC, mode="load", env=env)) == {"same": True, "adopted": True, "again": True}
