@@ -1,10 +1,14 @@
-"""GPU, two devices: LOAD's canary refuses a per-rank value frozen at SAVE, on every rank.
+"""GPU: LOAD's canary refuses injected faults (`ember.runtime.faults`) before any request.
 
-The EP workload with the fault it once had (`EMBER_DECODE_FAULT=view-offset`: a rank's experts
+Two devices: a per-rank value frozen at SAVE, on every rank.
+
+The EP workload with the fault it once had (`EMBER_FAULT=view-offset`: a rank's experts
 through a view offset, which SAVE captures as rank 0's) is saved on one GPU and LOADed by two
 ranks; each rank's canary compares its restored graph with its own eager step and the verdict is
 unanimous: both refuse with `canary differs` before any request. The same shape without the fault
 restores on both ranks with tokens and outputs identical to the native two-rank capture.
+One device: a stale template update (decode; CB, whose engine then serves natively with
+native's tokens).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ def two_gpus() -> None:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "EMBER_MODE", "EMBER_DECODE_FAULT")}
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "EMBER_MODE", "EMBER_FAULT")}
     return {**env, "NCCL_NVLS_ENABLE": "0", "CUDA_VISIBLE_DEVICES": "0,1", **extra}
 
 
@@ -48,7 +52,7 @@ def _shape(store: Path, **fault: str) -> tuple[list[dict], list[dict]]:
 
 
 def test_a_rank_value_frozen_at_save_is_refused_on_every_rank(two_gpus: None) -> None:
-    _, loaded = _shape(Path(tempfile.mkdtemp()), EMBER_DECODE_FAULT="view-offset")
+    _, loaded = _shape(Path(tempfile.mkdtemp()), EMBER_FAULT="view-offset")
     for rank in loaded:
         assert "canary differs" in rank.get("refused", ""), rank
 
@@ -61,3 +65,48 @@ def test_the_same_shape_without_it_restores_on_both_ranks(two_gpus: None) -> Non
         v = parallel._verdict(r, n, lo)
         assert all(v["tokens_identical"].values()) and v["outputs_identical"] == v["outputs"], v
         assert v["verify"] == "template+exec update", v
+
+
+def test_a_stale_template_update_is_refused_before_any_request() -> None:
+    """EMBER_FAULT=stale-update: an exec update loads the graph the template held before. The
+    canary's round trip (the first key's template updated away and back) then runs another key's
+    step on the first key's state: refused, on one GPU."""
+    from ember.runtime.session import preload_env
+    from ember_bench import parallel
+
+    args = {"workload": "llama3-8b", "layers": 2, "sizes": "1,2,3,4,5,6,7,8", "tp": 1, "ep": 1, "dp": 1,
+            "collectives": False, "store": Path(tempfile.mkdtemp()).as_uri()}
+    env = {**_env(), "CUDA_VISIBLE_DEVICES": "0"}
+    saved = parallel._save(args, env, 900)
+    assert "error" not in saved, saved
+    good = parallel._ranks("load", {**args, "identity": saved["identity"]}, preload_env("load", env), 1, 900)
+    assert "refused" not in good[0] and "exec update" in good[0]["timings"]["verify"], good[0]
+    bad_env = preload_env("load", {**env, "EMBER_FAULT": "stale-update"})
+    bad = parallel._ranks("load", {**args, "identity": saved["identity"]}, bad_env, 1, 900)
+    refused = bad[0].get("refused", "")
+    assert "canary differs" in refused and "after an exec update" in refused, bad[0]
+
+
+def test_a_refused_cb_restore_serves_natively_with_the_same_tokens(tmp_path: Path) -> None:
+    """The CB engine under the same fault: LOAD refuses at the canary, the engine starts natively
+    (as `ember serve` does) and its tokens equal native's."""
+    import json
+
+    from ember_bench import cb
+    from ember_bench.correctness import _SMALL, ARCHITECTURES
+
+    config = {"model_type": "mistral", **_SMALL, **ARCHITECTURES["mistral"][1]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    store = tmp_path / "store"
+    opts = {"model": "mistral", "model_config": str(tmp_path / "config.json"), "layers": None,
+            "store": store.as_uri(), "store_dir": str(store), "work_dir": str(tmp_path)}
+    lane = {"CUDA_VISIBLE_DEVICES": "0", "NCCL_NVLS_ENABLE": "0"}
+    native = cb.run_child("native", opts, tmp_path, 900, env=lane)
+    saved = cb.run_child("save", opts, tmp_path, 900, env={**lane, **(cb._phase_env("save") or {})})
+    assert "tokens" in native and "archive" in saved, (native.get("error"), saved.get("error"))
+    opts["identity"] = saved["archive"]["identity"]
+    env = {**lane, **(cb._phase_env("load") or {}), "EMBER_FAULT": "stale-update"}
+    loaded = cb.run_child("load", opts, tmp_path, 900, env=env)
+    assert loaded.get("mode") == "native", loaded.get("error") or loaded.get("reason")
+    assert "canary differs" in loaded.get("reason", ""), loaded.get("reason")
+    assert loaded["tokens"] == native["tokens"]

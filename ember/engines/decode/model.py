@@ -16,7 +16,6 @@ same order with the same seed, so every allocation before the capture window rep
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -25,14 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.engines.decode.parallel import SINGLE, Parallel
+from ember.runtime import faults
 from ember.runtime.proof.replay import fingerprint as fingerprint  # re-exported: the diagnostics use it
 
 DEFAULT_SIZES: tuple[int, ...] = (1, 2, 4, *range(8, 513, 8))
 DECODE_STEPS = 256
-# EMBER_DECODE_FAULT=view-offset puts back the fault this workload once had (a rank's experts
-# taken through a view offset SAVE freezes as rank 0's): the tests that prove LOAD's canary
-# refuses a per-rank value frozen at SAVE use it. Nothing else reads it.
-FAULT = os.environ.get("EMBER_DECODE_FAULT", "")
+# EMBER_FAULT=view-offset puts back the fault this workload once had (ember.runtime.faults)
+VIEW_OFFSET = faults.active("view-offset")
 
 
 @dataclass(frozen=True)
@@ -236,7 +234,7 @@ class Layer(nn.Module):
         w, idx = probs.topk(s.top_k, -1)
         w = (w / w.sum(-1, keepdim=True)).to(h.dtype)
         combine = torch.zeros(h.shape[0], s.experts, device=h.device, dtype=h.dtype).scatter(1, idx, w)
-        if self.experts != s.experts and FAULT == "view-offset":  # the old EP fault, for its tests
+        if self.experts != s.experts and VIEW_OFFSET:  # the old EP fault, for its tests
             first = (self.par.rank % self.par.expert) * self.experts
             combine = combine[:, first : first + self.experts]
         elif self.experts != s.experts:

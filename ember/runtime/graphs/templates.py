@@ -1,17 +1,13 @@
 """The restored graphs of one archive, kept alive together, and how they are launched.
 
-One instantiated exec per topology group (its template), or per union template (one exec for
-chains of several topologies, `unions.py`); any other graph of the group is served by
-`cuGraphExecUpdate` of the template exec with that graph (on demand, when the key differs from
-what the exec holds now). A key the template was switched to gets a dedicated exec, instantiated
-from its own graph in the background after `hot_after` launches through an updated template
-(default one): on H100 an exec updated to a graph ran its decode step up to 24 % slower than an
-exec instantiated from that same graph (benchmarks/results/switch-diag-H100-20261122-qwen3-8b.json),
-so the template only bridges a key's first steps.
-
-`RestoredGraph` (restored.py) is the small object engines hold.
-Everything a restored graph references stays alive as long as the library: kernel functions
-(held by the native catalog), prepared argument buffers, events, CUgraphs, execs.
+One instantiated exec per topology group (its template), or per union template (`unions.py`);
+any other graph of the group is served by `cuGraphExecUpdate` of the template exec with that
+graph, when the key differs from what the exec holds. Every key then gets an exec of its own
+(`need.Dedicator`): on H100 an exec updated to a graph ran its decode step up to 24 % slower than
+one instantiated from it (benchmarks/results/switch-diag-H100-20261122-qwen3-8b.json), so the
+template only bridges a key's first steps. Engines hold `RestoredGraph`s (restored.py).
+Everything a restored graph references lives as long as the library: kernel functions (in the
+native catalog), prepared argument buffers, events, CUgraphs, execs.
 """
 
 from __future__ import annotations
@@ -31,6 +27,7 @@ from cuda.bindings import driver as cu
 from ember.archive.graphs import GraphSet
 from ember.archive.table_layout import FormatError
 from ember.native import EmberError
+from ember.runtime import faults
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.driver import OK, CudaError, check, current_context, launch_exec
 from ember.runtime.graphs.groups import (
@@ -111,6 +108,7 @@ class GraphLibrary:
         self.uploads = Uploader(self.ctx)
         self._ahead: list[Future[float]] = []  # the union template, prepared during the first build
         self.launches = 0
+        self._stale_update = faults.active("stale-update")
         self.gate = SwapGate()  # EMBER_SWAP_AT_LAUNCH: own execs swapped in at a chosen launch
         self._hot_after = 0 if self.gate.at is not None else hot_after
 
@@ -531,6 +529,8 @@ class GraphLibrary:
         if union is not None:
             union.check_member(self.source, index)  # FormatError: damaged, not to be switched in
         g = union.graph_of(self, index) if union is not None else self.graph(index)
+        if self._stale_update and tmpl.holds >= 0 and union is None:
+            g = self.graph(tmpl.holds)  # an injected fault (ember.runtime.faults): the canary's test
         with self._driver_lock:
             t = time.perf_counter()
             tmpl.holds = -1  # no key until the update (and a union's mask) is in: a failure leaves none
