@@ -174,43 +174,49 @@ class DecodeAdapter:
         return len(library.keys)
 
     def verify(self, library: GraphLibrary) -> dict[str, Any]:
-        """LOAD's canary (`ember.runtime.verify`): the first needed key's graph, as instantiated and
-        after an exec update, against SAVE's fingerprint of its native graph (single GPU), or
-        against the workload's own eager step on every rank of a multi-GPU shape, whose SAVE saw
-        no data (Refused on any difference). A compiled multi-GPU step is not checked: its eager
-        step is not the compiled one."""
+        """LOAD's canary (`ember.runtime.verify`): the first needed key's graph — as instantiated,
+        after an exec update, on its own exec — against SAVE's fingerprint of its native graph
+        (single GPU), or against the workload's own eager step on every rank of a multi-GPU shape,
+        whose SAVE saw no data (Refused on any difference). A compiled multi-GPU step is not
+        checked: its eager step is not the compiled one."""
         from ember.runtime import verify
         from ember.runtime.graphs.driver import launch_exec
 
         w, par = self._w(), self.parallel
         index = library.order[0]
         key, b = library.keys[index], library.keys[index][0]
-        reset = lambda: w.reset_state(seed=CANARY_SEED)  # noqa: E731
-
-        def graph_step() -> list[torch.Tensor]:
-            library.launch_template(index)
-            return self.outputs[key]
-
-        def own_exec_step() -> list[torch.Tensor]:
-            launch_exec(library.own_exec(index))
-            return self.outputs[key]
-
         if par.world > 1:  # every rank got here (a rank that refused earlier votes no: load_workload)
             self.voted = True
             if not verify.unanimous(True, par.world):
                 raise Refused(verify.VERIFY, f"rank {par.rank}: a peer refused the archive before the canary")
-        if par.world == 1 and key == min(library.keys) and (saved := self._saved_prints.get(f"{b}")):
-            # SAVE saw real data: it fingerprinted its native graphs from reset_state(seed 7),
-            # smallest key first (one launch here; an eager step costs its kernels' first loads)
-            reset = lambda: w.reset_state(7)  # noqa: E731
-            own, step, own_exec = (lambda: saved), graph_step, own_exec_step
-            graph_step = lambda: fingerprint(step())  # noqa: E731
-            own_exec_step = lambda: fingerprint(own_exec())  # noqa: E731
-        elif not w.compiled:  # a multi-GPU SAVE moved no data: the eager step is the reference
-            own = lambda: list(w.step(b))  # noqa: E731
-        else:
+        # SAVE saw real data on one GPU: it fingerprinted its native graphs from reset_state(seed 7),
+        # smallest key first (one launch here; an eager step costs its kernels' first loads)
+        saved = self._saved_prints.get(f"{b}") if par.world == 1 and key == min(library.keys) else None
+        if saved is None and w.compiled:
             return {"verify": "skipped: a compiled multi-GPU step has no reference here"}
-        result = verify.canary(own, graph_step, reset, verify.round_trip(library, index), own_exec_step)
+        seed = 7 if saved is not None else CANARY_SEED
+
+        def reset() -> None:
+            """Every path's start; the key's outputs poisoned (a path that wrote none of them must
+            not pass on what an earlier path left there)."""
+            w.reset_state(seed=seed)
+            for t in self.outputs[key]:
+                t.view(torch.uint8).fill_(0xA5)
+
+        def outputs() -> list[Any]:
+            return fingerprint(self.outputs[key]) if saved is not None else self.outputs[key]
+
+        def via_template() -> list[Any]:
+            library.launch_template(index)
+            return outputs()
+
+        def via_own_exec() -> list[Any]:
+            launch_exec(library.own_exec(index))
+            return outputs()
+
+        reference = (lambda: saved) if saved is not None else (lambda: list(w.step(b)))
+        trip = verify.round_trip(library, index)
+        result = verify.canary(reference, via_template, reset, trip, via_own_exec)
         return verify.settle(result, par.world, par.rank)
 
     def report(self, stage: str, **fields: Any) -> None:
