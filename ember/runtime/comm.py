@@ -27,11 +27,13 @@ from typing import Any
 
 from ember.archive.collectives import OPS, Call, Collectives
 from ember.archive.graphs import GraphSet, NodeType
+from ember.runtime import faults
 from ember.runtime.adapter import LOAD, Refused
 
 __all__ = ["Call", "Collectives", "PlaceholderError", "Splicer", "placeholders", "stub_calls", "stub_loaded"]
 
 STUB_NAME = "libember_nccl.so"
+NCCL_SUM, NCCL_MAX = 0, 2  # ncclRedOp_t
 
 
 class PlaceholderError(Exception):
@@ -184,7 +186,9 @@ class Splicer:
         from ember.native import EmberError, Interposer
 
         t = time.perf_counter()
-        groups = [[(OPS.index(c.op), c.dtype, c.redop, c.root, c.send, c.recv, c.count) for c in calls]
+        wrong = faults.active("splice-redop")  # an injected fault: a max where the table says sum
+        groups = [[(OPS.index(c.op), c.dtype, NCCL_MAX if wrong and c.redop == NCCL_SUM else c.redop,
+                    c.root, c.send, c.recv, c.count) for c in calls]
                   for calls in self.collectives.table]
         try:
             self._graphs, self._shapes = Interposer.attach().capture_collectives(self.comm, groups)

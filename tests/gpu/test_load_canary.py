@@ -1,6 +1,6 @@
 """GPU: LOAD's canary refuses injected faults (`ember.runtime.faults`) before any request.
 
-Two devices: a per-rank value frozen at SAVE, on every rank.
+Two devices: a per-rank value frozen at SAVE, and a wrong splice, on every rank.
 
 The EP workload with the fault it once had (`EMBER_FAULT=view-offset`: a rank's experts
 through a view offset, which SAVE captures as rank 0's) is saved on one GPU and LOADed by two
@@ -53,6 +53,13 @@ def _shape(store: Path, **fault: str) -> tuple[list[dict], list[dict]]:
 
 def test_a_rank_value_frozen_at_save_is_refused_on_every_rank(two_gpus: None) -> None:
     _, loaded = _shape(Path(tempfile.mkdtemp()), EMBER_FAULT="view-offset")
+    for rank in loaded:
+        assert "canary differs" in rank.get("refused", ""), rank
+
+
+def test_a_wrong_splice_is_refused_on_every_rank(two_gpus: None) -> None:
+    """EMBER_FAULT=splice-redop: each rank splices its reduce-scatters with max for sum."""
+    _, loaded = _shape(Path(tempfile.mkdtemp()), EMBER_FAULT="splice-redop")
     for rank in loaded:
         assert "canary differs" in rank.get("refused", ""), rank
 
