@@ -44,7 +44,6 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +110,7 @@ class HandoffResult:
     rank: int = 0  # the rank layout of the claim (ember.dev/rank, ember.dev/world)
     world: int = 1
     engine_args: tuple[str, ...] = ()  # the claim's extra engine arguments (ember.dev/engine-args)
+    claimed_at: float = 0.0  # wall time of the claim (a warm pod's clock starts there), 0 if none
 
     @property
     def restored(self) -> bool:
@@ -182,22 +182,23 @@ def _result_from_status(
 ) -> HandoffResult:
     identity = str(status.get("identity", ""))
     args = tuple(str(a) for a in status.get("engine_args") or ())
+    claimed_at = float(status.get("claimed_at") or 0.0)
     if status["state"] == FALLBACK:
         return HandoffResult(None, str(status.get("reason") or "fallback"), identity, waited, root,
-                             engine_args=args)
+                             engine_args=args, claimed_at=claimed_at)
     archive_dir = Path(str(status.get("archive_dir", "")))
     if not archive_dir.is_absolute():
         archive_dir = root / archive_dir
     if not (archive_dir / "manifest").is_file():
         reason = f"archive-missing: {archive_dir} has no manifest"
         report("handoff", waited, "fallback", reason, run_dir=root)
-        return HandoffResult(None, reason, identity, waited, root, engine_args=args)
+        return HandoffResult(None, reason, identity, waited, root, engine_args=args, claimed_at=claimed_at)
     if report_handoff:
         # Time from the sidecar publishing the archive to the engine picking it up.
         published = float(status.get("updated_at") or time.time())
         report("handoff", max(0.0, time.time() - published), "ok", run_dir=root)
-    return HandoffResult(archive_dir, "", identity, waited, root,
-                         int(status.get("rank") or 0), int(status.get("world") or 1), args)
+    return HandoffResult(archive_dir, "", identity, waited, root, int(status.get("rank") or 0),
+                         int(status.get("world") or 1), args, float(status.get("claimed_at") or 0.0))
 
 
 def report(
@@ -227,20 +228,51 @@ def report(
     return path
 
 
-@contextlib.contextmanager
-def load_attempt(result: HandoffResult) -> Iterator[None]:
-    """Mark a LOAD in progress; a process death inside leaves the marker, so the next start falls back.
+class LoadAttempt:
+    """The crash marker: a LOAD (and its first launches) in progress. `begin()` writes it, `done()`
+    removes it; a process death in between leaves it, and the next `wait_for_archive` in the pod
+    falls back (``engine-crashed-during-load``) instead of loading again. As a context manager,
+    leaving normally or by a Python exception (which the caller handles by capturing) is done()."""
 
-    Normal exit or a Python exception (which the caller handles by capturing) clears the marker.
-    """
-    path = result.run_dir / MARKER_FILE
-    write_json_atomic(path, {"identity": result.identity, "pid": os.getpid(), "started_at": time.time(),
-                             "archive_dir": str(result.archive_dir)})
-    try:
-        yield
-    finally:
+    def __init__(self, run_dir: Path, identity: str, **fields: Any) -> None:
+        self.path, self.identity, self.fields = run_dir / MARKER_FILE, identity, fields
+
+    def begin(self) -> LoadAttempt:
+        marker = {"identity": self.identity, "pid": os.getpid(), "started_at": time.time()}
+        write_json_atomic(self.path, {**marker, **{k: str(v) for k, v in self.fields.items()}})
+        return self
+
+    def done(self) -> None:
         with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+            self.path.unlink()
+
+    def __enter__(self) -> LoadAttempt:
+        return self.begin()
+
+    def __exit__(self, *exc: object) -> None:
+        self.done()
+
+
+def load_attempt(
+    result: HandoffResult | None = None, *, run_dir: str | os.PathLike[str] | None = None, identity: str = "",
+    **fields: Any,
+) -> LoadAttempt:
+    """The one crash marker of every engine: for a hand-off `result`, or a run directory (default
+    EMBER_RUN_DIR, else the pod contract's) and an identity (a LOAD without a sidecar)."""
+    if result is not None:
+        return LoadAttempt(result.run_dir, result.identity, archive_dir=result.archive_dir, **fields)
+    return LoadAttempt(run_dir_from_env(run_dir), identity, **fields)
+
+
+def archive_location(archive_dir: str | os.PathLike[str]) -> tuple[str, str]:
+    """(store URI, identity hash) of an archive directory in the cache layout
+    `<store>/archives/<identity hash>` (the sidecar's cache, a local store); ValueError otherwise."""
+    path = Path(archive_dir).absolute()
+    if path.name == "manifest":
+        path = path.parent
+    if path.parent.name != "archives":
+        raise ValueError(f"{archive_dir} is not <store>/archives/<identity-hash>")
+    return path.parent.parent.as_uri(), path.name
 
 
 # ---------------------------------------------------------------------------------------------

@@ -81,8 +81,8 @@ def build_and_capture(w: Any) -> dict[str, Any]:
 def role_load(args: dict[str, Any]) -> dict[str, Any]:
     from ember.engines.decode.adapter import load_workload
     from ember.engines.decode.commands import replay_verify_loaded
+    from ember.handoff import load_attempt
     from ember.runtime.adapter import Refused
-    from ember.runtime.load import attempt_marker
     from ember.runtime.proof.replay import decode_trace, tpot_ms
 
     try:
@@ -91,7 +91,8 @@ def role_load(args: dict[str, Any]) -> dict[str, Any]:
         return {"refused": exc.reason}
     out: dict[str, Any] = {"timings": loaded.timings, "load_ms": loaded.timings["load_ms"]}
     lib, w = loaded.library, loaded.workload
-    with attempt_marker(args.get("run_dir") or tempfile.mkdtemp(prefix="ember-run-"), args["identity"]):
+    run_dir = args.get("run_dir") or tempfile.mkdtemp(prefix="ember-run-")
+    with load_attempt(run_dir=run_dir, identity=args["identity"]):
         sizes = [k[0] for k in lib.keys]
         lib._hot_after = 0  # measure the template path only
         first = []

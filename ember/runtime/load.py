@@ -12,27 +12,22 @@ Order matters and every check comes before anything is launched:
 Any refusal is `Refused(stage, reason)`: capture natively instead. Never a wrong graph.
 
 Crash safety: a launch of a bad graph can kill the process with a sticky CUDA error, and a
-restarted engine must not try again. `attempt_marker(run_dir)` writes the handoff marker
-(`ember.handoff.MARKER_FILE`) before the first launch and removes it once launches succeeded;
-`ember.handoff.wait_for_archive` turns a leftover marker into a native-capture fallback.
+restarted engine must not try again. Every engine wraps its LOAD and first launches in
+`ember.handoff.load_attempt` (the crash marker); `ember.handoff.wait_for_archive` turns a
+leftover marker into a native-capture fallback.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ember import handoff
 from ember.native import Interposer
 from ember.runtime.adapter import COMPAT, LOAD, EngineAdapter, Refused, model_config_digest
 from ember.runtime.restore import ArchiveRestore, release_cached_memory
 
-__all__ = ["Restored", "attempt_marker", "load", "open_restore", "release_cached_memory"]
+__all__ = ["Restored", "load", "open_restore", "release_cached_memory"]
 
 if TYPE_CHECKING:
     from ember.runtime.graphs.templates import GraphLibrary
@@ -50,30 +45,6 @@ class Restored:
     # the restore's own timings, which the background thread goes on writing (the other
     # templates); read them after `library.wait_templates()`
     background: dict[str, Any] = field(default_factory=dict)
-
-
-@contextlib.contextmanager
-def attempt_marker(run_dir: str | os.PathLike[str] | None, identity: str = "") -> Iterator[Path]:
-    """Mark 'first launches of restored graphs in progress' in the handoff run directory.
-
-    A process death inside leaves the marker; the next engine start in this pod reads it
-    (handoff.wait_for_archive) and captures natively. Leaving normally, or by a Python
-    exception (the caller falls back), removes it.
-    """
-    path = handoff.run_dir_from_env(run_dir) / handoff.MARKER_FILE
-    handoff.write_json_atomic(
-        path, {"identity": identity, "pid": os.getpid(), "started_at": time.time(), "stage": "first-launch"}
-    )
-    try:
-        yield path
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-
-
-def previous_attempt_crashed(run_dir: str | os.PathLike[str] | None) -> dict[str, Any] | None:
-    """The marker a dead engine left behind, if any."""
-    return handoff.read_json(handoff.run_dir_from_env(run_dir) / handoff.MARKER_FILE)
 
 
 def open_restore(

@@ -10,7 +10,6 @@ with a fake engine; `cb_starters` puts the real transformers engine behind it.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,31 +59,18 @@ def run_startup(
         handoff.report("standby", 0.0, "ok", run_dir=run_dir)
         result = handoff.wait_for_archive(run_dir, deadline, claim_timeout=claim_timeout)
         archive_dir, out.identity, out.reason = result.archive_dir, result.identity, result.reason
-        status = handoff.read_json(result.run_dir / handoff.STATUS_FILE) or {}
-        # A warm pod's clock starts at the claim, not at process start.
-        t0 = max(t0, float(status.get("claimed_at") or 0.0))
+        t0 = max(t0, result.claimed_at)  # a warm pod's clock starts at the claim, not at process start
     elif archive is None:
         out.reason = "handoff disabled"
 
-    marker = None
-    if archive_dir is not None and result is not None:
-        # A process death from here to the first token leaves this marker: the next start in the
-        # pod captures natively instead of loading again (ember.handoff.wait_for_archive).
-        marker = result.run_dir / handoff.MARKER_FILE
-        handoff.write_json_atomic(
-            marker,
-            {
-                "identity": result.identity,
-                "pid": os.getpid(),
-                "started_at": time.time(),
-                "archive_dir": str(archive_dir),
-            },
-        )
+    # A process death from here to the first token leaves the crash marker: the next start in the
+    # pod captures natively instead of loading again (ember.handoff.wait_for_archive).
+    attempt = handoff.load_attempt(result).begin() if archive_dir is not None and result is not None else None
     if archive_dir is not None and _restore(starters, archive_dir, run_dir, out):
         out.mode = "restored"
         _first_token(starters, out, t0)  # an exception here keeps the marker: restored graphs failed
-    if marker is not None:
-        marker.unlink(missing_ok=True)
+    if attempt is not None:
+        attempt.done()
     if out.mode != "restored":
         _start_native(starters, out, run_dir)
         _first_token(starters, out, t0)

@@ -78,11 +78,11 @@ def supervise(
         log.warning("Capturing natively: %s", result.reason)
         handoff.report("load", 0.0, "fallback", result.reason, run_dir=result.run_dir)
     env = vllm_env(result, dict(os.environ))
-    marker = None
+    # the crash marker, removed once vLLM is healthy: a vLLM that dies first leaves it, and the
+    # next start in the pod captures natively
+    attempt = None
     if result is not None and result.archive_dir is not None:
-        marker = result.run_dir / handoff.MARKER_FILE
-        handoff.write_json_atomic(marker, {"identity": result.identity, "pid": os.getpid(),
-                                           "started_at": time.time(), "engine": "vllm"})
+        attempt = handoff.load_attempt(result, engine="vllm").begin()
     report = Path(env["EMBER_VLLM_REPORT"]) if env.get("EMBER_VLLM_REPORT") else None
     if report is not None:  # vLLM's processes add to it: a previous start's must go
         report.unlink(missing_ok=True)
@@ -96,14 +96,13 @@ def supervise(
     while proc.poll() is None:
         if not ready and _healthy(port):
             ready = True
-            if marker is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    marker.unlink()
+            if attempt is not None:
+                attempt.done()
             _report_ready(result, time.monotonic() - t0, run_dir, report)
         time.sleep(0.2 if not ready else 1.0)
     if not ready:
         log.error("vllm serve exited %s before it was healthy%s", proc.returncode,
-                  " (the crash marker stays: the next start captures natively)" if marker else "")
+                  " (the crash marker stays: the next start captures natively)" if attempt else "")
     return int(proc.returncode or 0)
 
 

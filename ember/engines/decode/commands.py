@@ -258,8 +258,8 @@ def load(
 
     reexec_under_libember("load")
     from ember.engines.decode.adapter import identity_for, load_workload
+    from ember.handoff import load_attempt
     from ember.runtime.adapter import Refused
-    from ember.runtime.load import attempt_marker
     from ember.runtime.proof.replay import decode_tokens
 
     par = parallel_shape(tp, ep, dp, collectives, rank)
@@ -277,7 +277,7 @@ def load(
         console.print(f"[yellow]LOAD refused, capture natively: {exc.reason}[/yellow]")
         raise typer.Exit(3) from exc
     w = loaded.workload
-    with attempt_marker(None, ident):  # EMBER_RUN_DIR, else the pod contract's run dir
+    with load_attempt(identity=ident):  # EMBER_RUN_DIR, else the pod contract's run dir
         sha, first = decode_tokens(w, loaded.launch, batch)
     want = loaded.archive.engine.get("decode_sha256", {}).get(str(batch))
     result: dict[str, Any] = {

@@ -303,16 +303,6 @@ def save_engine(
     return result, cb
 
 
-def store_of(archive_dir: str | Path) -> tuple[str, str]:
-    """(store URI, identity hash) of `<store>/archives/<hash>` (the sidecar's cache layout)."""
-    path = Path(archive_dir).absolute()
-    if path.name == "manifest":
-        path = path.parent
-    if path.parent.name != "archives":
-        raise Refused(LOAD, f"{archive_dir} is not <store>/archives/<identity-hash>")
-    return path.parent.parent.as_uri(), path.name
-
-
 _EARLY: tuple[Path, Any] | None = None  # (archive dir, ArchiveRestore or Refused): open_early
 
 
@@ -330,9 +320,13 @@ def open_early(archive_dir: str | Path) -> None:
 
 
 def _open(archive_dir: Path, ip: Any) -> ArchiveRestore:
+    from ember.handoff import archive_location
     from ember.runtime.load import open_restore
 
-    store_uri, identity = store_of(archive_dir)
+    try:
+        store_uri, identity = archive_location(archive_dir)
+    except ValueError as exc:
+        raise Refused(LOAD, str(exc)) from exc
     return open_restore(CBEngineAdapter(), ip, store_uri, identity)
 
 

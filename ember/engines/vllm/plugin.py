@@ -115,17 +115,15 @@ def place_caches() -> None:
     are read while the engine's config is built, long before a worker exists; without them vLLM
     inspects the class in a subprocess that imports vLLM (~20 s). Once per process tree
     (`compile_cache.PLACED`); a failure here leaves it to the runner's `attached()`, which refuses then."""
-    from pathlib import Path
-
     from ember.engines.vllm import compile_cache
+    from ember.handoff import archive_location
     from ember.runtime import publish
 
     archive = os.environ.get("EMBER_VLLM_ARCHIVE", "")
     if not archive or compile_cache.placed_here():
         return
     try:
-        path = Path(archive).absolute()
-        data = publish.open_archive(path.parent.parent.as_uri(), path.name).attachment(compile_cache.NAME)
+        data = publish.open_archive(*archive_location(archive)).attachment(compile_cache.NAME)
         if data:
             report("compile_cache", **compile_cache.unpack(data), process="plugin")
         os.environ[compile_cache.PLACED] = str(compile_cache.cache_root())  # vLLM's processes inherit it
@@ -283,15 +281,15 @@ def _before_runner(vllm_config: Any, kind: str) -> None:
 
 
 def _open(adapter: Any) -> Any:
-    from pathlib import Path
-
+    from ember.handoff import archive_location
     from ember.runtime.adapter import LOAD, Refused
     from ember.runtime.load import open_restore
 
-    archive = Path(os.environ.get("EMBER_VLLM_ARCHIVE", "")).absolute()
-    if archive.parent.name != "archives":
-        raise Refused(LOAD, "EMBER_VLLM_ARCHIVE is not <store>/archives/<identity-hash>")
-    return open_restore(adapter, STATE.ip, archive.parent.parent.as_uri(), archive.name)
+    try:
+        store_uri, identity = archive_location(os.environ.get("EMBER_VLLM_ARCHIVE", ""))
+    except ValueError as exc:
+        raise Refused(LOAD, f"EMBER_VLLM_ARCHIVE: {exc}") from exc
+    return open_restore(adapter, STATE.ip, store_uri, identity)
 
 
 def _save(runner: Any, kind: str, native: Any) -> int:
