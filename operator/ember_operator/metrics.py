@@ -52,11 +52,12 @@ RESTORE_FALLBACKS_TOTAL = Counter(
 @dataclass(frozen=True)
 class Archive:
     """What the gauges say of one GraphArchive: its phase, stored bytes, and when its running SAVE
-    started (Unix time; None when not Saving)."""
+    started and when its Job's activeDeadlineSeconds ends it (Unix times; None when not Saving)."""
 
     phase: str = ""
     bytes: int | None = None
     save_started: float | None = None
+    save_deadline: float | None = None
 
 
 class State(Collector):
@@ -132,6 +133,9 @@ class State(Collector):
         saving = GaugeMetricFamily("ember_save_started_timestamp_seconds", "Unix time the running "
                                    "SAVE Job of a Saving GraphArchive was created.",
                                    labels=["namespace", "archive"])
+        deadline = GaugeMetricFamily("ember_save_deadline_timestamp_seconds", "Unix time the running "
+                                     "SAVE Job's activeDeadlineSeconds ends it (a Saving GraphArchive past "
+                                     "it is stuck).", labels=["namespace", "archive"])
         with self._lock:
             for (ns, ga), archive in sorted(self._archives.items()):
                 if archive.phase:
@@ -140,13 +144,15 @@ class State(Collector):
                     stored.add_metric([ns, ga], float(archive.bytes))
                 if archive.save_started is not None:
                     saving.add_metric([ns, ga], archive.save_started)
+                if archive.save_deadline is not None:
+                    deadline.add_metric([ns, ga], archive.save_deadline)
             for ns, pools in sorted(self._warm.items()):
                 for pool, size in sorted(pools.items()):
                     warm.add_metric([ns, pool], float(size))
             for (ns, md), (fell_back, natives) in sorted(self._pods.items()):
                 fallback.add_metric([ns, md], float(fell_back))
                 native.add_metric([ns, md], float(natives))
-        yield from (warm, fallback, native, phases, stored, saving)
+        yield from (warm, fallback, native, phases, stored, saving, deadline)
 
 
 STATE = State()

@@ -469,16 +469,17 @@ class Reconciler:
             metrics.SAVES_TOTAL.labels("failed").inc()
         self._patch_status(ga_path(ns, name), ga.get("status"), plan.status.wire())
         self.post_events(ga, plan.events)
-        self._archive_gauges(ns, name, plan.status)
+        self._archive_gauges(ns, name, spec, plan.status)
         return plan.requeue_after
 
-    @staticmethod
-    def _archive_gauges(ns: str, name: str, st: GraphArchiveStatus) -> None:
+    def _archive_gauges(self, ns: str, name: str, spec: GraphArchiveSpec, st: GraphArchiveStatus) -> None:
         phase = st.phase.value if st.phase else ""
         started = parse_time(st.save_started_time) if st.phase is GAPhase.saving else None
+        begun = started.timestamp() if started is not None else None
+        timeout = spec.save.timeout_seconds or self.settings.save_timeout_seconds
         metrics.STATE.set_archive(ns, name, metrics.Archive(
-            phase, st.bytes if st.phase is GAPhase.available else None,
-            started.timestamp() if started is not None else None))
+            phase, st.bytes if st.phase is GAPhase.available else None, begun,
+            begun + timeout if begun is not None else None))
 
     def _create_save_job(self, obs: ArchiveObserved, plan: ArchivePlan, uid: str) -> None:
         """The SAVE Job of the plan's attempt; refused by the apiserver → that attempt failed."""

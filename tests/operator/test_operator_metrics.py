@@ -76,9 +76,10 @@ def test_archive_gauges_follow_the_phase() -> None:
     state = State()
     reg = _registry(state)
     ga = {"namespace": "ns", "archive": "ga-1"}
-    state.set_archive("ns", "ga-1", metrics.Archive("Saving", None, 1_700_000_000.0))
+    state.set_archive("ns", "ga-1", metrics.Archive("Saving", None, 1_700_000_000.0, 1_700_003_600.0))
     assert reg.get_sample_value("ember_archive_phase", {**ga, "phase": "Saving"}) == 1
     assert reg.get_sample_value("ember_save_started_timestamp_seconds", ga) == 1_700_000_000.0
+    assert reg.get_sample_value("ember_save_deadline_timestamp_seconds", ga) == 1_700_003_600.0
     state.set_archive("ns", "ga-1", metrics.Archive("Available", 4_400_000, None))
     assert reg.get_sample_value("ember_archive_phase", {**ga, "phase": "Saving"}) is None
     assert reg.get_sample_value("ember_save_started_timestamp_seconds", ga) is None

@@ -33,3 +33,10 @@ app.kubernetes.io/component: operator
 {{- define "ember.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
+
+{{/* Extra labels of a monitoring object: metrics.extraLabels, then its own (list $ .labels). */}}
+{{- define "ember.monitorLabels" -}}
+{{- $root := index . 0 -}}
+{{- $all := merge (deepCopy (index . 1 | default dict)) (deepCopy ($root.Values.metrics.extraLabels | default dict)) -}}
+{{- with $all }}{{ toYaml . }}{{ end -}}
+{{- end -}}
