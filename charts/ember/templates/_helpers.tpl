@@ -40,3 +40,9 @@ app.kubernetes.io/component: operator
 {{- $all := merge (deepCopy (index . 1 | default dict)) (deepCopy ($root.Values.metrics.extraLabels | default dict)) -}}
 {{- with $all }}{{ toYaml . }}{{ end -}}
 {{- end -}}
+
+{{/* Namespaces where serving pods and SAVE Jobs run (a JSON list): workloadNamespaces plus the
+operator's watched namespaces (pods are created only where their ModelDeployment is). */}}
+{{- define "ember.workloadNamespaces" -}}
+{{- concat (.Values.workloadNamespaces | default list) (.Values.operator.namespaces | default list) | uniq | toJson -}}
+{{- end -}}
