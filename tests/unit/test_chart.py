@@ -131,9 +131,12 @@ def test_secrets_are_read_only_where_pods_run(helm: str) -> None:
 
 
 def test_pod_service_accounts_where_pods_run(helm: str) -> None:
-    docs = render(helm, "workloadNamespaces={serving}", "operator.namespaces={team-a,serving}")
+    docs = render(helm, "workloadNamespaces={serving}", "operator.namespaces={team-a,serving}",
+                  "podServiceAccountAnnotations.eks\\.amazonaws\\.com/role-arn=arn:aws:iam::1:role/ember")
     accounts = find(docs, "ServiceAccount", lambda d: d["metadata"]["name"] == "ember-pod")
     assert sorted(a["metadata"]["namespace"] for a in accounts) == ["serving", "team-a"]
+    assert all(a["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/ember"}
+               for a in accounts)
     binding = one(docs, "ValidatingAdmissionPolicyBinding")
     values = binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0]["values"]
     assert sorted(values) == ["serving", "team-a"]
