@@ -143,3 +143,9 @@ def test_endpoint_option_reaches_s3_commands(monkeypatch: pytest.MonkeyPatch) ->
                                                                            if command == "gc" else [])
         code, out = run(*args)
         assert code == 2 and "unavailable" in out and endpoint in out, (command, out)
+
+
+def test_every_store_command_takes_endpoint() -> None:
+    for command in ("inspect", "verify", "ls", "gc", "save", "load"):
+        code, out = run(command, "--help")
+        assert code == 0 and "--endpoint" in out, command

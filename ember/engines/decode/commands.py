@@ -42,6 +42,15 @@ ModelOpt = Annotated[
 StoreOpt = Annotated[
     str, typer.Option("--store", envvar=contract.ENV_STORE, help="Store URI (file:///... or s3://...).")
 ]
+EndpointOpt = Annotated[str, typer.Option(
+    "--endpoint", envvar="EMBER_S3_ENDPOINT", help="S3 endpoint URL for an s3:// store (MinIO, on-prem).")]
+
+
+def _use_endpoint(endpoint: str) -> None:
+    """The store is opened further down (and in the process re-executed under libember): they
+    read EMBER_S3_ENDPOINT."""
+    if endpoint:
+        os.environ["EMBER_S3_ENDPOINT"] = endpoint
 
 
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel degree (dense workloads).")]
@@ -191,11 +200,14 @@ def save(
     ep: EpOpt = 1,
     dp: DpOpt = 1,
     collectives: CollectivesOpt = False,
+    endpoint: EndpointOpt = "",
 ) -> None:
     """SAVE: capture a workload's decode graphs, prove them bit-exact, publish the archive. A
     multi-GPU shape (--tp/--ep/--dp) is saved on ONE GPU: every rank LOADs the same archive.
     In job mode an identity of engine vllm runs vLLM instead, with the arguments after `--`."""
     from ember.runtime.session import reexec_under_libember
+
+    _use_endpoint(endpoint)
 
     if job and _job_engine() == "vllm":
         _vllm_job(store, list(ctx.args))
@@ -251,11 +263,13 @@ def load(
     dp: DpOpt = 1,
     collectives: CollectivesOpt = False,
     rank: RankOpt = 0,
+    endpoint: EndpointOpt = "",
 ) -> None:
     """LOAD an archive in this fresh process, then decode greedily to prove it (tokens vs SAVE's).
     One process per rank for a multi-GPU shape (--rank, MASTER_ADDR/MASTER_PORT as torchrun)."""
     from ember.runtime.session import reexec_under_libember
 
+    _use_endpoint(endpoint)
     reexec_under_libember("load")
     from ember.engines.decode.adapter import identity_for, load_workload
     from ember.runtime.adapter import Refused
