@@ -38,7 +38,7 @@ def test_gc_keeps_what_the_cluster_names(k8s: LocalCluster, crds: None, k8s_name
                    "engine": {"kind": "vllm", "version": "0.26.0", "image": "registry.invalid/e:1"},
                    "capture": {"sizes": [1, 2], "maxBatch": 2, "maxNumTokens": 64},
                    "gpu": {"product": "NVIDIA-H100-80GB-HBM3"}, "replicas": 0,
-                   "store": {"s3": {"bucket": "b"}}}}
+                   "store": {"s3": {"bucket": "ember-test"}}}}
     manifest = tmp_path / "md.yaml"
     manifest.write_text(yaml.safe_dump(md))
     k8s.kubectl("apply", "-f", str(manifest))
