@@ -6,6 +6,7 @@ handling of the objects."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import uuid
 from pathlib import Path
@@ -21,11 +22,19 @@ CRDS = ("modeldeployments.ember.dev", "grapharchives.ember.dev")
 
 
 def previous_chart(dest: Path) -> Path:
-    """charts/ember as of PREVIOUS, from git (a fresh clone has the history)."""
+    """charts/ember as of PREVIOUS, from git. A clone without that history (shallow) gets this
+    chart laid out the previous way instead: its CRDs in crds/, no CRD templates."""
     out = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", PREVIOUS, "charts/ember"],
-                         capture_output=True, check=True, timeout=60).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=out, check=True, timeout=60)
-    return dest / "charts" / "ember"
+                         capture_output=True, timeout=60)
+    if out.returncode == 0:
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=out.stdout, check=True, timeout=60)
+        return dest / "charts" / "ember"
+    print(f"commit {PREVIOUS} not in this clone: the current chart with its CRDs in crds/ stands in")
+    chart = dest / "ember"
+    shutil.copytree(REPO / "charts" / "ember", chart)
+    (chart / "files" / "crds").rename(chart / "crds")
+    (chart / "templates" / "crds.yaml").unlink()
+    return chart
 
 
 def test_upgrade_from_the_previous_chart_and_uninstall(k8s: LocalCluster, crds: None, tmp_path: Path) -> None:
