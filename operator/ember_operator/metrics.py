@@ -42,6 +42,13 @@ CLAIM_PATCH_SECONDS = Histogram(
 )
 CLAIMS_TOTAL = Counter("ember_claims_total", "Warm pod claims.", ["result"])
 COLD_PODS_TOTAL = Counter("ember_cold_pods_total", "Serving pods created cold (no warm pod to claim).")
+# Children known in advance start at 0, so the first increment is an increase() alerts can see.
+for _result in ("succeeded", "failed"):
+    SAVES_TOTAL.labels(_result)
+for _result in ("claimed", "lost"):
+    CLAIMS_TOTAL.labels(_result)
+for _kind in ("ModelDeployment", "GraphArchive"):
+    RECONCILE_ERRORS.labels(_kind)
 RESTORE_FALLBACKS_TOTAL = Counter(
     "ember_restore_fallbacks_total",
     "Serving pods seen falling back to native capture, by reason class (counted once per pod).",
