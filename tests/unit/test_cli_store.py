@@ -149,3 +149,13 @@ def test_every_store_command_takes_endpoint() -> None:
     for command in ("inspect", "verify", "ls", "gc", "save", "load"):
         code, out = run(command, "--help")
         assert code == 0 and "--endpoint" in out, command
+
+
+def test_save_and_load_pass_endpoint_to_the_process_they_re_execute(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ember.engines.decode import commands
+
+    monkeypatch.setenv("EMBER_S3_ENDPOINT", "")  # restored (to unset, if it was) after the test
+    monkeypatch.delenv("EMBER_S3_ENDPOINT")
+    assert commands._use_endpoint("") == "" and "EMBER_S3_ENDPOINT" not in os.environ
+    assert commands._use_endpoint("http://127.0.0.1:9") == "http://127.0.0.1:9"
+    assert os.environ["EMBER_S3_ENDPOINT"] == "http://127.0.0.1:9"

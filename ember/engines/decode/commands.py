@@ -42,15 +42,19 @@ ModelOpt = Annotated[
 StoreOpt = Annotated[
     str, typer.Option("--store", envvar=contract.ENV_STORE, help="Store URI (file:///... or s3://...).")
 ]
-EndpointOpt = Annotated[str, typer.Option(
-    "--endpoint", envvar="EMBER_S3_ENDPOINT", help="S3 endpoint URL for an s3:// store (MinIO, on-prem).")]
 
 
-def _use_endpoint(endpoint: str) -> None:
-    """The store is opened further down (and in the process re-executed under libember): they
-    read EMBER_S3_ENDPOINT."""
+def _use_endpoint(endpoint: str) -> str:
+    """--endpoint's callback: the store is opened further down (and in the process re-executed
+    under libember), both read EMBER_S3_ENDPOINT."""
     if endpoint:
         os.environ["EMBER_S3_ENDPOINT"] = endpoint
+    return endpoint
+
+
+EndpointOpt = Annotated[str, typer.Option(
+    "--endpoint", envvar="EMBER_S3_ENDPOINT", callback=_use_endpoint,
+    help="S3 endpoint URL for an s3:// store (MinIO, on-prem).")]
 
 
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel degree (dense workloads).")]
@@ -190,9 +194,7 @@ def save(
     model_config: ConfigOpt = "",
     model: ModelOpt = "",
     job: Annotated[bool, typer.Option("--job", help="SAVE Job mode (EMBER_IDENTITY, EMBER_STORE).")] = False,
-    prove_only: Annotated[
-        bool, typer.Option("--prove-only", help="Capture and prove, publish nothing.")
-    ] = False,
+    prove_only: Annotated[bool, typer.Option("--prove-only", help="Prove only, publish nothing.")] = False,
     tpot: Annotated[
         str, typer.Option(help="Also time the captured graphs' decode step at these batch sizes (1,64).")
     ] = "",
@@ -206,8 +208,6 @@ def save(
     multi-GPU shape (--tp/--ep/--dp) is saved on ONE GPU: every rank LOADs the same archive.
     In job mode an identity of engine vllm runs vLLM instead, with the arguments after `--`."""
     from ember.runtime.session import reexec_under_libember
-
-    _use_endpoint(endpoint)
 
     if job and _job_engine() == "vllm":
         _vllm_job(store, list(ctx.args))
@@ -268,8 +268,6 @@ def load(
     """LOAD an archive in this fresh process, then decode greedily to prove it (tokens vs SAVE's).
     One process per rank for a multi-GPU shape (--rank, MASTER_ADDR/MASTER_PORT as torchrun)."""
     from ember.runtime.session import reexec_under_libember
-
-    _use_endpoint(endpoint)
     reexec_under_libember("load")
     from ember.engines.decode.adapter import identity_for, load_workload
     from ember.runtime.adapter import Refused
