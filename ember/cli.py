@@ -1,6 +1,7 @@
 """The `ember` command line, the composition root: it may import every layer of the core.
 
-Core commands: version, doctor, inspect and verify (ember/archive/commands.py, no GPU), save and
+Core commands: version, doctor, inspect and verify (ember/archive/commands.py, no GPU), ls and gc
+(ember/archive/store_commands.py), save and
 load (ember/engines/decode/commands.py), serve (ember/serving/server.py). `verify --replay` is
 composed here: the archive's integrity checks, then the runtime's GPU replay. Other packages add
 command groups through the `ember.commands` entry-point group (`ember bench` comes from the
@@ -24,6 +25,7 @@ from rich.table import Table
 
 import ember
 from ember.archive import commands as archive_commands
+from ember.archive import store_commands
 from ember.engines.decode.commands import load, replay_verify, save
 from ember.serving.server import serve
 
@@ -148,6 +150,7 @@ def verify(
     = False,
     as_json: archive_commands.JsonOpt = False,
     trusted_key: archive_commands.TrustedKeyOpt = None,
+    endpoint: archive_commands.EndpointOpt = None,
 ) -> None:
     """Check an archive's integrity without a GPU: signature (verified with --trusted-key, else
     reported: unsigned or by whom), manifest, identity, every blob's size and digest,
@@ -156,10 +159,13 @@ def verify(
     if replay:
         _reexec_for_replay()  # LOAD must run under libember: this process is replaced once
     archive_commands.verify_and_report(store_uri, identity_hash, expect_identity, as_json,
-                                       more=replay_problems if replay else None, trusted_keys=trusted_key)
+                                       more=replay_problems if replay else None, trusted_keys=trusted_key,
+                                       endpoint=endpoint)
 
 
 app.command("inspect")(archive_commands.inspect)
+app.command("ls")(store_commands.ls)
+app.command("gc")(store_commands.gc)
 app.command("verify")(verify)
 # extra arguments after `--` go to `vllm serve` (`--engine vllm`)
 app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve)

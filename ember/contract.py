@@ -21,6 +21,7 @@ termination message (``write_termination_log`` writes it, ``SaveResult.from_term
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import os
 import re
@@ -75,6 +76,26 @@ ANN_RESTORE_TIME = _P + "restore-time"  # RFC 3339, optional
 RESTORED = "restored"
 FALLBACK = "fallback"
 FALLBACK_PREFIX = f"{FALLBACK}: "
+
+
+def reason_class(reason: str) -> str:
+    """The metric label of a fallback reason (what follows FALLBACK_PREFIX): its head before ':',
+    bounded in length and alphabet (the sidecar's `ember_restores_total{reason}` and the operator's
+    `ember_restore_fallbacks_total{reason}`)."""
+    head = reason.split(":", 1)[0].strip().lower()
+    head = re.sub(r"[^a-z0-9-]+", "-", head).strip("-")
+    return head[:48] or "unknown"
+
+
+def event_name(regarding: str, *what: str) -> str:
+    """A deterministic Event name: the regarded object's name and a hash of what the event says
+    (its uid, type, reason, message). The same event posted twice (a retried reconcile, a
+    restarted process) collides on the name (409) and becomes a series (count, last seen) on the
+    first one instead of a second object."""
+    digest = hashlib.sha256("\0".join(what).encode()).hexdigest()[:16]
+    return f"{regarding[:200]}.{digest}"
+
+
 # Set by the operator when it takes a serving pod out of service (RFC 3339): the sidecar's readiness
 # turns off at once; the pod is deleted `spec.drainSeconds` later (requests in flight finish).
 ANN_DRAIN = _P + "drain-at"

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from ember.archive import bundle, signing
 from ember.archive.collectives import Collectives
-from ember.store import Store, StoreError, StoreUnavailable, open_store
+from ember.store import LocalStore, Store, StoreError, StoreUnavailable, open_store
 
 console = Console()
 err_console = Console(stderr=True)
@@ -32,11 +32,35 @@ ExpectIdentityOpt = Annotated[
 TrustedKeyOpt = Annotated[list[str] | None, typer.Option(
     "--trusted-key", help="A trusted ed25519 public key (base64, PEM, or @file); repeat for a rotation. "
     "Given: the manifest's signature must verify against one of them.")]
+EndpointOpt = Annotated[str | None, typer.Option(
+    "--endpoint", envvar="EMBER_S3_ENDPOINT", show_envvar=True,
+    help="S3 endpoint URL for s3:// stores (MinIO, on-premises); AWS when unset.")]
 MoreChecks = Callable[[str, str], list[str]]  # (store URI, identity hash) -> problems found
 
 
-def _mb(n: int) -> str:
+def mb(n: int) -> str:
     return f"{n / 1e6:,.2f} MB" if n >= 100_000 else f"{n:,} B"
+
+
+_mb = mb
+
+
+def open_existing(uri: str, endpoint: str | None = None) -> Store:
+    """A store to read: `endpoint` for s3:// URIs; a local store must exist (a mistyped path is
+    an error, not an empty store)."""
+    store = open_store(uri, **({"endpoint": endpoint} if endpoint and uri.startswith("s3://") else {}))
+    if isinstance(store, LocalStore) and not store.root.is_dir():
+        raise StoreError(f"no store at {uri}: directory {store.root} does not exist")
+    return store
+
+
+def failed(exc: Exception) -> NoReturn:
+    """Report a store failure and exit: 2 when unreachable, 1 otherwise."""
+    if isinstance(exc, StoreUnavailable):
+        err_console.print(f"[red]store unavailable:[/red] {exc}")
+        raise typer.Exit(2) from None
+    err_console.print(f"[red]cannot read the store:[/red] {exc}")
+    raise typer.Exit(1) from None
 
 
 def _keys_text(keys: list[list[int]], limit: int = 12) -> str:
@@ -80,7 +104,8 @@ def archive_report(archive: bundle.Archive, with_graphs: bool = True) -> dict[st
     return report
 
 
-def _list_archives(store: Store, as_json: bool) -> None:
+def archive_rows(store: Store) -> list[dict[str, Any]]:
+    """One row per archive of the store: identity, model, engine, graphs, stored bytes, creation."""
     rows: list[dict[str, Any]] = []
     for h in store.list_archives():
         try:
@@ -90,10 +115,11 @@ def _list_archives(store: Store, as_json: bool) -> None:
                          "created_at": m.created_at.isoformat()})
         except bundle.ArchiveError as exc:
             rows.append({"identity_hash": h, "error": str(exc)})
-    if as_json:
-        console.print_json(json.dumps({"store": store.uri, "archives": rows}))
-        return
-    table = Table(title=f"archives in {store.uri}")
+    return rows
+
+
+def list_table(uri: str, rows: list[dict[str, Any]]) -> Table:
+    table = Table(title=f"archives in {uri}")
     for col in ("identity hash", "model", "engine", "graphs", "size", "created"):
         table.add_column(col)
     for r in rows:
@@ -102,7 +128,15 @@ def _list_archives(store: Store, as_json: bool) -> None:
         else:
             table.add_row(r["identity_hash"], r["model"], r["engine"], str(r["graphs"]), _mb(r["bytes"]),
                           r["created_at"][:19])
-    console.print(table if rows else f"no archives in {store.uri}")
+    return table
+
+
+def _list_archives(store: Store, as_json: bool) -> None:
+    rows = archive_rows(store)
+    if as_json:
+        console.print_json(json.dumps({"store": store.uri, "archives": rows}))
+        return
+    console.print(list_table(store.uri, rows) if rows else f"no archives in {store.uri}")
 
 
 def _head_table(archive: bundle.Archive) -> Table:
@@ -197,13 +231,15 @@ def inspect(
     identity_hash: HashArg = None,
     as_json: JsonOpt = False,
     graphs: Annotated[bool, typer.Option("--graphs", help="Also list every graph.")] = False,
+    endpoint: EndpointOpt = None,
 ) -> None:
     """Show an archive without a GPU: identity, compat key, graphs, topology groups, blobs, images.
 
-    With no identity hash, lists the store's archives (or shows the only one).
+    With no identity hash, lists the store's archives (or shows the only one). Exit 0, 1 when
+    there is no store or archive to read, 2 when the store is unreachable.
     """
     try:
-        store = open_store(store_uri)
+        store = open_existing(store_uri, endpoint)
         if identity_hash is None and len(store.list_archives()) != 1:
             _list_archives(store, as_json)
             return
@@ -227,6 +263,7 @@ def verify_and_report(
     as_json: bool = False,
     more: MoreChecks | None = None,
     trusted_keys: list[str] | None = None,
+    endpoint: str | None = None,
 ) -> NoReturn:
     """What `ember verify` does: the signature (checked against `trusted_keys` when given, else
     only reported: "unsigned" or who signed), the integrity checks of `bundle.verify_archive`, then
@@ -238,7 +275,7 @@ def verify_and_report(
         err_console.print(f"[red]--trusted-key:[/red] {exc}")
         raise typer.Exit(1) from None
     try:
-        store = open_store(store_uri)
+        store = open_existing(store_uri, endpoint)
         signature = _signature_line(store, identity_hash, keys)
         problems = bundle.verify_archive(store, identity_hash, expect_identity, trusted_keys=keys)
         if more is not None and not problems:

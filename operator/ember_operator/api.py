@@ -1,7 +1,7 @@
 """The `ember.dev/v1alpha1` API: typed models for ModelDeployment and GraphArchive.
 
 This module is the ONE schema source. `crdgen` turns these models into the CRD YAML under
-`crds/` and `charts/ember/crds/` (descriptions become `kubectl explain` text, `cel(...)` rules
+`crds/` and `charts/ember/files/crds/` (descriptions become `kubectl explain` text, `cel(...)` rules
 become `x-kubernetes-validations`); the reconcilers parse objects into these models. Field names
 are camelCase on the wire (Kubernetes convention) and snake_case in Python.
 """

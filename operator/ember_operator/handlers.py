@@ -118,6 +118,7 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | N
     rec = Reconciler(kube or Kube(pool_size=max(32, settings.claim_concurrency * 2)), settings)
     elector = elector_of(rec.kube, settings)
     leading = (lambda: True) if elector is None else (lambda: elector.leading)
+    metrics.STATE.leading = leading  # a standby exports no state gauges
     deployments = Runner(rec.reconcile_deployment, leading)
     archives = Runner(rec.reconcile_archive, leading)
     interval = settings.resync_seconds
@@ -217,6 +218,7 @@ async def _elect(elector: LeaderElector, resync_all: Callable[[], Any], retry_s:
         try:
             now = await loop.run_in_executor(None, elector.step)
             if now and not was:
+                metrics.STATE.clear()  # what it saw when it last led is stale: reconciles refill it
                 await resync_all()
             was = now
         except Exception:  # the loop must outlive any one failure

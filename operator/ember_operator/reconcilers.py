@@ -13,7 +13,6 @@ import hashlib
 import logging
 import socket
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -24,6 +23,7 @@ from pydantic import ValidationError
 from ember import contract
 from ember_operator import conditions, metrics, naming, placement, switching
 from ember_operator.api import (
+    GAPhase,
     GraphArchiveSpec,
     GraphArchiveStatus,
     ModelDeploymentSpec,
@@ -105,10 +105,12 @@ class Reconciler:
         stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
         def post(ev: Event) -> None:
+            name = contract.event_name(meta.get("name", "ember"), meta.get("uid", ""), ev.type, ev.reason,
+                                       ev.message[:1024])
             body = {
                 "apiVersion": "events.k8s.io/v1",
                 "kind": "Event",
-                "metadata": {"name": f"{meta.get('name', 'ember')}.{uuid.uuid4().hex[:16]}", "namespace": ns},
+                "metadata": {"name": name, "namespace": ns},
                 "eventTime": stamp,
                 "reportingController": f"{contract.GROUP}/operator",
                 "reportingInstance": self.instance[:128],
@@ -122,7 +124,11 @@ class Reconciler:
                 },
             }
             try:
-                self.kube.create(events_path(ns), body)
+                if self.kube.create(events_path(ns), body) is None:  # posted before: one more of a series
+                    seen = self.kube.get(f"{events_path(ns)}/{name}") or {}
+                    count = int((seen.get("series") or {}).get("count") or 1) + 1
+                    self.kube.patch(f"{events_path(ns)}/{name}",
+                                    {"series": {"count": count, "lastObservedTime": stamp}})
             except KubeError as exc:  # events are best effort
                 log.warning("Posting event %s on %s %s/%s failed (best effort; the operator needs "
                             "create on events.k8s.io events): %s", ev.reason, obj.get("kind"), ns,
@@ -184,7 +190,10 @@ class Reconciler:
             record_refusals(obs, plan, refusals, len(pods_refused))
 
         self._check_placement(obs, template, plan)
-        metrics.RESTORE_FALLBACKS.labels(ns, name).set(plan.status.fallback_count)
+        metrics.STATE.set_deployment(ns, name, fallback=plan.status.fallback_count,
+                                     native=plan.status.native_replicas)
+        fell_back = [(p.name, p.created, p.restore) for p in obs.pods if p.fell_back]
+        metrics.STATE.count_fallbacks(ns, name, fell_back)
         self._patch_status(md_path(ns, name), md.get("status"), plan.status.wire())
         self.post_events(md, plan.events)
         # Pools change when this deployment claimed from one or asks for one, or (spec edits) may
@@ -324,6 +333,7 @@ class Reconciler:
         pods = self.kube.list(pods_path(ns), f"{contract.LABEL_DEPLOYMENT}={name}")
         self._parallel(lambda p: self.kube.delete(pods_path(ns, p["metadata"]["name"])), pods)
         log.info("ModelDeployment %s/%s deleted: removed %d pod(s) and its HPA", ns, name, len(pods))
+        metrics.STATE.forget_deployment(ns, name)
         self.reconcile_pools(ns)
 
     def deployments_using(self, ns: str, identity_short: str) -> list[str]:
@@ -361,8 +371,7 @@ class Reconciler:
         self._parallel(lambda pod: self._refused(self.kube.delete, pods_path(ns, pod)), plan.deletes)
         self._parallel(lambda item: self._refused(self._patch_pod, ns, *item), plan.patches)
         self._report_pools(ns, owners, {key: str(exc)[:1024] for key, exc in refused})
-        for key, size in plan.sizes.items():
-            metrics.WARM_PODS.labels(ns, key).set(size)
+        metrics.STATE.set_warm_pools(ns, plan.sizes)
         metrics.RECONCILE_SECONDS.labels("WarmPool").observe(time.perf_counter() - started)
 
     @staticmethod
@@ -409,6 +418,7 @@ class Reconciler:
     def _reconcile_archive(self, ns: str, name: str) -> float | None:
         ga = self.kube.get(ga_path(ns, name))
         if ga is None or (ga.get("metadata") or {}).get("deletionTimestamp"):
+            metrics.STATE.forget_archive(ns, name)
             return None
         meta = ga["metadata"]
         try:
@@ -446,6 +456,7 @@ class Reconciler:
         if plan.delete:
             self.post_events(ga, plan.events)
             self.kube.delete(ga_path(ns, name))
+            metrics.STATE.forget_archive(ns, name)
             return None
         if plan.create_job_attempt is not None:
             self._create_save_job(obs, plan, meta["uid"])
@@ -458,7 +469,17 @@ class Reconciler:
             metrics.SAVES_TOTAL.labels("failed").inc()
         self._patch_status(ga_path(ns, name), ga.get("status"), plan.status.wire())
         self.post_events(ga, plan.events)
+        self._archive_gauges(ns, name, spec, plan.status)
         return plan.requeue_after
+
+    def _archive_gauges(self, ns: str, name: str, spec: GraphArchiveSpec, st: GraphArchiveStatus) -> None:
+        phase = st.phase.value if st.phase else ""
+        started = parse_time(st.save_started_time) if st.phase is GAPhase.saving else None
+        begun = started.timestamp() if started is not None else None
+        timeout = spec.save.timeout_seconds or self.settings.save_timeout_seconds
+        metrics.STATE.set_archive(ns, name, metrics.Archive(
+            phase, st.bytes if st.phase is GAPhase.available else None, begun,
+            begun + timeout if begun is not None else None))
 
     def _create_save_job(self, obs: ArchiveObserved, plan: ArchivePlan, uid: str) -> None:
         """The SAVE Job of the plan's attempt; refused by the apiserver → that attempt failed."""

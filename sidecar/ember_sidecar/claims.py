@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from ember import contract
-from ember.contract import Claim, ClaimError
+from ember.contract import Claim, ClaimError, reason_class
 from ember.store import StoreError, split_manifest_uri
 
 __all__ = ["Claim", "ClaimError", "manifest_identity", "parse_claim", "parse_prefetch", "reason_class"]
@@ -69,10 +69,3 @@ def parse_prefetch(annotations: dict[str, str] | None) -> list[str]:
     """Manifest URIs a warm pod should cache before any claim (other entries are dropped)."""
     uris = contract.parse_prefetch((annotations or {}).get(contract.ANN_PREFETCH))
     return list(dict.fromkeys(u for u in uris if manifest_identity(u)))
-
-
-def reason_class(reason: str) -> str:
-    """The metric label for a fallback reason: its prefix before ':' (bounded cardinality)."""
-    head = reason.split(":", 1)[0].strip().lower()
-    head = re.sub(r"[^a-z0-9-]+", "-", head).strip("-")
-    return head[:48] or "unknown"

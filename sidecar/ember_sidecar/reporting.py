@@ -104,12 +104,14 @@ class KubeReporter:
             targets.append(md)
         for ref in targets:
             now = _now()
+            text = (f"pod {self.pod_name}: " if ref["kind"] != "Pod" else "") + message[:900]
+            name = contract.event_name(ref["name"], ref["kind"], ref.get("uid", ""), type_, reason, text)
             body = {
-                "metadata": {"generateName": f"{ref['name']}.", "namespace": self.namespace},
+                "metadata": {"name": name, "namespace": self.namespace},
                 "involvedObject": ref,
                 "type": type_,
                 "reason": reason,
-                "message": (f"pod {self.pod_name}: " if ref["kind"] != "Pod" else "") + message[:900],
+                "message": text,
                 "source": {"component": COMPONENT},
                 "reportingComponent": f"{contract.GROUP}/{COMPONENT}",
                 "reportingInstance": self.pod_name,
@@ -118,7 +120,20 @@ class KubeReporter:
                 "count": 1,
             }
             try:
-                self.core.create_namespaced_event(self.namespace, body)
+                self._post(name, body, now)
             except Exception as exc:
                 log.warning("Could not record %s event %s on %s %s: %s",
                             type_, reason, ref["kind"], ref["name"], exc)
+
+    def _post(self, name: str, body: dict[str, Any], now: str) -> None:
+        """Create the event; one posted before under its deterministic name counts once more."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self.core.create_namespaced_event(self.namespace, body)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            seen = self.core.read_namespaced_event(name, self.namespace)
+            self.core.patch_namespaced_event(name, self.namespace,
+                                             {"count": (seen.count or 1) + 1, "lastTimestamp": now})

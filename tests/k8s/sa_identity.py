@@ -55,9 +55,11 @@ def render(templates: list[str], release: str = RELEASE, namespace: str = RELEAS
 
 def render_rbac(release: str = RELEASE, namespace: str = RELEASE_NS) -> list[dict[str, Any]]:
     """The operator's ServiceAccount, ClusterRole(Binding) and Lease Role(Binding), as a
-    namespace-scoped install renders them (the tests' operators watch one namespace each)."""
+    namespace-scoped install renders them (the tests' operators watch one namespace each). The
+    tests' namespaces are made per test, after this is applied: Secrets are read through the
+    ClusterRole (`rbac.secretsAccess=cluster`); the namespaced Roles are tested in test_chart_rbac."""
     return render(["templates/serviceaccount.yaml", "templates/rbac.yaml"], release, namespace,
-                  sets=("operator.namespaces={ember-test}",))
+                  sets=("operator.namespaces={ember-test}", "rbac.secretsAccess=cluster"))
 
 
 def apply_docs(k8s: LocalCluster, docs: list[dict[str, Any]]) -> None:

@@ -8,6 +8,7 @@ and a test's) do not fight over warm pods.
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,10 @@ def test_lease_election_one_leader_takeover_and_release(k8s: LocalCluster, ns_ap
     assert a.step() and _holder(k8s, ns_api.ns) == "a"
 
 
+def _metrics(op: OperatorProcess) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{op.metrics_port}/metrics", timeout=5).read().decode()
+
+
 def test_two_replicas_one_reconciles_and_a_sigkill_hands_over(ns_api: Api, minio: LocalMinio,
                                                                tmp_path: Path) -> None:
     api = ns_api
@@ -100,6 +105,11 @@ def test_two_replicas_one_reconciles_and_a_sigkill_hands_over(ns_api: Api, minio
         acting = [op for op in ops if _reconciled(op)]
         assert len(acting) == 1, "exactly one replica may reconcile: " + ops[1].log_tail(20)
         leader, standby = acting[0], next(op for op in ops if op is not acting[0])
+        # State gauges come from the leader only: the standby exports none (no stale values).
+        led, stood = _metrics(leader), _metrics(standby)
+        assert "ember_operator_leader 1.0" in led and "ember_operator_leader 0.0" in stood
+        assert f'ember_warm_pods{{namespace="{api.ns}"' in led and "ember_warm_pods{" not in stood
+        assert 'phase="Available"} 1.0' in led and "ember_archive_phase{" not in stood
 
         leader.kill()
         killed = time.monotonic()
@@ -110,6 +120,7 @@ def test_two_replicas_one_reconciles_and_a_sigkill_hands_over(ns_api: Api, minio
         api.patch_md("qwen", {"spec": {"replicas": 3}})
         wait_for(lambda: len(api.serving("qwen")) == 3 and phase(api, "qwen") == "Ready", "3 Ready", standby)
         assert len(api.warm()) == 2, "the new leader must top the pool up to its size, not past it"
+        assert "ember_operator_leader 1.0" in _metrics(standby)
         print(f"standby took the Lease {took:.1f} s after the leader's SIGKILL")
     finally:
         for op in ops:

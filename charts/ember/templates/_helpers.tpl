@@ -33,3 +33,16 @@ app.kubernetes.io/component: operator
 {{- define "ember.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
+
+{{/* Extra labels of a monitoring object: metrics.extraLabels, then its own (list $ .labels). */}}
+{{- define "ember.monitorLabels" -}}
+{{- $root := index . 0 -}}
+{{- $all := merge (deepCopy (index . 1 | default dict)) (deepCopy ($root.Values.metrics.extraLabels | default dict)) -}}
+{{- with $all }}{{ toYaml . }}{{ end -}}
+{{- end -}}
+
+{{/* Namespaces where serving pods and SAVE Jobs run (a JSON list): workloadNamespaces plus the
+operator's watched namespaces (pods are created only where their ModelDeployment is). */}}
+{{- define "ember.workloadNamespaces" -}}
+{{- concat (.Values.workloadNamespaces | default list) (.Values.operator.namespaces | default list) | uniq | toJson -}}
+{{- end -}}

@@ -44,6 +44,19 @@ StoreOpt = Annotated[
 ]
 
 
+def _use_endpoint(endpoint: str) -> str:
+    """--endpoint's callback: the store is opened further down (and in the process re-executed
+    under libember), both read EMBER_S3_ENDPOINT."""
+    if endpoint:
+        os.environ["EMBER_S3_ENDPOINT"] = endpoint
+    return endpoint
+
+
+EndpointOpt = Annotated[str, typer.Option(
+    "--endpoint", envvar="EMBER_S3_ENDPOINT", callback=_use_endpoint,
+    help="S3 endpoint URL for an s3:// store (MinIO, on-prem).")]
+
+
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel degree (dense workloads).")]
 EpOpt = Annotated[int, typer.Option("--ep", help="Expert-parallel degree (MoE: = tp x dp).")]
 DpOpt = Annotated[int, typer.Option("--dp", help="Data-parallel degree.")]
@@ -181,9 +194,7 @@ def save(
     model_config: ConfigOpt = "",
     model: ModelOpt = "",
     job: Annotated[bool, typer.Option("--job", help="SAVE Job mode (EMBER_IDENTITY, EMBER_STORE).")] = False,
-    prove_only: Annotated[
-        bool, typer.Option("--prove-only", help="Capture and prove, publish nothing.")
-    ] = False,
+    prove_only: Annotated[bool, typer.Option("--prove-only", help="Prove only, publish nothing.")] = False,
     tpot: Annotated[
         str, typer.Option(help="Also time the captured graphs' decode step at these batch sizes (1,64).")
     ] = "",
@@ -191,6 +202,7 @@ def save(
     ep: EpOpt = 1,
     dp: DpOpt = 1,
     collectives: CollectivesOpt = False,
+    endpoint: EndpointOpt = "",
 ) -> None:
     """SAVE: capture a workload's decode graphs, prove them bit-exact, publish the archive. A
     multi-GPU shape (--tp/--ep/--dp) is saved on ONE GPU: every rank LOADs the same archive.
@@ -251,11 +263,11 @@ def load(
     dp: DpOpt = 1,
     collectives: CollectivesOpt = False,
     rank: RankOpt = 0,
+    endpoint: EndpointOpt = "",
 ) -> None:
     """LOAD an archive in this fresh process, then decode greedily to prove it (tokens vs SAVE's).
     One process per rank for a multi-GPU shape (--rank, MASTER_ADDR/MASTER_PORT as torchrun)."""
     from ember.runtime.session import reexec_under_libember
-
     reexec_under_libember("load")
     from ember.engines.decode.adapter import identity_for, load_workload
     from ember.handoff import load_attempt
