@@ -43,6 +43,7 @@ from ember.store import (
     split_manifest_uri,
 )
 from ember_sidecar import s3fetch
+from ember_sidecar.s3fetch import Cancelled  # one for both fetch paths: s3fetch raises it too
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,10 +55,6 @@ class FetchFailed(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-class Cancelled(Exception):
-    """The fetch was cancelled (pod deleted or sidecar stopping)."""
 
 
 @dataclass(frozen=True)
@@ -283,10 +280,7 @@ class ArchiveCache:
                 s3fetch.fetch_blobs(store, todo, self.root / "blobs", cancel=cancel,
                                     concurrency=self.s3_concurrency, chunk=self.s3_chunk)
 
-            try:
-                self._retry(run, cancel, deadline)
-            except s3fetch.Cancelled:
-                raise Cancelled() from None
+            self._retry(run, cancel, deadline)
             return
         def one(digest: str) -> None:
             if cancel.is_set():

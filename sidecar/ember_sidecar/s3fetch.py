@@ -21,7 +21,7 @@ from ember.store import BlobWrongSize, HashingWriter, S3Store, StoreError
 
 
 class Cancelled(Exception):
-    """The fetch was cancelled; temporary files are removed."""
+    """The fetch was cancelled (pod deleted or sidecar stopping); temporary files are removed."""
 
 
 class BlobTruncated(BlobWrongSize):
