@@ -6,14 +6,17 @@ see a fault that only LOAD has: a per-rank value frozen at SAVE (a multi-GPU arc
 rank 0 and moves no data), a wrong collective splice, a kernel argument LOAD rebuilt wrongly, an
 exec update that leaves a parameter stale. The canary can, for the key the first request needs:
 
-1. the engine's own step (no graph) from a seeded state → reference outputs;
+1. a reference from a seeded state: SAVE's fingerprint of its native graph where SAVE saw real
+   data (one GPU), else the engine's own step (no graph);
 2. the restored graph, launched through its group's template as instantiated, same state;
 3. where the group has another member, the template updated to it and back (an exec update),
-   launched again, same state.
-Every output must equal the reference bit for bit. Collectives run in each step, so on a
-multi-GPU shape every rank runs the canary at the same point of its start, and the verdict is
-unanimous (one all-reduce): if any rank's canary fails, every rank captures natively together
-(a rank alone capturing would issue its warm-up collectives to peers that are not issuing any).
+   launched again, same state;
+4. the key's own exec, built as the Dedicator builds every key's, launched, same state.
+Every output must equal the reference bit for bit; each path starts with the outputs poisoned.
+Collectives run in each step, so on a multi-GPU shape every rank runs the canary at the same
+point of its start, and the verdict is unanimous (one all-reduce): if any rank's canary fails,
+every rank captures natively together (a rank alone capturing would issue its warm-up
+collectives to peers that are not issuing any).
 
 What it cannot catch, and says so in docs/runtime.md: a fault in a key other than the canary's
 that the canary's key does not share (each graph's arguments are rebuilt from its own table
@@ -72,6 +75,7 @@ def canary(
     with torch.no_grad():
         reset()
         ref = snap(own_step())
+
         def updated() -> Outputs | None:
             return graph_step() if switch_round_trip is not None and switch_round_trip() else None
 
