@@ -312,6 +312,6 @@ def _signature_line(store: Store, identity_hash: str | None, keys: list[signing.
         found = store.list_archives()
         identity_hash = found[0] if len(found) == 1 else None
     data = store.get_manifest(identity_hash) if identity_hash else None
-    if data is None:
+    if data is None or identity_hash is None:
         return ""
     return signing.describe(data, store.get_signature(identity_hash), keys)[1]

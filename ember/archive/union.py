@@ -38,6 +38,7 @@ import copy
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ember.archive.graphs import Edge, FunctionAttrs, Graph, MemsetParams, Node, NodeType
 from ember.archive.topology import node_class
@@ -295,7 +296,7 @@ def _edges(graphs: Sequence[Graph], members: list[int], slots: tuple[tuple[int, 
     complete, which is stricter than its own graph (its kernel's early start is lost, its result
     is the same), and a disabled node is never an end of a programmatic edge."""
     common = set.intersection(*(set(run) for run in slots))
-    data = [set() if s in common and s + 1 in common else None for s in range(n - 1)]
+    data: list[set[Any] | None] = [set() if s in common and s + 1 in common else None for s in range(n - 1)]
     for m, run in zip(members, slots, strict=True):
         for j, e in enumerate(graphs[m].edges):  # both ends common: nothing between them, j -> j + 1
             if (d := data[run[j]]) is not None:

@@ -81,7 +81,7 @@ class KubeReporter:
             return None
         if name not in self._md_uid:
             try:
-                obj = self.custom.get_namespaced_custom_object(
+                obj: dict[str, Any] = self.custom.get_namespaced_custom_object(
                     contract.GROUP, contract.VERSION, self.namespace, contract.MODEL_DEPLOYMENTS, name
                 )
                 self._md_uid[name] = obj.get("metadata", {}).get("uid", "")
@@ -130,7 +130,7 @@ class KubeReporter:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            self.core.create_namespaced_event(self.namespace, body)
+            self.core.create_namespaced_event(self.namespace, body)  # type: ignore[arg-type]  # a dict is accepted
         except ApiException as exc:
             if exc.status != 409:
                 raise
