@@ -90,6 +90,9 @@ def doctor_report() -> dict[str, Any]:
     }
     report.update(_gpu_facts())
     report["preloaded"] = "libember" in os.environ.get("LD_PRELOAD", "")
+    from ember import settings
+
+    report["settings changed"] = [f"{k}={v}" for k, v in settings.changed().items()]  # EMBER_* knobs
     report["healthy"] = bool(report["native_loadable"])
     return report
 

@@ -9,7 +9,6 @@ The layout is ember/archive/table_layout.py.
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 import zstandard as zstd
 
+from ember import settings
 from ember.archive.graphs import (
     EventParams,
     FunctionAttrs,
@@ -239,7 +239,7 @@ class _Encoder:
 def unions_by_default() -> bool:
     """Whether SAVE writes union templates (default; EMBER_UNION_TEMPLATES=0 turns them off). SAVE
     proves them and drops them when a member differs; LOAD uses those an archive holds."""
-    return os.environ.get("EMBER_UNION_TEMPLATES", "1") != "0"
+    return settings.on("EMBER_UNION_TEMPLATES")
 
 
 def encode(

@@ -35,11 +35,11 @@ template once (ember.runtime.graphs.templates).
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember import settings
 from ember.archive.graphs import Edge, FunctionAttrs, Graph, MemsetParams, Node, NodeType
 from ember.archive.topology import node_class
 
@@ -73,12 +73,12 @@ class UnionGroup:
 def programmatic_by_default() -> bool:
     """Whether chains with programmatic edges may join unions (EMBER_UNION_PROGRAMMATIC=1): off
     until a GPU run has proven such unions (module doc)."""
-    return os.environ.get("EMBER_UNION_PROGRAMMATIC", "0") == "1"
+    return settings.on("EMBER_UNION_PROGRAMMATIC")
 
 
 def memsets_by_default() -> bool:
     """Whether memset slots may be optional (EMBER_UNION_MEMSETS=1, module doc)."""
-    return os.environ.get("EMBER_UNION_MEMSETS", "0") == "1"
+    return settings.on("EMBER_UNION_MEMSETS")
 
 
 def placeable(node: Node) -> bool:

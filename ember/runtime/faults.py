@@ -11,11 +11,11 @@ Nothing sets it outside tests; each name is read where its fault lives.
 
 from __future__ import annotations
 
-import os
+from ember import settings
 
 NAMES = ("view-offset", "stale-update", "splice-redop")
 
 
 def active(name: str) -> bool:
     assert name in NAMES, name
-    return name in os.environ.get("EMBER_FAULT", "").split(",")
+    return name in settings.text("EMBER_FAULT").split(",")

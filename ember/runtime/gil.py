@@ -20,11 +20,12 @@ is overwritten then).
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from ember import settings
 
 DEFAULT_US = 200.0
 
@@ -35,11 +36,7 @@ _saved = 0.0
 
 def interval_s() -> float:
     """The switch interval LOAD's background work runs under (0: leave the interpreter's)."""
-    try:
-        us = float(os.environ.get("EMBER_SWITCH_INTERVAL_US") or DEFAULT_US)
-    except ValueError:  # a typo keeps the default
-        us = DEFAULT_US
-    return max(us, 0.0) / 1e6
+    return max(settings.number("EMBER_SWITCH_INTERVAL_US"), 0.0) / 1e6
 
 
 @contextmanager

@@ -13,10 +13,10 @@ store, EMBER_NATIVE_READ=0, or a system without libzstd/libcrypto): a thread poo
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ember import settings
 from ember.native import EMBER_EUNAVAILABLE, BlobRead, EmberError, ImageReads, Interposer
 from ember.runtime.adapter import LOAD, Refused
 from ember.store import LocalStore
@@ -40,7 +40,7 @@ class Reads(Protocol):
 def open_reads(ip: Interposer, arc: bundle.Archive, order: list[str]) -> Reads:
     """libember's reader for a local store unless EMBER_NATIVE_READ=0 or it lacks a codec."""
     options = arc.manifest.engine.get("image_options", {})
-    if os.environ.get("EMBER_NATIVE_READ", "1") != "0" and isinstance(arc.store, LocalStore):
+    if settings.on("EMBER_NATIVE_READ") and isinstance(arc.store, LocalStore):
         try:
             return NativeReads(ip, arc, order, options)
         except EmberError as exc:

@@ -29,7 +29,6 @@ it fails again.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from cuda.bindings import driver as cu
 
+from ember import settings
 from ember.archive import graph_table as archive_format
 from ember.archive.table_layout import FormatError
 from ember.native import EmberDivergence, EmberError, Interposer
@@ -212,7 +212,7 @@ class ArchiveRestore:
         self.accepted = accepted
         self.splicer = splicer
         if background is None:
-            background = os.environ.get("EMBER_LOAD_BACKGROUND", "1") != "0"
+            background = settings.on("EMBER_LOAD_BACKGROUND")
         if background:
             self._start_background()
         return self
@@ -390,11 +390,11 @@ class ArchiveRestore:
         except BaseException:
             lib.close()
             raise
-        if os.environ.get("EMBER_DEDICATE", "1") != "0":  # once every template is built and
+        if settings.on("EMBER_DEDICATE"):  # once every template is built and
             # serving starts: built while a cold pod's model still builds (EMBER_DEDICATE_EARLY=1)
             # they slowed that build, and the first token with it: CB engine on H100, medians of 6
             # processes, 15.4 s vs 13.5 s late (`ember bench cb --repeats`)
-            early = os.environ.get("EMBER_DEDICATE_EARLY", "0") == "1"
+            early = settings.on("EMBER_DEDICATE_EARLY")
             lib.start_dedicating(after=[] if early else [self._serving])
         tm["templates_first_ms"] = (time.perf_counter() - t) * 1e3
         tm.update(functions_first_ms=functions.resolve_ms, kernels_first=functions.resolved)

@@ -15,12 +15,12 @@ EMBER_SLIM_IMAGES=0 turns this off.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cuda.bindings import driver as cu
 
+from ember import settings
 from ember.archive import kernel_images
 from ember.archive.graphs import GraphSet, KernelRef
 from ember.native import EmberError, Interposer
@@ -47,7 +47,7 @@ class SlimReport:
 
 
 def enabled() -> bool:
-    return os.environ.get("EMBER_SLIM_IMAGES", "1") != "0"
+    return settings.on("EMBER_SLIM_IMAGES")
 
 
 def function_attrs(func: int) -> list[int]:

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ember import contract
+from ember import contract, settings
 from ember.engines.vllm import compile_cache
 from ember.engines.vllm import graphs as sites
 from ember.engines.vllm.args import mismatches
@@ -274,7 +274,7 @@ class VllmAdapter:
     def attachments(self) -> dict[str, bytes]:
         """vLLM's compile cache and model-class facts, so a fresh pod loads compiled code instead
         of compiling (EMBER_VLLM_COMPILE_CACHE=0: not shipped; LOAD then needs it on the node)."""
-        if os.environ.get("EMBER_VLLM_COMPILE_CACHE", "1") == "0":
+        if not settings.on("EMBER_VLLM_COMPILE_CACHE"):
             return {}
         packed = compile_cache.pack()
         return {compile_cache.NAME: packed} if packed else {}

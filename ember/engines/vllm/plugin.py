@@ -39,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember import settings
+
 log = logging.getLogger("ember.vllm")
 
 RUNNERS = {"v1": "vllm.v1.worker.gpu_model_runner", "v2": "vllm.v1.worker.gpu.model_runner"}
@@ -93,7 +95,7 @@ def register() -> None:
     """The entry point (group `vllm.general_plugins`, name `ember`). vLLM also runs it in processes
     that never build a model (the API server parsing arguments, its model-inspection subprocess):
     the worker's modules are checked and patched only once this process imports them."""
-    if os.environ.get("EMBER_VLLM", "1") == "0" or STATE.installed:
+    if not settings.on("EMBER_VLLM") or STATE.installed:
         return
     mode = os.environ.get("EMBER_MODE", "off")
     timing = bool(os.environ.get("EMBER_VLLM_REPORT"))
@@ -187,7 +189,7 @@ def _time_worker_stages() -> None:
             out = _original(self, *a, **kw)
             extra = {"bytes": int(out)} if _name == "determine_available_memory" else {}
             report(f"worker.{_name}", seconds=round(time.perf_counter() - t, 4), **extra)
-            if extra and os.environ.get("EMBER_VLLM_PROBE") == "1":
+            if extra and settings.on("EMBER_VLLM_PROBE"):
                 os._exit(0)  # the SAVE Job's sizing probe (ember.engines.vllm.job): the figure is written
             return out
 

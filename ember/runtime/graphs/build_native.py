@@ -5,13 +5,13 @@ read back and compared there too. What it cannot build is left to `build_graph.b
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import numpy as np
 from cuda.bindings import driver as cu
 
+from ember import settings
 from ember.runtime.graphs.prepared import (
     OP_CHILD,
     OP_RECORD,
@@ -28,8 +28,7 @@ def native_threads() -> int:
     """Worker threads for ember_build_graphs: EMBER_BUILD_THREADS, default 1. On H100 with
     driver 580 the driver serialises graph construction: 25 Llama templates took 404 ms on one
     thread, 548 ms on 4 and 637 ms on 16 (benchmarks/results/load-threads-H100-20261122.json)."""
-    env = os.environ.get("EMBER_BUILD_THREADS", "")
-    return max(1, int(env)) if env.isdigit() else 1
+    return max(1, int(settings.number("EMBER_BUILD_THREADS")))
 
 
 def build_native(
@@ -49,7 +48,7 @@ def build_native(
     from ember import native
 
     ip = interposer or _interposer()
-    if os.environ.get("EMBER_NATIVE_BUILD", "1") == "0":  # diagnosis: the Python path builds all
+    if not settings.on("EMBER_NATIVE_BUILD"):  # diagnosis: the Python path builds all
         ip = None
     out: list[tuple[Any, Any] | None] = [None] * len(preps)
     todo: list[tuple[int, PreparedGraph, NodeArrays]] = []

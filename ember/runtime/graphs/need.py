@@ -19,7 +19,6 @@ exec for its template key too, at the end.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ from typing import Any
 
 from cuda.bindings import driver as cu
 
+from ember import settings
 from ember.runtime.gil import short_switch_interval
 from ember.runtime.graphs.driver import OK
 
@@ -43,12 +43,7 @@ def need_order(keys: Sequence[tuple[int, ...]]) -> list[int]:
 
 def exec_memory_budget() -> int:
     """Bytes all own execs may take (EMBER_EXEC_MEMORY_MB; 0 disables them)."""
-    env = os.environ.get("EMBER_EXEC_MEMORY_MB", "")
-    try:
-        mb = float(env) if env else DEFAULT_EXEC_MEMORY_MB
-    except ValueError:
-        mb = DEFAULT_EXEC_MEMORY_MB
-    return int(max(mb, 0.0) * 2**20)
+    return int(max(settings.number("EMBER_EXEC_MEMORY_MB"), 0.0) * 2**20)
 
 
 def free_memory() -> int | None:
@@ -162,8 +157,8 @@ class SwapGate:
     own exec at a chosen step, not wherever the background thread happens to be."""
 
     def __init__(self) -> None:
-        at = os.environ.get("EMBER_SWAP_AT_LAUNCH", "")
-        self.at = int(at) if at else None
+        at = settings.text("EMBER_SWAP_AT_LAUNCH")
+        self.at = int(at) if at.isdigit() else None
         self.parked: dict[int, Any] = {}  # graph index -> own exec, held back
 
     def holds(self, launches: int) -> bool:

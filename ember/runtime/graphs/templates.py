@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -24,6 +23,7 @@ from typing import Any
 
 from cuda.bindings import driver as cu
 
+from ember import settings
 from ember.archive.graphs import GraphSet
 from ember.archive.table_layout import FormatError
 from ember.native import EmberError
@@ -115,7 +115,7 @@ class GraphLibrary:
     def _unions(self, splicer: Any) -> list[UnionTemplate]:
         """The source's union templates, unless this rank splices collectives into the graphs (a
         placeholder may become another shape per rank) or EMBER_UNION_TEMPLATES=0."""
-        if splicer is not None or os.environ.get("EMBER_UNION_TEMPLATES", "") == "0":
+        if splicer is not None or not settings.on("EMBER_UNION_TEMPLATES"):
             return []
         try:
             return [UnionTemplate(u) for u in getattr(self.source, "unions", ())]
@@ -198,7 +198,7 @@ class GraphLibrary:
         a pool thread while libember builds this one (its call holds no GIL)."""
         rest = [g for g in self.groups if g.index not in self._ready or not self._ready[g.index].is_set()]
         batches = [rest[i : i + TEMPLATE_BATCH] for i in range(0, len(rest), TEMPLATE_BATCH)]
-        behind = os.environ.get("EMBER_UPLOAD_BEHIND", "0") == "1"  # opt-in: not GPU-proven yet
+        behind = settings.on("EMBER_UPLOAD_BEHIND")  # opt-in: not GPU-proven yet
         ahead, self._ahead = self._ahead or [self.prepare_ahead(groups=b) for b in batches[:1]], []
         for n, batch in enumerate(batches):
             self.timings.prepare_ms += sum(f.result() for f in ahead)  # (a failure: met below)

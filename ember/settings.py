@@ -1,0 +1,72 @@
+"""Every `EMBER_*` knob of the engine side, in one place: its name, kind, default and what it does.
+
+Code reads a knob through `on()`, `number()` or `text()`, never `os.environ` directly, and
+`ember doctor` lists those set to something other than their default (`changed()`). The pod
+contract's variables (EMBER_MODE, EMBER_STORE, EMBER_IDENTITY, EMBER_RUN_DIR, EMBER_VLLM_ARCHIVE,
+...) are not knobs: `ember.contract` names them. A value that does not parse keeps the default.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    kind: str  # "flag" (1 or 0), "number" or "text"
+    default: str
+    doc: str
+
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    # LOAD
+    Setting("EMBER_LOAD_BACKGROUND", "flag", "1", "templates built on a thread while the model builds"),
+    Setting("EMBER_DEDICATE", "flag", "1", "give every key an exec of its own in the background"),
+    Setting("EMBER_DEDICATE_EARLY", "flag", "0", "own execs built once the templates are, not at serving"),
+    Setting("EMBER_EXEC_MEMORY_MB", "number", "2048", "GPU memory all own execs may take (0: none)"),
+    Setting("EMBER_BUILD_THREADS", "number", "1", "libember builder threads (the driver serialises builds)"),
+    Setting("EMBER_UPLOAD_BEHIND", "flag", "0", "upload templates on their own thread behind the builder"),
+    Setting("EMBER_NATIVE_BUILD", "flag", "1", "build graphs with libember's builder (0: the Python path)"),
+    Setting("EMBER_NATIVE_READ", "flag", "1", "read a local archive's kernel images with libember's threads"),
+    Setting("EMBER_SWITCH_INTERVAL_US", "number", "200", "switch interval for LOAD's threads"),
+    Setting("EMBER_SWAP_AT_LAUNCH", "text", "", "tests: own execs take their keys at this launch"),
+    Setting("EMBER_FAULT", "text", "", "tests: faults to inject (ember.runtime.faults)"),
+    # SAVE (the archive's layout)
+    Setting("EMBER_SLIM_IMAGES", "flag", "1", "cut kernel images to this GPU's cubin and the kernels used"),
+    Setting("EMBER_UNION_TEMPLATES", "flag", "1", "write (SAVE) and use (LOAD) union templates"),
+    Setting("EMBER_UNION_PROGRAMMATIC", "flag", "0", "unions over programmatic edges (not GPU-proven)"),
+    Setting("EMBER_UNION_MEMSETS", "flag", "0", "unions may leave out a 1-D memset (not GPU-proven)"),
+    # vLLM
+    Setting("EMBER_VLLM", "flag", "1", "the vLLM plugin acts (0: it stays out of vLLM entirely)"),
+    Setting("EMBER_VLLM_COMPILE_CACHE", "flag", "1", "carry vLLM's compile cache in the archive"),
+    Setting("EMBER_VLLM_PROBE", "flag", "0", "diagnosis: the vLLM plugin logs what it probes"),
+)}
+
+
+def text(name: str) -> str:
+    return os.environ.get(name, SETTINGS[name].default)
+
+
+_YES, _NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def on(name: str) -> bool:
+    """A flag: 1/true/yes/on or 0/false/no/off; anything else is the default."""
+    value = text(name).strip().lower()
+    if value not in _YES + _NO:
+        value = SETTINGS[name].default
+    return value in _YES
+
+
+def number(name: str) -> float:
+    try:
+        return float(text(name))
+    except ValueError:
+        return float(SETTINGS[name].default)
+
+
+def changed() -> dict[str, str]:
+    """The knobs this process runs with that differ from their defaults."""
+    return {n: os.environ[n] for n, s in SETTINGS.items() if n in os.environ and os.environ[n] != s.default}
