@@ -28,7 +28,6 @@ from ember_operator.api import (
     GraphArchiveStatus,
     ModelDeploymentSpec,
     ModelDeploymentStatus,
-    under_root,
 )
 from ember_operator.archive_planning import (
     ArchiveObserved,
@@ -53,17 +52,21 @@ from ember_operator.kube import (
     secret_path,
 )
 from ember_operator.planning import (
+    INVALID_SPEC,
     Context,
     Observed,
     Plan,
+    derive_phase,
     free_names,
     plan_deployment,
     record_refusals,
+    refused_status,
     template_of,
 )
 from ember_operator.pods import PodTemplate, StoreAccess, serving_pod
 from ember_operator.pools import plan_pools, pool_wants, warm_pool_size
 from ember_operator.settings import Settings
+from ember_operator.tenancy import StoreRefused, store_refusal
 from ember_operator.views import ArchiveView, PodView
 
 log = logging.getLogger("ember_operator")
@@ -84,6 +87,8 @@ class Reconciler:
             pod_service_account=settings.pod_service_account, signing_secret=settings.signing_secret,
             local_store_root=settings.local_store_root,
             presave_priority_class=settings.presave_priority_class,
+            store_endpoints=settings.store_endpoint_list(),
+            credential_namespaces=settings.credential_namespace_list(),
         )
         self.backoff = Backoff(
             base_s=settings.save_backoff_seconds, max_s=settings.save_backoff_max_seconds,
@@ -159,14 +164,21 @@ class Reconciler:
         if md is None or (md.get("metadata") or {}).get("deletionTimestamp"):
             return None
         meta = md["metadata"]
+        status = ModelDeploymentStatus.model_validate(md.get("status") or {})
         try:
             spec = ModelDeploymentSpec.model_validate(md.get("spec") or {})
-            status = ModelDeploymentStatus.model_validate(md.get("status") or {})
             template = template_of(ns, spec, self.ctx)
         except (ValidationError, ValueError) as exc:
-            log.error("ModelDeployment %s/%s has an invalid spec; it is not reconciled until it is "
-                      "fixed: %s", ns, name, exc)
-            self.post_events(md, [Event("Warning", "InvalidSpec", str(exc)[:1024])])
+            # Refused (a spec admission could not judge, or a store this namespace may not use):
+            # said in the status (phase Invalid), and nothing else is done until it is fixed.
+            reason = exc.reason if isinstance(exc, StoreRefused) else INVALID_SPEC
+            message = str(exc) if isinstance(exc, StoreRefused) else _validation_text(exc)
+            log.error("ModelDeployment %s/%s is refused (%s); it is not reconciled until it is fixed: %s",
+                      ns, name, reason, message)
+            generation = int(meta.get("generation") or 0)
+            new, events = refused_status(status, generation, self.clock(), reason, message)
+            self._patch_status(md_path(ns, name), md.get("status"), new.wire())
+            self.post_events(md, events)
             return None
         obs = self._observe_deployment(ns, name, meta, spec, status, template)
         plan = plan_deployment(obs, self.ctx)
@@ -207,11 +219,14 @@ class Reconciler:
         else:
             problem = placement.placement_problem(self.kube, obs.namespace, template.gpu_product,
                                                   template.store.pvc)
+        # No node or PVC at all, else what the scheduler says about the pods themselves.
+        problem = problem or plan.unschedulable
         reason, message = problem or ("Schedulable", "")
         plan.status.conditions = conditions.put(plan.status.conditions, placement.CONDITION, problem is None,
-                                                reason, message, obs.generation, obs.now)
+                                                reason, message[:4096], obs.generation, obs.now)
+        plan.status.phase = derive_phase(plan.status.conditions)
         if problem is not None and (old is None or old.reason != reason):
-            plan.events.append(Event("Warning", reason, message))
+            plan.events.append(Event("Warning", reason, message[:1024]))
 
     def _observe_deployment(
         self, ns: str, name: str, meta: dict[str, Any], spec: ModelDeploymentSpec,
@@ -230,6 +245,7 @@ class Reconciler:
             *(self.pool.submit(self.kube.get, ga_path(ns, naming.archive_name(h))) for h in alts),
         ]
         ga, pods, warm, hpa, draining, *alt_gas = (r.result() for r in reads)
+        pending = self._warm_pending(ns, spec, template)
         return Observed(
             name=name, namespace=ns, uid=meta["uid"], generation=int(meta.get("generation") or 0),
             spec=spec, status=status, now=self.clock(), labels=dict(meta.get("labels") or {}),
@@ -237,7 +253,20 @@ class Reconciler:
             pods=[PodView.of(p) for p in pods], warm=[PodView.of(p) for p in warm], hpa=hpa,
             draining=[PodView.of(p) for p in draining],
             alt_archives={h: ArchiveView.of(g) if g else None for h, g in zip(alts, alt_gas, strict=True)},
+            warm_pending=pending,
         )
+
+    def _warm_pending(self, ns: str, spec: ModelDeploymentSpec, template: PodTemplate) -> list[PodView]:
+        """Warm pods of the deployment's pools (every shape's) that the scheduler has not placed."""
+        if not spec.warm_pool.size:
+            return []
+        keys = {template.pool_key} | {template_of(ns, spec, self.ctx, shape).pool_key
+                                      for shape in spec.parallelism.shapes()[1:]}
+        listed = self.kube.request("GET", pods_path(ns), query={
+            "labelSelector": naming.warm_selector(), "fieldSelector": "status.phase=Pending",
+        }).get("items") or []
+        views = [PodView.of(p) for p in listed]
+        return [v for v in views if v.labels.get(contract.LABEL_POOL_KEY) in keys and v.unschedulable]
 
     def _apply_pods(
         self, obs: Observed, plan: Plan, template: PodTemplate, started: float, planned: float
@@ -498,10 +527,8 @@ class Reconciler:
     def probe(self, ns: str, spec: GraphArchiveSpec, status: GraphArchiveStatus) -> StoreProbe:
         """Ask the store whether the manifest exists, and what it is (also once Available: a
         manifest deleted or replaced since is noticed on the next pass)."""
-        local = spec.store.local
-        if local is not None and not under_root(local.path, self.settings.local_store_root):
-            return StoreProbe(unreachable=f"local store {local.path} is outside the operator's local store "
-                              f"root {self.settings.local_store_root}: not read")
+        if refusal := store_refusal(spec.store, ns, self.ctx.tenancy):
+            return StoreProbe(refused=refusal)  # never connected to
         access = StoreAccess.of(spec.store)
         opts = access.open_options()
         secret_name = spec.store.credentials_secret
@@ -514,6 +541,13 @@ class Reconciler:
                 opts["access_key"] = base64.b64decode(data["AWS_ACCESS_KEY_ID"]).decode()
                 opts["secret_key"] = base64.b64decode(data["AWS_SECRET_ACCESS_KEY"]).decode()
         return probe_store(access.uri, spec.identity_hash, opts, self.settings.store_probe_timeout_seconds)
+
+
+def _validation_text(exc: Exception) -> str:
+    """A validation error as one line per problem (field: message)."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())[:1024]
+    return str(exc)[:1024]
 
 
 def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:

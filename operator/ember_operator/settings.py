@@ -29,6 +29,17 @@ class Settings(BaseModel):
         description="ModelDeployments' local stores (spec.store.local.path) must lie under this directory: "
         "the operator reads them itself, and must not read arbitrary paths of its own filesystem.",
     )
+    store_endpoints: str = Field(
+        "", description="Comma-separated S3 endpoints (scheme://host[:port]; without a port any port of "
+        "that host) that ModelDeployments and GraphArchives may name in spec.store.s3.endpoint; '*' allows "
+        "any. Empty: only default_s3_endpoint. An unset endpoint (AWS S3) is always allowed. The operator "
+        "never connects to another (StoreEndpointNotAllowed).",
+    )
+    operator_credentials_namespaces: str = Field(
+        "", description="Comma-separated namespaces whose S3 stores without a credentialsSecret the operator "
+        "may check with its own credentials; '*' for all. Empty: none (OperatorCredentialsNotAllowed). The "
+        "default store (spec.store unset) always may.",
+    )
     signing_secret: str = Field(
         "", description="Signing Secret (PEM ed25519 key under 'signing-key.pem') for ModelDeployments "
         "without spec.archive.signing.secretName; archives are unsigned when both are empty.",
@@ -85,10 +96,20 @@ class Settings(BaseModel):
             raise SystemExit(f"invalid {PREFIX}* setting: {exc}") from exc
 
     def namespace_list(self) -> list[str]:
-        return [n.strip() for n in self.namespaces.split(",") if n.strip()]
+        return list(_split(self.namespaces))
+
+    def store_endpoint_list(self) -> tuple[str, ...]:
+        return _split(self.store_endpoints)
+
+    def credential_namespace_list(self) -> tuple[str, ...]:
+        return _split(self.operator_credentials_namespaces)
 
     def lease_home(self) -> str:
         """Where the Lease lives (see `lease_namespace`)."""
         watched = self.namespace_list()
         fallback = watched[0] if watched else "default"
         return self.lease_namespace or os.environ.get("POD_NAMESPACE", "") or fallback
+
+
+def _split(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())

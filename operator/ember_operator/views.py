@@ -22,14 +22,17 @@ class PodView:
     ready: bool = False
     deleting: bool = False
     created: str = ""
+    unschedulable: str = ""  # the scheduler's message while it cannot place the pod
 
     @classmethod
     def of(cls, pod: dict[str, Any]) -> PodView:
         meta = pod.get("metadata") or {}
         status = pod.get("status") or {}
-        ready = any(
-            c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
-        )
+        conds = status.get("conditions") or []
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+        unschedulable = next((c.get("message") or "unschedulable" for c in conds
+                              if c.get("type") == "PodScheduled" and c.get("status") == "False"
+                              and c.get("reason") == "Unschedulable"), "")
         return cls(
             name=meta.get("name", ""),
             labels=dict(meta.get("labels") or {}),
@@ -39,6 +42,7 @@ class PodView:
             ready=ready,
             deleting=bool(meta.get("deletionTimestamp")),
             created=str(meta.get("creationTimestamp") or ""),
+            unschedulable=unschedulable if not ready else "",
         )
 
     @property
