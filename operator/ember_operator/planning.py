@@ -46,7 +46,7 @@ from ember_operator.api import (
 )
 from ember_operator.conditions import Event
 from ember_operator.pods import PodTemplate, StoreAccess, claim_patch, serving_pod
-from ember_operator.tenancy import StoreRefused, Tenancy, store_refusal
+from ember_operator.tenancy import Refused, Tenancy, store_refusal
 from ember_operator.views import ArchiveView, PodView
 
 ARCHIVE_READY = "ArchiveReady"
@@ -66,6 +66,7 @@ class Context:
     signing_secret: str = ""  # for deployments that name no signing Secret
     local_store_root: str = "/var/lib/ember"  # spec'd local stores must lie under it
     presave_priority_class: str = ""  # priorityClassName of SAVE Jobs for alternatives ("" → none)
+    pod_batch: int = 500  # most pods one pass creates or deletes (the rest in the next passes)
     store_endpoints: tuple[str, ...] = ()  # S3 endpoints specs may name (tenancy.py); () → the default's
     credential_namespaces: tuple[str, ...] = ()  # may use the operator's own store credentials
 
@@ -115,10 +116,10 @@ class Plan:
 
 
 def store_of(spec: ModelDeploymentSpec, ctx: Context, namespace: str) -> StoreSpec:
-    """The deployment's store; raises `StoreRefused` when `namespace` may not use it (tenancy.py)."""
+    """The deployment's store; raises `Refused` when `namespace` may not use it (tenancy.py)."""
     store = spec.store if spec.store is not None else ctx.tenancy.default()
     if refusal := store_refusal(store, namespace, ctx.tenancy):
-        raise StoreRefused(*refusal)
+        raise Refused(*refusal)
     return store
 
 
@@ -263,6 +264,7 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
         manifest_digest=archive.digest if archive is not None and archive_uri else "",
     )
     rollout = _plan_pods(obs, plan, plan.claim, template)
+    _batch(plan, ctx.pod_batch)
     plan.unschedulable = unschedulable(obs)
     _set_replica_status(obs, plan, rollout)
     old = [p for p in rollout.remaining if not rollout.is_current(p)]
@@ -273,6 +275,14 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
     switching.switch_status(obs, plan, rollout.previous, ready_new, len(old), presaved)
     _plan_hpa(obs, plan)
     return plan
+
+
+def _batch(plan: Plan, size: int) -> None:
+    """At most `size` pods created and `size` deleted per pass (10,000 → 1 is many passes, each
+    writing status): the rest follow at once in the next pass."""
+    if len(plan.creates) > size or len(plan.deletes) > size:
+        plan.creates, plan.deletes = plan.creates[:size], plan.deletes[:size]
+        plan.requeue_after = 0.1
 
 
 PODS_UNSCHEDULABLE = "PodsUnschedulable"
@@ -489,7 +499,46 @@ def _progressing(obs: Observed, st: ModelDeploymentStatus, rollout: _Rollout) ->
 
 CREATE_REJECTED = "CreateRejected"
 INVALID_SPEC = "InvalidSpec"
-REFUSED_REASONS = frozenset({INVALID_SPEC, *tenancy.REASONS})  # Progressing=False → phase Invalid
+GPUS_ABOVE_LIMIT = "GpusPerPodAboveLimit"
+REFUSED_REASONS = frozenset({INVALID_SPEC, GPUS_ABOVE_LIMIT, *tenancy.REASONS})  # → phase Invalid
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The admin's sizing caps (operator settings; 0: none)."""
+
+    max_replicas: int = 0
+    max_warm_gpus: int = 0
+    max_gpus_per_pod: int = 0
+
+
+def apply_limits(spec: ModelDeploymentSpec, limits: Limits, replicas_left: int | None = None,
+                 ) -> tuple[ModelDeploymentSpec, list[Event]]:
+    """The spec as the operator acts on it: replicas and warm GPUs capped (Warnings say so); a shape
+    wider than max_gpus_per_pod raises `Refused`. `replicas_left`: what the namespace's cap
+    leaves for this deployment."""
+    widest = max(s.gpus for s in spec.parallelism.shapes())
+    if limits.max_gpus_per_pod and widest > limits.max_gpus_per_pod:
+        raise Refused(GPUS_ABOVE_LIMIT, f"a replica of {widest} GPUs is above the operator's limit of "
+                          f"{limits.max_gpus_per_pod} GPUs per pod (setting max_gpus_per_pod)")
+    events: list[Event] = []
+    update: dict[str, Any] = {}
+    caps = [(limits.max_replicas, "max_replicas")] if limits.max_replicas else []
+    caps += [(replicas_left, "max_namespace_replicas")] if replicas_left is not None else []
+    replicas = spec.replicas
+    for cap, setting in caps:
+        if replicas > cap:
+            replicas = cap
+            events.append(Event("Warning", "ReplicasCapped", f"replicas {spec.replicas} is above the "
+                                f"operator's limit: running {cap} (setting {setting})"))
+    if replicas != spec.replicas:
+        update["replicas"] = replicas
+    if limits.max_warm_gpus and spec.warm_pool.size > limits.max_warm_gpus:
+        update["warm_pool"] = spec.warm_pool.model_copy(update={"size": limits.max_warm_gpus})
+        events.append(Event("Warning", "WarmPoolCapped", f"warmPool.size {spec.warm_pool.size} is above "
+                            f"the operator's limit: keeping {limits.max_warm_gpus} warm GPUs (setting "
+                            "max_warm_gpus)"))
+    return (spec.model_copy(update=update) if update else spec), events
 
 
 def refused_status(

@@ -54,8 +54,10 @@ from ember_operator.kube import (
 from ember_operator.planning import (
     INVALID_SPEC,
     Context,
+    Limits,
     Observed,
     Plan,
+    apply_limits,
     derive_phase,
     free_names,
     plan_deployment,
@@ -66,7 +68,7 @@ from ember_operator.planning import (
 from ember_operator.pods import PodTemplate, StoreAccess, serving_pod
 from ember_operator.pools import plan_pools, pool_wants, warm_pool_size
 from ember_operator.settings import Settings
-from ember_operator.tenancy import StoreRefused, store_refusal
+from ember_operator.tenancy import Refused, store_refusal
 from ember_operator.views import ArchiveView, PodView
 
 log = logging.getLogger("ember_operator")
@@ -88,8 +90,10 @@ class Reconciler:
             local_store_root=settings.local_store_root,
             presave_priority_class=settings.presave_priority_class,
             store_endpoints=settings.store_endpoint_list(),
-            credential_namespaces=settings.credential_namespace_list(),
+            credential_namespaces=settings.credential_namespace_list(), pod_batch=settings.pod_batch,
         )
+        self.limits = Limits(max_replicas=settings.max_replicas, max_warm_gpus=settings.max_warm_gpus,
+                             max_gpus_per_pod=settings.max_gpus_per_pod)
         self.backoff = Backoff(
             base_s=settings.save_backoff_seconds, max_s=settings.save_backoff_max_seconds,
             grace_s=settings.manifest_grace_seconds, retention_s=settings.archive_retention_seconds,
@@ -166,13 +170,14 @@ class Reconciler:
         meta = md["metadata"]
         status = ModelDeploymentStatus.model_validate(md.get("status") or {})
         try:
-            spec = ModelDeploymentSpec.model_validate(md.get("spec") or {})
+            spec, capped = apply_limits(ModelDeploymentSpec.model_validate(md.get("spec") or {}), self.limits,
+                                        self._replicas_left(ns, meta))
             template = template_of(ns, spec, self.ctx)
         except (ValidationError, ValueError) as exc:
             # Refused (a spec admission could not judge, or a store this namespace may not use):
             # said in the status (phase Invalid), and nothing else is done until it is fixed.
-            reason = exc.reason if isinstance(exc, StoreRefused) else INVALID_SPEC
-            message = str(exc) if isinstance(exc, StoreRefused) else _validation_text(exc)
+            reason = exc.reason if isinstance(exc, Refused) else INVALID_SPEC
+            message = str(exc) if isinstance(exc, Refused) else _validation_text(exc)
             log.error("ModelDeployment %s/%s is refused (%s); it is not reconciled until it is fixed: %s",
                       ns, name, reason, message)
             generation = int(meta.get("generation") or 0)
@@ -202,13 +207,30 @@ class Reconciler:
         # Pools change when this deployment claimed from one or asks for one, or (spec edits) may
         # have stopped asking: never on every pass of every deployment (that is O(deployments²)).
         spec_changed = status.observed_generation != obs.generation
-        capped = warm_pool_size(spec)[1]
+        if warm_capped := warm_pool_size(spec)[1]:
+            capped.append(Event("Warning", "WarmPoolCapped", warm_capped))
         if capped and spec_changed:
-            self.post_events(md, [Event("Warning", "WarmPoolCapped", capped)])
+            self.post_events(md, capped)
         if claimed or spec.warm_pool.size or (obs.warm and spec_changed):
             self.reconcile_pools(ns)
         # Refused: not every 2 s (the same request fails the same way); a spec edit comes at once.
         return max(60.0, self.settings.resync_seconds) if refusals else plan.requeue_after
+
+    def _replicas_left(self, ns: str, meta: dict[str, Any]) -> int | None:
+        """What max_namespace_replicas leaves for this deployment once the older ones of the
+        namespace (creation time, then name) have theirs; None without that cap."""
+        cap = self.settings.max_namespace_replicas
+        if not cap:
+            return None
+        mine = (meta.get("creationTimestamp") or "", meta.get("name") or "")
+        used = 0
+        for other in self.kube.list(md_path(ns)):
+            om = other.get("metadata") or {}
+            older = (om.get("creationTimestamp") or "", om.get("name") or "") < mine
+            if older and not om.get("deletionTimestamp"):
+                want = int((other.get("spec") or {}).get("replicas") or 0)
+                used += min(want, self.limits.max_replicas) if self.limits.max_replicas else want
+        return max(0, cap - used)
 
     def _check_placement(self, obs: Observed, template: PodTemplate, plan: Plan) -> None:
         """The `Schedulable` condition: re-checked on a spec change or while it is not True."""
@@ -373,7 +395,7 @@ class Reconciler:
             if (md.get("metadata") or {}).get("deletionTimestamp"):
                 continue
             try:
-                spec = ModelDeploymentSpec.model_validate(md.get("spec") or {})
+                spec = apply_limits(ModelDeploymentSpec.model_validate(md.get("spec") or {}), self.limits)[0]
                 wants = pool_wants(spec, md.get("status") or {},
                                    lambda shape, s=spec: template_of(ns, s, self.ctx, shape))  # type: ignore[misc]
             except (ValidationError, ValueError):

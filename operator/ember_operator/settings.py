@@ -68,6 +68,19 @@ class Settings(BaseModel):
                                           "lease_retry_seconds.")
     lease_retry_seconds: float = Field(2.0, gt=0.0, description="How often candidates try and the leader "
                                        "renews.")
+    max_replicas: int = Field(1000, ge=0, description="Most serving replicas one ModelDeployment gets "
+                              "(spec.replicas above it: this many, a ReplicasCapped Warning); 0: no cap.")
+    max_namespace_replicas: int = Field(0, ge=0, description="Most serving replicas of all ModelDeployments "
+                                        "of one namespace together (each is capped to what is left for it, "
+                                        "oldest first); 0: no cap.")
+    max_warm_gpus: int = Field(64, ge=0, description="Most warm GPUs one ModelDeployment keeps "
+                               "(warmPool.size above it: a WarmPoolCapped Warning); 0: no cap.")
+    max_gpus_per_pod: int = Field(0, ge=0, le=64, description="Most GPUs one replica (pod) may ask for in "
+                                  "any shape; a spec above it is refused (GpusPerPodAboveLimit); 0: the "
+                                  "schema's 64.")
+    pod_batch: int = Field(500, ge=1, description="Most pods one reconcile pass creates or deletes; the "
+                           "rest follow in the next passes (status is written between them, and a stop "
+                           "signal is honoured).")
     resync_seconds: float = Field(30.0, description="Timer interval: every object is reconciled this often.")
     save_backoff_seconds: float = Field(10.0, description="First SAVE retry delay; doubles per attempt.")
     save_backoff_max_seconds: float = Field(600.0, description="Largest SAVE retry delay.")

@@ -44,13 +44,14 @@ class Tenancy:
 
     def default(self) -> StoreSpec:
         if not self.default_store:
-            raise StoreRefused(NO_STORE, "spec.store is unset and the operator has no default store "
+            raise Refused(NO_STORE, "spec.store is unset and the operator has no default store "
                                "(setting default_store, chart value store.uri): set spec.store")
         return StoreSpec.from_uri(self.default_store, self.default_s3_endpoint)
 
 
-class StoreRefused(ValueError):
-    """The store may not be used from this namespace: `reason` says why (a condition reason)."""
+class Refused(ValueError):
+    """The operator refuses the spec (a store this namespace may not use, a limit): `reason` is
+    the condition reason."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)

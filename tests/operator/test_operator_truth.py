@@ -108,3 +108,26 @@ def test_identity_strings_are_refused_by_the_model_too() -> None:
     for model in bad:
         with pytest.raises(ValidationError):
             ModelDeploymentSpec.model_validate({**md_spec().model_dump(by_alias=True), "model": model})
+
+
+def test_limits_cap_replicas_and_warm_gpus_and_refuse_wide_pods() -> None:
+    from ember_operator.planning import Limits, apply_limits
+    from ember_operator.tenancy import Refused
+
+    spec = md_spec(replicas=10000, warmPool={"size": 50})
+    capped, events = apply_limits(spec, Limits(max_replicas=1000, max_warm_gpus=8), replicas_left=300)
+    assert capped.replicas == 300 and capped.warm_pool.size == 8
+    assert [e.reason for e in events] == ["ReplicasCapped", "ReplicasCapped", "WarmPoolCapped"]
+    assert apply_limits(md_spec(replicas=3), Limits(max_replicas=1000)) == (md_spec(replicas=3), [])
+    wide = md_spec(parallelism={"tensor": 8}, gpu={"product": "NVIDIA-H100-80GB-HBM3"})
+    with pytest.raises(Refused, match="8 GPUs is above the operator's limit of 4"):
+        apply_limits(wide, Limits(max_gpus_per_pod=4))
+
+
+def test_a_pass_creates_and_deletes_at_most_a_batch() -> None:
+    from dataclasses import replace
+
+    ctx = replace(CTX, pod_batch=100)
+    plan = plan_deployment(observed(md_spec(replicas=1000), archive=AVAILABLE), ctx)
+    assert len(plan.creates) == 100 and plan.requeue_after is not None and plan.requeue_after < 1
+    assert plan.status.replicas == 100
