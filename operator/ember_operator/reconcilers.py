@@ -66,7 +66,7 @@ from ember_operator.planning import (
     template_of,
 )
 from ember_operator.pods import PodTemplate, StoreAccess, serving_pod
-from ember_operator.pools import plan_pools, pool_wants, warm_pool_size
+from ember_operator.pools import gpu_starved, plan_pools, pool_wants, warm_pool_size, warm_to_yield
 from ember_operator.settings import Settings
 from ember_operator.tenancy import Refused, store_refusal
 from ember_operator.views import ArchiveView, PodView
@@ -201,6 +201,7 @@ class Reconciler:
             record_refusals(obs, plan, refusals, len(pods_refused))
 
         self._check_placement(obs, template, plan)
+        self._yield_warm(obs, template, md)
         metrics.RESTORE_FALLBACKS.labels(ns, name).set(plan.status.fallback_count)
         self._patch_status(md_path(ns, name), md.get("status"), plan.status.wire())
         self.post_events(md, plan.events)
@@ -215,6 +216,22 @@ class Reconciler:
             self.reconcile_pools(ns)
         # Refused: not every 2 s (the same request fails the same way); a spec edit comes at once.
         return max(60.0, self.settings.resync_seconds) if refusals else plan.requeue_after
+
+    def _yield_warm(self, obs: Observed, template: PodTemplate, md: dict[str, Any]) -> None:
+        """Serving pods the scheduler cannot place for want of GPUs take them from idle warm pods
+        of other pools (same GPU product, this namespace): those are deleted, and pools do not
+        top up that product while serving pods wait (`reconcile_pools`)."""
+        pending = [p for p in obs.pods if gpu_starved(p)]
+        if not pending:
+            return
+        selector = f"{naming.warm_selector()},{contract.LABEL_GPU_PRODUCT}={template.gpu_product}"
+        warm = [PodView.of(p) for p in self.kube.list(pods_path(obs.namespace), selector)]
+        names = warm_to_yield(pending, warm, template.pool_key)
+        if not names:
+            return
+        self._parallel(lambda pod: self.kube.delete(pods_path(obs.namespace, pod)), names)
+        self.post_events(md, [Event("Normal", "WarmPodsYielded", f"deleted warm pod(s) {', '.join(names)} "
+                                    f"so that {len(pending)} pending serving pod(s) get their GPUs")])
 
     def _replicas_left(self, ns: str, meta: dict[str, Any]) -> int | None:
         """What max_namespace_replicas leaves for this deployment once the older ones of the
@@ -407,6 +424,11 @@ class Reconciler:
         warm = [PodView.of(p) for p in managed
                 if (p["metadata"].get("labels") or {}).get(contract.LABEL_POOL) == contract.POOL_WARM]
         plan = plan_pools(wanted, warm, {p["metadata"]["name"] for p in managed})
+        # Serving pods waiting for GPUs come first: no new warm pods of their GPU product meanwhile.
+        held = {v.labels.get(contract.LABEL_GPU_PRODUCT) for v in map(PodView.of, managed)
+                if v.labels.get(contract.LABEL_POOL) == contract.POOL_SERVING and gpu_starved(v)}
+        plan.creates = [c for c in plan.creates if c["metadata"]["labels"].get(contract.LABEL_GPU_PRODUCT)
+                        not in held]
         create = lambda body: self._refused(self.kube.create, pods_path(ns), body)  # noqa: E731
         refused = [e for e in self._parallel(create, plan.creates) if e is not None]
         self._parallel(lambda pod: self._refused(self.kube.delete, pods_path(ns, pod)), plan.deletes)

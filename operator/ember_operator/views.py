@@ -23,6 +23,8 @@ class PodView:
     deleting: bool = False
     created: str = ""
     unschedulable: str = ""  # the scheduler's message while it cannot place the pod
+    node: str = ""  # where the scheduler placed it ("" not yet)
+    gpus: int = 0  # GPUs its containers ask for
 
     @classmethod
     def of(cls, pod: dict[str, Any]) -> PodView:
@@ -43,6 +45,8 @@ class PodView:
             deleting=bool(meta.get("deletionTimestamp")),
             created=str(meta.get("creationTimestamp") or ""),
             unschedulable=unschedulable if not ready else "",
+            node=(pod.get("spec") or {}).get("nodeName") or "",
+            gpus=_gpus(pod),
         )
 
     @property
@@ -97,6 +101,14 @@ class PodView:
             return int(par.get("tensor", 1)), int(par.get("expert", 1)), int(par.get("data", 1))
         except (KeyError, ValueError, TypeError, AttributeError):
             return None
+
+
+def _gpus(pod: dict[str, Any]) -> int:
+    total = 0
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        limit = ((c.get("resources") or {}).get("limits") or {}).get(contract.GPU_RESOURCE, 0)
+        total += int(limit) if str(limit).isdigit() else 0
+    return total
 
 
 @dataclass(frozen=True)

@@ -131,3 +131,17 @@ def test_a_pass_creates_and_deletes_at_most_a_batch() -> None:
     plan = plan_deployment(observed(md_spec(replicas=1000), archive=AVAILABLE), ctx)
     assert len(plan.creates) == 100 and plan.requeue_after is not None and plan.requeue_after < 1
     assert plan.status.replicas == 100
+
+
+def test_warm_pods_of_one_node_yield_to_a_serving_pod_that_lacks_gpus() -> None:
+    from ember_operator.pools import gpu_starved, warm_to_yield
+
+    def warm(name: str, node: str, gpus: int, pool: str = "other") -> PodView:
+        return PodView(name=name, labels={contract.LABEL_POOL_KEY: pool}, node=node, gpus=gpus)
+
+    pending = PodView(name="new", gpus=4, unschedulable="0/4 nodes: 4 Insufficient nvidia.com/gpu.")
+    assert gpu_starved(pending)
+    pods = [warm("a", "n1", 2), warm("b", "n2", 1), warm("c", "n2", 1), warm("d", "n1", 2),
+            warm("e", "n3", 4, pool="mine"), warm("f", "", 4)]
+    assert sorted(warm_to_yield([pending], pods, "mine")) == ["a", "d"]  # one node covers it
+    assert warm_to_yield([pending], pods[1:3], "mine") == []  # no node has 4 to give
