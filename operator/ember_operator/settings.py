@@ -35,7 +35,7 @@ class Settings(BaseModel):
         "any. Empty: only default_s3_endpoint. An unset endpoint (AWS S3) is always allowed. The operator "
         "never connects to another (StoreEndpointNotAllowed).",
     )
-    operator_credentials_namespaces: str = Field(
+    own_credentials_namespaces: str = Field(
         "", description="Comma-separated namespaces whose S3 stores without a credentialsSecret the operator "
         "may check with its own credentials; '*' for all. Empty: none (OperatorCredentialsNotAllowed). The "
         "default store (spec.store unset) always may.",
@@ -115,7 +115,7 @@ class Settings(BaseModel):
         return _split(self.store_endpoints)
 
     def credential_namespace_list(self) -> tuple[str, ...]:
-        return _split(self.operator_credentials_namespaces)
+        return _split(self.own_credentials_namespaces)
 
     def lease_home(self) -> str:
         """Where the Lease lives (see `lease_namespace`)."""

@@ -9,7 +9,7 @@ must be bounded by the admin, not by the tenant's spec:
   metadata address), and creates no SAVE Job or pod that would.
 - **Credentials**: an S3 store without `credentialsSecret` would be read with the operator's own
   credentials (its environment). Only namespaces the admin lists (setting
-  `operator_credentials_namespaces`, `*` for all) may do that; the operator's default store
+  `own_credentials_namespaces`, `*` for all) may do that; the operator's default store
   (spec.store unset) is the admin's own and always may.
 - **Local paths** lie under `local_store_root` (the operator reads them itself).
 
@@ -99,7 +99,7 @@ def store_refusal(store: StoreSpec, namespace: str, tenancy: Tenancy) -> tuple[s
     if not store.s3.credentials_secret and "*" not in names and namespace not in names:
         return CREDENTIALS_NOT_ALLOWED, (
             "store.s3.credentialsSecret is unset: the operator does not lend its own store credentials "
-            f"to namespace {namespace} (setting operator_credentials_namespaces, chart value "
+            f"to namespace {namespace} (setting own_credentials_namespaces, chart value "
             "store.operatorCredentialsNamespaces); name a Secret with AWS_ACCESS_KEY_ID and "
             "AWS_SECRET_ACCESS_KEY in this namespace")
     return None
