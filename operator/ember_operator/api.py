@@ -223,7 +223,8 @@ class GpuSpec(ApiModel):
 class S3Store(ApiModel):
     """An S3 (or S3-compatible) bucket."""
 
-    bucket: str = Field(min_length=3, max_length=63, description="Bucket name.")
+    bucket: str = Field(min_length=3, max_length=63, pattern=r"^[a-z0-9][a-z0-9.-]*[a-z0-9]$",
+                        description="Bucket name (S3 rules: lower-case letters, digits, '.' and '-').")
     prefix: str = Field("ember", max_length=512, description="Key prefix under which archives live.")
     endpoint: str | None = Field(
         None, max_length=512, pattern=r"^https?://[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?(:[0-9]{1,5})?(/\S*)?$",

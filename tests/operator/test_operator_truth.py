@@ -145,3 +145,19 @@ def test_warm_pods_of_one_node_yield_to_a_serving_pod_that_lacks_gpus() -> None:
             warm("e", "n3", 4, pool="mine"), warm("f", "", 4)]
     assert sorted(warm_to_yield([pending], pods, "mine")) == ["a", "d"]  # one node covers it
     assert warm_to_yield([pending], pods[1:3], "mine") == []  # no node has 4 to give
+
+
+def test_an_archive_of_a_store_its_namespace_may_not_use_fails_without_a_save_job() -> None:
+    from ember_operator.api import GraphArchiveSpec, GraphArchiveStatus, IdentitySpec, SaveSpec
+    from ember_operator.archive_planning import ArchiveObserved, Backoff, StoreProbe, plan_archive
+
+    spec = md_spec()
+    ga = GraphArchiveSpec(identity_hash=spec.identity().hash(), identity=IdentitySpec.of(spec.identity()),
+                          store=spec.store, save=SaveSpec(image="engine:test"))  # type: ignore[arg-type]
+    obs = ArchiveObserved(name="ga-x", namespace="t1", uid="u", generation=1, spec=ga,
+                          status=GraphArchiveStatus(), now=NOW,
+                          probe=StoreProbe(refused=(ENDPOINT_NOT_ALLOWED, "not on the allow-list")))
+    plan = plan_archive(obs, Backoff())
+    assert plan.status.phase is not None and plan.status.phase.value == "Failed"
+    assert plan.create_job_attempt is None
+    assert next(c for c in plan.status.conditions if c.type == "Saved").reason == ENDPOINT_NOT_ALLOWED
