@@ -26,6 +26,7 @@ from ember_operator import conditions, metrics, naming, placement, switching
 from ember_operator.api import (
     GraphArchiveSpec,
     GraphArchiveStatus,
+    MDPhase,
     ModelDeploymentSpec,
     ModelDeploymentStatus,
 )
@@ -168,7 +169,10 @@ class Reconciler:
         if md is None or (md.get("metadata") or {}).get("deletionTimestamp"):
             return None
         meta = md["metadata"]
-        status = ModelDeploymentStatus.model_validate(md.get("status") or {})
+        try:
+            status = ModelDeploymentStatus.model_validate(md.get("status") or {})
+        except ValidationError:  # written by another operator version: start it afresh
+            status = ModelDeploymentStatus()
         try:
             spec, capped = apply_limits(ModelDeploymentSpec.model_validate(md.get("spec") or {}), self.limits,
                                         self._replicas_left(ns, meta))
@@ -263,7 +267,14 @@ class Reconciler:
         reason, message = problem or ("Schedulable", "")
         plan.status.conditions = conditions.put(plan.status.conditions, placement.CONDITION, problem is None,
                                                 reason, message[:4096], obs.generation, obs.now)
-        plan.status.phase = derive_phase(plan.status.conditions)
+        final = derive_phase(plan.status.conditions)
+        if final != plan.status.phase:  # the plan's own Phase event named the phase before this
+            plan.status.phase = final
+            plan.events = [e for e in plan.events if e.reason != "Phase"]
+            if obs.status.phase != final and final in (MDPhase.ready, MDPhase.degraded):
+                before = obs.status.phase.value if obs.status.phase else "None"
+                plan.events.append(Event("Normal" if final is MDPhase.ready else "Warning", "Phase",
+                                         f"phase {before} → {final.value}"))
         if problem is not None and (old is None or old.reason != reason):
             plan.events.append(Event("Warning", reason, message[:1024]))
 
