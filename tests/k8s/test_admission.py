@@ -59,6 +59,7 @@ INVALID: list[tuple[str, Any, str]] = [
     ("revision-traversal", lambda s: s["model"].update(revision="../../../etc/passwd"), "model.revision"),
     ("dtype-unknown", lambda s: s["model"].update(dtype="float1024"), "model.dtype"),
     ("engine-version-shell", lambda s: s["engine"].update(version="$(reboot)"), "engine.version"),
+    ("bucket-characters", lambda s: _s3(s, bucket="My_Bucket!"), "bucket"),
     ("trusted-key-not-a-key", lambda s: s.update(archive={"signing": {"trustedKeys": [
         {"id": "k", "publicKey": "this is not a public key at all, just text"}]}}), "publicKey"),
 ]
