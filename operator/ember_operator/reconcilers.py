@@ -230,6 +230,8 @@ class Reconciler:
             return
         selector = f"{naming.warm_selector()},{contract.LABEL_GPU_PRODUCT}={template.gpu_product}"
         warm = [PodView.of(p) for p in self.kube.list(pods_path(obs.namespace), selector)]
+        if any(w.deleting for w in warm):
+            return  # a yield is in flight: the scheduler places the pod once those GPUs are free
         names = warm_to_yield(pending, warm, template.pool_key)
         if not names:
             return
