@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from pydantic import ValidationError
+
 from ember import contract
 from ember.archive import signing
 from ember.contract import Claim
@@ -45,6 +47,7 @@ from ember_operator.api import (
     StoreSpec,
 )
 from ember_operator.conditions import Event
+from ember_operator.limits import GPUS_ABOVE_LIMIT
 from ember_operator.pods import PodTemplate, StoreAccess, claim_patch, serving_pod
 from ember_operator.tenancy import Refused, Tenancy, store_refusal
 from ember_operator.views import ArchiveView, PodView
@@ -499,46 +502,7 @@ def _progressing(obs: Observed, st: ModelDeploymentStatus, rollout: _Rollout) ->
 
 CREATE_REJECTED = "CreateRejected"
 INVALID_SPEC = "InvalidSpec"
-GPUS_ABOVE_LIMIT = "GpusPerPodAboveLimit"
 REFUSED_REASONS = frozenset({INVALID_SPEC, GPUS_ABOVE_LIMIT, *tenancy.REASONS})  # → phase Invalid
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The admin's sizing caps (operator settings; 0: none)."""
-
-    max_replicas: int = 0
-    max_warm_gpus: int = 0
-    max_gpus_per_pod: int = 0
-
-
-def apply_limits(spec: ModelDeploymentSpec, limits: Limits, replicas_left: int | None = None,
-                 ) -> tuple[ModelDeploymentSpec, list[Event]]:
-    """The spec as the operator acts on it: replicas and warm GPUs capped (Warnings say so); a shape
-    wider than max_gpus_per_pod raises `Refused`. `replicas_left`: what the namespace's cap
-    leaves for this deployment."""
-    widest = max(s.gpus for s in spec.parallelism.shapes())
-    if limits.max_gpus_per_pod and widest > limits.max_gpus_per_pod:
-        raise Refused(GPUS_ABOVE_LIMIT, f"a replica of {widest} GPUs is above the operator's limit of "
-                          f"{limits.max_gpus_per_pod} GPUs per pod (setting max_gpus_per_pod)")
-    events: list[Event] = []
-    update: dict[str, Any] = {}
-    caps = [(limits.max_replicas, "max_replicas")] if limits.max_replicas else []
-    caps += [(replicas_left, "max_namespace_replicas")] if replicas_left is not None else []
-    replicas = spec.replicas
-    for cap, setting in caps:
-        if replicas > cap:
-            replicas = cap
-            events.append(Event("Warning", "ReplicasCapped", f"replicas {spec.replicas} is above the "
-                                f"operator's limit: running {cap} (setting {setting})"))
-    if replicas != spec.replicas:
-        update["replicas"] = replicas
-    if limits.max_warm_gpus and spec.warm_pool.size > limits.max_warm_gpus:
-        update["warm_pool"] = spec.warm_pool.model_copy(update={"size": limits.max_warm_gpus})
-        events.append(Event("Warning", "WarmPoolCapped", f"warmPool.size {spec.warm_pool.size} is above "
-                            f"the operator's limit: keeping {limits.max_warm_gpus} warm GPUs (setting "
-                            "max_warm_gpus)"))
-    return (spec.model_copy(update=update) if update else spec), events
 
 
 def refused_status(
@@ -568,6 +532,13 @@ def record_refusals(obs: Observed, plan: Plan, refusals: list[str], pods_refused
     changed = conditions.transitions(obs.status.conditions, st.conditions)
     plan.events = [e for e in plan.events if e.reason != dropped] + [
         e for e in changed if e.reason == CREATE_REJECTED]
+
+
+def validation_text(exc: Exception) -> str:
+    """A spec's validation error as one line per problem (field: message), for its status."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())[:1024]
+    return str(exc)[:1024]
 
 
 def _plan_hpa(obs: Observed, plan: Plan) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import hashlib
 import logging
 import socket
 import time
@@ -34,7 +33,6 @@ from ember_operator.archive_planning import (
     ArchiveObserved,
     ArchivePlan,
     Backoff,
-    ManifestInfo,
     StoreProbe,
     job_refused,
     plan_archive,
@@ -52,23 +50,24 @@ from ember_operator.kube import (
     pods_path,
     secret_path,
 )
+from ember_operator.limits import Limits, apply_limits, replicas_left
 from ember_operator.planning import (
     INVALID_SPEC,
     Context,
-    Limits,
     Observed,
     Plan,
-    apply_limits,
     derive_phase,
     free_names,
     plan_deployment,
     record_refusals,
     refused_status,
     template_of,
+    validation_text,
 )
 from ember_operator.pods import PodTemplate, StoreAccess, serving_pod
 from ember_operator.pools import gpu_starved, plan_pools, pool_wants, warm_pool_size, warm_to_yield
 from ember_operator.settings import Settings
+from ember_operator.store_probe import probe_store
 from ember_operator.tenancy import Refused, store_refusal
 from ember_operator.views import ArchiveView, PodView
 
@@ -181,7 +180,7 @@ class Reconciler:
             # Refused (a spec admission could not judge, or a store this namespace may not use):
             # said in the status (phase Invalid), and nothing else is done until it is fixed.
             reason = exc.reason if isinstance(exc, Refused) else INVALID_SPEC
-            message = str(exc) if isinstance(exc, Refused) else _validation_text(exc)
+            message = str(exc) if isinstance(exc, Refused) else validation_text(exc)
             log.error("ModelDeployment %s/%s is refused (%s); it is not reconciled until it is fixed: %s",
                       ns, name, reason, message)
             generation = int(meta.get("generation") or 0)
@@ -240,20 +239,9 @@ class Reconciler:
                                     f"so that {len(pending)} pending serving pod(s) get their GPUs")])
 
     def _replicas_left(self, ns: str, meta: dict[str, Any]) -> int | None:
-        """What max_namespace_replicas leaves for this deployment once the older ones of the
-        namespace (creation time, then name) have theirs; None without that cap."""
+        """What max_namespace_replicas leaves for this deployment (None without that cap)."""
         cap = self.settings.max_namespace_replicas
-        if not cap:
-            return None
-        mine = (meta.get("creationTimestamp") or "", meta.get("name") or "")
-        used = 0
-        for other in self.kube.list(md_path(ns)):
-            om = other.get("metadata") or {}
-            older = (om.get("creationTimestamp") or "", om.get("name") or "") < mine
-            if older and not om.get("deletionTimestamp"):
-                want = int((other.get("spec") or {}).get("replicas") or 0)
-                used += min(want, self.limits.max_replicas) if self.limits.max_replicas else want
-        return max(0, cap - used)
+        return replicas_left(self.kube.list(md_path(ns)), meta, cap, self.limits) if cap else None
 
     def _check_placement(self, obs: Observed, template: PodTemplate, plan: Plan) -> None:
         """The `Schedulable` condition: re-checked on a spec change or while it is not True."""
@@ -600,13 +588,6 @@ class Reconciler:
         return probe_store(access.uri, spec.identity_hash, opts, self.settings.store_probe_timeout_seconds)
 
 
-def _validation_text(exc: Exception) -> str:
-    """A validation error as one line per problem (field: message)."""
-    if isinstance(exc, ValidationError):
-        return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())[:1024]
-    return str(exc)[:1024]
-
-
 def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """`new` as a JSON merge patch over `old`: fields that disappeared become null (removed)."""
     patch: dict[str, Any] = dict(new)
@@ -616,40 +597,3 @@ def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(value, dict) and isinstance(new[key], dict):
             patch[key] = merge_patch(value, new[key])
     return patch
-
-
-def probe_store(uri: str, identity_hash: str, opts: dict[str, Any], timeout_s: float) -> StoreProbe:
-    from ember.archive.manifest import ManifestError, loads
-    from ember.store import StoreError, StoreUnavailable, open_store
-
-    if uri.startswith("s3://"):
-        opts = {**opts, "connect_timeout": timeout_s, "read_timeout": timeout_s, "max_attempts": 2}
-    try:
-        store = open_store(uri, **opts)
-        data = store.get_manifest(identity_hash)
-    except StoreUnavailable as exc:
-        return StoreProbe(unreachable=str(exc)[:512])
-    except StoreError as exc:
-        return StoreProbe(unreachable=f"{type(exc).__name__}: {exc}"[:512])
-    if data is None:
-        return StoreProbe()
-    info: dict[str, Any] = {"bytes": len(data), "graphs": None, "compat": {}}
-    try:
-        manifest = loads(data)
-        if manifest.identity_hash != identity_hash:
-            raise ManifestError(f"it is the manifest of identity {manifest.identity_hash[:16]}…, "
-                                f"not {identity_hash[:16]}…")
-        info["bytes"] = manifest.total_bytes
-        info["graphs"] = manifest.graphs.count
-        compat = manifest.compat.model_dump()
-        info["compat"] = {
-            "gpuName": compat.get("gpu_name"), "computeCapability": compat.get("compute_capability"),
-            "driver": compat.get("driver"), "cuda": compat.get("cuda"), "torch": compat.get("torch"),
-            "engine": compat.get("engine"),
-        }
-    except ManifestError as exc:
-        log.warning("Manifest of %s in %s is not readable by this operator: %s", identity_hash, uri, exc)
-        return StoreProbe(invalid=str(exc)[:512])
-    return StoreProbe(manifest=ManifestInfo(
-        uri=store.manifest_uri(identity_hash), digest=hashlib.sha256(data).hexdigest(), **info,
-    ))

@@ -111,7 +111,7 @@ def test_identity_strings_are_refused_by_the_model_too() -> None:
 
 
 def test_limits_cap_replicas_and_warm_gpus_and_refuse_wide_pods() -> None:
-    from ember_operator.planning import Limits, apply_limits
+    from ember_operator.limits import Limits, apply_limits
     from ember_operator.tenancy import Refused
 
     spec = md_spec(replicas=10000, warmPool={"size": 50})
@@ -161,3 +161,15 @@ def test_an_archive_of_a_store_its_namespace_may_not_use_fails_without_a_save_jo
     assert plan.status.phase is not None and plan.status.phase.value == "Failed"
     assert plan.create_job_attempt is None
     assert next(c for c in plan.status.conditions if c.type == "Saved").reason == ENDPOINT_NOT_ALLOWED
+
+
+def test_the_namespace_cap_serves_older_deployments_first() -> None:
+    from ember_operator.limits import Limits, replicas_left
+
+    def md(name: str, created: str, replicas: int) -> dict:  # type: ignore[type-arg]
+        return {"metadata": {"name": name, "creationTimestamp": created}, "spec": {"replicas": replicas}}
+
+    mds = [md("a", "2026-01-01T00:00:00Z", 40), md("b", "2026-01-02T00:00:00Z", 5),
+           md("c", "2026-01-03T00:00:00Z", 9)]
+    limits = Limits(max_replicas=30)
+    assert [replicas_left(mds, m["metadata"], 50, limits) for m in mds] == [50, 20, 15]
