@@ -222,9 +222,10 @@ class Reconciler:
 
     def _yield_warm(self, obs: Observed, template: PodTemplate, md: dict[str, Any]) -> None:
         """Serving pods the scheduler cannot place for want of GPUs take them from idle warm pods
-        of other pools (same GPU product, this namespace): those are deleted, and pools do not
-        top up that product while serving pods wait (`reconcile_pools`)."""
+        (`pools.warm_to_yield`); pools of that product wait meanwhile (`reconcile_pools`)."""
         pending = [p for p in obs.pods if gpu_starved(p)]
+        widest = placement.largest_node_gpus(self.kube, template.gpu_product) if pending else None
+        pending = [p for p in pending if widest is None or p.gpus <= widest]  # others fit nowhere
         if not pending:
             return
         selector = f"{naming.warm_selector()},{contract.LABEL_GPU_PRODUCT}={template.gpu_product}"
