@@ -135,6 +135,10 @@ def replay_problems(store_uri: str, identity_hash: str) -> list[str]:
             f"(first keys: {differ[:5]})" if differ else f"replay checked no graph: {res}"]
 
 
+def _has_torch() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
 def _reexec_for_replay() -> None:
     try:
         # imported here: the session module loads the CUDA bindings, which `ember --help` need not
@@ -157,8 +161,15 @@ def verify(
 ) -> None:
     """Check an archive's integrity without a GPU: signature (verified with --trusted-key, else
     reported: unsigned or by whom), manifest, identity, every blob's size and digest,
-    decompression, the graph table's structure. Exit 0 = intact, 1 = problems, 2 = store unreachable.
+    decompression, the graph table's structure. A store of several archives and no hash: each is
+    verified, a line each. A hash may be a unique prefix (≥ 8 hex). Exit 0 = intact, 1 = problems,
+    2 = store unreachable (or --replay without torch).
     """
+    if replay and not _has_torch():
+        err_console.print("[red]verify --replay needs torch and a CUDA GPU[/red] (it replays every graph "
+                          "through the runtime): install ember with torch on a GPU machine, or run "
+                          "`ember verify` without --replay for the integrity checks")
+        raise typer.Exit(2)
     if replay:
         _reexec_for_replay()  # LOAD must run under libember: this process is replaced once
     archive_commands.verify_and_report(store_uri, identity_hash, expect_identity, as_json,

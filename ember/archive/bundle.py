@@ -301,6 +301,27 @@ def load_manifest_from(store: Store, identity_hash: str | None = None,
     return manifest, identity_hash
 
 
+MIN_HASH_PREFIX = 8
+
+
+def resolve_hash(store: Store, text: str) -> str:
+    """A full identity hash from `text`: the hash itself, or a unique prefix of at least
+    MIN_HASH_PREFIX hex digits of one of the store's archives (the 16 hex of a GraphArchive's
+    name, the 12 `verify` prints)."""
+    text = text.strip().lower()
+    if len(text) == 64 or not all(c in "0123456789abcdef" for c in text):
+        return text
+    if len(text) < MIN_HASH_PREFIX:
+        raise ArchiveMissing(f"identity hash prefix {text!r} is too short: give at least "
+                             f"{MIN_HASH_PREFIX} hex")
+    found = [h for h in store.list_archives() if h.startswith(text)]
+    if len(found) != 1:
+        listed = ", ".join(h[:16] for h in found[:5])
+        raise ArchiveMissing(f"no archive in {store.uri} has identity hash prefix {text}" if not found else
+                             f"identity hash prefix {text} is ambiguous in {store.uri}: {listed}")
+    return found[0]
+
+
 def _read_manifest(store: Store, identity_hash: str | None,
                    trusted_keys: Sequence[TrustedKey]) -> tuple[Manifest, str, bytes]:
     if identity_hash is None:
@@ -311,6 +332,7 @@ def _read_manifest(store: Store, identity_hash: str | None,
                 + (f" ({', '.join(h[:12] for h in found[:5])}…)" if found else "")
             )
         identity_hash = found[0]
+    identity_hash = resolve_hash(store, identity_hash)
     data = store.get_manifest(identity_hash)
     if data is None:
         raise ArchiveMissing(

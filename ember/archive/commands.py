@@ -276,10 +276,17 @@ def verify_and_report(
         raise typer.Exit(1) from None
     try:
         store = open_existing(store_uri, endpoint)
+        if identity_hash is None and len(found := store.list_archives()) > 1:
+            _verify_each(store, found, expect_identity, as_json, more, keys)
+        if identity_hash is not None:
+            identity_hash = bundle.resolve_hash(store, identity_hash)
         signature = _signature_line(store, identity_hash, keys)
         problems = bundle.verify_archive(store, identity_hash, expect_identity, trusted_keys=keys)
         if more is not None and not problems:
             problems += more(store_uri, bundle.open_archive(store, identity_hash).identity_hash)
+    except bundle.ArchiveMissing as exc:
+        err_console.print(f"[red]cannot read archive:[/red] {exc}")
+        raise typer.Exit(1) from None
     except StoreUnavailable as exc:
         err_console.print(f"[red]store unavailable:[/red] {exc}")
         raise typer.Exit(2) from None
@@ -300,6 +307,29 @@ def verify_and_report(
         which = f"{store_uri} {identity_hash}" if identity_hash else store_uri
         console.print(f"[green]archive OK[/green] ({which})")
     raise typer.Exit(1 if problems else 0)
+
+
+def _verify_each(store: Store, hashes: list[str], expect_identity: str | None, as_json: bool,
+                 more: MoreChecks | None, keys: list[signing.TrustedKey]) -> NoReturn:
+    """`verify <store>` of a store with several archives: every one, a line each (JSON: a list);
+    exit 1 when any has a problem. Store outages propagate (exit 2)."""
+    results = []
+    for h in hashes:
+        problems = bundle.verify_archive(store, h, expect_identity, trusted_keys=keys)
+        if more is not None and not problems:
+            problems += more(store.uri, h)
+        results.append({"identity_hash": h, "ok": not problems, "problems": problems,
+                        "signature": _signature_line(store, h, keys)})
+        if not as_json:
+            line = "[green]OK[/green]" if not problems else f"[red]{len(problems)} problem(s)[/red]: " + \
+                "; ".join(problems)
+            console.print(f"{h}  {line}", soft_wrap=True)
+    bad = sum(not r["ok"] for r in results)
+    if as_json:
+        console.print_json(json.dumps({"store": store.uri, "ok": not bad, "archives": results}))
+    else:
+        console.print(f"{len(results) - bad} of {len(results)} archive(s) OK in {store.uri}")
+    raise typer.Exit(1 if bad else 0)
 
 
 def _key_text(arg: str) -> str:

@@ -60,20 +60,41 @@ class CapturePreset(StrEnum):
     powers_of_two = "powers-of-two"
 
 
+# Identity strings reach SAVE Jobs, engine arguments and archive keys: a safe character set only.
+# A path segment starts with a letter or digit (so never `..`), then letters, digits, `._-`.
+_SEGMENT = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+MODEL_NAME = rf"^/?{_SEGMENT}(/{_SEGMENT})*$"  # a Hugging Face id (org/name) or an absolute path
+REVISION = rf"^{_SEGMENT}(/{_SEGMENT})*$"  # a branch, tag (refs/pr/1) or commit
+ENGINE_VERSION = r"^[A-Za-z0-9][A-Za-z0-9.+_-]*$"  # PEP 440 / semver, local versions included
+
+
+class Dtype(StrEnum):
+    """The dtypes the engines accept (vLLM's --dtype choices)."""
+
+    auto = "auto"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    half = "half"
+    float32 = "float32"
+    float = "float"
+
+
 class ModelRef(ApiModel):
     """Which weights to serve."""
 
     name: str = Field(
-        description="Model name as the engine loads it, e.g. a Hugging Face id (Qwen/Qwen3-0.6B).",
-        min_length=1, max_length=253,
+        description="Model name as the engine loads it, e.g. a Hugging Face id (Qwen/Qwen3-0.6B) or an "
+        "absolute path in the image: letters, digits and ._- in '/'-separated segments that start with a "
+        "letter or digit.",
+        min_length=1, max_length=253, pattern=MODEL_NAME,
     )
     revision: str = Field(
-        "main", description="Weights revision (branch, tag or commit); part of the archive identity.",
-        min_length=1, max_length=128,
+        "main", description="Weights revision (branch, tag or commit); part of the archive identity. "
+        "Letters, digits and ._- in '/'-separated segments that start with a letter or digit.",
+        min_length=1, max_length=128, pattern=REVISION,
     )
-    dtype: str = Field(
-        "bfloat16", description="Weights and activation dtype; part of the archive identity.",
-        max_length=32,
+    dtype: Dtype = Field(
+        Dtype.bfloat16, description="Weights and activation dtype; part of the archive identity.",
     )
 
 
@@ -112,8 +133,9 @@ class EngineSpec(ApiModel):
 
     kind: EngineKind = Field(description="Engine family: transformers or vllm.")
     version: str = Field(
-        description="Engine version (e.g. 0.11.0); part of the archive identity.", min_length=1,
-        max_length=64,
+        description="Engine version (e.g. 0.11.0, 0.11.1rc1+cu128); part of the archive identity. "
+        "Letters, digits and .+_-, starting with a letter or digit.", min_length=1, max_length=64,
+        pattern=ENGINE_VERSION,
     )
     image: str = Field(
         description="Engine container image with ember installed (serves, and runs `ember save --job`).",
@@ -201,7 +223,8 @@ class GpuSpec(ApiModel):
 class S3Store(ApiModel):
     """An S3 (or S3-compatible) bucket."""
 
-    bucket: str = Field(min_length=3, max_length=63, description="Bucket name.")
+    bucket: str = Field(min_length=3, max_length=63, pattern=r"^[a-z0-9][a-z0-9.-]*[a-z0-9]$",
+                        description="Bucket name (S3 rules: lower-case letters, digits, '.' and '-').")
     prefix: str = Field("ember", max_length=512, description="Key prefix under which archives live.")
     endpoint: str | None = Field(
         None, max_length=512, pattern=r"^https?://[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?(:[0-9]{1,5})?(/\S*)?$",
@@ -362,7 +385,7 @@ class ModelDeploymentSpec(ApiModel):
             capture_sizes=self.capture.resolved_sizes(),
             graph_mode=self.capture.graph_mode.value,
             compile=dict(sorted(self.capture.compile.items())),
-            dtype=self.model.dtype,
+            dtype=self.model.dtype.value,
             max_num_tokens=self.capture.max_num_tokens,
             max_batch=self.capture.max_batch,
             parallelism=Parallelism(tensor=shape.tensor, expert=shape.expert, data=shape.data),
@@ -403,6 +426,7 @@ class MDPhase(StrEnum):
     reconfiguring = "Reconfiguring"
     switching = "Switching"
     degraded = "Degraded"
+    invalid = "Invalid"  # the operator refuses the spec (Progressing=False says why); nothing is done
 
 
 class ArchiveRef(ApiModel):
@@ -418,7 +442,7 @@ class ModelDeploymentStatus(ApiModel):
     """Observed state of a ModelDeployment. `phase` summarizes the conditions."""
 
     phase: MDPhase | None = Field(None, description="Summary: Pending, Saving, Deploying, Ready, "
-                                  "Scaling, Reconfiguring, Switching or Degraded.")
+                                  "Scaling, Reconfiguring, Switching, Degraded or Invalid.")
     conditions: list[Condition] = Field(
         default_factory=list, description="ArchiveReady, Available, Progressing, Schedulable.",
         json_schema_extra=_CONDITIONS_EXTRA,

@@ -1,6 +1,8 @@
 """Pure planning for a GraphArchive: store probe + SAVE Jobs in, Job to create and status out.
 
 Order of checks (each failing one is a reason on the `Saved` condition plus a retry time):
+0. the namespace may use the store at all (tenancy.py: endpoint allow-list, the operator's own
+   credentials, local store root), else Failed with that reason and nothing is connected to;
 1. the credentials Secret exists (CredentialsSecretMissing);
 2. the store answers (StoreUnreachable);
 3. the manifest is in the store → Available, no Job at all (another namespace, an earlier
@@ -47,6 +49,7 @@ class StoreProbe:
     unreachable: str = ""  # error text when the store could not be used
     manifest: ManifestInfo | None = None
     invalid: str = ""  # the manifest exists but does not parse: why
+    refused: tuple[str, str] | None = None  # (reason, message): this namespace may not use the store
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,11 @@ def plan_archive(obs: ArchiveObserved, backoff: Backoff) -> ArchivePlan:
 
     probe = obs.probe
     available = st.phase is GAPhase.available
-    if probe.manifest is not None:
+    if probe.refused is not None:
+        # Not the store's fault: never connected to, no SAVE Job; Failed until the spec or the
+        # admin's settings change (deployments show the same reason).
+        _failed_probe(obs, plan, backoff, *probe.refused)
+    elif probe.manifest is not None:
         _manifest_found(obs, plan, probe.manifest)
     elif probe.invalid:
         detail = f"manifest in {obs.spec.store.uri()} is not a readable ember manifest: {probe.invalid}"

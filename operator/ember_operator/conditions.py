@@ -15,6 +15,7 @@ WARNING_REASONS = frozenset({
     "SaveFailed", "CredentialsSecretMissing", "StoreUnreachable", "ManifestMissing", "NativeCapture",
     "PartialFallback", "ReplicasNotReady", "InvalidSpec", "ManifestInvalid", "ManifestDeleted",
     "ManifestReplaced", "SaveUnschedulable", "SaveFailedCreate", "CreateRejected",
+    "StoreNotConfigured", "LocalStoreOutsideRoot", "StoreEndpointNotAllowed", "OperatorCredentialsNotAllowed",
 })
 
 

@@ -39,3 +39,16 @@ def placement_problem(kube: Kube, ns: str, gpu_product: str, pvc: str) -> tuple[
     except KubeError as exc:  # no RBAC, or the apiserver is busy: skip, the next change retries
         log.debug("Placement check in %s skipped: %s", ns, exc)
     return None
+
+
+def largest_node_gpus(kube: Kube, gpu_product: str) -> int | None:
+    """The most allocatable GPUs of one node of `gpu_product` (None: unknown, e.g. no RBAC)."""
+    try:
+        nodes = kube.request("GET", "/api/v1/nodes", query={
+            "labelSelector": f"{contract.GPU_PRODUCT_NODE_LABEL}={gpu_product}"}).get("items") or []
+    except KubeError as exc:
+        log.debug("Node sizes of %s unknown: %s", gpu_product, exc)
+        return None
+    sizes = [str(((n.get("status") or {}).get("allocatable") or {}).get(contract.GPU_RESOURCE, "0"))
+             for n in nodes]
+    return max((int(s) for s in sizes if s.isdigit()), default=0)

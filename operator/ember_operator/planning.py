@@ -27,12 +27,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from pydantic import ValidationError
+
 from ember import contract
 from ember.archive import signing
 from ember.contract import Claim
 from ember.engines.vllm import args as vllm_args
 from ember.identity import ArchiveIdentity, canonical_json
-from ember_operator import conditions, hpas, naming, switching
+from ember_operator import conditions, hpas, naming, switching, tenancy
 from ember_operator.api import (
     ArchiveRef,
     GraphArchiveSpec,
@@ -43,15 +45,17 @@ from ember_operator.api import (
     SaveSpec,
     ShapeSpec,
     StoreSpec,
-    under_root,
 )
 from ember_operator.conditions import Event
+from ember_operator.limits import GPUS_ABOVE_LIMIT
 from ember_operator.pods import PodTemplate, StoreAccess, claim_patch, serving_pod
+from ember_operator.tenancy import Refused, Tenancy, store_refusal
 from ember_operator.views import ArchiveView, PodView
 
 ARCHIVE_READY = "ArchiveReady"
 AVAILABLE = "Available"
 PROGRESSING = "Progressing"
+SCHEDULABLE = "Schedulable"
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,14 @@ class Context:
     signing_secret: str = ""  # for deployments that name no signing Secret
     local_store_root: str = "/var/lib/ember"  # spec'd local stores must lie under it
     presave_priority_class: str = ""  # priorityClassName of SAVE Jobs for alternatives ("" → none)
+    pod_batch: int = 500  # most pods one pass creates or deletes (the rest in the next passes)
+    store_endpoints: tuple[str, ...] = ()  # S3 endpoints specs may name (tenancy.py); () → the default's
+    credential_namespaces: tuple[str, ...] = ()  # may use the operator's own store credentials
+
+    @property
+    def tenancy(self) -> Tenancy:
+        return Tenancy(self.default_store, self.default_s3_endpoint, self.local_store_root,
+                       self.store_endpoints, self.credential_namespaces)
 
 
 @dataclass
@@ -84,6 +96,7 @@ class Observed:
     draining: list[PodView] = field(default_factory=list)  # pods taken out of service (pool=draining)
     # GraphArchives of the alternative shapes, by identity hash (None: not created yet)
     alt_archives: dict[str, ArchiveView | None] = field(default_factory=dict)
+    warm_pending: list[PodView] = field(default_factory=list)  # unscheduled warm pods of its pools
 
 
 @dataclass
@@ -102,20 +115,15 @@ class Plan:
     drains: list[str] = field(default_factory=list)  # serving pods to take out of service
     undrains: list[str] = field(default_factory=list)  # draining pods to put back (an edit back)
     requeue_after: float | None = None  # look again then (a drain's grace period ends)
+    unschedulable: tuple[str, str] | None = None  # Schedulable=False (reason, message) from its pods
 
 
-def store_of(spec: ModelDeploymentSpec, ctx: Context) -> StoreSpec:
-    if spec.store is not None:
-        local = spec.store.local
-        if local is not None and not under_root(local.path, ctx.local_store_root):
-            raise ValueError(f"store.local.path {local.path} is outside the operator's local store root "
-                             f"{ctx.local_store_root} (setting local_store_root)")
-        return spec.store
-    if not ctx.default_store:
-        raise ValueError(
-            "spec.store is unset and the operator has no default store (EMBER_OPERATOR_DEFAULT_STORE)"
-        )
-    return StoreSpec.from_uri(ctx.default_store, ctx.default_s3_endpoint)
+def store_of(spec: ModelDeploymentSpec, ctx: Context, namespace: str) -> StoreSpec:
+    """The deployment's store; raises `Refused` when `namespace` may not use it (tenancy.py)."""
+    store = spec.store if spec.store is not None else ctx.tenancy.default()
+    if refusal := store_refusal(store, namespace, ctx.tenancy):
+        raise Refused(*refusal)
+    return store
 
 
 def template_of(
@@ -130,7 +138,7 @@ def template_of(
         engine_version=spec.engine.version,
         engine_image=spec.engine.image,
         sidecar_image=ctx.sidecar_image,
-        store=StoreAccess.of(store_of(spec, ctx)),
+        store=StoreAccess.of(store_of(spec, ctx, namespace)),
         service_account=ctx.pod_service_account,
         trusted_keys=trusted_keys_env(spec),
         **_engine_resources(spec),
@@ -173,7 +181,7 @@ def archive_object(
     ga = GraphArchiveSpec(
         identity_hash=ident.hash(),
         identity=IdentitySpec.of(ident),
-        store=store_of(spec, ctx),
+        store=store_of(spec, ctx, namespace),
         save=SaveSpec(
             image=spec.engine.image, args=list(spec.engine.args),
             pod_annotations=dict(spec.save.pod_annotations), timeout_seconds=spec.save.timeout_seconds,
@@ -218,7 +226,8 @@ def _archive_condition(archive: ArchiveView | None) -> tuple[bool | None, str, s
     if archive.available:
         return True, "ArchiveAvailable", f"restoring from {archive.uri}"
     if archive.failing:
-        own_reasons = ("CredentialsSecretMissing", "StoreUnreachable", "ManifestInvalid", "CreateRejected")
+        own_reasons = ("CredentialsSecretMissing", "StoreUnreachable", "ManifestInvalid", "CreateRejected",
+                       *tenancy.REASONS)
         reason = archive.reason if archive.reason in own_reasons else "SaveFailed"
         retry = f"; retrying at {archive.next_retry_time}" if archive.next_retry_time else ""
         return False, reason, f"{archive.message or archive.phase}; serving with native capture{retry}"
@@ -258,6 +267,8 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
         manifest_digest=archive.digest if archive is not None and archive_uri else "",
     )
     rollout = _plan_pods(obs, plan, plan.claim, template)
+    _batch(plan, ctx.pod_batch)
+    plan.unschedulable = unschedulable(obs)
     _set_replica_status(obs, plan, rollout)
     old = [p for p in rollout.remaining if not rollout.is_current(p)]
     rollout.previous = switching.previous_shape(obs, plan, old)
@@ -267,6 +278,38 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
     switching.switch_status(obs, plan, rollout.previous, ready_new, len(old), presaved)
     _plan_hpa(obs, plan)
     return plan
+
+
+def _batch(plan: Plan, size: int) -> None:
+    """At most `size` pods created and `size` deleted per pass (10,000 → 1 is many passes, each
+    writing status): the rest follow at once in the next pass."""
+    if len(plan.creates) > size or len(plan.deletes) > size:
+        plan.creates, plan.deletes = plan.creates[:size], plan.deletes[:size]
+        plan.requeue_after = 0.1
+
+
+PODS_UNSCHEDULABLE = "PodsUnschedulable"
+WARM_PODS_UNSCHEDULABLE = "WarmPodsUnschedulable"
+
+
+def unschedulable(obs: Observed) -> tuple[str, str] | None:
+    """Schedulable=False from what the scheduler says about the deployment's serving pods and the
+    warm pods of its pools: (reason, message naming the pods with the scheduler's message)."""
+    serving = [p for p in obs.pods if p.unschedulable and not p.deleting]
+    warm = [p for p in obs.warm_pending if p.unschedulable and not p.deleting]
+    if not serving and not warm:
+        return None
+    by_message: dict[str, list[str]] = {}
+    for pod in sorted(serving, key=lambda p: p.name) + sorted(warm, key=lambda p: p.name):
+        by_message.setdefault(pod.unschedulable, []).append(pod.name)
+    parts = []
+    for message, names in by_message.items():
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        parts.append(f"{shown}: {message.strip()}")
+    what = f"{len(serving)} serving pod(s)" if serving else ""
+    what += (" and " if serving and warm else "") + (f"{len(warm)} warm pod(s)" if warm else "")
+    reason = PODS_UNSCHEDULABLE if serving else WARM_PODS_UNSCHEDULABLE
+    return reason, f"{what} cannot be scheduled: " + "; ".join(parts)
 
 
 @dataclass
@@ -282,6 +325,7 @@ class _Rollout:
     remaining: list[PodView] = field(default_factory=list)  # live pods this plan keeps
     previous: ShapeSpec | None = None  # switching from this shape (pods of it still serve or drain)
     not_restoring: int = 0  # pods (kept or new) that capture natively: no archive, or fell back
+    drained: int = 0  # pods this plan takes out of service
 
     @property
     def revision(self) -> str:
@@ -307,8 +351,10 @@ def _plan_pods(obs: Observed, plan: Plan, claim: Claim, template: PodTemplate) -
     live = [p for p in obs.pods if not p.deleting]
     current = [p for p in live if is_current(p, claim)]
     # Deploy when pods can restore (Available) or must capture natively (failing). A retried SAVE
-    # does not stop a deployment that already serves natively from scaling.
-    can_deploy = archive is not None and (archive.available or archive.failing or bool(current))
+    # does not stop a deployment that already serves natively from scaling; one whose pods restored
+    # an archive that is being saved again (its manifest was deleted) waits with its new pods.
+    serves_natively = bool(current) and all(p.native for p in current)
+    can_deploy = archive is not None and (archive.available or archive.failing or serves_natively)
     old = [p for p in live if not is_current(p, claim)]
     # Pods that exited (Failed/Succeeded) never come back: replace them.
     plan.deletes += [p.name for p in current if p.failed]
@@ -354,6 +400,7 @@ def _claim_or_create(
 def _set_replica_status(obs: Observed, plan: Plan, rollout: _Rollout) -> None:
     """Replica counts, restore counts and the archive reference, as they will be after the plan."""
     deleted = set(plan.deletes) | set(plan.drains)
+    rollout.drained = len(plan.drains)
     remaining = rollout.remaining = [p for p in rollout.live if p.name not in deleted]
     claimed, revision = rollout.claimed, rollout.revision
     st = plan.status
@@ -434,22 +481,40 @@ def _progressing(obs: Observed, st: ModelDeploymentStatus, rollout: _Rollout) ->
                 f"{old_left} pod(s) keep serving the previous one")
     if not can_deploy:
         return (True, MDPhase.saving.value, f"waiting for the SAVE of {naming.archive_name(ident_hash)}")
+    stuck = [p.name for p in rollout.remaining if rollout.is_current(p) and p.unschedulable]
+    why = (f"; stuck: {len(stuck)} new pod(s) cannot be scheduled ({', '.join(stuck[:3])}"
+           f"{', …' if len(stuck) > 3 else ''}: see the Schedulable condition)") if stuck else ""
     if rollout.previous is not None:
         target = obs.spec.parallelism.shape().label()
+        draining = len(obs.draining) + rollout.drained
         return (True, MDPhase.switching.value,
                 f"{rollout.previous.label()} → {target}: {ready_current}/{want} new-shape replicas ready, "
-                f"{old_left} old in service, the rest draining")
+                f"{old_left} old in service, {draining} draining{why}")
     if old_left:
         return (True, MDPhase.reconfiguring.value,
-                f"moving pods to revision {revision}: {ready_current}/{want} ready, {old_left} old left")
+                f"moving pods to revision {revision}: {ready_current}/{want} ready, {old_left} old left{why}")
     if ready_current < want or st.updated_replicas != want or st.replicas != want:
         if ready_current == 0 and not any(p.ready for p in obs.pods):
-            return (True, MDPhase.deploying.value, f"{ready_current}/{want} replicas ready")
-        return (True, MDPhase.scaling.value, f"{ready_current}/{want} replicas ready")
+            return (True, MDPhase.deploying.value, f"{ready_current}/{want} replicas ready{why}")
+        return (True, MDPhase.scaling.value, f"{ready_current}/{want} replicas ready{why}")
     return (False, "Complete", f"{want} replica(s) of revision {revision} ready")
 
 
 CREATE_REJECTED = "CreateRejected"
+INVALID_SPEC = "InvalidSpec"
+REFUSED_REASONS = frozenset({INVALID_SPEC, GPUS_ABOVE_LIMIT, *tenancy.REASONS})  # → phase Invalid
+
+
+def refused_status(
+    status: ModelDeploymentStatus, generation: int, now: datetime, reason: str, message: str,
+) -> tuple[ModelDeploymentStatus, list[Event]]:
+    """The status of a spec the operator refuses (it does nothing else with it): phase Invalid,
+    `Progressing=False` with the reason, one Warning event when that changes."""
+    st = status.model_copy(deep=True)
+    st.observed_generation = generation
+    st.conditions = conditions.put(st.conditions, PROGRESSING, False, reason, message[:1024], generation, now)
+    st.phase = derive_phase(st.conditions)
+    return st, conditions.transitions(status.conditions, st.conditions)
 
 
 def record_refusals(obs: Observed, plan: Plan, refusals: list[str], pods_refused: int) -> None:
@@ -469,6 +534,13 @@ def record_refusals(obs: Observed, plan: Plan, refusals: list[str], pods_refused
         e for e in changed if e.reason == CREATE_REJECTED]
 
 
+def validation_text(exc: Exception) -> str:
+    """A spec's validation error as one line per problem (field: message), for its status."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())[:1024]
+    return str(exc)[:1024]
+
+
 def _plan_hpa(obs: Observed, plan: Plan) -> None:
     spec = obs.spec
     if spec.autoscaling is not None:
@@ -483,6 +555,8 @@ def derive_phase(conds: list[Any]) -> MDPhase:
     """The phase is a summary of the conditions (never stored state of its own)."""
     prog = conditions.get(conds, PROGRESSING)
     avail = conditions.get(conds, AVAILABLE)
+    if prog is not None and prog.status.value == "False" and prog.reason in REFUSED_REASONS:
+        return MDPhase.invalid
     if prog is not None and prog.status.value == "True":
         try:
             return MDPhase(prog.reason)
@@ -491,5 +565,14 @@ def derive_phase(conds: list[Any]) -> MDPhase:
     if avail is not None and avail.reason in ("NativeCapture", "PartialFallback"):
         return MDPhase.degraded
     if avail is not None and avail.status.value != "True":
+        return MDPhase.degraded
+    # Never Ready while new pods could not restore (the archive is gone, invalid or unreachable)
+    # or while pods of the deployment cannot be scheduled.
+    archive = conditions.get(conds, ARCHIVE_READY)
+    scaled_to_zero = avail is not None and avail.reason == "ScaledToZero"
+    if archive is not None and archive.status.value != "True" and not scaled_to_zero:
+        return MDPhase.degraded
+    schedulable = conditions.get(conds, SCHEDULABLE)
+    if schedulable is not None and schedulable.status.value == "False":
         return MDPhase.degraded
     return MDPhase.ready

@@ -118,3 +118,35 @@ def plan_pools(
     for key, pods in by_key.items():
         plan.sizes.setdefault(key, min(len(pods), targets.get(key, (None, 0))[1]))
     return plan
+
+
+def gpu_starved(pod: PodView) -> bool:
+    """The scheduler cannot place the pod for want of GPUs (not a taint, selector or volume)."""
+    return not pod.deleting and f"Insufficient {contract.GPU_RESOURCE}" in pod.unschedulable
+
+
+def warm_to_yield(pending: list[PodView], warm: list[PodView], own_pool: str) -> list[str]:
+    """Warm pods to delete so that serving pods the scheduler cannot place (too few GPUs) fit:
+    for each pending pod, the placed, unclaimed warm pods of one node (of other pools than
+    `own_pool`, whose pods it would rather claim): on the node whose warm GPUs cover it with the
+    fewest given back, else on the node with the most warm GPUs."""
+    by_node: dict[str, list[PodView]] = {}
+    for pod in warm:
+        if pod.node and not pod.deleting and pod.gpus and pod.labels.get(contract.LABEL_POOL_KEY) != own_pool:
+            by_node.setdefault(pod.node, []).append(pod)
+    chosen: list[str] = []
+    for pod in sorted(pending, key=lambda p: -p.gpus):
+        options = [(sum(w.gpus for w in ws), node) for node, ws in by_node.items()]
+        if not options:
+            break
+        covering = [o for o in options if o[0] >= pod.gpus]
+        # No node's warm GPUs cover it alone: the node with the most (its free GPUs may make up
+        # the rest; if not, the pod is still pending on the next pass and more warm pods yield).
+        _, node = min(covering) if covering else max(options)
+        freed = 0
+        for w in sorted(by_node.pop(node), key=lambda w: (-w.gpus, w.name)):
+            if freed >= pod.gpus:
+                break
+            chosen.append(w.name)
+            freed += w.gpus
+    return chosen

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import hashlib
 import logging
 import socket
 import time
@@ -26,15 +25,14 @@ from ember_operator.api import (
     GAPhase,
     GraphArchiveSpec,
     GraphArchiveStatus,
+    MDPhase,
     ModelDeploymentSpec,
     ModelDeploymentStatus,
-    under_root,
 )
 from ember_operator.archive_planning import (
     ArchiveObserved,
     ArchivePlan,
     Backoff,
-    ManifestInfo,
     StoreProbe,
     job_refused,
     plan_archive,
@@ -52,18 +50,25 @@ from ember_operator.kube import (
     pods_path,
     secret_path,
 )
+from ember_operator.limits import Limits, apply_limits, replicas_left
 from ember_operator.planning import (
+    INVALID_SPEC,
     Context,
     Observed,
     Plan,
+    derive_phase,
     free_names,
     plan_deployment,
     record_refusals,
+    refused_status,
     template_of,
+    validation_text,
 )
 from ember_operator.pods import PodTemplate, StoreAccess, serving_pod
-from ember_operator.pools import plan_pools, pool_wants, warm_pool_size
+from ember_operator.pools import gpu_starved, plan_pools, pool_wants, warm_pool_size, warm_to_yield
 from ember_operator.settings import Settings
+from ember_operator.store_probe import probe_store
+from ember_operator.tenancy import Refused, store_refusal
 from ember_operator.views import ArchiveView, PodView
 
 log = logging.getLogger("ember_operator")
@@ -84,7 +89,11 @@ class Reconciler:
             pod_service_account=settings.pod_service_account, signing_secret=settings.signing_secret,
             local_store_root=settings.local_store_root,
             presave_priority_class=settings.presave_priority_class,
+            store_endpoints=settings.store_endpoint_list(),
+            credential_namespaces=settings.credential_namespace_list(), pod_batch=settings.pod_batch,
         )
+        self.limits = Limits(max_replicas=settings.max_replicas, max_warm_gpus=settings.max_warm_gpus,
+                             max_gpus_per_pod=settings.max_gpus_per_pod)
         self.backoff = Backoff(
             base_s=settings.save_backoff_seconds, max_s=settings.save_backoff_max_seconds,
             grace_s=settings.manifest_grace_seconds, retention_s=settings.archive_retention_seconds,
@@ -166,13 +175,24 @@ class Reconciler:
             return None
         meta = md["metadata"]
         try:
-            spec = ModelDeploymentSpec.model_validate(md.get("spec") or {})
             status = ModelDeploymentStatus.model_validate(md.get("status") or {})
+        except ValidationError:  # written by another operator version: start it afresh
+            status = ModelDeploymentStatus()
+        try:
+            spec, capped = apply_limits(ModelDeploymentSpec.model_validate(md.get("spec") or {}), self.limits,
+                                        self._replicas_left(ns, meta))
             template = template_of(ns, spec, self.ctx)
         except (ValidationError, ValueError) as exc:
-            log.error("ModelDeployment %s/%s has an invalid spec; it is not reconciled until it is "
-                      "fixed: %s", ns, name, exc)
-            self.post_events(md, [Event("Warning", "InvalidSpec", str(exc)[:1024])])
+            # Refused (a spec admission could not judge, or a store this namespace may not use):
+            # said in the status (phase Invalid), and nothing else is done until it is fixed.
+            reason = exc.reason if isinstance(exc, Refused) else INVALID_SPEC
+            message = str(exc) if isinstance(exc, Refused) else validation_text(exc)
+            log.error("ModelDeployment %s/%s is refused (%s); it is not reconciled until it is fixed: %s",
+                      ns, name, reason, message)
+            generation = int(meta.get("generation") or 0)
+            new, events = refused_status(status, generation, self.clock(), reason, message)
+            self._patch_status(md_path(ns, name), md.get("status"), new.wire())
+            self.post_events(md, events)
             return None
         obs = self._observe_deployment(ns, name, meta, spec, status, template)
         plan = plan_deployment(obs, self.ctx)
@@ -190,6 +210,7 @@ class Reconciler:
             record_refusals(obs, plan, refusals, len(pods_refused))
 
         self._check_placement(obs, template, plan)
+        self._yield_warm(obs, template, md)
         metrics.STATE.set_deployment(ns, name, fallback=plan.status.fallback_count,
                                      native=plan.status.native_replicas)
         fell_back = [(p.name, p.created, p.restore) for p in obs.pods if p.fell_back]
@@ -199,13 +220,38 @@ class Reconciler:
         # Pools change when this deployment claimed from one or asks for one, or (spec edits) may
         # have stopped asking: never on every pass of every deployment (that is O(deployments²)).
         spec_changed = status.observed_generation != obs.generation
-        capped = warm_pool_size(spec)[1]
+        if warm_capped := warm_pool_size(spec)[1]:
+            capped.append(Event("Warning", "WarmPoolCapped", warm_capped))
         if capped and spec_changed:
-            self.post_events(md, [Event("Warning", "WarmPoolCapped", capped)])
+            self.post_events(md, capped)
         if claimed or spec.warm_pool.size or (obs.warm and spec_changed):
             self.reconcile_pools(ns)
         # Refused: not every 2 s (the same request fails the same way); a spec edit comes at once.
         return max(60.0, self.settings.resync_seconds) if refusals else plan.requeue_after
+
+    def _yield_warm(self, obs: Observed, template: PodTemplate, md: dict[str, Any]) -> None:
+        """Serving pods the scheduler cannot place for want of GPUs take them from idle warm pods
+        (`pools.warm_to_yield`); pools of that product wait meanwhile (`reconcile_pools`)."""
+        pending = [p for p in obs.pods if gpu_starved(p)]
+        widest = placement.largest_node_gpus(self.kube, template.gpu_product) if pending else None
+        pending = [p for p in pending if widest is None or p.gpus <= widest]  # others fit nowhere
+        if not pending:
+            return
+        selector = f"{naming.warm_selector()},{contract.LABEL_GPU_PRODUCT}={template.gpu_product}"
+        warm = [PodView.of(p) for p in self.kube.list(pods_path(obs.namespace), selector)]
+        if any(w.deleting for w in warm):
+            return  # a yield is in flight: the scheduler places the pod once those GPUs are free
+        names = warm_to_yield(pending, warm, template.pool_key)
+        if not names:
+            return
+        self._parallel(lambda pod: self.kube.delete(pods_path(obs.namespace, pod)), names)
+        self.post_events(md, [Event("Normal", "WarmPodsYielded", f"deleted warm pod(s) {', '.join(names)} "
+                                    f"so that {len(pending)} pending serving pod(s) get their GPUs")])
+
+    def _replicas_left(self, ns: str, meta: dict[str, Any]) -> int | None:
+        """What max_namespace_replicas leaves for this deployment (None without that cap)."""
+        cap = self.settings.max_namespace_replicas
+        return replicas_left(self.kube.list(md_path(ns)), meta, cap, self.limits) if cap else None
 
     def _check_placement(self, obs: Observed, template: PodTemplate, plan: Plan) -> None:
         """The `Schedulable` condition: re-checked on a spec change or while it is not True."""
@@ -216,11 +262,21 @@ class Reconciler:
         else:
             problem = placement.placement_problem(self.kube, obs.namespace, template.gpu_product,
                                                   template.store.pvc)
+        # No node or PVC at all, else what the scheduler says about the pods themselves.
+        problem = problem or plan.unschedulable
         reason, message = problem or ("Schedulable", "")
         plan.status.conditions = conditions.put(plan.status.conditions, placement.CONDITION, problem is None,
-                                                reason, message, obs.generation, obs.now)
+                                                reason, message[:4096], obs.generation, obs.now)
+        final = derive_phase(plan.status.conditions)
+        if final != plan.status.phase:  # the plan's own Phase event named the phase before this
+            plan.status.phase = final
+            plan.events = [e for e in plan.events if e.reason != "Phase"]
+            if obs.status.phase != final and final in (MDPhase.ready, MDPhase.degraded):
+                before = obs.status.phase.value if obs.status.phase else "None"
+                plan.events.append(Event("Normal" if final is MDPhase.ready else "Warning", "Phase",
+                                         f"phase {before} → {final.value}"))
         if problem is not None and (old is None or old.reason != reason):
-            plan.events.append(Event("Warning", reason, message))
+            plan.events.append(Event("Warning", reason, message[:1024]))
 
     def _observe_deployment(
         self, ns: str, name: str, meta: dict[str, Any], spec: ModelDeploymentSpec,
@@ -239,6 +295,7 @@ class Reconciler:
             *(self.pool.submit(self.kube.get, ga_path(ns, naming.archive_name(h))) for h in alts),
         ]
         ga, pods, warm, hpa, draining, *alt_gas = (r.result() for r in reads)
+        pending = self._warm_pending(ns, spec, template)
         return Observed(
             name=name, namespace=ns, uid=meta["uid"], generation=int(meta.get("generation") or 0),
             spec=spec, status=status, now=self.clock(), labels=dict(meta.get("labels") or {}),
@@ -246,7 +303,20 @@ class Reconciler:
             pods=[PodView.of(p) for p in pods], warm=[PodView.of(p) for p in warm], hpa=hpa,
             draining=[PodView.of(p) for p in draining],
             alt_archives={h: ArchiveView.of(g) if g else None for h, g in zip(alts, alt_gas, strict=True)},
+            warm_pending=pending,
         )
+
+    def _warm_pending(self, ns: str, spec: ModelDeploymentSpec, template: PodTemplate) -> list[PodView]:
+        """Warm pods of the deployment's pools (every shape's) that the scheduler has not placed."""
+        if not spec.warm_pool.size:
+            return []
+        keys = {template.pool_key} | {template_of(ns, spec, self.ctx, shape).pool_key
+                                      for shape in spec.parallelism.shapes()[1:]}
+        listed = self.kube.request("GET", pods_path(ns), query={
+            "labelSelector": naming.warm_selector(), "fieldSelector": "status.phase=Pending",
+        }).get("items") or []
+        views = [PodView.of(p) for p in listed]
+        return [v for v in views if v.labels.get(contract.LABEL_POOL_KEY) in keys and v.unschedulable]
 
     def _apply_pods(
         self, obs: Observed, plan: Plan, template: PodTemplate, started: float, planned: float
@@ -354,7 +424,7 @@ class Reconciler:
             if (md.get("metadata") or {}).get("deletionTimestamp"):
                 continue
             try:
-                spec = ModelDeploymentSpec.model_validate(md.get("spec") or {})
+                spec = apply_limits(ModelDeploymentSpec.model_validate(md.get("spec") or {}), self.limits)[0]
                 wants = pool_wants(spec, md.get("status") or {},
                                    lambda shape, s=spec: template_of(ns, s, self.ctx, shape))  # type: ignore[misc]
             except (ValidationError, ValueError):
@@ -366,6 +436,11 @@ class Reconciler:
         warm = [PodView.of(p) for p in managed
                 if (p["metadata"].get("labels") or {}).get(contract.LABEL_POOL) == contract.POOL_WARM]
         plan = plan_pools(wanted, warm, {p["metadata"]["name"] for p in managed})
+        # Serving pods waiting for GPUs come first: no new warm pods of their GPU product meanwhile.
+        held = {v.labels.get(contract.LABEL_GPU_PRODUCT) for v in map(PodView.of, managed)
+                if v.labels.get(contract.LABEL_POOL) == contract.POOL_SERVING and gpu_starved(v)}
+        plan.creates = [c for c in plan.creates if c["metadata"]["labels"].get(contract.LABEL_GPU_PRODUCT)
+                        not in held]
         create = lambda body: self._refused(self.kube.create, pods_path(ns), body)  # noqa: E731
         refused = [e for e in self._parallel(create, plan.creates) if e is not None]
         self._parallel(lambda pod: self._refused(self.kube.delete, pods_path(ns, pod)), plan.deletes)
@@ -519,10 +594,8 @@ class Reconciler:
     def probe(self, ns: str, spec: GraphArchiveSpec, status: GraphArchiveStatus) -> StoreProbe:
         """Ask the store whether the manifest exists, and what it is (also once Available: a
         manifest deleted or replaced since is noticed on the next pass)."""
-        local = spec.store.local
-        if local is not None and not under_root(local.path, self.settings.local_store_root):
-            return StoreProbe(unreachable=f"local store {local.path} is outside the operator's local store "
-                              f"root {self.settings.local_store_root}: not read")
+        if refusal := store_refusal(spec.store, ns, self.ctx.tenancy):
+            return StoreProbe(refused=refusal)  # never connected to
         access = StoreAccess.of(spec.store)
         opts = access.open_options()
         secret_name = spec.store.credentials_secret
@@ -546,40 +619,3 @@ def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(value, dict) and isinstance(new[key], dict):
             patch[key] = merge_patch(value, new[key])
     return patch
-
-
-def probe_store(uri: str, identity_hash: str, opts: dict[str, Any], timeout_s: float) -> StoreProbe:
-    from ember.archive.manifest import ManifestError, loads
-    from ember.store import StoreError, StoreUnavailable, open_store
-
-    if uri.startswith("s3://"):
-        opts = {**opts, "connect_timeout": timeout_s, "read_timeout": timeout_s, "max_attempts": 2}
-    try:
-        store = open_store(uri, **opts)
-        data = store.get_manifest(identity_hash)
-    except StoreUnavailable as exc:
-        return StoreProbe(unreachable=str(exc)[:512])
-    except StoreError as exc:
-        return StoreProbe(unreachable=f"{type(exc).__name__}: {exc}"[:512])
-    if data is None:
-        return StoreProbe()
-    info: dict[str, Any] = {"bytes": len(data), "graphs": None, "compat": {}}
-    try:
-        manifest = loads(data)
-        if manifest.identity_hash != identity_hash:
-            raise ManifestError(f"it is the manifest of identity {manifest.identity_hash[:16]}…, "
-                                f"not {identity_hash[:16]}…")
-        info["bytes"] = manifest.total_bytes
-        info["graphs"] = manifest.graphs.count
-        compat = manifest.compat.model_dump()
-        info["compat"] = {
-            "gpuName": compat.get("gpu_name"), "computeCapability": compat.get("compute_capability"),
-            "driver": compat.get("driver"), "cuda": compat.get("cuda"), "torch": compat.get("torch"),
-            "engine": compat.get("engine"),
-        }
-    except ManifestError as exc:
-        log.warning("Manifest of %s in %s is not readable by this operator: %s", identity_hash, uri, exc)
-        return StoreProbe(invalid=str(exc)[:512])
-    return StoreProbe(manifest=ManifestInfo(
-        uri=store.manifest_uri(identity_hash), digest=hashlib.sha256(data).hexdigest(), **info,
-    ))

@@ -29,6 +29,17 @@ class Settings(BaseModel):
         description="ModelDeployments' local stores (spec.store.local.path) must lie under this directory: "
         "the operator reads them itself, and must not read arbitrary paths of its own filesystem.",
     )
+    store_endpoints: str = Field(
+        "", description="Comma-separated S3 endpoints (scheme://host[:port]; without a port any port of "
+        "that host) that ModelDeployments and GraphArchives may name in spec.store.s3.endpoint; '*' allows "
+        "any. Empty: only default_s3_endpoint. An unset endpoint (AWS S3) is always allowed. The operator "
+        "never connects to another (StoreEndpointNotAllowed).",
+    )
+    own_credentials_namespaces: str = Field(
+        "", description="Comma-separated namespaces whose S3 stores without a credentialsSecret the operator "
+        "may check with its own credentials; '*' for all. Empty: none (OperatorCredentialsNotAllowed). The "
+        "default store (spec.store unset) always may.",
+    )
     signing_secret: str = Field(
         "", description="Signing Secret (PEM ed25519 key under 'signing-key.pem') for ModelDeployments "
         "without spec.archive.signing.secretName; archives are unsigned when both are empty.",
@@ -57,6 +68,19 @@ class Settings(BaseModel):
                                           "lease_retry_seconds.")
     lease_retry_seconds: float = Field(2.0, gt=0.0, description="How often candidates try and the leader "
                                        "renews.")
+    max_replicas: int = Field(1000, ge=0, description="Most serving replicas one ModelDeployment gets "
+                              "(spec.replicas above it: this many, a ReplicasCapped Warning); 0: no cap.")
+    max_namespace_replicas: int = Field(0, ge=0, description="Most serving replicas of all ModelDeployments "
+                                        "of one namespace together (each is capped to what is left for it, "
+                                        "oldest first); 0: no cap.")
+    max_warm_gpus: int = Field(64, ge=0, description="Most warm GPUs one ModelDeployment keeps "
+                               "(warmPool.size above it: a WarmPoolCapped Warning); 0: no cap.")
+    max_gpus_per_pod: int = Field(0, ge=0, le=64, description="Most GPUs one replica (pod) may ask for in "
+                                  "any shape; a spec above it is refused (GpusPerPodAboveLimit); 0: the "
+                                  "schema's 64.")
+    pod_batch: int = Field(500, ge=1, description="Most pods one reconcile pass creates or deletes; the "
+                           "rest follow in the next passes (status is written between them, and a stop "
+                           "signal is honoured).")
     resync_seconds: float = Field(30.0, description="Timer interval: every object is reconciled this often.")
     save_backoff_seconds: float = Field(10.0, description="First SAVE retry delay; doubles per attempt.")
     save_backoff_max_seconds: float = Field(600.0, description="Largest SAVE retry delay.")
@@ -85,10 +109,20 @@ class Settings(BaseModel):
             raise SystemExit(f"invalid {PREFIX}* setting: {exc}") from exc
 
     def namespace_list(self) -> list[str]:
-        return [n.strip() for n in self.namespaces.split(",") if n.strip()]
+        return list(_split(self.namespaces))
+
+    def store_endpoint_list(self) -> tuple[str, ...]:
+        return _split(self.store_endpoints)
+
+    def credential_namespace_list(self) -> tuple[str, ...]:
+        return _split(self.own_credentials_namespaces)
 
     def lease_home(self) -> str:
         """Where the Lease lives (see `lease_namespace`)."""
         watched = self.namespace_list()
         fallback = watched[0] if watched else "default"
         return self.lease_namespace or os.environ.get("POD_NAMESPACE", "") or fallback
+
+
+def _split(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())

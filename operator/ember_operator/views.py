@@ -22,14 +22,19 @@ class PodView:
     ready: bool = False
     deleting: bool = False
     created: str = ""
+    unschedulable: str = ""  # the scheduler's message while it cannot place the pod
+    node: str = ""  # where the scheduler placed it ("" not yet)
+    gpus: int = 0  # GPUs its containers ask for
 
     @classmethod
     def of(cls, pod: dict[str, Any]) -> PodView:
         meta = pod.get("metadata") or {}
         status = pod.get("status") or {}
-        ready = any(
-            c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
-        )
+        conds = status.get("conditions") or []
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+        unschedulable = next((c.get("message") or "unschedulable" for c in conds
+                              if c.get("type") == "PodScheduled" and c.get("status") == "False"
+                              and c.get("reason") == "Unschedulable"), "")
         return cls(
             name=meta.get("name", ""),
             labels=dict(meta.get("labels") or {}),
@@ -39,6 +44,9 @@ class PodView:
             ready=ready,
             deleting=bool(meta.get("deletionTimestamp")),
             created=str(meta.get("creationTimestamp") or ""),
+            unschedulable=unschedulable if not ready else "",
+            node=(pod.get("spec") or {}).get("nodeName") or "",
+            gpus=_gpus(pod),
         )
 
     @property
@@ -93,6 +101,14 @@ class PodView:
             return int(par.get("tensor", 1)), int(par.get("expert", 1)), int(par.get("data", 1))
         except (KeyError, ValueError, TypeError, AttributeError):
             return None
+
+
+def _gpus(pod: dict[str, Any]) -> int:
+    total = 0
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        limit = ((c.get("resources") or {}).get("limits") or {}).get(contract.GPU_RESOURCE, 0)
+        total += int(limit) if str(limit).isdigit() else 0
+    return total
 
 
 @dataclass(frozen=True)

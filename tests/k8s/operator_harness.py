@@ -82,6 +82,9 @@ class OperatorProcess:
             "EMBER_OPERATOR_SAVE_BACKOFF_SECONDS": "2",
             "EMBER_OPERATOR_MANIFEST_GRACE_SECONDS": "20",
             "EMBER_OPERATOR_STORE_PROBE_TIMEOUT_SECONDS": "1",
+            # Stores on loopback only (MinIO and the tests' relays, any port): tests/k8s/test_tenancy.py
+            # narrows it to check the allow-list itself.
+            "EMBER_OPERATOR_STORE_ENDPOINTS": "http://127.0.0.1",
             **self.env,
         }
         log = self.log_path.open("ab")

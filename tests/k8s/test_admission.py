@@ -52,6 +52,16 @@ INVALID: list[tuple[str, Any, str]] = [
      "values must be quantities"),
     ("resources-gpu", lambda s: s["engine"].update(resources={"limits": {"nvidia.com/gpu": "1"}}),
      "only cpu, memory and ephemeral-storage"),
+    # Identity strings reach SAVE Jobs, engine arguments and store keys: a safe character set.
+    ("model-newline", lambda s: s["model"].update(name="Qwen/Qwen3\n--trust-remote-code"), "model.name"),
+    ("model-unicode", lambda s: s["model"].update(name="Qwen/Qwen3-0.6B\u202e"), "model.name"),
+    ("model-dotdot", lambda s: s["model"].update(name="../../etc/passwd"), "model.name"),
+    ("revision-traversal", lambda s: s["model"].update(revision="../../../etc/passwd"), "model.revision"),
+    ("dtype-unknown", lambda s: s["model"].update(dtype="float1024"), "model.dtype"),
+    ("engine-version-shell", lambda s: s["engine"].update(version="$(reboot)"), "engine.version"),
+    ("bucket-characters", lambda s: _s3(s, bucket="My_Bucket!"), "bucket"),
+    ("trusted-key-not-a-key", lambda s: s.update(archive={"signing": {"trustedKeys": [
+        {"id": "k", "publicKey": "this is not a public key at all, just text"}]}}), "publicKey"),
 ]
 
 
@@ -75,6 +85,8 @@ def test_resources_external_metrics_and_label_keys_are_accepted(
                 "selector": {"queue": "q1"}},
          {"type": "Resource", "name": "cpu", "averageUtilization": 70},
          {"type": "Pods", "name": "vllm_num_requests_waiting", "averageValue": "500m"})
+    spec["model"] = {"name": "/models/Qwen3-0.6B", "revision": "refs/pr/1", "dtype": "float16"}
+    spec["engine"]["version"] = "0.11.1rc1+cu128"
     created = Api(k8s, "default").create_md("ok-inputs", spec, dry_run=True)
     # Defaults: the engine gets CPU and memory requests, so a utilization target can act.
     assert created["spec"]["engine"]["resources"]["requests"] == {"cpu": "2", "memory": "16Gi"}

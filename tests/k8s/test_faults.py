@@ -1,8 +1,10 @@
 """Faults injected while the operator works; nothing is lost or duplicated, and it converges in a bound.
 
 Real faults on the shared local control plane (run under the k8s lock):
-- kube-apiserver restarted (`e2e/cluster.sh restart kube-apiserver`: SIGTERM, start with the same
-  flags and etcd): mid-SAVE, and while idle with the periodic resync set to 300 s, so an edit seen
+- kube-apiserver restarted (SIGTERM, start with the same flags and etcd): a throwaway apiserver
+  of the cluster's own command line on another port, the only one the test's operator talks to
+  (`OwnApiserver`: the cluster's apiserver, which the demo's operator may be using, is never
+  restarted): mid-SAVE, and while idle with the periodic resync set to 300 s, so an edit seen
   quickly afterwards proves the operator's watch streams were re-established (not the timer);
 - MinIO unreachable and back: the operator reaches MinIO through `StoreLink` (a relay the test
   cuts; in this suite the operator is the only MinIO client, kwok's SAVE and serving pods run no
@@ -29,11 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures_cluster import CLUSTER_SH, LocalCluster, LocalMinio
+from fixtures_cluster import REPO, LocalCluster, LocalMinio, wait_until
 from kubernetes import client
 from operator_harness import (
     Api,
     OperatorProcess,
+    free_port,
     identity_of,
     md_spec,
     operator_env,
@@ -41,9 +44,10 @@ from operator_harness import (
     wait_for,
     write_test_archive,
 )
+from sa_identity import operator_kubeconfig
 from test_operator_status import StoreLink
 
-from ember_bench.claims import fake_gpu_nodes, kubectl_apply
+from ember_bench.claims import _kubectl_bin, fake_gpu_nodes, kubectl_apply
 
 pytestmark = [pytest.mark.k8s, pytest.mark.s3, pytest.mark.slow]
 
@@ -82,12 +86,74 @@ def converge(pred: Callable[[], Any], what: str, op: OperatorProcess, bound: flo
     return secs
 
 
-def restart(component: str) -> float:
-    t0 = time.monotonic()
-    proc = subprocess.run([str(CLUSTER_SH), "restart", component], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return time.monotonic() - t0
+class OwnApiserver:
+    """A throwaway kube-apiserver for one test: the cluster's own command line (same etcd, certs
+    and flags) on another port. The test's operator talks only to it, so restarting it cuts the
+    operator's watches and requests exactly like a restart of the cluster's apiserver, while the
+    controllers, the scheduler, kwok and any other operator (e2e/demo.sh's) keep theirs."""
+
+    def __init__(self, k8s: LocalCluster, tmp_path: Path) -> None:
+        pid = (REPO / "e2e" / ".work" / "run" / "pids" / "kube-apiserver.pid").read_text().strip()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+        self.port = free_port()
+        at = argv.index("--secure-port")
+        self.argv = [*argv[: at + 1], str(self.port), *argv[at + 2:]]
+        self.log = tmp_path / "own-apiserver.log"
+        self.main_port, self.tmp_path = argv[at + 1], tmp_path
+        self.kubeconfig = self.via(k8s.kubeconfig)
+        # The operator's identity (admin, or the chart's ServiceAccount under
+        # EMBER_TEST_OPERATOR_KUBECONFIG=sa), through this apiserver.
+        self.operator_kubeconfig = self.via(operator_kubeconfig(k8s))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def via(self, kubeconfig: Path) -> Path:
+        """A copy of `kubeconfig` that talks to this apiserver."""
+        text = kubeconfig.read_text()
+        assert f":{self.main_port}" in text, "the kubeconfig does not name the cluster's apiserver port"
+        out = self.tmp_path / f"own-apiserver-{kubeconfig.name}"
+        out.write_text(text.replace(f":{self.main_port}", f":{self.port}"))
+        return out
+
+    def start(self) -> None:
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        wait_until(self._ready, timeout=120, interval=0.5, what="the throwaway kube-apiserver /readyz")
+
+    def _ready(self) -> bool:
+        assert self.proc is not None and self.proc.poll() is None, self.log.read_text()[-2000:]
+        out = subprocess.run([_kubectl_bin(), "--kubeconfig", str(self.kubeconfig), "get", "--raw",
+                              "/readyz"], capture_output=True, text=True, timeout=10)
+        return out.returncode == 0
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()  # as e2e/cluster.sh stops it: 10 s, then SIGKILL
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def restart(self) -> float:
+        """SIGTERM, start again with the same flags, /readyz: seconds it took."""
+        t0 = time.monotonic()
+        self.stop()
+        stopped = time.monotonic()
+        self.start()
+        print(f"throwaway kube-apiserver: stopped in {stopped - t0:.1f} s, "
+              f"ready {time.monotonic() - stopped:.1f} s later")
+        return time.monotonic() - t0
+
+
+@pytest.fixture
+def apiserver(k8s: LocalCluster, tmp_path: Path) -> Iterator[OwnApiserver]:
+    own = OwnApiserver(k8s, tmp_path)
+    own.start()
+    try:
+        yield own
+    finally:
+        own.stop()
 
 
 def restoring(api: Api, md: str, count: int) -> bool:
@@ -144,14 +210,20 @@ def env(k8s: LocalCluster, minio: LocalMinio, crds: None,
         yield env
 
 
-def test_apiserver_restart_mid_save(env: Any, minio: LocalMinio) -> None:
+def test_apiserver_restart_mid_save(k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path,
+                                    apiserver: OwnApiserver) -> None:
+    with operator_env(k8s, minio, tmp_path, "flt", kubeconfig=apiserver.operator_kubeconfig) as env:
+        _apiserver_restart_mid_save(env, minio, apiserver)
+
+
+def _apiserver_restart_mid_save(env: Any, minio: LocalMinio, apiserver: OwnApiserver) -> None:
     api, op, prefix = env
     spec = md_spec(minio, prefix, save=LONG_SAVE)
     api.create_md("api", spec)
     wait_for(lambda: phase(api, "api") == "Saving" and api.jobs(), "Saving with its SAVE Job", op)
     write_test_archive(minio, prefix, spec)  # the SAVE "finishes" as the API server goes away
     t0 = time.monotonic()
-    down = restart("kube-apiserver")
+    down = apiserver.restart()
     converge(lambda: ready(api, "api", 2), "Ready with 2 restoring pods", op, bound=60)
     secs = time.monotonic() - t0  # from the SIGTERM to the API server
     assert op.proc is not None and op.proc.poll() is None, "the operator survived the restart"
@@ -163,15 +235,16 @@ def test_apiserver_restart_mid_save(env: Any, minio: LocalMinio) -> None:
 
 
 def test_watch_streams_cut_by_apiserver_restart(k8s: LocalCluster, minio: LocalMinio, crds: None,
-                                                tmp_path: Path) -> None:
+                                                tmp_path: Path, apiserver: OwnApiserver) -> None:
     # Resync 300 s: only a live watch makes the operator see the edit within the bound.
     slow_resync = {"EMBER_OPERATOR_RESYNC_SECONDS": "300"}
-    with operator_env(k8s, minio, tmp_path, "flw", slow_resync) as (api, op, prefix):
+    with operator_env(k8s, minio, tmp_path, "flw", slow_resync, kubeconfig=apiserver.operator_kubeconfig) as (
+            api, op, prefix):
         spec = md_spec(minio, prefix)
         write_test_archive(minio, prefix, spec)
         api.create_md("watch", spec)
         wait_for(lambda: ready(api, "watch", 2), "Ready", op)
-        down = restart("kube-apiserver")
+        down = apiserver.restart()
         wait_for(safe(lambda: api.md("watch")), "the API server back", op)
         api.patch_md("watch", {"spec": {"replicas": 3}})
         secs = converge(lambda: ready(api, "watch", 3), "the edit applied (3 pods)", op, bound=30)

@@ -11,7 +11,8 @@ from ember_operator.api import ModelDeploymentSpec, ModelDeploymentStatus
 from ember_operator.planning import Context, Observed
 
 NOW = datetime(2026, 11, 22, 2, 0, 0, tzinfo=UTC)
-CTX = Context(sidecar_image="ember:test", default_store="file:///var/lib/ember")
+CTX = Context(sidecar_image="ember:test", default_store="file:///var/lib/ember",
+              store_endpoints=("http://127.0.0.1",))
 
 
 def md_spec(**over: Any) -> ModelDeploymentSpec:

@@ -148,8 +148,22 @@ def test_missing_secret_and_unreachable_store_serve_natively() -> None:
 def test_retry_of_a_failed_save_does_not_stop_native_serving() -> None:
     rev = _revision()
     spec = md_spec(replicas=3)
-    plan = plan_deployment(observed(spec, archive=SAVING, pods=[_pod("a", rev), _pod("b", rev)]), CTX)
+    native = [_pod("a", rev, archive=""), _pod("b", rev, archive="")]
+    plan = plan_deployment(observed(spec, archive=SAVING, pods=native), CTX)
     assert len(plan.creates) == 1 and not plan.deletes
+
+
+def test_new_pods_wait_while_a_deleted_manifest_is_saved_again() -> None:
+    """Pods restored an archive whose manifest was since deleted (SAVE runs again): new pods wait
+    for it instead of capturing natively, and the phase is not Ready."""
+    rev = _revision()
+    restored = [_pod(n, rev, restore="restored", archive="s3://b/p/archives/x/manifest.json", digest="d")
+                for n in ("a", "b")]
+    plan = plan_deployment(observed(md_spec(replicas=3), archive=SAVING, pods=restored), CTX)
+    assert not plan.creates and not plan.claims and not plan.deletes
+    assert plan.status.phase is MDPhase.saving
+    settled = plan_deployment(observed(md_spec(replicas=2), archive=SAVING, pods=restored), CTX)
+    assert settled.status.phase is not MDPhase.ready
 
 
 def test_parallelism_edit_reconfigures_then_rolls() -> None:

@@ -24,7 +24,7 @@ DP1 = {"tensor": 1, "expert": 1, "data": 1}
 EP2 = {"tensor": 1, "expert": 2, "data": 2}
 EP4 = {"tensor": 2, "expert": 4, "data": 2}
 LOW = Context(sidecar_image=CTX.sidecar_image, default_store=CTX.default_store,
-              presave_priority_class="ember-presave")
+              presave_priority_class="ember-presave", store_endpoints=CTX.store_endpoints)
 
 
 def _spec(shape: dict[str, int], alternatives: list[dict[str, int]] | None = None, **over: Any) -> Any:

@@ -242,6 +242,7 @@ def test_cli_verify_replay_runs_the_gpu_check_only_on_an_intact_archive(
         calls.append(f"replay {identity_hash}")
         return verdict
 
+    monkeypatch.setattr(ember.cli, "_has_torch", lambda: True)
     monkeypatch.setattr(ember.cli, "_reexec_for_replay", lambda: calls.append("reexec"))
     monkeypatch.setattr(ember.cli, "replay_verify", replay_verify)
     runner = CliRunner()
@@ -263,6 +264,36 @@ def test_cli_verify_replay_runs_the_gpu_check_only_on_an_intact_archive(
     blob_file(store, result, "graphs").write_bytes(b"garbage")
     bad = runner.invoke(app, ["verify", store.uri, "--replay"])
     assert bad.exit_code == 1 and calls == ["reexec"]  # a damaged archive is never replayed
+
+
+def test_cli_verify_replay_without_torch_says_what_it_needs(saved: Saved, monkeypatch: pytest.MonkeyPatch,
+                                                            ) -> None:
+    import ember.cli
+
+    monkeypatch.setattr(ember.cli, "_has_torch", lambda: False)
+    out = CliRunner().invoke(app, ["verify", saved[0].uri, "--replay"])
+    assert out.exit_code == 2 and "needs torch" in out.output, out.output
+
+
+def test_cli_takes_hash_prefixes_and_verifies_every_archive_of_a_store(saved: Saved, tmp_path: Path) -> None:
+    store, _ = saved
+    runner = CliRunner()
+    full = IDENTITY.hash()
+    for prefix in (full[:8], full[:12], full[:16]):
+        out = runner.invoke(app, ["inspect", store.uri, prefix, "--json"])
+        assert out.exit_code == 0 and json.loads(out.output)["manifest"]["identity_hash"] == full, out.output
+        assert runner.invoke(app, ["verify", store.uri, prefix]).exit_code == 0
+    short = runner.invoke(app, ["verify", store.uri, full[:6]], env={"COLUMNS": "200"})
+    assert short.exit_code == 1 and "at least 8 hex" in short.output
+    # A second archive in the store: `verify <store>` checks both, a line each.
+    other = IDENTITY.model_copy(update={"dtype": "float16"})
+    bundle.write_archive(store, synthetic_graphset(graphs=2, nodes=10, groups=1), other, COMPAT,
+                         kernel_images=synthetic_images())
+    both = runner.invoke(app, ["verify", store.uri], env={"COLUMNS": "200"})
+    assert both.exit_code == 0, both.output
+    assert f"{full}  OK" in both.output and f"{other.hash()}  OK" in both.output
+    assert "2 of 2 archive(s) OK" in both.output
+
 
 
 def test_cli_lists_archives_when_several(saved: Saved) -> None:

@@ -242,15 +242,23 @@ static void parse_kernels(struct mod* m, const char* image) {
 }
 static struct mod* all_mods[1024];
 static int n_mods;
+/* libember loads images on several threads at once: the registry is locked (an unlocked
+ * `all_mods[n_mods++] = m` lost modules, whose functions then read as invalid handles). */
+static pthread_mutex_t mods_lock = PTHREAD_MUTEX_INITIALIZER;
 /* Handles are checked as a driver does: an unknown one is CUDA_ERROR_INVALID_HANDLE. */
 static int valid_fn(const void* f) {
-  for (int i = 0; i < n_mods; i++)
-    if ((const char*)f >= (const char*)all_mods[i]->fns && (const char*)f < (const char*)(all_mods[i]->fns + 16)) return 1;
-  return 0;
+  int found = 0;
+  pthread_mutex_lock(&mods_lock);
+  for (int i = 0; i < n_mods && !found; i++)
+    found = (const char*)f >= (const char*)all_mods[i]->fns && (const char*)f < (const char*)(all_mods[i]->fns + 16);
+  pthread_mutex_unlock(&mods_lock);
+  return found;
 }
 static struct mod* new_mod(const void* image, int is_lib) {
   struct mod* m = calloc(1, sizeof *m);
+  pthread_mutex_lock(&mods_lock);
   if (n_mods < 1024) all_mods[n_mods++] = m;
+  pthread_mutex_unlock(&mods_lock);
   parse_kernels(m, image);
   m->is_lib = is_lib;
   return m;
