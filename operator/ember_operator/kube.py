@@ -147,3 +147,14 @@ def secret_path(ns: str, name: str) -> str:
 
 def events_path(ns: str) -> str:
     return f"/apis/events.k8s.io/v1/namespaces/{ns}/events"
+
+
+def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """`new` as a JSON merge patch over `old`: fields that disappeared become null (removed)."""
+    patch: dict[str, Any] = dict(new)
+    for key, value in old.items():
+        if key not in new:
+            patch[key] = None
+        elif isinstance(value, dict) and isinstance(new[key], dict):
+            patch[key] = merge_patch(value, new[key])
+    return patch

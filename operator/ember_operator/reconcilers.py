@@ -7,8 +7,6 @@ the objects they own (see `handlers`). All API traffic goes through `kube.Kube`.
 
 from __future__ import annotations
 
-import base64
-import contextlib
 import logging
 import socket
 import time
@@ -33,7 +31,6 @@ from ember_operator.archive_planning import (
     ArchiveObserved,
     ArchivePlan,
     Backoff,
-    StoreProbe,
     job_refused,
     plan_archive,
 )
@@ -47,8 +44,8 @@ from ember_operator.kube import (
     hpa_path,
     jobs_path,
     md_path,
+    merge_patch,
     pods_path,
-    secret_path,
 )
 from ember_operator.limits import Limits, apply_limits, replicas_left
 from ember_operator.planning import (
@@ -67,8 +64,8 @@ from ember_operator.planning import (
 from ember_operator.pods import PodTemplate, StoreAccess, serving_pod
 from ember_operator.pools import gpu_starved, plan_pools, pool_wants, warm_pool_size, warm_to_yield
 from ember_operator.settings import Settings
-from ember_operator.store_probe import probe_store
-from ember_operator.tenancy import Refused, store_refusal
+from ember_operator.store_probe import probe_archive
+from ember_operator.tenancy import Refused
 from ember_operator.views import ArchiveView, PodView
 
 log = logging.getLogger("ember_operator")
@@ -509,7 +506,8 @@ class Reconciler:
         refs = len(self.deployments_using(ns, short)) + len(
             self.kube.list(pods_path(ns), f"{contract.LABEL_IDENTITY}={short},{contract.LABEL_POOL}")
         )
-        probe = self.probe(ns, spec, status)
+        timeout = self.settings.store_probe_timeout_seconds
+        probe = probe_archive(self.kube, ns, spec, self.ctx.tenancy, timeout)
         listed = self.kube.list(jobs_path(ns), f"{contract.LABEL_ARCHIVE}={name}")
         jobs = {j["metadata"]["name"]: j for j in listed}
         current = naming.save_job_name(spec.identity_hash, status.attempt)
@@ -590,32 +588,3 @@ class Reconciler:
             last = max(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
             return "SaveFailedCreate", f"FailedCreate: {last.get('message', '')}"
         return None
-
-    def probe(self, ns: str, spec: GraphArchiveSpec, status: GraphArchiveStatus) -> StoreProbe:
-        """Ask the store whether the manifest exists, and what it is (also once Available: a
-        manifest deleted or replaced since is noticed on the next pass)."""
-        if refusal := store_refusal(spec.store, ns, self.ctx.tenancy):
-            return StoreProbe(refused=refusal)  # never connected to
-        access = StoreAccess.of(spec.store)
-        opts = access.open_options()
-        secret_name = spec.store.credentials_secret
-        if secret_name:
-            secret = self.kube.get(secret_path(ns, secret_name))
-            if secret is None:
-                return StoreProbe(secret_missing=True)
-            data = secret.get("data") or {}
-            with contextlib.suppress(ValueError, KeyError):
-                opts["access_key"] = base64.b64decode(data["AWS_ACCESS_KEY_ID"]).decode()
-                opts["secret_key"] = base64.b64decode(data["AWS_SECRET_ACCESS_KEY"]).decode()
-        return probe_store(access.uri, spec.identity_hash, opts, self.settings.store_probe_timeout_seconds)
-
-
-def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """`new` as a JSON merge patch over `old`: fields that disappeared become null (removed)."""
-    patch: dict[str, Any] = dict(new)
-    for key, value in old.items():
-        if key not in new:
-            patch[key] = None
-        elif isinstance(value, dict) and isinstance(new[key], dict):
-            patch[key] = merge_patch(value, new[key])
-    return patch

@@ -6,11 +6,17 @@ manifest is noticed); the namespace's right to the store is checked before (`ten
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import hashlib
 import logging
 from typing import Any
 
+from ember_operator.api import GraphArchiveSpec
 from ember_operator.archive_planning import ManifestInfo, StoreProbe
+from ember_operator.kube import Kube, secret_path
+from ember_operator.pods import StoreAccess
+from ember_operator.tenancy import Tenancy, store_refusal
 
 log = logging.getLogger("ember_operator")
 
@@ -50,3 +56,25 @@ def probe_store(uri: str, identity_hash: str, opts: dict[str, Any], timeout_s: f
     return StoreProbe(manifest=ManifestInfo(
         uri=store.manifest_uri(identity_hash), digest=hashlib.sha256(data).hexdigest(), **info,
     ))
+
+
+def probe_archive(
+    kube: Kube, ns: str, spec: GraphArchiveSpec, tenancy: Tenancy, timeout_s: float
+) -> StoreProbe:
+    """Ask the store whether the archive's manifest exists, and what it is (also once Available: a
+    manifest deleted or replaced since is noticed on the next pass). A store the namespace may
+    not use is never connected to; credentials come from the spec's Secret."""
+    if refusal := store_refusal(spec.store, ns, tenancy):
+        return StoreProbe(refused=refusal)
+    access = StoreAccess.of(spec.store)
+    opts = access.open_options()
+    secret_name = spec.store.credentials_secret
+    if secret_name:
+        secret = kube.get(secret_path(ns, secret_name))
+        if secret is None:
+            return StoreProbe(secret_missing=True)
+        data = secret.get("data") or {}
+        with contextlib.suppress(ValueError, KeyError):
+            opts["access_key"] = base64.b64decode(data["AWS_ACCESS_KEY_ID"]).decode()
+            opts["secret_key"] = base64.b64decode(data["AWS_SECRET_ACCESS_KEY"]).decode()
+    return probe_store(access.uri, spec.identity_hash, opts, timeout_s)

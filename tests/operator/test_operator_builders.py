@@ -157,7 +157,7 @@ def test_hpa_without_targets_accepts_apiserver_defaults() -> None:
 
 
 def test_status_merge_patch_removes_vanished_fields() -> None:
-    from ember_operator.reconcilers import merge_patch
+    from ember_operator.kube import merge_patch
 
     old = {"phase": "Failed", "failureReason": "x", "archive": {"uri": "u", "name": "n"}}
     new = {"phase": "Available", "archive": {"name": "n"}}
