@@ -281,15 +281,19 @@ def bench_correctness(
                                                "(small models: the sweep in less device time).")] = 1,
 ) -> None:
     """Native once, SAVE once, N fresh LOADs per case, compared with native: wrong starts / N."""
-    import torch
-
+    try:
+        import torch
+    except ModuleNotFoundError:  # --list works anywhere; a sweep needs torch and GPUs
+        torch = None
     ids = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    gpus = [g for g in ids.split(",") if g] if ids else [str(i) for i in range(torch.cuda.device_count())]
+    count = torch.cuda.device_count() if torch is not None else 0
+    gpus = [g for g in ids.split(",") if g] if ids else [str(i) for i in range(count)]
     patterns = [p.strip() for p in cases.split(",") if p.strip()]
     chosen = [c for c in all_cases(len(gpus)) if any(fnmatch.fnmatch(c.name, p) for p in patterns)]
-    if list_cases or not gpus:
+    if list_cases or not gpus or torch is None:
         typer.echo("\n".join(f"{c.name} (world {c.world}) {c.args.get('skip', '')}" for c in chosen))
-        if not gpus:
+        if not list_cases:
+            typer.echo("no GPU (or no torch) here: the sweep runs on a GPU machine", err=True)
             raise typer.Exit(2)
         return
     chosen.sort(key=lambda c: -c.world)  # the wide cases first, while every GPU is free

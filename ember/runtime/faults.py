@@ -6,16 +6,46 @@ Nothing sets it outside tests; each name is read where its fault lives.
 - `stale-update`: an exec update loads the graph the template held before, not the one asked for
   (a stale template update: the template then computes another key's step);
 - `splice-redop`: LOAD splices each rank's collectives with a max where the archive's table says
-  sum (a wrong splice: the all-reduce and reduce-scatter compute something else).
+  sum (a wrong splice: the all-reduce and reduce-scatter compute something else);
+- `kernel-arg`: LOAD doubles the first kernel argument of each graph that reads as a float
+  scalar (an epsilon, a scale): a corrupted kernel argument in every restored graph;
+- `own-exec`: the same corruption in the own execs only, the execs the Dedicator swaps in for the
+  templates while requests run (a swap that changes results).
 """
 
 from __future__ import annotations
 
+import ctypes
+import struct
+
+import numpy as np
+
 from ember import settings
 
-NAMES = ("view-offset", "stale-update", "splice-redop")
+NAMES = ("view-offset", "stale-update", "splice-redop", "kernel-arg", "own-exec")
 
 
 def active(name: str) -> bool:
     assert name in NAMES, name
     return name in settings.text("EMBER_FAULT").split(",")
+
+
+def double_a_float_argument(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int, ...]]]) -> np.ndarray | None:
+    """`kernel-arg`/`own-exec`: the first 4-byte argument that reads as a float scalar, doubled in
+    a new buffer its argument pointer (`ptrs`, one per argument) now points to; the buffer, to be
+    kept alive with the graph, or None when no argument qualifies. `nodes`: per kernel node its
+    first slot in `ptrs` and its argument sizes. Only such a scalar is changed: a pointer or a
+    size moved could make a kernel touch memory it does not own, and the fault must stay a wrong
+    result, never a crash."""
+    for first, sizes in nodes:
+        for j, size in enumerate(sizes):
+            if size != 4:
+                continue
+            raw = ctypes.string_at(int(ptrs[first + j]), 4)
+            (value,) = struct.unpack("<f", raw)
+            # an integer below 2**24 (a size, an index) reads as a denormal or tiny float: skipped
+            if int.from_bytes(raw, "little") > 0x00FFFFFF and 1e-8 <= abs(value) <= 1e4:
+                buf = np.array([value * 2], dtype=np.float32)
+                ptrs[first + j] = buf.ctypes.data
+                return buf
+    return None

@@ -7,8 +7,8 @@ through a view offset, which SAVE captures as rank 0's) is saved on one GPU and 
 ranks; each rank's canary compares its restored graph with its own eager step and the verdict is
 unanimous: both refuse with `canary differs` before any request. The same shape without the fault
 restores on both ranks with tokens and outputs identical to the native two-rank capture.
-One device: a stale template update (decode; CB, whose engine then serves natively with
-native's tokens).
+One device: a stale template update, a corrupted kernel argument and a swap to own execs that
+compute otherwise (decode; CB, whose engine then serves natively with native's tokens).
 """
 
 from __future__ import annotations
@@ -71,13 +71,20 @@ def test_the_same_shape_without_it_restores_on_both_ranks(two_gpus: None) -> Non
     for r, (n, lo) in enumerate(zip(native, loaded, strict=True)):
         v = parallel._verdict(r, n, lo)
         assert all(v["tokens_identical"].values()) and v["outputs_identical"] == v["outputs"], v
-        assert v["verify"] == "template+exec update", v
+        assert v["verify"] == "template+exec update+own exec", v
 
 
-def test_a_stale_template_update_is_refused_before_any_request() -> None:
-    """EMBER_FAULT=stale-update: an exec update loads the graph the template held before. The
-    canary's round trip (the first key's template updated away and back) then runs another key's
-    step on the first key's state: refused, on one GPU."""
+SINGLE_GPU_FAULTS = {
+    "stale-update": "after an exec update",  # the template updated away and back: another key's step
+    "kernel-arg": "as instantiated",  # every restored graph has a float argument doubled
+    "own-exec": "on its own exec",  # the exec the Dedicator swaps in computes otherwise
+}
+
+
+@pytest.mark.parametrize("fault", SINGLE_GPU_FAULTS)
+def test_a_broken_single_gpu_restore_is_refused_before_any_request(fault: str) -> None:
+    """Each fault class on one GPU (decode, Llama-3-8B shape, 2 layers): the same archive restores
+    without the fault, and with it the canary refuses at the path the fault breaks."""
     from ember.runtime.session import preload_env
     from ember_bench import parallel
 
@@ -87,15 +94,16 @@ def test_a_stale_template_update_is_refused_before_any_request() -> None:
     saved = parallel._save(args, env, 900)
     assert "error" not in saved, saved
     good = parallel._ranks("load", {**args, "identity": saved["identity"]}, preload_env("load", env), 1, 900)
-    assert "refused" not in good[0] and "exec update" in good[0]["timings"]["verify"], good[0]
-    bad_env = preload_env("load", {**env, "EMBER_FAULT": "stale-update"})
+    assert "refused" not in good[0] and "own exec" in good[0]["timings"]["verify"], good[0]
+    bad_env = preload_env("load", {**env, "EMBER_FAULT": fault})
     bad = parallel._ranks("load", {**args, "identity": saved["identity"]}, bad_env, 1, 900)
     refused = bad[0].get("refused", "")
-    assert "canary differs" in refused and "after an exec update" in refused, bad[0]
+    assert "canary differs" in refused and SINGLE_GPU_FAULTS[fault] in refused, bad[0]
 
 
-def test_a_refused_cb_restore_serves_natively_with_the_same_tokens(tmp_path: Path) -> None:
-    """The CB engine under the same fault: LOAD refuses at the canary, the engine starts natively
+@pytest.mark.parametrize("fault", SINGLE_GPU_FAULTS)
+def test_a_refused_cb_restore_serves_natively_with_the_same_tokens(tmp_path: Path, fault: str) -> None:
+    """The CB engine under each fault: LOAD refuses at the canary, the engine starts natively
     (as `ember serve` does) and its tokens equal native's."""
     import json
 
@@ -112,7 +120,7 @@ def test_a_refused_cb_restore_serves_natively_with_the_same_tokens(tmp_path: Pat
     saved = cb.run_child("save", opts, tmp_path, 900, env={**lane, **(cb._phase_env("save") or {})})
     assert "tokens" in native and "archive" in saved, (native.get("error"), saved.get("error"))
     opts["identity"] = saved["archive"]["identity"]
-    env = {**lane, **(cb._phase_env("load") or {}), "EMBER_FAULT": "stale-update"}
+    env = {**lane, **(cb._phase_env("load") or {}), "EMBER_FAULT": fault}
     loaded = cb.run_child("load", opts, tmp_path, 900, env=env)
     assert loaded.get("mode") == "native", loaded.get("error") or loaded.get("reason")
     assert "canary differs" in loaded.get("reason", ""), loaded.get("reason")

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ember.archive.graphs import MemcpyParams, MemsetParams, NodeType
+from ember.runtime import faults
 from ember.runtime.graphs import driver
 from ember.runtime.graphs.kernels import Functions, handles
 from ember.runtime.graphs.prepare_graph import EXTRA_SLOTS, memcpy_struct, memset_struct, prepare
@@ -49,6 +50,7 @@ _KP_DT = np.dtype(
     ]
 )
 assert _KP_DT.itemsize == KERNEL_PARAMS.size
+_KERNEL_ARG = faults.active("kernel-arg")  # an injected fault (tests only)
 _OP_OF_TYPE = {
     int(NodeType.KERNEL): OP_KERNEL,
     int(NodeType.MEMSET): OP_MEMSET,
@@ -85,10 +87,12 @@ class AttrSets:
 
 
 def prepare_from_table(
-    table: Any, i: int, functions: Functions, ctx: Any, attr_sets: AttrSets, *, row: int | None = None
+    table: Any, i: int, functions: Functions, ctx: Any, attr_sets: AttrSets, *, row: int | None = None,
+    corrupt: bool = False,
 ) -> PreparedGraph:
     """Like prepare(table.graph(i)) without materialising Python node objects (LOAD's hot path).
-    `row`: a graph row of the table instead of root graph i (a union template)."""
+    `row`: a graph row of the table instead of root graph i (a union template). `corrupt`: an
+    injected fault (`ember.runtime.faults`, kernel-arg / own-exec)."""
     row = int(table.roots[i]) if row is None else row
     types = np.asarray(table.node_types(row, row=True))
     if (types == int(NodeType.GRAPH)).any():
@@ -101,6 +105,7 @@ def prepare_from_table(
     bpol = np.frombuffer(c.raw, dtype=np.uint8) if len(c.bpol) == 0 else c.bpol
     ptrs, slot_addr, has_params, is_extra = _argument_pointers(table, krows, np.uint64(bpol.ctypes.data))
     st = _kernel_structs(krows, functions, slot_addr, has_params, is_extra)
+    fault = _corrupt(table, krows, ptrs, slot_addr, has_params) if corrupt or _KERNEL_ARG else None
     codes, args, objects = _node_ops(key, types, refs, kmask, st, c)
     attr_start, attr_count, attr_ids, attr_values = _attribute_ranges(krows, kmask, attr_sets)
     arrays = NodeArrays(codes, args, attr_start, attr_count, attr_ids, attr_values, objects)
@@ -111,7 +116,7 @@ def prepare_from_table(
         edge_src=src,
         edge_dst=dst,
         edge_data=data,
-        keepalive=[st, ptrs, c, bpol],
+        keepalive=[st, ptrs, c, bpol, fault],
         nodes=len(types),
         arrays=arrays,
     )
@@ -145,6 +150,13 @@ def in_union(template: PreparedGraph, member: PreparedGraph, slots: np.ndarray,
     return PreparedGraph(key=member.key, ops=[], edge_src=template.edge_src, edge_dst=template.edge_dst,
                          edge_data=template.edge_data, keepalive=[template, member], nodes=len(codes),
                          arrays=arrays)
+
+
+def _corrupt(table: Any, krows: np.ndarray, ptrs: np.ndarray, slot_addr: np.ndarray,
+             has_params: np.ndarray) -> np.ndarray | None:
+    first = (slot_addr - np.uint64(ptrs.ctypes.data)) // np.uint64(8)
+    nodes = [(int(first[n]), table._layout(int(krows["layout"][n]))[1]) for n in np.nonzero(has_params)[0]]
+    return faults.double_a_float_argument(ptrs, nodes)
 
 
 def _memset_shape(mp: Any) -> tuple[int, int, int, int]:

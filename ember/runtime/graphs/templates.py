@@ -108,7 +108,7 @@ class GraphLibrary:
         self.uploads = Uploader(self.ctx)
         self._ahead: list[Future[float]] = []  # the union template, prepared during the first build
         self.launches = 0
-        self._stale_update = faults.active("stale-update")
+        self._stale_update, self._own_fault = faults.active("stale-update"), faults.active("own-exec")
         self.gate = SwapGate()  # EMBER_SWAP_AT_LAUNCH: own execs swapped in at a chosen launch
         self._hot_after = 0 if self.gate.at is not None else hot_after
 
@@ -127,7 +127,10 @@ class GraphLibrary:
     def key_index(self, key: Iterable[int]) -> int:
         return self._index[tuple(key)]
 
-    def prepared(self, index: int) -> rebuild.PreparedGraph:
+    def prepared(self, index: int, own: bool = False) -> rebuild.PreparedGraph:
+        if own and self._own_fault and self._attr_sets is not None:  # own execs computing otherwise
+            return rebuild.prepare_from_table(self.source, index, self.functions, self.ctx, self._attr_sets,
+                                              corrupt=True)
         prep = self._prepared.get(index)
         if prep is None:
             if self._attr_sets is not None:
@@ -415,13 +418,11 @@ class GraphLibrary:
         return index in self._dedicated
 
     def build_execs(self, indices: list[int], per_graph: list[Any] | None = None) -> list[tuple[int, Any]]:
-        """Own execs of `indices` (graph + instantiate in one libember call, no driver lock held:
-        the graphs are new objects); a graph already built here is kept, the new copy dropped.
-        (build, instantiate) ms per graph are appended to `per_graph`."""
-        preps = [self.prepared(i) for i in indices]
-        built, nt = rebuild.build_native(
-            preps, self.ctx, self.events, instantiate=True, splices=self._splices
-        )
+        """Own execs of `indices` (graph + instantiate in one libember call, no driver lock held: new
+        graphs; one built here is kept), (build, instantiate) ms per graph → `per_graph`."""
+        preps = [self.prepared(i, own=True) for i in indices]
+        built, nt = rebuild.build_native(preps, self.ctx, self.events, instantiate=True,
+                                         splices=self._splices)
         if per_graph is not None:
             per_graph += nt["per_graph"]
         out: list[tuple[int, Any]] = []
@@ -438,8 +439,7 @@ class GraphLibrary:
         return out
 
     def own_exec(self, index: int) -> Any:
-        """Key `index`'s own exec now, built as the Dedicator builds them, uploaded and adopted
-        (LOAD's canary launches it before the first request)."""
+        """Key `index`'s own exec now, built as the Dedicator builds them (for LOAD's canary)."""
         if (ex := self._dedicated.get(index)) is None:
             ((_, ex),) = self.build_execs([index])
             self.upload([ex])

@@ -1,0 +1,40 @@
+"""The injected kernel-argument fault (`ember.runtime.faults`) changes only a float scalar: a size,
+an index or a pointer moved could make a kernel touch memory it does not own."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ember.runtime import faults
+
+
+def _arguments(*values: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """An argument pointer array over numpy buffers (as prepare_table's arena points into a pool)."""
+    ptrs = np.array([v.ctypes.data for v in values], dtype=np.uint64)
+    return ptrs, list(values)
+
+
+def test_the_first_float_scalar_is_doubled_in_a_new_buffer() -> None:
+    size, eps = np.array([4096], np.int32), np.array([1e-6], np.float32)
+    ptrs, _keep = _arguments(size, np.array([0x7F00_1234_5000], np.uint64), eps)
+    before = ptrs.copy()
+    buf = faults.double_a_float_argument(ptrs, [(0, (4, 8, 4))])
+    assert buf is not None and buf[0] == np.float32(2e-6)
+    assert ptrs[2] == buf.ctypes.data and ptrs[2] != before[2]
+    assert (ptrs[:2] == before[:2]).all()
+    assert eps[0] == np.float32(1e-6) and size[0] == 4096  # the archive's bytes are not written
+
+
+def test_integers_and_pointers_are_never_changed() -> None:
+    ints = [np.array([v], np.int32) for v in (0, 1, 64, 4096, 1 << 20)]
+    ptrs, _keep = _arguments(*ints, np.array([0x7F00_1234_5000], np.uint64))
+    before = ptrs.copy()
+    assert faults.double_a_float_argument(ptrs, [(0, (4, 4, 4, 4, 4, 8))]) is None
+    assert (ptrs == before).all()
+
+
+def test_the_fault_is_off_unless_named(monkeypatch) -> None:
+    monkeypatch.delenv("EMBER_FAULT", raising=False)
+    assert not faults.active("kernel-arg")
+    monkeypatch.setenv("EMBER_FAULT", "stale-update,kernel-arg")
+    assert faults.active("kernel-arg") and not faults.active("own-exec")
