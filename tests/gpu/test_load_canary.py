@@ -27,6 +27,9 @@ ARGS = {"workload": "qwen3-moe", "layers": 2, "sizes": "1,8,64", "tp": 1, "ep": 
         "collectives": False}
 
 
+GPUS = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "0,1").split(",") if g]  # the ones we were given
+
+
 @pytest.fixture
 def two_gpus() -> None:
     if torch.cuda.device_count() < 2:
@@ -35,7 +38,7 @@ def two_gpus() -> None:
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "EMBER_MODE", "EMBER_FAULT")}
-    return {**env, "NCCL_NVLS_ENABLE": "0", "CUDA_VISIBLE_DEVICES": "0,1", **extra}
+    return {**env, "NCCL_NVLS_ENABLE": "0", "CUDA_VISIBLE_DEVICES": ",".join(GPUS[:2]), **extra}
 
 
 def _shape(store: Path, **fault: str) -> tuple[list[dict], list[dict]]:
@@ -90,7 +93,7 @@ def test_a_broken_single_gpu_restore_is_refused_before_any_request(fault: str) -
 
     args = {"workload": "llama3-8b", "layers": 2, "sizes": "1,2,3,4,5,6,7,8", "tp": 1, "ep": 1, "dp": 1,
             "collectives": False, "store": Path(tempfile.mkdtemp()).as_uri()}
-    env = {**_env(), "CUDA_VISIBLE_DEVICES": "0"}
+    env = {**_env(), "CUDA_VISIBLE_DEVICES": GPUS[0]}
     saved = parallel._save(args, env, 900)
     assert "error" not in saved, saved
     good = parallel._ranks("load", {**args, "identity": saved["identity"]}, preload_env("load", env), 1, 900)
@@ -115,7 +118,7 @@ def test_a_refused_cb_restore_serves_natively_with_the_same_tokens(tmp_path: Pat
     store = tmp_path / "store"
     opts = {"model": "mistral", "model_config": str(tmp_path / "config.json"), "layers": None,
             "store": store.as_uri(), "store_dir": str(store), "work_dir": str(tmp_path)}
-    lane = {"CUDA_VISIBLE_DEVICES": "0", "NCCL_NVLS_ENABLE": "0"}
+    lane = {"CUDA_VISIBLE_DEVICES": GPUS[0], "NCCL_NVLS_ENABLE": "0"}
     native = cb.run_child("native", opts, tmp_path, 900, env=lane)
     saved = cb.run_child("save", opts, tmp_path, 900, env={**lane, **(cb._phase_env("save") or {})})
     assert "tokens" in native and "archive" in saved, (native.get("error"), saved.get("error"))
