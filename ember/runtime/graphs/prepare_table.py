@@ -156,7 +156,7 @@ def _corrupt(table: Any, krows: np.ndarray, ptrs: np.ndarray, slot_addr: np.ndar
              has_params: np.ndarray) -> np.ndarray | None:
     first = (slot_addr - np.uint64(ptrs.ctypes.data)) // np.uint64(8)
     nodes = [(int(first[n]), table._layout(int(krows["layout"][n]))[1]) for n in np.nonzero(has_params)[0]]
-    return faults.double_a_float_argument(ptrs, nodes)
+    return faults.corrupt_a_float_argument(ptrs, nodes)
 
 
 def _memset_shape(mp: Any) -> tuple[int, int, int, int]:

@@ -529,8 +529,8 @@ class GraphLibrary:
         if union is not None:
             union.check_member(self.source, index)  # FormatError: damaged, not to be switched in
         g = union.graph_of(self, index) if union is not None else self.graph(index)
-        if self._stale_update and tmpl.holds >= 0 and union is None:
-            g = self.graph(tmpl.holds)  # an injected fault (ember.runtime.faults): the canary's test
+        if self._stale_update and tmpl.holds >= 0:  # an injected fault (ember.runtime.faults)
+            g = union.graph_of(self, tmpl.holds) if union is not None else self.graph(tmpl.holds)
         with self._driver_lock:
             t = time.perf_counter()
             tmpl.holds = -1  # no key until the update (and a union's mask) is in: a failure leaves none
