@@ -16,12 +16,14 @@ Nothing sets it outside tests; each name is read where its fault lives.
 from __future__ import annotations
 
 import ctypes
+import logging
 import struct
 
 import numpy as np
 
 from ember import settings
 
+log = logging.getLogger(__name__)
 NAMES = ("view-offset", "stale-update", "splice-redop", "kernel-arg", "own-exec")
 
 
@@ -51,6 +53,7 @@ def corrupt_a_float_argument(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int,
                 # an integer below 2**24 (a size, an index) reads as a tiny float: skipped
                 if int.from_bytes(word, "little") > 0x00FFFFFF and 1e-8 <= abs(value) <= 1e4:
                     raw[w : w + 4] = struct.pack("<f", value * 2 + 1)
+                    log.warning("fault: argument %d word %d: %r -> %r", j, w // 4, value, value * 2 + 1)
                     buf = np.frombuffer(bytes(raw), dtype=np.uint8).copy()
                     ptrs[first + j] = buf.ctypes.data
                     return buf

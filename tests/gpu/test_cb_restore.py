@@ -80,4 +80,8 @@ def test_damaged_archive_is_refused_before_any_launch(cb_runs: dict[str, Any], t
     table.write_bytes(bytes(data))
     opts.update(store=store.as_uri(), store_dir=str(store))
     bad = run_child("load", opts, tmp_path, 240, env=_phase_env("load"))
-    assert "error" in bad and "Refused" in bad["error"], bad
+    # refused at the archive's checks (never at the canary: nothing damaged was launched), then
+    # the engine captures natively, as `ember serve` does, with native's tokens
+    assert bad.get("mode") == "native", bad.get("error") or bad
+    assert bad.get("reason") and "canary" not in bad["reason"], bad["reason"]
+    assert bad["tokens"] == cb_runs["native"]["tokens"]
