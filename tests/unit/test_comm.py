@@ -190,20 +190,17 @@ def test_save_preloads_the_stub_after_libember_only_when_asked(tmp_path: Path, m
     assert plain == [str(lib), "/x/libother.so"]  # a LOAD child never inherits the stub
 
 
-def test_a_save_job_of_a_parallel_identity_runs_under_the_stub(monkeypatch) -> None:
-    from ember.engines.decode.commands import _needs_stub, parallel_shape
+def test_a_save_job_of_a_parallel_identity_runs_under_the_stub() -> None:
+    from ember.engines.decode.commands import _identity_parallel, parallel_shape
     from ember.identity import ArchiveIdentity, Parallelism
 
-    def ident(revision: str = "main", **par: int) -> str:
+    def ident(revision: str = "main", **par: int) -> ArchiveIdentity:
         return ArchiveIdentity(model="m", revision=revision, engine="ember-decode", engine_version="1",
-                               capture_sizes=(1,), parallelism=Parallelism(**par)).model_dump_json()
+                               capture_sizes=(1,), parallelism=Parallelism(**par))
 
     cases = (({}, False), ({"tensor": 2}, True), ({"data": 2, "expert": 2}, True), ({"data": 4}, True),
              ({"revision": "seed-0-collectives"}, True))  # the splice check: collectives in a world of one
     for par, stub in cases:
-        monkeypatch.setenv("EMBER_IDENTITY", ident(**par))  # type: ignore[arg-type]
-        assert _needs_stub(True, None) is stub, par
-    monkeypatch.setenv("EMBER_IDENTITY", "{not json")
-    assert _needs_stub(True, None) is False  # the job reports the bad identity after the re-exec
-    assert _needs_stub(False, parallel_shape(1, 2, 1)) and not _needs_stub(False, parallel_shape(1, 1, 1))
+        assert bool(_identity_parallel(ident(**par)).active) is stub, par  # type: ignore[arg-type]
+    assert parallel_shape(1, 2, 1).active and not parallel_shape(1, 1, 1).active
     assert parallel_shape(1, 4, 1).degrees() == {"tensor": 1, "expert": 4, "data": 4, "collectives": False}

@@ -1,9 +1,8 @@
 """`ember save`, `ember load` and the GPU half of `ember verify --replay` (registered in ember.cli).
 
 Both `save` and `load` re-execute themselves under libember (LD_PRELOAD, EMBER_MODE,
-EMBER_ARM=manual) unless they already run that way. Job mode (`ember save --job`) follows the
-SAVE Job contract: identity from EMBER_IDENTITY, store from EMBER_STORE, a JSON summary in
-/dev/termination-log, non-zero exit with the reason on failure.
+EMBER_ARM=manual) unless they already run that way. Job mode (`ember save --job`) is the SAVE Job
+of every engine (`ember.engines.save_job`); this module holds the decode workloads' part of it.
 """
 
 from __future__ import annotations
@@ -75,20 +74,6 @@ def parallel_shape(tp: int, ep: int, dp: int, collectives: bool = False, rank: i
     return Parallel(tensor=tp, expert=ep, data=dp, rank=rank, collectives=collectives)
 
 
-def _needs_stub(job: bool, par: Any) -> bool:
-    """SAVE of a multi-GPU shape (or of collectives in a world of one) runs under libember_nccl
-    (one GPU plays rank 0); in job mode the shape is the identity's."""
-    if job:
-        from ember.identity import ArchiveIdentity
-
-        try:
-            identity = ArchiveIdentity.model_validate_json(os.environ.get(contract.ENV_IDENTITY) or "{}")
-        except ValueError:
-            return False  # job mode reports the bad identity after the re-exec
-        par = _identity_parallel(identity)
-    return bool(par.active)
-
-
 def _identity_parallel(identity: Any) -> Any:
     """The Parallel an identity names (its revision's `-collectives` suffix: the splice check)."""
     p = identity.parallelism
@@ -145,10 +130,8 @@ def make_workload(
     return DecodeWorkload.from_name(name, layers=layers or None, sizes=sizes, **extra)
 
 
-def _workload_from_identity(raw: str) -> tuple[Any, Any]:
-    from ember.identity import ArchiveIdentity
-
-    identity = ArchiveIdentity.model_validate_json(raw)
+def _workload_from_identity(identity: Any) -> tuple[Any, Any]:
+    """The workload `identity_for` made `identity` from (its revision carries the layer count)."""
     name = identity.model.removeprefix("ember-workload/")
     if identity.compile and not name.endswith("-compile"):
         name += "-compile"
@@ -160,29 +143,17 @@ def _workload_from_identity(raw: str) -> tuple[Any, Any]:
     return make_workload(name, layers, tuple(identity.capture_sizes), parallel=par), identity
 
 
-def _job_engine() -> str:
-    try:
-        return str(json.loads(os.environ.get(contract.ENV_IDENTITY) or "{}").get("engine", ""))
-    except ValueError:
-        return ""  # the decode path reports the bad identity
+def save_identity(identity: Any, store: str) -> dict[str, Any]:
+    """The decode SAVE Job (`ember.engines.save_job`): the workload `identity` names, saved under
+    that identity; a multi-GPU shape (or the one-GPU splice check) on ONE GPU under the NCCL stub.
+    The process re-executes itself under libember first; its summary, or an exception."""
+    from ember.runtime.session import reexec_under_libember
 
+    reexec_under_libember("save", comm_stub=bool(_identity_parallel(identity).active))
+    from ember.engines.decode.adapter import save_workload
 
-def _vllm_job(store: str, args: list[str]) -> None:
-    """The vLLM SAVE Job (ember.engines.vllm.job); exits with the Job contract's result."""
-    from ember.engines.vllm.job import save_job
-
-    try:
-        if not store:
-            raise RuntimeError("job mode needs EMBER_STORE")
-        summary = save_job(os.environ[contract.ENV_IDENTITY], store, args)
-    except Exception as exc:
-        reason = f"SAVE failed: {type(exc).__name__}: {exc}"
-        console.print(f"[red]{reason}[/red]")
-        contract.write_termination_log(reason)
-        raise typer.Exit(1) from exc
-    contract.write_termination_log(summary)
-    print(json.dumps(summary, indent=1))
-    raise typer.Exit(0)
+    w, _ = _workload_from_identity(identity)
+    return save_workload(w, store_uri=store, identity=identity, log=lambda m: console.print(m)).summary()
 
 
 def save(
@@ -193,7 +164,7 @@ def save(
     store: StoreOpt = "",
     model_config: ConfigOpt = "",
     model: ModelOpt = "",
-    job: Annotated[bool, typer.Option("--job", help="SAVE Job mode (EMBER_IDENTITY, EMBER_STORE).")] = False,
+    job: Annotated[bool, typer.Option("--job", help="The SAVE Job (EMBER_IDENTITY, EMBER_STORE).")] = False,
     prove_only: Annotated[bool, typer.Option("--prove-only", help="Prove only, publish nothing.")] = False,
     tpot: Annotated[
         str, typer.Option(help="Also time the captured graphs' decode step at these batch sizes (1,64).")
@@ -206,44 +177,34 @@ def save(
 ) -> None:
     """SAVE: capture a workload's decode graphs, prove them bit-exact, publish the archive. A
     multi-GPU shape (--tp/--ep/--dp) is saved on ONE GPU: every rank LOADs the same archive.
-    In job mode an identity of engine vllm runs vLLM instead, with the arguments after `--`."""
+    `--job`: the operator's SAVE Job, for the engine EMBER_IDENTITY names (`ember.engines.save_job`;
+    vLLM takes the arguments after `--`)."""
+    if job:  # the operator's SAVE Job, for the engine its identity names
+        from ember.engines import save_job
+
+        raise typer.Exit(save_job.run(store, list(ctx.args), log=lambda m: console.print(f"[red]{m}[/red]")))
+    if ctx.args:
+        raise typer.BadParameter(f"unexpected arguments {ctx.args} (only a vLLM SAVE Job takes any)")
     from ember.runtime.session import reexec_under_libember
 
-    if job and _job_engine() == "vllm":
-        _vllm_job(store, list(ctx.args))
-
     par = parallel_shape(tp, ep, dp, collectives)
-    reexec_under_libember("save", comm_stub=_needs_stub(job, par))
+    reexec_under_libember("save", comm_stub=bool(par.active))
     from ember.engines.decode.adapter import save_workload
 
     try:
-        if job:
-            raw = os.environ.get(contract.ENV_IDENTITY)
-            if not raw or not store:
-                raise RuntimeError("job mode needs EMBER_IDENTITY and EMBER_STORE")
-            w, identity = _workload_from_identity(raw)
-        else:
-            w = make_workload(workload, layers, parse_sizes(sizes), model_config or None, model or None, par)
-            identity = None
-            if not store and not prove_only:
-                raise RuntimeError("no store: pass --store or set EMBER_STORE (or use --prove-only)")
+        w = make_workload(workload, layers, parse_sizes(sizes), model_config or None, model or None, par)
+        if not store and not prove_only:
+            raise RuntimeError("no store: pass --store or set EMBER_STORE (or use --prove-only)")
         out = save_workload(
             w,
             store_uri=None if prove_only else store,
-            identity=identity,
             tpot_batches=tuple(int(b) for b in tpot.split(",") if b.strip()),
             log=lambda m: console.print(m),
         )
     except Exception as exc:
-        reason = f"SAVE failed: {type(exc).__name__}: {exc}"
-        console.print(f"[red]{reason}[/red]")
-        if job:
-            contract.write_termination_log(reason)
+        console.print(f"[red]SAVE failed: {type(exc).__name__}: {exc}[/red]")
         raise typer.Exit(1) from exc
-    summary = out.summary()
-    if job:
-        contract.write_termination_log(summary)
-    print(json.dumps(summary, indent=1))
+    print(json.dumps(out.summary(), indent=1))
 
 
 def load(
