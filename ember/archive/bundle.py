@@ -4,8 +4,8 @@
   table, kernel images, allocation log and RNG state become content-addressed blobs, uploaded in
   parallel; the manifest goes in LAST. Returns a `PublishedArchive` (where, digest, sizes,
   timings: what the SAVE Job's termination summary needs).
-- The sidecar calls `fetch_archive(src, identity_hash, cache_dir, expected_identity=...)`: every
-  blob copied into a local store (digest-verified), manifest last; the engine opens that copy.
+- The sidecar copies an archive into its local store (`ember_sidecar.fetching`, blobs digest-
+  verified, manifest last); the engine opens that copy.
 - LOAD calls `open_archive(store_or_uri, identity_hash, expected_identity=...)` and reads
   `archive.graph_table`, `archive.kernel_image(hash)`, `archive.alloc_log`, `archive.rng_state`,
   `archive.manifest.engine` (each blob fetched, digest- and size-checked, decompressed on first use).
@@ -13,7 +13,7 @@
 
 Signatures (ember/archive/signing.py): `write_archive(..., signing_key=...)` stores the manifest's
 signature before the manifest; readers given `trusted_keys` check it over the manifest bytes
-before parsing them or reading any blob (`ArchiveUntrusted`); `fetch_archive` copies it too.
+before parsing them or reading any blob (`ArchiveUntrusted`); the sidecar's copy keeps it.
 
 Every failure is an `ArchiveError` subclass with a message naming the archive and blob:
 `ArchiveMissing`, `ArchiveCorrupt` (truncated, bit flip, undecodable), `ArchiveVersionError`,
@@ -48,7 +48,7 @@ from ember.archive.manifest import loads as load_manifest
 from ember.archive.signing import Ed25519PrivateKey, TrustedKey
 from ember.archive.topology import TopologyGroup, group_graphs
 from ember.identity import ArchiveIdentity, CompatKey
-from ember.store import BlobCorrupt, BlobMissing, LocalStore, Store, StoreError, open_store, sha256_bytes
+from ember.store import BlobCorrupt, BlobMissing, Store, open_store, sha256_bytes
 
 GRAPH_TABLE = "graphs"
 ALLOC_LOG = "alloc-log"
@@ -490,48 +490,6 @@ def read_archive(
     archive.load_all(max_workers)
     _ = archive.graph_table
     return archive
-
-
-def fetch_archive(
-    src: Store | str,
-    identity_hash: str,
-    dest: Store | str | os.PathLike[str],
-    *,
-    expected_identity: ArchiveIdentity | str | None = None,
-    max_workers: int = 8,
-    trusted_keys: Sequence[TrustedKey] = (),
-) -> Archive:
-    """Copy an archive into a local store (the sidecar's cache), every blob digest-verified,
-    its signature (checked first with `trusted_keys`) and then the manifest written last.
-    Returns the archive opened from the local copy."""
-    src_store = _as_store(src)
-    dest_store = _as_store(dest)
-    if not isinstance(dest_store, LocalStore):
-        raise StoreError(f"fetch_archive copies into a local store, not {dest_store.uri}")
-    manifest, identity_hash, data = _read_manifest(src_store, identity_hash, trusted_keys)
-    check_identity(manifest, identity_hash, expected_identity)
-    sig = src_store.get_signature(identity_hash)
-    missing = [b for b in manifest.blobs if not dest_store.has_blob(b.sha256)]
-    sizes = {b.sha256: b.compressed_size for b in missing}
-    names = {b.sha256: b.name for b in missing}
-    dest_dir = dest_store.blob_path(manifest.blobs[0].sha256).parent if manifest.blobs else None
-
-    def one(digest: str) -> None:
-        try:
-            src_store.fetch_blob(digest, dest_store.blob_path(digest), sizes[digest])
-        except BlobMissing as exc:
-            raise ArchiveMissing(f"archive {identity_hash[:12]} blob {names[digest]!r}: {exc}") from exc
-        except BlobCorrupt as exc:
-            raise ArchiveCorrupt(f"archive {identity_hash[:12]} blob {names[digest]!r}: {exc}") from exc
-
-    if dest_dir is not None:
-        dest_dir.mkdir(parents=True, exist_ok=True)
-    with ThreadPoolExecutor(max(1, min(max_workers, len(missing) or 1))) as pool:
-        list(pool.map(one, list(sizes)))
-    if sig is not None:
-        dest_store.put_signature(identity_hash, sig)
-    dest_store.put_manifest(identity_hash, data)  # the bytes as signed
-    return Archive(dest_store, manifest, identity_hash)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -138,12 +138,14 @@ def test_vllm_serve_restores_through_the_sidecar_handoff(vllm_job: dict, tmp_pat
     import urllib.request
 
     from ember import handoff
-    from ember.archive import bundle
     from ember.engines.vllm.args import engine_args
+    from ember.store import LocalStore
+    from ember_sidecar.fetching import ArchiveCache
 
     ident, store = vllm_job["identity"], vllm_job["store"]
     w = handoff.HandoffWriter(tmp_path / "run")
-    bundle.fetch_archive(store.as_uri(), ident.hash(), w.cache_dir)  # the sidecar's copy
+    # the sidecar's copy
+    ArchiveCache(w.cache_dir).fetch(LocalStore(store).manifest_uri(ident.hash()), ident.hash())
     w.ready(ident.hash(), w.archive_dir(ident.hash()),
             engine_args=(*engine_args(ident), *vllm_job["extra"]))
     with socket.socket() as sock:

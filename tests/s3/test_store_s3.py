@@ -22,6 +22,7 @@ from ember.cli import app
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import BlobCorrupt, BlobMissing, S3Store, StoreUnavailable, open_manifest_uri, open_store
 from ember_bench.synthetic import synthetic_graphset, synthetic_images
+from ember_sidecar.fetching import ArchiveCache
 
 pytestmark = pytest.mark.s3
 
@@ -144,9 +145,11 @@ def test_whole_archive_through_s3(store: S3Store, minio: Any, tmp_path: Path) ->
                                   alloc_log=os.urandom(6 * MiB))  # above the multipart threshold
     assert bundle.verify_archive(store, ident.hash(), ident) == []
     # The sidecar's path: from the manifest URI in the claim annotation to a verified local copy.
-    src, ident_hash = open_manifest_uri(result.manifest_uri, **s3_opts(minio))
+    _, ident_hash = open_manifest_uri(result.manifest_uri, **s3_opts(minio))
     assert ident_hash == ident.hash()
-    archive = bundle.fetch_archive(src, ident_hash, tmp_path / "cache", expected_identity=ident)
+    cache = ArchiveCache(tmp_path / "cache", store_options=s3_opts(minio))
+    cache.fetch(result.manifest_uri, ident_hash)
+    archive = bundle.open_archive(cache.local, ident_hash, expected_identity=ident)
     assert archive.graph_table.to_graphset().graphs == gs.graphs
     assert bundle.verify_archive(tmp_path / "cache", ident.hash()) == []
 

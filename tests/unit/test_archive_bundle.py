@@ -14,6 +14,7 @@ from ember.cli import app
 from ember.identity import ArchiveIdentity, CompatKey, Parallelism
 from ember.store import LocalStore
 from ember_bench.synthetic import synthetic_graphset, synthetic_images
+from ember_sidecar.fetching import ArchiveCache
 
 IDENTITY = ArchiveIdentity(model="test/llama-3-8b-shape", engine="transformers", engine_version="4.57.0",
                            capture_sizes=(1, 2, 3, 4, 5, 6), parallelism=Parallelism(expert=2))
@@ -180,23 +181,6 @@ def test_missing_and_unparseable_manifests(tmp_path: Path) -> None:
         bundle.open_archive(store, "ab" * 32)
 
 
-def test_fetch_archive_into_a_local_cache(saved: Saved, tmp_path: Path) -> None:
-    store, result = saved
-    cache = tmp_path / "cache"
-    archive = bundle.fetch_archive(store, IDENTITY.hash(), cache, expected_identity=IDENTITY)
-    assert isinstance(archive.store, LocalStore) and archive.store.root == cache.absolute()
-    assert bundle.verify_archive(cache, IDENTITY.hash()) == []
-    cached = (cache / "archives" / IDENTITY.hash() / "manifest").read_bytes()
-    assert cached == store.get_manifest(IDENTITY.hash())
-    # A corrupt source blob is refused and the cache gets no manifest.
-    path = blob_file(store, result, "rng-state")
-    path.write_bytes(b"X" + path.read_bytes()[1:])
-    cache2 = tmp_path / "cache2"
-    with pytest.raises(bundle.ArchiveCorrupt, match="rng-state"):
-        bundle.fetch_archive(store, IDENTITY.hash(), cache2)
-    assert LocalStore(cache2).list_archives() == []
-
-
 def test_cli_inspect_and_verify(saved: Saved) -> None:
     store, result = saved
     runner = CliRunner()
@@ -319,8 +303,10 @@ def test_attachments_travel_with_the_archive_verified_and_read_only_on_demand(tm
     assert archive.attachment("other") is None
 
     # The sidecar's fetch copies it; a damaged copy is found by verify and refused on read.
-    cache = LocalStore(tmp_path / "cache")
-    fetched = bundle.fetch_archive(store, IDENTITY.hash(), cache)
+    sidecar = ArchiveCache(tmp_path / "cache")
+    sidecar.fetch(store.manifest_uri(IDENTITY.hash()), IDENTITY.hash())
+    cache = sidecar.local
+    fetched = bundle.open_archive(cache, IDENTITY.hash())
     assert fetched.attachment("engine-cache.tar") == payload
     entry = fetched.manifest.blob("attachment/engine-cache.tar")
     path = cache.blob_path(entry.sha256)

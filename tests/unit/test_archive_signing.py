@@ -15,11 +15,17 @@ from ember.cli import app
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import LocalStore
 from ember_bench.synthetic import synthetic_graphset, synthetic_images
+from ember_sidecar.fetching import ArchiveCache, FetchFailed
 
 IDENTITY = ArchiveIdentity(model="ember-workload/test", engine="ember-decode", engine_version="0.1.0",
                            capture_sizes=(1, 2))
 COMPAT = CompatKey(gpu_name="NVIDIA H100", compute_capability="9.0", driver="580", cuda="13.0")
 KEY, OTHER = signing.Ed25519PrivateKey.generate(), signing.Ed25519PrivateKey.generate()
+
+
+def _trust(key: signing.Ed25519PrivateKey) -> str:
+    """EMBER_TRUSTED_KEYS as the sidecar reads it."""
+    return signing.trusted_keys_json([("k", signing.public_key_text(key))])
 
 
 def trusted(*keys: signing.Ed25519PrivateKey) -> list[signing.TrustedKey]:
@@ -99,8 +105,9 @@ def test_signed_archive_signature_beside_manifest_and_verified(tmp_path: Path) -
     signing.verify(manifest, sig, trusted(KEY))
     assert bundle.read_archive(store, IDENTITY.hash(), trusted_keys=trusted(OTHER, KEY)).alloc_log == b"log"
     # the sidecar's copy keeps the signed bytes and the signature: LOAD verifies the cache again
-    copy = bundle.fetch_archive(store, IDENTITY.hash(), tmp_path / "cache", trusted_keys=trusted(KEY))
-    assert bundle.open_archive(copy.store, IDENTITY.hash(), trusted_keys=trusted(KEY))
+    cache = ArchiveCache(tmp_path / "cache", trusted_keys=_trust(KEY))
+    cache.fetch(store.manifest_uri(IDENTITY.hash()), IDENTITY.hash())
+    assert bundle.open_archive(cache.local, IDENTITY.hash(), trusted_keys=trusted(KEY))
     assert store.delete_archive(IDENTITY.hash()) and not archive_dir(store).exists()
 
 
@@ -112,8 +119,9 @@ def test_unsigned_or_forged_archive_refused_before_any_blob_when_trust_is_config
             p.unlink()  # reading any blob would now fail with ArchiveMissing, not ArchiveUntrusted
     with pytest.raises(bundle.ArchiveUntrusted, match="unsigned"):
         bundle.open_archive(store, IDENTITY.hash(), trusted_keys=trusted(KEY))
-    with pytest.raises(bundle.ArchiveUntrusted, match="unsigned"):
-        bundle.fetch_archive(store, IDENTITY.hash(), tmp_path / "cache", trusted_keys=trusted(KEY))
+    with pytest.raises(FetchFailed, match=r"signature-refused.*unsigned"):  # the sidecar's fetch
+        ArchiveCache(tmp_path / "cache", trusted_keys=_trust(KEY)).fetch(
+            store.manifest_uri(IDENTITY.hash()), IDENTITY.hash())
     assert not list((tmp_path / "cache").rglob("blobs/*"))
     assert bundle.open_archive(store, IDENTITY.hash())  # no trust list: today's behaviour
 
