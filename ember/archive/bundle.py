@@ -151,12 +151,15 @@ def write_archive(
     signing_key: Ed25519PrivateKey | None = None,
     attachments: Mapping[str, bytes] | None = None,
     unions: bool | None = None,
+    table: bytes | None = None,
 ) -> PublishedArchive:
     """Encode, compress and upload an archive; the manifest is written last (its signature, with
     `signing_key`, just before it).
 
+    `table`: the graph table of `graphset` as already encoded (SAVE publishes the bytes it proved,
+    never a second encoding); else encoded here, with union templates per `unions` (default:
+    `graph_table.unions_by_default()`).
     `attachments`: engine files shipped with the graphs (a compile cache), blobs like the rest.
-    `unions`: union templates in the graph table (default: `graph_table.unions_by_default()`).
 
     `kernel_images` maps the content hash used in `KernelRef.image` to the image bytes (or a
     file). Every image a kernel refers to must be present; extra images are stored too.
@@ -166,10 +169,13 @@ def write_archive(
     store = open_store(store) if isinstance(store, str) else store
     t0 = time.perf_counter()
     durations: dict[str, float] = {}
-    if groups is None:
-        groups = group_graphs(graphset.graphs, graphset.function_attrs)
-    table_bytes = fmt.encode(graphset, groups, level=level, unions=unions)
-    table = fmt.GraphTable(table_bytes)
+    if table is None:
+        groups = groups if groups is not None else group_graphs(graphset.graphs, graphset.function_attrs)
+        table = fmt.encode(graphset, groups, level=level, unions=unions)
+    table_bytes, decoded = table, fmt.GraphTable(table)
+    # the summary describes the table as it is, its groups included
+    groups = [TopologyGroup(g.index, g.signature, (g.template, *(m for m in g.members if m != g.template)))
+              for g in decoded.groups]
     durations["encode"] = time.perf_counter() - t0
 
     used = _images_used(graphset, kernel_images)
@@ -186,7 +192,7 @@ def write_archive(
         identity=identity,
         identity_hash=identity.hash(),
         compat=compat,
-        graphs=graph_summary.summarize(graphset, groups, table, GRAPH_TABLE),
+        graphs=graph_summary.summarize(graphset, groups, decoded, GRAPH_TABLE),
         kernel_images=images,
         engine=dict(engine or {}),
         alloc_log=ALLOC_LOG if alloc_log is not None else None,

@@ -6,19 +6,17 @@ the manifest's free-form `engine` facts:
 - `image_order`: the kernel images in execution order (templates first, in need order), the
   order LOAD reads and loads them in;
 - `image_options`: libember's recorded load options per image (JIT and library options).
-The graph table SAVE publishes is byte-identical to the one it proved (checked before upload).
+The graph table SAVE publishes is the one it proved: the same bytes, handed on, never re-encoded.
 SAVE signs the manifest when EMBER_SIGNING_KEY names a key; LOAD checks the signature when
 EMBER_TRUSTED_KEYS lists trusted keys (ember/archive/signing.py), before any blob is read.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from ember.archive import bundle, signing
-from ember.archive import graph_table as archive_format
 from ember.archive.graphs import Graph, GraphSet
 from ember.archive.manifest import Manifest
 from ember.identity import ArchiveIdentity, CompatKey
@@ -52,13 +50,8 @@ class ArchiveContent:
 
 
 def write(store_uri: str, archive: ArchiveContent, graph_set: GraphSet) -> tuple[str, str, int]:
-    """Publish through bundle.write_archive; returns (manifest URI, manifest sha256, stored bytes)."""
-    unions = bool(archive_format.decode(archive.graph_table).unions)  # as SAVE proved it
-    if archive_format.encode(graph_set, unions=unions) != archive.graph_table:
-        raise ArchiveError(
-            "the graph table does not encode deterministically: refusing to publish "
-            "bytes other than the ones SAVE proved"
-        )
+    """Publish through bundle.write_archive, the graph table as SAVE proved it (the same bytes:
+    never encoded again); returns (manifest URI, manifest sha256, stored bytes)."""
     engine = dict(archive.engine)
     engine["image_order"] = [im.content_hash for im in archive.images]
     engine["image_options"] = {im.content_hash: im.options for im in archive.images}
@@ -73,11 +66,8 @@ def write(store_uri: str, archive: ArchiveContent, graph_set: GraphSet) -> tuple
         rng_state=archive.rng_state or None,
         signing_key=signing.signing_key_from_env(),  # a key that cannot be read fails the SAVE
         attachments=archive.attachments,
-        unions=unions,
+        table=archive.graph_table,
     )
-    table_entry = res.manifest.blob(res.manifest.graphs.table)
-    if table_entry.sha256 != hashlib.sha256(archive.graph_table).hexdigest():
-        raise ArchiveError("the published graph table differs from the proven one")  # not expected
     archive.manifest = res.manifest
     return res.manifest_uri, res.manifest_digest, res.bytes
 

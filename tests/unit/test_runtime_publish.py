@@ -62,12 +62,18 @@ def test_write_read_round_trip(tmp_path: Path) -> None:
     assert bundle.verify_archive(uri, arc.identity.hash()) == []  # the sidecar's check agrees
 
 
-def test_table_other_than_the_proven_one_is_not_published(tmp_path: Path) -> None:
+def test_the_proven_table_is_published_as_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SAVE publishes the bytes it proved: handed on, never encoded a second time."""
     arc, gs = _archive()
-    arc.graph_table = arc.graph_table[:-1] + bytes([arc.graph_table[-1] ^ 1])
-    with pytest.raises(publish.ArchiveError, match="proved"):
-        publish.write(tmp_path.as_uri(), arc, gs)
-    assert open_store(tmp_path.as_uri()).list_archives() == []
+
+    def encode(*_: object, **__: object) -> bytes:
+        raise AssertionError("publishing encoded the graph table again")
+
+    monkeypatch.setattr(fmt, "encode", encode)
+    publish.write(tmp_path.as_uri(), arc, gs)
+    archive = publish.open_archive(tmp_path.as_uri(), arc.identity.hash())
+    assert archive.blob_bytes(archive.manifest.graphs.table) == arc.graph_table
+    assert bundle.verify_archive(tmp_path.as_uri(), arc.identity.hash()) == []
 
 
 def test_damaged_blob_is_refused(tmp_path: Path) -> None:
