@@ -169,13 +169,7 @@ def write_archive(
     store = open_store(store) if isinstance(store, str) else store
     t0 = time.perf_counter()
     durations: dict[str, float] = {}
-    if table is None:
-        groups = groups if groups is not None else group_graphs(graphset.graphs, graphset.function_attrs)
-        table = fmt.encode(graphset, groups, level=level, unions=unions)
-    table_bytes, decoded = table, fmt.GraphTable(table)
-    # the summary describes the table as it is, its groups included
-    groups = [TopologyGroup(g.index, g.signature, (g.template, *(m for m in g.members if m != g.template)))
-              for g in decoded.groups]
+    table_bytes, decoded, groups = _table(graphset, table, groups, level, unions)
     durations["encode"] = time.perf_counter() - t0
 
     used = _images_used(graphset, kernel_images)
@@ -201,6 +195,19 @@ def write_archive(
         blobs=blobs,
     )
     return _publish_manifest(store, manifest, uploaded, durations, t0, signing_key)
+
+
+def _table(graphset: GraphSet, table: bytes | None, groups: list[TopologyGroup] | None, level: int,
+           unions: bool | None) -> tuple[bytes, fmt.GraphTable, list[TopologyGroup]]:
+    """The graph table (given, or encoded here), decoded, and its own topology groups (what the
+    manifest's summary describes)."""
+    if table is None:
+        groups = groups if groups is not None else group_graphs(graphset.graphs, graphset.function_attrs)
+        table = fmt.encode(graphset, groups, level=level, unions=unions)
+    decoded = fmt.GraphTable(table)
+    return table, decoded, [TopologyGroup(g.index, g.signature, (g.template, *(m for m in g.members
+                                                                                 if m != g.template)))
+                            for g in decoded.groups]
 
 
 def _images_used(graphset: GraphSet, kernel_images: Mapping[str, object]) -> dict[str, int]:
