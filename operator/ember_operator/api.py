@@ -14,6 +14,7 @@ from typing import Annotated
 from pydantic import ConfigDict, Field, model_validator
 
 from ember.identity import ArchiveIdentity, Parallelism
+from ember.identity_args import graph_args, image_digest
 from ember_operator.api_autoscaling import QUANTITY, AutoscalingSpec, MetricTarget  # noqa: F401
 from ember_operator.api_base import (  # noqa: F401  (re-exported: crdgen and callers use api.*)
     DNS1123_SUBDOMAIN,
@@ -138,12 +139,15 @@ class EngineSpec(ApiModel):
         pattern=ENGINE_VERSION,
     )
     image: str = Field(
-        description="Engine container image with ember installed (serves, and runs `ember save --job`).",
+        description="Engine container image with ember installed (serves, and runs `ember save --job`). "
+        "Pinned by digest (repo@sha256:…), the digest is part of the archive identity.",
         min_length=1, max_length=512, pattern=NO_SPACE,
     )
     args: list[Annotated[str, Field(max_length=MAX_ARG)]] = Field(
         default_factory=list, max_length=64,
-        description="Extra engine arguments, delivered with the claim (annotation ember.dev/engine-args).",
+        description="Extra engine arguments, delivered with the claim (annotation ember.dev/engine-args). "
+        "Part of the archive identity, except arguments known not to change graphs (front end, "
+        "logging, names, tokenizer: ember.identity_args.NOT_GRAPH_ARGS).",
     )
     resources: EngineResources = Field(
         default_factory=EngineResources, description="CPU and memory of the engine container.",
@@ -390,6 +394,8 @@ class ModelDeploymentSpec(ApiModel):
             max_batch=self.capture.max_batch,
             parallelism=Parallelism(tensor=shape.tensor, expert=shape.expert, data=shape.data),
             gpu_product=self.gpu.product,
+            engine_args=graph_args(self.engine.args),
+            image_digest=image_digest(self.engine.image),
         )
 
 
@@ -444,7 +450,8 @@ class ModelDeploymentStatus(ApiModel):
     phase: MDPhase | None = Field(None, description="Summary: Pending, Saving, Deploying, Ready, "
                                   "Scaling, Reconfiguring, Switching, Degraded or Invalid.")
     conditions: list[Condition] = Field(
-        default_factory=list, description="ArchiveReady, Available, Progressing, Schedulable.",
+        default_factory=list, description="Ready (True exactly when phase is Ready), ArchiveReady, "
+        "Available, Progressing, Schedulable; each with observedGeneration.",
         json_schema_extra=_CONDITIONS_EXTRA,
     )
     observed_generation: int | None = Field(None, description="Generation last reconciled.")
@@ -484,6 +491,8 @@ class IdentitySpec(ApiModel):
     max_batch: int = Field(512, description="Largest captured batch.")
     parallelism: ShapeSpec = Field(default_factory=ShapeSpec, description="Parallel degrees.")
     gpu_product: str = Field("", description="GPU product the archive is saved on.")
+    engine_args: list[str] = Field(default_factory=list, description="Engine arguments that change graphs.")
+    image_digest: str = Field("", description="Engine image digest (sha256:…) when the image is pinned.")
 
     @classmethod
     def of(cls, ident: ArchiveIdentity) -> IdentitySpec:
@@ -492,6 +501,7 @@ class IdentitySpec(ApiModel):
     def to_identity(self) -> ArchiveIdentity:
         data = self.model_dump(mode="json")
         data["capture_sizes"] = tuple(data["capture_sizes"])
+        data["engine_args"] = tuple(data["engine_args"])
         return ArchiveIdentity.model_validate(data)
 
 
