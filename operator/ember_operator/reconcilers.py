@@ -48,12 +48,12 @@ from ember_operator.kube import (
     pods_path,
 )
 from ember_operator.limits import Limits, apply_limits, replicas_left
+from ember_operator.phases import settle
 from ember_operator.planning import (
     INVALID_SPEC,
     Context,
     Observed,
     Plan,
-    derive_phase,
     free_names,
     plan_deployment,
     record_refusals,
@@ -264,9 +264,10 @@ class Reconciler:
         reason, message = problem or ("Schedulable", "")
         plan.status.conditions = conditions.put(plan.status.conditions, placement.CONDITION, problem is None,
                                                 reason, message[:4096], obs.generation, obs.now)
-        final = derive_phase(plan.status.conditions)
-        if final != plan.status.phase:  # the plan's own Phase event named the phase before this
-            plan.status.phase = final
+        planned = plan.status.phase
+        settle(plan.status, obs.generation, obs.now)
+        final = plan.status.phase
+        if final != planned:  # the plan's own Phase event named the phase before this
             plan.events = [e for e in plan.events if e.reason != "Phase"]
             if obs.status.phase != final and final in (MDPhase.ready, MDPhase.degraded):
                 before = obs.status.phase.value if obs.status.phase else "None"
