@@ -460,6 +460,8 @@ class ModelDeploymentStatus(ApiModel):
     updated_replicas: int = Field(0, description="Serving pods of the current revision.")
     restored_replicas: int = Field(0, description="Pods whose sidecar reported ember.dev/restore=restored.")
     selector: str | None = Field(None, description="Label selector of the serving pods (for HPA).")
+    address: str | None = Field(None, description="The deployment's Service: <name>.<namespace>.svc:<port>, "
+                                "routing to its Ready serving pods.")
     revision: str | None = Field(None, description="Current pod revision hash.")
     archive: ArchiveRef | None = Field(None, description="The archive in use.")
     last_restore_time: str | None = Field(None, description="Most recent successful restore (RFC 3339).")

@@ -172,6 +172,7 @@ def model_deployment_crd() -> dict[str, Any]:
         {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
         {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
         {"name": "Archive", "type": "string", "jsonPath": ".status.archive.phase"},
+        {"name": "Address", "type": "string", "jsonPath": ".status.address"},
         {"name": "Fallbacks", "type": "integer", "jsonPath": ".status.fallbackCount", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]

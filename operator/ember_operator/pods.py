@@ -232,6 +232,8 @@ def engine_container(t: PodTemplate) -> dict[str, Any]:
         "name": contract.ENGINE_CONTAINER,
         "image": t.engine_image,
         **engine_command(t),
+        # vLLM's and `ember serve`'s HTTP port: the deployment's Service targets it.
+        "ports": [{"name": "http", "containerPort": contract.ENGINE_PORT, "protocol": "TCP"}],
         "env": [
             *_downward_env(),
             *libember_env(),

@@ -63,6 +63,7 @@ from ember_operator.planning import (
 )
 from ember_operator.pods import PodTemplate, StoreAccess, serving_pod
 from ember_operator.pools import gpu_starved, plan_pools, pool_wants, warm_pool_size, warm_to_yield
+from ember_operator.services import apply_service
 from ember_operator.settings import Settings
 from ember_operator.store_probe import probe_archive
 from ember_operator.tenancy import Refused
@@ -203,6 +204,7 @@ class Reconciler:
         claimed, pods_refused = self._apply_pods(obs, plan, template, started, planned)
         refusals += pods_refused
         refusals += self._apply_hpa(ns, name, plan, obs.hpa)
+        refusals += apply_service(self.kube, ns, name, obs.uid, plan.status)
         if refusals:
             record_refusals(obs, plan, refusals, len(pods_refused))
 
