@@ -38,6 +38,7 @@ from ember_operator.api_parallelism import (  # noqa: F401
     SwitchStatus,
 )
 from ember_operator.api_signing import ArchiveSettings, SigningSpec, TrustedKey  # noqa: F401
+from ember_operator.api_template import ContainerPatch, PodSpecPatch, PodTemplatePatch  # noqa: F401
 
 # ------------------------------------------------------------------------------------------------
 # ModelDeployment spec
@@ -358,6 +359,8 @@ class ModelDeploymentSpec(ApiModel):
     save: SaveOptions = Field(default_factory=SaveOptions, description="SAVE Job options.")
     archive: ArchiveSettings = Field(default_factory=ArchiveSettings,
                                      description="Archive signing and the keys serving pods trust.")
+    template: PodTemplatePatch | None = Field(None, description="Pod template patch for the serving, warm "
+                                              "and SAVE pods (env, volumes, tolerations, service account …).")
 
     drain_seconds: int = Field(
         10, ge=0, le=3600, description="When pods of an old shape or revision go: seconds between "
@@ -526,6 +529,9 @@ class SaveSpec(ApiModel):
         None, description="priorityClassName of the SAVE pod (archives saved ahead of time for "
         "spec.parallelism.alternatives run at the operator's low presave priority).",
     )
+    resources: EngineResources = Field(default_factory=EngineResources,
+                                       description="Requests and limits of the SAVE container (+ 1 GPU).")
+    template: PodTemplatePatch | None = Field(None, description="The deployment's pod template patch.")
 
 
 class GraphArchiveSpec(ApiModel):

@@ -55,8 +55,8 @@ def _structural(node: Any, defs: dict[str, Any], *, in_status: bool = False) -> 
     for key, value in node.items():
         if key in _DROP or (key == "default" and value is None):
             continue
-        if key == "additionalProperties" and value is False:
-            continue
+        if key == "additionalProperties" and isinstance(value, bool):
+            continue  # false: the default; true: x-kubernetes-preserve-unknown-fields says it
         if key == "properties":
             out[key] = {k: _structural(v, defs, in_status=in_status) for k, v in value.items()}
         elif key in ("items", "additionalProperties"):

@@ -34,7 +34,7 @@ from ember.archive import signing
 from ember.contract import Claim
 from ember.engines.vllm import args as vllm_args
 from ember.identity import ArchiveIdentity, canonical_json
-from ember_operator import conditions, hpas, naming, switching, tenancy
+from ember_operator import conditions, hpas, naming, switching, templates, tenancy
 from ember_operator.api import (
     ArchiveRef,
     GraphArchiveSpec,
@@ -144,6 +144,7 @@ def template_of(
         store=StoreAccess.of(store_of(spec, ctx, namespace)),
         service_account=ctx.pod_service_account,
         trusted_keys=trusted_keys_env(spec),
+        patch=templates.encode(spec.template),
         **_engine_resources(spec),
     )
 
@@ -190,6 +191,7 @@ def archive_object(
             pod_annotations=dict(spec.save.pod_annotations), timeout_seconds=spec.save.timeout_seconds,
             signing_secret=spec.archive.signing.secret_name or ctx.signing_secret or None,
             priority_class_name=priority_class or None,
+            resources=spec.engine.resources, template=spec.template,
         ),
     )
     return {

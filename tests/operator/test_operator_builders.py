@@ -103,7 +103,8 @@ def test_save_job_runs_on_one_gpu_of_the_product() -> None:
     pod = job["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert c["command"] == ["ember", "save", "--job", "--"]  # the engine's arguments follow (vLLM Jobs)
-    assert c["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    assert c["resources"]["limits"] == {"memory": "16Gi", "nvidia.com/gpu": "1"}  # 1 GPU, any shape
+    assert c["resources"]["requests"] == {"cpu": "2", "memory": "16Gi"}  # never BestEffort
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["EMBER_IDENTITY"] == canonical_json(ident.canonical()).decode()
     assert env["EMBER_STORE"] == "s3://ember/ember"
