@@ -19,8 +19,9 @@ from pydantic import ConfigDict, Field
 from ember import contract
 from ember_operator.api_base import KEYS_RULE, MAX_MAP_ENTRIES, ApiModel, MapValue, cel
 
-OPEN = {"x-kubernetes-preserve-unknown-fields": True}  # a Kubernetes type ember passes on as it is
-OPEN_OBJECT = {"type": "object", **OPEN}
+# A Kubernetes type ember passes on as it is (affinity, volume sources, envFrom entries).
+OPEN: dict[str, Any] = {"x-kubernetes-preserve-unknown-fields": True}
+OPEN_OBJECT: dict[str, Any] = {"type": "object", **OPEN}
 Open = dict[str, Any]
 Name = Annotated[str, Field(min_length=1, max_length=253)]
 _SHORT_LIST = 32

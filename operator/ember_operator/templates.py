@@ -55,8 +55,11 @@ def _resources(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
         if merged := {**mine, **(theirs.get(kind) or {}), **gpus}:
             out[kind] = merged
     request, limit = (out.get(k, {}).get("memory") for k in ("requests", "limits"))
-    if request and limit and "memory" not in (theirs.get("limits") or {}) and (
-        parse_quantity(request) > parse_quantity(limit)
+    if (
+        request
+        and limit
+        and "memory" not in (theirs.get("limits") or {})
+        and (parse_quantity(request) > parse_quantity(limit))
     ):
         out["limits"]["memory"] = request
     return out
