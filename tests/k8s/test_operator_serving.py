@@ -261,3 +261,34 @@ def test_template_fields_reach_save_warm_and_serving_pods(env: Any, minio: Local
         _check_pod(warm.spec, warm.metadata, "engine", priority)
     finally:
         api.k8s.kubectl("delete", "priorityclass", priority, "--ignore-not-found")
+
+
+def test_graph_arguments_and_a_pinned_image_name_new_archives(env: Any, minio: LocalMinio) -> None:
+    api, op, prefix = env
+    api.create_md("ids", md_spec(minio, prefix, replicas=0))
+
+    def archive_after(generation: int) -> str:
+        def seen() -> str:
+            st = api.md("ids").get("status") or {}
+            return st.get("observedGeneration", 0) >= generation and (st.get("archive") or {}).get("name")
+
+        return str(wait_for(seen, f"generation {generation} observed", op))
+
+    first = archive_after(1)
+    port = api.patch_md("ids", {"spec": {"engine": {"args": ["--port", "9000", "--disable-log-stats"]}}})
+    assert archive_after(port["metadata"]["generation"]) == first  # front-end flags: same graphs
+    kv = api.patch_md("ids", {"spec": {"engine": {"args": ["--kv-cache-dtype", "fp8", "--port", "9000"]}}})
+    second = archive_after(kv["metadata"]["generation"])
+    assert second != first
+    ga = wait_for(lambda: api.archive(second), "the new GraphArchive", op)
+    assert ga["spec"]["identity"]["engineArgs"] == ["--kv-cache-dtype", "fp8"]
+    digest = "sha256:" + "ab" * 32
+    pinned = api.patch_md("ids", {"spec": {"engine": {"image": f"registry.invalid/ember/engine@{digest}"}}})
+    third = archive_after(pinned["metadata"]["generation"])
+    assert third not in (first, second)
+    assert (
+        wait_for(lambda: api.archive(third), "the pinned image's archive", op)["spec"]["identity"][
+            "imageDigest"
+        ]
+        == digest
+    )
