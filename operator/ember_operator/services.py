@@ -16,7 +16,7 @@ from typing import Any
 
 from ember import contract
 from ember_operator.api import ModelDeploymentStatus
-from ember_operator.kube import Kube, KubeError
+from ember_operator.kube import Kube, KubeError, merge_patch
 from ember_operator.pods import owner_reference
 
 PORT_NAME = "http"
@@ -92,8 +92,9 @@ def _apply(kube: Kube, ns: str, name: str, uid: str) -> list[str]:
             return [f"{what} exists and is not this ModelDeployment's: rename or delete it"]
         want = service_spec(name)
         if _drifted(existing, want):
-            patch = {"spec": {"selector": want["selector"], "ports": want["ports"]}}
-            kube.patch(services_path(ns, name), patch)
+            # A merge patch merges maps: keys someone added to the selector are removed explicitly.
+            selector = merge_patch(existing["spec"].get("selector") or {}, want["selector"])
+            kube.patch(services_path(ns, name), {"spec": {"selector": selector, "ports": want["ports"]}})
     except KubeError as exc:
         if not exc.rejected:
             raise

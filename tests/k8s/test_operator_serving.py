@@ -47,7 +47,9 @@ def _wait_ready(api: Api, name: str) -> None:
 
 def test_ready_condition_and_a_service_over_ready_serving_pods(env: Any, minio: LocalMinio) -> None:
     api, op, prefix = env
-    spec = md_spec(minio, prefix, replicas=1, warmPool={"size": 1})
+    # SAVE pods (below) keep running under kwok.
+    save = {"podAnnotations": {"pod-complete.stage.kwok.x-k8s.io/delay": "600s"}}
+    spec = md_spec(minio, prefix, replicas=1, warmPool={"size": 1}, save=save)
     write_test_archive(minio, prefix, spec)  # the archive is there: no SAVE Job
     api.create_md("qwen", spec)
     _wait_ready(api, "qwen")
@@ -92,11 +94,28 @@ def test_ready_condition_and_a_service_over_ready_serving_pods(env: Any, minio: 
     api.patch_md("qwen", {"metadata": {"annotations": {"poke": "1"}}})
     wait_for(
         lambda: (
-            api.core.read_namespaced_service("qwen", api.ns).spec.selector.get("ember.dev/pool") == "serving"
+            api.core.read_namespaced_service("qwen", api.ns).spec.selector
+            == {"ember.dev/deployment": "qwen", "ember.dev/pool": "serving"}
         ),
         "the selector restored",
         op,
     )
+
+    # A new identity: its SAVE pod runs (Ready) while the old pods keep serving; never an endpoint.
+    api.patch_md("qwen", {"spec": {"engine": {"args": ["--enforce-eager"]}}})
+    wait_for(lambda: api.condition("qwen", "Ready").get("reason") == "Reconfiguring", "Ready=False", op)
+    save_pod = wait_for(lambda: next(iter(api.pods("ember.dev/archive")), None), "the SAVE pod", op)
+    wait_for(
+        lambda: any(
+            c.type == "Ready" and c.status == "True"
+            for c in (api.core.read_namespaced_pod(save_pod.metadata.name, api.ns).status.conditions or [])
+        ),
+        "the SAVE pod Ready",
+        op,
+    )
+    # (the endpoints come back after the selector edit above: wait for them)
+    wait_for(lambda: _endpoint_pods(api, "qwen") == serving, "the old pods as the endpoints", op)
+    assert save_pod.metadata.name not in _endpoint_pods(api, "qwen")
 
 
 def test_not_ready_says_why_and_a_foreign_service_is_left_alone(env: Any, minio: LocalMinio) -> None:
