@@ -64,11 +64,16 @@ class ArchiveIdentity(BaseModel):
     # engine does; the operator, which never reads the model, leaves it empty and LOAD compares
     # the archive's recorded digest with the engine's own instead).
     config: str = ""
+    # Engine arguments that change graphs (`ember.identity_args.graph_args`: all but a known list,
+    # canonical) and the engine image's digest when the image is pinned by one.
+    engine_args: tuple[str, ...] = ()
+    image_digest: str = ""
 
     def canonical(self) -> dict[str, Any]:
         out = self.model_dump(mode="json")
-        if not out["config"]:
-            del out["config"]  # identities made without one keep the hash they always had
+        for key in ("config", "engine_args", "image_digest"):
+            if not out[key]:
+                del out[key]  # identities made without one keep the hash they always had
         return out
 
     def hash(self) -> str:

@@ -14,6 +14,7 @@ from typing import Annotated
 from pydantic import ConfigDict, Field, model_validator
 
 from ember.identity import ArchiveIdentity, Parallelism
+from ember.identity_args import graph_args, image_digest
 from ember_operator.api_autoscaling import QUANTITY, AutoscalingSpec, MetricTarget  # noqa: F401
 from ember_operator.api_base import (  # noqa: F401  (re-exported: crdgen and callers use api.*)
     DNS1123_SUBDOMAIN,
@@ -37,6 +38,7 @@ from ember_operator.api_parallelism import (  # noqa: F401
     SwitchStatus,
 )
 from ember_operator.api_signing import ArchiveSettings, SigningSpec, TrustedKey  # noqa: F401
+from ember_operator.api_template import ContainerPatch, PodSpecPatch, PodTemplatePatch  # noqa: F401
 
 # ------------------------------------------------------------------------------------------------
 # ModelDeployment spec
@@ -138,12 +140,15 @@ class EngineSpec(ApiModel):
         pattern=ENGINE_VERSION,
     )
     image: str = Field(
-        description="Engine container image with ember installed (serves, and runs `ember save --job`).",
+        description="Engine container image with ember installed (serves, and runs `ember save --job`). "
+        "Pinned by digest (repo@sha256:…), the digest is part of the archive identity.",
         min_length=1, max_length=512, pattern=NO_SPACE,
     )
     args: list[Annotated[str, Field(max_length=MAX_ARG)]] = Field(
         default_factory=list, max_length=64,
-        description="Extra engine arguments, delivered with the claim (annotation ember.dev/engine-args).",
+        description="Extra engine arguments, delivered with the claim (annotation ember.dev/engine-args). "
+        "Part of the archive identity, except arguments known not to change graphs (front end, "
+        "logging, names, tokenizer: ember.identity_args.NOT_GRAPH_ARGS).",
     )
     resources: EngineResources = Field(
         default_factory=EngineResources, description="CPU and memory of the engine container.",
@@ -354,6 +359,8 @@ class ModelDeploymentSpec(ApiModel):
     save: SaveOptions = Field(default_factory=SaveOptions, description="SAVE Job options.")
     archive: ArchiveSettings = Field(default_factory=ArchiveSettings,
                                      description="Archive signing and the keys serving pods trust.")
+    template: PodTemplatePatch | None = Field(None, description="Pod template patch for the serving, warm "
+                                              "and SAVE pods (env, volumes, tolerations, service account …).")
 
     drain_seconds: int = Field(
         10, ge=0, le=3600, description="When pods of an old shape or revision go: seconds between "
@@ -390,6 +397,8 @@ class ModelDeploymentSpec(ApiModel):
             max_batch=self.capture.max_batch,
             parallelism=Parallelism(tensor=shape.tensor, expert=shape.expert, data=shape.data),
             gpu_product=self.gpu.product,
+            engine_args=graph_args(self.engine.args),
+            image_digest=image_digest(self.engine.image),
         )
 
 
@@ -444,7 +453,8 @@ class ModelDeploymentStatus(ApiModel):
     phase: MDPhase | None = Field(None, description="Summary: Pending, Saving, Deploying, Ready, "
                                   "Scaling, Reconfiguring, Switching, Degraded or Invalid.")
     conditions: list[Condition] = Field(
-        default_factory=list, description="ArchiveReady, Available, Progressing, Schedulable.",
+        default_factory=list, description="Ready (True exactly when phase is Ready), ArchiveReady, "
+        "Available, Progressing, Schedulable; each with observedGeneration.",
         json_schema_extra=_CONDITIONS_EXTRA,
     )
     observed_generation: int | None = Field(None, description="Generation last reconciled.")
@@ -453,6 +463,8 @@ class ModelDeploymentStatus(ApiModel):
     updated_replicas: int = Field(0, description="Serving pods of the current revision.")
     restored_replicas: int = Field(0, description="Pods whose sidecar reported ember.dev/restore=restored.")
     selector: str | None = Field(None, description="Label selector of the serving pods (for HPA).")
+    address: str | None = Field(None, description="The deployment's Service: <name>.<namespace>.svc:<port>, "
+                                "routing to its Ready serving pods.")
     revision: str | None = Field(None, description="Current pod revision hash.")
     archive: ArchiveRef | None = Field(None, description="The archive in use.")
     last_restore_time: str | None = Field(None, description="Most recent successful restore (RFC 3339).")
@@ -484,6 +496,8 @@ class IdentitySpec(ApiModel):
     max_batch: int = Field(512, description="Largest captured batch.")
     parallelism: ShapeSpec = Field(default_factory=ShapeSpec, description="Parallel degrees.")
     gpu_product: str = Field("", description="GPU product the archive is saved on.")
+    engine_args: list[str] = Field(default_factory=list, description="Engine arguments that change graphs.")
+    image_digest: str = Field("", description="Engine image digest (sha256:…) when the image is pinned.")
 
     @classmethod
     def of(cls, ident: ArchiveIdentity) -> IdentitySpec:
@@ -492,6 +506,7 @@ class IdentitySpec(ApiModel):
     def to_identity(self) -> ArchiveIdentity:
         data = self.model_dump(mode="json")
         data["capture_sizes"] = tuple(data["capture_sizes"])
+        data["engine_args"] = tuple(data["engine_args"])
         return ArchiveIdentity.model_validate(data)
 
 
@@ -514,6 +529,9 @@ class SaveSpec(ApiModel):
         None, description="priorityClassName of the SAVE pod (archives saved ahead of time for "
         "spec.parallelism.alternatives run at the operator's low presave priority).",
     )
+    resources: EngineResources = Field(default_factory=EngineResources,
+                                       description="Requests and limits of the SAVE container (+ 1 GPU).")
+    template: PodTemplatePatch | None = Field(None, description="The deployment's pod template patch.")
 
 
 class GraphArchiveSpec(ApiModel):

@@ -61,9 +61,11 @@ def put(
 
 
 def transitions(old: list[Condition], new: list[Condition]) -> list[Event]:
-    """One event per condition whose status or reason changed."""
+    """One event per condition (but `Ready`) whose status or reason changed."""
     events = []
     for cond in new:
+        if cond.type == "Ready":
+            continue  # the phase summarizes it, and a change of phase has its own event
         before = get(old, cond.type)
         if before is not None and before.status == cond.status and before.reason == cond.reason:
             continue

@@ -55,8 +55,8 @@ def _structural(node: Any, defs: dict[str, Any], *, in_status: bool = False) -> 
     for key, value in node.items():
         if key in _DROP or (key == "default" and value is None):
             continue
-        if key == "additionalProperties" and value is False:
-            continue
+        if key == "additionalProperties" and isinstance(value, bool):
+            continue  # false: the default; true: x-kubernetes-preserve-unknown-fields says it
         if key == "properties":
             out[key] = {k: _structural(v, defs, in_status=in_status) for k, v in value.items()}
         elif key in ("items", "additionalProperties"):
@@ -172,6 +172,7 @@ def model_deployment_crd() -> dict[str, Any]:
         {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
         {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
         {"name": "Archive", "type": "string", "jsonPath": ".status.archive.phase"},
+        {"name": "Address", "type": "string", "jsonPath": ".status.address"},
         {"name": "Fallbacks", "type": "integer", "jsonPath": ".status.fallbackCount", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]

@@ -14,6 +14,7 @@ from typing import Any
 from ember import contract
 from ember.contract import SaveResult
 from ember.identity import canonical_json
+from ember_operator import templates
 from ember_operator.api import GraphArchiveSpec
 from ember_operator.pods import (
     ENGINE_HOME,
@@ -57,9 +58,10 @@ def save_job(
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
         **gpu_placement(gpu_product),
-        # Any shape saves on ONE GPU (libember's communication stub stands in for the other ranks).
-        **({"priorityClassName": spec.save.priority_class_name} if spec.save.priority_class_name else {}),
     }
+    pod_spec = templates.apply_spec(pod_spec, spec.save.template)
+    if spec.save.priority_class_name:  # a presave's low priority wins over the template's
+        pod_spec["priorityClassName"] = spec.save.priority_class_name
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -77,7 +79,8 @@ def save_job(
             "backoffLimit": 0,  # the operator retries with its own backoff, as a new attempt
             "activeDeadlineSeconds": spec.save.timeout_seconds or timeout_seconds,
             "template": {
-                "metadata": {"labels": labels, "annotations": dict(spec.save.pod_annotations)},
+                "metadata": templates.apply_metadata(
+                    {"labels": labels, "annotations": dict(spec.save.pod_annotations)}, spec.save.template),
                 "spec": pod_spec,
             },
         },
@@ -105,7 +108,9 @@ def save_container(spec: GraphArchiveSpec, store: StoreAccess) -> dict[str, Any]
             *ENGINE_HOME,
         ],
         "envFrom": store.env_from(optional=False),
-        "resources": {"limits": {contract.GPU_RESOURCE: "1"}},
+        # Requests as the serving engine's (never BestEffort), one GPU whatever the shape.
+        "resources": {"requests": dict(spec.save.resources.requests),
+                      "limits": {**spec.save.resources.resolved_limits(), contract.GPU_RESOURCE: "1"}},
         "terminationMessagePath": contract.TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [

@@ -34,7 +34,7 @@ from ember.archive import signing
 from ember.contract import Claim
 from ember.engines.vllm import args as vllm_args
 from ember.identity import ArchiveIdentity, canonical_json
-from ember_operator import conditions, hpas, naming, switching, tenancy
+from ember_operator import conditions, hpas, naming, switching, templates, tenancy
 from ember_operator.api import (
     ArchiveRef,
     GraphArchiveSpec,
@@ -47,15 +47,18 @@ from ember_operator.api import (
     StoreSpec,
 )
 from ember_operator.conditions import Event
-from ember_operator.limits import GPUS_ABOVE_LIMIT
+from ember_operator.phases import (  # noqa: F401  (derive_phase, REFUSED_REASONS: re-exported)
+    ARCHIVE_READY,
+    AVAILABLE,
+    INVALID_SPEC,
+    PROGRESSING,
+    REFUSED_REASONS,
+    derive_phase,
+    settle,
+)
 from ember_operator.pods import PodTemplate, StoreAccess, claim_patch, serving_pod
 from ember_operator.tenancy import Refused, Tenancy, store_refusal
 from ember_operator.views import ArchiveView, PodView
-
-ARCHIVE_READY = "ArchiveReady"
-AVAILABLE = "Available"
-PROGRESSING = "Progressing"
-SCHEDULABLE = "Schedulable"
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,7 @@ def template_of(
         store=StoreAccess.of(store_of(spec, ctx, namespace)),
         service_account=ctx.pod_service_account,
         trusted_keys=trusted_keys_env(spec),
+        patch=templates.encode(spec.template),
         **_engine_resources(spec),
     )
 
@@ -187,6 +191,7 @@ def archive_object(
             pod_annotations=dict(spec.save.pod_annotations), timeout_seconds=spec.save.timeout_seconds,
             signing_secret=spec.archive.signing.secret_name or ctx.signing_secret or None,
             priority_class_name=priority_class or None,
+            resources=spec.engine.resources, template=spec.template,
         ),
     )
     return {
@@ -436,10 +441,9 @@ def _set_conditions(obs: Observed, plan: Plan, rollout: _Rollout, archive_ready:
     conds = conditions.put(list(st.conditions), ARCHIVE_READY, *archive_ready, gen, now)
     conds = conditions.put(conds, AVAILABLE, *_available(obs, plan.status, rollout), gen, now)
     conds = conditions.put(conds, PROGRESSING, *_progressing(obs, plan.status, rollout), gen, now)
-    order = [ARCHIVE_READY, AVAILABLE, PROGRESSING]
-    st.conditions = sorted(conds, key=lambda c: order.index(c.type) if c.type in order else 9)
+    st.conditions = conds
     old_phase = obs.status.phase
-    st.phase = derive_phase(st.conditions)
+    settle(st, gen, now)
     plan.events = conditions.transitions(obs.status.conditions, st.conditions)
     # In-progress phases are the Progressing reason (already an event); settled ones get their own.
     if old_phase != st.phase and st.phase in (MDPhase.ready, MDPhase.degraded):
@@ -501,8 +505,6 @@ def _progressing(obs: Observed, st: ModelDeploymentStatus, rollout: _Rollout) ->
 
 
 CREATE_REJECTED = "CreateRejected"
-INVALID_SPEC = "InvalidSpec"
-REFUSED_REASONS = frozenset({INVALID_SPEC, GPUS_ABOVE_LIMIT, *tenancy.REASONS})  # → phase Invalid
 
 
 def refused_status(
@@ -513,7 +515,7 @@ def refused_status(
     st = status.model_copy(deep=True)
     st.observed_generation = generation
     st.conditions = conditions.put(st.conditions, PROGRESSING, False, reason, message[:1024], generation, now)
-    st.phase = derive_phase(st.conditions)
+    settle(st, generation, now)
     return st, conditions.transitions(status.conditions, st.conditions)
 
 
@@ -527,7 +529,7 @@ def record_refusals(obs: Observed, plan: Plan, refusals: list[str], pods_refused
     message = "; ".join(dict.fromkeys(refusals))[:1024]
     st.conditions = conditions.put(st.conditions, PROGRESSING, False, CREATE_REJECTED, message,
                                    obs.generation, obs.now)
-    st.phase = derive_phase(st.conditions)
+    settle(st, obs.generation, obs.now)
     dropped = planned.reason if planned is not None else ""
     changed = conditions.transitions(obs.status.conditions, st.conditions)
     plan.events = [e for e in plan.events if e.reason != dropped] + [
@@ -549,30 +551,3 @@ def _plan_hpa(obs: Observed, plan: Plan) -> None:
             plan.hpa_apply = desired
     elif obs.hpa is not None:
         plan.hpa_delete = True
-
-
-def derive_phase(conds: list[Any]) -> MDPhase:
-    """The phase is a summary of the conditions (never stored state of its own)."""
-    prog = conditions.get(conds, PROGRESSING)
-    avail = conditions.get(conds, AVAILABLE)
-    if prog is not None and prog.status.value == "False" and prog.reason in REFUSED_REASONS:
-        return MDPhase.invalid
-    if prog is not None and prog.status.value == "True":
-        try:
-            return MDPhase(prog.reason)
-        except ValueError:
-            return MDPhase.deploying
-    if avail is not None and avail.reason in ("NativeCapture", "PartialFallback"):
-        return MDPhase.degraded
-    if avail is not None and avail.status.value != "True":
-        return MDPhase.degraded
-    # Never Ready while new pods could not restore (the archive is gone, invalid or unreachable)
-    # or while pods of the deployment cannot be scheduled.
-    archive = conditions.get(conds, ARCHIVE_READY)
-    scaled_to_zero = avail is not None and avail.reason == "ScaledToZero"
-    if archive is not None and archive.status.value != "True" and not scaled_to_zero:
-        return MDPhase.degraded
-    schedulable = conditions.get(conds, SCHEDULABLE)
-    if schedulable is not None and schedulable.status.value == "False":
-        return MDPhase.degraded
-    return MDPhase.ready

@@ -22,7 +22,7 @@ from typing import Any
 
 from ember import contract
 from ember.contract import Claim
-from ember_operator import naming
+from ember_operator import naming, templates
 from ember_operator.api import StoreSpec
 
 LIB_MOUNT = "/ember-lib"  # where the lib init container copies libember.so to
@@ -107,15 +107,18 @@ class PodTemplate:
     engine_requests: tuple[tuple[str, str], ...] = ()
     engine_limits: tuple[tuple[str, str], ...] = ()
     trusted_keys: str = ""  # EMBER_TRUSTED_KEYS of sidecar and engine; "" → not set
+    patch: str = ""  # spec.template (templates.encode); "" → none
 
     @property
     def pool_key(self) -> str:
-        # The trust list only when set, so the pools of deployments without one keep their keys.
+        # The trust list and the template only when set, so the pools of deployments without them
+        # keep their keys.
         return naming.short_hash(
             self.gpu_product, self.gpu_count, self.engine_kind, self.engine_version, self.engine_image,
             self.sidecar_image, self.store.uri, self.store.endpoint, self.store.credentials_secret,
             self.store.pvc, list(self.engine_requests), list(self.engine_limits),
-            *([self.trusted_keys] if self.trusted_keys else []), length=16,
+            *([self.trusted_keys] if self.trusted_keys else []), *([self.patch] if self.patch else []),
+            length=16,
         )
 
     def trust_env(self) -> list[dict[str, Any]]:
@@ -232,6 +235,8 @@ def engine_container(t: PodTemplate) -> dict[str, Any]:
         "name": contract.ENGINE_CONTAINER,
         "image": t.engine_image,
         **engine_command(t),
+        # vLLM's and `ember serve`'s HTTP port: the deployment's Service targets it.
+        "ports": [{"name": "http", "containerPort": contract.ENGINE_PORT, "protocol": "TCP"}],
         "env": [
             *_downward_env(),
             *libember_env(),
@@ -301,7 +306,7 @@ def pod_spec(t: PodTemplate) -> dict[str, Any]:
     }
     if t.service_account:
         spec["serviceAccountName"] = t.service_account
-    return spec
+    return templates.apply_spec(spec, templates.decode(t.patch))
 
 
 def base_labels(t: PodTemplate) -> dict[str, str]:
@@ -322,12 +327,12 @@ def warm_pod(t: PodTemplate, prefetch: list[str] | None = None, name: str = "") 
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {
+        "metadata": templates.apply_metadata({
             **({"name": name} if name else {"generateName": naming.warm_pod_prefix(t.pool_key)}),
             "namespace": t.namespace,
             "labels": {**base_labels(t), contract.LABEL_POOL: contract.POOL_WARM},
             "annotations": {contract.ANN_PREFETCH: contract.prefetch_annotation(prefetch or [])},
-        },
+        }, templates.decode(t.patch)),
         "spec": pod_spec(t),
     }
 
@@ -337,13 +342,13 @@ def serving_pod(t: PodTemplate, claim: Claim, name: str, owner_uid: str) -> dict
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {
+        "metadata": templates.apply_metadata({
             "name": name,
             "namespace": t.namespace,
             "labels": {**base_labels(t), **claim.labels()},
             "annotations": claim.annotations(),
             "ownerReferences": [owner_reference(claim.deployment, owner_uid)],
-        },
+        }, templates.decode(t.patch)),
         "spec": pod_spec(t),
     }
 

@@ -48,12 +48,12 @@ from ember_operator.kube import (
     pods_path,
 )
 from ember_operator.limits import Limits, apply_limits, replicas_left
+from ember_operator.phases import settle
 from ember_operator.planning import (
     INVALID_SPEC,
     Context,
     Observed,
     Plan,
-    derive_phase,
     free_names,
     plan_deployment,
     record_refusals,
@@ -63,6 +63,7 @@ from ember_operator.planning import (
 )
 from ember_operator.pods import PodTemplate, StoreAccess, serving_pod
 from ember_operator.pools import gpu_starved, plan_pools, pool_wants, warm_pool_size, warm_to_yield
+from ember_operator.services import apply_service
 from ember_operator.settings import Settings
 from ember_operator.store_probe import probe_archive
 from ember_operator.tenancy import Refused
@@ -203,6 +204,7 @@ class Reconciler:
         claimed, pods_refused = self._apply_pods(obs, plan, template, started, planned)
         refusals += pods_refused
         refusals += self._apply_hpa(ns, name, plan, obs.hpa)
+        refusals += apply_service(self.kube, ns, name, obs.uid, plan.status)
         if refusals:
             record_refusals(obs, plan, refusals, len(pods_refused))
 
@@ -264,9 +266,10 @@ class Reconciler:
         reason, message = problem or ("Schedulable", "")
         plan.status.conditions = conditions.put(plan.status.conditions, placement.CONDITION, problem is None,
                                                 reason, message[:4096], obs.generation, obs.now)
-        final = derive_phase(plan.status.conditions)
-        if final != plan.status.phase:  # the plan's own Phase event named the phase before this
-            plan.status.phase = final
+        planned = plan.status.phase
+        settle(plan.status, obs.generation, obs.now)
+        final = plan.status.phase
+        if final != planned:  # the plan's own Phase event named the phase before this
             plan.events = [e for e in plan.events if e.reason != "Phase"]
             if obs.status.phase != final and final in (MDPhase.ready, MDPhase.degraded):
                 before = obs.status.phase.value if obs.status.phase else "None"

@@ -79,7 +79,8 @@ def test_example_goes_through_every_phase(env: Any, minio: LocalMinio) -> None:
     assert job.metadata.name == f"ember-save-{ident.hash()[:16]}-0"
     pod_spec = job.spec.template.spec
     container = pod_spec.containers[0]
-    assert container.resources.limits == {"nvidia.com/gpu": "1"}
+    assert container.resources.limits == {"nvidia.com/gpu": "1", "memory": "16Gi"}
+    assert container.resources.requests == {"cpu": "2", "memory": "16Gi"}  # never BestEffort
     assert pod_spec.node_selector == {"nvidia.com/gpu.product": PRODUCT}
     assert any(t.key == "nvidia.com/gpu" for t in pod_spec.tolerations)
     job_env = {e.name: e.value for e in container.env}
@@ -117,7 +118,7 @@ def test_example_goes_through_every_phase(env: Any, minio: LocalMinio) -> None:
     assert md["status"]["observedGeneration"] == md["metadata"]["generation"]
     assert md["status"]["readyReplicas"] == 2
     assert all(c["observedGeneration"] == md["metadata"]["generation"] for c in md["status"]["conditions"])
-    assert {"ArchiveReady", "Available", "Progressing", "Schedulable"} == {
+    assert {"Ready", "ArchiveReady", "Available", "Progressing", "Schedulable"} == {
         c["type"] for c in md["status"]["conditions"]}
     for expected in ("Pending", "Saving", "Deploying", "Ready"):
         assert expected in phases, f"phase {expected} never seen in {phases}"
@@ -211,7 +212,7 @@ def test_parallelism_edit_resaves_and_rolls(env: Any, minio: LocalMinio) -> None
     new_ident = identity_of(new_spec)
     job = wait_for(lambda: next((j for j in api.jobs() if new_ident.hash()[:16] in j.metadata.name), None),
                    "SAVE Job of the new identity", op)
-    assert job.spec.template.spec.containers[0].resources.limits == {"nvidia.com/gpu": "1"}
+    assert job.spec.template.spec.containers[0].resources.limits["nvidia.com/gpu"] == "1"
     assert {p.metadata.name for p in api.serving("moe")} == old, "old pods must keep serving during SAVE"
     assert "SAVE running" in api.condition("moe", "Progressing")["message"]
     write_test_archive(minio, prefix, new_spec)

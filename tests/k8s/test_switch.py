@@ -147,7 +147,7 @@ def test_alternatives_are_presaved_once_each_at_low_priority(env: Any, minio: Lo
     assert set(by_identity) == {identity_of(shaped(spec, s, [])).short() for s in (DP1, EP2, TP2)}
     for short, job in by_identity.items():
         pod = job.spec.template.spec
-        assert pod.containers[0].resources.limits == {"nvidia.com/gpu": "1"}, "SAVE of any shape: one GPU"
+        assert pod.containers[0].resources.limits["nvidia.com/gpu"] == "1", "SAVE of any shape: one GPU"
         assert pod.priority_class_name == (None if short == current else PRESAVE)
     md = api.md("moe")
     assert [(s["gpus"], s["current"]) for s in md["status"]["shapes"]] == [(1, True), (2, False), (2, False)]

@@ -15,6 +15,7 @@ from ember_operator.hpas import hpa
 from ember_operator.jobs import job_state, read_termination, save_job
 from ember_operator.planning import archive_object, template_of
 from ember_operator.pods import StoreAccess, claim_patch, serving_pod, warm_pod
+from ember_operator.services import address, service
 
 
 def _claim() -> Claim:
@@ -102,7 +103,8 @@ def test_save_job_runs_on_one_gpu_of_the_product() -> None:
     pod = job["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert c["command"] == ["ember", "save", "--job", "--"]  # the engine's arguments follow (vLLM Jobs)
-    assert c["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    assert c["resources"]["limits"] == {"memory": "16Gi", "nvidia.com/gpu": "1"}  # 1 GPU, any shape
+    assert c["resources"]["requests"] == {"cpu": "2", "memory": "16Gi"}  # never BestEffort
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["EMBER_IDENTITY"] == canonical_json(ident.canonical()).decode()
     assert env["EMBER_STORE"] == "s3://ember/ember"
@@ -190,3 +192,21 @@ def test_vllm_pods_supervise_vllm_serve_and_the_claim_names_the_model() -> None:
     assert args[args.index("--max-num-seqs") + 1] == str(spec.capture.max_batch)
     plain = serving_pod(template_of("default", md_spec(), CTX), _claim(), "p", "u")["spec"]["containers"][0]
     assert "command" not in plain and engine_args(md_spec()) == ()
+
+
+def test_the_service_selects_the_deployments_serving_pods_on_the_engine_port() -> None:
+    t = template_of("default", md_spec(), CTX)
+    pod = serving_pod(t, _claim(), "qwen-abc-0", "u")
+    engine = pod["spec"]["containers"][0]
+    assert engine["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    svc = service("qwen", "default", "u")
+    selector = svc["spec"]["selector"]
+    assert selector == {"ember.dev/deployment": "qwen", "ember.dev/pool": "serving"}
+    assert all(pod["metadata"]["labels"][k] == v for k, v in selector.items())
+    assert svc["spec"]["ports"][0]["targetPort"] == engine["ports"][0]["containerPort"]
+    warm = warm_pod(t, name="ember-warm-x-0")["metadata"]["labels"]
+    assert not all(warm.get(k) == v for k, v in selector.items())
+    owner = svc["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["uid"]) == ("ModelDeployment", "qwen", "u")
+    assert owner["controller"] is True
+    assert address("qwen", "team-a") == "qwen.team-a.svc:8000"

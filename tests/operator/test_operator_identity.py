@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 from operator_helpers import md_spec
 
+from ember.identity_args import graph_args
 from ember_operator.api import CaptureSpec, IdentitySpec
 
 
@@ -33,3 +37,65 @@ def test_identity_spec_round_trips() -> None:
     ident = md_spec().identity()
     assert IdentitySpec.of(ident).to_identity() == ident
     assert IdentitySpec.of(ident).to_identity().hash() == ident.hash()
+
+
+def _engine(**over: Any) -> dict[str, Any]:
+    return {"kind": "vllm", "version": "0.26.0", "image": "engine:test", **over}
+
+
+BASE_ARGS = ["--max-model-len", "4096"]
+
+
+@pytest.mark.parametrize("args", [
+    [*BASE_ARGS, "--quantization", "fp8"],
+    [*BASE_ARGS, "--kv-cache-dtype", "fp8_e5m2"],
+    ["--max-model-len", "8192"],
+    [*BASE_ARGS, "--enforce-eager"],
+    [*BASE_ARGS, "--block-size", "32"],
+    [*BASE_ARGS, "--max-num-seqs", "64"],
+    [*BASE_ARGS, "--compilation-config", '{"level": 0}'],
+    [*BASE_ARGS, "--gpu-memory-utilization", "0.8"],
+    [*BASE_ARGS, "--some-future-flag"],  # unknown: identity (one extra SAVE at worst)
+])
+def test_every_graph_argument_changes_the_identity(args: list[str]) -> None:
+    base = md_spec(engine=_engine(args=BASE_ARGS)).identity()
+    changed = md_spec(engine=_engine(args=args)).identity()
+    assert changed.hash() != base.hash()
+
+
+@pytest.mark.parametrize("args", [
+    [*BASE_ARGS, "--port", "9000", "--host", "127.0.0.1"],
+    [*BASE_ARGS, "--served-model-name", "qwen", "--api-key=secret", "--disable-log-stats"],
+    [*BASE_ARGS, "--no-disable-log-stats", "--uvicorn-log-level", "debug", "--tokenizer", "x/y"],
+    ["--max_model_len=4096"],  # another spelling of the same
+    ["--port", "1", "--max-model-len", "4096", "--enable-auto-tool-choice"],
+])
+def test_arguments_that_do_not_change_graphs_keep_it(args: list[str]) -> None:
+    base = md_spec(engine=_engine(args=BASE_ARGS)).identity()
+    assert md_spec(engine=_engine(args=args)).identity().hash() == base.hash()
+
+
+def test_canonical_arguments_keep_values_and_repeated_flags_in_order() -> None:
+    args = ["--b", "1", "2", "--a", "--port", "1", "--b=3", "--c", "--host"]
+    assert graph_args(args) == ("--a", "--b", "1", "2", "--b", "3", "--c")
+    assert graph_args(["model-x", "--a"]) == ("model-x", "--a")
+
+
+def test_a_pinned_image_digest_changes_the_identity_a_tag_does_not() -> None:
+    d1, d2 = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    base = md_spec(engine=_engine(image="registry/engine:0.26")).identity()
+    assert base.image_digest == ""
+    assert md_spec(engine=_engine(image="registry/engine:0.27")).identity().hash() == base.hash()
+    pinned = md_spec(engine=_engine(image=f"registry/engine:0.26@{d1}")).identity()
+    assert pinned.image_digest == d1 and pinned.hash() != base.hash()
+    moved = md_spec(engine=_engine(image=f"mirror.local/engine@{d1}")).identity()
+    assert moved.hash() == pinned.hash()  # the same bytes under another name
+    assert md_spec(engine=_engine(image=f"registry/engine@{d2}")).identity().hash() != pinned.hash()
+
+
+def test_identities_without_args_or_digest_keep_their_hash() -> None:
+    ident = md_spec().identity()
+    assert "engine_args" not in ident.canonical() and "image_digest" not in ident.canonical()
+    with_args = md_spec(engine=_engine(args=BASE_ARGS)).identity()
+    assert with_args.canonical()["engine_args"] == BASE_ARGS
+    assert IdentitySpec.of(with_args).to_identity().hash() == with_args.hash()

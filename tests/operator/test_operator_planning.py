@@ -9,8 +9,8 @@ from operator_helpers import CTX, NOW, md_spec, observed
 
 from ember import contract
 from ember_operator import naming
-from ember_operator.api import MDPhase
-from ember_operator.planning import Plan, plan_deployment, revision_of, template_of
+from ember_operator.api import MDPhase, ModelDeploymentStatus
+from ember_operator.planning import Plan, plan_deployment, refused_status, revision_of, template_of
 from ember_operator.views import ArchiveView, PodView
 
 URI = "s3://ember/ember/archives/abc/manifest"
@@ -304,3 +304,26 @@ def test_objects_refused_by_the_apiserver_are_in_the_status() -> None:
     assert "exceeded quota" in cond.message
     assert plan.status.replicas == 0 and plan.status.phase is MDPhase.degraded
     assert [e.reason for e in plan.events if e.type == "Warning"].count("CreateRejected") == 1
+
+
+def test_ready_condition_follows_the_phase_with_observed_generation_everywhere() -> None:
+    rev = _revision()
+    pods = [_pod("a", rev, restore="restored"), _pod("b", rev, restore="restored")]
+    ready = plan_deployment(observed(archive=AVAILABLE, pods=pods, generation=3), CTX)
+    assert ready.status.conditions[0].type == "Ready"
+    assert _cond(ready, "Ready").status.value == "True" and _cond(ready, "Ready").reason == "Ready"
+    assert {c.observed_generation for c in ready.status.conditions} == {3}
+    assert ready.status.observed_generation == 3
+    assert not [e for e in ready.events if e.reason == "Ready"]  # the Phase event says it
+    saving = plan_deployment(observed(archive=SAVING, generation=4), CTX)
+    cond = _cond(saving, "Ready")
+    assert (cond.status.value, cond.reason) == ("False", "Saving") and "SAVE" in cond.message
+    one_down = plan_deployment(observed(archive=AVAILABLE, pods=[pods[0], _pod("b", rev, ready=False)]), CTX)
+    assert (_cond(one_down, "Ready").status.value, _cond(one_down, "Ready").reason) == ("False", "Scaling")
+
+
+def test_a_refused_spec_is_not_ready_and_says_why() -> None:
+    st, _ = refused_status(ModelDeploymentStatus(), 5, NOW, "InvalidSpec", "gpu.count: wrong")
+    cond = next(c for c in st.conditions if c.type == "Ready")
+    assert (cond.status.value, cond.reason, cond.message) == ("False", "Invalid", "gpu.count: wrong")
+    assert cond.observed_generation == 5

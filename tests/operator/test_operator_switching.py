@@ -86,7 +86,7 @@ def test_save_job_of_any_shape_requests_one_gpu_and_alternatives_save_at_low_pri
     job = save_job(name="j", namespace="default", archive_name="ga", archive_uid="u", spec=ga,
                    store=StoreAccess.of(ga.store), sidecar_image="s", timeout_seconds=60, attempt=0)
     pod = job["spec"]["template"]["spec"]
-    assert pod["containers"][0]["resources"]["limits"] == {contract.GPU_RESOURCE: "1"}
+    assert pod["containers"][0]["resources"]["limits"][contract.GPU_RESOURCE] == "1"
     assert pod["priorityClassName"] == "ember-presave"
     assert json.loads(next(e["value"] for e in pod["containers"][0]["env"]
                            if e["name"] == contract.ENV_IDENTITY))["parallelism"]["tensor"] == 2
