@@ -3,7 +3,7 @@
 - SAVE calls `write_archive(store, graphset, identity, compat, kernel_images=..., ...)`: graph
   table, kernel images, allocation log and RNG state become content-addressed blobs, uploaded in
   parallel; the manifest goes in LAST. Returns a `PublishedArchive` (where, digest, sizes,
-  timings: what the SAVE Job's termination summary needs).
+  timings), from which SAVE's one summary (`ember.runtime.save.SaveOutcome.summary`) is made.
 - The sidecar copies an archive into its local store (`ember_sidecar.fetching`, blobs digest-
   verified, manifest last); the engine opens that copy.
 - LOAD calls `open_archive(store_or_uri, identity_hash, expected_identity=...)` and reads
@@ -112,16 +112,6 @@ class PublishedArchive:
     uploaded_bytes: int  # bytes actually sent (blobs already in the store are skipped)
     durations: dict[str, float] = field(default_factory=dict)
     signed_by: str | None = None  # the signing key's id; None: unsigned
-
-    def summary(self) -> dict[str, Any]:
-        """The SAVE Job's termination-log summary (team contract)."""
-        return {
-            "manifest_digest": self.manifest_digest,
-            "manifest_uri": self.manifest_uri,
-            "bytes": self.bytes,
-            "graphs": self.manifest.graphs.count,
-            "durations": {k: round(v, 3) for k, v in self.durations.items()},
-        }
 
 
 @dataclass(frozen=True)

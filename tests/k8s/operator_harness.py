@@ -244,7 +244,10 @@ def write_test_archive(minio: LocalMinio, prefix: str, spec: dict[str, Any]) -> 
                        access_key=minio.access_key, secret_key=minio.secret_key)
     result = write_archive(store, synthetic_graphset(graphs=4, nodes=30, groups=1), identity_of(spec), COMPAT,
                            kernel_images=synthetic_images())
-    return result.summary()
+    # what the SAVE Job's summary carries for the operator (ember.contract.SaveResult)
+    return {"manifest_digest": result.manifest_digest, "manifest": result.manifest_uri, "bytes": result.bytes,
+            "graphs": result.manifest.graphs.count, "identity": result.manifest.identity_hash,
+            "published": True, "durations": {k: round(v, 3) for k, v in result.durations.items()}}
 
 
 def wait_for(predicate: Callable[[], Any], what: str, op: OperatorProcess | None = None,

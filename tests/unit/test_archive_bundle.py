@@ -57,9 +57,8 @@ def test_round_trip_through_a_local_store(saved: Saved) -> None:
     # Manifest written last, digest in the summary is the stored manifest's.
     raw = store.get_manifest(IDENTITY.hash())
     assert raw is not None
-    summary = result.summary()
-    assert summary["manifest_digest"] == __import__("hashlib").sha256(raw).hexdigest()
-    assert summary["graphs"] == 6 and summary["bytes"] == m.total_bytes + len(raw)
+    assert result.manifest_digest == __import__("hashlib").sha256(raw).hexdigest()
+    assert result.manifest.graphs.count == 6 and result.bytes == m.total_bytes + len(raw)
     assert result.manifest_uri.endswith(f"/archives/{IDENTITY.hash()}/manifest")
     assert bundle.verify_archive(store, IDENTITY.hash(), IDENTITY) == []
 
