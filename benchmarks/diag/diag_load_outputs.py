@@ -56,7 +56,7 @@ def main() -> None:
         return out
 
     def dedicated(i: int) -> None:
-        check(cu.cuGraphLaunch(lib.dedicate(i), stream), "launch")
+        check(cu.cuGraphLaunch(lib.own.instantiate(i), stream), "launch")
 
     python_execs: dict[int, object] = {}
 

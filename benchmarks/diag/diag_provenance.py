@@ -47,7 +47,7 @@ def _rebuilt_with_runtime_functions(w: Any, sizes: tuple[int, ...]) -> Any:
     table = fmt.decode(fmt.encode(gs))
     lib = GraphLibrary(table, resolver.function_list(table.kernels), hot_after=0)
     lib.build_templates()
-    execs: dict[tuple[int, ...], Any] = {(b,): lib.dedicate(lib.key_index((b,))) for b in sizes}
+    execs: dict[tuple[int, ...], Any] = {(b,): lib.own.instantiate(lib.key_index((b,))) for b in sizes}
 
     def launch(k: tuple[int, ...]) -> None:
         assert cu.cuGraphLaunch(execs[k], torch_stream_handle(None))[0] == OK
@@ -150,7 +150,7 @@ def main() -> None:
     w, lib = loaded.workload, loaded.library
     for b in sizes:  # every size on its own exec, as a serving pod runs once settled
         loaded.launch((b,))
-    lib.settle()
+    lib.own.settle()
     out: dict[str, Any] = {"sizes": sizes, "tpot_ms": {}, "stages": {}, "extra_execs": {}}
     if a.extra_execs:
         _extra_execs(w, lib, loaded.launch, sizes, out["extra_execs"])

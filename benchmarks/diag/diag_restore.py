@@ -124,7 +124,7 @@ class Rebuilds:
     def run(self, fns: list[int], key: Key) -> list[torch.Tensor]:
         lib = GraphLibrary(self.gs, fns)
         i = lib.key_index(key)
-        lib.dedicate(i)
+        lib.own.instantiate(i)
         lib.launch(i)
         torch.cuda.synchronize()
         res = [o.clone() for o in self.w.outs[key]]

@@ -112,8 +112,8 @@ def main() -> None:
     variants: dict[str, dict[tuple[int, ...], Any]] = {
         "captured+ember": {k: instantiate(g) for k, g in captured.items()},
         "clone": {k: instantiate(check(cu.cuGraphClone(g), "cuGraphClone")) for k, g in captured.items()},
-        "rebuilt": {k: lib.dedicate(lib.key_index(k)) for k in captured},
-        "rebuilt-noattrs": {k: bare.dedicate(bare.key_index(k)) for k in captured},
+        "rebuilt": {k: lib.own.instantiate(lib.key_index(k)) for k in captured},
+        "rebuilt-noattrs": {k: bare.own.instantiate(bare.key_index(k)) for k in captured},
     }
     out["tpot_ms"] = _tpot_rounds(w, sizes, variants)
     with tempfile.TemporaryDirectory() as d:

@@ -44,7 +44,7 @@ def main() -> None:
     loaded = load_workload(store, identity, perturb_first=True, log=lambda m: None)
     lib, w = loaded.library, loaded.workload
     table: Any = lib.source  # a LOADed library reads the archive's GraphTable (node_types, changed_nodes)
-    lib._hot_after = 0
+    lib.own.hot_after = 0
     h = ctypes.CDLL(helper)
     h.set_nodes.restype = ctypes.c_int64
     h.set_nodes.argtypes = [
@@ -127,8 +127,8 @@ def main() -> None:
                 steps["partial_set"] = step_ms(tmpl.handle)
                 lib.switch(b)
                 steps["updated"] = step_ms(tmpl.handle)
-                steps["dedicated"] = step_ms(lib.dedicate(b))
-                lib.drop_dedicated(b)
+                steps["dedicated"] = step_ms(lib.own.instantiate(b))
+                lib.own.drop(b)
             lib.switch(a)
             idx = np.nonzero(settable)[0]
             all_get, all_set = put(tmpl.handle, dst[idx], src[idx], types[idx])

@@ -117,9 +117,9 @@ def member_report(lib: GraphLibrary, gs: Any, runs: Runs, i: int, ref: list[torc
     row["member_graph_masked_ok"] = same(ref, runs(key, launch))
     # no mask at all on an exec of the member's own graph: the rebuild itself
     cu.cuGraphExecDestroy(ex)
-    lib.dedicate(i)
+    lib.own.instantiate(i)
     row["own_exec_ok"] = same(ref, runs(key, lambda: lib.launch(i)))
-    lib.drop_dedicated(i)
+    lib.own.drop(i)
     # the member's nodes in optional slots, and the other members' nodes around them
     optional = set(union.optional.tolist())
     g0 = gs.graphs[i]

@@ -84,7 +84,7 @@ def main() -> None:
     out["proof_switch_ms_p50"] = statistics.median(lib.switch_ms) if lib.switch_ms else None
     lib.close()
     lib = load_like(blob, resolver, out)
-    lib._hot_after = 0
+    lib.own.hot_after = 0
     toks = {}
     for b in [s for s in (1, 8, 64) if s in w.sizes]:
         n, _ = decode_tokens(w, lambda k: w.graphs[k].replay(), b)
@@ -93,7 +93,7 @@ def main() -> None:
     out["tokens_identical"] = toks
     tp = {}
     for b in [s for s in (1, 64) if s in w.sizes]:
-        lib.dedicate(lib.key_index((b,)))
+        lib.own.instantiate(lib.key_index((b,)))
         tp[b] = {
             "native": tpot_ms(w, lambda k: w.graphs[k].replay(), b),
             "restored": tpot_ms(w, lambda k: lib.launch(lib.key_index(k)), b),

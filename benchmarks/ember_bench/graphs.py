@@ -94,7 +94,7 @@ def role_load(args: dict[str, Any]) -> dict[str, Any]:
     run_dir = args.get("run_dir") or tempfile.mkdtemp(prefix="ember-run-")
     with load_attempt(run_dir=run_dir, identity=args["identity"]):
         sizes = [k[0] for k in lib.keys]
-        lib._hot_after = 0  # measure the template path only
+        lib.own.hot_after = 0  # measure the template path only
         first = []
         for i in range(len(lib.keys)):
             t = time.perf_counter()
@@ -123,11 +123,11 @@ def role_load(args: dict[str, Any]) -> dict[str, Any]:
     # TPOT as an engine sees it once serving: the library's default policy (a key launched through
     # an updated template gets a dedicated exec in the background), after that exec is ready.
     # tpot_template_ms above is the bridge a key rides on until then (the template, updated to it).
-    lib._hot_after = 1
+    lib.own.hot_after = 1
     for b in _present(sizes, TPOT_BATCHES):
         loaded.launch((b,))
-    lib.settle()
-    out["dedicated_execs"] = len(lib._dedicated)
+    lib.own.settle()
+    out["dedicated_execs"] = len(lib.own.execs)
     out["tpot_ms"] = {str(b): tpot_ms(w, loaded.launch, b) for b in _present(sizes, TPOT_BATCHES)}
     kernel_profile.maybe_profile("load", loaded.launch, _present(sizes, TPOT_BATCHES))
     out["tpot_same_process"] = tpot.same_process(w, loaded.launch, _present(sizes, TPOT_BATCHES))

@@ -108,7 +108,7 @@ def _launch_all(loaded: Any, t0: float, out: dict[str, Any], prefix: str) -> Non
     out[f"{prefix}_launchable_ms"] = {
         "first": ready[0], "p50": statistics.median(ready), "all": max(ready)
     }
-    lib.wait_dedicated()
+    lib.own.wait()
     out[f"{prefix}_ready_ms"] = (time.perf_counter() - t0) * 1e3
     updates = len(lib.switch_ms)
     first: list[float] = []
@@ -127,7 +127,7 @@ def _launch_all(loaded: Any, t0: float, out: dict[str, Any], prefix: str) -> Non
     }
     out[f"{prefix}_first_use_updates"] = len(lib.switch_ms) - updates
     out[f"{prefix}_marks_ms"] = {k: (v - t0) * 1e3 for k, v in lib.marks.items()}
-    st = lib.dedicator.stats if lib.dedicator is not None else None
+    st = lib.own.dedicator.stats if lib.own.dedicator is not None else None
     if st is not None:
         out[f"{prefix}_exec_mb"] = st.bytes / 2**20
         out[f"{prefix}_execs"] = st.execs

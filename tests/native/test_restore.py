@@ -380,7 +380,7 @@ ip.replay_window()
 lib = restore.library()
 lib.wait_templates()                       # handed over after the first; the others follow
 if os.environ.get("TEST_HOT_AFTER") == "0":
-    lib._hot_after = 0
+    lib.own.hot_after = 0
 group = lib.groups[0]
 other = next(m for m in group.members if m != group.template)
 template = int(lib._templates[group.index].handle)
@@ -394,13 +394,13 @@ def step(name):
                   "updates": cuda.standin_exec_updates(), "execs": cuda.standin_execs_alive()}
 
 step("first")          # the template, updated to this key; a dedicated exec is asked for
-seen["pending_after_settle"] = lib.settle(timeout=30)
+seen["pending_after_settle"] = lib.own.settle(timeout=30)
 step("second")         # the dedicated exec: no update
 step("third")
 graph.reset()          # the engine drops the graph: its exec goes, the template serves again
 seen["execs_after_reset"] = cuda.standin_execs_alive()
 step("after_reset")    # ... and, used again, the key is given its own exec again
-lib.settle(timeout=30)
+lib.own.settle(timeout=30)
 step("after_reset_settled")
 last_json(seen)
 """
@@ -447,15 +447,15 @@ restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
 model()
 ip.replay_window()
 lib = restore.library()
-assert lib.wait_dedicated(timeout=30)
+assert lib.own.wait(timeout=30)
 templates = {g.index: int(lib._templates[g.index].handle) for g in lib.groups}
-own = {i: int(ex) for i, ex in lib._dedicated.items()}
+own = {i: int(ex) for i, ex in lib.own.execs.items()}
 updates = cuda.standin_exec_updates()
 launched = {}
 for i in lib.order:                        # every key once, in need order
     RestoredGraph(lib, i).replay(cu.CUstream(0))
     launched[i] = cuda.standin_last_launched()
-st = lib.dedicator.stats
+st = lib.own.dedicator.stats
 last_json({"keys": [list(k) for k in lib.keys], "order": lib.order,
            "groups": [[g.template, list(g.members)] for g in lib.groups],
            "templates": templates, "own": own, "launched": launched,
@@ -468,13 +468,13 @@ last_json({"keys": [list(k) for k in lib.keys], "order": lib.order,
 EARLY = COMMON + """
 restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
 restore._handover.wait()                   # the first template is built; the model is not
-ready = restore._lib.wait_dedicated(timeout=2)
-execs = restore._lib.dedicator.stats.execs
+ready = restore._lib.own.wait(timeout=2)
+execs = restore._lib.own.dedicator.stats.execs
 model()
 ip.replay_window()
 lib = restore.library()
 last_json({"ready_before_serving": ready, "execs_before_serving": execs,
-           "ready": lib.wait_dedicated(timeout=30), "execs": lib.dedicator.stats.execs})
+           "ready": lib.own.wait(timeout=30), "execs": lib.own.dedicator.stats.execs})
 """
 
 
@@ -639,9 +639,9 @@ restore = ArchiveRestore.open(ip, STORE, IDENTITY.hash(), ENGINE)
 model()
 ip.replay_window()
 lib = restore.library()
-assert lib.wait_dedicated(timeout=30)
+assert lib.own.wait(timeout=30)
 restore._thread.join()
-lib.dedicator.join()
+lib.own.dedicator.join()
 last_json({"before": before, **seen, "after": sys.getswitchinterval()})
 """
 
@@ -840,7 +840,7 @@ model()
 ip.replay_window()
 lib = restore.library()
 lib.wait_templates()
-lib.wait_dedicated(timeout=30)             # built; with EMBER_SWAP_AT_LAUNCH they wait for that launch
+lib.own.wait(timeout=30)             # built; with EMBER_SWAP_AT_LAUNCH they wait for that launch
 for name in ("standin_graph_dump", "standin_exec_dump"):
     getattr(cuda, name).restype = ctypes.c_size_t
     getattr(cuda, name).argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
@@ -855,7 +855,7 @@ for s in range(3 * len(lib.keys)):         # every key three times, in need orde
     i = lib.order[s % len(lib.keys)]
     lib.launch(i, cu.CUstream(0))
     launched = cuda.standin_last_launched()
-    own = launched == int(lib._dedicated[i]) if i in lib._dedicated else False
+    own = launched == int(lib.own.execs[i]) if i in lib.own.execs else False
     steps.append([own, nodes(cuda.standin_exec_dump, launched) == nodes(cuda.standin_graph_dump, lib.graph(i))])
 last_json({"steps": steps, "templates": [g.template for g in lib.groups], "order": lib.order})
 """
@@ -878,13 +878,13 @@ def test_a_swap_to_own_execs_at_any_step_launches_what_the_key_holds(restore_py,
 
 OWN_EXEC = SWAP.split("steps = []")[0] + """
 i = lib.order[-1]
-ex = lib.own_exec(i)
+ex = lib.own.get(i)
 last_json({"same": nodes(cuda.standin_exec_dump, ex) == nodes(cuda.standin_graph_dump, lib.graph(i)),
-           "adopted": int(lib._dedicated[i]) == int(ex), "again": int(lib.own_exec(i)) == int(ex)})
+           "adopted": int(lib.own.execs[i]) == int(ex), "again": int(lib.own.get(i)) == int(ex)})
 """
 
 
 def test_the_canary_builds_a_keys_own_exec_now_as_the_dedicator_would(restore_py, tmp_path: Path) -> None:
-    """`GraphLibrary.own_exec` (LOAD's canary launches it): the key's graph, adopted, built once."""
+    """`OwnExecs.get` (LOAD's canary launches it): the key's graph, adopted, built once."""
     env = {**_saved(restore_py, tmp_path), "EMBER_DEDICATE": "0"}
     assert _last_json(restore_py(OWN_EXEC, mode="load", env=env)) == {"same": True, "adopted": True, "again": True}

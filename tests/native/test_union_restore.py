@@ -89,7 +89,7 @@ model()
 ip.replay_window()
 lib = restore.library()
 first = lib.order[0]
-out = {"first_own": lib.has_dedicated(first), "first_launchable": lib.launchable_at(first) is not None}
+out = {"first_own": lib.own.has(first), "first_launchable": lib.launchable_at(first) is not None}
 lib.wait_templates()
 out["groups"] = [[len(g.members), g.union is not None] for g in lib.groups]
 out["template_execs"] = len(lib._templates)
@@ -104,9 +104,9 @@ out["same"] = same
 out["updates"] = cuda.standin_exec_updates() - updates
 out["enable_calls"] = cuda.standin_enable_calls()
 if os.environ.get("EMBER_DEDICATE") != "0":
-    lib.wait_dedicated(30)
-    out["own"] = [lib.has_dedicated(i) for i in range(len(SIZES))]
-    out["dedicate_failed"] = lib.dedicator.stats.failed
+    lib.own.wait(30)
+    out["own"] = [lib.own.has(i) for i in range(len(SIZES))]
+    out["dedicate_failed"] = lib.own.dedicator.stats.failed
 last_json(out)
 """
 
@@ -166,9 +166,9 @@ try:
     out["through_union"] = "switched"
 except FormatError as exc:
     out["through_union"] = str(exc)
-out["own_before"] = lib.has_dedicated(1)
+out["own_before"] = lib.own.has(1)
 lib.launch(1, stream)  # the engine's path: its own exec, built there and then
-out["own"] = lib.has_dedicated(1)
+out["own"] = lib.own.has(1)
 out["others_same"] = []
 for i in [0, *range(2, len(SIZES))]:
     lib.launch_template(i, stream)
@@ -194,7 +194,7 @@ for i in lib.order:  # the engine's path: a switch the driver refuses falls back
     lib.launch(i, stream)
     held = dump(cuda.standin_exec_dump, lib.exec_for(i))
     out["same"].append(held == dump(cuda.standin_graph_dump, lib.graph(i)))
-out["own"] = [lib.has_dedicated(i) for i in range(len(SIZES))]
+out["own"] = [lib.own.has(i) for i in range(len(SIZES))]
 out["holds"] = lib._templates[0].holds
 last_json(out)
 """

@@ -211,7 +211,7 @@ class DecodeAdapter:
             return outputs()
 
         def via_own_exec() -> list[Any]:
-            launch_exec(library.own_exec(index))
+            launch_exec(library.own.get(index))
             return outputs()
 
         reference = (lambda: saved) if saved is not None else (lambda: list(w.step(b)))

@@ -269,7 +269,7 @@ class CBEngineAdapter:
             return self.hooks.canary(key, lambda stream: library.launch_template(index, stream))
 
         def own_exec_step() -> list[int]:
-            return self.hooks.canary(key, lambda stream: launch_exec(library.own_exec(index), stream))
+            return self.hooks.canary(key, lambda stream: launch_exec(library.own.get(index), stream))
 
         result = verify.canary(lambda: saved["fingerprint"], graph_step, lambda: None,
                                verify.round_trip(library, index), own_exec_step)

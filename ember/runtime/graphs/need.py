@@ -120,7 +120,7 @@ class Dedicator:
     def _batch(self, indices: list[int]) -> bool:
         """One builder call; False once stopped or over the memory cap (the rest stay on templates)."""
         lib, st = self.lib, self.stats
-        indices = [i for i in indices if not lib.has_dedicated(i)]
+        indices = [i for i in indices if not lib.own.has(i)]
         if not indices:
             return True
         if self.stop.is_set():
@@ -134,7 +134,7 @@ class Dedicator:
             for i in indices:
                 lib.prepared(i)
             st.prepare_ms += (time.perf_counter() - t) * 1e3
-            built = lib.build_execs(indices, st.per_graph)
+            built = lib.own.build(indices, st.per_graph)
         except Exception as exc:  # the template keeps serving these keys
             st.failed.append(f"{[lib.keys[i] for i in indices]}: {type(exc).__name__}: {exc}"[:300])
             return True
@@ -146,7 +146,7 @@ class Dedicator:
         if before is not None and after is not None:
             st.bytes += max(before - after, 0)
         for i, ex in built:
-            lib.adopt_dedicated(i, ex)
+            lib.own.adopt(i, ex)
         st.execs += len(built)
         return True
 

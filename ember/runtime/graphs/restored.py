@@ -23,7 +23,7 @@ class RestoredGraph:
 
     def reset(self) -> None:
         """Drop this key's dedicated exec, if any (the template stays, it serves the group)."""
-        self._library.drop_dedicated(self.index)
+        self._library.own.drop(self.index)
 
     def __repr__(self) -> str:
         return f"RestoredGraph(key={self.key})"

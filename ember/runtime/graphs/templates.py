@@ -3,9 +3,7 @@
 One instantiated exec per topology group (its template), or per union template (`unions.py`);
 any other graph of the group is served by `cuGraphExecUpdate` of the template exec with that
 graph, when the key differs from what the exec holds. Every key then gets an exec of its own
-(`need.Dedicator`): on H100 an exec updated to a graph ran its decode step up to 24 % slower than
-one instantiated from it (benchmarks/results/switch-diag-H100-20261122-qwen3-8b.json), so the
-template only bridges a key's first steps. Engines hold `RestoredGraph`s (restored.py).
+(`own_execs.py`), which serves it from then on. Engines hold `RestoredGraph`s (restored.py).
 Everything a restored graph references lives as long as the library: kernel functions (in the
 native catalog), prepared argument buffers, events, CUgraphs, execs.
 """
@@ -16,9 +14,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from cuda.bindings import driver as cu
@@ -42,7 +39,8 @@ from ember.runtime.graphs.groups import (
     unfolded,
 )
 from ember.runtime.graphs.kernels import KernelFunctions
-from ember.runtime.graphs.need import Dedicator, SwapGate, need_order
+from ember.runtime.graphs.need import Dedicator, need_order
+from ember.runtime.graphs.own_execs import OwnExecs
 from ember.runtime.graphs.prepared import mark_splices
 from ember.runtime.graphs.restored import RestoredGraph
 from ember.runtime.graphs.unions import UnionTemplate
@@ -53,7 +51,7 @@ TEMPLATE_BATCH = 2  # templates per libember call after the first (each batch re
 
 
 class GraphLibrary:
-    """All graphs of one graph set: templates, on-demand updates, dedicated execs."""
+    """All graphs of one graph set: templates, on-demand updates, and each key's own exec (`own`)."""
 
     def __init__(
         self,
@@ -87,16 +85,12 @@ class GraphLibrary:
         self._prepared: dict[int, rebuild.PreparedGraph] = {}
         self._graphs: dict[int, Any] = {}
         self._templates: dict[int, TemplateExec] = {}
-        self._dedicated: dict[int, Any] = {}
-        self._uses: Counter[int] = Counter()  # launches through an updated template, per key
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ember-prepare")
-        self._pending: list[Future[None]] = []
-        self._asked: set[int] = set()  # keys whose dedicated exec was asked for
-        self._driver_lock = threading.RLock()
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ember-prepare")
+        self.driver_lock = threading.RLock()
         self.timings = LoadTimings()
         self.switch_ms: list[float] = []
         self.splicer = splicer
-        self._splices = splicer.graph if splicer is not None else None
+        self.splices = splicer.graph if splicer is not None else None
         self._spliced: dict[int, list[tuple[int, int]]] = {} if splicer is None else splicer.collectives.nodes
         self.order = need_order(self.keys)
         self._ready: dict[int, threading.Event] = {}  # per group: its template is instantiated
@@ -104,13 +98,11 @@ class GraphLibrary:
         self.marks: dict[str, float] = {}  # perf_counter() when: first, templates, dedicated
         self.ready_at: dict[int, float] = {}  # perf_counter() when each group's template was ready
         self.waited_ms: list[float] = []  # launches that waited for their template
-        self.dedicator: Dedicator | None = None
         self.uploads = Uploader(self.ctx)
         self._ahead: list[Future[float]] = []  # the union template, prepared during the first build
         self.launches = 0
         self._stale_update, self._own_fault = faults.active("stale-update"), faults.active("own-exec")
-        self.gate = SwapGate()  # EMBER_SWAP_AT_LAUNCH: own execs swapped in at a chosen launch
-        self._hot_after = 0 if self.gate.at is not None else hot_after
+        self.own = OwnExecs(self, hot_after)  # each key's own exec (own_execs.py)
 
     def _unions(self, splicer: Any) -> list[UnionTemplate]:
         """The source's union templates, unless this rank splices collectives into the graphs (a
@@ -149,14 +141,14 @@ class GraphLibrary:
         """The (uninstantiated) CUgraph of one graph, built once (libember's builder, else Python)."""
         g = self._graphs.get(index)
         if g is None:
-            with self._driver_lock:
+            with self.driver_lock:
                 g = self._graphs.get(index)
                 if g is None:
                     prep = self.prepared(index)
                     one, _ = rebuild.build_native(
-                        [prep], self.ctx, self.events, instantiate=False, threads=1, splices=self._splices
+                        [prep], self.ctx, self.events, instantiate=False, threads=1, splices=self.splices
                     )
-                    g = one[0][0] if one[0] else rebuild.build(prep, self.ctx, self.events, self._splices)
+                    g = one[0][0] if one[0] else rebuild.build(prep, self.ctx, self.events, self.splices)
                     self._graphs[index] = g
         return g
 
@@ -187,9 +179,9 @@ class GraphLibrary:
         if before_build is not None:
             before_build()
         self._ahead = [self.prepare_ahead(groups=self.groups[:1])]  # while libember builds this
-        ((_, ex),) = self.build_execs([index], self.timings.per_graph)
+        ((_, ex),) = self.own.build([index], self.timings.per_graph)
         self.upload([ex])
-        self.adopt_dedicated(index, ex)
+        self.own.adopt(index, ex)
         self._first_own = index
 
     def build_rest(self, *, raise_errors: bool = True) -> None:
@@ -230,7 +222,7 @@ class GraphLibrary:
                     self.template_prepared(g)
             return (time.perf_counter() - t) * 1e3
 
-        return self._pool.submit(run)
+        return self.pool.submit(run)
 
     def template_prepared(self, group: Group) -> rebuild.PreparedGraph:
         """What a group's template exec is instantiated from: its template key's graph, or the
@@ -319,9 +311,9 @@ class GraphLibrary:
         if not groups:
             return
         nodes = [g.union.nodes if g.union is not None else None for g in groups]
-        with self._driver_lock:
+        with self.driver_lock:
             built, nt = rebuild.build_native(
-                preps, self.ctx, self.events, instantiate=True, splices=self._splices, nodes_out=nodes
+                preps, self.ctx, self.events, instantiate=True, splices=self.splices, nodes_out=nodes
             )
         self.timings.native_ms += nt["wall_ms"]
         self.timings.threads = int(nt["threads"])
@@ -347,7 +339,7 @@ class GraphLibrary:
         else:
             g = self.graph(group.template)
         t0 = time.perf_counter()
-        with self._driver_lock:
+        with self.driver_lock:
             handle = rebuild.instantiate(g)
         self.timings.build_ms += (t0 - t) * 1e3
         self.timings.instantiate_ms += (time.perf_counter() - t0) * 1e3
@@ -373,9 +365,7 @@ class GraphLibrary:
     def start_dedicating(self, after: Iterable[threading.Event] = (), budget: int | None = None) -> Dedicator:
         """Every key's own exec, in need order, on a background thread that starts once `after`
         are set and the templates are built (`ember.runtime.graphs.need.Dedicator`)."""
-        self.dedicator = Dedicator(self, budget)
-        self.dedicator.start([*self._ready.values(), *after])
-        return self.dedicator
+        return self.own.start([*self._ready.values(), *after], budget)
 
     def wait_templates(self, timeout: float | None = None) -> bool:
         """Wait until every group's template is built (or failed: built again at its first launch;
@@ -386,10 +376,6 @@ class GraphLibrary:
                 return False
             if len(self._ready) == len(events):
                 return True
-
-    def wait_dedicated(self, timeout: float | None = None) -> bool:
-        """Wait for the own execs (True when none are being built any more)."""
-        return self.dedicator is None or self.dedicator.done.wait(timeout)
 
     def launchable_at(self, index: int) -> float | None:
         """perf_counter() when key `index` became launchable (its group's template built and
@@ -414,65 +400,13 @@ class GraphLibrary:
         tmpl = self._templates.get(self._group_of[index])
         return tmpl is not None and tmpl.updated
 
-    def has_dedicated(self, index: int) -> bool:
-        return index in self._dedicated
-
-    def build_execs(self, indices: list[int], per_graph: list[Any] | None = None) -> list[tuple[int, Any]]:
-        """Own execs of `indices` (graph + instantiate in one libember call, no driver lock held: new
-        graphs; one built here is kept), (build, instantiate) ms per graph → `per_graph`."""
-        preps = [self.prepared(i, own=True) for i in indices]
-        built, nt = rebuild.build_native(preps, self.ctx, self.events, instantiate=True,
-                                         splices=self._splices)
-        if per_graph is not None:
-            per_graph += nt["per_graph"]
-        out: list[tuple[int, Any]] = []
-        for i, pair in zip(indices, built, strict=True):
-            if pair is None or pair[1] is None:
-                out.append((i, rebuild.instantiate(self.graph(i))))
-                continue
-            with self._driver_lock:
-                if i in self._graphs:
-                    cu.cuGraphDestroy(pair[0])
-                else:
-                    self._graphs[i] = pair[0]
-            out.append((i, pair[1]))
-        return out
-
-    def own_exec(self, index: int) -> Any:
-        """Key `index`'s own exec now, built as the Dedicator builds them (for LOAD's canary)."""
-        if (ex := self._dedicated.get(index)) is None:
-            ((_, ex),) = self.build_execs([index])
-            self.upload([ex])
-            self.adopt_dedicated(index, ex)
-        return self._dedicated.get(index) or self.gate.parked.get(index) or ex
-
-    def adopt_dedicated(self, index: int, ex: Any) -> None:
-        with self._driver_lock:
-            if index in self._dedicated or index in self.gate.parked:
-                cu.cuGraphExecDestroy(ex)
-            elif self.gate.holds(self.launches):
-                self.gate.parked[index] = ex
+    def keep_graph(self, index: int, g: Any) -> None:
+        """A graph built beside an own exec: kept as the key's graph unless one is (then destroyed)."""
+        with self.driver_lock:
+            if index in self._graphs:
+                cu.cuGraphDestroy(g)
             else:
-                self._dedicated[index] = ex
-                self._asked.add(index)
-
-    def dedicate(self, index: int) -> Any:
-        """Instantiate a dedicated exec for one graph (hot keys)."""
-        ex = self._dedicated.get(index)
-        if ex is None:
-            g = self.graph(index)
-            with self._driver_lock:
-                ex = self._dedicated.get(index)
-                if ex is None:
-                    ex = self._dedicated[index] = rebuild.instantiate(g)
-        return ex
-
-    def drop_dedicated(self, index: int) -> None:
-        self._asked.discard(index)
-        with self._driver_lock:
-            ex = self._dedicated.pop(index, None)
-            if ex is not None:
-                cu.cuGraphExecDestroy(ex)
+                self._graphs[index] = g
 
     # ---- launching ----------------------------------------------------------------------
     def restored(self, key: Iterable[int]) -> RestoredGraph:
@@ -483,7 +417,7 @@ class GraphLibrary:
 
     def exec_for(self, index: int) -> Any:
         """An exec that holds graph `index` now: dedicated, or the group template (updated if needed)."""
-        ex = self._dedicated.get(index)
+        ex = self.own.execs.get(index)
         if ex is not None:
             return ex
         tmpl = self._template_of(index)
@@ -495,12 +429,9 @@ class GraphLibrary:
                     raise
                 # a union member that does not match its slots, or whose switch the driver refused
                 log.warning("Graph %s: its own exec, not its union template (%s)", self.keys[index], exc)
-                return self.dedicate(index)
-        if tmpl.updated and self._hot_after and index not in self._asked:
-            self._uses[index] += 1
-            if self._uses[index] >= self._hot_after:
-                self._asked.add(index)
-                self._pending.append(self._pool.submit(self._dedicate_quietly, index))
+                return self.own.instantiate(index)
+        if tmpl.updated:
+            self.own.used_through_template(index)
         return tmpl.handle
 
     def _template_of(self, index: int) -> TemplateExec:
@@ -516,7 +447,7 @@ class GraphLibrary:
         if self._group_of[index] != gi:  # a union that failed: its members have groups of their own
             return self._template_of(index)
         if gi in self._failed:
-            with self._driver_lock:
+            with self.driver_lock:
                 if gi not in self._templates:
                     self._template_here(self.groups[gi])
                     self._failed.pop(gi, None)
@@ -531,7 +462,7 @@ class GraphLibrary:
         g = union.graph_of(self, index) if union is not None else self.graph(index)
         if self._stale_update and tmpl.holds >= 0:  # an injected fault (ember.runtime.faults)
             g = union.graph_of(self, tmpl.holds) if union is not None else self.graph(tmpl.holds)
-        with self._driver_lock:
+        with self.driver_lock:
             t = time.perf_counter()
             tmpl.holds = -1  # no key until the update (and a union's mask) is in: a failure leaves none
             err, info = cu.cuGraphExecUpdate(tmpl.handle, g)
@@ -545,24 +476,8 @@ class GraphLibrary:
         self.switch_ms.append(ms)
         return ms
 
-    def settle(self, timeout: float | None = None) -> int:
-        """Wait for the dedicated execs asked for so far; returns how many are still pending."""
-        pending, self._pending = self._pending, []
-        _, left = wait(pending, timeout=timeout)
-        self._pending.extend(left)
-        return len(left)
-
-    def _dedicate_quietly(self, index: int) -> None:
-        """On a pool thread, which has no current context of its own: the library's."""
-        with contextlib.suppress(CudaError):  # the template keeps serving this key
-            check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-            self.dedicate(index)
-
     def launch(self, index: int, stream: Any = None) -> None:
-        if released := self.gate.release(self.launches):
-            with self._driver_lock:
-                self._dedicated.update(released)
-                self._asked.update(released)
+        self.own.swap_in(self.launches)
         ex = self.exec_for(index)
         self.launches += 1
         launch_exec(ex, stream, f"cuGraphLaunch(graph {self.keys[index]})")
@@ -576,13 +491,10 @@ class GraphLibrary:
 
     # ---- teardown -----------------------------------------------------------------------
     def close(self) -> None:
-        if self.dedicator is not None:
-            self.dedicator.stop.set()
-            self.dedicator.join()
-        self._pool.shutdown(wait=True)
-        with self._driver_lock:
-            for ex in [*self._dedicated.values(), *self.gate.parked.values()]:
-                cu.cuGraphExecDestroy(ex)
+        self.own.stop()
+        self.pool.shutdown(wait=True)
+        with self.driver_lock:
+            self.own.destroy()
             for t in self._templates.values():
                 cu.cuGraphExecDestroy(t.handle)
             for g in self._graphs.values():
@@ -594,7 +506,6 @@ class GraphLibrary:
             self.uploads.close()
             if self.splicer is not None:
                 self.splicer.close()
-            self._dedicated.clear()
             self._templates.clear()
             self._graphs.clear()
 

@@ -75,7 +75,7 @@ class UnionTemplate:
         """Graph `index` in the template's shape, built once and kept (`lib`: the GraphLibrary)."""
         g = self.graphs.get(index)
         if g is None:
-            with lib._driver_lock:
+            with lib.driver_lock:
                 g = self.graphs.get(index)
                 if g is None:
                     prep = self.member_prepared(index, lib.prepared(index))

@@ -365,10 +365,10 @@ def _prove_key(
         rep.mismatches.append(f"graph {key}: template path {differs}")
     good = True
     if dedicated:
-        lib.dedicate(i)
+        lib.own.instantiate(i)
         good, dev = _compare(run(lambda: lib.launch(i)), natives, spread)
         worst = [max(a, b) for a, b in zip(worst, dev, strict=True)]
-        lib.drop_dedicated(i)
+        lib.own.drop(i)
         if not good:
             rep.mismatches.append(f"graph {key}: dedicated exec {differs} (deviation {dev})")
     rep.dedicated_ok += good
