@@ -123,12 +123,12 @@ class Driver:
 
 def archive_images(store: str) -> tuple[list[str], dict[str, bytes], dict[str, list[str]], set[str]]:
     from ember.archive import bundle
-    from ember.archive import graph_table as archive_format
+    from ember.archive import graph_table as fmt
     from ember.runtime import publish
     from ember.runtime.graphs.need import need_order
 
     arc = bundle.open_archive(store)
-    table = archive_format.decode(arc.blob_bytes(arc.manifest.graphs.table))
+    table = fmt.decode(arc.blob_bytes(arc.manifest.graphs.table))
     order = publish.image_order(arc.manifest)
     used: dict[str, list[str]] = {}
     for k in table.kernels:

@@ -25,7 +25,7 @@ from typing import Any
 
 def child(store: str) -> dict[str, Any]:
     from ember.archive import bundle
-    from ember.archive import graph_table as archive_format
+    from ember.archive import graph_table as fmt
     from ember.runtime import publish
     from ember.runtime.graphs.need import need_order
     from ember.runtime.session import native_session
@@ -33,7 +33,7 @@ def child(store: str) -> dict[str, Any]:
     ip = native_session("load")
     assert ip is not None, "run under libember (EMBER_MODE=load)"
     arc = bundle.open_archive(store)
-    table = archive_format.decode(arc.blob_bytes(arc.manifest.graphs.table))
+    table = fmt.decode(arc.blob_bytes(arc.manifest.graphs.table))
     order = publish.image_order(arc.manifest)
     options = arc.manifest.engine.get("image_options", {})
     data = {h: arc.kernel_image(h) for h in order}

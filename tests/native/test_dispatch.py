@@ -1,5 +1,5 @@
 # ruff: noqa: E501  (embedded C-call snippets read better unwrapped)
-"""The three doors, against the stand-in driver: exported symbols, the dlsym override, and
+"""The three driver entry points (driver_entry.cpp), against the stand-in driver: exported symbols, the dlsym override, and
 cuGetProcAddress(_v2) dispatch by (base name, version, per-thread flag)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-// The three doors into the driver: exported cu* symbols (defined in the hook files), an override
+// The three ways into the driver (entry points): exported cu* symbols (defined in the hook files), an override
 // of dlsym, and cuGetProcAddress / cuGetProcAddress_v2. Also: resolving the real driver once,
 // the mode, logging and small helpers shared by the policy files.
 #include <dlfcn.h>
