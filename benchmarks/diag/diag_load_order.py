@@ -17,7 +17,7 @@ import torch
 from cuda.bindings import driver as cu
 
 from ember.engines.decode.adapter import identity_for, load_workload
-from ember.engines.decode.commands import make_workload, parse_sizes
+from ember.engines.decode.workloads import make_workload, parse_sizes
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.driver import check, torch_stream_handle
 

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from ember.engines.decode.adapter import identity_for, load_workload
-from ember.engines.decode.commands import make_workload, parse_sizes
 from ember.engines.decode.model import fingerprint
+from ember.engines.decode.workloads import make_workload, parse_sizes
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.driver import check, torch_stream_handle
 

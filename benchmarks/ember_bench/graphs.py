@@ -43,7 +43,7 @@ def _present(sizes: list[int], wanted: tuple[int, ...]) -> list[int]:
 
 # ---- child roles ---------------------------------------------------------------------------------
 def role_native(args: dict[str, Any]) -> dict[str, Any]:
-    from ember.engines.decode.commands import make_workload, parse_sizes
+    from ember.engines.decode.workloads import make_workload, parse_sizes
     from ember.runtime.proof.replay import decode_trace, replay_fingerprints, tpot_ms
     from ember.runtime.session import ensure_context
 
@@ -80,7 +80,7 @@ def build_and_capture(w: Any) -> dict[str, Any]:
 
 def role_load(args: dict[str, Any]) -> dict[str, Any]:
     from ember.engines.decode.adapter import load_workload
-    from ember.engines.decode.commands import replay_verify_loaded
+    from ember.engines.decode.workloads import replay_verify_loaded
     from ember.handoff import load_attempt
     from ember.runtime.adapter import Refused
     from ember.runtime.proof.replay import decode_trace, tpot_ms

@@ -30,7 +30,7 @@ DECODE_BATCHES = (1, 8, 64)
 
 
 def _shape(args: dict[str, Any], rank: int) -> Any:
-    from ember.engines.decode.commands import parallel_shape
+    from ember.engines.decode.workloads import parallel_shape
 
     return parallel_shape(args["tp"], args["ep"], args["dp"], args["collectives"], rank)
 
@@ -47,8 +47,8 @@ def _measure(w: Any, launch: Any, keys: list[tuple[int, ...]], outputs: Any) -> 
 
 
 def role_native(args: dict[str, Any]) -> dict[str, Any]:
-    from ember.engines.decode.commands import make_workload, parse_sizes
     from ember.engines.decode.parallel import init_process_group
+    from ember.engines.decode.workloads import make_workload, parse_sizes
     from ember.runtime.session import ensure_context
     from ember_bench.graphs import build_and_capture
 

@@ -3,7 +3,7 @@
 The contract (ember/contract.py): the identity from EMBER_IDENTITY, parsed here once per process;
 the store from EMBER_STORE; a JSON summary in the termination log and exit 0, or the reason there
 and exit 1. The identity's engine picks the SAVE:
-- `ember-decode`: ember's built-in decode workloads (`ember.engines.decode.commands.save_identity`),
+- `ember-decode`: ember's built-in decode workloads (`ember.engines.decode.workloads.save_identity`),
   a multi-GPU shape saved on ONE GPU under the NCCL stub;
 - `vllm`: vLLM's two-process job (`ember.engines.vllm.job`) with the deployment's arguments
   (those after `--`).
@@ -39,7 +39,7 @@ def read_identity(env: dict[str, str] | None = None) -> tuple[ArchiveIdentity, s
 
 
 def _decode(identity: ArchiveIdentity, raw: str, store: str, args: list[str]) -> dict[str, Any]:
-    from ember.engines.decode.commands import save_identity
+    from ember.engines.decode.workloads import save_identity
 
     if args:
         raise JobFailed(f"ember-decode takes no engine arguments, got {args}")

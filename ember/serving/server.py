@@ -1,4 +1,5 @@
-"""`ember serve`: an OpenAI-compatible server over transformers' continuous-batching engine.
+"""`ember serve`: an OpenAI-compatible server over transformers' continuous-batching engine (its
+options are declared in ember.cli.serve).
 
 The process: re-exec under libember (SAVE or LOAD need it), arm it before the model is built,
 serve HTTP at once (`ember.serving.http`, not ready yet), build the model, then start the engine
@@ -13,10 +14,10 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
-
-import typer
+from typing import Any
 
 from ember import contract
 from ember.serving.http import ByteTokenizer, ServerState, make_server
@@ -25,88 +26,80 @@ from ember.serving.startup import cb_starters, run_startup
 log = logging.getLogger("ember.serving")
 
 
-# long: typer declares every option in the signature; the body is a few steps
-def serve(
-    ctx: typer.Context,
-    model: Annotated[
-        str | None,
-        typer.Option(help="Built-in shape (llama-3-8b, qwen3-8b, tiny-llama) or a local checkpoint dir."),
-    ] = None,
-    model_config: Annotated[
-        Path | None, typer.Option(help="transformers config JSON: random weights.")
-    ] = None,
-    layers: Annotated[int | None, typer.Option(help="Override the number of layers.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
-    host: Annotated[str, typer.Option(help="Listen address (loopback by default).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Listen port.")] = contract.ENGINE_PORT,
-    run_dir: Annotated[Path | None, typer.Option(help="Sidecar run dir (EMBER_RUN_DIR).")] = None,
-    use_handoff: Annotated[bool, typer.Option("--handoff/--no-handoff", help="Wait for the sidecar.")] = True,
-    deadline: Annotated[float, typer.Option(help="Seconds to wait for the archive after the claim.")] = 30.0,
-    archive: Annotated[
-        Path | None, typer.Option(help="LOAD this archive dir (…/archives/<hash>) directly, no sidecar.")
-    ] = None,
-    num_blocks: Annotated[int, typer.Option(help="KV-cache blocks (native start).")] = 64,
-    block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block.")] = 256,
-    max_batch_tokens: Annotated[int, typer.Option(help="Token budget per batch.")] = 1024,
-    max_requests: Annotated[int, typer.Option(help="Requests per batch.")] = 64,
-    q_interval: Annotated[int, typer.Option(help="Query padding interval (graph keys).")] = 256,
-    kv_interval: Annotated[int, typer.Option(help="KV padding interval (graph keys).")] = 4096,
-    max_tokens_limit: Annotated[int, typer.Option(help="Largest max_tokens a request may ask.")] = 512,
-    save_to: Annotated[
-        str | None, typer.Option(help="SAVE this engine's graphs to a store URI, print the summary, exit.")
-    ] = None,
-    preload: Annotated[
-        bool, typer.Option("--preload/--no-preload", help="Re-run under libember (SAVE/LOAD need it).")
-    ] = True,
-    engine_kind: Annotated[
-        str,
-        typer.Option("--engine", envvar=contract.ENV_ENGINE,
-                     help="transformers (this server) or vllm (`vllm serve` + plugin); pods set it."),
-    ] = "transformers",
-) -> None:
+class UsageError(ValueError):
+    """The options cannot serve (the command line says so, exit 2)."""
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """`ember serve`'s options (ember.cli.serve declares them)."""
+
+    model: str | None = None
+    model_config: Path | None = None
+    layers: int | None = None
+    seed: int = 0
+    host: str = "127.0.0.1"
+    port: int = contract.ENGINE_PORT
+    run_dir: Path | None = None
+    use_handoff: bool = True
+    deadline: float = 30.0
+    archive: Path | None = None
+    num_blocks: int = 64
+    block_size: int = 256
+    max_batch_tokens: int = 1024
+    max_requests: int = 64
+    q_interval: int = 256
+    kv_interval: int = 4096
+    max_tokens_limit: int = 512
+    save_to: str | None = None
+    preload: bool = True
+    engine_kind: str = "transformers"
+
+
+def run(o: ServeOptions, extra: Sequence[str] = ()) -> int:
     """Serve a model over HTTP (OpenAI-style) with transformers continuous batching: restored graphs
     from the sidecar's archive, or native capture on any refusal. Ready only after the first token.
-    `--engine vllm -- <vllm serve args>`: supervise `vllm serve` behind the same hand-off."""
+    `--engine vllm` with `extra` (`vllm serve` args): supervise `vllm serve` behind the same hand-off."""
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s [pid %(process)d] %(message)s",
     )
-    if engine_kind == "vllm":
+    if o.engine_kind == "vllm":
         from ember.serving.vllm import supervise
 
-        raise typer.Exit(supervise(list(ctx.args), run_dir, use_handoff=use_handoff, deadline=deadline))
-    if engine_kind != "transformers":
-        raise typer.BadParameter(f"--engine {engine_kind!r}: transformers or vllm")
-    if ctx.args:
-        raise typer.BadParameter(f"unexpected arguments {ctx.args} (only --engine vllm passes any on)")
-    if model is None and model_config is None:
-        raise typer.BadParameter("give --model NAME|DIR or --model-config FILE")
-    if preload and (save_to or use_handoff or archive is not None):
-        _reexec_under_libember("save" if save_to else "load")
-    name = model or Path(str(model_config)).stem
+        return supervise(list(extra), o.run_dir, use_handoff=o.use_handoff, deadline=o.deadline)
+    if o.engine_kind != "transformers":
+        raise UsageError(f"--engine {o.engine_kind!r}: transformers or vllm")
+    if extra:
+        raise UsageError(f"unexpected arguments {list(extra)} (only --engine vllm passes any on)")
+    if o.model is None and o.model_config is None:
+        raise UsageError("give --model NAME|DIR or --model-config FILE")
+    if o.preload and (o.save_to or o.use_handoff or o.archive is not None):
+        _reexec_under_libember("save" if o.save_to else "load")
+    name = o.model or Path(str(o.model_config)).stem
     sizing = {
-        "block_size": block_size,
-        "num_blocks": num_blocks,
-        "max_batch_tokens": max_batch_tokens,
-        "max_requests_per_batch": max_requests,
-        "q_padding_interval_size": q_interval,
-        "kv_padding_interval_size": kv_interval,
+        "block_size": o.block_size,
+        "num_blocks": o.num_blocks,
+        "max_batch_tokens": o.max_batch_tokens,
+        "max_requests_per_batch": o.max_requests,
+        "q_padding_interval_size": o.q_interval,
+        "kv_padding_interval_size": o.kv_interval,
     }
-    build = {"model": model, "model_config": model_config, "layers": layers, "seed": seed}
-    if save_to:
-        _save_and_exit(build, sizing, save_to, name)
-    state = ServerState(model_name=name, max_tokens_limit=max_tokens_limit)
-    state.max_prompt_tokens = num_blocks * block_size // 2
-    server = make_server(state, host, port)
+    build = {"model": o.model, "model_config": o.model_config, "layers": o.layers, "seed": o.seed}
+    if o.save_to:
+        return _save(build, sizing, o.save_to, name)
+    state = ServerState(model_name=name, max_tokens_limit=o.max_tokens_limit)
+    state.max_prompt_tokens = o.num_blocks * o.block_size // 2
+    server = make_server(state, o.host, o.port)
     threading.Thread(target=server.serve_forever, name="ember-http", daemon=True).start()
-    log.info("Listening on http://%s:%d (ready after the first token)", host, server.server_address[1])
+    log.info("Listening on http://%s:%d (ready after the first token)", o.host, server.server_address[1])
     try:
-        engine = _start_engine(state, build, sizing, run_dir, use_handoff, archive, deadline)
+        engine = _start_engine(state, build, sizing, o.run_dir, o.use_handoff, o.archive, o.deadline)
     except Exception as exc:
         state.error = f"{type(exc).__name__}: {exc}"
         log.exception("Engine start failed")
-        raise typer.Exit(1) from exc
+        return 1
     try:
         while True:
             time.sleep(3600)
@@ -115,18 +108,19 @@ def serve(
     finally:
         server.shutdown()
         engine.stop()
+    return 0
 
 
-def _save_and_exit(build: dict[str, Any], sizing: dict[str, Any], save_to: str, name: str) -> None:
-    """`--save-to`: SAVE every graph key of this engine, print the summary, exit."""
+def _save(build: dict[str, Any], sizing: dict[str, Any], save_to: str, name: str) -> int:
+    """`--save-to`: SAVE every graph key of this engine, print the summary; the exit code."""
     from ember.engines.transformers_cb import adapter as cb_adapter
     from ember.engines.transformers_cb import engine as cb_engine
 
     ip = cb_adapter.session("save")  # armed before the model, as LOAD will be
     lm = cb_engine.build_model(**build)
     result, _ = cb_adapter.save_engine(lm, cb_engine.generation_config(), sizing, save_to, name, ip)
-    typer.echo(json.dumps(result.summary(), default=str))
-    raise typer.Exit(0 if result.published else 1)
+    print(json.dumps(result.summary(), default=str), flush=True)
+    return 0 if result.published else 1
 
 
 def _start_engine(

@@ -19,7 +19,7 @@ def main() -> None:
     import torch
 
     from ember.engines.decode.adapter import load_workload
-    from ember.engines.decode.commands import make_workload, parse_sizes
+    from ember.engines.decode.workloads import make_workload, parse_sizes
     from ember.runtime.adapter import Refused
     from ember.runtime.proof.replay import decode_tokens
     from ember.runtime.session import native_session

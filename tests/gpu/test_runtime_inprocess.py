@@ -94,7 +94,7 @@ def test_local_checkpoint_weights_land_and_graphs_rebuild(tmp_path: Path) -> Non
 
     from safetensors.torch import save_file
 
-    from ember.engines.decode.commands import make_workload
+    from ember.engines.decode.workloads import make_workload
 
     h, inter, heads, kv, vocab, layers = 256, 512, 4, 2, 1000, 2
     cfg = {"model_type": "llama", "hidden_size": h, "intermediate_size": inter, "num_attention_heads": heads,

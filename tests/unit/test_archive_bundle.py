@@ -213,7 +213,7 @@ def test_cli_inspect_and_verify(saved: Saved) -> None:
 def test_cli_verify_replay_runs_the_gpu_check_only_on_an_intact_archive(
     saved: Saved, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`verify --replay` (composed in ember/cli.py): re-exec under libember first, integrity
+    """`verify --replay` (composed in ember/cli/__init__.py): re-exec under libember first, integrity
     checks, then the runtime's replay, whose verdict becomes the exit code and the problems."""
     import ember.cli
 

@@ -152,7 +152,7 @@ def test_every_store_command_takes_endpoint() -> None:
 
 
 def test_save_and_load_pass_endpoint_to_the_process_they_re_execute(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ember.engines.decode import commands
+    from ember.cli import decode as commands
 
     monkeypatch.setenv("EMBER_S3_ENDPOINT", "")  # restored (to unset, if it was) after the test
     monkeypatch.delenv("EMBER_S3_ENDPOINT")

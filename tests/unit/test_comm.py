@@ -191,7 +191,7 @@ def test_save_preloads_the_stub_after_libember_only_when_asked(tmp_path: Path, m
 
 
 def test_a_save_job_of_a_parallel_identity_runs_under_the_stub() -> None:
-    from ember.engines.decode.commands import _identity_parallel, parallel_shape
+    from ember.engines.decode.workloads import identity_parallel, parallel_shape
     from ember.identity import ArchiveIdentity, Parallelism
 
     def ident(revision: str = "main", **par: int) -> ArchiveIdentity:
@@ -201,6 +201,6 @@ def test_a_save_job_of_a_parallel_identity_runs_under_the_stub() -> None:
     cases = (({}, False), ({"tensor": 2}, True), ({"data": 2, "expert": 2}, True), ({"data": 4}, True),
              ({"revision": "seed-0-collectives"}, True))  # the splice check: collectives in a world of one
     for par, stub in cases:
-        assert bool(_identity_parallel(ident(**par)).active) is stub, par  # type: ignore[arg-type]
+        assert bool(identity_parallel(ident(**par)).active) is stub, par  # type: ignore[arg-type]
     assert parallel_shape(1, 2, 1).active and not parallel_shape(1, 1, 1).active
     assert parallel_shape(1, 4, 1).degrees() == {"tensor": 1, "expert": 4, "data": 4, "collectives": False}

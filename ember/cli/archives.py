@@ -1,7 +1,7 @@
 """`ember inspect` and `ember verify`: archives read and checked without a GPU.
 
-The commands are registered in ember/cli.py. `verify` checks integrity here; its `--replay` option
-(a GPU replay through the runtime) is composed in ember/cli.py, which passes that check to
+The commands are registered in ember/cli/__init__.py. `verify` checks integrity here; its `--replay` option
+(a GPU replay through the runtime) is composed in ember/cli/__init__.py, which passes that check to
 `verify_and_report` as `more`: this package never imports the runtime.
 """
 

@@ -20,7 +20,8 @@ from rich.table import Table
 
 from ember import contract
 from ember.archive import bundle
-from ember.archive.commands import (
+from ember.archive.gc import GcPlan, GcRefused, apply_gc, plan_gc
+from ember.cli.archives import (
     EndpointOpt,
     JsonOpt,
     StoreArg,
@@ -32,7 +33,6 @@ from ember.archive.commands import (
     mb,
     open_existing,
 )
-from ember.archive.gc import GcPlan, GcRefused, apply_gc, plan_gc
 from ember.store import S3Store, Store, StoreError, StoreUnavailable
 
 _HASH = re.compile(r"^[0-9a-f]{16}$|^[0-9a-f]{64}$")

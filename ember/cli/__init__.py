@@ -1,8 +1,8 @@
 """The `ember` command line, the composition root: it may import every layer of the core.
 
-Core commands: version, doctor, inspect and verify (ember/archive/commands.py, no GPU), ls and gc
-(ember/archive/store_commands.py), save and
-load (ember/engines/decode/commands.py), serve (ember/serving/server.py). `verify --replay` is
+Core commands: version, doctor, inspect and verify (archives.py, no GPU), ls and gc (store.py),
+save and load (decode.py; `save --job` is every engine's SAVE Job, ember.engines.save_job), serve
+(serve.py; the server is ember.serving.server). `verify --replay` is
 composed here: the archive's integrity checks, then the runtime's GPU replay. Other packages add
 command groups through the `ember.commands` entry-point group (`ember bench` comes from the
 benchmarks that way), so the core never imports them. Every module imported here keeps torch out
@@ -24,10 +24,11 @@ from rich.console import Console
 from rich.table import Table
 
 import ember
-from ember.archive import commands as archive_commands
-from ember.archive import store_commands
-from ember.engines.decode.commands import load, replay_verify, save
-from ember.serving.server import serve
+from ember.cli import archives as archive_commands
+from ember.cli import store as store_commands
+from ember.cli.decode import load, save
+from ember.cli.serve import serve
+from ember.engines.decode.workloads import replay_verify
 
 app = typer.Typer(help="ember: restore saved CUDA graphs instead of capturing them.", no_args_is_help=True)
 console = Console()

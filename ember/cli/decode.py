@@ -1,8 +1,9 @@
-"""`ember save`, `ember load` and the GPU half of `ember verify --replay` (registered in ember.cli).
+"""`ember save`, `ember load` and `ember verify --replay`'s GPU half as commands (ember.cli); the
+workloads they name are `ember.engines.decode.workloads`.
 
 Both `save` and `load` re-execute themselves under libember (LD_PRELOAD, EMBER_MODE,
 EMBER_ARM=manual) unless they already run that way. Job mode (`ember save --job`) is the SAVE Job
-of every engine (`ember.engines.save_job`); this module holds the decode workloads' part of it.
+of every engine (`ember.engines.save_job`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,20 @@ import typer
 from rich.console import Console
 
 from ember import contract
+from ember.engines.decode import workloads
+from ember.engines.decode.workloads import parallel_shape, replay_verify, replay_verify_loaded
 
 console = Console(stderr=True)
+
+
+def make_workload(name: str, layers: int, sizes: str, model_config: str | None = None,
+                  model_dir: str | None = None, parallel: Any = None) -> Any:
+    """The options' workload; a bad option is a usage error (exit 2)."""
+    try:
+        shape = workloads.parse_sizes(sizes)
+        return workloads.make_workload(name, layers, shape, model_config, model_dir, parallel)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
 
 WorkloadOpt = Annotated[
     str, typer.Option("--workload", "-w", help="Built-in workload, e.g. llama3-8b[-compile].")
@@ -65,97 +78,6 @@ CollectivesOpt = Annotated[
 RankOpt = Annotated[int, typer.Option("--rank", envvar="RANK", help="This process's rank (LOAD).")]
 
 
-def parallel_shape(tp: int, ep: int, dp: int, collectives: bool = False, rank: int = 0) -> Any:
-    """The Parallel of the options; EP alone means a world of `ep` data-parallel ranks."""
-    from ember.engines.decode.parallel import Parallel
-
-    if ep > 1 and tp == 1 and dp == 1:
-        dp = ep
-    return Parallel(tensor=tp, expert=ep, data=dp, rank=rank, collectives=collectives)
-
-
-def _identity_parallel(identity: Any) -> Any:
-    """The Parallel an identity names (its revision's `-collectives` suffix: the splice check)."""
-    p = identity.parallelism
-    return parallel_shape(p.tensor, p.expert, p.data, identity.revision.endswith("-collectives"))
-
-
-def parse_sizes(text: str) -> tuple[int, ...]:
-    from ember.engines.decode.model import DEFAULT_SIZES
-
-    if text in ("", "all"):
-        return DEFAULT_SIZES
-    sizes = tuple(sorted({int(s) for s in text.split(",") if s.strip()}))
-    if not sizes or min(sizes) < 1:
-        raise typer.BadParameter("sizes must be positive integers, e.g. 1,2,8")
-    return sizes
-
-
-def make_workload(
-    name: str,
-    layers: int,
-    sizes: tuple[int, ...],
-    model_config: str | None = None,
-    model_dir: str | None = None,
-    parallel: Any = None,
-) -> Any:
-    """A built-in workload by name, or (with `model_config`) a transformers config.json's shape
-    with random weights, or (with `model_dir`) a local checkpoint's shape and weights."""
-    from dataclasses import replace
-    from pathlib import Path
-
-    from ember.engines.decode.model import DecodeWorkload, spec_from_hf_config
-
-    if model_dir:
-        model_config = str(Path(model_dir) / "config.json")
-    if model_config:
-        path = Path(model_config)
-        try:
-            spec = spec_from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
-        except (OSError, ValueError, KeyError) as exc:
-            raise typer.BadParameter(f"--model-config {path}: not a causal-LM config ({exc})") from exc
-        if layers:
-            spec = replace(spec, layers=layers)
-        compiled = name.endswith("-compile")
-        kind = "checkpoint" if model_dir else "config"
-        return DecodeWorkload(
-            spec,
-            compiled=compiled,
-            sizes=sizes,
-            name=f"{kind}-{spec.name}" + ("-compile" if compiled else ""),
-            weights=str(Path(model_dir).absolute()) if model_dir else None,
-            **({"parallel": parallel} if parallel is not None else {}),
-        )
-    extra = {"parallel": parallel} if parallel is not None else {}
-    return DecodeWorkload.from_name(name, layers=layers or None, sizes=sizes, **extra)
-
-
-def _workload_from_identity(identity: Any) -> tuple[Any, Any]:
-    """The workload `identity_for` made `identity` from (its revision carries the layer count)."""
-    name = identity.model.removeprefix("ember-workload/")
-    if identity.compile and not name.endswith("-compile"):
-        name += "-compile"
-    layers = 0
-    revision = identity.revision.removesuffix("-collectives")
-    if revision.startswith("seed-") and "-layers-" in revision:
-        layers = int(revision.rsplit("-", 1)[1])
-    par = _identity_parallel(identity)
-    return make_workload(name, layers, tuple(identity.capture_sizes), parallel=par), identity
-
-
-def save_identity(identity: Any, store: str) -> dict[str, Any]:
-    """The decode SAVE Job (`ember.engines.save_job`): the workload `identity` names, saved under
-    that identity; a multi-GPU shape (or the one-GPU splice check) on ONE GPU under the NCCL stub.
-    The process re-executes itself under libember first; its summary, or an exception."""
-    from ember.runtime.session import reexec_under_libember
-
-    reexec_under_libember("save", comm_stub=bool(_identity_parallel(identity).active))
-    from ember.engines.decode.adapter import save_workload
-
-    w, _ = _workload_from_identity(identity)
-    return save_workload(w, store_uri=store, identity=identity, log=lambda m: console.print(m)).summary()
-
-
 def save(
     ctx: typer.Context,
     workload: WorkloadOpt = "llama3-8b",
@@ -192,7 +114,7 @@ def save(
     from ember.engines.decode.adapter import save_workload
 
     try:
-        w = make_workload(workload, layers, parse_sizes(sizes), model_config or None, model or None, par)
+        w = make_workload(workload, layers, sizes, model_config or None, model or None, par)
         if not store and not prove_only:
             raise RuntimeError("no store: pass --store or set EMBER_STORE (or use --prove-only)")
         out = save_workload(
@@ -239,7 +161,7 @@ def load(
     ident = (
         identity
         or identity_for(
-            make_workload(workload, layers, parse_sizes(sizes), model_config or None, model or None, par)
+            make_workload(workload, layers, sizes, model_config or None, model or None, par)
         ).hash()
     )
     try:
@@ -266,43 +188,6 @@ def load(
     print(json.dumps(result, indent=1))
     ok = result["tokens_identical"] is not False and result.get("replay", {}).get("ok", True)
     raise typer.Exit(0 if ok else 1)
-
-
-def replay_verify_loaded(loaded: Any) -> dict[str, Any]:
-    """Replay every restored graph in SAVE's order and compare output fingerprints bitwise."""
-    from ember.runtime.proof.replay import replay_fingerprints
-
-    w, lib = loaded.workload, loaded.library
-    keys = [tuple(k) for k in lib.keys]
-    got = replay_fingerprints(w, loaded.launch, keys, lambda k: loaded.outputs[k])
-    want = loaded.archive.engine.get("fingerprints", {})
-    bad = [k for k in got if want.get(k) != got[k]]
-    return {
-        "graphs": len(got),
-        "identical": len(got) - len(bad),
-        "differ": bad[:10],
-        # which outputs (by position) differ, e.g. logits only while the tokens agree
-        "differ_outputs": {
-            k: [j for j, (a, b) in enumerate(zip(got[k], want.get(k) or [], strict=False)) if a != b]
-            for k in bad[:10]
-        },
-        "ok": not bad and bool(got),
-    }
-
-
-def replay_verify(store_uri: str, identity_hash: str) -> dict[str, Any]:
-    """GPU half of `ember verify --replay`: LOAD here (needs libember in load mode) and replay all.
-
-    Returns {"ok": bool, "graphs": n, "identical": n, "differ": [...]} or {"ok": False, "refused": reason}.
-    """
-    from ember.engines.decode.adapter import load_workload
-    from ember.runtime.adapter import Refused
-
-    try:
-        loaded = load_workload(store_uri, identity_hash, log=lambda m: console.print(m))
-    except Refused as exc:
-        return {"ok": False, "refused": exc.reason}
-    return replay_verify_loaded(loaded)
 
 
 def verify_replay_cmd(
