@@ -52,6 +52,7 @@ class SaveOutcome:
     archive: publish.ArchiveContent | None = None
     captured: dict[tuple[int, ...], Any] = field(default_factory=dict)  # the native graphs, still live
     graph_stats: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # the engine's own figures (decode: tpot_ms)
 
     def summary(self) -> dict[str, Any]:
         """The SAVE Job's termination-message JSON (also printed by `ember save`)."""
@@ -67,6 +68,7 @@ class SaveOutcome:
             **({"reason": self.reason} if self.reason else {}),
             "durations": {k: round(v, 4) for k, v in self.durations.items()},
             **({"graph_stats": self.graph_stats} if self.graph_stats else {}),
+            **self.extra,
         }
 
 

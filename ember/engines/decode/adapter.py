@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -253,18 +253,6 @@ def identity_for(workload: DecodeWorkload) -> ArchiveIdentity:
     )
 
 
-@dataclass
-class Saved:
-    """A decode SAVE: the pipeline's result plus the workload's TPOT control."""
-
-    result: SaveOutcome
-    adapter: DecodeAdapter
-    tpot_ms: dict[str, float] = field(default_factory=dict)
-
-    def summary(self) -> dict[str, Any]:
-        return {**self.result.summary(), **({"tpot_ms": self.tpot_ms} if self.tpot_ms else {})}
-
-
 def save_workload(
     workload: DecodeWorkload,
     *,
@@ -273,7 +261,7 @@ def save_workload(
     allow_in_process: bool = False,
     tpot_batches: tuple[int, ...] = (),
     log: Callable[[str], None] = print,
-) -> Saved:
+) -> SaveOutcome:
     """SAVE one workload (`store_uri=None` proves without publishing). `tpot_batches`: also time
     the captured graphs' decode step at these batch sizes (a control for `ember bench graphs`:
     native capture in libember's memory layout). `identity`: the SAVE Job's, when given."""
@@ -293,7 +281,9 @@ def save_workload(
     adapter = DecodeAdapter(workload, identity=identity)
     adapter.tpot_batches = tpot_batches
     result = save(adapter, ip, store_uri, log=log)
-    return Saved(result, adapter, adapter.tpot_ms)
+    if adapter.tpot_ms:
+        result.extra["tpot_ms"] = adapter.tpot_ms
+    return result
 
 
 @dataclass
