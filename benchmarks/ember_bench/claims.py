@@ -259,7 +259,7 @@ class _Bench:
 
     def pods(self, selector: str) -> list[Any]:
         return [p for p in self.core.list_namespaced_pod(self.ns, label_selector=selector).items
-                if p.metadata.deletion_timestamp is None]
+                if p.metadata is None or p.metadata.deletion_timestamp is None]
 
     def wait(self, predicate: Any, what: str, timeout: float, interval: float = 0.2) -> Any:
         deadline = time.monotonic() + timeout
@@ -289,7 +289,8 @@ class _Bench:
         seen: dict[str, float] = {}
         started = threading.Event()
         done = threading.Event()
-        rv = self.core.list_namespaced_pod(self.ns).metadata.resource_version
+        meta = self.core.list_namespaced_pod(self.ns).metadata
+        rv = meta.resource_version if meta is not None else None
         thread = threading.Thread(target=self._watch_claimed, daemon=True,
                                   args=("claims", replicas, rv, seen, started, done))
         thread.start()

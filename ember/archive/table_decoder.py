@@ -414,7 +414,7 @@ class GraphTable:
                 continue
             xa, xb = ta[a.refs[p]], tb[b.refs[p]]
             d = np.zeros(len(p), dtype=bool)
-            for n in ta.dtype.names:
+            for n in ta.dtype.names or ():
                 if n not in ("args_off", "reserved"):
                     d |= xa[n] != xb[n]
             diff[p] = d

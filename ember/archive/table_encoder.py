@@ -196,6 +196,7 @@ class _Encoder:
                     f"{where} node {i}: {NodeType(t).name} cannot be archived: "
                     f"{_WHY_NOT.get(NodeType(t), 'unsupported node type')}"
                 )
+            rec: tuple[Any, ...]
             if t == NodeType.KERNEL:
                 if not isinstance(p, KernelParams):
                     raise UnsupportedNode(f"{where} node {i}: KERNEL node without KernelParams")
@@ -347,7 +348,7 @@ def _pack_index(enc: _Encoder, groups: Sequence[TopologyGroup], unions: Sequence
         no, nl = enc.strs.add(k.name.encode())
         kern.append((io, il, no, nl))
     grph = np.zeros(len(enc.rows), dtype=GRPH_DT)
-    for name in GRPH_DT.names:
+    for name in GRPH_DT.names or ():
         grph[name] = [r[name] for r in enc.rows]
     return pack_container({
         b"GRPH": grph,

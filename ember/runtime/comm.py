@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.archive.collectives import OPS, Call, Collectives
-from ember.archive.graphs import GraphSet, NodeType
+from ember.archive.graphs import GraphSet, MemsetParams, NodeType
 from ember.runtime import faults
 from ember.runtime.adapter import LOAD, Refused
 
@@ -123,13 +123,12 @@ def placeholders(
             p = node.params
             if node.type is NodeType.GRAPH and _holds_placeholder(p, scratch):
                 raise PlaceholderError(f"graph {g.key}: a collective inside a child graph (not supported)")
-            if node.type is not NodeType.MEMSET or p is None or getattr(p, "dst", None) != scratch:
+            if node.type is not NodeType.MEMSET or not isinstance(p, MemsetParams) or p.dst != scratch:
                 continue
-            calls = by_seq.get(int(p.value))  # type: ignore[union-attr]
+            calls = by_seq.get(int(p.value))
             if not calls:
                 raise PlaceholderError(
-                    f"graph {g.key}: node {ni}: placeholder {p.value} has no recorded call"
-                )  # type: ignore[union-attr]
+                    f"graph {g.key}: node {ni}: placeholder {p.value} has no recorded call")
             _check_spmd(calls, world)
             key = tuple(Call.from_record(c) for c in calls)
             i = index.setdefault(key, len(table))

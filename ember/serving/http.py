@@ -28,7 +28,8 @@ log = logging.getLogger("ember.serving")
 
 
 class Engine(Protocol):
-    vocab_size: int
+    @property
+    def vocab_size(self) -> int: ...
 
     def generate(
         self, prompt_ids: list[int], max_new_tokens: int, timeout: float | None = ...

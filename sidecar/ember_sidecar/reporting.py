@@ -81,7 +81,7 @@ class KubeReporter:
             return None
         if name not in self._md_uid:
             try:
-                obj: dict[str, Any] = self.custom.get_namespaced_custom_object(
+                obj: Any = self.custom.get_namespaced_custom_object(
                     contract.GROUP, contract.VERSION, self.namespace, contract.MODEL_DEPLOYMENTS, name
                 )
                 self._md_uid[name] = obj.get("metadata", {}).get("uid", "")

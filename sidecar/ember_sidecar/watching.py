@@ -66,7 +66,7 @@ class PodWatcher:
                         return
                     if self._handle(items[0], "ADDED"):
                         return
-                    rv = pods.metadata.resource_version
+                    rv = pods.metadata.resource_version if pods.metadata is not None else None
                 w = watch.Watch()
                 for ev in w.stream(self.core.list_namespaced_pod, self.namespace, field_selector=selector,
                                    resource_version=rv, timeout_seconds=self.timeout_s,

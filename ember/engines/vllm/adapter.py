@@ -114,7 +114,9 @@ class VllmAdapter:
         model_name: str = "",
     ) -> None:
         self.runner = runner
-        self.vllm_config = vllm_config if vllm_config is not None else getattr(runner, "vllm_config", None)
+        # None only for a runner without one (refused below); typed Any: vLLM's config object
+        self.vllm_config: Any = vllm_config if vllm_config is not None else getattr(runner, "vllm_config",
+                                                                                    None)
         self.runner_kind = runner_kind or (globals()["runner_kind"](runner) if runner is not None else "v1")
         self.native_capture = native_capture
         self.model_name = model_name or os.environ.get("EMBER_VLLM_MODEL", "")

@@ -11,7 +11,7 @@ from the decoded graph table without Python node objects (`prepare_table`), with
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from cuda.bindings import driver as cu
@@ -136,7 +136,7 @@ class KernelBuffers:
 
 def prepare(graph: Graph, functions: Functions, ctx: Any, memset_ctx: Any = None) -> PreparedGraph:
     """CPU-only preparation of one graph (no driver calls; thread-safe)."""
-    buffers = KernelBuffers([n.params for n in graph.nodes if n.type == NodeType.KERNEL])
+    buffers = KernelBuffers([cast(KernelParams, n.params) for n in graph.nodes if n.type == NodeType.KERNEL])
     ops: list[tuple[Any, ...]] = []
     for idx, node in enumerate(graph.nodes):
         t = node.type
