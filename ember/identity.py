@@ -68,10 +68,13 @@ class ArchiveIdentity(BaseModel):
     # canonical) and the engine image's digest when the image is pinned by one.
     engine_args: tuple[str, ...] = ()
     image_digest: str = ""
+    # An engine's own settings that shape its graphs, by name (ember's decode workloads: seed,
+    # layers, collectives); none for the engines the operator deploys.
+    workload: dict[str, str] = Field(default_factory=dict)
 
     def canonical(self) -> dict[str, Any]:
         out = self.model_dump(mode="json")
-        for key in ("config", "engine_args", "image_digest"):
+        for key in ("config", "engine_args", "image_digest", "workload"):
             if not out[key]:
                 del out[key]  # identities made without one keep the hash they always had
         return out

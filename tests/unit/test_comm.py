@@ -194,12 +194,13 @@ def test_a_save_job_of_a_parallel_identity_runs_under_the_stub() -> None:
     from ember.engines.decode.workloads import identity_parallel, parallel_shape
     from ember.identity import ArchiveIdentity, Parallelism
 
-    def ident(revision: str = "main", **par: int) -> ArchiveIdentity:
-        return ArchiveIdentity(model="m", revision=revision, engine="ember-decode", engine_version="1",
-                               capture_sizes=(1,), parallelism=Parallelism(**par))
+    def ident(collectives: bool = False, **par: int) -> ArchiveIdentity:
+        return ArchiveIdentity(model="m", engine="ember-decode", engine_version="1", capture_sizes=(1,),
+                               parallelism=Parallelism(**par),
+                               workload={"collectives": "true"} if collectives else {})
 
     cases = (({}, False), ({"tensor": 2}, True), ({"data": 2, "expert": 2}, True), ({"data": 4}, True),
-             ({"revision": "seed-0-collectives"}, True))  # the splice check: collectives in a world of one
+             ({"collectives": True}, True))  # the splice check: collectives in a world of one
     for par, stub in cases:
         assert bool(identity_parallel(ident(**par)).active) is stub, par  # type: ignore[arg-type]
     assert parallel_shape(1, 2, 1).active and not parallel_shape(1, 1, 1).active

@@ -229,17 +229,17 @@ class DecodeAdapter:
 
 def identity_for(workload: DecodeWorkload) -> ArchiveIdentity:
     """The identity a built-in workload's archive is saved under (LOAD derives the same)."""
-    revision = f"seed-{workload.seed}-layers-{workload.spec.layers}"
+    settings = {"seed": str(workload.seed), "layers": str(workload.spec.layers)}
     if workload.weights:  # a local checkpoint: its config names the shape (the graphs never read
         # weight values, only their addresses, so the weights themselves are not part of it)
         config = (Path(workload.weights) / "config.json").read_bytes()
-        revision = f"config-{hashlib.sha256(config).hexdigest()[:16]}-layers-{workload.spec.layers}"
+        settings["checkpoint_config"] = hashlib.sha256(config).hexdigest()[:16]
     par = workload.parallel
     if par.collectives:
-        revision += "-collectives"
+        settings["collectives"] = "true"  # collectives in a world of one: the splice check
     return ArchiveIdentity(
         model=f"ember-workload/{workload.name}",
-        revision=revision,
+        workload=settings,
         parallelism=Parallelism(tensor=par.tensor, expert=par.expert, data=par.data),
         engine=KIND,
         engine_version=ember.__version__,

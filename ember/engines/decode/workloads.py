@@ -24,9 +24,9 @@ def parallel_shape(tp: int, ep: int, dp: int, collectives: bool = False, rank: i
 
 
 def identity_parallel(identity: Any) -> Any:
-    """The Parallel an identity names (its revision's `-collectives` suffix: the splice check)."""
+    """The Parallel an identity names (`collectives` in its workload settings: the splice check)."""
     p = identity.parallelism
-    return parallel_shape(p.tensor, p.expert, p.data, identity.revision.endswith("-collectives"))
+    return parallel_shape(p.tensor, p.expert, p.data, identity.workload.get("collectives") == "true")
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
@@ -80,14 +80,11 @@ def make_workload(
 
 
 def workload_from_identity(identity: Any) -> tuple[Any, Any]:
-    """The workload `identity_for` made `identity` from (its revision carries the layer count)."""
+    """The workload `identity_for` made `identity` from (its workload settings: layers, ...)."""
     name = identity.model.removeprefix("ember-workload/")
     if identity.compile and not name.endswith("-compile"):
         name += "-compile"
-    layers = 0
-    revision = identity.revision.removesuffix("-collectives")
-    if revision.startswith("seed-") and "-layers-" in revision:
-        layers = int(revision.rsplit("-", 1)[1])
+    layers = int(identity.workload.get("layers", 0))
     par = identity_parallel(identity)
     return make_workload(name, layers, tuple(identity.capture_sizes), parallel=par), identity
 
