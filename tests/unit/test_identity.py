@@ -46,13 +46,14 @@ def test_two_shapes_under_one_name_get_two_identities() -> None:
 def test_an_identity_without_a_digest_keeps_its_hash() -> None:
     """The operator never reads a model: its identities (and archives named by them) keep the
     hash they had before the field existed; so do those without engine arguments or an image
-    digest (fields added later)."""
+    digest or workload settings (fields added later)."""
     ident = _identity()
-    later = ("config", "engine_args", "image_digest")
+    later = ("config", "engine_args", "image_digest", "workload")
     before = {k: v for k, v in ident.model_dump(mode="json").items() if k not in later}
     assert ident.hash() == hashlib.sha256(canonical_json(before)).hexdigest()
     assert _identity(engine_args=("--enforce-eager",)).hash() != ident.hash()
     assert _identity(image_digest="sha256:" + "0" * 64).hash() != ident.hash()
+    assert _identity(workload={"layers": "2"}).hash() != ident.hash()
 
 
 class _Adapter:
