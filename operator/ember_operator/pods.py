@@ -107,6 +107,10 @@ class PodTemplate:
     engine_requests: tuple[tuple[str, str], ...] = ()
     engine_limits: tuple[tuple[str, str], ...] = ()
     trusted_keys: str = ""  # EMBER_TRUSTED_KEYS of sidecar and engine; "" → not set
+    # priorityClassName of warm and of cold serving pods ("" → the default priority); not in
+    # pool_key: a claimed warm pod keeps its class (a pod's priority is fixed at creation).
+    warm_priority_class: str = ""
+    serving_priority_class: str = ""
 
     @property
     def pool_key(self) -> str:
@@ -287,7 +291,7 @@ def pod_security_context() -> dict[str, Any]:
     }
 
 
-def pod_spec(t: PodTemplate) -> dict[str, Any]:
+def pod_spec(t: PodTemplate, priority_class: str = "") -> dict[str, Any]:
     spec: dict[str, Any] = {
         "initContainers": [lib_init_container(t.sidecar_image), sidecar_container(t)],
         "containers": [engine_container(t)],
@@ -301,6 +305,8 @@ def pod_spec(t: PodTemplate) -> dict[str, Any]:
     }
     if t.service_account:
         spec["serviceAccountName"] = t.service_account
+    if priority_class:
+        spec["priorityClassName"] = priority_class
     return spec
 
 
@@ -328,7 +334,7 @@ def warm_pod(t: PodTemplate, prefetch: list[str] | None = None, name: str = "") 
             "labels": {**base_labels(t), contract.LABEL_POOL: contract.POOL_WARM},
             "annotations": {contract.ANN_PREFETCH: contract.prefetch_annotation(prefetch or [])},
         },
-        "spec": pod_spec(t),
+        "spec": pod_spec(t, t.warm_priority_class),
     }
 
 
@@ -344,7 +350,7 @@ def serving_pod(t: PodTemplate, claim: Claim, name: str, owner_uid: str) -> dict
             "annotations": claim.annotations(),
             "ownerReferences": [owner_reference(claim.deployment, owner_uid)],
         },
-        "spec": pod_spec(t),
+        "spec": pod_spec(t, t.serving_priority_class),
     }
 
 

@@ -86,6 +86,8 @@ class Reconciler:
             pod_service_account=settings.pod_service_account, signing_secret=settings.signing_secret,
             local_store_root=settings.local_store_root,
             presave_priority_class=settings.presave_priority_class,
+            warm_priority_class=settings.warm_priority_class,
+            serving_priority_class=settings.serving_priority_class,
             store_endpoints=settings.store_endpoint_list(),
             credential_namespaces=settings.credential_namespace_list(), pod_batch=settings.pod_batch,
         )

@@ -48,6 +48,14 @@ class Settings(BaseModel):
         "", description="priorityClassName of SAVE Jobs that save archives ahead of time for "
         "spec.parallelism.alternatives (the chart's low, non-preempting ember-presave); none when empty.",
     )
+    warm_priority_class: str = Field(
+        "", description="priorityClassName of warm pods (the chart's low ember-warm, preemptionPolicy "
+        "Never): the scheduler preempts them for pods of a higher priority (serving pods); a claimed "
+        "warm pod keeps it. The default priority when empty.",
+    )
+    serving_priority_class: str = Field(
+        "", description="priorityClassName of serving pods created cold; the default priority when empty.",
+    )
     pod_service_account: str = Field(
         "",
         description="ServiceAccount of serving pods (the sidecar patches its own pod); "

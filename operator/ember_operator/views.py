@@ -24,6 +24,7 @@ class PodView:
     created: str = ""
     unschedulable: str = ""  # the scheduler's message while it cannot place the pod
     node: str = ""  # where the scheduler placed it ("" not yet)
+    nominated: str = ""  # the node the scheduler preempts lower-priority pods on for it
     gpus: int = 0  # GPUs its containers ask for
 
     @classmethod
@@ -46,6 +47,7 @@ class PodView:
             created=str(meta.get("creationTimestamp") or ""),
             unschedulable=unschedulable if not ready else "",
             node=(pod.get("spec") or {}).get("nodeName") or "",
+            nominated=status.get("nominatedNodeName") or "",
             gpus=_gpus(pod),
         )
 

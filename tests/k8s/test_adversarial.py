@@ -21,6 +21,7 @@ from fixtures_cluster import LocalCluster, LocalMinio
 from operator_harness import (
     Api,
     OperatorProcess,
+    ensure_priority_class,
     identity_of,
     md_spec,
     operator_env,
@@ -32,6 +33,7 @@ from operator_harness import (
 from ember_bench.claims import fake_gpu_nodes, kubectl_apply
 
 pytestmark = [pytest.mark.k8s, pytest.mark.s3]
+WARM_CLASS = "ember-warm-test"  # the chart's ember-warm, as the tests make it
 
 
 @pytest.fixture
@@ -114,6 +116,32 @@ def test_warm_pods_give_their_gpus_to_a_serving_pod_of_a_full_cluster(
         assert "WarmPodsYielded" in _events(api, "serving")
         placed = [p for p in api.warm() if p.spec.node_name]
         assert len(placed) == 4, [p.metadata.name for p in api.warm()]
+
+
+def test_the_scheduler_preempts_low_priority_warm_pods_for_a_serving_pod(
+    k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path, nodes: Any,
+) -> None:
+    """Item 2, by the scheduler: warm pods run at the chart's low PriorityClass, so with the node
+    full of another deployment's idle warm pods the real kube-scheduler preempts 4 of them for a
+    4-GPU serving pod (default priority; `Preempted` events on the warm pods) in its own
+    scheduling cycle, and the operator yields none on top (the pod has a nominated node)."""
+    ensure_priority_class(k8s, WARM_CLASS)
+    product = nodes(8)
+    with _env(k8s, minio, tmp_path, "adv-preempt", warm_priority_class=WARM_CLASS) as (api, op, prefix):
+        idle = md_spec(minio, prefix, product=product, replicas=0, warmPool={"size": 8})
+        write_test_archive(minio, prefix, idle)
+        api.create_md("idle", idle)
+        wait_for(lambda: sum(bool(p.spec.node_name) for p in api.warm()) == 8, "8 warm pods placed", op)
+        assert {(p.spec.priority_class_name, p.spec.priority) for p in api.warm()} == {(WARM_CLASS, -10)}
+        serving = md_spec(minio, prefix, product=product, replicas=1, parallelism={"tensor": 4})
+        write_test_archive(minio, prefix, serving)
+        api.create_md("serving", serving)
+        wait_for(lambda: phase(api, "serving") == "Ready", "the 4-GPU pod runs", op, timeout=90)
+        assert api.serving("serving")[0].spec.priority == 0
+        preempted = [e for e in api.events_for_kind("Pod") if e["reason"] == "Preempted"]
+        assert len({e["involvedObject"]["name"] for e in preempted}) == 4, preempted
+        assert "WarmPodsYielded" not in _events(api, "serving")
+        assert len([p for p in api.warm() if p.spec.node_name]) == 4
 
 
 def test_ready_never_while_new_pods_could_not_restore(

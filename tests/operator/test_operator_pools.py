@@ -28,6 +28,24 @@ def test_pool_size_is_the_largest_ask_of_a_template() -> None:
         contract.ANN_PREFETCH: '["s3://b/p/archives/1/manifest"]'}}})]
 
 
+def test_warm_and_serving_pods_get_their_priority_classes() -> None:
+    from dataclasses import replace
+
+    from ember.contract import Claim
+    from ember_operator.pods import serving_pod
+
+    ctx = replace(CTX, warm_priority_class="ember-warm", serving_priority_class="ember-serving")
+    t = template_of("default", md_spec(), ctx)
+    assert t.pool_key == template_of("default", md_spec(), CTX).pool_key  # not part of the pool
+    warm = plan_pools([(t, 1, "")], []).creates[0]
+    assert warm["spec"]["priorityClassName"] == "ember-warm"
+    cold = serving_pod(t, Claim(archive_uri="", identity="i", deployment="d", revision="r"), "d-r-0", "uid")
+    assert cold["spec"]["priorityClassName"] == "ember-serving"
+    # Unset: the default priority (no priorityClassName at all).
+    plain = plan_pools([(template_of("default", md_spec(), CTX), 1, "")], []).creates[0]
+    assert "priorityClassName" not in plain["spec"]
+
+
 def test_pool_shrinks_not_ready_first_and_drains_orphans() -> None:
     t = template_of("default", md_spec(), CTX)
     warm = [_warm("a", t.pool_key), _warm("b", t.pool_key, ready=False), _warm("z", "orphan")]

@@ -146,6 +146,9 @@ def test_warm_pods_of_one_node_yield_to_a_serving_pod_that_lacks_gpus() -> None:
     assert sorted(warm_to_yield([pending], pods, "mine")) == ["a", "d"]  # one node covers it
     # No node has 4 warm GPUs: the one with the most gives them (its free GPUs may do the rest).
     assert sorted(warm_to_yield([pending], [*pods[1:3], warm("g", "n4", 1)], "mine")) == ["b", "c"]
+    # The scheduler nominated a node: it preempts lower-priority warm pods there itself.
+    nominated = PodView(name="new", gpus=4, unschedulable=pending.unschedulable, nominated="n1")
+    assert warm_to_yield([nominated], pods, "mine") == []
 
 
 def test_an_archive_of_a_store_its_namespace_may_not_use_fails_without_a_save_job() -> None:

@@ -109,6 +109,21 @@ def test_pdb_covers_the_operator_replicas(helm: str) -> None:
     assert not find(render(helm, "operator.replicas=1"), "PodDisruptionBudget")
 
 
+def test_warm_pods_run_at_a_low_priority_class_of_the_chart(helm: str) -> None:
+    docs = render(helm)
+    warm = one(docs, "PriorityClass", "ember-warm")
+    assert warm["value"] < 0 and warm["preemptionPolicy"] == "Never" and not warm["globalDefault"]
+    env = {e["name"]: e.get("value") for e in one(docs, "Deployment")["spec"]["template"]["spec"]
+           ["containers"][0]["env"]}
+    assert env["EMBER_OPERATOR_WARM_PRIORITY_CLASS"] == "ember-warm"
+    assert env["EMBER_OPERATOR_SERVING_PRIORITY_CLASS"] == ""
+    off = render(helm, "warmPods.priorityClass.name=", "servingPods.priorityClassName=high")
+    assert not find(off, "PriorityClass", lambda d: d["metadata"]["name"] == "ember-warm")
+    env = {e["name"]: e.get("value") for e in one(off, "Deployment")["spec"]["template"]["spec"]
+           ["containers"][0]["env"]}
+    assert env["EMBER_OPERATOR_WARM_PRIORITY_CLASS"] == "" and env["EMBER_OPERATOR_SERVING_PRIORITY_CLASS"] == "high"
+
+
 def _grants_secrets(role: dict[str, Any]) -> bool:
     return any("secrets" in r.get("resources", []) for r in role["rules"])
 
