@@ -47,7 +47,7 @@ from ember_operator.kube import (
     merge_patch,
     pods_path,
 )
-from ember_operator.limits import Limits, apply_limits, replicas_left
+from ember_operator.limits import Left, Limits, Notices, apply_limits, namespace_left
 from ember_operator.planning import (
     INVALID_SPEC,
     Context,
@@ -92,7 +92,10 @@ class Reconciler:
             credential_namespaces=settings.credential_namespace_list(), pod_batch=settings.pod_batch,
         )
         self.limits = Limits(max_replicas=settings.max_replicas, max_warm_gpus=settings.max_warm_gpus,
-                             max_gpus_per_pod=settings.max_gpus_per_pod)
+                             max_gpus_per_pod=settings.max_gpus_per_pod,
+                             max_namespace_replicas=settings.max_namespace_replicas,
+                             max_namespace_warm_gpus=settings.max_namespace_warm_gpus)
+        self.notices = Notices()  # cap Warnings already posted
         self.backoff = Backoff(
             base_s=settings.save_backoff_seconds, max_s=settings.save_backoff_max_seconds,
             grace_s=settings.manifest_grace_seconds, retention_s=settings.archive_retention_seconds,
@@ -179,7 +182,7 @@ class Reconciler:
             status = ModelDeploymentStatus()
         try:
             spec, capped = apply_limits(ModelDeploymentSpec.model_validate(md.get("spec") or {}), self.limits,
-                                        self._replicas_left(ns, meta))
+                                        self._left(ns, meta))
             template = template_of(ns, spec, self.ctx)
         except (ValidationError, ValueError) as exc:
             # Refused (a spec admission could not judge, or a store this namespace may not use):
@@ -221,8 +224,7 @@ class Reconciler:
         spec_changed = status.observed_generation != obs.generation
         if warm_capped := warm_pool_size(spec)[1]:
             capped.append(Event("Warning", "WarmPoolCapped", warm_capped))
-        if capped and spec_changed:
-            self.post_events(md, capped)
+        self.post_events(md, self.notices.fresh((ns, name), capped))
         if claimed or spec.warm_pool.size or (obs.warm and spec_changed):
             self.reconcile_pools(ns)
         # Refused: not every 2 s (the same request fails the same way); a spec edit comes at once.
@@ -247,10 +249,11 @@ class Reconciler:
         self.post_events(md, [Event("Normal", "WarmPodsYielded", f"deleted warm pod(s) {', '.join(names)} "
                                     f"so that {len(pending)} pending serving pod(s) get their GPUs")])
 
-    def _replicas_left(self, ns: str, meta: dict[str, Any]) -> int | None:
-        """What max_namespace_replicas leaves for this deployment (None without that cap)."""
-        cap = self.settings.max_namespace_replicas
-        return replicas_left(self.kube.list(md_path(ns)), meta, cap, self.limits) if cap else None
+    def _left(self, ns: str, meta: dict[str, Any]) -> Left:
+        """What the namespace's caps leave for this deployment (no read without such caps)."""
+        if not (self.limits.max_namespace_replicas or self.limits.max_namespace_warm_gpus):
+            return Left()
+        return namespace_left(self.kube.list(md_path(ns)), meta, self.limits)
 
     def _check_placement(self, obs: Observed, template: PodTemplate, plan: Plan) -> None:
         """The `Schedulable` condition: re-checked on a spec change or while it is not True."""
@@ -403,6 +406,7 @@ class Reconciler:
         self._parallel(lambda p: self.kube.delete(pods_path(ns, p["metadata"]["name"])), pods)
         log.info("ModelDeployment %s/%s deleted: removed %d pod(s) and its HPA", ns, name, len(pods))
         metrics.STATE.forget_deployment(ns, name)
+        self.notices.said.pop((ns, name), None)
         self.reconcile_pools(ns)
 
     def deployments_using(self, ns: str, identity_short: str) -> list[str]:
@@ -419,11 +423,13 @@ class Reconciler:
         started = time.perf_counter()
         wanted: list[tuple[PodTemplate, int, str]] = []
         owners: dict[str, list[dict[str, Any]]] = {}
-        for md in self.kube.list(md_path(ns)):
+        mds = self.kube.list(md_path(ns))
+        for md in mds:
             if (md.get("metadata") or {}).get("deletionTimestamp"):
                 continue
             try:
-                spec = apply_limits(ModelDeploymentSpec.model_validate(md.get("spec") or {}), self.limits)[0]
+                spec = apply_limits(ModelDeploymentSpec.model_validate(md.get("spec") or {}), self.limits,
+                                    namespace_left(mds, md["metadata"], self.limits))[0]
                 wants = pool_wants(spec, md.get("status") or {},
                                    lambda shape, s=spec: template_of(ns, s, self.ctx, shape))  # type: ignore[misc]
             except (ValidationError, ValueError):

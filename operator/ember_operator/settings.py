@@ -83,6 +83,9 @@ class Settings(BaseModel):
                                         "oldest first); 0: no cap.")
     max_warm_gpus: int = Field(64, ge=0, description="Most warm GPUs one ModelDeployment keeps "
                                "(warmPool.size above it: a WarmPoolCapped Warning); 0: no cap.")
+    max_namespace_warm_gpus: int = Field(0, ge=0, description="Most warm GPUs of all ModelDeployments of "
+                                         "one namespace together (each keeps what is left for it, oldest "
+                                         "first; a WarmPoolCapped Warning); 0: no cap.")
     max_gpus_per_pod: int = Field(0, ge=0, le=64, description="Most GPUs one replica (pod) may ask for in "
                                   "any shape; a spec above it is refused (GpusPerPodAboveLimit); 0: the "
                                   "schema's 64.")

@@ -64,6 +64,26 @@ def ensure_priority_class(k8s: LocalCluster, name: str, value: int = -10) -> Non
             raise
 
 
+@contextmanager
+def chart_objects(k8s: LocalCluster, release: str, template: str, *sets: str,
+                  namespace: str = "default") -> Iterator[Path]:
+    """The chart's `templates/<template>` rendered by helm (`--set` each of `sets`) and applied;
+    deleted again on exit."""
+    helm = os.environ.get("EMBER_E2E_HELM") or str(REPO / "e2e/.work/bin/helm-v4.3.1/helm")
+    args = [helm, "template", release, str(REPO / "charts/ember"), "--namespace", namespace,
+            "--show-only", f"templates/{template}"]
+    for value in sets:
+        args += ["--set", value]
+    path = REPO / "e2e" / ".work" / f"{release}-{template}"
+    path.write_text(subprocess.run(args, check=True, capture_output=True, text=True).stdout)
+    try:
+        k8s.kubectl("apply", "-f", str(path))
+        yield path
+    finally:
+        k8s.kubectl("delete", "--ignore-not-found", "-f", str(path), check=False)
+        path.unlink(missing_ok=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,6 +9,7 @@ no other test's pods compete for them.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 import uuid
@@ -18,9 +19,11 @@ from typing import Any
 
 import pytest
 from fixtures_cluster import LocalCluster, LocalMinio
+from kubernetes.client.exceptions import ApiException
 from operator_harness import (
     Api,
     OperatorProcess,
+    chart_objects,
     ensure_priority_class,
     identity_of,
     md_spec,
@@ -251,6 +254,76 @@ def test_sizes_are_capped_with_warnings_and_pods_come_in_batches(
         stopping = time.monotonic()
         _stop(op)
         assert time.monotonic() - stopping < 10
+
+
+def test_the_namespace_warm_cap_trims_the_younger_pools_with_a_warning(
+    k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path,
+) -> None:
+    """Item 5: max_namespace_warm_gpus 3 over two deployments of different pools: the older keeps
+    its 2 warm GPUs, the younger gets the 1 left (WarmPoolCapped naming the setting); when the
+    older grows to 3, the younger's pool is drained and it is told so, with no edit of its own."""
+    with _env(k8s, minio, tmp_path, "adv-nswarm", max_namespace_warm_gpus="3") as (api, op, prefix):
+        api.create_md("older", md_spec(minio, prefix, replicas=0, warmPool={"size": 2}))
+        wait_for(lambda: len(api.warm()) == 2, "the older deployment's 2 warm pods", op)
+        younger = md_spec(minio, prefix, replicas=0, warmPool={"size": 2})
+        younger["engine"]["image"] = "registry.invalid/ember/engine:other"  # another pool
+        api.create_md("younger", younger)
+        wait_for(lambda: "max_namespace_warm_gpus" in _events(api, "younger").get("WarmPoolCapped", ""),
+                 "a WarmPoolCapped Warning on the younger deployment", op)
+        wait_for(lambda: len(api.warm()) == 3, "2 + 1 warm pods", op)
+        time.sleep(2)  # a few passes: the cap holds
+        assert len(api.warm()) == 3
+        api.patch_md("older", {"spec": {"warmPool": {"size": 3}}})
+        pool = "ember.dev/pool-key"
+        keys = lambda: {p.metadata.labels[pool] for p in api.warm()}  # noqa: E731
+        wait_for(lambda: len(api.warm()) == 3 and len(keys()) == 1, "only the older pool's 3 warm pods", op)
+        notes = lambda: [e.get("message") or e.get("note") or "" for e in api.events_for("younger")]  # noqa: E731
+        wait_for(lambda: any("keeping 0 warm GPUs" in n for n in notes()), "the younger told", op)
+
+
+def test_static_limits_are_refused_at_admission_naming_the_limit(
+    k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path,
+) -> None:
+    """Item 5, at admission: the chart's limits policy (params: its limits ConfigMap) refuses a
+    `kubectl apply` over limits.maxReplicas, a /scale over it, and warm GPUs, autoscaling and
+    shapes over their limits, each with a message naming the limit; at the limit is accepted."""
+    ns = k8s.create_namespace("adv-adm")
+    api = Api(k8s, ns)
+    sets = (f"workloadNamespaces={{{ns}}}", "limits.maxReplicas=30", "limits.maxWarmGpus=4",
+            "limits.maxGpusPerPod=8")
+    spec = lambda **over: md_spec(minio, "adm", **over)  # noqa: E731
+    try:
+        with chart_objects(k8s, f"adm-{uuid.uuid4().hex[:6]}", "limits-admission.yaml", *sets, namespace=ns):
+            path = tmp_path / "big.json"
+            big = {"apiVersion": "ember.dev/v1alpha1", "kind": "ModelDeployment",
+                   "metadata": {"name": "big", "namespace": ns}, "spec": spec(replicas=31)}
+            path.write_text(json.dumps(big))
+            applied = wait_for(lambda: (out := k8s.kubectl("apply", "-f", str(path), check=False)).returncode
+                               and out, "the policy refusing 31 replicas", timeout=30)
+            assert ("replicas 31 is above the limit of 30 replicas per ModelDeployment (limits.maxReplicas)"
+                    in applied.stderr), applied.stderr
+            cpu = {"type": "Resource", "name": "cpu", "averageUtilization": 50}
+            over = (({"warmPool": {"size": 5}}, "above the limit of 4 warm GPUs per ModelDeployment"),
+                    ({"parallelism": {"tensor": 16}}, "a replica of 16 GPUs"),
+                    ({"parallelism": {"tensor": 2, "alternatives": [{"tensor": 16}]}}, "alternatives"),
+                    ({"autoscaling": {"maxReplicas": 40, "targets": [cpu]}}, "autoscaling.maxReplicas 40"))
+            for fields, named in over:
+                refused = _refusal(lambda f=fields: api.create_md("x", spec(**f), dry_run=True))
+                assert named in refused, refused
+            api.create_md("ok", spec(replicas=30, warmPool={"size": 4}, parallelism={"tensor": 8}))
+            scaled = k8s.kubectl("scale", "-n", ns, "md/ok", "--replicas=31", check=False)
+            assert scaled.returncode != 0 and "limits.maxReplicas" in scaled.stderr, scaled.stderr
+    finally:
+        k8s.delete_namespace(ns)
+
+
+def _refusal(call: Any) -> str:
+    try:
+        call()
+    except ApiException as exc:
+        assert exc.status in (403, 422), exc.body
+        return str(exc.body)
+    return ""
 
 
 def _stop(op: OperatorProcess) -> None:

@@ -109,19 +109,38 @@ def test_pdb_covers_the_operator_replicas(helm: str) -> None:
     assert not find(render(helm, "operator.replicas=1"), "PodDisruptionBudget")
 
 
+def _operator_env(docs: Docs) -> dict[str, Any]:
+    container = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value") for e in container["env"]}
+
+
 def test_warm_pods_run_at_a_low_priority_class_of_the_chart(helm: str) -> None:
     docs = render(helm)
     warm = one(docs, "PriorityClass", "ember-warm")
     assert warm["value"] < 0 and warm["preemptionPolicy"] == "Never" and not warm["globalDefault"]
-    env = {e["name"]: e.get("value") for e in one(docs, "Deployment")["spec"]["template"]["spec"]
-           ["containers"][0]["env"]}
+    env = _operator_env(docs)
     assert env["EMBER_OPERATOR_WARM_PRIORITY_CLASS"] == "ember-warm"
     assert env["EMBER_OPERATOR_SERVING_PRIORITY_CLASS"] == ""
     off = render(helm, "warmPods.priorityClass.name=", "servingPods.priorityClassName=high")
     assert not find(off, "PriorityClass", lambda d: d["metadata"]["name"] == "ember-warm")
-    env = {e["name"]: e.get("value") for e in one(off, "Deployment")["spec"]["template"]["spec"]
-           ["containers"][0]["env"]}
-    assert env["EMBER_OPERATOR_WARM_PRIORITY_CLASS"] == "" and env["EMBER_OPERATOR_SERVING_PRIORITY_CLASS"] == "high"
+    env = _operator_env(off)
+    assert env["EMBER_OPERATOR_WARM_PRIORITY_CLASS"] == ""
+    assert env["EMBER_OPERATOR_SERVING_PRIORITY_CLASS"] == "high"
+
+
+def test_static_limits_reach_the_admission_policy_as_params(helm: str) -> None:
+    docs = render(helm, "limits.maxReplicas=30", "limits.maxNamespaceWarmGpus=12")
+    params = one(docs, "ConfigMap", "ember-limits")
+    assert params["data"] == {"maxReplicas": "30", "maxWarmGpus": "64", "maxGpusPerPod": "0"}
+    binding = one(docs, "ValidatingAdmissionPolicyBinding", "ember-limits")
+    assert binding["spec"]["paramRef"]["name"] == "ember-limits"
+    assert binding["spec"]["paramRef"]["namespace"] == "ember-system"
+    policy = one(docs, "ValidatingAdmissionPolicy", "ember-limits")
+    assert "modeldeployments/scale" in policy["spec"]["matchConstraints"]["resourceRules"][0]["resources"]
+    env = _operator_env(docs)
+    assert env["EMBER_OPERATOR_MAX_NAMESPACE_WARM_GPUS"] == "12"
+    off = render(helm, "limits.admission=false")
+    assert not find(off, "ConfigMap", lambda d: "limits" in d["metadata"]["name"])
 
 
 def _grants_secrets(role: dict[str, Any]) -> bool:
@@ -152,14 +171,15 @@ def test_pod_service_accounts_where_pods_run(helm: str) -> None:
     assert sorted(a["metadata"]["namespace"] for a in accounts) == ["serving", "team-a"]
     assert all(a["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/ember"}
                for a in accounts)
-    binding = one(docs, "ValidatingAdmissionPolicyBinding")
+    binding = one(docs, "ValidatingAdmissionPolicyBinding", "ember-pod-self-only")
     values = binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0]["values"]
     assert sorted(values) == ["serving", "team-a"]
 
 
 def test_monitoring_objects_are_off_by_default(helm: str) -> None:
-    kinds = {d["kind"] for d in render(helm)}
-    assert not kinds & {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"}
+    docs = render(helm)
+    assert not {d["kind"] for d in docs} & {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+    assert [d["metadata"]["name"] for d in find(docs, "ConfigMap")] == ["ember-limits"]  # no dashboard
 
 
 def test_monitoring_objects_with_selectable_labels(helm: str) -> None:
@@ -181,7 +201,7 @@ def test_monitoring_objects_with_selectable_labels(helm: str) -> None:
     assert engine["spec"]["selector"]["matchLabels"]["ember.dev/pool"] == "serving"
     rule = one(docs, "PrometheusRule")
     assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
-    dashboard = one(docs, "ConfigMap")
+    dashboard = one([d for d in docs if d["metadata"]["name"] != "ember-limits"], "ConfigMap")
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(dashboard["data"]["ember.json"]) == json.loads(DASHBOARD.read_text())
     only_engine_off = render(helm, "metrics.podMonitor.enabled=true", "metrics.podMonitor.engine=false")
