@@ -66,7 +66,7 @@ from ember_operator.pools import gpu_starved, plan_pools, pool_wants, warm_pool_
 from ember_operator.settings import Settings
 from ember_operator.store_probe import probe_archive
 from ember_operator.tenancy import Refused
-from ember_operator.views import ArchiveView, PodView
+from ember_operator.views import ArchiveView, PodView, status_of
 
 log = logging.getLogger("ember_operator")
 
@@ -176,10 +176,7 @@ class Reconciler:
         if md is None or (md.get("metadata") or {}).get("deletionTimestamp"):
             return None
         meta = md["metadata"]
-        try:
-            status = ModelDeploymentStatus.model_validate(md.get("status") or {})
-        except ValidationError:  # written by another operator version: start it afresh
-            status = ModelDeploymentStatus()
+        status = status_of(md.get("status") or {})  # what another operator version wrote, as far as readable
         try:
             spec, capped = apply_limits(ModelDeploymentSpec.model_validate(md.get("spec") or {}), self.limits,
                                         self._left(ns, meta))

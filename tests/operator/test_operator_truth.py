@@ -189,3 +189,16 @@ def test_the_namespace_caps_serve_older_deployments_first() -> None:
     notices, ev = Notices(), [Event("Warning", "WarmPoolCapped", "x")]
     assert notices.fresh(("ns", "c"), ev) == ev and notices.fresh(("ns", "c"), ev) == []
     assert notices.fresh(("ns", "c"), []) == [] and notices.fresh(("ns", "c"), ev) == ev
+
+def test_a_status_of_another_operator_version_keeps_what_this_one_reads() -> None:
+    """Issue 38 item 6: warmClaims is a lifetime count. A status this version cannot read in full
+    (a newer version's phase, a condition of an unknown status) was discarded whole, so the count
+    read 0 after a restart onto another version: now only the unreadable fields start afresh."""
+    from ember_operator.views import status_of
+
+    raw = {"phase": "Stalled", "warmClaims": 7, "replicas": 3, "observedGeneration": 4,
+           "conditions": [{"type": "Available", "status": "Maybe"}], "futureField": {"x": 1}}
+    status = status_of(raw)
+    assert status.warm_claims == 7 and status.replicas == 3 and status.observed_generation == 4
+    assert status.phase is None and status.conditions == []
+    assert status_of({"warmClaims": "many"}).warm_claims == 0
