@@ -23,7 +23,7 @@ import asyncio
 import logging
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -226,9 +226,29 @@ async def _elect(elector: LeaderElector, resync_all: Callable[[], Any], retry_s:
         await asyncio.sleep(retry_s)
 
 
+API_RETRY_MAX_S = 10.0  # the longest wait between two tries of one API request of kopf's
+
+
+class ApiRetries:
+    """kopf's delays between tries of a failed API request (connection, 5xx, 403, 429): 1, 2, 4, 8,
+    then every API_RETRY_MAX_S, never exhausted. kopf gives a request up once its delays run out,
+    and a watcher that gives up stops the whole operator: with kopf's default (54 s in all) an
+    apiserver answering 503 for a minute made the operator exit. It keeps trying instead and
+    resumes within API_RETRY_MAX_S of the apiserver's return: a restart would meet the same
+    outage, and crash-loop back-off would only delay the recovery. (A leader that cannot renew
+    its Lease meanwhile stops reconciling, `leader.py`.)"""
+
+    def __iter__(self) -> Iterator[float]:
+        delay = 1.0
+        while True:
+            yield delay
+            delay = min(2 * delay, API_RETRY_MAX_S)
+
+
 def configure(settings: kopf.OperatorSettings, ours: Settings) -> kopf.OperatorSettings:
-    """kopf settings: our annotation prefixes, quick batching; kopf's own peering is off (the Lease
-    election in `leader` decides who reconciles)."""
+    """kopf settings: our annotation prefixes, quick batching, API requests retried for ever
+    (`ApiRetries`); kopf's own peering is off (the Lease election in `leader` decides who
+    reconciles)."""
     settings.persistence.finalizer = contract.FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -241,4 +261,5 @@ def configure(settings: kopf.OperatorSettings, ours: Settings) -> kopf.OperatorS
     settings.peering.standalone = True
     settings.peering.mandatory = False
     settings.execution.max_workers = 32
+    settings.networking.error_backoffs = ApiRetries()
     return settings

@@ -57,3 +57,19 @@ def test_settings_from_env() -> None:
     s = Settings.from_env({"EMBER_OPERATOR_METRICS_PORT": "9100", "EMBER_OPERATOR_NAMESPACES": "a, b",
                            "EMBER_OPERATOR_STANDALONE": "true"})
     assert s.metrics_port == 9100 and s.namespace_list() == ["a", "b"] and s.standalone
+
+
+def test_kopf_retries_api_requests_for_ever_with_capped_delays() -> None:
+    """kopf gives a request up when its delays run out, and a watcher that gives up stops the
+    operator (it exited after ~54 s of an apiserver answering 503): the delays never run out."""
+    import itertools
+
+    import kopf
+
+    from ember_operator.handlers import API_RETRY_MAX_S, configure
+
+    retries = configure(kopf.OperatorSettings(), Settings()).networking.error_backoffs
+    assert not isinstance(retries, float | int)
+    delays = list(itertools.islice(retries, 1000))
+    assert delays[:4] == [1.0, 2.0, 4.0, 8.0] and max(delays) == delays[-1] == API_RETRY_MAX_S
+    assert list(itertools.islice(retries, 2)) == [1.0, 2.0]  # every request starts afresh
