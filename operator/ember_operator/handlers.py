@@ -151,6 +151,7 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | N
     async def cleanup(**_: Any) -> None:
         if elector is not None:
             await asyncio.get_running_loop().run_in_executor(None, elector.release)
+        rec.kube.stop()  # a pass in progress ends with its in-flight requests (the grace period)
 
     @kopf.on.event(*MD, registry=registry)
     async def md_event(namespace: str, name: str, body: dict[str, Any], type: str | None, **_: Any) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import urllib.parse
 from typing import Any
 
@@ -61,11 +62,19 @@ def load_configuration(pool_size: int = 32) -> client.Configuration:
 class Kube:
     def __init__(self, configuration: client.Configuration | None = None, pool_size: int = 32) -> None:
         self.api = client.ApiClient(configuration or load_configuration(pool_size))
+        self.stopped = threading.Event()
+
+    def stop(self) -> None:
+        """No new requests from now on (each raises KubeError 0 "Stopping"): a pass in progress
+        ends with its in-flight requests, so a stop signal waits for those, not for a whole batch."""
+        self.stopped.set()
 
     def request(
         self, method: str, path: str, *, query: dict[str, Any] | None = None, body: Any = None,
         content_type: str = "application/json", timeout: float = 30.0,
     ) -> dict[str, Any]:
+        if self.stopped.is_set():
+            raise KubeError(0, "Stopping", "the operator is stopping: no new API requests")
         headers = {"Accept": "application/json", "Content-Type": content_type}
         if query:
             path = f"{path}?{urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})}"
