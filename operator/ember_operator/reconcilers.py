@@ -329,6 +329,9 @@ class Reconciler:
                      "claims %.0f ms", ns, name, claimed, lost, 1000 * (planned - started),
                      1000 * (time.perf_counter() - planned))
         plan.status.warm_claims -= lost
+        if claimed:  # the lifetime count at once: a stop or crash before the pass's status write keeps it
+            count = {"status": {"warmClaims": plan.status.warm_claims}}
+            self.kube.patch(f"{md_path(ns, name)}/status", count)
         creates = list(plan.creates)
         if lost and plan.claim is not None:
             # Pods whose claim was lost to another deployment are made cold instead.

@@ -259,13 +259,16 @@ def test_sizes_are_capped_with_warnings_and_pods_come_in_batches(
 def test_sigterm_mid_batch_of_many_pods_stops_within_the_grace_period(
     k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path,
 ) -> None:
-    """Item 5: SIGTERM while a pass creates a full batch (the default 500 pods): the pass stops
-    with its in-flight requests (no new ones), so the operator exits within seconds — well
-    inside the chart's 30 s termination grace period — instead of finishing the batch first."""
+    """Item 5: SIGTERM while a pass creates a full batch (the default 500 pods: 4 claimed, the
+    rest cold): the pass stops with its in-flight requests (no new ones), so the operator exits
+    within seconds — well inside the chart's 30 s termination grace period — instead of finishing
+    the batch first; the pass's claims are counted all the same (item 6: warmClaims)."""
     with _env(k8s, minio, tmp_path, "adv-term") as (api, op, prefix):
-        spec = md_spec(minio, prefix, replicas=600)
+        spec = md_spec(minio, prefix, replicas=0, warmPool={"size": 4})
         write_test_archive(minio, prefix, spec)
         api.create_md("many", spec)
+        wait_for(lambda: len([p for p in api.warm() if p.spec.node_name]) == 4, "4 warm pods", op)
+        api.patch_md("many", {"spec": {"replicas": 600}})
         wait_for(lambda: len(api.serving("many")) >= 40, "the first pass creating pods", op, interval=0.1)
         stopping = time.monotonic()
         _stop(op)
@@ -273,6 +276,7 @@ def test_sigterm_mid_batch_of_many_pods_stops_within_the_grace_period(
         created = len(api.serving("many"))
         print(f"SIGTERM with {created} of the batch's 500 pods created: stopped in {took:.1f} s")
         assert took < 10 and created < 500, (took, created)
+        assert api.md("many")["status"]["warmClaims"] == 4
 
 
 def test_the_namespace_warm_cap_trims_the_younger_pools_with_a_warning(
