@@ -307,7 +307,7 @@ def test_the_namespace_warm_cap_trims_the_younger_pools_with_a_warning(
 def test_static_limits_are_refused_at_admission_naming_the_limit(
     k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path,
 ) -> None:
-    """Item 5, at admission: the chart's limits policy (params: its limits ConfigMap) refuses a
+    """Item 5, at admission: the chart's limits policy (the limits written into it) refuses a
     `kubectl apply` over limits.maxReplicas, a /scale over it, and warm GPUs, autoscaling and
     shapes over their limits, each with a message naming the limit; at the limit is accepted."""
     ns = k8s.create_namespace("adv-adm")
@@ -321,10 +321,12 @@ def test_static_limits_are_refused_at_admission_naming_the_limit(
             big = {"apiVersion": "ember.dev/v1alpha1", "kind": "ModelDeployment",
                    "metadata": {"name": "big", "namespace": ns}, "spec": spec(replicas=31)}
             path.write_text(json.dumps(big))
-            applied = wait_for(lambda: (out := k8s.kubectl("apply", "-f", str(path), check=False)).returncode
-                               and out, "the policy refusing 31 replicas", timeout=30)
-            assert ("replicas 31 is above the limit of 30 replicas per ModelDeployment (limits.maxReplicas)"
-                    in applied.stderr), applied.stderr
+            # The policy needs a moment to reach the apiserver's admission (a dry run stores nothing).
+            probe = lambda: api.create_md("big", spec(replicas=31), dry_run=True)  # noqa: E731
+            wait_for(lambda: "limits.maxReplicas" in _refusal(probe), "the policy in force", timeout=30)
+            applied = k8s.kubectl("apply", "-f", str(path), check=False)
+            named = "replicas 31 is above the limit of 30 replicas per ModelDeployment (limits.maxReplicas)"
+            assert applied.returncode != 0 and named in applied.stderr, applied
             cpu = {"type": "Resource", "name": "cpu", "averageUtilization": 50}
             over = (({"warmPool": {"size": 5}}, "above the limit of 4 warm GPUs per ModelDeployment"),
                     ({"parallelism": {"tensor": 16}}, "a replica of 16 GPUs"),

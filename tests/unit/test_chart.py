@@ -128,19 +128,18 @@ def test_warm_pods_run_at_a_low_priority_class_of_the_chart(helm: str) -> None:
     assert env["EMBER_OPERATOR_SERVING_PRIORITY_CLASS"] == "high"
 
 
-def test_static_limits_reach_the_admission_policy_as_params(helm: str) -> None:
+def test_static_limits_are_written_into_the_admission_policy(helm: str) -> None:
     docs = render(helm, "limits.maxReplicas=30", "limits.maxNamespaceWarmGpus=12")
-    params = one(docs, "ConfigMap", "ember-limits")
-    assert params["data"] == {"maxReplicas": "30", "maxWarmGpus": "64", "maxGpusPerPod": "0"}
-    binding = one(docs, "ValidatingAdmissionPolicyBinding", "ember-limits")
-    assert binding["spec"]["paramRef"]["name"] == "ember-limits"
-    assert binding["spec"]["paramRef"]["namespace"] == "ember-system"
     policy = one(docs, "ValidatingAdmissionPolicy", "ember-limits")
+    limits = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
+    assert (limits["maxReplicas"], limits["maxWarmGpus"], limits["maxGpusPerPod"]) == ("30", "64", "0")
     assert "modeldeployments/scale" in policy["spec"]["matchConstraints"]["resourceRules"][0]["resources"]
-    env = _operator_env(docs)
-    assert env["EMBER_OPERATOR_MAX_NAMESPACE_WARM_GPUS"] == "12"
+    binding = one(docs, "ValidatingAdmissionPolicyBinding", "ember-limits")
+    selector = binding["spec"]["matchResources"]["namespaceSelector"]
+    assert selector["matchExpressions"][0]["values"] == ["default"]
+    assert _operator_env(docs)["EMBER_OPERATOR_MAX_NAMESPACE_WARM_GPUS"] == "12"
     off = render(helm, "limits.admission=false")
-    assert not find(off, "ConfigMap", lambda d: "limits" in d["metadata"]["name"])
+    assert not find(off, "ValidatingAdmissionPolicy", lambda d: "limits" in d["metadata"]["name"])
 
 
 def _grants_secrets(role: dict[str, Any]) -> bool:
@@ -177,9 +176,8 @@ def test_pod_service_accounts_where_pods_run(helm: str) -> None:
 
 
 def test_monitoring_objects_are_off_by_default(helm: str) -> None:
-    docs = render(helm)
-    assert not {d["kind"] for d in docs} & {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
-    assert [d["metadata"]["name"] for d in find(docs, "ConfigMap")] == ["ember-limits"]  # no dashboard
+    kinds = {d["kind"] for d in render(helm)}
+    assert not kinds & {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"}
 
 
 def test_monitoring_objects_with_selectable_labels(helm: str) -> None:
@@ -201,7 +199,7 @@ def test_monitoring_objects_with_selectable_labels(helm: str) -> None:
     assert engine["spec"]["selector"]["matchLabels"]["ember.dev/pool"] == "serving"
     rule = one(docs, "PrometheusRule")
     assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
-    dashboard = one([d for d in docs if d["metadata"]["name"] != "ember-limits"], "ConfigMap")
+    dashboard = one(docs, "ConfigMap")
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(dashboard["data"]["ember.json"]) == json.loads(DASHBOARD.read_text())
     only_engine_off = render(helm, "metrics.podMonitor.enabled=true", "metrics.podMonitor.engine=false")
