@@ -83,6 +83,8 @@ class Runner:
         try:
             result = await self.run(ns, name)
         except KubeError as exc:
+            if exc.stopping:  # the pass ended for the stop signal: nothing to retry
+                return
             log.warning("Reconcile of %s/%s failed (retrying in 2s): %s", ns, name, exc)
             self.poke_later(ns, name, 2.0)
             return

@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 MERGE = "application/merge-patch+json"
 
 
+STOPPING = "Stopping"  # the reason of requests refused by a stopping operator
+
+
 class KubeError(Exception):
     def __init__(self, status: int, reason: str, body: str = "") -> None:
         self.status = status
@@ -41,6 +44,11 @@ class KubeError(Exception):
     @property
     def conflict(self) -> bool:
         return self.status == 409
+
+    @property
+    def stopping(self) -> bool:
+        """Refused before sending: the operator is stopping (`Kube.stop`)."""
+        return self.status == 0 and self.reason == STOPPING
 
     @property
     def rejected(self) -> bool:
@@ -74,7 +82,7 @@ class Kube:
         content_type: str = "application/json", timeout: float = 30.0,
     ) -> dict[str, Any]:
         if self.stopped.is_set():
-            raise KubeError(0, "Stopping", "the operator is stopping: no new API requests")
+            raise KubeError(0, STOPPING, "the operator is stopping: no new API requests")
         headers = {"Accept": "application/json", "Content-Type": content_type}
         if query:
             path = f"{path}?{urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})}"
