@@ -79,6 +79,15 @@ class Runner:
         loop = asyncio.get_running_loop()
         self.timers[key] = loop.call_later(delay, lambda: (self.timers.pop(key, None), self.poke(ns, name)))
 
+    def stop(self) -> None:
+        """Cancel what is scheduled or awaited (the operator stops: kopf would wait 5 s for these
+        tasks before cancelling them itself). A reconcile thread in flight ends with its API
+        requests (`Kube.stop`)."""
+        for timer in self.timers.values():
+            timer.cancel()
+        for task in self.tasks:
+            task.cancel()
+
     async def _safe(self, ns: str, name: str) -> None:
         try:
             result = await self.run(ns, name)
@@ -154,6 +163,8 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | N
         if elector is not None:
             await asyncio.get_running_loop().run_in_executor(None, elector.release)
         rec.kube.stop()  # a pass in progress ends with its in-flight requests (the grace period)
+        deployments.stop()  # the resync and election loops too (kept with the deployments' tasks)
+        archives.stop()
 
     @kopf.on.event(*MD, registry=registry)
     async def md_event(namespace: str, name: str, body: dict[str, Any], type: str | None, **_: Any) -> None:
@@ -259,6 +270,9 @@ def configure(settings: kopf.OperatorSettings, ours: Settings) -> kopf.OperatorS
     )
     settings.posting.level = logging.WARNING  # our own events are posted by the reconcilers
     settings.queueing.batch_window = ours.batch_window_seconds
+    # kopf's per-object workers live this long after their last event, and kopf waits up to 5 s
+    # for them on a stop signal: with a pod event each per pod of a batch, the whole 5 s.
+    settings.batching.idle_timeout = 1.0
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.peering.standalone = True
