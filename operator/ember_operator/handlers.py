@@ -23,7 +23,7 @@ import asyncio
 import logging
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -79,10 +79,21 @@ class Runner:
         loop = asyncio.get_running_loop()
         self.timers[key] = loop.call_later(delay, lambda: (self.timers.pop(key, None), self.poke(ns, name)))
 
+    def stop(self) -> None:
+        """Cancel what is scheduled or awaited (the operator stops: kopf would wait 5 s for these
+        tasks before cancelling them itself). A reconcile thread in flight ends with its API
+        requests (`Kube.stop`)."""
+        for timer in self.timers.values():
+            timer.cancel()
+        for task in self.tasks:
+            task.cancel()
+
     async def _safe(self, ns: str, name: str) -> None:
         try:
             result = await self.run(ns, name)
         except KubeError as exc:
+            if exc.stopping:  # the pass ended for the stop signal: nothing to retry
+                return
             log.warning("Reconcile of %s/%s failed (retrying in 2s): %s", ns, name, exc)
             self.poke_later(ns, name, 2.0)
             return
@@ -151,6 +162,9 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | N
     async def cleanup(**_: Any) -> None:
         if elector is not None:
             await asyncio.get_running_loop().run_in_executor(None, elector.release)
+        rec.kube.stop()  # a pass in progress ends with its in-flight requests (the grace period)
+        deployments.stop()  # the resync and election loops too (kept with the deployments' tasks)
+        archives.stop()
 
     @kopf.on.event(*MD, registry=registry)
     async def md_event(namespace: str, name: str, body: dict[str, Any], type: str | None, **_: Any) -> None:
@@ -226,9 +240,29 @@ async def _elect(elector: LeaderElector, resync_all: Callable[[], Any], retry_s:
         await asyncio.sleep(retry_s)
 
 
+API_RETRY_MAX_S = 10.0  # the longest wait between two tries of one API request of kopf's
+
+
+class ApiRetries:
+    """kopf's delays between tries of a failed API request (connection, 5xx, 403, 429): 1, 2, 4, 8,
+    then every API_RETRY_MAX_S, never exhausted. kopf gives a request up once its delays run out,
+    and a watcher that gives up stops the whole operator: with kopf's default (54 s in all) an
+    apiserver answering 503 for a minute made the operator exit. It keeps trying instead and
+    resumes within API_RETRY_MAX_S of the apiserver's return: a restart would meet the same
+    outage, and crash-loop back-off would only delay the recovery. (A leader that cannot renew
+    its Lease meanwhile stops reconciling, `leader.py`.)"""
+
+    def __iter__(self) -> Iterator[float]:
+        delay = 1.0
+        while True:
+            yield delay
+            delay = min(2 * delay, API_RETRY_MAX_S)
+
+
 def configure(settings: kopf.OperatorSettings, ours: Settings) -> kopf.OperatorSettings:
-    """kopf settings: our annotation prefixes, quick batching; kopf's own peering is off (the Lease
-    election in `leader` decides who reconciles)."""
+    """kopf settings: our annotation prefixes, quick batching, API requests retried for ever
+    (`ApiRetries`); kopf's own peering is off (the Lease election in `leader` decides who
+    reconciles)."""
     settings.persistence.finalizer = contract.FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -236,9 +270,13 @@ def configure(settings: kopf.OperatorSettings, ours: Settings) -> kopf.OperatorS
     )
     settings.posting.level = logging.WARNING  # our own events are posted by the reconcilers
     settings.queueing.batch_window = ours.batch_window_seconds
+    # kopf's per-object workers live this long after their last event, and kopf waits up to 5 s
+    # for them on a stop signal: with a pod event each per pod of a batch, the whole 5 s.
+    settings.batching.idle_timeout = 1.0
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.peering.standalone = True
     settings.peering.mandatory = False
     settings.execution.max_workers = 32
+    settings.networking.error_backoffs = ApiRetries()
     return settings

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import urllib.parse
 from typing import Any
 
@@ -20,6 +21,9 @@ from ember import contract
 log = logging.getLogger(__name__)
 
 MERGE = "application/merge-patch+json"
+
+
+STOPPING = "Stopping"  # the reason of requests refused by a stopping operator
 
 
 class KubeError(Exception):
@@ -42,6 +46,11 @@ class KubeError(Exception):
         return self.status == 409
 
     @property
+    def stopping(self) -> bool:
+        """Refused before sending: the operator is stopping (`Kube.stop`)."""
+        return self.status == 0 and self.reason == STOPPING
+
+    @property
     def rejected(self) -> bool:
         """The apiserver refused the request itself (invalid, forbidden by admission or quota):
         the same request cannot succeed on a retry. Not 404/409 (races) nor 429 (throttling)."""
@@ -61,11 +70,19 @@ def load_configuration(pool_size: int = 32) -> client.Configuration:
 class Kube:
     def __init__(self, configuration: client.Configuration | None = None, pool_size: int = 32) -> None:
         self.api = client.ApiClient(configuration or load_configuration(pool_size))
+        self.stopped = threading.Event()
+
+    def stop(self) -> None:
+        """No new requests from now on (each raises KubeError 0 "Stopping"): a pass in progress
+        ends with its in-flight requests, so a stop signal waits for those, not for a whole batch."""
+        self.stopped.set()
 
     def request(
         self, method: str, path: str, *, query: dict[str, Any] | None = None, body: Any = None,
         content_type: str = "application/json", timeout: float = 30.0,
     ) -> dict[str, Any]:
+        if self.stopped.is_set():
+            raise KubeError(0, STOPPING, "the operator is stopping: no new API requests")
         headers = {"Accept": "application/json", "Content-Type": content_type}
         if query:
             path = f"{path}?{urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})}"

@@ -72,6 +72,8 @@ class Context:
     signing_secret: str = ""  # for deployments that name no signing Secret
     local_store_root: str = "/var/lib/ember"  # spec'd local stores must lie under it
     presave_priority_class: str = ""  # priorityClassName of SAVE Jobs for alternatives ("" → none)
+    warm_priority_class: str = ""  # of warm pods: serving pods preempt them ("" → default priority)
+    serving_priority_class: str = ""  # of cold serving pods ("" → default priority)
     pod_batch: int = 500  # most pods one pass creates or deletes (the rest in the next passes)
     store_endpoints: tuple[str, ...] = ()  # S3 endpoints specs may name (tenancy.py); () → the default's
     credential_namespaces: tuple[str, ...] = ()  # may use the operator's own store credentials
@@ -145,6 +147,7 @@ def template_of(
         service_account=ctx.pod_service_account,
         trusted_keys=trusted_keys_env(spec),
         patch=templates.encode(spec.template),
+        warm_priority_class=ctx.warm_priority_class, serving_priority_class=ctx.serving_priority_class,
         **_engine_resources(spec),
     )
 

@@ -108,6 +108,10 @@ class PodTemplate:
     engine_limits: tuple[tuple[str, str], ...] = ()
     trusted_keys: str = ""  # EMBER_TRUSTED_KEYS of sidecar and engine; "" → not set
     patch: str = ""  # spec.template (templates.encode); "" → none
+    # priorityClassName of warm and of cold serving pods ("" → the default priority); not in
+    # pool_key: a claimed warm pod keeps its class (a pod's priority is fixed at creation).
+    warm_priority_class: str = ""
+    serving_priority_class: str = ""
 
     @property
     def pool_key(self) -> str:
@@ -292,7 +296,7 @@ def pod_security_context() -> dict[str, Any]:
     }
 
 
-def pod_spec(t: PodTemplate) -> dict[str, Any]:
+def pod_spec(t: PodTemplate, priority_class: str = "", *, warm: bool = False) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "initContainers": [lib_init_container(t.sidecar_image), sidecar_container(t)],
         "containers": [engine_container(t)],
@@ -306,7 +310,12 @@ def pod_spec(t: PodTemplate) -> dict[str, Any]:
     }
     if t.service_account:
         spec["serviceAccountName"] = t.service_account
-    return templates.apply_spec(spec, templates.decode(t.patch))
+    spec = templates.apply_spec(spec, templates.decode(t.patch))
+    # after the template: a warm pod's class always wins (warm pods must stay preemptible); a
+    # serving pod keeps a class its template names
+    if priority_class and (warm or "priorityClassName" not in spec):
+        spec["priorityClassName"] = priority_class
+    return spec
 
 
 def base_labels(t: PodTemplate) -> dict[str, str]:
@@ -333,7 +342,7 @@ def warm_pod(t: PodTemplate, prefetch: list[str] | None = None, name: str = "") 
             "labels": {**base_labels(t), contract.LABEL_POOL: contract.POOL_WARM},
             "annotations": {contract.ANN_PREFETCH: contract.prefetch_annotation(prefetch or [])},
         }, templates.decode(t.patch)),
-        "spec": pod_spec(t),
+        "spec": pod_spec(t, t.warm_priority_class, warm=True),
     }
 
 
@@ -349,7 +358,7 @@ def serving_pod(t: PodTemplate, claim: Claim, name: str, owner_uid: str) -> dict
             "annotations": claim.annotations(),
             "ownerReferences": [owner_reference(claim.deployment, owner_uid)],
         }, templates.decode(t.patch)),
-        "spec": pod_spec(t),
+        "spec": pod_spec(t, t.serving_priority_class),
     }
 
 

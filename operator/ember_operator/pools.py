@@ -129,13 +129,14 @@ def warm_to_yield(pending: list[PodView], warm: list[PodView], own_pool: str) ->
     """Warm pods to delete so that serving pods the scheduler cannot place (too few GPUs) fit:
     for each pending pod, the placed, unclaimed warm pods of one node (of other pools than
     `own_pool`, whose pods it would rather claim): on the node whose warm GPUs cover it with the
-    fewest given back, else on the node with the most warm GPUs."""
+    fewest given back, else on the node with the most warm GPUs. A pod the scheduler has nominated
+    a node for is left to it: it preempts lower-priority (warm) pods there itself."""
     by_node: dict[str, list[PodView]] = {}
     for pod in warm:
         if pod.node and not pod.deleting and pod.gpus and pod.labels.get(contract.LABEL_POOL_KEY) != own_pool:
             by_node.setdefault(pod.node, []).append(pod)
     chosen: list[str] = []
-    for pod in sorted(pending, key=lambda p: -p.gpus):
+    for pod in sorted((p for p in pending if not p.nominated), key=lambda p: -p.gpus):
         options = [(sum(w.gpus for w in ws), node) for node, ws in by_node.items()]
         if not options:
             break

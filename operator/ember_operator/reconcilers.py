@@ -1,8 +1,9 @@
 """Reconcilers: read what is there, call the pure planners, apply the plan, record status and events.
 
-One idempotent, level-based function per kind (`reconcile_deployment`, `reconcile_archive`,
-`reconcile_pools`), reached from kopf's create/update/resume handlers, a timer and watch events of
-the objects they own (see `handlers`). All API traffic goes through `kube.Kube`.
+One idempotent, level-based function per kind (`reconcile_deployment`, `reconcile_pools` here,
+`reconcile_archive` in `archive_reconciler`), reached from kopf's create/update/resume handlers, a
+timer and watch events of the objects they own (see `handlers`). All API traffic goes through
+`kube.Kube`.
 """
 
 from __future__ import annotations
@@ -20,34 +21,26 @@ from pydantic import ValidationError
 from ember import contract
 from ember_operator import conditions, metrics, naming, placement, switching
 from ember_operator.api import (
-    GAPhase,
-    GraphArchiveSpec,
-    GraphArchiveStatus,
     MDPhase,
     ModelDeploymentSpec,
     ModelDeploymentStatus,
 )
 from ember_operator.archive_planning import (
-    ArchiveObserved,
-    ArchivePlan,
     Backoff,
-    job_refused,
-    plan_archive,
 )
-from ember_operator.conditions import Event, parse_time
-from ember_operator.jobs import pod_stuck, read_termination, save_job
+from ember_operator.archive_reconciler import ArchiveReconciling
+from ember_operator.conditions import Event
 from ember_operator.kube import (
     Kube,
     KubeError,
     events_path,
     ga_path,
     hpa_path,
-    jobs_path,
     md_path,
     merge_patch,
     pods_path,
 )
-from ember_operator.limits import Limits, apply_limits, replicas_left
+from ember_operator.limits import Left, Limits, Notices, apply_limits, namespace_left
 from ember_operator.phases import settle
 from ember_operator.planning import (
     INVALID_SPEC,
@@ -61,13 +54,12 @@ from ember_operator.planning import (
     template_of,
     validation_text,
 )
-from ember_operator.pods import PodTemplate, StoreAccess, serving_pod
+from ember_operator.pods import PodTemplate, serving_pod
 from ember_operator.pools import gpu_starved, plan_pools, pool_wants, warm_pool_size, warm_to_yield
 from ember_operator.services import apply_service
 from ember_operator.settings import Settings
-from ember_operator.store_probe import probe_archive
 from ember_operator.tenancy import Refused
-from ember_operator.views import ArchiveView, PodView
+from ember_operator.views import ArchiveView, PodView, status_of
 
 log = logging.getLogger("ember_operator")
 
@@ -76,7 +68,7 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-class Reconciler:
+class Reconciler(ArchiveReconciling):
     def __init__(self, kube: Kube, settings: Settings, clock: Callable[[], datetime] = _now) -> None:
         self.kube = kube
         self.settings = settings
@@ -87,11 +79,16 @@ class Reconciler:
             pod_service_account=settings.pod_service_account, signing_secret=settings.signing_secret,
             local_store_root=settings.local_store_root,
             presave_priority_class=settings.presave_priority_class,
+            warm_priority_class=settings.warm_priority_class,
+            serving_priority_class=settings.serving_priority_class,
             store_endpoints=settings.store_endpoint_list(),
             credential_namespaces=settings.credential_namespace_list(), pod_batch=settings.pod_batch,
         )
         self.limits = Limits(max_replicas=settings.max_replicas, max_warm_gpus=settings.max_warm_gpus,
-                             max_gpus_per_pod=settings.max_gpus_per_pod)
+                             max_gpus_per_pod=settings.max_gpus_per_pod,
+                             max_namespace_replicas=settings.max_namespace_replicas,
+                             max_namespace_warm_gpus=settings.max_namespace_warm_gpus)
+        self.notices = Notices()  # cap Warnings already posted
         self.backoff = Backoff(
             base_s=settings.save_backoff_seconds, max_s=settings.save_backoff_max_seconds,
             grace_s=settings.manifest_grace_seconds, retention_s=settings.archive_retention_seconds,
@@ -172,13 +169,10 @@ class Reconciler:
         if md is None or (md.get("metadata") or {}).get("deletionTimestamp"):
             return None
         meta = md["metadata"]
-        try:
-            status = ModelDeploymentStatus.model_validate(md.get("status") or {})
-        except ValidationError:  # written by another operator version: start it afresh
-            status = ModelDeploymentStatus()
+        status = status_of(md.get("status") or {})  # what another operator version wrote, as far as readable
         try:
             spec, capped = apply_limits(ModelDeploymentSpec.model_validate(md.get("spec") or {}), self.limits,
-                                        self._replicas_left(ns, meta))
+                                        self._left(ns, meta))
             template = template_of(ns, spec, self.ctx)
         except (ValidationError, ValueError) as exc:
             # Refused (a spec admission could not judge, or a store this namespace may not use):
@@ -221,8 +215,7 @@ class Reconciler:
         spec_changed = status.observed_generation != obs.generation
         if warm_capped := warm_pool_size(spec)[1]:
             capped.append(Event("Warning", "WarmPoolCapped", warm_capped))
-        if capped and spec_changed:
-            self.post_events(md, capped)
+        self.post_events(md, self.notices.fresh((ns, name), capped))
         if claimed or spec.warm_pool.size or (obs.warm and spec_changed):
             self.reconcile_pools(ns)
         # Refused: not every 2 s (the same request fails the same way); a spec edit comes at once.
@@ -247,10 +240,11 @@ class Reconciler:
         self.post_events(md, [Event("Normal", "WarmPodsYielded", f"deleted warm pod(s) {', '.join(names)} "
                                     f"so that {len(pending)} pending serving pod(s) get their GPUs")])
 
-    def _replicas_left(self, ns: str, meta: dict[str, Any]) -> int | None:
-        """What max_namespace_replicas leaves for this deployment (None without that cap)."""
-        cap = self.settings.max_namespace_replicas
-        return replicas_left(self.kube.list(md_path(ns)), meta, cap, self.limits) if cap else None
+    def _left(self, ns: str, meta: dict[str, Any]) -> Left:
+        """What the namespace's caps leave for this deployment (no read without such caps)."""
+        if not (self.limits.max_namespace_replicas or self.limits.max_namespace_warm_gpus):
+            return Left()
+        return namespace_left(self.kube.list(md_path(ns)), meta, self.limits)
 
     def _check_placement(self, obs: Observed, template: PodTemplate, plan: Plan) -> None:
         """The `Schedulable` condition: re-checked on a spec change or while it is not True."""
@@ -330,6 +324,9 @@ class Reconciler:
                      "claims %.0f ms", ns, name, claimed, lost, 1000 * (planned - started),
                      1000 * (time.perf_counter() - planned))
         plan.status.warm_claims -= lost
+        if claimed:  # the lifetime count at once: a stop or crash before the pass's status write keeps it
+            count = {"status": {"warmClaims": plan.status.warm_claims}}
+            self.kube.patch(f"{md_path(ns, name)}/status", count)
         creates = list(plan.creates)
         if lost and plan.claim is not None:
             # Pods whose claim was lost to another deployment are made cold instead.
@@ -404,6 +401,7 @@ class Reconciler:
         self._parallel(lambda p: self.kube.delete(pods_path(ns, p["metadata"]["name"])), pods)
         log.info("ModelDeployment %s/%s deleted: removed %d pod(s) and its HPA", ns, name, len(pods))
         metrics.STATE.forget_deployment(ns, name)
+        self.notices.said.pop((ns, name), None)
         self.reconcile_pools(ns)
 
     def deployments_using(self, ns: str, identity_short: str) -> list[str]:
@@ -420,11 +418,13 @@ class Reconciler:
         started = time.perf_counter()
         wanted: list[tuple[PodTemplate, int, str]] = []
         owners: dict[str, list[dict[str, Any]]] = {}
-        for md in self.kube.list(md_path(ns)):
+        mds = self.kube.list(md_path(ns))
+        for md in mds:
             if (md.get("metadata") or {}).get("deletionTimestamp"):
                 continue
             try:
-                spec = apply_limits(ModelDeploymentSpec.model_validate(md.get("spec") or {}), self.limits)[0]
+                spec = apply_limits(ModelDeploymentSpec.model_validate(md.get("spec") or {}), self.limits,
+                                    namespace_left(mds, md["metadata"], self.limits))[0]
                 wants = pool_wants(spec, md.get("status") or {},
                                    lambda shape, s=spec: template_of(ns, s, self.ctx, shape))  # type: ignore[misc]
             except (ValidationError, ValueError):
@@ -477,117 +477,3 @@ class Reconciler:
                 for md in mds:
                     note = f"warm pods of this deployment's pool are refused: {message}"
                     self.post_events(md, [Event("Warning", "WarmPoolRefused", note)])
-
-    # ------------------------------------------------------------------ GraphArchive
-    def reconcile_archive(self, namespace: str, name: str) -> float | None:
-        """Returns seconds until the archive wants another look (retry, verification), or None."""
-        started = time.perf_counter()
-        try:
-            return self._reconcile_archive(namespace, name)
-        except Exception:
-            metrics.RECONCILE_ERRORS.labels("GraphArchive").inc()
-            raise
-        finally:
-            metrics.RECONCILE_SECONDS.labels("GraphArchive").observe(time.perf_counter() - started)
-
-    def _reconcile_archive(self, ns: str, name: str) -> float | None:
-        ga = self.kube.get(ga_path(ns, name))
-        if ga is None or (ga.get("metadata") or {}).get("deletionTimestamp"):
-            metrics.STATE.forget_archive(ns, name)
-            return None
-        meta = ga["metadata"]
-        try:
-            spec = GraphArchiveSpec.model_validate(ga.get("spec") or {})
-            status = GraphArchiveStatus.model_validate(ga.get("status") or {})
-        except ValidationError as exc:
-            log.error("GraphArchive %s/%s is invalid (edited by hand, or written by another operator "
-                      "version?); delete it and its ModelDeployments recreate it: %s", ns, name, exc)
-            return None
-        short = spec.identity_hash[:16]
-        # Users: deployments of the identity and serving/warm pods restoring it. SAVE pods carry
-        # the identity label too but are no users (counting them kept archives alive for ever).
-        refs = len(self.deployments_using(ns, short)) + len(
-            self.kube.list(pods_path(ns), f"{contract.LABEL_IDENTITY}={short},{contract.LABEL_POOL}")
-        )
-        timeout = self.settings.store_probe_timeout_seconds
-        probe = probe_archive(self.kube, ns, spec, self.ctx.tenancy, timeout)
-        listed = self.kube.list(jobs_path(ns), f"{contract.LABEL_ARCHIVE}={name}")
-        jobs = {j["metadata"]["name"]: j for j in listed}
-        current = naming.save_job_name(spec.identity_hash, status.attempt)
-        result, stuck = None, None
-        if current in jobs:
-            pods = self.kube.list(pods_path(ns), f"job-name={current}")
-            for pod in pods:
-                result = read_termination(pod) or result
-            stuck = self._save_stuck(ns, current, pods)
-        obs = ArchiveObserved(
-            name=name, namespace=ns, uid=meta["uid"], generation=int(meta.get("generation") or 0),
-            spec=spec, status=status, probe=probe, now=self.clock(), jobs=jobs, result=result,
-            references=refs, stuck=stuck,
-        )
-        plan = plan_archive(obs, self.backoff)
-        if plan.delete_jobs:
-            log.info("GraphArchive %s/%s: no user; deleting SAVE Job(s) %s", ns, name, sorted(jobs))
-            self._parallel(lambda job: self.kube.delete(jobs_path(ns, job)), sorted(jobs))
-        if plan.delete:
-            self.post_events(ga, plan.events)
-            self.kube.delete(ga_path(ns, name))
-            metrics.STATE.forget_archive(ns, name)
-            return None
-        if plan.create_job_attempt is not None:
-            self._create_save_job(obs, plan, meta["uid"])
-        started_at = parse_time(status.save_started_time)
-        if plan.saved_now:
-            metrics.SAVES_TOTAL.labels("succeeded").inc()
-            if started_at is not None and status.save_job:
-                metrics.SAVE_SECONDS.observe((obs.now - started_at).total_seconds())
-        if plan.save_failed_now:
-            metrics.SAVES_TOTAL.labels("failed").inc()
-        self._patch_status(ga_path(ns, name), ga.get("status"), plan.status.wire())
-        self.post_events(ga, plan.events)
-        self._archive_gauges(ns, name, spec, plan.status)
-        return plan.requeue_after
-
-    def _archive_gauges(self, ns: str, name: str, spec: GraphArchiveSpec, st: GraphArchiveStatus) -> None:
-        phase = st.phase.value if st.phase else ""
-        started = parse_time(st.save_started_time) if st.phase is GAPhase.saving else None
-        begun = started.timestamp() if started is not None else None
-        timeout = spec.save.timeout_seconds or self.settings.save_timeout_seconds
-        metrics.STATE.set_archive(ns, name, metrics.Archive(
-            phase, st.bytes if st.phase is GAPhase.available else None, begun,
-            begun + timeout if begun is not None else None))
-
-    def _create_save_job(self, obs: ArchiveObserved, plan: ArchivePlan, uid: str) -> None:
-        """The SAVE Job of the plan's attempt; refused by the apiserver → that attempt failed."""
-        ns, name, spec = obs.namespace, obs.name, obs.spec
-        attempt = plan.create_job_attempt or 0
-        job_name = naming.save_job_name(spec.identity_hash, attempt)
-        body = save_job(
-            name=job_name, namespace=ns, archive_name=name, archive_uid=uid, spec=spec,
-            store=StoreAccess.of(spec.store), sidecar_image=self.settings.sidecar_image,
-            timeout_seconds=self.settings.save_timeout_seconds, attempt=attempt,
-        )
-        if refused := self._refusal(f"SAVE Job {job_name}", self.kube.create, jobs_path(ns), body):
-            job_refused(obs, plan, self.backoff, refused[0])
-        else:
-            log.info("GraphArchive %s/%s: SAVE Job %s created", ns, name, job_name)
-
-    def _save_stuck(self, ns: str, job: str, pods: list[dict[str, Any]]) -> tuple[str, str] | None:
-        """Why the SAVE Job runs nothing: its pod cannot be scheduled/pulled, or the Job controller
-        cannot create the pod (FailedCreate events on the Job: quota, admission, invalid spec)."""
-        for pod in pods:
-            if why := pod_stuck(pod):
-                return "SaveUnschedulable", why
-        if pods:
-            return None
-        query = {"fieldSelector": f"involvedObject.kind=Job,involvedObject.name={job},reason=FailedCreate"}
-        try:
-            listed = self.kube.request("GET", f"/api/v1/namespaces/{ns}/events", query=query)
-        except KubeError as exc:  # best effort (RBAC: list core events)
-            log.warning("Reading events of SAVE Job %s/%s failed: %s", ns, job, exc)
-            return None
-        events = listed.get("items") or []
-        if events:
-            last = max(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
-            return "SaveFailedCreate", f"FailedCreate: {last.get('message', '')}"
-        return None

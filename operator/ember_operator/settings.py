@@ -48,6 +48,14 @@ class Settings(BaseModel):
         "", description="priorityClassName of SAVE Jobs that save archives ahead of time for "
         "spec.parallelism.alternatives (the chart's low, non-preempting ember-presave); none when empty.",
     )
+    warm_priority_class: str = Field(
+        "", description="priorityClassName of warm pods (the chart's low ember-warm, preemptionPolicy "
+        "Never): the scheduler preempts them for pods of a higher priority (serving pods); a claimed "
+        "warm pod keeps it. The default priority when empty.",
+    )
+    serving_priority_class: str = Field(
+        "", description="priorityClassName of serving pods created cold; the default priority when empty.",
+    )
     pod_service_account: str = Field(
         "",
         description="ServiceAccount of serving pods (the sidecar patches its own pod); "
@@ -75,6 +83,9 @@ class Settings(BaseModel):
                                         "oldest first); 0: no cap.")
     max_warm_gpus: int = Field(64, ge=0, description="Most warm GPUs one ModelDeployment keeps "
                                "(warmPool.size above it: a WarmPoolCapped Warning); 0: no cap.")
+    max_namespace_warm_gpus: int = Field(0, ge=0, description="Most warm GPUs of all ModelDeployments of "
+                                         "one namespace together (each keeps what is left for it, oldest "
+                                         "first; a WarmPoolCapped Warning); 0: no cap.")
     max_gpus_per_pod: int = Field(0, ge=0, le=64, description="Most GPUs one replica (pod) may ask for in "
                                   "any shape; a spec above it is refused (GpusPerPodAboveLimit); 0: the "
                                   "schema's 64.")

@@ -1,4 +1,5 @@
-"""Small read-only views of observed objects (pods, archives) that planning code consumes.
+"""Small read-only views of observed objects (pods, archives, a deployment's recorded status)
+that planning code consumes.
 
 Planning takes these instead of raw API dicts so its tests can build observations in one line.
 """
@@ -9,7 +10,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from ember import contract
+from ember_operator.api import ModelDeploymentStatus
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,7 @@ class PodView:
     created: str = ""
     unschedulable: str = ""  # the scheduler's message while it cannot place the pod
     node: str = ""  # where the scheduler placed it ("" not yet)
+    nominated: str = ""  # the node the scheduler preempts lower-priority pods on for it
     gpus: int = 0  # GPUs its containers ask for
 
     @classmethod
@@ -46,6 +51,7 @@ class PodView:
             created=str(meta.get("creationTimestamp") or ""),
             unschedulable=unschedulable if not ready else "",
             node=(pod.get("spec") or {}).get("nodeName") or "",
+            nominated=status.get("nominatedNodeName") or "",
             gpus=_gpus(pod),
         )
 
@@ -150,3 +156,18 @@ class ArchiveView:
         may still write the manifest), so deployments wait instead of starting native pods."""
         store_trouble = self.reason in ("CredentialsSecretMissing", "StoreUnreachable")
         return self.phase == "Failed" or (store_trouble and self.phase != "Saving")
+
+
+def status_of(raw: dict[str, Any]) -> ModelDeploymentStatus:
+    """A deployment's status as this operator reads it. Fields it cannot read (written by another
+    operator version: a phase or condition it does not know) start afresh; the others — the
+    lifetime `warmClaims` above all — are kept, so a version change never resets them."""
+    raw = dict(raw)
+    while True:
+        try:
+            return ModelDeploymentStatus.model_validate(raw)
+        except ValidationError as exc:
+            bad = {str(e["loc"][0]) for e in exc.errors() if e["loc"]}
+            if not bad & raw.keys():
+                return ModelDeploymentStatus()
+            raw = {k: v for k, v in raw.items() if k not in bad}

@@ -52,6 +52,38 @@ def install_crds(k8s: LocalCluster) -> None:
         k8s.kubectl("wait", "--for", "condition=established", f"crd/{name}", "--timeout=60s")
 
 
+def ensure_priority_class(k8s: LocalCluster, name: str, value: int = -10) -> None:
+    """A low, non-preempting PriorityClass as the chart installs them (cluster-scoped: created once)."""
+    sched = client.SchedulingV1Api(k8s.api_client)
+    body = client.V1PriorityClass(metadata=client.V1ObjectMeta(name=name), value=value,
+                                  preemption_policy="Never", description="ember tests")
+    try:
+        sched.create_priority_class(body)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+
+
+@contextmanager
+def chart_objects(k8s: LocalCluster, release: str, template: str, *sets: str,
+                  namespace: str = "default") -> Iterator[Path]:
+    """The chart's `templates/<template>` rendered by helm (`--set` each of `sets`) and applied;
+    deleted again on exit."""
+    helm = os.environ.get("EMBER_E2E_HELM") or str(REPO / "e2e/.work/bin/helm-v4.3.1/helm")
+    args = [helm, "template", release, str(REPO / "charts/ember"), "--namespace", namespace,
+            "--show-only", f"templates/{template}"]
+    for value in sets:
+        args += ["--set", value]
+    path = REPO / "e2e" / ".work" / f"{release}-{template}"
+    path.write_text(subprocess.run(args, check=True, capture_output=True, text=True).stdout)
+    try:
+        k8s.kubectl("apply", "-f", str(path))
+        yield path
+    finally:
+        k8s.kubectl("delete", "--ignore-not-found", "-f", str(path), check=False)
+        path.unlink(missing_ok=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -179,6 +211,12 @@ class Api:
         resp = self.core.list_namespaced_event(self.ns, _preload_content=False)
         items = json.loads(resp.data)["items"]
         return [e for e in items if (e.get("involvedObject") or {}).get("name") == name]
+
+    def events_for_kind(self, kind: str) -> list[dict[str, Any]]:
+        """Events about objects of `kind` in the namespace (those of deleted pods too)."""
+        resp = self.core.list_namespaced_event(self.ns, field_selector=f"involvedObject.kind={kind}",
+                                               _preload_content=False)
+        return list(json.loads(resp.data)["items"])
 
     def create_secret(self, name: str, minio: LocalMinio) -> None:
         data = {"AWS_ACCESS_KEY_ID": minio.access_key, "AWS_SECRET_ACCESS_KEY": minio.secret_key}

@@ -9,6 +9,7 @@ no other test's pods compete for them.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 import uuid
@@ -18,9 +19,12 @@ from typing import Any
 
 import pytest
 from fixtures_cluster import LocalCluster, LocalMinio
+from kubernetes.client.exceptions import ApiException
 from operator_harness import (
     Api,
     OperatorProcess,
+    chart_objects,
+    ensure_priority_class,
     identity_of,
     md_spec,
     operator_env,
@@ -32,6 +36,7 @@ from operator_harness import (
 from ember_bench.claims import fake_gpu_nodes, kubectl_apply
 
 pytestmark = [pytest.mark.k8s, pytest.mark.s3]
+WARM_CLASS = "ember-warm-test"  # the chart's ember-warm, as the tests make it
 
 
 @pytest.fixture
@@ -114,6 +119,32 @@ def test_warm_pods_give_their_gpus_to_a_serving_pod_of_a_full_cluster(
         assert "WarmPodsYielded" in _events(api, "serving")
         placed = [p for p in api.warm() if p.spec.node_name]
         assert len(placed) == 4, [p.metadata.name for p in api.warm()]
+
+
+def test_the_scheduler_preempts_low_priority_warm_pods_for_a_serving_pod(
+    k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path, nodes: Any,
+) -> None:
+    """Item 2, by the scheduler: warm pods run at the chart's low PriorityClass, so with the node
+    full of another deployment's idle warm pods the real kube-scheduler preempts 4 of them for a
+    4-GPU serving pod (default priority; `Preempted` events on the warm pods) in its own
+    scheduling cycle, and the operator yields none on top (the pod has a nominated node)."""
+    ensure_priority_class(k8s, WARM_CLASS)
+    product = nodes(8)
+    with _env(k8s, minio, tmp_path, "adv-preempt", warm_priority_class=WARM_CLASS) as (api, op, prefix):
+        idle = md_spec(minio, prefix, product=product, replicas=0, warmPool={"size": 8})
+        write_test_archive(minio, prefix, idle)
+        api.create_md("idle", idle)
+        wait_for(lambda: sum(bool(p.spec.node_name) for p in api.warm()) == 8, "8 warm pods placed", op)
+        assert {(p.spec.priority_class_name, p.spec.priority) for p in api.warm()} == {(WARM_CLASS, -10)}
+        serving = md_spec(minio, prefix, product=product, replicas=1, parallelism={"tensor": 4})
+        write_test_archive(minio, prefix, serving)
+        api.create_md("serving", serving)
+        wait_for(lambda: phase(api, "serving") == "Ready", "the 4-GPU pod runs", op, timeout=90)
+        assert api.serving("serving")[0].spec.priority == 0
+        preempted = [e for e in api.events_for_kind("Pod") if e["reason"] == "Preempted"]
+        assert len({e["involvedObject"]["name"] for e in preempted}) == 4, preempted
+        assert "WarmPodsYielded" not in _events(api, "serving")
+        assert len([p for p in api.warm() if p.spec.node_name]) == 4
 
 
 def test_ready_never_while_new_pods_could_not_restore(
@@ -223,6 +254,101 @@ def test_sizes_are_capped_with_warnings_and_pods_come_in_batches(
         stopping = time.monotonic()
         _stop(op)
         assert time.monotonic() - stopping < 10
+
+
+def test_sigterm_mid_batch_of_many_pods_stops_within_the_grace_period(
+    k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path,
+) -> None:
+    """Item 5: SIGTERM while a pass creates a full batch (the default 500 pods: 4 claimed, the
+    rest cold): the pass stops with its in-flight requests (no new ones), so the operator exits
+    within seconds — well inside the chart's 30 s termination grace period — instead of finishing
+    the batch first; the pass's claims are counted all the same (item 6: warmClaims)."""
+    with _env(k8s, minio, tmp_path, "adv-term") as (api, op, prefix):
+        spec = md_spec(minio, prefix, replicas=0, warmPool={"size": 4})
+        write_test_archive(minio, prefix, spec)
+        api.create_md("many", spec)
+        wait_for(lambda: len([p for p in api.warm() if p.spec.node_name]) == 4, "4 warm pods", op)
+        api.patch_md("many", {"spec": {"replicas": 600}})
+        wait_for(lambda: len(api.serving("many")) >= 40, "the first pass creating pods", op, interval=0.1)
+        stopping = time.monotonic()
+        _stop(op)
+        took = time.monotonic() - stopping
+        created = len(api.serving("many"))
+        print(f"SIGTERM with {created} of the batch's 500 pods created: stopped in {took:.1f} s")
+        assert took < 10 and created < 500, (took, created)
+        assert api.md("many")["status"]["warmClaims"] == 4
+
+
+def test_the_namespace_warm_cap_trims_the_younger_pools_with_a_warning(
+    k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path,
+) -> None:
+    """Item 5: max_namespace_warm_gpus 3 over two deployments of different pools: the older keeps
+    its 2 warm GPUs, the younger gets the 1 left (WarmPoolCapped naming the setting); when the
+    older grows to 3, the younger's pool is drained and it is told so, with no edit of its own."""
+    with _env(k8s, minio, tmp_path, "adv-nswarm", max_namespace_warm_gpus="3") as (api, op, prefix):
+        api.create_md("older", md_spec(minio, prefix, replicas=0, warmPool={"size": 2}))
+        wait_for(lambda: len(api.warm()) == 2, "the older deployment's 2 warm pods", op)
+        younger = md_spec(minio, prefix, replicas=0, warmPool={"size": 2})
+        younger["engine"]["image"] = "registry.invalid/ember/engine:other"  # another pool
+        api.create_md("younger", younger)
+        wait_for(lambda: "max_namespace_warm_gpus" in _events(api, "younger").get("WarmPoolCapped", ""),
+                 "a WarmPoolCapped Warning on the younger deployment", op)
+        wait_for(lambda: len(api.warm()) == 3, "2 + 1 warm pods", op)
+        time.sleep(2)  # a few passes: the cap holds
+        assert len(api.warm()) == 3
+        api.patch_md("older", {"spec": {"warmPool": {"size": 3}}})
+        pool = "ember.dev/pool-key"
+        keys = lambda: {p.metadata.labels[pool] for p in api.warm()}  # noqa: E731
+        wait_for(lambda: len(api.warm()) == 3 and len(keys()) == 1, "only the older pool's 3 warm pods", op)
+        notes = lambda: [e.get("message") or e.get("note") or "" for e in api.events_for("younger")]  # noqa: E731
+        wait_for(lambda: any("keeping 0 warm GPUs" in n for n in notes()), "the younger told", op)
+
+
+def test_static_limits_are_refused_at_admission_naming_the_limit(
+    k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path,
+) -> None:
+    """Item 5, at admission: the chart's limits policy (the limits written into it) refuses a
+    `kubectl apply` over limits.maxReplicas, a /scale over it, and warm GPUs, autoscaling and
+    shapes over their limits, each with a message naming the limit; at the limit is accepted."""
+    ns = k8s.create_namespace("adv-adm")
+    api = Api(k8s, ns)
+    sets = (f"workloadNamespaces={{{ns}}}", "limits.maxReplicas=30", "limits.maxWarmGpus=4",
+            "limits.maxGpusPerPod=8")
+    spec = lambda **over: md_spec(minio, "adm", **over)  # noqa: E731
+    try:
+        with chart_objects(k8s, f"adm-{uuid.uuid4().hex[:6]}", "limits-admission.yaml", *sets, namespace=ns):
+            path = tmp_path / "big.json"
+            big = {"apiVersion": "ember.dev/v1alpha1", "kind": "ModelDeployment",
+                   "metadata": {"name": "big", "namespace": ns}, "spec": spec(replicas=31)}
+            path.write_text(json.dumps(big))
+            # The policy needs a moment to reach the apiserver's admission (a dry run stores nothing).
+            probe = lambda: api.create_md("big", spec(replicas=31), dry_run=True)  # noqa: E731
+            wait_for(lambda: "limits.maxReplicas" in _refusal(probe), "the policy in force", timeout=30)
+            applied = k8s.kubectl("apply", "-f", str(path), check=False)
+            named = "replicas 31 is above the limit of 30 replicas per ModelDeployment (limits.maxReplicas)"
+            assert applied.returncode != 0 and named in applied.stderr, applied
+            cpu = {"type": "Resource", "name": "cpu", "averageUtilization": 50}
+            over = (({"warmPool": {"size": 5}}, "above the limit of 4 warm GPUs per ModelDeployment"),
+                    ({"parallelism": {"tensor": 16}}, "a replica of 16 GPUs"),
+                    ({"parallelism": {"tensor": 2, "alternatives": [{"tensor": 16}]}}, "alternatives"),
+                    ({"autoscaling": {"maxReplicas": 40, "targets": [cpu]}}, "autoscaling.maxReplicas 40"))
+            for fields, named in over:
+                refused = _refusal(lambda f=fields: api.create_md("x", spec(**f), dry_run=True))
+                assert named in refused, refused
+            api.create_md("ok", spec(replicas=30, warmPool={"size": 4}, parallelism={"tensor": 8}))
+            scaled = k8s.kubectl("scale", "-n", ns, "md/ok", "--replicas=31", check=False)
+            assert scaled.returncode != 0 and "limits.maxReplicas" in scaled.stderr, scaled.stderr
+    finally:
+        k8s.delete_namespace(ns)
+
+
+def _refusal(call: Any) -> str:
+    try:
+        call()
+    except ApiException as exc:
+        assert exc.status in (403, 422), exc.body
+        return str(exc.body)
+    return ""
 
 
 def _stop(op: OperatorProcess) -> None:

@@ -22,8 +22,12 @@ EMBER_FAULTS_RESULTS=<path> the module writes the table there (benchmarks/result
 from __future__ import annotations
 
 import contextlib
+import http.server
+import json
 import os
+import ssl
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -146,6 +150,44 @@ class OwnApiserver:
         return time.monotonic() - t0
 
 
+    @contextlib.contextmanager
+    def unavailable(self) -> Iterator[None]:
+        """The apiserver stopped, and in its place on its port, with its certificate, a server
+        that answers every request `503 Service Unavailable` (an apiserver starting or stopping, a
+        load balancer without a healthy backend); started again afterwards."""
+        self.stop()
+        flag = lambda name: self.argv[self.argv.index(name) + 1]  # noqa: E731
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.load_cert_chain(flag("--tls-cert-file"), flag("--tls-private-key-file"))
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), _Unavailable)
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            yield
+        finally:
+            server.shutdown()
+            server.server_close()
+            self.start()
+
+
+class _Unavailable(http.server.BaseHTTPRequestHandler):
+    """Every request: 503 with a Kubernetes Status body."""
+
+    def _answer(self) -> None:
+        body = json.dumps({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 503,
+                           "reason": "ServiceUnavailable", "message": "unavailable"}).encode()
+        self.send_response(503)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _answer
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
 @pytest.fixture
 def apiserver(k8s: LocalCluster, tmp_path: Path) -> Iterator[OwnApiserver]:
     own = OwnApiserver(k8s, tmp_path)
@@ -252,6 +294,30 @@ def test_watch_streams_cut_by_apiserver_restart(k8s: LocalCluster, minio: LocalM
         record("watch streams cut (kube-apiserver restarted, resync 300 s)",
                f"restart took {down:.1f} s; watches re-established: a replicas 2→3 edit made after it was "
                "applied (time from the edit to Ready with 3)", secs, 30)
+
+
+OUTAGE_S = 62  # longer than kopf's default API retries (1+1+2+3+5+8+13+21 = 54 s), then it gave up
+
+
+def test_apiserver_outage_longer_than_the_api_retries(k8s: LocalCluster, minio: LocalMinio, crds: None,
+                                                      tmp_path: Path, apiserver: OwnApiserver) -> None:
+    """The apiserver answering 503 for a minute: the operator keeps retrying (it used to exit
+    after ~54 s, when kopf's retries of its requests ran out) and resumes when it is back: an edit
+    made then is applied. (Refused connections kopf's watches retry for ever by themselves.)"""
+    with operator_env(k8s, minio, tmp_path, "fout", kubeconfig=apiserver.operator_kubeconfig) as (
+            api, op, prefix):
+        spec = md_spec(minio, prefix, replicas=1)
+        write_test_archive(minio, prefix, spec)
+        api.create_md("out", spec)
+        wait_for(lambda: ready(api, "out", 1), "Ready", op)
+        with apiserver.unavailable():
+            time.sleep(OUTAGE_S)
+            assert op.proc is not None and op.proc.poll() is None, "the operator exited during the outage"
+        api.patch_md("out", {"spec": {"replicas": 2}})
+        secs = converge(lambda: ready(api, "out", 2), "the edit applied (2 pods)", op, bound=45)
+        check_invariants(api, "out", 2, spec)
+        record(f"kube-apiserver answering 503 for {OUTAGE_S} s", "the operator kept retrying and resumed: a "
+               "replicas 1→2 edit made once it was back was applied (time from the edit)", secs, 45)
 
 
 def test_store_down_and_back(env: Any, minio: LocalMinio) -> None:

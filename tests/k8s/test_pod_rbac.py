@@ -4,17 +4,15 @@ its own pod's restore result and nothing else (another pod, labels, other annota
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fixtures_cluster import REPO, LocalCluster
+from fixtures_cluster import LocalCluster
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-from operator_harness import wait_for
+from operator_harness import chart_objects, wait_for
 
 pytestmark = [pytest.mark.k8s]
 SA = "ember-pod"
@@ -25,18 +23,10 @@ def rbac(k8s: LocalCluster) -> Iterator[tuple[str, client.CoreV1Api]]:
     """A namespace with the chart's pod RBAC and admission policy (rendered by helm) applied."""
     ns = k8s.create_namespace("oprbac")
     release = f"rbac-{uuid.uuid4().hex[:6]}"
-    helm = os.environ.get("EMBER_E2E_HELM") or str(REPO / "e2e/.work/bin/helm-v4.3.1/helm")
-    rendered = subprocess.run(
-        [helm, "template", release, str(REPO / "charts/ember"), "--show-only", "templates/pod-rbac.yaml",
-         "--set", f"workloadNamespaces={{{ns}}}"], check=True, capture_output=True, text=True).stdout
-    path = REPO / "e2e" / ".work" / f"{release}.yaml"
-    path.write_text(rendered)
-    k8s.kubectl("apply", "-f", str(path))
     try:
-        yield ns, client.CoreV1Api(k8s.api_client)
+        with chart_objects(k8s, release, "pod-rbac.yaml", f"workloadNamespaces={{{ns}}}"):
+            yield ns, client.CoreV1Api(k8s.api_client)
     finally:
-        k8s.kubectl("delete", "--ignore-not-found", "-f", str(path), check=False)
-        path.unlink(missing_ok=True)
         k8s.delete_namespace(ns)
 
 

@@ -19,6 +19,7 @@ from kubernetes import client
 from operator_harness import (
     Api,
     OperatorProcess,
+    ensure_priority_class,
     identity_of,
     md_spec,
     operator_env,
@@ -36,23 +37,11 @@ TP2 = {"tensor": 2, "expert": 1, "data": 1}
 SAVE_RUNS = {"podAnnotations": {"pod-complete.stage.kwok.x-k8s.io/delay": "600s"}}
 
 
-def ensure_priority_class(k8s: LocalCluster) -> None:
-    """The chart's low, non-preempting presave PriorityClass (cluster-scoped: created once)."""
-    sched = client.SchedulingV1Api(k8s.api_client)
-    body = client.V1PriorityClass(metadata=client.V1ObjectMeta(name=PRESAVE), value=-10,
-                                  preemption_policy="Never", description="ember test presaves")
-    try:
-        sched.create_priority_class(body)
-    except client.exceptions.ApiException as exc:
-        if exc.status != 409:
-            raise
-
-
 @pytest.fixture
 def env(
     k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path,
 ) -> Iterator[tuple[Api, OperatorProcess, str]]:
-    ensure_priority_class(k8s)
+    ensure_priority_class(k8s, PRESAVE)
     settings = {"EMBER_OPERATOR_PRESAVE_PRIORITY_CLASS": PRESAVE}
     with operator_env(k8s, minio, tmp_path, "sw", env=settings) as e:
         yield e
@@ -244,7 +233,7 @@ def test_sigkill_of_the_leader_during_a_switch(k8s: LocalCluster, minio: LocalMi
                                                tmp_path: Path) -> None:
     ha = {"EMBER_OPERATOR_STANDALONE": "false", "EMBER_OPERATOR_LEASE_DURATION_SECONDS": "3",
           "EMBER_OPERATOR_LEASE_RETRY_SECONDS": "0.5", "EMBER_OPERATOR_PRESAVE_PRIORITY_CLASS": PRESAVE}
-    ensure_priority_class(k8s)
+    ensure_priority_class(k8s, PRESAVE)
     # The admin identity: in the RBAC run (EMBER_TEST_OPERATOR_KUBECONFIG=sa) the chart's Lease Role
     # exists only in its release namespace, not in this test's.
     admin = k8s.kubeconfig

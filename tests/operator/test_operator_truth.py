@@ -111,13 +111,16 @@ def test_identity_strings_are_refused_by_the_model_too() -> None:
 
 
 def test_limits_cap_replicas_and_warm_gpus_and_refuse_wide_pods() -> None:
-    from ember_operator.limits import Limits, apply_limits
+    from ember_operator.limits import Left, Limits, apply_limits
     from ember_operator.tenancy import Refused
 
     spec = md_spec(replicas=10000, warmPool={"size": 50})
-    capped, events = apply_limits(spec, Limits(max_replicas=1000, max_warm_gpus=8), replicas_left=300)
+    capped, events = apply_limits(spec, Limits(max_replicas=1000, max_warm_gpus=8), Left(replicas=300))
     assert capped.replicas == 300 and capped.warm_pool.size == 8
     assert [e.reason for e in events] == ["ReplicasCapped", "ReplicasCapped", "WarmPoolCapped"]
+    # What the namespace's warm cap leaves: the pool is trimmed further, with a Warning naming it.
+    capped, events = apply_limits(spec, Limits(max_warm_gpus=8), Left(warm_gpus=5))
+    assert capped.warm_pool.size == 5 and "max_namespace_warm_gpus" in events[-1].message
     assert apply_limits(md_spec(replicas=3), Limits(max_replicas=1000)) == (md_spec(replicas=3), [])
     wide = md_spec(parallelism={"tensor": 8}, gpu={"product": "NVIDIA-H100-80GB-HBM3"})
     with pytest.raises(Refused, match="8 GPUs is above the operator's limit of 4"):
@@ -146,6 +149,9 @@ def test_warm_pods_of_one_node_yield_to_a_serving_pod_that_lacks_gpus() -> None:
     assert sorted(warm_to_yield([pending], pods, "mine")) == ["a", "d"]  # one node covers it
     # No node has 4 warm GPUs: the one with the most gives them (its free GPUs may do the rest).
     assert sorted(warm_to_yield([pending], [*pods[1:3], warm("g", "n4", 1)], "mine")) == ["b", "c"]
+    # The scheduler nominated a node: it preempts lower-priority warm pods there itself.
+    nominated = PodView(name="new", gpus=4, unschedulable=pending.unschedulable, nominated="n1")
+    assert warm_to_yield([nominated], pods, "mine") == []
 
 
 def test_an_archive_of_a_store_its_namespace_may_not_use_fails_without_a_save_job() -> None:
@@ -164,13 +170,35 @@ def test_an_archive_of_a_store_its_namespace_may_not_use_fails_without_a_save_jo
     assert next(c for c in plan.status.conditions if c.type == "Saved").reason == ENDPOINT_NOT_ALLOWED
 
 
-def test_the_namespace_cap_serves_older_deployments_first() -> None:
-    from ember_operator.limits import Limits, replicas_left
+def test_the_namespace_caps_serve_older_deployments_first() -> None:
+    from ember_operator.conditions import Event
+    from ember_operator.limits import Left, Limits, Notices, namespace_left
 
-    def md(name: str, created: str, replicas: int) -> dict:  # type: ignore[type-arg]
-        return {"metadata": {"name": name, "creationTimestamp": created}, "spec": {"replicas": replicas}}
+    def md(name: str, created: str, replicas: int, warm: int = 0) -> dict:  # type: ignore[type-arg]
+        return {"metadata": {"name": name, "creationTimestamp": created},
+                "spec": {"replicas": replicas, "warmPool": {"size": warm}}}
 
-    mds = [md("a", "2026-01-01T00:00:00Z", 40), md("b", "2026-01-02T00:00:00Z", 5),
-           md("c", "2026-01-03T00:00:00Z", 9)]
-    limits = Limits(max_replicas=30)
-    assert [replicas_left(mds, m["metadata"], 50, limits) for m in mds] == [50, 20, 15]
+    mds = [md("a", "2026-01-01T00:00:00Z", 40, 20), md("b", "2026-01-02T00:00:00Z", 5, 4),
+           md("c", "2026-01-03T00:00:00Z", 9, 9)]
+    limits = Limits(max_replicas=30, max_warm_gpus=16, max_namespace_replicas=50, max_namespace_warm_gpus=24)
+    assert [namespace_left(mds, m["metadata"], limits) for m in mds] == [
+        Left(50, 24), Left(20, 8), Left(15, 4)]
+    assert namespace_left(mds, mds[2]["metadata"], Limits(max_namespace_warm_gpus=24)) == Left(None, 0)
+    assert namespace_left(mds, mds[2]["metadata"], Limits()) == Left()
+    # Cap warnings are said once per change, not on every pass.
+    notices, ev = Notices(), [Event("Warning", "WarmPoolCapped", "x")]
+    assert notices.fresh(("ns", "c"), ev) == ev and notices.fresh(("ns", "c"), ev) == []
+    assert notices.fresh(("ns", "c"), []) == [] and notices.fresh(("ns", "c"), ev) == ev
+
+def test_a_status_of_another_operator_version_keeps_what_this_one_reads() -> None:
+    """Issue 38 item 6: warmClaims is a lifetime count. A status this version cannot read in full
+    (a newer version's phase, a condition of an unknown status) was discarded whole, so the count
+    read 0 after a restart onto another version: now only the unreadable fields start afresh."""
+    from ember_operator.views import status_of
+
+    raw = {"phase": "Stalled", "warmClaims": 7, "replicas": 3, "observedGeneration": 4,
+           "conditions": [{"type": "Available", "status": "Maybe"}], "futureField": {"x": 1}}
+    status = status_of(raw)
+    assert status.warm_claims == 7 and status.replicas == 3 and status.observed_generation == 4
+    assert status.phase is None and status.conditions == []
+    assert status_of({"warmClaims": "many"}).warm_claims == 0

@@ -109,6 +109,39 @@ def test_pdb_covers_the_operator_replicas(helm: str) -> None:
     assert not find(render(helm, "operator.replicas=1"), "PodDisruptionBudget")
 
 
+def _operator_env(docs: Docs) -> dict[str, Any]:
+    container = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value") for e in container["env"]}
+
+
+def test_warm_pods_run_at_a_low_priority_class_of_the_chart(helm: str) -> None:
+    docs = render(helm)
+    warm = one(docs, "PriorityClass", "ember-warm")
+    assert warm["value"] < 0 and warm["preemptionPolicy"] == "Never" and not warm["globalDefault"]
+    env = _operator_env(docs)
+    assert env["EMBER_OPERATOR_WARM_PRIORITY_CLASS"] == "ember-warm"
+    assert env["EMBER_OPERATOR_SERVING_PRIORITY_CLASS"] == ""
+    off = render(helm, "warmPods.priorityClass.name=", "servingPods.priorityClassName=high")
+    assert not find(off, "PriorityClass", lambda d: d["metadata"]["name"] == "ember-warm")
+    env = _operator_env(off)
+    assert env["EMBER_OPERATOR_WARM_PRIORITY_CLASS"] == ""
+    assert env["EMBER_OPERATOR_SERVING_PRIORITY_CLASS"] == "high"
+
+
+def test_static_limits_are_written_into_the_admission_policy(helm: str) -> None:
+    docs = render(helm, "limits.maxReplicas=30", "limits.maxNamespaceWarmGpus=12")
+    policy = one(docs, "ValidatingAdmissionPolicy", "ember-limits")
+    limits = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
+    assert (limits["maxReplicas"], limits["maxWarmGpus"], limits["maxGpusPerPod"]) == ("30", "64", "0")
+    assert "modeldeployments/scale" in policy["spec"]["matchConstraints"]["resourceRules"][0]["resources"]
+    binding = one(docs, "ValidatingAdmissionPolicyBinding", "ember-limits")
+    selector = binding["spec"]["matchResources"]["namespaceSelector"]
+    assert selector["matchExpressions"][0]["values"] == ["default"]
+    assert _operator_env(docs)["EMBER_OPERATOR_MAX_NAMESPACE_WARM_GPUS"] == "12"
+    off = render(helm, "limits.admission=false")
+    assert not find(off, "ValidatingAdmissionPolicy", lambda d: "limits" in d["metadata"]["name"])
+
+
 def _grants_secrets(role: dict[str, Any]) -> bool:
     return any("secrets" in r.get("resources", []) for r in role["rules"])
 
@@ -137,7 +170,7 @@ def test_pod_service_accounts_where_pods_run(helm: str) -> None:
     assert sorted(a["metadata"]["namespace"] for a in accounts) == ["serving", "team-a"]
     assert all(a["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/ember"}
                for a in accounts)
-    binding = one(docs, "ValidatingAdmissionPolicyBinding")
+    binding = one(docs, "ValidatingAdmissionPolicyBinding", "ember-pod-self-only")
     values = binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0]["values"]
     assert sorted(values) == ["serving", "team-a"]
 
