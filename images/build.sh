@@ -34,7 +34,7 @@ log() { printf '[images %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 in_chroot() {
   local rootfs="$1"; shift
   cp -L /etc/resolv.conf "$rootfs/etc/resolv.conf"
-  unshare --mount --fork -- sh -ec 'r="$1"; shift; mount --rbind /dev "$r/dev"
+  unshare --mount --propagation private --fork -- sh -ec 'r="$1"; shift; mount --rbind /dev "$r/dev"
     mount -t proc proc "$r/proc"; exec chroot "$r" "$@"' sh "$rootfs" "$@"
   rm -f "$rootfs/etc/resolv.conf"
 }

@@ -34,7 +34,7 @@ unpack() {
 # pods set it), /dev and /proc mounted in a private mount namespace.
 run() {
   echo "+ $*" >&2
-  unshare --mount --fork -- sh -ec 'r="$1"; shift; mount --rbind /dev "$r/dev"
+  unshare --mount --propagation private --fork -- sh -ec 'r="$1"; shift; mount --rbind /dev "$r/dev"
     mount -t proc proc "$r/proc"; exec chroot --userspec="$0" "$r" "$@"' \
     "$USERSPEC" "$BUNDLE/rootfs" /usr/bin/env -i "${ENV[@]}" HOME=/tmp "$@"
 }
