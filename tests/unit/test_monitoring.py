@@ -5,16 +5,15 @@ expression is checked against the families the operator and the sidecar register
 prometheus_client (instantiated here, their names expanded to the samples Prometheus stores:
 `_total`, `_bucket`/`_sum`/`_count`), plus the engine's (vLLM's) names listed below. Label
 matchers and `by (...)` labels of ember's metrics must be labels those metrics have (or the ones
-Prometheus adds when it scrapes). The rule file's structure is validated here; with a `promtool`
-on PATH (or EMBER_PROMTOOL) it is also checked by `promtool check rules`.
+Prometheus adds when it scrapes). The rule file's structure is validated here, and
+`promtool check rules` (built by e2e/build.sh from the Prometheus module; EMBER_PROMTOOL names
+another) checks it, and fails a broken copy of it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
+from go_tools import built
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
@@ -185,9 +185,31 @@ def test_rule_file_structure() -> None:
     assert {"EmberRestoreFallbacks", "EmberSaveStuck"} <= set(alerts)
 
 
-def test_promtool_checks_the_rules() -> None:
-    promtool = os.environ.get("EMBER_PROMTOOL") or shutil.which("promtool")
-    if not promtool:
-        pytest.skip("promtool not installed (EMBER_PROMTOOL or PATH); the structure test above ran")
-    proc = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True)
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    return built("promtool", "PROMETHEUS_VERSION", "EMBER_PROMTOOL")
+
+
+def check_rules(promtool: str, path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+
+
+def test_promtool_checks_the_rules(promtool: str) -> None:
+    proc = check_rules(promtool, RULES)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(("field", "broken", "error"), [
+    ("expr", "sum by (namespace) (rate(ember_restores_total[5m])", "unclosed left parenthesis"),
+    ("for", "ten minutes", "not a valid duration"),
+    ("alert", "", "one of 'record' or 'alert' must be set"),
+])
+def test_promtool_fails_a_broken_rule(promtool: str, tmp_path: Path, field: str, broken: str,
+                                      error: str) -> None:
+    doc = yaml.safe_load(RULES.read_text())
+    doc["groups"][0]["rules"][0][field] = broken
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    proc = check_rules(promtool, path)
+    assert proc.returncode != 0 and error in proc.stdout + proc.stderr, proc.stdout + proc.stderr
