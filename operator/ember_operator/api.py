@@ -29,6 +29,7 @@ from ember_operator.api_base import (  # noqa: F401  (re-exported: crdgen and ca
     MapValue,
     cel,
 )
+from ember_operator.api_engine import ENGINE_VERSION, EngineKind, EngineResources, EngineSpec  # noqa: F401
 from ember_operator.api_parallelism import (  # noqa: F401
     MAX_REPLICA_GPUS,
     ParallelismSpec,
@@ -42,11 +43,6 @@ from ember_operator.api_template import ContainerPatch, PodSpecPatch, PodTemplat
 
 # ------------------------------------------------------------------------------------------------
 # ModelDeployment spec
-
-
-class EngineKind(StrEnum):
-    transformers = "transformers"
-    vllm = "vllm"
 
 
 class GraphMode(StrEnum):
@@ -67,7 +63,6 @@ class CapturePreset(StrEnum):
 _SEGMENT = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 MODEL_NAME = rf"^/?{_SEGMENT}(/{_SEGMENT})*$"  # a Hugging Face id (org/name) or an absolute path
 REVISION = rf"^{_SEGMENT}(/{_SEGMENT})*$"  # a branch, tag (refs/pr/1) or commit
-ENGINE_VERSION = r"^[A-Za-z0-9][A-Za-z0-9.+_-]*$"  # PEP 440 / semver, local versions included
 
 
 class Dtype(StrEnum):
@@ -97,61 +92,6 @@ class ModelRef(ApiModel):
     )
     dtype: Dtype = Field(
         Dtype.bfloat16, description="Weights and activation dtype; part of the archive identity.",
-    )
-
-
-_RESOURCE_NAMES = "['cpu', 'memory', 'ephemeral-storage']"
-_QUANTITIES = cel(
-    (f"self.all(k, k in {_RESOURCE_NAMES})", "resources: only cpu, memory and ephemeral-storage"),
-    ("self.all(k, isQuantity(self[k]))", "resources: values must be quantities (e.g. 4, 500m, 16Gi)"),
-)
-ResourceMap = dict[Annotated[str, Field(max_length=32)], Annotated[str, Field(max_length=64)]]
-
-
-class EngineResources(ApiModel):
-    """Requests and limits of the engine container (GPUs come from gpu.count). A CPU or memory
-    utilization HPA target is a percentage of these requests."""
-
-    requests: ResourceMap = Field(
-        default_factory=lambda: {"cpu": "2", "memory": "16Gi"}, max_length=3,
-        description="Requests (cpu, memory, ephemeral-storage).", json_schema_extra=_QUANTITIES,
-    )
-    limits: ResourceMap = Field(
-        default_factory=dict, max_length=3,
-        description="Limits; memory defaults to the memory request (no CPU limit: throttling a "
-        "serving engine costs latency).", json_schema_extra=_QUANTITIES,
-    )
-
-    def resolved_limits(self) -> dict[str, str]:
-        """Limits with the memory limit defaulted to the memory request."""
-        limits = dict(self.limits)
-        if "memory" in self.requests:
-            limits.setdefault("memory", self.requests["memory"])
-        return limits
-
-
-class EngineSpec(ApiModel):
-    """The serving engine that runs in the pod's main container and in the SAVE Job."""
-
-    kind: EngineKind = Field(description="Engine family: transformers or vllm.")
-    version: str = Field(
-        description="Engine version (e.g. 0.11.0, 0.11.1rc1+cu128); part of the archive identity. "
-        "Letters, digits and .+_-, starting with a letter or digit.", min_length=1, max_length=64,
-        pattern=ENGINE_VERSION,
-    )
-    image: str = Field(
-        description="Engine container image with ember installed (serves, and runs `ember save --job`). "
-        "Pinned by digest (repo@sha256:…), the digest is part of the archive identity.",
-        min_length=1, max_length=512, pattern=NO_SPACE,
-    )
-    args: list[Annotated[str, Field(max_length=MAX_ARG)]] = Field(
-        default_factory=list, max_length=64,
-        description="Extra engine arguments, delivered with the claim (annotation ember.dev/engine-args). "
-        "Part of the archive identity, except arguments known not to change graphs (front end, "
-        "logging, names, tokenizer: ember.identity_args.NOT_GRAPH_ARGS).",
-    )
-    resources: EngineResources = Field(
-        default_factory=EngineResources, description="CPU and memory of the engine container.",
     )
 
 

@@ -59,6 +59,11 @@ INVALID: list[tuple[str, Any, str]] = [
     ("revision-traversal", lambda s: s["model"].update(revision="../../../etc/passwd"), "model.revision"),
     ("dtype-unknown", lambda s: s["model"].update(dtype="float1024"), "model.dtype"),
     ("engine-version-shell", lambda s: s["engine"].update(version="$(reboot)"), "engine.version"),
+    # a vLLM the adapter cannot restore would capture natively on every start
+    ("vllm-version-unrestorable", lambda s: s["engine"].update(kind="vllm", version="0.11.0"),
+     "ember restores vLLM 0.26.x only"),
+    ("vllm-version-lookalike", lambda s: s["engine"].update(kind="vllm", version="0.260.0"),
+     "ember restores vLLM 0.26.x only"),
     ("bucket-characters", lambda s: _s3(s, bucket="My_Bucket!"), "bucket"),
     ("trusted-key-not-a-key", lambda s: s.update(archive={"signing": {"trustedKeys": [
         {"id": "k", "publicKey": "this is not a public key at all, just text"}]}}), "publicKey"),
@@ -86,7 +91,7 @@ def test_resources_external_metrics_and_label_keys_are_accepted(
          {"type": "Resource", "name": "cpu", "averageUtilization": 70},
          {"type": "Pods", "name": "vllm_num_requests_waiting", "averageValue": "500m"})
     spec["model"] = {"name": "/models/Qwen3-0.6B", "revision": "refs/pr/1", "dtype": "float16"}
-    spec["engine"]["version"] = "0.11.1rc1+cu128"
+    spec["engine"] = {**spec["engine"], "kind": "vllm", "version": "0.26.1rc1+cu128"}  # a restorable vLLM
     created = Api(k8s, "default").create_md("ok-inputs", spec, dry_run=True)
     # Defaults: the engine gets CPU and memory requests, so a utilization target can act.
     assert created["spec"]["engine"]["resources"]["requests"] == {"cpu": "2", "memory": "16Gi"}

@@ -17,6 +17,8 @@ EXPECTED_RULE_MESSAGES = [
     "parallelism: expert must be 1 or tensor × data (vLLM's expert-parallel size is tensor × data)",
     "parallelism: tensor × data is the GPUs of one pod on one node: at most 64",
     "autoscaling target: set exactly one of averageValue and averageUtilization",
+    "engine.version: ember restores vLLM 0.26.x only (the adapter patches their internals); another "
+    "version would capture natively on every start",
 ]
 
 

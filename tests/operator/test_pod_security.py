@@ -59,7 +59,7 @@ def test_engine_gets_cpu_and_memory_requests_from_the_spec() -> None:
     engine = warm_pod(template_of("default", md_spec(), CTX))["spec"]["containers"][0]
     assert engine["resources"] == {"requests": {"cpu": "2", "memory": "16Gi", "nvidia.com/gpu": "1"},
                                    "limits": {"memory": "16Gi", "nvidia.com/gpu": "1"}}
-    spec = md_spec(engine={"kind": "vllm", "version": "0.11.0", "image": "e:1",
+    spec = md_spec(engine={"kind": "vllm", "version": "0.26.0", "image": "e:1",
                            "resources": {"requests": {"cpu": "8", "memory": "64Gi"},
                                          "limits": {"cpu": "16"}}},
                    gpu={"product": "NVIDIA-H100-80GB-HBM3", "count": 1})
