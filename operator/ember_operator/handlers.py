@@ -269,10 +269,9 @@ def configure(settings: kopf.OperatorSettings, ours: Settings) -> kopf.OperatorS
         prefix=KOPF_PREFIX, key="last-handled-configuration",
     )
     settings.posting.level = logging.WARNING  # our own events are posted by the reconcilers
-    settings.queueing.batch_window = ours.batch_window_seconds
     # kopf's per-object workers live this long after their last event, and kopf waits up to 5 s
     # for them on a stop signal: with a pod event each per pod of a batch, the whole 5 s.
-    settings.batching.idle_timeout = 1.0
+    settings.queueing.idle_timeout = 1.0
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.peering.standalone = True

@@ -104,7 +104,6 @@ class Settings(BaseModel):
         86400.0, description="Unreferenced GraphArchives are deleted after this long (0 keeps them)."
     )
     claim_concurrency: int = Field(32, description="Parallel API calls when claiming or creating pods.")
-    batch_window_seconds: float = Field(0.02, description="kopf batching window for watch events.")
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
