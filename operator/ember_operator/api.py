@@ -9,7 +9,7 @@ are camelCase on the wire (Kubernetes convention) and snake_case in Python.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -363,7 +363,7 @@ class Condition(ApiModel):
     last_transition_time: str | None = Field(None, description="When status last changed (RFC 3339).")
 
 
-_CONDITIONS_EXTRA = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+_CONDITIONS_EXTRA: dict[str, Any] = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
 
 
 class MDPhase(StrEnum):

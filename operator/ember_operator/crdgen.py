@@ -165,7 +165,7 @@ def model_deployment_crd() -> dict[str, Any]:
             "(they prefix pod and HPA names)",
         }],
     )
-    columns = [
+    columns: list[dict[str, Any]] = [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
         {"name": "GPU", "type": "string", "jsonPath": ".spec.gpu.product", "priority": 1},
@@ -196,7 +196,7 @@ def graph_archive_crd() -> dict[str, Any]:
         "operator creates it for ModelDeployments, runs its single-GPU SAVE Job and deletes it "
         "after a retention period without users.",
     )
-    columns = [
+    columns: list[dict[str, Any]] = [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Model", "type": "string", "jsonPath": ".spec.identity.model"},
         {"name": "GPU", "type": "string", "jsonPath": ".spec.identity.gpuProduct"},

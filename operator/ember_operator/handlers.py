@@ -23,7 +23,7 @@ import asyncio
 import logging
 import socket
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -77,7 +77,12 @@ class Runner:
         if key in self.timers:
             self.timers[key].cancel()
         loop = asyncio.get_running_loop()
-        self.timers[key] = loop.call_later(delay, lambda: (self.timers.pop(key, None), self.poke(ns, name)))
+
+        def fire() -> None:
+            self.timers.pop(key, None)
+            self.poke(ns, name)
+
+        self.timers[key] = loop.call_later(delay, fire)
 
     def stop(self) -> None:
         """Cancel what is scheduled or awaited (the operator stops: kopf would wait 5 s for these
@@ -105,7 +110,7 @@ class Runner:
             self.poke_later(ns, name, float(result))
 
 
-def _fresh(body: dict[str, Any], type_: str | None) -> bool:
+def _fresh(body: Mapping[str, Any], type_: str | None) -> bool:
     """Whether a watch event may need a reconcile: not a MODIFIED event whose spec generation the
     status has already seen (our own status writes come back as such events)."""
     if type_ != "MODIFIED":
@@ -167,15 +172,18 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | N
         archives.stop()
 
     @kopf.on.event(*MD, registry=registry)
-    async def md_event(namespace: str, name: str, body: dict[str, Any], type: str | None, **_: Any) -> None:
+    async def md_event(namespace: str | None, name: str, body: Mapping[str, Any], type: str | None,
+                       **_: Any) -> None:
+        assert namespace is not None  # a namespaced kind
         if type == "DELETED":  # owner references remove its pods and HPA; pools rebalance now
             await off_loop(rec.cleanup_deployment, namespace, name)
         elif _fresh(body, type):
             deployments.poke(namespace, name)
 
     @kopf.on.event(*GA, registry=registry)
-    async def ga_event(namespace: str, name: str, labels: dict[str, str], body: dict[str, Any],
+    async def ga_event(namespace: str | None, name: str, labels: Mapping[str, str], body: Mapping[str, Any],
                        type: str | None, **_: Any) -> None:
+        assert namespace is not None  # a namespaced kind
         if type != "DELETED" and _fresh(body, type):
             archives.poke(namespace, name)
         # Status changes of an archive move the deployments that use it.
@@ -185,13 +193,15 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | N
                 deployments.poke(namespace, md)
 
     @kopf.on.event("batch", "v1", "jobs", labels={contract.LABEL_ARCHIVE: kopf.PRESENT}, registry=registry)
-    async def job_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
+    async def job_event(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
+        assert namespace is not None  # a namespaced kind
         archives.poke(namespace, labels[contract.LABEL_ARCHIVE])
 
     ours = {contract.LABEL_MANAGED_BY: contract.MANAGED_BY_OPERATOR}
 
     @kopf.on.event("", "v1", "pods", labels=ours, registry=registry)
-    async def pod_event(namespace: str, labels: dict[str, str], type: str | None, **_: Any) -> None:
+    async def pod_event(namespace: str | None, labels: Mapping[str, str], type: str | None, **_: Any) -> None:
+        assert namespace is not None  # a namespaced kind
         md = labels.get(contract.LABEL_DEPLOYMENT)
         if md:
             deployments.poke(namespace, md)

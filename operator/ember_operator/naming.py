@@ -44,7 +44,8 @@ def warm_pod_names(pool_key: str, taken: set[str], count: int) -> list[str]:
     """The `count` lowest-numbered warm pod names of a pool not in `taken` (names of the pods that
     exist). Deterministic, so two writers topping a pool up pick the same names and the apiserver
     refuses the second (409) instead of both adding pods, as generateName would."""
-    names, i = [], 0
+    names: list[str] = []
+    i = 0
     while len(names) < count:
         name = f"{warm_pod_prefix(pool_key)}{i}"
         if name not in taken:

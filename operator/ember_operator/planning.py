@@ -219,7 +219,8 @@ def _deletion_order(pods: list[PodView]) -> list[PodView]:
 
 
 def free_names(md_name: str, revision: str, taken: set[str], count: int) -> list[str]:
-    names, i = [], 0
+    names: list[str] = []
+    i = 0
     while len(names) < count:
         candidate = naming.serving_pod_name(md_name, revision, i)
         if candidate not in taken:

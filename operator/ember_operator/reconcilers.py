@@ -12,7 +12,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -280,7 +280,7 @@ class Reconciler(ArchiveReconciling):
         latency, and claims wait on them)."""
         ident_hash = spec.identity().hash()
         alts = [spec.identity(shape).hash() for shape in spec.parallelism.shapes()[1:]]
-        reads = [
+        reads: list[Future[Any]] = [
             self.pool.submit(self.kube.get, ga_path(ns, naming.archive_name(ident_hash))),
             self.pool.submit(self.kube.list, pods_path(ns), naming.selector(name)),
             self.pool.submit(self.kube.list, pods_path(ns), naming.warm_selector(template.pool_key)),

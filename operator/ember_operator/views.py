@@ -132,7 +132,8 @@ class ArchiveView:
     @classmethod
     def of(cls, ga: dict[str, Any]) -> ArchiveView:
         status = ga.get("status") or {}
-        saved = next((c for c in status.get("conditions") or [] if c.get("type") == "Saved"), {})
+        conditions = status.get("conditions") or []
+        saved: dict[str, Any] = next((c for c in conditions if c.get("type") == "Saved"), {})
         return cls(
             name=(ga.get("metadata") or {}).get("name", ""),
             phase=status.get("phase") or "Pending",
