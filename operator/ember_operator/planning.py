@@ -47,6 +47,7 @@ from ember_operator.api import (
     StoreSpec,
 )
 from ember_operator.conditions import Event
+from ember_operator.observed import ArchiveView, PodView
 from ember_operator.phases import (  # noqa: F401  (derive_phase, REFUSED_REASONS: re-exported)
     ARCHIVE_READY,
     AVAILABLE,
@@ -58,7 +59,6 @@ from ember_operator.phases import (  # noqa: F401  (derive_phase, REFUSED_REASON
 )
 from ember_operator.pods import PodTemplate, StoreAccess, claim_patch, serving_pod
 from ember_operator.tenancy import Refused, Tenancy, store_refusal
-from ember_operator.views import ArchiveView, PodView
 
 
 @dataclass(frozen=True)

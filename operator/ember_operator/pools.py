@@ -17,8 +17,8 @@ from typing import Any
 from ember import contract
 from ember_operator import naming
 from ember_operator.api import ModelDeploymentSpec, ShapeSpec
+from ember_operator.observed import PodView
 from ember_operator.pods import PodTemplate, warm_pod
-from ember_operator.views import PodView
 
 
 def warm_pool_size(spec: ModelDeploymentSpec) -> tuple[int, str]:

@@ -41,6 +41,7 @@ from ember_operator.kube import (
     pods_path,
 )
 from ember_operator.limits import Left, Limits, Notices, apply_limits, namespace_left
+from ember_operator.observed import ArchiveView, PodView, status_of
 from ember_operator.phases import settle
 from ember_operator.planning import (
     INVALID_SPEC,
@@ -59,7 +60,6 @@ from ember_operator.pools import gpu_starved, plan_pools, pool_wants, warm_pool_
 from ember_operator.services import apply_service
 from ember_operator.settings import Settings
 from ember_operator.tenancy import Refused
-from ember_operator.views import ArchiveView, PodView, status_of
 
 log = logging.getLogger("ember_operator")
 

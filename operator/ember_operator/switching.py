@@ -22,7 +22,7 @@ from ember.contract import Claim
 from ember_operator import naming
 from ember_operator.api import ShapeSpec, ShapeStatus, SwitchStatus
 from ember_operator.conditions import Event, parse_time
-from ember_operator.views import ArchiveView, PodView
+from ember_operator.observed import ArchiveView, PodView
 
 if TYPE_CHECKING:
     from ember_operator.planning import Observed, Plan

@@ -10,8 +10,8 @@ from operator_helpers import CTX, NOW, md_spec, observed
 from ember import contract
 from ember_operator import naming
 from ember_operator.api import MDPhase, ModelDeploymentStatus
+from ember_operator.observed import ArchiveView, PodView
 from ember_operator.planning import Plan, plan_deployment, refused_status, revision_of, template_of
-from ember_operator.views import ArchiveView, PodView
 
 URI = "s3://ember/ember/archives/abc/manifest"
 AVAILABLE = ArchiveView(name="ga-x", phase="Available", uri=URI, reason="ManifestFound", digest="d" * 64)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from operator_helpers import CTX, md_spec
 
 from ember import contract
+from ember_operator.observed import PodView
 from ember_operator.planning import template_of
 from ember_operator.pools import plan_pools
 from ember_operator.settings import Settings
-from ember_operator.views import PodView
 
 
 def _warm(name: str, key: str, ready: bool = True) -> PodView:

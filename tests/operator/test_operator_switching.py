@@ -15,10 +15,10 @@ from ember.identity import canonical_json
 from ember_operator import naming
 from ember_operator.api import GraphArchiveSpec, MDPhase
 from ember_operator.jobs import save_job
+from ember_operator.observed import ArchiveView, PodView
 from ember_operator.planning import Context, Plan, plan_deployment, revision_of, template_of
 from ember_operator.pods import StoreAccess
 from ember_operator.pools import pool_wants, warm_split
-from ember_operator.views import ArchiveView, PodView
 
 DP1 = {"tensor": 1, "expert": 1, "data": 1}
 EP2 = {"tensor": 1, "expert": 2, "data": 2}

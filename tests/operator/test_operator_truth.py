@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from ember import contract
 from ember_operator.api import MDPhase, ModelDeploymentSpec, ModelDeploymentStatus, StoreSpec
+from ember_operator.observed import ArchiveView, PodView
 from ember_operator.planning import plan_deployment, refused_status, revision_of, template_of
 from ember_operator.tenancy import (
     CREDENTIALS_NOT_ALLOWED,
@@ -18,7 +19,6 @@ from ember_operator.tenancy import (
     endpoint_allowed,
     store_refusal,
 )
-from ember_operator.views import ArchiveView, PodView
 
 AVAILABLE = ArchiveView(name="ga-x", phase="Available", uri="s3://ember/archives/x/manifest.json", digest="d")
 
@@ -194,7 +194,7 @@ def test_a_status_of_another_operator_version_keeps_what_this_one_reads() -> Non
     """Issue 38 item 6: warmClaims is a lifetime count. A status this version cannot read in full
     (a newer version's phase, a condition of an unknown status) was discarded whole, so the count
     read 0 after a restart onto another version: now only the unreadable fields start afresh."""
-    from ember_operator.views import status_of
+    from ember_operator.observed import status_of
 
     raw = {"phase": "Stalled", "warmClaims": 7, "replicas": 3, "observedGeneration": 4,
            "conditions": [{"type": "Available", "status": "Maybe"}], "futureField": {"x": 1}}

@@ -15,9 +15,9 @@ from ember import contract, handoff
 from ember.contract import Claim, ClaimError, SaveResult
 from ember_operator.api import GraphArchiveSpec, IdentitySpec, SaveSpec
 from ember_operator.jobs import read_termination, save_job
+from ember_operator.observed import ArchiveView, PodView
 from ember_operator.planning import plan_deployment, template_of
 from ember_operator.pods import StoreAccess, warm_pod
-from ember_operator.views import ArchiveView, PodView
 from ember_sidecar.claims import parse_claim, parse_prefetch
 from ember_sidecar.settings import Settings
 
