@@ -237,7 +237,9 @@ def run_case(
         if case.kind == "cb":
             res = _cb_case(case, env, starts, together, d, timeout)
         else:
-            res = _decode_case(case, env, starts, together, (d / "store").as_uri(), timeout)
+            # full-size models, one start at a time: five 8B LOADs beside each other on one GPU
+            # could not map their saved extents and fell back (correctness-h200x4-20261127b)
+            res = _decode_case(case, env, starts, 1, (d / "store").as_uri(), timeout)
     except Exception as exc:  # a case that cannot run says why; the others go on
         res = {"error": f"{type(exc).__name__}: {exc}"}
     finally:
@@ -277,8 +279,9 @@ def bench_correctness(
     out_dir: Annotated[Path, typer.Option(help="Where the reports go.")] = Path("benchmarks/results"),
     timeout: Annotated[float, typer.Option(help="Seconds per child process.")] = 900,
     list_cases: Annotated[bool, typer.Option("--list", help="Print the cases and exit.")] = False,
-    together: Annotated[int, typer.Option(help="A case's LOAD starts run this many at a time on its GPUs "
-                                               "(small models: the sweep in less device time).")] = 1,
+    together: Annotated[int, typer.Option(help="A CB case's LOAD starts run this many at a time on its GPU "
+                                               "(small models: the sweep in less device time; decode "
+                                               "cases, full-size, run one at a time).")] = 1,
 ) -> None:
     """Native once, SAVE once, N fresh LOADs per case, compared with native: wrong starts / N."""
     try:
