@@ -304,3 +304,13 @@ def phase(api: Api, name: str) -> str:
 
 def now() -> float:
     return time.monotonic()
+
+
+def refusal(call: Any) -> str:
+    """The apiserver's refusal (403 or 422) of `call`, as its body; "" when it was accepted."""
+    try:
+        call()
+    except ApiException as exc:
+        assert exc.status in (403, 422), exc.body
+        return str(exc.body)
+    return ""

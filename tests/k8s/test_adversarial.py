@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 from fixtures_cluster import LocalCluster, LocalMinio
-from kubernetes.client.exceptions import ApiException
 from operator_harness import (
     Api,
     OperatorProcess,
@@ -29,6 +28,7 @@ from operator_harness import (
     md_spec,
     operator_env,
     phase,
+    refusal,
     wait_for,
     write_test_archive,
 )
@@ -323,7 +323,7 @@ def test_static_limits_are_refused_at_admission_naming_the_limit(
             path.write_text(json.dumps(big))
             # The policy needs a moment to reach the apiserver's admission (a dry run stores nothing).
             probe = lambda: api.create_md("big", spec(replicas=31), dry_run=True)  # noqa: E731
-            wait_for(lambda: "limits.maxReplicas" in _refusal(probe), "the policy in force", timeout=30)
+            wait_for(lambda: "limits.maxReplicas" in refusal(probe), "the policy in force", timeout=30)
             applied = k8s.kubectl("apply", "-f", str(path), check=False)
             named = "replicas 31 is above the limit of 30 replicas per ModelDeployment (limits.maxReplicas)"
             assert applied.returncode != 0 and named in applied.stderr, applied
@@ -333,7 +333,7 @@ def test_static_limits_are_refused_at_admission_naming_the_limit(
                     ({"parallelism": {"tensor": 2, "alternatives": [{"tensor": 16}]}}, "alternatives"),
                     ({"autoscaling": {"maxReplicas": 40, "targets": [cpu]}}, "autoscaling.maxReplicas 40"))
             for fields, named in over:
-                refused = _refusal(lambda f=fields: api.create_md("x", spec(**f), dry_run=True))
+                refused = refusal(lambda f=fields: api.create_md("x", spec(**f), dry_run=True))
                 assert named in refused, refused
             api.create_md("ok", spec(replicas=30, warmPool={"size": 4}, parallelism={"tensor": 8}))
             scaled = k8s.kubectl("scale", "-n", ns, "md/ok", "--replicas=31", check=False)
@@ -341,14 +341,6 @@ def test_static_limits_are_refused_at_admission_naming_the_limit(
     finally:
         k8s.delete_namespace(ns)
 
-
-def _refusal(call: Any) -> str:
-    try:
-        call()
-    except ApiException as exc:
-        assert exc.status in (403, 422), exc.body
-        return str(exc.body)
-    return ""
 
 
 def _stop(op: OperatorProcess) -> None:

@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 from fixtures_cluster import LocalCluster
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
-from operator_harness import chart_objects, wait_for
+from operator_harness import chart_objects, refusal, wait_for
 
 pytestmark = [pytest.mark.k8s]
 SA = "ember-pod"
@@ -51,14 +50,6 @@ def _as(k8s: LocalCluster, core: client.CoreV1Api, ns: str, pod: Any | None) -> 
     return client.CoreV1Api(client.ApiClient(cfg))
 
 
-def _denied(call: Any) -> str:
-    try:
-        call()
-    except ApiException as exc:
-        assert exc.status in (403, 422), exc.body
-        return str(exc.body)
-    return ""
-
 
 def test_a_pod_token_may_only_annotate_its_own_pod(
     k8s: LocalCluster, rbac: tuple[str, client.CoreV1Api],
@@ -68,16 +59,16 @@ def test_a_pod_token_may_only_annotate_its_own_pod(
     as_a = _as(k8s, core, ns, a)
     result = {"metadata": {"annotations": {"ember.dev/restore": "restored"}}}
     # The policy needs a moment to reach the apiserver's admission: wait until it denies.
-    body = wait_for(lambda: _denied(lambda: as_a.patch_namespaced_pod("b", ns, result)),
+    body = wait_for(lambda: refusal(lambda: as_a.patch_namespaced_pod("b", ns, result)),
                     "the policy denying a patch of another pod", timeout=30)
     assert "may change only its own pod" in body, body
     as_a.patch_namespaced_pod("a", ns, result)  # its own restore result: allowed
     assert core.read_namespaced_pod("a", ns).metadata.annotations["ember.dev/restore"] == "restored"
-    assert "labels" in _denied(lambda: as_a.patch_namespaced_pod(
+    assert "labels" in refusal(lambda: as_a.patch_namespaced_pod(
         "a", ns, {"metadata": {"labels": {"app": "y"}}}))
-    assert "restore* annotations" in _denied(lambda: as_a.patch_namespaced_pod(
+    assert "restore* annotations" in refusal(lambda: as_a.patch_namespaced_pod(
         "a", ns, {"metadata": {"annotations": {"ember.dev/archive": "s3://elsewhere"}}}))
     # A token not bound to a pod (a plain TokenRequest) may patch no pod at all.
     unbound = _as(k8s, core, ns, None)
-    assert "may change only its own pod" in _denied(lambda: unbound.patch_namespaced_pod("a", ns, result))
+    assert "may change only its own pod" in refusal(lambda: unbound.patch_namespaced_pod("a", ns, result))
     assert b.metadata.name == "b"
