@@ -375,11 +375,14 @@ class ManagerHooks:
     def canary(self, akey: ArchiveKey, launch: Callable[[Any], None], seed: int = 5) -> list[int]:
         """LOAD's canary state for `akey` and what `launch(stream)` (the key's graph) computes from it:
         the synthetic batch SAVE captured the key with, its input ids seeded, the KV cache zeroed,
-        the output poisoned; returns the fingerprint of the sampled tokens. SAVE records it with
-        the native graph; LOAD compares the restored one (`ember.runtime.verify`)."""
+        the output poisoned; returns the fingerprint of the sampled tokens and the word sums of
+        every layer's K and V cache. One sampled token shows little (a graph computing otherwise
+        often samples the same argmax); the cache holds what every layer computed from the
+        canary's tokens. SAVE records it with the native graph; LOAD compares the restored one
+        (`ember.runtime.verify`)."""
         import torch
 
-        from ember.runtime.proof.replay import fingerprint
+        from ember.runtime.proof.replay import fingerprint, word_sums
 
         pair, _ = split_archive_key(akey)
         io = self.device_ios()[pair]
@@ -400,7 +403,7 @@ class ManagerHooks:
                 launch(stream)
 
         self._with_batch(akey, run)
-        return fingerprint([io.output_ids])
+        return fingerprint([io.output_ids]) + word_sums([*cache.key_cache, *cache.value_cache])
 
     def _with_batch(self, akey: ArchiveKey, run: Callable[[Any], None]) -> None:
         """`run(model kwargs)` on one synthetic batch padded to `akey` (prepare → get_model_kwargs);
