@@ -245,20 +245,21 @@ def markdown(report: dict[str, Any]) -> str:
         f"- archive {r['archive_bytes'] / 1e6:.1f} MB, {r['graphs']} graphs; SAVE {r['save_s']:.1f} s "
         f"(capture {r['save_capture_s']:.2f} s) on one GPU",
         "",
-        "| rank | native capture s | LOAD ms (first) | splice ms | native/LOAD | tokens identical "
-        "| outputs |",
-        "|---|---|---|---|---|---|---|",
+        "| rank | native capture s | LOAD ms (first) | splice ms | verify ms | native/LOAD "
+        "| tokens identical | outputs |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for x in r["ranks"]:
         if "load_ms" not in x:
-            lines.append(f"| {x['rank']} | {x.get('native_error', '')} | {x.get('load_error', '')} | | | | |")
+            err = f"{x.get('native_error', '')} | {x.get('load_error', '')}"
+            lines.append(f"| {x['rank']} | {err} | | | | | |")
             continue
         tok = ", ".join(f"B={b}: {'yes' if v else 'NO'}" for b, v in x["tokens_identical"].items())
         splice = f"{x['splice_ms']:.1f} ({x['collectives']}: capture {x['collective_capture_ms']:.1f})"
         lines.append(
             f"| {x['rank']} | {x['native_capture_s']:.2f} | {x['load_ms']:.1f} "
-            f"({x.get('load_first_ms', 0):.1f}) | {splice} | "
-            f"{x['native_over_load']:.0f} | {tok} | {x['outputs_identical']}/{x['outputs']} |"
+            f"({x.get('load_first_ms', 0):.1f}) | {splice} | {x.get('verify_ms', 0):.1f} | "
+            f"{x['native_over_load']:.2f} | {tok} | {x['outputs_identical']}/{x['outputs']} |"
         )
     lines += [
         "",
@@ -267,6 +268,9 @@ def markdown(report: dict[str, Any]) -> str:
         "its first template. native/LOAD uses LOAD ms.",
         "splice ms (distinct collectives: their capture ms): this rank's collectives captured with its "
         "communicator and the templates regrouped (part of LOAD ms, on the background thread).",
+        "verify ms: LOAD's canary on this rank (part of LOAD ms): the first key's graph replayed "
+        "from the canary state and compared with SAVE's fingerprint, as instantiated, after an exec "
+        "update and on its own exec.",
         "",
     ]
     return "\n".join(lines)

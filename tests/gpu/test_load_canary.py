@@ -128,8 +128,10 @@ def test_a_refused_cb_restore_serves_natively_with_the_same_tokens(tmp_path: Pat
     saved = cb.run_child("save", opts, tmp_path, 900, env={**lane, **(cb._phase_env("save") or {})})
     assert "tokens" in native and "archive" in saved, (native.get("error"), saved.get("error"))
     opts["identity"] = saved["archive"]["identity"]
-    env = {**lane, **(cb._phase_env("load") or {}), "EMBER_FAULT": fault}
-    loaded = cb.run_child("load", opts, tmp_path, 900, env=env)
+    clean = {**lane, **(cb._phase_env("load") or {})}
+    good = cb.run_child("load", opts, tmp_path, 900, env=clean)  # a canary that refuses everything fails here
+    assert good.get("mode") == "restored" and good["tokens"] == native["tokens"], good.get("reason")
+    loaded = cb.run_child("load", opts, tmp_path, 900, env={**clean, "EMBER_FAULT": fault})
     assert loaded.get("mode") == "native", loaded.get("error") or loaded.get("reason")
     assert "canary differs" in loaded.get("reason", ""), loaded.get("reason")
     assert loaded["tokens"] == native["tokens"]

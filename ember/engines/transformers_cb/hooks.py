@@ -403,7 +403,9 @@ class ManagerHooks:
                 launch(stream)
 
         self._with_batch(akey, run)
-        return fingerprint([io.output_ids]) + word_sums([*cache.key_cache, *cache.value_cache])
+        # Only the allocatable blocks: padding tokens all write to one trash slot, in no set order.
+        blocks = [t[: cache.read_trash_index] for t in (*cache.key_cache, *cache.value_cache)]
+        return fingerprint([io.output_ids]) + word_sums(blocks)
 
     def _with_batch(self, akey: ArchiveKey, run: Callable[[Any], None]) -> None:
         """`run(model kwargs)` on one synthetic batch padded to `akey` (prepare → get_model_kwargs);
