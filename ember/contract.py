@@ -8,8 +8,13 @@ Jobs; the sidecar (``ember_sidecar``) and the engine process (``ember.handoff``,
 
 A pod's life, in contract terms::
 
-    warm pod     labels {LABEL_POOL: POOL_WARM, LABEL_POOL_KEY: ...}, ANN_PREFETCH (JSON list)
-    claim        Claim.labels() + Claim.annotations() patched onto it (or a cold pod created so)
+    warm pod     labels {LABEL_POOL: POOL_WARM, LABEL_POOL_KEY: ...}; identity-keyed (bound) warm
+                 pods also LABEL_WARM_FOR and Claim.annotations() without ANN_CLAIMED_AT from their
+                 creation (the sidecar hands the archive off at once, the engine LOADs, then
+                 writes ENGINE_STATE_FILE; the sidecar mirrors it as ANN_ENGINE); template-keyed
+                 warm pods carry ANN_PREFETCH (JSON list) and learn their model with the claim
+    claim        Claim.labels() + Claim.annotations() patched onto it (or a cold pod created so);
+                 on a bound pod only the labels (into service) and ANN_CLAIMED_AT change
     sidecar      Claim.from_annotations(...) → fetch, verify → RUN_DIR/STATUS_FILE (ember.handoff)
     engine       waits on RUN_DIR, LOADs or captures natively, reports into RUN_DIR/REPORTS_DIR
     result       the sidecar annotates ANN_RESTORE = RESTORED | FALLBACK_PREFIX + reason
@@ -47,6 +52,9 @@ LABEL_POOL_KEY = _P + "pool-key"  # hash of the pod template: pods of equal temp
 LABEL_IDENTITY = _P + "identity"  # the identity hash's first 16 hex (a label value is short)
 LABEL_REVISION = _P + "revision"
 LABEL_ARCHIVE = _P + "archive"  # SAVE Jobs and their pods: the GraphArchive's name
+# Identity-keyed warm pods: the ModelDeployment they were made for (no LABEL_DEPLOYMENT until the
+# claim, so no Service, InferencePool or HPA selector matches them while they are warm).
+LABEL_WARM_FOR = _P + "warm-for"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 MANAGED_BY_OPERATOR = "ember-operator"
@@ -73,6 +81,14 @@ ANN_PREFETCH = _P + "prefetch"
 # Written by the sidecar once per claim: RESTORED or FALLBACK_PREFIX + reason, and when.
 ANN_RESTORE = _P + "restore"
 ANN_RESTORE_TIME = _P + "restore-time"  # RFC 3339, optional
+# Written by the sidecar from the engine's state (ENGINE_STATE_FILE, or the engine's `ready`
+# report): ENGINE_LOADING | ENGINE_READY | ENGINE_FAILED_PREFIX + reason. The operator claims an
+# identity-keyed warm pod only when it says ENGINE_READY, and replaces one that says failed.
+ANN_ENGINE = _P + "engine"
+ENGINE_LOADING = "loading"
+ENGINE_READY = "ready"  # loaded (weights, graphs, KV cache) and idle: answers at once when claimed
+ENGINE_FAILED = "failed"
+ENGINE_FAILED_PREFIX = f"{ENGINE_FAILED}: "
 RESTORED = "restored"
 FALLBACK = "fallback"
 FALLBACK_PREFIX = f"{FALLBACK}: "
@@ -85,6 +101,14 @@ def reason_class(reason: str) -> str:
     head = reason.split(":", 1)[0].strip().lower()
     head = re.sub(r"[^a-z0-9-]+", "-", head).strip("-")
     return head[:48] or "unknown"
+
+
+def engine_annotation(state: str, reason: str = "") -> str:
+    """ANN_ENGINE's value for an engine state (ENGINE_STATE_FILE's "state"); "" for an unknown
+    state (nothing to say)."""
+    if state == ENGINE_FAILED:
+        return ENGINE_FAILED_PREFIX + ((reason or "unknown").strip()[:512] or "unknown")
+    return state if state in (ENGINE_LOADING, ENGINE_READY) else ""
 
 
 def event_name(regarding: str, *what: str) -> str:
@@ -115,6 +139,9 @@ MARKER_FILE = "load-attempt.json"  # crash marker: present while the engine LOAD
 REPORTS_DIR = "reports"  # the engine's stage reports, one file each
 CACHE_DIR = "store"  # verified archives: a local store (blobs/, archives/<hash>/manifest)
 SIDECAR_PORT_FILE = "sidecar.port"  # the port the sidecar bound (scripts start it with port 0)
+# The engine's own state, written by the engine side (ember.handoff.write_engine_state), read by the
+# sidecar: {"state": ENGINE_LOADING | ENGINE_READY | ENGINE_FAILED, "reason", "identity", "pid", "at"}.
+ENGINE_STATE_FILE = "engine-state.json"
 
 PODINFO_DIR = "/etc/ember/podinfo"  # downward API: files `labels` and `annotations`, updated live
 LIB_NAME = "libember.so"

@@ -13,10 +13,23 @@ contract's (``ember.contract``)::
         archives/<identity-hash>/manifest  written last, after every blob is verified
     <run_dir>/reports/<ns>-<pid>-<stage>.json   one file per engine report (atomic, never rewritten)
     <run_dir>/load-attempt.json            crash-safety marker, present while the engine LOADs
+    <run_dir>/engine-state.json            written by the engine: loading | ready | failed
 
 ``status.json`` states: ``unclaimed`` (warm pod, no claim yet), ``fetching`` (claim observed),
 ``ready`` (archive verified and in place: LOAD it), ``fallback`` (capture natively; ``reason``
-says why). ``ready`` and ``fallback`` are final for a given claim.
+says why). ``ready`` and ``fallback`` are final for a given claim. Every state carries ``warm``:
+true on an identity-keyed warm pod, whose sidecar hands the archive off before the claim (the pod
+carries the hand-off data from its creation); it turns false, with ``claimed_at``, when the claim
+puts the pod into service.
+
+A warm engine (identity-keyed pool) LOADs as soon as it gets the archive, then says it is loaded
+and idle and waits for the claim::
+
+    result = handoff.wait_for_archive(deadline=None)     # returns before any claim on a warm pod
+    handoff.engine_loading(result)
+    ...                                                   # build, LOAD, allocate the KV cache
+    handoff.engine_ready(result)                          # the operator may claim this pod now
+    claim = handoff.wait_for_claim(result.run_dir)        # in service (claim → first token clock)
 
 Engine side, the whole workflow::
 
@@ -48,7 +61,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ember.contract import CACHE_DIR, ENV_RUN_DIR, MARKER_FILE, REPORTS_DIR, RUN_DIR, STATUS_FILE
+from ember.contract import (
+    CACHE_DIR,
+    ENGINE_FAILED,
+    ENGINE_LOADING,
+    ENGINE_READY,
+    ENGINE_STATE_FILE,
+    ENV_RUN_DIR,
+    MARKER_FILE,
+    REPORTS_DIR,
+    RUN_DIR,
+    STATUS_FILE,
+)
 
 # Sidecar states.
 UNCLAIMED, FETCHING, READY, FALLBACK = "unclaimed", "fetching", "ready", "fallback"
@@ -111,6 +135,7 @@ class HandoffResult:
     world: int = 1
     engine_args: tuple[str, ...] = ()  # the claim's extra engine arguments (ember.dev/engine-args)
     claimed_at: float = 0.0  # wall time of the claim (a warm pod's clock starts there), 0 if none
+    warm: bool = False  # handed off before any claim (identity-keyed warm pod): see wait_for_claim
 
     @property
     def restored(self) -> bool:
@@ -185,7 +210,7 @@ def _result_from_status(
     claimed_at = float(status.get("claimed_at") or 0.0)
     if status["state"] == FALLBACK:
         return HandoffResult(None, str(status.get("reason") or "fallback"), identity, waited, root,
-                             engine_args=args, claimed_at=claimed_at)
+                             engine_args=args, claimed_at=claimed_at, warm=bool(status.get("warm")))
     archive_dir = Path(str(status.get("archive_dir", "")))
     if not archive_dir.is_absolute():
         archive_dir = root / archive_dir
@@ -198,7 +223,8 @@ def _result_from_status(
         published = float(status.get("updated_at") or time.time())
         report("handoff", max(0.0, time.time() - published), "ok", run_dir=root)
     return HandoffResult(archive_dir, "", identity, waited, root, int(status.get("rank") or 0),
-                         int(status.get("world") or 1), args, float(status.get("claimed_at") or 0.0))
+                         int(status.get("world") or 1), args, float(status.get("claimed_at") or 0.0),
+                         bool(status.get("warm")))
 
 
 def report(
@@ -226,6 +252,79 @@ def report(
     except OSError:
         return None
     return path
+
+
+def write_engine_state(
+    state: str, reason: str = "", *, identity: str = "", run_dir: str | os.PathLike[str] | None = None,
+    **info: Any,
+) -> Path | None:
+    """Say what the engine is doing: ENGINE_LOADING, ENGINE_READY (loaded and idle: a warm pod may
+    be claimed) or ENGINE_FAILED (with ``reason``: the operator replaces a warm pod saying so).
+    The sidecar mirrors it onto the pod (``ember.dev/engine``). Never raises (None when it could
+    not be written)."""
+    if state not in (ENGINE_LOADING, ENGINE_READY, ENGINE_FAILED):
+        raise ValueError(f"engine state {state!r} is not one of loading, ready, failed")
+    root = run_dir_from_env(run_dir)
+    entry = {"state": state, "reason": reason, "identity": identity, "pid": os.getpid(),
+             "at": time.time(), **info}
+    try:
+        write_json_atomic(root / ENGINE_STATE_FILE, entry)
+    except OSError:
+        return None
+    return root / ENGINE_STATE_FILE
+
+
+def engine_loading(result: HandoffResult | None = None, **info: Any) -> Path | None:
+    """The engine started building (weights, LOAD or capture, KV cache)."""
+    return _engine_state(ENGINE_LOADING, "", result, info)
+
+
+def engine_ready(result: HandoffResult | None = None, **info: Any) -> Path | None:
+    """Loaded and idle: a warm pod is claimable, a claimed one answers at once (``info``: e.g. the
+    GPU memory held, the mode)."""
+    return _engine_state(ENGINE_READY, "", result, info)
+
+
+def engine_failed(reason: str, result: HandoffResult | None = None, **info: Any) -> Path | None:
+    """The engine cannot serve (a warm pod saying so is replaced); ``reason`` short and plain."""
+    return _engine_state(ENGINE_FAILED, reason, result, info)
+
+
+def _engine_state(state: str, reason: str, result: HandoffResult | None, info: dict[str, Any]) -> Path | None:
+    if result is None:
+        return write_engine_state(state, reason, **info)
+    return write_engine_state(state, reason, identity=result.identity, run_dir=result.run_dir, **info)
+
+
+def read_engine_state(run_dir: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
+    """The engine's last state (see write_engine_state), or None when it wrote none."""
+    return read_json(run_dir_from_env(run_dir) / ENGINE_STATE_FILE)
+
+
+@dataclass(frozen=True)
+class InService:
+    """The claim put the pod into service: ``claimed_at`` (the operator's stamp, else when the
+    sidecar saw the claim; epoch seconds) and how long the engine waited for it."""
+
+    claimed_at: float
+    waited_s: float
+
+
+def wait_for_claim(
+    run_dir: str | os.PathLike[str] | None = None, timeout: float | None = None, *, poll_s: float = 0.02,
+) -> InService | None:
+    """Block until the pod is in service: at once on a claimed or cold pod (the status has no
+    ``warm`` flag, or it is false), on a warm pod when the claim arrives. None when ``timeout``
+    seconds pass first (None: wait forever, a warm pod's normal case)."""
+    root = run_dir_from_env(run_dir)
+    start = time.monotonic()
+    while True:
+        status = read_json(root / STATUS_FILE)
+        if status is not None and status.get("state") != UNCLAIMED and not status.get("warm"):
+            return InService(float(status.get("claimed_at") or 0.0), time.monotonic() - start)
+        if timeout is not None and time.monotonic() - start > timeout:
+            return None
+        time.sleep(poll_s)
 
 
 class LoadAttempt:
@@ -287,6 +386,7 @@ class HandoffWriter:
     run_dir: Path
     _seen: set[str] = field(default_factory=set)
     _claimed_at: float = 0.0
+    warm: bool = False  # an identity-keyed warm pod before its claim (every state says so)
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
@@ -304,8 +404,22 @@ class HandoffWriter:
         return read_json(self.run_dir / STATUS_FILE)
 
     def _write(self, state: str, **fields: Any) -> None:
-        data = {"state": state, "updated_at": time.time(), "claimed_at": self._claimed_at, **fields}
+        data = {"state": state, "updated_at": time.time(), "claimed_at": self._claimed_at,
+                "warm": self.warm, **fields}
         write_json_atomic(self.run_dir / STATUS_FILE, data)
+
+    def in_service(self, claimed_at: float | None = None) -> None:
+        """The claim put a warm pod into service: the current state again, with ``warm`` false and
+        the claim's time (the engine's wait_for_claim returns)."""
+        self.warm = False
+        self._claimed_at = claimed_at or time.time()
+        current = self.status() or {"state": UNCLAIMED}
+        fields = {k: v for k, v in current.items() if k not in ("state", "updated_at", "claimed_at", "warm")}
+        self._write(str(current.get("state") or UNCLAIMED), **fields)
+
+    def engine_state(self) -> dict[str, Any] | None:
+        """The engine's own state file (ENGINE_STATE_FILE), or None."""
+        return read_json(self.run_dir / ENGINE_STATE_FILE)
 
     def unclaimed(self) -> None:
         """Warm pod: no claim yet (engine keeps waiting without a deadline)."""
@@ -313,8 +427,9 @@ class HandoffWriter:
 
     def fetching(self, identity: str, archive_uri: str, claimed_at: float | None = None) -> None:
         """Claim observed: the engine's deadline (and its claim → first token clock) starts at
-        `claimed_at` (the operator's stamp), else now."""
-        self._claimed_at = claimed_at or time.time()
+        `claimed_at` (the operator's stamp), else now; on a warm pod (`warm`) at the claim that
+        puts it into service (`in_service`)."""
+        self._claimed_at = 0.0 if self.warm else (claimed_at or time.time())
         self._write(FETCHING, identity=identity, archive=archive_uri)
 
     def ready(

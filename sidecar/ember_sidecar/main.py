@@ -126,7 +126,8 @@ def _watch_own_pod(
 
     def on_pod(pod: dict[str, Any], observed_at: float) -> None:
         reporter.update_pod(pod)
-        restorer.on_annotations((pod.get("metadata") or {}).get("annotations") or {}, observed_at)
+        meta = pod.get("metadata") or {}
+        restorer.on_annotations(meta.get("annotations") or {}, observed_at, meta.get("labels") or {})
 
     def on_gone(why: str) -> None:
         log.info("Pod %s/%s is %s: stopping", settings.namespace, settings.pod_name, why)

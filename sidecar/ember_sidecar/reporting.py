@@ -28,16 +28,23 @@ class Reporter(Protocol):
     def event(self, type_: str, reason: str, message: str, *, deployment: bool = False) -> None:
         """Record an event on the pod (and on its ModelDeployment when `deployment`)."""
 
+    def engine(self, value: str) -> None:
+        """Record the engine's state (`ember.dev/engine`: loading, ready, failed: <reason>)."""
+
 
 class LogReporter:
     """Standalone mode: results and events go to the log only."""
 
     def __init__(self) -> None:
         self.results: list[str] = []
+        self.engines: list[str] = []
 
     def result(self, value: str) -> None:
         self.results.append(value)
         log.info("Restore result: %s", value)
+
+    def engine(self, value: str) -> None:
+        self.engines.append(value)
 
     def event(self, type_: str, reason: str, message: str, *, deployment: bool = False) -> None:
         (log.warning if type_ == "Warning" else log.info)("Event %s %s: %s", type_, reason, message)
@@ -74,6 +81,14 @@ class KubeReporter:
         except Exception as exc:  # never let reporting take the sidecar down
             log.warning("Could not annotate pod %s/%s with %s: %s",
                         self.namespace, self.pod_name, ANN_RESTORE, exc)
+
+    def engine(self, value: str) -> None:
+        body = {"metadata": {"annotations": {contract.ANN_ENGINE: value[:MAX_ANNOTATION]}}}
+        try:
+            self.core.patch_namespaced_pod(self.pod_name, self.namespace, body)
+        except Exception as exc:  # never let reporting take the sidecar down
+            log.warning("Could not annotate pod %s/%s with %s: %s",
+                        self.namespace, self.pod_name, contract.ANN_ENGINE, exc)
 
     def _md_ref(self) -> dict[str, str] | None:
         name = self.deployment

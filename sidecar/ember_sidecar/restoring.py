@@ -7,8 +7,17 @@ handoff writer, the metrics and a Reporter. Every failure becomes a fallback: th
 a Warning event goes to the pod and its ModelDeployment, and `ember_restores_total` counts it.
 Nothing here raises to the caller or exits the process.
 
-Readiness (served at /readyz): Ready when the engine has reported `ready` (it takes requests).
-Before any claim, a warm pod is Ready (= claimable by the pool) once the engine reported
+Identity-keyed warm pods carry the hand-off data from their creation: the sidecar fetches, verifies
+and hands off at once (the handoff's `warm` flag set), the engine LOADs and says it is loaded and
+idle (`engine-state.json`), and the sidecar mirrors that onto the pod (`ember.dev/engine`). The
+claim changes only labels (pool warm → serving) and the claim stamp: the sidecar then clears the
+`warm` flag (`HandoffWriter.in_service`) and the engine's `wait_for_claim` returns.
+
+Readiness (served at /readyz): Ready when the engine has reported `ready` (a stage report or its
+state file: it takes requests); an identity-keyed warm pod so too before its claim (its labels keep
+it out of every Service until the claim flips them, so no probe period stands between the claim
+and the first request), never while its engine says failed. Before any claim, a template-keyed
+warm pod is Ready (= claimable by the pool) once the engine reported
 `standby` (weights loaded, waiting for the archive), or at once with
 EMBER_WARM_READY_WITHOUT_ENGINE=1. After a claim and before the engine's `ready`, not Ready, so a
 Service never routes requests to a pod that is still restoring.
@@ -66,6 +75,7 @@ class Restorer:
         self.current: ClaimState | None = None
         self.engine_standby = False
         self.engine_ready = False
+        self.engine = ""  # what ANN_ENGINE says (last reported): loading | ready | failed: ...
         self.draining = False  # the operator took the pod out of service (ANN_DRAIN)
         self.stopping = threading.Event()
         self._claim_cancel = threading.Event()
@@ -78,9 +88,15 @@ class Restorer:
 
     # ---- inputs -------------------------------------------------------------------------------
 
-    def on_annotations(self, annotations: dict[str, str] | None, observed_at: float | None = None) -> None:
-        """A (new version of the) pod was seen: start a restore for a new claim, or prefetch."""
+    def on_annotations(
+        self, annotations: dict[str, str] | None, observed_at: float | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> None:
+        """A (new version of the) pod was seen: start a restore for a new claim (on an
+        identity-keyed warm pod, whose `labels` say pool warm, before the claim), put a warm pod
+        into service when its claim arrives, or prefetch."""
         observed_at = observed_at or time.time()
+        warm = (labels or {}).get(contract.LABEL_POOL) == contract.POOL_WARM
         self.draining = bool((annotations or {}).get(contract.ANN_DRAIN))
         try:
             claim = parse_claim(annotations)
@@ -94,13 +110,16 @@ class Restorer:
             self._fallback(None, reason, identity=(annotations or {}).get(contract.ANN_IDENTITY, ""))
             return
         if claim is not None:
-            self.claim(claim, observed_at)
+            if not self.claim(claim, observed_at, warm=warm) and not warm:
+                self._into_service(claim, observed_at)
             return
         for uri in parse_prefetch(annotations):
             self.prefetch(uri)
 
-    def claim(self, claim: Claim, observed_at: float | None = None) -> bool:
-        """Start restoring `claim` unless it is the claim already handled. True when started."""
+    def claim(self, claim: Claim, observed_at: float | None = None, *, warm: bool = False) -> bool:
+        """Start restoring `claim` unless it is the claim already handled. True when started.
+        `warm`: the hand-off data of an identity-keyed warm pod, not yet a claim (the handoff says
+        `warm` until `_into_service`)."""
         observed_at = observed_at or time.time()
         with self.lock:
             if self.stopping.is_set() or (self.current is not None and self.current.claim.key == claim.key):
@@ -117,11 +136,21 @@ class Restorer:
             state = ClaimState(claim, observed_at)
             self.current = state
             self.engine_ready = False
+            self.writer.warm = warm
             cancel = self._claim_cancel
-        log.info("Claim observed: archive %s identity %s", claim.archive_uri, claim.identity[:16])
-        self.writer.fetching(claim.identity, claim.archive_uri, self._claim_time(claim, observed_at))
+            self.writer.fetching(claim.identity, claim.archive_uri, self._claim_time(claim, observed_at))
+        log.info("%s: archive %s identity %s", "Warm pod's archive" if warm else "Claim observed",
+                 claim.archive_uri, claim.identity[:16])
         self._start(self._restore, state, cancel, name="ember-restore")
         return True
+
+    def _into_service(self, claim: Claim, observed_at: float) -> None:
+        """The claim of a warm pod whose archive is already handled: into service, once."""
+        with self.lock:
+            if not self.writer.warm or self.current is None or self.current.claim.key != claim.key:
+                return
+            self.writer.in_service(self._claim_time(claim, observed_at))
+        log.info("Claimed: warm pod of %s in service", claim.identity[:16])
 
     def prefetch(self, archive_uri: str) -> None:
         """Warm pod: cache an archive before any claim (failures are only logged and counted)."""
@@ -266,11 +295,38 @@ class Restorer:
                     state.loaded.add(str(entry["rank"]))
                     if state.loaded >= {str(i) for i in range(max(1, state.claim.world))}:
                         self._restored(state, seconds)
+        self._mirror_engine()
         with self.lock:
             state = self.current
         if (state is not None and state.handed_off_at is not None and state.result is None
                 and time.time() - state.handed_off_at > self.engine_timeout_s):
             self._fallback(state, f"engine-timeout: no LOAD result {self.engine_timeout_s:g}s after handoff")
+
+    def engine_value(self) -> str:
+        """What ANN_ENGINE should say now: the engine's state file (for the current claim), else
+        ready after its `ready` report, else loading once the archive (or a fallback) is handed
+        over; "" before that."""
+        with self.lock:
+            state = self.current
+        st = self.writer.engine_state()
+        ours = st is not None and (state is None or st.get("identity", "") in ("", state.claim.identity))
+        if st is not None and ours and (
+                value := contract.engine_annotation(str(st.get("state", "")), str(st.get("reason") or ""))):
+            return value
+        if self.engine_ready:
+            return contract.ENGINE_READY
+        if state is not None and (state.handed_off_at is not None or state.result is not None):
+            return contract.ENGINE_LOADING
+        return ""
+
+    def _mirror_engine(self) -> None:
+        value = self.engine_value()
+        if value == contract.ENGINE_READY:
+            self.engine_ready = True
+        if value and value != self.engine:
+            self.engine = value
+            log.info("Engine: %s", value)
+            self.reporter.engine(value)
 
     def readiness(self) -> tuple[bool, str]:
         """(ready, why) for /readyz."""
@@ -278,6 +334,10 @@ class Restorer:
             return False, "stopping"
         if self.draining:
             return False, "draining: out of service, requests in flight finish"
+        if self.engine.startswith(contract.ENGINE_FAILED_PREFIX):
+            return False, f"engine {self.engine}"
+        if self.engine_ready and self.writer.warm:
+            return True, "warm: engine ready, out of service until claimed"
         if self.engine_ready:
             return True, "engine ready"
         with self.lock:
@@ -301,5 +361,7 @@ class Restorer:
                 "result": None if s is None else s.result,
                 "engine_standby": self.engine_standby,
                 "engine_ready": self.engine_ready,
+                "engine": self.engine,
+                "warm": self.writer.warm,
                 "ready": self.readiness()[0],
             }

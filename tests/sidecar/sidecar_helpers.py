@@ -17,9 +17,13 @@ class RecordingReporter:
     def __init__(self) -> None:
         self.results: list[str] = []
         self.events: list[tuple[str, str, str, bool]] = []
+        self.engines: list[str] = []
 
     def result(self, value: str) -> None:
         self.results.append(value)
+
+    def engine(self, value: str) -> None:
+        self.engines.append(value)
 
     def event(self, type_: str, reason: str, message: str, *, deployment: bool = False) -> None:
         self.events.append((type_, reason, message, deployment))
