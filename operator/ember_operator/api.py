@@ -242,7 +242,8 @@ class StoreSpec(ApiModel):
 
 
 class WarmPoolSpec(ApiModel):
-    """Pre-warmed pods kept per (GPU product, GPU count, engine, store) in this namespace."""
+    """Pre-warmed pods: per deployment, shape and archive once the shape's archive is Available
+    (engine loaded before the claim), else per (GPU product, GPU count, engine, store)."""
 
     size: int = Field(0, ge=0, le=256, description="GPUs to keep warm in unclaimed pods: pods of the current "
                       "shape's GPU count and of each alternative's, round robin, while they fit (a 1-GPU "
@@ -412,6 +413,10 @@ class ModelDeploymentStatus(ApiModel):
     native_replicas: int = Field(0, description="Serving pods claimed without an archive (native capture); "
                                  "replaced by restoring pods once the archive is Available.")
     warm_claims: int = Field(0, description="Warm pods claimed by this deployment (lifetime count).")
+    warm_ready: int = Field(0, description="Its identity-keyed warm pods whose engine is loaded and idle "
+                            "(ember.dev/engine=ready): claimable.")
+    warm_loading: int = Field(0, description="Its identity-keyed warm pods whose engine is still loading "
+                              "(not claimable yet).")
     shapes: list[ShapeStatus] = Field(default_factory=list, description="The current shape and each "
                                       "alternative of spec.parallelism, with its archive's phase.")
     switch: SwitchStatus | None = Field(None, description="A switch between shapes in progress.")

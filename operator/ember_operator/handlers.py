@@ -202,8 +202,8 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, kube: Kube | N
     @kopf.on.event("", "v1", "pods", labels=ours, registry=registry)
     async def pod_event(namespace: str | None, labels: Mapping[str, str], type: str | None, **_: Any) -> None:
         assert namespace is not None  # a namespaced kind
-        md = labels.get(contract.LABEL_DEPLOYMENT)
-        if md:
+        md = labels.get(contract.LABEL_DEPLOYMENT) or labels.get(contract.LABEL_WARM_FOR)
+        if md:  # its serving pods, and its identity-keyed warm pods (engine state, crashes)
             deployments.poke(namespace, md)
         elif labels.get(contract.LABEL_POOL) == contract.POOL_WARM and type == "DELETED":
             await off_loop(rec.reconcile_pools, namespace)

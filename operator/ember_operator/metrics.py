@@ -74,7 +74,8 @@ class State(Collector):
         self.leading: Callable[[], bool] = lambda: True
         self._lock = threading.Lock()
         self._warm: dict[str, dict[str, int]] = {}  # namespace → pool → unclaimed pods
-        self._pods: dict[tuple[str, str], tuple[int, int]] = {}  # (ns, md) → (fallback, native)
+        # (ns, md) → (fallback, native, warm ready, warm loading)
+        self._pods: dict[tuple[str, str], tuple[int, int, int, int]] = {}
         self._counted: dict[tuple[str, str], set[tuple[str, str]]] = {}  # (ns, md) → counted pods
         self._archives: dict[tuple[str, str], Archive] = {}
 
@@ -83,9 +84,12 @@ class State(Collector):
         with self._lock:
             self._warm[namespace] = dict(sizes)
 
-    def set_deployment(self, namespace: str, name: str, *, fallback: int, native: int) -> None:
+    def set_deployment(
+        self, namespace: str, name: str, *, fallback: int, native: int, warm_ready: int = 0,
+        warm_loading: int = 0,
+    ) -> None:
         with self._lock:
-            self._pods[(namespace, name)] = (fallback, native)
+            self._pods[(namespace, name)] = (fallback, native, warm_ready, warm_loading)
 
     def forget_deployment(self, namespace: str, name: str) -> None:
         with self._lock:
@@ -133,6 +137,9 @@ class State(Collector):
                                      "native capture, now.", labels=["namespace", "deployment"])
         native = GaugeMetricFamily("ember_native_pods", "Serving pods claimed without an archive "
                                    "(native capture), now.", labels=["namespace", "deployment"])
+        engines = GaugeMetricFamily("ember_warm_engines", "A deployment's identity-keyed warm pods by "
+                                    "engine state (ready: claimable; loading).",
+                                    labels=["namespace", "deployment", "engine"])
         phases = GaugeMetricFamily("ember_archive_phase", "1 for the GraphArchive's phase (Pending, "
                                    "Saving, Available, Failed).", labels=["namespace", "archive", "phase"])
         stored = GaugeMetricFamily("ember_archive_bytes", "Stored bytes of an Available GraphArchive's "
@@ -156,10 +163,12 @@ class State(Collector):
             for ns, pools in sorted(self._warm.items()):
                 for pool, size in sorted(pools.items()):
                     warm.add_metric([ns, pool], float(size))
-            for (ns, md), (fell_back, natives) in sorted(self._pods.items()):
+            for (ns, md), (fell_back, natives, ready, loading) in sorted(self._pods.items()):
                 fallback.add_metric([ns, md], float(fell_back))
                 native.add_metric([ns, md], float(natives))
-        yield from (warm, fallback, native, phases, stored, saving, deadline)
+                engines.add_metric([ns, md, "ready"], float(ready))
+                engines.add_metric([ns, md, "loading"], float(loading))
+        yield from (warm, fallback, native, engines, phases, stored, saving, deadline)
 
 
 STATE = State()

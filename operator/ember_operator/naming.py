@@ -60,6 +60,11 @@ def warm_selector(pool_key: str = "") -> str:
     return f"{sel},{contract.LABEL_POOL_KEY}={pool_key}" if pool_key else sel
 
 
+def bound_selector(md_name: str) -> str:
+    """The identity-keyed warm pods made for one deployment (every shape's)."""
+    return f"{contract.LABEL_POOL}={contract.POOL_WARM},{contract.LABEL_WARM_FOR}={md_name}"
+
+
 def selector(md_name: str, pool: str = contract.POOL_SERVING) -> str:
     """status.selector: the serving pods of one deployment (what the HPA counts); with `pool`
     draining, its pods out of service."""

@@ -30,6 +30,8 @@ class PodView:
     node: str = ""  # where the scheduler placed it ("" not yet)
     nominated: str = ""  # the node the scheduler preempts lower-priority pods on for it
     gpus: int = 0  # GPUs its containers ask for
+    engine_restarts: int = 0  # restarts of the engine container (kubelet's restartCount)
+    engine_exited: bool = False  # the engine container is terminated or was (lastState)
 
     @classmethod
     def of(cls, pod: dict[str, Any]) -> PodView:
@@ -53,7 +55,32 @@ class PodView:
             node=(pod.get("spec") or {}).get("nodeName") or "",
             nominated=status.get("nominatedNodeName") or "",
             gpus=_gpus(pod),
+            **_engine_status(status),
         )
+
+    @property
+    def warm_for(self) -> str:
+        """The deployment an identity-keyed warm pod was made for ("" for a template-keyed one)."""
+        return self.labels.get(contract.LABEL_WARM_FOR, "")
+
+    @property
+    def pool_key(self) -> str:
+        return self.labels.get(contract.LABEL_POOL_KEY, "")
+
+    @property
+    def engine(self) -> str:
+        """What its sidecar says of the engine (ANN_ENGINE): loading, ready, failed: <reason>."""
+        return self.annotations.get(contract.ANN_ENGINE, "")
+
+    @property
+    def engine_ready(self) -> bool:
+        return self.engine == contract.ENGINE_READY
+
+    @property
+    def engine_crashed(self) -> bool:
+        """The engine failed (its sidecar says so) or its container exited or restarted."""
+        return (self.engine.startswith(contract.ENGINE_FAILED) or self.engine_restarts > 0
+                or self.engine_exited)
 
     @property
     def revision(self) -> str:
@@ -107,6 +134,16 @@ class PodView:
             return int(par.get("tensor", 1)), int(par.get("expert", 1)), int(par.get("data", 1))
         except (KeyError, ValueError, TypeError, AttributeError):
             return None
+
+
+def _engine_status(status: dict[str, Any]) -> dict[str, Any]:
+    """restartCount and termination of the engine container (from the pod's containerStatuses)."""
+    for c in status.get("containerStatuses") or []:
+        if c.get("name") == contract.ENGINE_CONTAINER:
+            state, last = c.get("state") or {}, c.get("lastState") or {}
+            exited = bool(state.get("terminated") or last.get("terminated"))
+            return {"engine_restarts": int(c.get("restartCount") or 0), "engine_exited": exited}
+    return {}
 
 
 def _gpus(pod: dict[str, Any]) -> int:

@@ -57,7 +57,7 @@ from ember_operator.phases import (  # noqa: F401  (derive_phase, REFUSED_REASON
     derive_phase,
     settle,
 )
-from ember_operator.pods import PodTemplate, StoreAccess, claim_patch, serving_pod
+from ember_operator.pods import PodTemplate, StoreAccess, bound_key, claim_patch, serving_pod
 from ember_operator.tenancy import Refused, Tenancy, store_refusal
 
 
@@ -96,6 +96,7 @@ class Observed:
     archive: ArchiveView | None = None
     pods: list[PodView] = field(default_factory=list)  # serving pods of this deployment
     warm: list[PodView] = field(default_factory=list)  # unclaimed warm pods of its pool
+    bound: list[PodView] = field(default_factory=list)  # its identity-keyed warm pods (every shape)
     hpa: dict[str, Any] | None = None
     labels: dict[str, str] = field(default_factory=dict)
     draining: list[PodView] = field(default_factory=list)  # pods taken out of service (pool=draining)
@@ -266,15 +267,9 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
         plan.presaves.append(archive_object(name, obs.namespace, spec, ctx, shape, low))
 
     arch_condition = _archive_condition(archive)
-    archive_uri = archive.uri if archive is not None and archive.available else ""
-    plan.claim = Claim(
-        archive_uri=archive_uri, identity=ident_hash,
-        claimed_at=obs.now.timestamp(),  # written with microseconds: the sidecar times from it
-        deployment=obs.name, revision=revision, rank=0, world=spec.gpu_count(),  # the pod's ranks: 0..world-1
-        identity_spec=canonical_json(ident.canonical()).decode(), engine_args=engine_args(spec, ident),
-        native_reason="" if archive_uri else arch_condition[1],
-        manifest_digest=archive.digest if archive is not None and archive_uri else "",
-    )
+    # claimed_at is written with microseconds: the sidecar times from it
+    plan.claim = claim_for(obs.name, spec, archive, arch_condition[1], revision=revision,
+                           claimed_at=obs.now.timestamp())
     rollout = _plan_pods(obs, plan, plan.claim, template)
     _batch(plan, ctx.pod_batch)
     plan.unschedulable = unschedulable(obs)
@@ -287,6 +282,25 @@ def plan_deployment(obs: Observed, ctx: Context) -> Plan:
     switching.switch_status(obs, plan, rollout.previous, ready_new, len(old), presaved)
     _plan_hpa(obs, plan)
     return plan
+
+
+def claim_for(
+    deployment: str, spec: ModelDeploymentSpec, archive: ArchiveView | None, native_reason: str = "",
+    shape: ShapeSpec | None = None, *, revision: str = "", claimed_at: float | None = None,
+) -> Claim:
+    """What a pod of `deployment` in `shape` is claimed with (a pod of N GPUs is rank 0 of world N:
+    its ranks 0..N-1): `archive` when it is Available, else native capture for `native_reason`.
+    Without `revision` and `claimed_at`, the hand-off data an identity-keyed warm pod is created
+    with (`pools.pool_wants`)."""
+    ident = spec.identity(shape)
+    uri = archive.uri if archive is not None and archive.available else ""
+    return Claim(
+        archive_uri=uri, identity=ident.hash(), claimed_at=claimed_at, deployment=deployment,
+        revision=revision, rank=0, world=spec.gpu_count(shape),
+        identity_spec=canonical_json(ident.canonical()).decode(), engine_args=engine_args(spec, ident),
+        native_reason="" if uri else native_reason,
+        manifest_digest=archive.digest if archive is not None and uri else "",
+    )
 
 
 def _batch(plan: Plan, size: int) -> None:
@@ -394,9 +408,12 @@ def _plan_pods(obs: Observed, plan: Plan, claim: Claim, template: PodTemplate) -
 def _claim_or_create(
     obs: Observed, plan: Plan, template: PodTemplate, rollout: _Rollout, missing: int
 ) -> None:
-    """Claim warm pods first (ready ones first), create the rest cold."""
-    warm = sorted((p for p in obs.warm if not p.deleting and not p.failed),
-                  key=lambda p: (not p.ready, p.created, p.name))
+    """Claim warm pods first — its identity-keyed warm pods of exactly this claim whose engine
+    is ready, then template-keyed ones (ready ones first) — and create the rest cold. An
+    identity-keyed pod still loading, crashed or of another identity is never claimed."""
+    warm = claimable(obs, template, rollout.claim) + sorted(
+        (p for p in obs.warm if not p.deleting and not p.failed and not p.engine_crashed),
+        key=lambda p: (not p.ready, p.created, p.name))
     for pod in warm[:missing]:
         plan.claims.append((pod.name, claim_patch(rollout.claim, pod.resource_version, obs.uid)))
     rollout.claimed = min(missing, len(warm))
@@ -404,6 +421,14 @@ def _claim_or_create(
     taken = {p.name for p in obs.pods} | {p.name for p in obs.draining}
     for name in free_names(obs.name, rollout.revision, taken, missing - rollout.claimed):
         plan.creates.append(serving_pod(template, rollout.claim, name, obs.uid))
+
+
+def claimable(obs: Observed, template: PodTemplate, claim: Claim) -> list[PodView]:
+    """The deployment's identity-keyed warm pods that `claim` may take: its pool key (archive,
+    digest, engine arguments, layout), the engine ready, not exited or deleting; oldest first."""
+    key = bound_key(template.pool_key, obs.name, claim)
+    return sorted((p for p in obs.bound if p.pool_key == key and p.engine_ready and not p.engine_crashed
+                   and not p.deleting and not p.failed), key=lambda p: (p.created, p.name))
 
 
 def _set_replica_status(obs: Observed, plan: Plan, rollout: _Rollout) -> None:
@@ -425,6 +450,10 @@ def _set_replica_status(obs: Observed, plan: Plan, rollout: _Rollout) -> None:
     st.native_replicas = sum(p.native for p in remaining) + new_native
     rollout.not_restoring = sum(p.native or p.fell_back for p in remaining) + new_native
     st.warm_claims += claimed
+    taken = {name for name, _ in plan.claims}
+    warm = [p for p in obs.bound if p.name not in taken and not p.deleting and not p.failed]
+    st.warm_ready = sum(p.engine_ready and not p.engine_crashed for p in warm)
+    st.warm_loading = sum(not p.engine_ready and not p.engine_crashed for p in warm)
     times = [t for p in remaining if p.restored and (t := p.restore_time)]
     if times:
         st.last_restore_time = max(times)

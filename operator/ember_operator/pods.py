@@ -17,7 +17,7 @@ Every pod has:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ember import contract
@@ -341,6 +341,40 @@ def warm_pod(t: PodTemplate, prefetch: list[str] | None = None, name: str = "") 
             "namespace": t.namespace,
             "labels": {**base_labels(t), contract.LABEL_POOL: contract.POOL_WARM},
             "annotations": {contract.ANN_PREFETCH: contract.prefetch_annotation(prefetch or [])},
+        }, templates.decode(t.patch)),
+        "spec": pod_spec(t, t.warm_priority_class, warm=True),
+    }
+
+
+def bound_key(pool_key: str, deployment: str, claim: Claim) -> str:
+    """The pool key of a deployment's identity-keyed warm pods: its pod template, the deployment,
+    and everything the engine starts from before a claim (archive and its digest, identity, engine
+    arguments, rank layout). A replaced archive or edited arguments make another pool."""
+    return naming.short_hash(
+        "bound", pool_key, deployment, claim.archive_uri, claim.identity, claim.manifest_digest,
+        list(claim.engine_args), claim.rank, claim.world, length=16,
+    )
+
+
+def bound_warm_pod(
+    t: PodTemplate, claim: Claim, deployment: str, owner_uid: str, name: str,
+) -> dict[str, Any]:
+    """An identity-keyed warm pod of `deployment`: unclaimed (pool warm, no deployment label, so
+    no Service or HPA selector matches it) but carrying the claim's hand-off data from creation,
+    so its sidecar fetches and verifies at once and its engine LOADs before any claim. Owned by
+    the deployment (deleted with it). The claim adds the labels and the claim stamp."""
+    key = bound_key(t.pool_key, deployment, claim)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": templates.apply_metadata({
+            "name": name,
+            "namespace": t.namespace,
+            "labels": {**base_labels(t), contract.LABEL_POOL_KEY: key,
+                       contract.LABEL_POOL: contract.POOL_WARM, contract.LABEL_WARM_FOR: deployment,
+                       contract.LABEL_IDENTITY: claim.identity[:16]},
+            "annotations": replace(claim, claimed_at=None).annotations(),
+            "ownerReferences": [owner_reference(deployment, owner_uid)],
         }, templates.decode(t.patch)),
         "spec": pod_spec(t, t.warm_priority_class, warm=True),
     }

@@ -1,24 +1,39 @@
-"""Pure planning of warm pools: N unclaimed pods per pod template (GPU, engine, store) per namespace.
+"""Pure planning of warm pools: N unclaimed pods per pool key per namespace.
+
+Two kinds of pool (`WarmWant`):
+
+- **identity-keyed** (a shape whose archive is Available): the pods of one deployment, shape,
+  archive (URI and manifest digest) and engine arguments, created with the hand-off data (the
+  claim's annotations without the claim stamp) so the sidecar fetches and verifies at once and
+  the engine loads before any claim. Owned by the deployment. A new digest or edited arguments
+  make a new key: the old pool has no asker any more and is drained, its pods never claimed.
+- **template-keyed** (a shape without a restorable archive yet: Pending, Saving, Failed): pods of
+  one pod template (GPU, engine, store) shared by the namespace's deployments, which learn their
+  model with the claim, as cold pods do.
 
 A deployment's `warmPool.size` counts GPUs: `warm_split` spreads it over the GPU counts of its
-current and alternative shapes (pods of 2 GPUs cannot serve a 1-GPU shape, nor the reverse).
+current and alternative shapes (pods of 2 GPUs cannot serve a 1-GPU shape, nor the reverse); the
+pods of a GPU count go to the first shape of that count (the current shape's first).
 
-A pool's size is the largest `warmPool.size` among the ModelDeployments that share its template;
-pools no deployment asks for are drained. Claimed pods leave the pool (their `ember.dev/pool`
-label becomes `serving`), so replenishing is just topping the pool back up.
+A pool's size is the largest ask among the deployments that share its key (one, for an
+identity-keyed pool); pools no deployment asks for are drained. Claimed pods leave the pool (their
+`ember.dev/pool` label becomes `serving`), so replenishing is just topping the pool back up. Warm
+pods whose engine crashed (`ember.dev/engine: failed: …`, the engine container exited or restarted)
+or whose pod failed are replaced.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ember import contract
+from ember.contract import Claim
 from ember_operator import naming
 from ember_operator.api import ModelDeploymentSpec, ShapeSpec
 from ember_operator.observed import PodView
-from ember_operator.pods import PodTemplate, warm_pod
+from ember_operator.pods import PodTemplate, bound_key, bound_warm_pod, warm_pod
 
 
 def warm_pool_size(spec: ModelDeploymentSpec) -> tuple[int, str]:
@@ -49,18 +64,52 @@ def warm_split(spec: ModelDeploymentSpec) -> dict[int, int]:
     return split
 
 
+@dataclass(frozen=True)
+class WarmWant:
+    """`size` warm pods of `template`: identity-keyed when `claim` is set (its hand-off data; the
+    pods belong to `claim.deployment`, uid `owner_uid`), else template-keyed (`prefetch`: a
+    manifest its pods cache). Iterates as (template, size, prefetch)."""
+
+    template: PodTemplate
+    size: int
+    prefetch: str = ""
+    claim: Claim | None = None
+    owner_uid: str = ""
+
+    @property
+    def key(self) -> str:
+        if self.claim is None:
+            return self.template.pool_key
+        return bound_key(self.template.pool_key, self.claim.deployment, self.claim)
+
+    def pod(self, name: str, prefetch: list[str]) -> dict[str, Any]:
+        if self.claim is None:
+            return warm_pod(self.template, prefetch, name)
+        return bound_warm_pod(self.template, self.claim, self.claim.deployment, self.owner_uid, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.template, self.size, self.prefetch))
+
+
 def pool_wants(
     spec: ModelDeploymentSpec, status: dict[str, Any], templates: Callable[[ShapeSpec], PodTemplate],
-) -> list[tuple[PodTemplate, int, str]]:
-    """(template, warm pods, manifest URI to prefetch) of one deployment: a template per GPU count,
-    one entry per shape so that each shape's archive is prefetched by the pods of its count."""
+    bind: Callable[[ShapeSpec], Claim | None] | None = None, owner_uid: str = "",
+) -> list[WarmWant]:
+    """The pools of one deployment, one entry per shape: identity-keyed where `bind` gives the
+    shape's hand-off data (its archive is Available), else template-keyed, prefetching the
+    shape's archive URI if the status names one."""
     split, out = warm_split(spec), []
     uris = {(s.get("tensor"), s.get("expert"), s.get("data")): s.get("uri") or ""
             for s in status.get("shapes") or []}
     current_uri = (status.get("archive") or {}).get("uri") or ""
     for i, shape in enumerate(spec.parallelism.shapes()):
         size = split.pop(shape.gpus, 0)  # the pods go with the first shape of each GPU count
-        out.append((templates(shape), size, (current_uri if i == 0 else "") or uris.get(shape.key(), "")))
+        claim = bind(shape) if bind is not None else None
+        if claim is not None:
+            out.append(WarmWant(templates(shape), size, claim=claim, owner_uid=owner_uid))
+        else:
+            uri = (current_uri if i == 0 else "") or uris.get(shape.key(), "")
+            out.append(WarmWant(templates(shape), size, uri))
     return out
 
 
@@ -73,20 +122,23 @@ class PoolPlan:
 
 
 def plan_pools(
-    wanted: list[tuple[PodTemplate, int, str]], warm: list[PodView], taken: set[str] | None = None,
+    wanted: list[WarmWant] | list[tuple[PodTemplate, int, str]], warm: list[PodView],
+    taken: set[str] | None = None,
 ) -> PoolPlan:
-    """`wanted`: (template, size, archive URI or "") per deployment of one namespace;
-    `warm`: its unclaimed warm pods; `taken`: names of every pod of the namespace (new warm pods
-    get the lowest free names). Warm pods prefetch the archives of their pool's deployments."""
+    """`wanted`: the pools of every deployment of one namespace (`WarmWant`, or (template, size,
+    archive URI or "") for a template-keyed one); `warm`: its unclaimed warm pods; `taken`: names
+    of every pod of the namespace (new warm pods get the lowest free names). Template-keyed warm
+    pods prefetch the archives of their pool's deployments."""
     taken = {p.name for p in warm} | (taken or set())
-    targets: dict[str, tuple[PodTemplate, int]] = {}
+    targets: dict[str, tuple[WarmWant, int]] = {}
     uris: dict[str, set[str]] = {}
-    for template, size, uri in wanted:
-        key = template.pool_key
-        if key not in targets or size > targets[key][1]:
-            targets[key] = (template, size)
-        if uri:
-            uris.setdefault(key, set()).add(uri)
+    for item in wanted:
+        want = item if isinstance(item, WarmWant) else WarmWant(*item)
+        key = want.key
+        if key not in targets or want.size > targets[key][1]:
+            targets[key] = (want, want.size)
+        if want.prefetch:
+            uris.setdefault(key, set()).add(want.prefetch)
     by_key: dict[str, list[PodView]] = {}
     for pod in warm:
         if pod.deleting:
@@ -94,26 +146,27 @@ def plan_pools(
         by_key.setdefault(pod.labels.get(contract.LABEL_POOL_KEY, ""), []).append(pod)
     plan = PoolPlan()
     for key, pods in by_key.items():
-        dead = [p for p in pods if p.failed]
+        dead = [p for p in pods if p.failed or p.engine_crashed]
         plan.deletes += [p.name for p in dead]
-        alive = [p for p in pods if not p.failed]
+        alive = [p for p in pods if not (p.failed or p.engine_crashed)]
         target = targets.get(key, (None, 0))[1]
         if len(alive) > target:
-            # Drop the least useful first: not ready, then youngest.
-            order = sorted(alive, key=lambda p: (p.ready, p.created, p.name))
+            # Drop the least useful first: engine not ready, not ready, then youngest.
+            order = sorted(alive, key=lambda p: (p.engine_ready, p.ready, p.created, p.name))
             plan.deletes += [p.name for p in order[: len(alive) - target]]
         by_key[key] = alive
-        want = contract.prefetch_annotation(sorted(uris.get(key, set())))
+        prefetch = contract.prefetch_annotation(sorted(uris.get(key, set())))
         kept = set(plan.deletes)
         plan.patches += [
-            (p.name, {"metadata": {"annotations": {contract.ANN_PREFETCH: want}}})
-            for p in alive if p.name not in kept and p.annotations.get(contract.ANN_PREFETCH, "[]") != want
+            (p.name, {"metadata": {"annotations": {contract.ANN_PREFETCH: prefetch}}})
+            for p in alive
+            if p.name not in kept and p.annotations.get(contract.ANN_PREFETCH, "[]") != prefetch
         ]
-    for key, (template, size) in targets.items():
+    for key, (want, size) in targets.items():
         have = len(by_key.get(key, []))
-        prefetch = sorted(uris.get(key, set()))
+        manifests = sorted(uris.get(key, set()))
         names = naming.warm_pod_names(key, taken, max(0, size - have))
-        plan.creates += [warm_pod(template, prefetch, name) for name in names]
+        plan.creates += [want.pod(name, manifests) for name in names]
         plan.sizes[key] = size
     for key, pods in by_key.items():
         plan.sizes.setdefault(key, min(len(pods), targets.get(key, (None, 0))[1]))

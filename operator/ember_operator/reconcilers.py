@@ -19,11 +19,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from ember import contract
+from ember.contract import Claim
 from ember_operator import conditions, metrics, naming, placement, switching
 from ember_operator.api import (
     MDPhase,
     ModelDeploymentSpec,
     ModelDeploymentStatus,
+    ShapeSpec,
 )
 from ember_operator.archive_planning import (
     Backoff,
@@ -48,6 +50,7 @@ from ember_operator.planning import (
     Context,
     Observed,
     Plan,
+    claim_for,
     free_names,
     plan_deployment,
     record_refusals,
@@ -56,7 +59,7 @@ from ember_operator.planning import (
     validation_text,
 )
 from ember_operator.pods import PodTemplate, serving_pod
-from ember_operator.pools import gpu_starved, plan_pools, pool_wants, warm_pool_size, warm_to_yield
+from ember_operator.pools import WarmWant, gpu_starved, plan_pools, pool_wants, warm_pool_size, warm_to_yield
 from ember_operator.services import apply_service
 from ember_operator.settings import Settings
 from ember_operator.tenancy import Refused
@@ -205,7 +208,8 @@ class Reconciler(ArchiveReconciling):
         self._check_placement(obs, template, plan)
         self._yield_warm(obs, template, md)
         metrics.STATE.set_deployment(ns, name, fallback=plan.status.fallback_count,
-                                     native=plan.status.native_replicas)
+                                     native=plan.status.native_replicas, warm_ready=plan.status.warm_ready,
+                                     warm_loading=plan.status.warm_loading)
         fell_back = [(p.name, p.created, p.restore) for p in obs.pods if p.fell_back]
         metrics.STATE.count_fallbacks(ns, name, fell_back)
         self._patch_status(md_path(ns, name), md.get("status"), plan.status.wire())
@@ -216,7 +220,7 @@ class Reconciler(ArchiveReconciling):
         if warm_capped := warm_pool_size(spec)[1]:
             capped.append(Event("Warning", "WarmPoolCapped", warm_capped))
         self.post_events(md, self.notices.fresh((ns, name), capped))
-        if claimed or spec.warm_pool.size or (obs.warm and spec_changed):
+        if claimed or spec.warm_pool.size or obs.bound or (obs.warm and spec_changed):
             self.reconcile_pools(ns)
         # Refused: not every 2 s (the same request fails the same way); a spec edit comes at once.
         return max(60.0, self.settings.resync_seconds) if refusals else plan.requeue_after
@@ -286,22 +290,26 @@ class Reconciler(ArchiveReconciling):
             self.pool.submit(self.kube.list, pods_path(ns), naming.warm_selector(template.pool_key)),
             self.pool.submit(self.kube.get, hpa_path(ns, naming.hpa_name(name))),
             self.pool.submit(self.kube.list, pods_path(ns), naming.selector(name, contract.POOL_DRAINING)),
+            self.pool.submit(self.kube.list, pods_path(ns), naming.bound_selector(name)),
             *(self.pool.submit(self.kube.get, ga_path(ns, naming.archive_name(h))) for h in alts),
         ]
-        ga, pods, warm, hpa, draining, *alt_gas = (r.result() for r in reads)
-        pending = self._warm_pending(ns, spec, template)
+        ga, pods, warm, hpa, draining, bound, *alt_gas = (r.result() for r in reads)
+        pending = self._warm_pending(ns, name, spec, template)
         return Observed(
             name=name, namespace=ns, uid=meta["uid"], generation=int(meta.get("generation") or 0),
             spec=spec, status=status, now=self.clock(), labels=dict(meta.get("labels") or {}),
             archive=ArchiveView.of(ga) if ga else None,
             pods=[PodView.of(p) for p in pods], warm=[PodView.of(p) for p in warm], hpa=hpa,
-            draining=[PodView.of(p) for p in draining],
+            draining=[PodView.of(p) for p in draining], bound=[PodView.of(p) for p in bound],
             alt_archives={h: ArchiveView.of(g) if g else None for h, g in zip(alts, alt_gas, strict=True)},
             warm_pending=pending,
         )
 
-    def _warm_pending(self, ns: str, spec: ModelDeploymentSpec, template: PodTemplate) -> list[PodView]:
-        """Warm pods of the deployment's pools (every shape's) that the scheduler has not placed."""
+    def _warm_pending(
+        self, ns: str, name: str, spec: ModelDeploymentSpec, template: PodTemplate,
+    ) -> list[PodView]:
+        """Warm pods of the deployment's pools (every shape's, its identity-keyed ones too) that the
+        scheduler has not placed."""
         if not spec.warm_pool.size:
             return []
         keys = {template.pool_key} | {template_of(ns, spec, self.ctx, shape).pool_key
@@ -310,7 +318,8 @@ class Reconciler(ArchiveReconciling):
             "labelSelector": naming.warm_selector(), "fieldSelector": "status.phase=Pending",
         }).get("items") or []
         views = [PodView.of(p) for p in listed]
-        return [v for v in views if v.labels.get(contract.LABEL_POOL_KEY) in keys and v.unschedulable]
+        return [v for v in views if (v.labels.get(contract.LABEL_POOL_KEY) in keys or v.warm_for == name)
+                and v.unschedulable]
 
     def _apply_pods(
         self, obs: Observed, plan: Plan, template: PodTemplate, started: float, planned: float
@@ -416,21 +425,20 @@ class Reconciler(ArchiveReconciling):
         rejected: quota, LimitRange, admission policy) is that pool's fault only: the others are
         still reconciled and its deployments get a Warning event."""
         started = time.perf_counter()
-        wanted: list[tuple[PodTemplate, int, str]] = []
+        wanted: list[WarmWant] = []
         owners: dict[str, list[dict[str, Any]]] = {}
         mds = self.kube.list(md_path(ns))
+        gas = self.kube.list(ga_path(ns)) if mds else []
+        archives = {ga["metadata"]["name"]: ArchiveView.of(ga) for ga in gas}
         for md in mds:
             if (md.get("metadata") or {}).get("deletionTimestamp"):
                 continue
             try:
-                spec = apply_limits(ModelDeploymentSpec.model_validate(md.get("spec") or {}), self.limits,
-                                    namespace_left(mds, md["metadata"], self.limits))[0]
-                wants = pool_wants(spec, md.get("status") or {},
-                                   lambda shape, s=spec: template_of(ns, s, self.ctx, shape))  # type: ignore[misc]
+                wants = self._pool_wants(ns, md, mds, archives)
             except (ValidationError, ValueError):
                 continue  # its own reconcile reports the invalid spec
             wanted += wants
-            for key in {template.pool_key for template, _, _ in wants}:
+            for key in {want.key for want in wants}:
                 owners.setdefault(key, []).append(md)
         managed = self.kube.list(pods_path(ns), f"{contract.LABEL_MANAGED_BY}={contract.MANAGED_BY_OPERATOR}")
         warm = [PodView.of(p) for p in managed
@@ -448,6 +456,24 @@ class Reconciler(ArchiveReconciling):
         self._report_pools(ns, owners, {key: str(exc)[:1024] for key, exc in refused})
         metrics.STATE.set_warm_pools(ns, plan.sizes)
         metrics.RECONCILE_SECONDS.labels("WarmPool").observe(time.perf_counter() - started)
+
+    def _pool_wants(
+        self, ns: str, md: dict[str, Any], mds: list[dict[str, Any]], archives: dict[str, ArchiveView],
+    ) -> list[WarmWant]:
+        """One deployment's pools: identity-keyed for each shape whose archive is Available (the
+        pods carry that shape's hand-off data), template-keyed for the others."""
+        meta = md["metadata"]
+        spec = apply_limits(ModelDeploymentSpec.model_validate(md.get("spec") or {}), self.limits,
+                            namespace_left(mds, meta, self.limits))[0]
+
+        def bind(shape: ShapeSpec) -> Claim | None:
+            archive = archives.get(naming.archive_name(spec.identity(shape).hash()))
+            if archive is None or not archive.available:
+                return None
+            return claim_for(meta["name"], spec, archive, shape=shape)
+
+        return pool_wants(spec, md.get("status") or {}, lambda shape: template_of(ns, spec, self.ctx, shape),
+                          bind, meta.get("uid", ""))
 
     @staticmethod
     def _refused(call: Callable[..., Any], *args: Any) -> tuple[str, KubeError] | None:
