@@ -9,12 +9,14 @@ message come from the `kwok.ember.dev/*` pod annotations, set through spec.save.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -232,14 +234,62 @@ class Api:
         return {}
 
 
+class EngineStandIn:
+    """kwok runs no container: as kwok plays the kubelet (a scheduled pod turns Ready), this plays
+    the sidecar's report of a loaded, idle engine on every identity-keyed warm pod once it is
+    scheduled (`ember.dev/engine: ready`), so the operator may claim it. Tests of the engine
+    protocol itself run without it (`operator_env(..., warm_engines=False)`)."""
+
+    def __init__(self, api: Api) -> None:
+        self.api, self.stop = api, threading.Event()
+        self.thread = threading.Thread(target=self._run, name="engine-stand-in", daemon=True)
+
+    def __enter__(self) -> EngineStandIn:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+    def _run(self) -> None:
+        from kubernetes import watch
+
+        while not self.stop.is_set():
+            try:
+                w = watch.Watch()
+                for ev in w.stream(self.api.core.list_namespaced_pod, self.api.ns, timeout_seconds=5,
+                                   label_selector="ember.dev/pool=warm,ember.dev/warm-for"):
+                    if self.stop.is_set():
+                        w.stop()
+                        return
+                    self._mark(ev["object"])
+            except Exception:  # the namespace going away, an apiserver blip: look again
+                self.stop.wait(0.2)
+
+    def _mark(self, pod: Any) -> None:
+        meta = pod.metadata
+        if meta.deletion_timestamp or not pod.spec.node_name:
+            return
+        if "ember.dev/engine" in (meta.annotations or {}):
+            return
+        try:
+            self.api.core.patch_namespaced_pod(meta.name, self.api.ns, {"metadata": {
+                "annotations": {"ember.dev/engine": "ready"}}})
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+
 @contextmanager
 def operator_env(
     k8s: LocalCluster, minio: LocalMinio, log_dir: Path, name: str, env: dict[str, str] | None = None,
-    kubeconfig: Path | None = None,
+    kubeconfig: Path | None = None, warm_engines: bool = True,
 ) -> Iterator[tuple[Api, OperatorProcess, str]]:
     """A fresh namespace with the S3 secret and an operator watching it; yields (api, operator,
     a unique store prefix). Everything is stopped and deleted on exit; with a restricted operator
-    identity, any request RBAC refused fails the test."""
+    identity, any request RBAC refused fails the test. `warm_engines`: identity-keyed warm pods
+    report a ready engine once scheduled (`EngineStandIn`)."""
     ns = k8s.create_namespace(name)
     api = Api(k8s, ns)
     api.create_secret("ember-s3", minio)
@@ -247,8 +297,10 @@ def operator_env(
     kubeconfig = kubeconfig or operator_kubeconfig(k8s)
     op = OperatorProcess(kubeconfig=kubeconfig, namespace=ns, log_path=log_dir / "operator.log",
                          env=env or {}).start()
+    engines = EngineStandIn(api) if warm_engines else contextlib.nullcontext()
     try:
-        yield api, op, f"{name}-{uuid.uuid4().hex[:8]}"
+        with engines:
+            yield api, op, f"{name}-{uuid.uuid4().hex[:8]}"
     finally:
         op.stop()
         api.release()
