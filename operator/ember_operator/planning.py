@@ -154,7 +154,8 @@ def template_of(
 
 
 def engine_args(spec: ModelDeploymentSpec, ident: ArchiveIdentity | None = None) -> tuple[str, ...]:
-    """The claim's engine arguments. A warm pod learns its model only with the claim: for vLLM
+    """The claim's engine arguments (an identity-keyed warm pod carries them from its creation, a
+    template-keyed one learns them with the claim): for vLLM
     (`ember serve --engine vllm` starts `vllm serve` after the hand-off) the identity's arguments
     come first (model, capture sizes, graph mode, batch limits, parallel sizes: what the SAVE Job
     ran, so LOAD's sizing check passes), then the deployment's own. `ident`: spec.identity(), when
