@@ -7,9 +7,13 @@ Two kinds of pool (`WarmWant`):
   claim's annotations without the claim stamp) so the sidecar fetches and verifies at once and
   the engine loads before any claim. Owned by the deployment. A new digest or edited arguments
   make a new key: the old pool has no asker any more and is drained, its pods never claimed.
-- **template-keyed** (a shape without a restorable archive yet: Pending, Saving, Failed): pods of
-  one pod template (GPU, engine, store) shared by the namespace's deployments, which learn their
-  model with the claim, as cold pods do.
+- **template-keyed** (a shape whose archive cannot be had: failing, pods capture natively): pods
+  of one pod template (GPU, engine, store) shared by the namespace's deployments, which learn
+  their model with the claim, as cold pods do.
+
+A shape whose archive is on its way (no GraphArchive yet, Pending, Saving) has no warm pods: no
+pod could be claimed for it before the archive is there, and pods made now would be replaced by
+identity-keyed ones when it is.
 
 A deployment's `warmPool.size` counts GPUs: `warm_split` spreads it over the GPU counts of its
 current and alternative shapes (pods of 2 GPUs cannot serve a 1-GPU shape, nor the reverse); the
@@ -93,11 +97,12 @@ class WarmWant:
 
 def pool_wants(
     spec: ModelDeploymentSpec, status: dict[str, Any], templates: Callable[[ShapeSpec], PodTemplate],
-    bind: Callable[[ShapeSpec], Claim | None] | None = None, owner_uid: str = "",
+    bind: Callable[[ShapeSpec], Claim | bool | None] | None = None, owner_uid: str = "",
 ) -> list[WarmWant]:
     """The pools of one deployment, one entry per shape: identity-keyed where `bind` gives the
-    shape's hand-off data (its archive is Available), else template-keyed, prefetching the
-    shape's archive URI if the status names one."""
+    shape's hand-off data (a Claim: its archive is Available), none where it says False (the
+    archive is on its way), else template-keyed, prefetching the shape's archive URI if the
+    status names one."""
     split, out = warm_split(spec), []
     uris = {(s.get("tensor"), s.get("expert"), s.get("data")): s.get("uri") or ""
             for s in status.get("shapes") or []}
@@ -105,8 +110,10 @@ def pool_wants(
     for i, shape in enumerate(spec.parallelism.shapes()):
         size = split.pop(shape.gpus, 0)  # the pods go with the first shape of each GPU count
         claim = bind(shape) if bind is not None else None
-        if claim is not None:
+        if isinstance(claim, Claim):
             out.append(WarmWant(templates(shape), size, claim=claim, owner_uid=owner_uid))
+        elif claim is False:
+            out.append(WarmWant(templates(shape), 0))
         else:
             uri = (current_uri if i == 0 else "") or uris.get(shape.key(), "")
             out.append(WarmWant(templates(shape), size, uri))

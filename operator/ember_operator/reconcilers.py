@@ -461,16 +461,17 @@ class Reconciler(ArchiveReconciling):
         self, ns: str, md: dict[str, Any], mds: list[dict[str, Any]], archives: dict[str, ArchiveView],
     ) -> list[WarmWant]:
         """One deployment's pools: identity-keyed for each shape whose archive is Available (the
-        pods carry that shape's hand-off data), template-keyed for the others."""
+        pods carry that shape's hand-off data), template-keyed where it is failing (native
+        capture), none while it is on its way (`pools.pool_wants`)."""
         meta = md["metadata"]
         spec = apply_limits(ModelDeploymentSpec.model_validate(md.get("spec") or {}), self.limits,
                             namespace_left(mds, meta, self.limits))[0]
 
-        def bind(shape: ShapeSpec) -> Claim | None:
+        def bind(shape: ShapeSpec) -> Claim | bool | None:
             archive = archives.get(naming.archive_name(spec.identity(shape).hash()))
-            if archive is None or not archive.available:
-                return None
-            return claim_for(meta["name"], spec, archive, shape=shape)
+            if archive is None or not (archive.available or archive.failing):
+                return False
+            return claim_for(meta["name"], spec, archive, shape=shape) if archive.available else None
 
         return pool_wants(spec, md.get("status") or {}, lambda shape: template_of(ns, spec, self.ctx, shape),
                           bind, meta.get("uid", ""))

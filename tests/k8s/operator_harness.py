@@ -9,7 +9,6 @@ message come from the `kwok.ember.dev/*` pod annotations, set through spec.save.
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import signal
@@ -159,6 +158,7 @@ class Api:
         self.core = client.CoreV1Api(k8s.api_client)
         self.batch = client.BatchV1Api(k8s.api_client)
         self.hpa = client.AutoscalingV2Api(k8s.api_client)
+        self.engines: EngineStandIn | None = None  # play_ready_engines
 
     def create_md(self, name: str, spec: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
         body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ModelDeployment",
@@ -237,11 +237,15 @@ class Api:
 class EngineStandIn:
     """kwok runs no container: as kwok plays the kubelet (a scheduled pod turns Ready), this plays
     the sidecar's report of a loaded, idle engine on every identity-keyed warm pod once it is
-    scheduled (`ember.dev/engine: ready`), so the operator may claim it. Tests of the engine
-    protocol itself run without it (`operator_env(..., warm_engines=False)`)."""
+    scheduled (`ember.dev/engine: ready`), so the operator may claim it. Tests that claim warm
+    pods turn it on (`play_ready_engines`). Its own API client: its watch never
+    shares a connection pool with the test's reads."""
 
     def __init__(self, api: Api) -> None:
+        from kubernetes import config
+
         self.api, self.stop = api, threading.Event()
+        self.core = client.CoreV1Api(config.new_client_from_config(config_file=str(api.k8s.kubeconfig)))
         self.thread = threading.Thread(target=self._run, name="engine-stand-in", daemon=True)
 
     def __enter__(self) -> EngineStandIn:
@@ -258,7 +262,7 @@ class EngineStandIn:
         while not self.stop.is_set():
             try:
                 w = watch.Watch()
-                for ev in w.stream(self.api.core.list_namespaced_pod, self.api.ns, timeout_seconds=5,
+                for ev in w.stream(self.core.list_namespaced_pod, self.api.ns, timeout_seconds=30,
                                    label_selector="ember.dev/pool=warm,ember.dev/warm-for"):
                     if self.stop.is_set():
                         w.stop()
@@ -274,22 +278,29 @@ class EngineStandIn:
         if "ember.dev/engine" in (meta.annotations or {}):
             return
         try:
-            self.api.core.patch_namespaced_pod(meta.name, self.api.ns, {"metadata": {
+            self.core.patch_namespaced_pod(meta.name, self.api.ns, {"metadata": {
                 "annotations": {"ember.dev/engine": "ready"}}})
         except ApiException as exc:
             if exc.status != 404:
                 raise
 
 
+def play_ready_engines(api: Api) -> EngineStandIn:
+    """From now on until the test's namespace goes, identity-keyed warm pods report a ready engine
+    once scheduled (tests that claim warm pods on kwok call this first)."""
+    if api.engines is None:
+        api.engines = EngineStandIn(api).__enter__()
+    return api.engines
+
+
 @contextmanager
 def operator_env(
     k8s: LocalCluster, minio: LocalMinio, log_dir: Path, name: str, env: dict[str, str] | None = None,
-    kubeconfig: Path | None = None, warm_engines: bool = True,
+    kubeconfig: Path | None = None,
 ) -> Iterator[tuple[Api, OperatorProcess, str]]:
     """A fresh namespace with the S3 secret and an operator watching it; yields (api, operator,
     a unique store prefix). Everything is stopped and deleted on exit; with a restricted operator
-    identity, any request RBAC refused fails the test. `warm_engines`: identity-keyed warm pods
-    report a ready engine once scheduled (`EngineStandIn`)."""
+    identity, any request RBAC refused fails the test. Warm pods' engines: `play_ready_engines`."""
     ns = k8s.create_namespace(name)
     api = Api(k8s, ns)
     api.create_secret("ember-s3", minio)
@@ -297,11 +308,11 @@ def operator_env(
     kubeconfig = kubeconfig or operator_kubeconfig(k8s)
     op = OperatorProcess(kubeconfig=kubeconfig, namespace=ns, log_path=log_dir / "operator.log",
                          env=env or {}).start()
-    engines = EngineStandIn(api) if warm_engines else contextlib.nullcontext()
     try:
-        with engines:
-            yield api, op, f"{name}-{uuid.uuid4().hex[:8]}"
+        yield api, op, f"{name}-{uuid.uuid4().hex[:8]}"
     finally:
+        if api.engines is not None:
+            api.engines.__exit__()
         op.stop()
         api.release()
         k8s.delete_namespace(ns)

@@ -28,6 +28,7 @@ from operator_harness import (
     md_spec,
     operator_env,
     phase,
+    play_ready_engines,
     refusal,
     wait_for,
     write_test_archive,
@@ -264,6 +265,7 @@ def test_sigterm_mid_batch_of_many_pods_stops_within_the_grace_period(
     within seconds — well inside the chart's 30 s termination grace period — instead of finishing
     the batch first; the pass's claims are counted all the same (item 6: warmClaims)."""
     with _env(k8s, minio, tmp_path, "adv-term") as (api, op, prefix):
+        play_ready_engines(api)
         spec = md_spec(minio, prefix, replicas=0, warmPool={"size": 4})
         write_test_archive(minio, prefix, spec)
         api.create_md("many", spec)

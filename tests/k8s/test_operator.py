@@ -29,6 +29,7 @@ from operator_harness import (
     md_spec,
     operator_env,
     phase,
+    play_ready_engines,
     wait_for,
     write_test_archive,
 )
@@ -148,6 +149,7 @@ def test_same_identity_shares_one_archive_and_one_job(env: Any, minio: LocalMini
 
 def test_scale_hpa_and_warm_claims(env: Any, minio: LocalMinio) -> None:
     api, op, prefix = env
+    play_ready_engines(api)
     spec = md_spec(minio, prefix, replicas=1, warmPool={"size": 2})
     write_test_archive(minio, prefix, spec)  # archive already in the store: no SAVE Job at all
     api.create_md("qwen", spec)

@@ -26,6 +26,7 @@ from operator_harness import (
     md_spec,
     operator_env,
     phase,
+    play_ready_engines,
     wait_for,
     write_test_archive,
 )
@@ -323,6 +324,7 @@ def test_warm_claims_is_a_lifetime_counter(env: Any, minio: LocalMinio) -> None:
     """Issue 18 item 5: status.warmClaims only grows: through scale up/down, /scale, a SIGKILLed
     and restarted operator and a scale to zero (it is never rewritten from a fresh status)."""
     api, op, prefix = env
+    play_ready_engines(api)
     spec = md_spec(minio, prefix, replicas=1, warmPool={"size": 2})
     write_test_archive(minio, prefix, spec)
     api.create_md("warm", spec)

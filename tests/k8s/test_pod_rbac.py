@@ -64,6 +64,8 @@ def test_a_pod_token_may_only_annotate_its_own_pod(
     assert "may change only its own pod" in body, body
     as_a.patch_namespaced_pod("a", ns, result)  # its own restore result: allowed
     assert core.read_namespaced_pod("a", ns).metadata.annotations["ember.dev/restore"] == "restored"
+    as_a.patch_namespaced_pod("a", ns, {"metadata": {"annotations": {"ember.dev/engine": "ready"}}})
+    assert core.read_namespaced_pod("a", ns).metadata.annotations["ember.dev/engine"] == "ready"
     assert "labels" in refusal(lambda: as_a.patch_namespaced_pod(
         "a", ns, {"metadata": {"labels": {"app": "y"}}}))
     assert "restore* annotations" in refusal(lambda: as_a.patch_namespaced_pod(

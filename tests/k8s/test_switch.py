@@ -24,6 +24,7 @@ from operator_harness import (
     md_spec,
     operator_env,
     phase,
+    play_ready_engines,
     wait_for,
     write_test_archive,
 )
@@ -156,6 +157,7 @@ def test_alternatives_are_presaved_once_each_at_low_priority(env: Any, minio: Lo
 
 def test_switch_takes_warm_pods_keeps_capacity_and_drains(env: Any, minio: LocalMinio) -> None:
     api, op, prefix = env
+    play_ready_engines(api)
     # Both shapes listed: whichever is current, the other keeps its warm pods and its archive.
     spec = shaped(md_spec(minio, prefix, replicas=2, warmPool={"size": 4}, drainSeconds=3), DP1, [DP1, EP2])
     write_all(minio, prefix, spec)

@@ -48,7 +48,7 @@ pytestmark = [pytest.mark.k8s, pytest.mark.s3]
 def env(
     k8s: LocalCluster, minio: LocalMinio, crds: None, tmp_path: Path,
 ) -> Iterator[tuple[Api, OperatorProcess, str]]:
-    with operator_env(k8s, minio, tmp_path, "warm37", warm_engines=False) as env:
+    with operator_env(k8s, minio, tmp_path, "warm37") as env:
         yield env
 
 

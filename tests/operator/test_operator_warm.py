@@ -30,9 +30,11 @@ def _archive(spec: Any, shape: Any = None, digest: str = "d" * 64) -> ArchiveVie
 
 
 def _wants(spec: Any, archives: dict[str, ArchiveView], name: str = "qwen") -> list[WarmWant]:
-    def bind(shape: Any) -> Any:
+    def bind(shape: Any) -> Any:  # as the reconciler's
         archive = archives.get(naming.archive_name(spec.identity(shape).hash()))
-        return claim_for(name, spec, archive, shape=shape) if archive and archive.available else None
+        if archive is None or not (archive.available or archive.failing):
+            return False
+        return claim_for(name, spec, archive, shape=shape) if archive.available else None
 
     return pool_wants(spec, {}, lambda shape: template_of("default", spec, CTX, shape), bind, "uid-1")
 
@@ -44,14 +46,20 @@ def _as_view(pod: dict[str, Any], engine: str = "", **over: Any) -> PodView:
                    ready=True, created=meta["name"], **over)
 
 
-def test_a_shape_with_an_available_archive_gets_an_identity_keyed_pool_others_the_shared_one() -> None:
+def test_available_archive_gets_an_identity_keyed_pool_a_failing_one_the_shared_one() -> None:
     spec = _spec(parallelism={**DP1, "alternatives": [EP2]}, warmPool={"size": 4})
-    wants = _wants(spec, {a.name: a for a in [_archive(spec)]})  # EP2's archive is not there yet
-    current, alternative = wants
+    ep2 = spec.parallelism.shapes()[1]
+    failing = ArchiveView(name=naming.archive_name(spec.identity(ep2).hash()), phase="Failed")
+    current, alternative = _wants(spec, {a.name: a for a in [_archive(spec), failing]})
     assert current.claim is not None and current.size == 2
     assert current.key == bound_key(template_of("default", spec, CTX).pool_key, "qwen", current.claim)
     assert alternative.claim is None and alternative.size == 1
-    assert alternative.key == template_of("default", spec, CTX, spec.parallelism.shapes()[1]).pool_key
+    assert alternative.key == template_of("default", spec, CTX, ep2).pool_key
+    # EP2's archive on its way (Saving, or no GraphArchive yet): no warm pods for it until it is there.
+    saving = ArchiveView(name=failing.name, phase="Saving", reason="SaveRunning")
+    current_only = {_archive(spec).name: _archive(spec)}
+    for archives in ({**current_only, saving.name: saving}, current_only):
+        assert [w.size for w in _wants(spec, archives)] == [2, 0]
 
 
 def test_identity_keyed_warm_pods_carry_the_hand_off_data_and_no_serving_labels() -> None:
