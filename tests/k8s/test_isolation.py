@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from fixtures_cluster import LocalCluster, LocalMinio
 from kubernetes import client
-from operator_harness import Api, OperatorProcess, md_spec, operator_env, wait_for
+from operator_harness import Api, OperatorProcess, md_spec, operator_env, wait_for, write_test_archive
 
 pytestmark = [pytest.mark.k8s, pytest.mark.s3]
 
@@ -39,6 +39,7 @@ def test_a_refused_warm_pool_does_not_stop_the_others(
     good_image, bad_image = "registry.invalid/ember/good:1", "registry.invalid/ember/bad:1"
     # The bad deployment asks for more CPU than the LimitRange allows: its warm pods are refused.
     bad = md_spec(minio, prefix, replicas=0, warmPool={"size": 2})
+    write_test_archive(minio, prefix, bad)  # one identity for both (no SAVE): identity-keyed pools
     bad["engine"] = {**bad["engine"], "image": bad_image, "resources": {"requests": {"cpu": "64"}}}
     api.create_md("bad", bad)
     good = md_spec(minio, prefix, replicas=0, warmPool={"size": 2})
