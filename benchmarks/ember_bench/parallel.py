@@ -220,6 +220,7 @@ def _verdict(rank: int, native: dict[str, Any], loaded: dict[str, Any]) -> dict[
         native_over_load=native["native_capture_s"] * 1e3 / loaded["load_ms"],
         verify_ms=loaded["timings"].get("verify_ms"),
         verify=loaded["timings"].get("verify"),
+        verify_parts_ms=loaded["timings"].get("verify_parts"),
         templates=loaded["templates"],
         tokens_identical={
             b: native["decode_sha256"].get(b) == sha for b, sha in loaded["decode_sha256"].items()
