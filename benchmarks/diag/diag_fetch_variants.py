@@ -24,8 +24,9 @@ from s3transfer.manager import TransferManager
 from s3transfer.subscribers import BaseSubscriber
 
 from ember.store import HashingWriter, open_store
-from ember_bench.fetch import _find_minio_env, sample_identity, write_bundle_archive
 from ember_sidecar.s3fetch import _ProvideSize
+from ember_testing.archives import sample_identity, write_bundle_archive
+from ember_testing.cluster import e2e_env as _find_minio_env
 
 env = _find_minio_env()
 os.environ.update(env)

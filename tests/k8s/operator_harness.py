@@ -31,9 +31,9 @@ from sa_identity import assert_no_forbidden, operator_kubeconfig
 from ember.archive.bundle import write_archive
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import open_store
-from ember_bench.claims import fake_gpu_nodes, kubectl_apply
-from ember_bench.synthetic import synthetic_graphset, synthetic_images
 from ember_operator.api import ModelDeploymentSpec
+from ember_testing.cluster import fake_gpu_nodes, kubectl_apply
+from ember_testing.synthetic import synthetic_graphset, synthetic_images
 
 GROUP, VERSION = "ember.dev", "v1alpha1"
 CRD_FILES = sorted((REPO / "crds").glob("*.yaml"))

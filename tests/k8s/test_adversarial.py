@@ -33,7 +33,7 @@ from operator_harness import (
     write_test_archive,
 )
 
-from ember_bench.claims import fake_gpu_nodes, kubectl_apply
+from ember_testing.cluster import fake_gpu_nodes, kubectl_apply
 
 pytestmark = [pytest.mark.k8s, pytest.mark.s3]
 WARM_CLASS = "ember-warm-test"  # the chart's ember-warm, as the tests make it

@@ -16,7 +16,7 @@ from ember.archive import bundle
 from ember.cli import app
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import LocalStore
-from ember_bench.synthetic import synthetic_graphset, synthetic_images
+from ember_testing.synthetic import synthetic_graphset, synthetic_images
 
 pytestmark = pytest.mark.k8s
 

@@ -31,7 +31,7 @@ from kubernetes import client
 
 from ember import handoff
 from ember.store import Store, open_store
-from ember_bench.fetch import sample_identity, write_blob_archive
+from ember_testing.archives import sample_identity, write_blob_archive
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
 from sidecar_helpers import ThrottledProxy

@@ -24,7 +24,7 @@ from sa_identity import apply_docs, render, token_kubeconfig
 
 from ember import handoff
 from ember.store import open_store
-from ember_bench.fetch import write_blob_archive
+from ember_testing.archives import write_blob_archive
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
 from confine import UID, confined, sidecar_env, unshare_works

@@ -11,7 +11,7 @@ BUILD = """
 import numpy as np
 from ember.archive import graph_table as fmt
 from ember.archive.graphs import NodeType
-from ember_bench.synthetic import synthetic_graphset
+from ember_testing.synthetic import synthetic_graphset
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.walk import ATTR_SIZES
 cuda.standin_graph_dump.restype = ctypes.c_size_t

@@ -32,7 +32,7 @@ import pytest
 
 from ember.archive.graphs import NodeType
 from ember.runtime.graphs.walk import ATTR_SIZES
-from ember_bench.synthetic import synthetic_graphset
+from ember_testing.synthetic import synthetic_graphset
 
 GRAPHS, NODES, GROUPS = 6, 300, 3  # the graph set both processes build (deterministic)
 
@@ -43,7 +43,7 @@ GRAPHS, NODES, GROUPS = 6, 300, 3  # the graph set both processes build (determi
 COMMON = f"""
 from ember.archive import graph_table as fmt
 from ember.archive.graphs import GraphSet, KernelRef, NodeType
-from ember_bench.synthetic import synthetic_graphset
+from ember_testing.synthetic import synthetic_graphset
 from ember.identity import ArchiveIdentity
 from ember.runtime import compat, publish
 from ember.runtime.adapter import Refused

@@ -13,12 +13,12 @@ from fixtures_cluster import LocalMinio
 
 from ember import handoff
 from ember.store import open_store
-from ember_bench.fetch import sample_identity, write_blob_archive
 from ember_sidecar.claims import Claim
 from ember_sidecar.fetching import ArchiveCache, FetchFailed
 from ember_sidecar.metrics import Metrics
 from ember_sidecar.restoring import Restorer
 from ember_sidecar.settings import Settings
+from ember_testing.archives import sample_identity, write_blob_archive
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
 from sidecar_helpers import RecordingReporter, ThrottledProxy, sample, wait_for

@@ -14,7 +14,7 @@ from sidecar_helpers import wait_for
 
 from ember import handoff
 from ember.store import LocalStore
-from ember_bench.fetch import write_blob_archive
+from ember_testing.archives import write_blob_archive
 
 
 def get(port: int, path: str) -> tuple[int, str]:

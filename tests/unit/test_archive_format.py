@@ -22,7 +22,7 @@ from ember.archive.graphs import (
     Node,
     NodeType,
 )
-from ember_bench.synthetic import synthetic_graphset
+from ember_testing.synthetic import synthetic_graphset
 
 
 def small_set() -> GraphSet:

@@ -19,7 +19,7 @@ from ember.archive.union import union_groups
 from ember.cli import app
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import LocalStore
-from ember_bench.synthetic import synthetic_chains, synthetic_graphset, synthetic_images
+from ember_testing.synthetic import synthetic_chains, synthetic_graphset, synthetic_images
 
 Change = Callable[[dict[bytes, np.ndarray]], None]
 MEMSETS_TOO = frozenset({NodeType.KERNEL, NodeType.MEMSET})  # EMBER_UNION_MEMSETS=1

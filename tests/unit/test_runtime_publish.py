@@ -15,7 +15,7 @@ from ember.archive.graphs import GraphSet, KernelRef, NodeType
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.runtime import compat, publish
 from ember.store import open_store
-from ember_bench.synthetic import synthetic_graphset, synthetic_images
+from ember_testing.synthetic import synthetic_graphset, synthetic_images
 
 
 def _archive() -> tuple[publish.ArchiveContent, object]:

@@ -17,7 +17,7 @@ from ember.archive.graphs import Edge, Graph, GraphSet, KernelParams, KernelRef,
 from ember.runtime.graphs import build_graph, rebuild
 from ember.runtime.graphs.prepared import OP_KERNEL
 from ember.runtime.graphs.walk import KERNEL_PARAMS
-from ember_bench.synthetic import synthetic_graphset
+from ember_testing.synthetic import synthetic_graphset
 
 
 def _kernel_struct(op: tuple) -> tuple:

@@ -12,7 +12,7 @@ import pytest
 from ember.archive.graphs import Edge, EventParams, Graph, Node, NodeType
 from ember.archive.topology import group_graphs, node_class
 from ember.archive.union import anchored_supersequence, not_a_chain, supersequence, union_groups
-from ember_bench.synthetic import synthetic_chains, synthetic_graphset
+from ember_testing.synthetic import synthetic_chains, synthetic_graphset
 
 
 def lcs_length(a: list[int], b: list[int]) -> int:
