@@ -3,7 +3,7 @@ one transfer manager with the sidecar's in-order hashing writer, the same withou
 (non-seekable and seekable targets), hashing on a separate thread, and boto3's download_file
 per blob. Runs interleaved; prints median and best seconds per variant.
 
-    python3 benchmarks/diag/diag_fetch_variants.py [runs]
+    python3 benchmarks/results/diag/diag_fetch_variants.py [runs]
 """
 
 import hashlib
