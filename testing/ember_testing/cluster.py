@@ -4,6 +4,8 @@ file, kwok fake GPU nodes, and `kubectl apply` with the kubectl it built."""
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -11,20 +13,27 @@ from typing import Any
 from ember import contract
 
 REPO = Path(__file__).resolve().parents[2]
+# EMBER_E2E_WORK moves e2e/.work (the scripts honour it too), e.g. for a second cluster.
+ENV_FILE = Path(os.environ.get("EMBER_E2E_WORK", REPO / "e2e" / ".work")) / "env"
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """Parse the `export KEY=VALUE` lines that cluster.sh writes."""
+    env: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        line = line.removeprefix("export ")
+        key, sep, value = line.partition("=")
+        if sep:
+            env[key] = shlex.split(value)[0] if value else ""
+    return env
 
 
 def e2e_env() -> dict[str, str]:
-    """The variables of e2e/.work/env (`export KEY=VALUE` lines that cluster.sh writes); {} before
-    the first `e2e/cluster.sh up`."""
-    env_file = REPO / "e2e" / ".work" / "env"
-    out: dict[str, str] = {}
-    if env_file.is_file():
-        for line in env_file.read_text().splitlines():
-            line = line.strip().removeprefix("export ")
-            key, sep, value = line.partition("=")
-            if sep and not key.startswith("#"):
-                out[key] = value.strip().strip("'\"")
-    return out
+    """The local cluster's variables (ENV_FILE); {} before the first `e2e/cluster.sh up`."""
+    return read_env_file(ENV_FILE) if ENV_FILE.is_file() else {}
 
 
 def fake_gpu_nodes(prefix: str, product: str, count: int = 2, gpus: int = 512) -> list[dict[str, Any]]:
