@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fixtures_cluster import REPO, LocalCluster, LocalMinio, wait_until
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from sa_identity import assert_no_forbidden, operator_kubeconfig
+from support.cluster import REPO, LocalCluster, LocalMinio, wait_until
 
 from ember.archive.bundle import write_archive
 from ember.identity import ArchiveIdentity, CompatKey

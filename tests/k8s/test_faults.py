@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures_cluster import REPO, LocalCluster, LocalMinio, wait_until
 from kubernetes import client
 from operator_harness import (
     Api,
@@ -49,6 +48,7 @@ from operator_harness import (
     write_test_archive,
 )
 from sa_identity import operator_kubeconfig
+from support.cluster import REPO, LocalCluster, LocalMinio, wait_until
 from test_operator_status import StoreLink
 
 from ember_testing.cluster import fake_gpu_nodes, kubectl_apply, kubectl_bin

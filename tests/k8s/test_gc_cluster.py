@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures_cluster import LocalCluster
+from support.cluster import LocalCluster
 from typer.testing import CliRunner
 
 from ember import contract

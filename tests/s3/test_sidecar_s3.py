@@ -3,13 +3,13 @@ a large blob, shared blobs fetched once, an outage mid-way through the archive."
 
 from __future__ import annotations
 
-import sys
 import threading
 import uuid
 from pathlib import Path
 
 import pytest
-from fixtures_cluster import LocalMinio
+from support.cluster import LocalMinio
+from support.sidecar import RecordingReporter, ThrottledProxy, sample, wait_for
 
 from ember import handoff
 from ember.store import open_store
@@ -19,9 +19,6 @@ from ember_sidecar.metrics import Metrics
 from ember_sidecar.restoring import Restorer
 from ember_sidecar.settings import Settings
 from ember_testing.archives import sample_identity, write_blob_archive
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
-from sidecar_helpers import RecordingReporter, ThrottledProxy, sample, wait_for
 
 pytestmark = pytest.mark.s3
 

@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from sidecar_helpers import wait_for
+from support.sidecar import wait_for
 
 from ember import handoff
 from ember.store import LocalStore

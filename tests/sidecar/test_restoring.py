@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from sidecar_helpers import RecordingReporter, sample, wait_for
+from support.sidecar import RecordingReporter, sample, wait_for
 
 from ember import handoff
 from ember.store import LocalStore

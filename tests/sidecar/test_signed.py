@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sidecar_helpers import RecordingReporter, sample, wait_for
+from support.sidecar import RecordingReporter, sample, wait_for
 
 from ember import handoff
 from ember.archive import bundle, signing

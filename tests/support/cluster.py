@@ -23,7 +23,7 @@ import pytest
 # ENV_FILE: e2e/.work/env, or $EMBER_E2E_WORK/env (the scripts honour it too).
 from ember_testing.cluster import ENV_FILE, read_env_file
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 E2E = REPO / "e2e"
 CLUSTER_SH = E2E / "cluster.sh"
 BUILD_SH = E2E / "build.sh"
