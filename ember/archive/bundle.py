@@ -47,7 +47,7 @@ from ember.archive.manifest import (
 from ember.archive.manifest import loads as load_manifest
 from ember.archive.signing import Ed25519PrivateKey, TrustedKey
 from ember.archive.topology import TopologyGroup, group_graphs
-from ember.identity import ArchiveIdentity, CompatKey
+from ember.identity import ArchiveIdentity, CompatKey, identity_short
 from ember.store import BlobCorrupt, BlobMissing, Store, open_store, sha256_bytes
 
 GRAPH_TABLE = "graphs"
@@ -309,8 +309,8 @@ MIN_HASH_PREFIX = 8
 
 def resolve_hash(store: Store, text: str) -> str:
     """A full identity hash from `text`: the hash itself, or a unique prefix of at least
-    MIN_HASH_PREFIX hex digits of one of the store's archives (the 16 hex of a GraphArchive's
-    name, the 12 `verify` prints)."""
+    MIN_HASH_PREFIX hex digits of one of the store's archives (e.g. the identity short in a
+    GraphArchive's name)."""
     text = text.strip().lower()
     if len(text) == 64 or not all(c in "0123456789abcdef" for c in text):
         return text
@@ -319,7 +319,7 @@ def resolve_hash(store: Store, text: str) -> str:
                              f"{MIN_HASH_PREFIX} hex")
     found = [h for h in store.list_archives() if h.startswith(text)]
     if len(found) != 1:
-        listed = ", ".join(h[:16] for h in found[:5])
+        listed = ", ".join(identity_short(h) for h in found[:5])
         raise ArchiveMissing(f"no archive in {store.uri} has identity hash prefix {text}" if not found else
                              f"identity hash prefix {text} is ambiguous in {store.uri}: {listed}")
     return found[0]
@@ -332,7 +332,7 @@ def _read_manifest(store: Store, identity_hash: str | None,
         if len(found) != 1:
             raise ArchiveMissing(
                 f"{store.uri} holds {len(found)} archives; name one by identity hash"
-                + (f" ({', '.join(h[:12] for h in found[:5])}…)" if found else "")
+                + (f" ({', '.join(identity_short(h) for h in found[:5])}…)" if found else "")
             )
         identity_hash = found[0]
     identity_hash = resolve_hash(store, identity_hash)
@@ -404,7 +404,7 @@ class Archive:
         return data
 
     def _read(self, entry: BlobEntry) -> bytes:
-        what = f"archive {self.identity_hash[:12]} blob {entry.name!r} ({entry.sha256[:12]})"
+        what = f"archive {identity_short(self.identity_hash)} blob {entry.name!r} ({entry.sha256[:12]})"
         try:
             stored = self.store.get_blob_bytes(entry.sha256, size=entry.compressed_size)
         except BlobMissing as exc:
@@ -430,14 +430,15 @@ class Archive:
         try:
             return fmt.GraphTable(raw)
         except fmt.FormatVersionError as exc:
-            raise ArchiveVersionError(f"archive {self.identity_hash[:12]}: {exc}") from exc
+            raise ArchiveVersionError(f"archive {identity_short(self.identity_hash)}: {exc}") from exc
         except fmt.FormatError as exc:
-            raise ArchiveCorrupt(f"archive {self.identity_hash[:12]} graph table: {exc}") from exc
+            raise ArchiveCorrupt(f"archive {identity_short(self.identity_hash)} graph table: {exc}") from exc
 
     def kernel_image(self, content_hash: str) -> bytes:
         if (img := self.manifest.kernel_image(content_hash)) is not None:
             return self.blob_bytes(img.blob)
-        raise ArchiveMissing(f"archive {self.identity_hash[:12]} has no kernel image {content_hash}")
+        raise ArchiveMissing(f"archive {identity_short(self.identity_hash)} has no kernel image "
+                             f"{content_hash}")
 
     @property
     def alloc_log(self) -> bytes | None:
