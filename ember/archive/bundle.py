@@ -34,8 +34,7 @@ from typing import Any, Literal
 
 import zstandard as zstd
 
-from ember.archive import graph_summary, signing
-from ember.archive import graph_table as fmt
+from ember.archive import graph_summary, graph_table, signing
 from ember.archive.graphs import GraphSet
 from ember.archive.manifest import (
     BlobEntry,
@@ -153,7 +152,7 @@ def write_archive(
 
     `kernel_images` maps the content hash used in `KernelRef.image` to the image bytes (or a
     file). Every image a kernel refers to must be present; extra images are stored too.
-    Raises `fmt.UnsupportedNode` for graphs that cannot be archived and ArchiveError for a
+    Raises `graph_table.UnsupportedNode` for graphs that cannot be archived and ArchiveError for a
     missing image.
     """
     store = open_store(store) if isinstance(store, str) else store
@@ -188,13 +187,13 @@ def write_archive(
 
 
 def _table(graphset: GraphSet, table: bytes | None, groups: list[TopologyGroup] | None, level: int,
-           unions: bool | None) -> tuple[bytes, fmt.GraphTable, list[TopologyGroup]]:
+           unions: bool | None) -> tuple[bytes, graph_table.GraphTable, list[TopologyGroup]]:
     """The graph table (given, or encoded here), decoded, and its own topology groups (what the
     manifest's summary describes)."""
     if table is None:
         groups = groups if groups is not None else group_graphs(graphset.graphs, graphset.function_attrs)
-        table = fmt.encode(graphset, groups, level=level, unions=unions)
-    decoded = fmt.GraphTable(table)
+        table = graph_table.encode(graphset, groups, level=level, unions=unions)
+    decoded = graph_table.GraphTable(table)
     return table, decoded, [TopologyGroup(g.index, g.signature, (g.template, *(m for m in g.members
                                                                                  if m != g.template)))
                             for g in decoded.groups]
@@ -425,13 +424,13 @@ class Archive:
         return raw
 
     @cached_property
-    def graph_table(self) -> fmt.GraphTable:
+    def graph_table(self) -> graph_table.GraphTable:
         raw = self.blob_bytes(self.manifest.graphs.table)
         try:
-            return fmt.GraphTable(raw)
-        except fmt.FormatVersionError as exc:
+            return graph_table.GraphTable(raw)
+        except graph_table.FormatVersionError as exc:
             raise ArchiveVersionError(f"archive {identity_short(self.identity_hash)}: {exc}") from exc
-        except fmt.FormatError as exc:
+        except graph_table.FormatError as exc:
             raise ArchiveCorrupt(f"archive {identity_short(self.identity_hash)} graph table: {exc}") from exc
 
     def kernel_image(self, content_hash: str) -> bytes:
@@ -540,6 +539,6 @@ def verify_archive(
             problems += graph_summary.differences(m, table)
         except ArchiveError as exc:
             problems.append(str(exc))
-        except fmt.FormatError as exc:
+        except graph_table.FormatError as exc:
             problems.append(f"graph table: {exc}")
     return problems

@@ -22,7 +22,7 @@ SIZES = (1, 2, 4, 8, 16, 32, 48, 64)  # four topologies (ember_testing.synthetic
 
 
 COMMON = f"""
-from ember.archive import graph_table as fmt
+from ember.archive import graph_table
 from ember.archive.graphs import GraphSet, KernelRef
 from ember.identity import ArchiveIdentity
 from ember.runtime import compat, publish
@@ -70,10 +70,10 @@ model()
 ip.capture_begin()
 window()
 ip.capture_end()
-arc = publish.ArchiveContent(IDENTITY, compat.current(ENGINE), fmt.encode(gs), images,
+arc = publish.ArchiveContent(IDENTITY, compat.current(ENGINE), graph_table.encode(gs), images,
                              alloc_log=ip.export_alloc_log())
 publish.write(STORE, arc, gs)
-last_json({"unions": len(fmt.GraphTable(arc.graph_table).unions)})
+last_json({"unions": len(graph_table.GraphTable(arc.graph_table).unions)})
 """
 
 LOAD = COMMON + """
