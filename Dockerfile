@@ -35,8 +35,10 @@ COPY pyproject.toml README.md ./
 COPY ember ember
 COPY operator operator
 COPY sidecar sidecar
-# The wheel carries the benchmarks too (`ember bench ...`, pyproject.toml wheel.packages).
+# The wheel carries the benchmarks too (`ember bench ...`, pyproject.toml wheel.packages) and the
+# test support they build on (synthetic archives).
 COPY benchmarks/ember_bench benchmarks/ember_bench
+COPY testing/ember_testing testing/ember_testing
 COPY native native
 # CUDA headers come from the nvidia-cuda-runtime build requirement: no toolkit, no libcuda.
 RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \

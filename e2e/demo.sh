@@ -93,7 +93,7 @@ if [[ -f operator/ember_operator/main.py ]]; then
   DEMO_NAMESPACE="$DEMO_NAMESPACE" python - <<'PY' || log "stand-in SAVE failed (deployments keep serving natively)"
 import json, os, subprocess
 from ember.archive.bundle import write_archive
-from ember_bench.synthetic import synthetic_graphset, synthetic_images
+from ember_testing.synthetic import synthetic_graphset, synthetic_images
 from ember.identity import CompatKey
 from ember.store import open_store
 from ember_operator.api import GraphArchiveSpec

@@ -37,6 +37,16 @@ def config_digest(config: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+IDENTITY_SHORT_HEX = 16
+
+
+def identity_short(identity_hash: str) -> str:
+    """The identity short: an identity hash's first 16 hex (DNS-1123 safe), for the
+    `ember.dev/identity` label, object names and messages. The identity is the `ArchiveIdentity`,
+    the identity hash its full SHA-256 hex (`ArchiveIdentity.hash()`)."""
+    return identity_hash[:IDENTITY_SHORT_HEX]
+
+
 class Parallelism(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     tensor: int = Field(1, ge=1)
@@ -83,8 +93,8 @@ class ArchiveIdentity(BaseModel):
         return hashlib.sha256(canonical_json(self.canonical())).hexdigest()
 
     def short(self) -> str:
-        """Short hash for Kubernetes object names (DNS-1123 safe)."""
-        return self.hash()[:16]
+        """The identity short (`identity_short`): for Kubernetes labels and object names."""
+        return identity_short(self.hash())
 
 
 class CompatKey(BaseModel):

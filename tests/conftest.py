@@ -1,7 +1,7 @@
 """Shared pytest set-up: tier markers and the GPU gate.
 
 Tiers: unit tests run everywhere; `k8s` and `s3` tests run against the real local control
-plane and MinIO (fixtures in tests/fixtures_cluster.py); `gpu` tests run only where a GPU is
+plane and MinIO (fixtures in tests/support/cluster.py); `gpu` tests run only where a GPU is
 present and are skipped elsewhere with a visible reason. With EMBER_REQUIRE_GPU=1 (a GPU run, the
 device tier) every skip of a GPU test (no nvidia-smi, no libember, no torch, ...) is a failure, so
 the GPU tier cannot go green while testing nothing.
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 # Session fixtures `k8s`, `k8s_namespace`, `minio` (real local servers via e2e/cluster.sh up).
-from fixtures_cluster import k8s, k8s_namespace, local_cluster_env, minio  # noqa: F401
-from gpu_gate import REQUIRE_GPU_ENV, gpu_available, gpu_required
+from support.cluster import k8s, k8s_namespace, local_cluster_env, minio  # noqa: F401
+from support.gpu_gate import REQUIRE_GPU_ENV, gpu_available, gpu_required
 
 GPU_TESTS = Path(__file__).parent / "gpu"
 

@@ -1,1 +1,1 @@
-"""ember's benchmarks (`ember bench ...`) and the synthetic archives they and the tests use."""
+"""ember's benchmarks (`ember bench ...`); their synthetic archives come from `ember_testing`."""

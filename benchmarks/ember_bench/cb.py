@@ -329,7 +329,7 @@ def _child_main(argv: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _phase_env(phase: str) -> dict[str, str] | None:
+def phase_env(phase: str) -> dict[str, str] | None:
     """SAVE and LOAD phases run under libember (when it is built); native phases without it."""
     mode = {"save": "save", "load": "load", "claim-restored": "load"}.get(phase)
     if mode is None:
@@ -372,7 +372,7 @@ def repeat_processes(opts: dict[str, Any], work: Path, timeout: float, repeats: 
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in PROCESS_RUNS}
     for _ in range(repeats):
         for name, (phase, changed) in PROCESS_RUNS.items():
-            r = run_child(phase, opts, work, timeout, env={**(_phase_env(phase) or {}), **changed})
+            r = run_child(phase, opts, work, timeout, env={**(phase_env(phase) or {}), **changed})
             keep = ("process_to_first_token_s", "start_to_first_token_s", "process_marks_s", "error")
             runs[name].append({k: r[k] for k in keep if k in r})
     return runs
@@ -548,7 +548,7 @@ def bench_cb(
         if phase not in PHASES:
             raise typer.BadParameter(f"unknown phase {phase!r}")
         typer.echo(f"phase {phase} ...")
-        results[phase] = run_child(phase, opts, work_dir, timeout, env=_phase_env(phase))
+        results[phase] = run_child(phase, opts, work_dir, timeout, env=phase_env(phase))
         if phase == "save" and results[phase].get("archive", {}).get("published"):
             opts["identity"] = results[phase]["archive"]["identity"]
         if "error" in results[phase]:

@@ -39,6 +39,7 @@ import typer
 from rich.console import Console
 
 from ember import contract
+from ember_testing.cluster import fake_gpu_nodes, kubectl_apply
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH_PRODUCT = "NVIDIA-EMBER-BENCH"
@@ -46,43 +47,6 @@ MD = (contract.GROUP, contract.VERSION)  # the ModelDeployment API (with contrac
 WARM = f"{contract.LABEL_POOL}={contract.POOL_WARM}"  # label selectors of warm and claimed pods
 SERVING = f"{contract.LABEL_POOL}={contract.POOL_SERVING}"
 console = Console()
-
-
-def fake_gpu_nodes(prefix: str, product: str, count: int = 2, gpus: int = 512) -> list[dict[str, Any]]:
-    """kwok-managed Node objects with `gpus` GPUs of `product` each (labels/taint like a GPU node)."""
-    nodes = []
-    for i in range(count):
-        name = f"{prefix}-{i}"
-        capacity = {"cpu": "4096", "memory": "64Ti", "pods": str(gpus * 4), contract.GPU_RESOURCE: str(gpus)}
-        nodes.append({
-            "apiVersion": "v1",
-            "kind": "Node",
-            "metadata": {
-                "name": name,
-                "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
-                "labels": {"type": "kwok", "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
-                           "kubernetes.io/arch": "amd64", "nvidia.com/gpu.present": "true",
-                           contract.GPU_PRODUCT_NODE_LABEL: product},
-            },
-            "spec": {"taints": [{"key": contract.GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}]},
-            "status": {"capacity": capacity, "allocatable": capacity},
-        })
-    return nodes
-
-
-def _kubectl_bin() -> str:
-    env_file = REPO / "e2e" / ".work" / "env"
-    if env_file.is_file():
-        for line in env_file.read_text().splitlines():
-            if line.startswith("export EMBER_E2E_KUBECTL="):
-                return line.split("=", 1)[1].strip().strip('"')
-    return "kubectl"
-
-
-def kubectl_apply(kubeconfig: str, objects: list[dict[str, Any]]) -> None:
-    subprocess.run([_kubectl_bin(), "--kubeconfig", kubeconfig, "apply", "--server-side", "--force-conflicts",
-                    "-f", "-"], input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}),
-                   text=True, check=True, capture_output=True)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -237,8 +201,8 @@ class _Bench:
         from ember.archive.bundle import write_archive
         from ember.identity import CompatKey
         from ember.store import LocalStore
-        from ember_bench.synthetic import synthetic_graphset, synthetic_images
         from ember_operator.api import ModelDeploymentSpec
+        from ember_testing.synthetic import synthetic_graphset, synthetic_images
 
         ident = ModelDeploymentSpec.model_validate(spec).identity()
         compat = CompatKey(gpu_name="bench", compute_capability="9.0", driver="0", cuda="13.0")

@@ -38,10 +38,11 @@ DECODE_WORKLOADS = ("llama3-8b", "qwen3-8b", "qwen3-moe", "gemma3")
 PARALLEL = (("tp", "llama3-8b"), ("ep", "qwen3-moe"), ("dp", "llama3-8b"))
 SIZES = "1,2,4,8,16,32,64"
 
-_SMALL = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4, "num_attention_heads": 16,
-          "num_key_value_heads": 4, "vocab_size": 32768, "max_position_embeddings": 4096}
+SMALL_CONFIG = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4,
+                "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32768,
+                "max_position_embeddings": 4096}
 _MOE = {"num_local_experts": 8, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 512}
-# model_type → what it is, and the settings beyond _SMALL that make it that (sliding window, MoE,
+# model_type → what it is, and the settings beyond SMALL_CONFIG that make it that (sliding window, MoE,
 # multi-query, parallel attention, hybrid local/global layers)
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("dense GQA", {}),
@@ -130,25 +131,25 @@ def _decode_case(
     args = {"workload": a["workload"], "layers": a.get("layers", 0), "sizes": a.get("sizes", SIZES),
             "tp": a.get("tp", 1), "ep": a.get("ep", 1), "dp": a.get("dp", 1), "collectives": False,
             "store": store}
-    native = parallel._ranks("native", args, env, case.world, timeout)
+    native = parallel.run_ranks("native", args, env, case.world, timeout)
     if any("error" in r for r in native):
         return {"error": "native: " + "; ".join(r.get("error", "") + " " + r.get("stderr", "")[-300:]
                                                 for r in native if "error" in r)}
-    saved = parallel._save(args, env, timeout)
+    saved = parallel.save_shape(args, env, timeout)
     if "error" in saved:
         return {"error": f"save: {saved['error']} {saved.get('stderr', '')[-600:]}"}
 
     def start(_: int) -> dict[str, Any]:
-        loaded = parallel._ranks("load", {**args, "identity": saved["identity"]}, preload_env("load", env),
+        loaded = parallel.run_ranks("load", {**args, "identity": saved["identity"]}, preload_env("load", env),
                                  case.world, timeout)
-        return _decode_start([parallel._verdict(r, n, lo)
+        return decode_start([parallel.rank_verdict(r, n, lo)
                               for r, (n, lo) in enumerate(zip(native, loaded, strict=True))])
 
     runs = _starts(start, starts, together)
     return {"identity": saved["identity"], "graphs": saved.get("graphs"), "starts": runs}
 
 
-def _decode_start(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+def decode_start(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     errors = [f"rank {x['rank']}: {x.get('load_error') or x.get('native_error')}"
               for x in ranks if "load_ms" not in x]
     if errors:
@@ -169,7 +170,7 @@ def _cb_case(
 
     arch = case.args["arch"]
     _, extra = ARCHITECTURES[arch]
-    config = {"model_type": arch, **_SMALL, **extra}
+    config = {"model_type": arch, **SMALL_CONFIG, **extra}
     (work / "config.json").write_text(json.dumps(config))
     store = work / "store"
     opts = {"model": arch, "model_config": str(work / "config.json"), "layers": None,
@@ -179,7 +180,7 @@ def _cb_case(
 
     def child(phase: str, out: Path = work) -> dict[str, Any]:
         extra = case.args.get("load_env", {}) if phase == "load" else {}
-        return cb.run_child(phase, opts, out, timeout, env={**lane, **(cb._phase_env(phase) or {}), **extra})
+        return cb.run_child(phase, opts, out, timeout, env={**lane, **(cb.phase_env(phase) or {}), **extra})
 
     native = child("native")
     if "error" in native:
@@ -197,7 +198,7 @@ def _cb_case(
             return {"verdict": "error", "why": lo["error"][:400]}
         same = lo.get("tokens") == ref
         fell_back = lo.get("mode") == "native"
-        why = lo.get("reason", "") if fell_back else "" if same else _first_difference(ref, lo.get("tokens"))
+        why = lo.get("reason", "") if fell_back else "" if same else first_difference(ref, lo.get("tokens"))
         verdict = ("fell back" if fell_back else "identical") if same else "wrong"
         return {"verdict": verdict, "why": why, "verify_ms": lo.get("verify_ms")}
 
@@ -211,7 +212,7 @@ def _starts(start: Callable[[int], dict[str, Any]], n: int, together: int) -> li
         return list(pool.map(start, range(n)))
 
 
-def _first_difference(a: Any, b: Any) -> str:
+def first_difference(a: Any, b: Any) -> str:
     for w, (x, y) in enumerate(zip(a or [], b or [], strict=False)):
         for p, (s, t) in enumerate(zip(x, y, strict=False)):
             if s != t:

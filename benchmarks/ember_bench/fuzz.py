@@ -102,13 +102,13 @@ def graph_chunk_target() -> Callable[[bytes], None]:
     import numpy as np
     import zstandard as zstd
 
-    from ember.archive import graph_table as fmt
+    from ember.archive import graph_table
 
     base = (SEED_CORPUS / "graph_table" / INDEX_BASE).read_bytes()
-    minor, flags, ioff, ilen, iraw, coff = fmt.read_header(base)
+    minor, flags, ioff, ilen, iraw, coff = graph_table.read_header(base)
     raw_index = zstd.ZstdDecompressor().decompress(base[ioff:ioff + ilen], max_output_size=iraw)
-    sections = {k: np.array(v) for k, v in fmt.unpack_container(raw_index, fmt.INDEX_SECTIONS, "index",
-                                                                     fmt.OPTIONAL_INDEX_SECTIONS).items()}
+    sections = {k: np.array(v) for k, v in graph_table.unpack_container(
+        raw_index, graph_table.INDEX_SECTIONS, "index", graph_table.OPTIONAL_INDEX_SECTIONS).items()}
     row = int(sections[b"ROOT"][0])  # graph 0: a template, its chunk compressed without a dictionary
     chunks = base[coff:]
     comp = zstd.ZstdCompressor(level=1)
@@ -118,13 +118,13 @@ def graph_chunk_target() -> Callable[[bytes], None]:
         rows = sections[b"GRPH"].copy()
         rows[row]["chunk_off"], rows[row]["chunk_len"] = len(chunks), len(frame)
         rows[row]["chunk_raw"] = len(data)
-        raw_index = fmt.pack_container({**sections, b"GRPH": rows})
+        raw_index = graph_table.pack_container({**sections, b"GRPH": rows})
         index = comp.compress(raw_index)
-        size = fmt.OUTER.size
-        header = fmt.OUTER.pack(fmt.MAGIC, fmt.MAJOR, minor, size, flags, size, len(index), len(raw_index),
-                                size + len(index))
-        with contextlib.suppress(fmt.FormatError):
-            _walk_table(fmt.decode(header + index + chunks + frame))
+        size = graph_table.OUTER.size
+        header = graph_table.OUTER.pack(graph_table.MAGIC, graph_table.MAJOR, minor, size, flags, size,
+                                        len(index), len(raw_index), size + len(index))
+        with contextlib.suppress(graph_table.FormatError):
+            _walk_table(graph_table.decode(header + index + chunks + frame))
 
     return one
 

@@ -350,16 +350,16 @@ def goals(r: dict[str, Any]) -> dict[str, bool | None]:
         if r["switch_ms"]
         else None,
         "tpot_within_1pct": all(x <= GOALS["tpot_ratio"] for x in tp) if tp else None,
-        "tokens_identical": _tokens_goal(r),
+        "tokens_identical": tokens_goal(r),
         "archive<=250MB": r["archive_bytes"] <= GOALS["archive_bytes"],
         "programmatic_edges_intact": r.get("programmatic_edges_intact"),
         # every graph's outputs (logits AND tokens) equal SAVE's, where native itself does
-        "outputs_identical": _outputs_goal(r),
+        "outputs_identical": outputs_goal(r),
         **true_cost.goals(r.get("true_cost")),
     }
 
 
-def _outputs_goal(r: dict[str, Any]) -> bool | None:
+def outputs_goal(r: dict[str, Any]) -> bool | None:
     rep, control = r.get("outputs_identical_vs_save"), r.get("outputs_control_native_vs_save")
     if not rep:
         return None
@@ -367,7 +367,7 @@ def _outputs_goal(r: dict[str, Any]) -> bool | None:
     return set(rep["differ"]) <= unstable and rep["identical"] >= rep["graphs"] - len(unstable)
 
 
-def _tokens_goal(r: dict[str, Any]) -> bool | None:
+def tokens_goal(r: dict[str, Any]) -> bool | None:
     """True/False when native decoding is reproducible (controls pass); None when it is not."""
     if not r["tokens_identical"]:
         return None
@@ -400,7 +400,7 @@ STAGES = (  # the critical path, then the background thread's
 )
 
 
-def _stages(r: dict[str, Any]) -> str:
+def stages_cell(r: dict[str, Any]) -> str:
     """LOAD's stages; reconstruct (decode, functions, templates) runs on a background thread
     while the model builds, `join` is what the critical path waited for it."""
     lt = r.get("load_timings", {})
@@ -433,7 +433,7 @@ def _stages(r: dict[str, Any]) -> str:
     return text
 
 
-def _groups(r: dict[str, Any]) -> str:
+def groups_cell(r: dict[str, Any]) -> str:
     """Templates; with unions, also how many unions and the topology groups there would be."""
     n, unions = r["groups"], r.get("union_templates") or 0
     return f"{n} ({unions} unions; {r['topology_groups']} topology groups)" if unions and r.get(
@@ -458,7 +458,7 @@ def _table_row(r: dict[str, Any]) -> str:
     label = r["workload"] if r["layers"] == "model" else f"{r['workload']} ({r['layers']} layers)"
     return (
         f"| {label} | {r['graphs']} | "
-        f"{_groups(r)} | {r['native_capture_s']:.2f} | {r['load_ms']:.1f} | "
+        f"{groups_cell(r)} | {r['native_capture_s']:.2f} | {r['load_ms']:.1f} | "
         f"{r['native_over_load']:.1f} | "
         f"{sw.get('p50', 0):.3f}/{sw.get('p99', 0):.3f} | {tp} | "
         f"{_yn(r['tokens_identical'])} | "
@@ -489,7 +489,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "## LOAD stages (ms) and cold start (model build + graphs)", ""]
     for r in report["results"]:
         if "load_ms" in r:
-            lines.append(f"- {r['workload']}: {_stages(r)}")
+            lines.append(f"- {r['workload']}: {stages_cell(r)}")
     lines += ["", "## Goals (eager Llama-3-8B shape is the reference)", ""]
     for r in report["results"]:
         g = goals(r)

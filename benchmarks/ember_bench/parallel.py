@@ -94,7 +94,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _ranks(
+def run_ranks(
     role: str, args: dict[str, Any], env: dict[str, str], world: int, timeout: float
 ) -> list[dict[str, Any]]:
     """One child per rank, all at once (they rendezvous); each writes its JSON, then exits. Rank r
@@ -132,7 +132,7 @@ def _ranks(
     return results
 
 
-def _save(args: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, Any]:
+def save_shape(args: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, Any]:
     """ONE `ember save` of the shape, on the first GPU (the stub plays rank 0 of the world)."""
     from ember_bench.graphs import run_save
 
@@ -180,11 +180,11 @@ def bench_parallel(
         "shape": _shape(args, 0).degrees(),
         "world": world,
     }
-    native = _ranks("native", args, base, world, timeout)
+    native = run_ranks("native", args, base, world, timeout)
     res["device"] = native[0].get("device")
     from ember.runtime.session import preload_env
 
-    saved = _save(args, base, timeout)
+    saved = save_shape(args, base, timeout)
     if "error" in saved:
         return {**res, "native": native, "save_error": saved}
     res.update(
@@ -194,14 +194,14 @@ def bench_parallel(
         save_s=saved["durations"].get("total_s"),
         save_capture_s=saved["durations"].get("capture_s"),
     )
-    loaded = _ranks(
+    loaded = run_ranks(
         "load", {**args, "identity": saved["identity"]}, preload_env("load", base), world, timeout
     )
-    res["ranks"] = [_verdict(r, n, lo) for r, (n, lo) in enumerate(zip(native, loaded, strict=True))]
+    res["ranks"] = [rank_verdict(r, n, lo) for r, (n, lo) in enumerate(zip(native, loaded, strict=True))]
     return res
 
 
-def _verdict(rank: int, native: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
+def rank_verdict(rank: int, native: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": rank}
     for what, r in (("native", native), ("load", loaded)):
         if "error" in r or "refused" in r:
@@ -220,6 +220,7 @@ def _verdict(rank: int, native: dict[str, Any], loaded: dict[str, Any]) -> dict[
         native_over_load=native["native_capture_s"] * 1e3 / loaded["load_ms"],
         verify_ms=loaded["timings"].get("verify_ms"),
         verify=loaded["timings"].get("verify"),
+        verify_parts_ms=loaded["timings"].get("verify_parts"),
         templates=loaded["templates"],
         tokens_identical={
             b: native["decode_sha256"].get(b) == sha for b, sha in loaded["decode_sha256"].items()

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 
 from ember.archive.graph_table import GraphTable, encode
-from ember_bench.synthetic import synthetic_graphset
+from ember_testing.synthetic import synthetic_graphset
 
 
 def parse_ms_512(graphs: int = 512, nodes: int = 1800, groups: int = 7, repeat: int = 5,

@@ -185,7 +185,7 @@ def role(name: str, args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _run(name: str, args: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, Any]:
+def run_child(name: str, args: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     cmd = [sys.executable, "-m", "ember_bench.true_cost", name, json.dumps({**args, "out": path})]
@@ -203,9 +203,9 @@ def measure(
     runs: dict[str, list[dict[str, Any]]] = {r: [] for r in (*ROLES, *VARIANTS)}
     for _ in range(repeats):
         for name in ROLES:
-            runs[name].append(_run(name, args, env, timeout))
+            runs[name].append(run_child(name, args, env, timeout))
         for variant, (role_name, changed) in VARIANTS.items():
-            runs[variant].append(_run(role_name, args, {**env, **changed}, timeout))
+            runs[variant].append(run_child(role_name, args, {**env, **changed}, timeout))
     errors = [r for rs in runs.values() for r in rs if "error" in r]
     out: dict[str, Any] = {"runs": runs, "repeats": repeats}
     if errors:

@@ -34,8 +34,7 @@ from typing import Any, Literal
 
 import zstandard as zstd
 
-from ember.archive import graph_summary, signing
-from ember.archive import graph_table as fmt
+from ember.archive import graph_summary, graph_table, signing
 from ember.archive.graphs import GraphSet
 from ember.archive.manifest import (
     BlobEntry,
@@ -47,7 +46,7 @@ from ember.archive.manifest import (
 from ember.archive.manifest import loads as load_manifest
 from ember.archive.signing import Ed25519PrivateKey, TrustedKey
 from ember.archive.topology import TopologyGroup, group_graphs
-from ember.identity import ArchiveIdentity, CompatKey
+from ember.identity import ArchiveIdentity, CompatKey, identity_short
 from ember.store import BlobCorrupt, BlobMissing, Store, open_store, sha256_bytes
 
 GRAPH_TABLE = "graphs"
@@ -153,7 +152,7 @@ def write_archive(
 
     `kernel_images` maps the content hash used in `KernelRef.image` to the image bytes (or a
     file). Every image a kernel refers to must be present; extra images are stored too.
-    Raises `fmt.UnsupportedNode` for graphs that cannot be archived and ArchiveError for a
+    Raises `graph_table.UnsupportedNode` for graphs that cannot be archived and ArchiveError for a
     missing image.
     """
     store = open_store(store) if isinstance(store, str) else store
@@ -188,13 +187,13 @@ def write_archive(
 
 
 def _table(graphset: GraphSet, table: bytes | None, groups: list[TopologyGroup] | None, level: int,
-           unions: bool | None) -> tuple[bytes, fmt.GraphTable, list[TopologyGroup]]:
+           unions: bool | None) -> tuple[bytes, graph_table.GraphTable, list[TopologyGroup]]:
     """The graph table (given, or encoded here), decoded, and its own topology groups (what the
     manifest's summary describes)."""
     if table is None:
         groups = groups if groups is not None else group_graphs(graphset.graphs, graphset.function_attrs)
-        table = fmt.encode(graphset, groups, level=level, unions=unions)
-    decoded = fmt.GraphTable(table)
+        table = graph_table.encode(graphset, groups, level=level, unions=unions)
+    decoded = graph_table.GraphTable(table)
     return table, decoded, [TopologyGroup(g.index, g.signature, (g.template, *(m for m in g.members
                                                                                  if m != g.template)))
                             for g in decoded.groups]
@@ -309,8 +308,8 @@ MIN_HASH_PREFIX = 8
 
 def resolve_hash(store: Store, text: str) -> str:
     """A full identity hash from `text`: the hash itself, or a unique prefix of at least
-    MIN_HASH_PREFIX hex digits of one of the store's archives (the 16 hex of a GraphArchive's
-    name, the 12 `verify` prints)."""
+    MIN_HASH_PREFIX hex digits of one of the store's archives (e.g. the identity short in a
+    GraphArchive's name)."""
     text = text.strip().lower()
     if len(text) == 64 or not all(c in "0123456789abcdef" for c in text):
         return text
@@ -319,7 +318,7 @@ def resolve_hash(store: Store, text: str) -> str:
                              f"{MIN_HASH_PREFIX} hex")
     found = [h for h in store.list_archives() if h.startswith(text)]
     if len(found) != 1:
-        listed = ", ".join(h[:16] for h in found[:5])
+        listed = ", ".join(identity_short(h) for h in found[:5])
         raise ArchiveMissing(f"no archive in {store.uri} has identity hash prefix {text}" if not found else
                              f"identity hash prefix {text} is ambiguous in {store.uri}: {listed}")
     return found[0]
@@ -332,7 +331,7 @@ def _read_manifest(store: Store, identity_hash: str | None,
         if len(found) != 1:
             raise ArchiveMissing(
                 f"{store.uri} holds {len(found)} archives; name one by identity hash"
-                + (f" ({', '.join(h[:12] for h in found[:5])}…)" if found else "")
+                + (f" ({', '.join(identity_short(h) for h in found[:5])}…)" if found else "")
             )
         identity_hash = found[0]
     identity_hash = resolve_hash(store, identity_hash)
@@ -404,7 +403,7 @@ class Archive:
         return data
 
     def _read(self, entry: BlobEntry) -> bytes:
-        what = f"archive {self.identity_hash[:12]} blob {entry.name!r} ({entry.sha256[:12]})"
+        what = f"archive {identity_short(self.identity_hash)} blob {entry.name!r} ({entry.sha256[:12]})"
         try:
             stored = self.store.get_blob_bytes(entry.sha256, size=entry.compressed_size)
         except BlobMissing as exc:
@@ -425,19 +424,20 @@ class Archive:
         return raw
 
     @cached_property
-    def graph_table(self) -> fmt.GraphTable:
+    def graph_table(self) -> graph_table.GraphTable:
         raw = self.blob_bytes(self.manifest.graphs.table)
         try:
-            return fmt.GraphTable(raw)
-        except fmt.FormatVersionError as exc:
-            raise ArchiveVersionError(f"archive {self.identity_hash[:12]}: {exc}") from exc
-        except fmt.FormatError as exc:
-            raise ArchiveCorrupt(f"archive {self.identity_hash[:12]} graph table: {exc}") from exc
+            return graph_table.GraphTable(raw)
+        except graph_table.FormatVersionError as exc:
+            raise ArchiveVersionError(f"archive {identity_short(self.identity_hash)}: {exc}") from exc
+        except graph_table.FormatError as exc:
+            raise ArchiveCorrupt(f"archive {identity_short(self.identity_hash)} graph table: {exc}") from exc
 
     def kernel_image(self, content_hash: str) -> bytes:
         if (img := self.manifest.kernel_image(content_hash)) is not None:
             return self.blob_bytes(img.blob)
-        raise ArchiveMissing(f"archive {self.identity_hash[:12]} has no kernel image {content_hash}")
+        raise ArchiveMissing(f"archive {identity_short(self.identity_hash)} has no kernel image "
+                             f"{content_hash}")
 
     @property
     def alloc_log(self) -> bytes | None:
@@ -539,6 +539,6 @@ def verify_archive(
             problems += graph_summary.differences(m, table)
         except ArchiveError as exc:
             problems.append(str(exc))
-        except fmt.FormatError as exc:
+        except graph_table.FormatError as exc:
             problems.append(f"graph table: {exc}")
     return problems

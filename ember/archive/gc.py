@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from ember.archive.manifest import referenced_digests
+from ember.identity import identity_short
 from ember.store import BlobInfo, Store
 
 
@@ -57,8 +58,8 @@ class GcPlan:
 
 
 def is_kept(identity_hash: str, keep: set[str]) -> bool:
-    """`keep` holds full identity hashes and 16-hex prefixes (the `ember.dev/identity` label)."""
-    return identity_hash in keep or identity_hash[:16] in keep
+    """`keep` holds identity hashes and identity shorts (the `ember.dev/identity` label)."""
+    return identity_hash in keep or identity_short(identity_hash) in keep
 
 
 def plan_gc(

@@ -3,19 +3,19 @@ compared with the table again by `ember verify`."""
 
 from __future__ import annotations
 
-from ember.archive import graph_table as fmt
+from ember.archive import graph_table
 from ember.archive.graphs import GraphSet
 from ember.archive.manifest import GraphsSummary, Manifest, TopologyGroupSummary, UnionSummary
 from ember.archive.topology import TopologyGroup
 
 
-def summarize(gs: GraphSet, groups: list[TopologyGroup], table: fmt.GraphTable,
+def summarize(gs: GraphSet, groups: list[TopologyGroup], table: graph_table.GraphTable,
               table_blob: str = "graphs") -> GraphsSummary:
     """The summary of `gs`, encoded as `table` (its blob named `table_blob`)."""
     keys = [list(g.key) for g in gs.graphs]
     return GraphsSummary(
         table=table_blob,
-        table_version=fmt.VERSION,
+        table_version=graph_table.VERSION,
         count=len(gs.graphs),
         keys=keys,
         nodes=table.node_total,
@@ -36,7 +36,7 @@ def summarize(gs: GraphSet, groups: list[TopologyGroup], table: fmt.GraphTable,
     )
 
 
-def differences(m: Manifest, table: fmt.GraphTable) -> list[str]:
+def differences(m: Manifest, table: graph_table.GraphTable) -> list[str]:
     """Where the table and the manifest's summary of it disagree (ember verify)."""
     problems = []
     if [list(k) for k in table.keys] != m.graphs.keys:

@@ -10,7 +10,7 @@ agree on everything it cannot change (docs/archive-format.md §5 has the byte-le
   priority, mem-sync domain, device-updatable, ...): an exec cannot take new attributes, so ALL
   attribute ids and values are part of the key. For the cluster dimension this is measured:
   `cuGraphExecUpdate` to a node with another cluster dimension SUCCEEDS and the exec keeps
-  launching with the old one (benchmarks/diag/diag_cluster_update.py,
+  launching with the old one (benchmarks/results/diag/diag_cluster_update.py,
   benchmarks/results/diag-cluster-update-H100-20261125.json), so those splits cannot be merged;
 - per kernel node: the function-level cluster requirements (required / non-portable cluster
   size), since a function swap may not change them;

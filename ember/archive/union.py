@@ -16,8 +16,8 @@ has proven it: the template keeps a programmatic edge only between slots every m
 links the same way, and makes every other edge a default one (`_edges`). Kernel slots may be
 optional: disabled for a member that lacks them. A disabled memset is not inert: the driver
 documents it as an empty node, but on an H200 (driver 580.159) a disabled 4-byte memset still
-wrote its destination, which in another member's graph is live memory (benchmarks/diag/
-diag_union_members.py: the members it broke passed once those memset nodes were removed). So a
+wrote its destination, which in another member's graph is live memory (benchmarks/results/
+diag/diag_union_members.py: the members it broke passed once those memset nodes were removed). So a
 memset slot is optional only with EMBER_UNION_MEMSETS=1 (until a GPU run has proven it), and is
 never disabled: a member that lacks it runs a placeholder there, the slot's memset with its
 destination moved to a scratch buffer LOAD allocates (`placeable`: 1-D, at most

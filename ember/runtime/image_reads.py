@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ember import settings
+from ember.identity import identity_short
 from ember.native import EMBER_EUNAVAILABLE, BlobRead, EmberError, ImageReads, Interposer
 from ember.runtime.adapter import LOAD, Refused
 from ember.store import LocalStore
@@ -57,7 +58,7 @@ class NativeReads:
     ) -> None:
         store = arc.store
         assert isinstance(store, LocalStore)
-        self._what = f"archive {arc.identity_hash[:12]}"
+        self._what = f"archive {identity_short(arc.identity_hash)}"
         blobs = []
         for h in order:
             image = arc.manifest.kernel_image(h)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from cuda.bindings import driver as cu
 
 from ember import settings
-from ember.archive import graph_table as fmt
+from ember.archive import graph_table
 from ember.archive.table_layout import FormatError
 from ember.native import EmberDivergence, EmberError, Interposer
 from ember.runtime import compat, image_reads, publish
@@ -278,7 +278,7 @@ class ArchiveRestore:
         t = time.perf_counter()
         try:
             # the header and index; each graph's chunk is decoded when it is prepared, in need order
-            table: GraphTable = fmt.decode(arc.blob_bytes(arc.manifest.graphs.table))
+            table: GraphTable = graph_table.decode(arc.blob_bytes(arc.manifest.graphs.table))
             first = table.chunk(need_order(table.keys)[0]).kpar["kernel"].tolist() if len(table) else []
             images = {table.kernels[k].image for k in set(first)}
             # Its child graphs' kernels are not in its chunk: a lookup of one lets the reader go on.

@@ -62,7 +62,8 @@ def canary(
     switch_round_trip: Callable[[], bool] | None = None,
     own_exec_step: Callable[[], Outputs] | None = None,
 ) -> dict[str, Any]:
-    """Run the canary; returns {"ok", "why", "verify_ms", "checked"}. `own_step()` and
+    """Run the canary; returns {"ok", "why", "verify_ms", "checked", "parts_ms"} (parts_ms: each
+    path's milliseconds, the reference's included, so a slow canary says where). `own_step()` and
     `graph_step()` run one step from the state `reset()` sets and return copies of the outputs;
     `switch_round_trip()` updates the template away and back (False: the group has one member);
     `own_exec_step()` runs the key's own exec (the path it takes once the Dedicator built it)."""
@@ -72,9 +73,19 @@ def canary(
         return [x.clone() if isinstance(x, torch.Tensor) else x for x in outputs]
 
     t = time.perf_counter()
+    parts: dict[str, float] = {}
+
+    def lap(name: str, since: float) -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        parts[name] = round((now - since) * 1e3, 2)
+        return now
+
     with torch.no_grad():
         reset()
         ref = snap(own_step())
+        mark = lap("reference", t)
 
         def updated() -> Outputs | None:
             return graph_step() if switch_round_trip is not None and switch_round_trip() else None
@@ -91,13 +102,15 @@ def canary(
             if got is None:  # no other member to update to
                 continue
             checked.append(name)
-            if diff := first_difference(ref, snap(got)):
+            diff = first_difference(ref, snap(got))
+            mark = lap(name, mark)
+            if diff:
                 why = f"{label}: {diff}"
                 break
         reset()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return {"ok": not why, "why": why, "checked": checked, "verify_ms": (time.perf_counter() - t) * 1e3}
+    lap("reset", mark)
+    return {"ok": not why, "why": why, "checked": checked, "verify_ms": (time.perf_counter() - t) * 1e3,
+            "parts_ms": parts}
 
 
 def unanimous(ok: bool, world: int) -> bool:
@@ -130,7 +143,8 @@ def round_trip(library: Any, index: int) -> Callable[[], bool]:
 def settle(result: dict[str, Any], world: int, rank: int) -> dict[str, Any]:
     """What LOAD's timings record of a passed canary; Refused(VERIFY) unless every rank's passed."""
     refuse_unless(result, world, rank)
-    return {"verify_ms": result["verify_ms"], "verify": "+".join(result["checked"])}
+    return {"verify_ms": result["verify_ms"], "verify": "+".join(result["checked"]),
+            "verify_parts": result.get("parts_ms", {})}
 
 
 def refuse_unless(result: dict[str, Any], world: int, rank: int) -> None:

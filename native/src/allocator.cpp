@@ -99,18 +99,18 @@ struct State {
   uint64_t ns_arm = 0, ns_map = 0, ns_replay = 0, ns_premap = 0;
 };
 
-static State& S() {
+static State& allocator_state() {
   static State* s = new State();  // never destroyed: hooks may run during exit
   return *s;
 }
 
 void set_last_error(const std::string& msg) {
-  std::lock_guard<std::mutex> g(S().mu);
-  S().last_error = msg;
+  std::lock_guard<std::mutex> g(allocator_state().mu);
+  allocator_state().last_error = msg;
 }
 std::string last_error() {
-  std::lock_guard<std::mutex> g(S().mu);
-  return S().last_error;
+  std::lock_guard<std::mutex> g(allocator_state().mu);
+  return allocator_state().last_error;
 }
 
 static uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
@@ -122,7 +122,7 @@ static std::string cu_err(const Real* r, CUresult rc) {
 }
 
 void allocator_configure_from_env() {
-  State& s = S();
+  State& s = allocator_state();
   s.cfg.base = env_u64("EMBER_REGION_BASE", s.cfg.base);
   s.cfg.size = env_u64("EMBER_REGION_SIZE", 0);
   s.cfg.heap_size = env_u64("EMBER_HEAP_SIZE", 0);
@@ -420,7 +420,7 @@ static bool in_region(const State& s, uint64_t p) { return s.armed && p >= s.bas
 
 // ---- hook entry points ----
 bool region_alloc(Kind kind, CUdeviceptr* out, size_t size, size_t align, const void* caller, CUresult* rc) {
-  State& s = S();
+  State& s = allocator_state();
   std::lock_guard<std::mutex> g(s.mu);
   if (!usable(s)) {
     s.bypassed++;
@@ -448,7 +448,7 @@ bool region_alloc(Kind kind, CUdeviceptr* out, size_t size, size_t align, const 
 }
 
 bool region_free(Kind kind, CUdeviceptr ptr, CUstream stream, const void* caller, CUresult* rc) {
-  State& s = S();
+  State& s = allocator_state();
   std::lock_guard<std::mutex> g(s.mu);
   if (!in_region(s, ptr)) return false;
   // LOAD, every pre-window event matched, replay not yet run: the process gives back a block (torch
@@ -484,7 +484,7 @@ bool region_free(Kind kind, CUdeviceptr ptr, CUstream stream, const void* caller
 
 bool region_reserve(CUdeviceptr* out, size_t size, size_t align, CUdeviceptr hint, unsigned long long flags,
                     const void* caller, CUresult* rc) {
-  State& s = S();
+  State& s = allocator_state();
   std::lock_guard<std::mutex> g(s.mu);
   if (hint != 0 || flags != 0 || !usable(s)) {
     s.bypassed++;
@@ -504,7 +504,7 @@ bool region_reserve(CUdeviceptr* out, size_t size, size_t align, CUdeviceptr hin
 }
 
 bool region_unreserve(CUdeviceptr ptr, size_t size, const void* caller, CUresult* rc) {
-  State& s = S();
+  State& s = allocator_state();
   std::lock_guard<std::mutex> g(s.mu);
   if (!in_region(s, ptr)) return false;
   auto it = s.resv.find(ptr);
@@ -520,7 +520,7 @@ bool region_unreserve(CUdeviceptr ptr, size_t size, const void* caller, CUresult
 }
 
 bool region_address_range(CUdeviceptr* base, size_t* size, CUdeviceptr ptr, CUresult* rc) {
-  State& s = S();
+  State& s = allocator_state();
   std::lock_guard<std::mutex> g(s.mu);
   if (!in_region(s, ptr) || ptr >= s.base + s.heap_size) return false;  // reservations: the driver knows the maps
   auto it = s.live.upper_bound(ptr);
@@ -540,14 +540,14 @@ bool region_address_range(CUdeviceptr* base, size_t* size, CUdeviceptr ptr, CUre
 }
 
 void region_note_map(CUdeviceptr ptr, size_t size, size_t offset, const void* caller) {
-  State& s = S();
+  State& s = allocator_state();
   std::lock_guard<std::mutex> g(s.mu);
   if (!in_region(s, ptr)) return;
   record(s, Kind::Map, ptr, size, 0, offset, caller);
 }
 
 void region_note_unmap(CUdeviceptr ptr, size_t size, const void* caller) {
-  State& s = S();
+  State& s = allocator_state();
   std::lock_guard<std::mutex> g(s.mu);
   if (!in_region(s, ptr)) return;
   record(s, Kind::Unmap, ptr, size, 0, 0, caller);
@@ -557,7 +557,7 @@ void region_note_unmap(CUdeviceptr ptr, size_t size, const void* caller) {
 static int premap_saved_extent(State& s);
 
 int region_arm() {
-  State& s = S();
+  State& s = allocator_state();
   std::lock_guard<std::mutex> g(s.mu);
   const bool was = s.armed;
   int rc = arm_locked(s);
@@ -566,7 +566,7 @@ int region_arm() {
 }
 
 int region_info(uint64_t* base, uint64_t* size, uint64_t* heap_size) {
-  State& s = S();
+  State& s = allocator_state();
   std::lock_guard<std::mutex> g(s.mu);
   if (base) *base = s.armed ? s.base : 0;
   if (size) *size = s.armed ? s.size : 0;
@@ -575,7 +575,7 @@ int region_info(uint64_t* base, uint64_t* size, uint64_t* heap_size) {
 }
 
 int region_capture_begin() {
-  State& s = S();
+  State& s = allocator_state();
   std::lock_guard<std::mutex> g(s.mu);
   if (mode() != Mode::Save) {
     s.last_error = "capture_begin: only in save mode (LOAD replays the window instead)";
@@ -594,7 +594,7 @@ int region_capture_begin() {
 }
 
 int region_capture_end() {
-  State& s = S();
+  State& s = allocator_state();
   std::lock_guard<std::mutex> g(s.mu);
   if (mode() != Mode::Save) {
     s.last_error = "capture_end: only in save mode";
@@ -609,7 +609,7 @@ int region_capture_end() {
 }
 
 std::string region_export_log() {
-  State& s = S();
+  State& s = allocator_state();
   std::lock_guard<std::mutex> g(s.mu);
   std::ostringstream o;
   o << std::hex;
@@ -624,7 +624,7 @@ std::string region_export_log() {
 }
 
 int region_import_log(const char* data, size_t len) {
-  State& s = S();
+  State& s = allocator_state();
   std::lock_guard<std::mutex> g(s.mu);
   if (mode() != Mode::Load) {
     s.last_error = "import_alloc_log: only in load mode";
@@ -717,7 +717,7 @@ static int premap_saved_extent(State& s) {
 }
 
 int region_replay_blockers(std::string* first) {
-  State& s = S();
+  State& s = allocator_state();
   std::lock_guard<std::mutex> g(s.mu);
   if (mode() != Mode::Load) return EMBER_EMODE;
   if (!s.imported || s.replayed) return EMBER_ESTATE;
@@ -738,7 +738,7 @@ int region_replay_blockers(std::string* first) {
 }
 
 int region_replay_window() {
-  State& s = S();
+  State& s = allocator_state();
   std::lock_guard<std::mutex> g(s.mu);
   if (mode() != Mode::Load) {
     s.last_error = "replay_window: only in load mode";
@@ -842,7 +842,7 @@ int region_replay_window() {
 }
 
 bool region_divergence(std::string* msg) {
-  State& s = S();
+  State& s = allocator_state();
   std::lock_guard<std::mutex> g(s.mu);
   if (s.divergence.empty()) return false;
   if (msg) *msg = s.divergence;
@@ -850,7 +850,7 @@ bool region_divergence(std::string* msg) {
 }
 
 std::string region_stats_json() {
-  State& s = S();
+  State& s = allocator_state();
   std::lock_guard<std::mutex> g(s.mu);
   uint64_t live_bytes = 0;
   for (const auto& kv : s.live) live_bytes += kv.second;
@@ -873,7 +873,7 @@ std::string region_stats_json() {
 }
 
 int set_mode_checked(int m) {
-  State& s = S();
+  State& s = allocator_state();
   std::lock_guard<std::mutex> g(s.mu);
   if (m < 0 || m > 2) {
     s.last_error = "set_mode: expected 0 (off), 1 (save) or 2 (load)";

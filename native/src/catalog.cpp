@@ -57,7 +57,7 @@ struct Catalog {
   uint64_t preload_t0 = 0;  // the first preload call (the origin of each load's start)
 };
 
-Catalog& C() {
+Catalog& the_catalog() {
   static Catalog* c = new Catalog();
   return *c;
 }
@@ -148,7 +148,7 @@ CUresult load_library_bytes(Image* im, CUlibrary* out) {
 }
 
 void worker() {
-  Catalog& c = C();
+  Catalog& c = the_catalog();
   for (;;) {
     Image* im = nullptr;
     {
@@ -251,7 +251,7 @@ Options keep_library_options(unsigned n, const CUlibraryOption* opts, void* cons
 
 void catalog_note_load(const char* api, const void* image, const char* file, CUmodule mod, CUlibrary lib,
                        const Options& jit, const Options& libopts) {
-  Catalog& c = C();
+  Catalog& c = the_catalog();
   const uint64_t t0 = now_ns();
   std::vector<uint8_t> bytes;
   ImageSpan span;
@@ -318,7 +318,7 @@ void catalog_note_load(const char* api, const void* image, const char* file, CUm
 }
 
 void catalog_note_unload(CUmodule mod, CUlibrary lib) {
-  Catalog& c = C();
+  Catalog& c = the_catalog();
   std::lock_guard<std::mutex> g(c.mu);
   if (mod) {
     auto it = c.by_module.find(mod);
@@ -382,7 +382,7 @@ static Image* find_image(Catalog& c, uint64_t func, uint64_t kern, std::string* 
 }
 
 void catalog_note_attribute(CUfunction func, CUkernel kern, int attrib, int value) {
-  Catalog& c = C();
+  Catalog& c = the_catalog();
   std::lock_guard<std::mutex> g(c.mu);
   std::string name;
   Image* im = find_image(c, reinterpret_cast<uint64_t>(func), reinterpret_cast<uint64_t>(kern), &name);
@@ -390,7 +390,7 @@ void catalog_note_attribute(CUfunction func, CUkernel kern, int attrib, int valu
 }
 
 int catalog_lookup(uint64_t func, uint64_t kern, std::string* hash, std::string* name) {
-  Catalog& c = C();
+  Catalog& c = the_catalog();
   std::lock_guard<std::mutex> g(c.mu);
   if (real() == nullptr) return EMBER_ENODRIVER;
   Image* im = find_image(c, func, kern, name);
@@ -407,7 +407,7 @@ static std::string options_json(const Options& o) {
 }
 
 std::string catalog_json() {
-  Catalog& c = C();
+  Catalog& c = the_catalog();
   std::lock_guard<std::mutex> g(c.mu);
   std::string s = "[";
   bool first = true;
@@ -447,7 +447,7 @@ std::string catalog_json() {
 }
 
 int catalog_image_bytes(const std::string& hash, const std::vector<uint8_t>** bytes) {
-  Catalog& c = C();
+  Catalog& c = the_catalog();
   std::lock_guard<std::mutex> g(c.mu);
   auto it = c.by_hash.find(hash);
   if (it == c.by_hash.end() || !it->second->have_bytes) return EMBER_ENOTFOUND;
@@ -456,7 +456,7 @@ int catalog_image_bytes(const std::string& hash, const std::vector<uint8_t>** by
 }
 
 int catalog_preload(std::vector<PreloadItem> items) {
-  Catalog& c = C();
+  Catalog& c = the_catalog();
   if (real() == nullptr) return EMBER_ENODRIVER;
   // Copying and hashing are most of a hand-off (an image is up to megabytes): in parallel, and
   // outside the lock the loaders and function() need.
@@ -501,7 +501,7 @@ int catalog_preload(std::vector<PreloadItem> items) {
 }
 
 int catalog_function(const std::string& hash, const std::string& name, uint64_t* func) {
-  Catalog& c = C();
+  Catalog& c = the_catalog();
   const Real* r = real();
   if (r == nullptr) return EMBER_ENODRIVER;
   std::unique_lock<std::mutex> g(c.mu);
@@ -569,7 +569,7 @@ int catalog_function(const std::string& hash, const std::string& name, uint64_t*
 }
 
 std::string catalog_stats_json() {
-  Catalog& c = C();
+  Catalog& c = the_catalog();
   std::lock_guard<std::mutex> g(c.mu);
   // Each preloaded image: [bytes, load start after the first preload call (ms), load (ms)].
   std::vector<const Image*> loaded;

@@ -69,7 +69,7 @@ struct State {
   std::string last_error;
 };
 
-State& S() {
+State& stub_state() {
   static State* s = new State();  // never destroyed: NCCL calls may come from exit handlers
   return *s;
 }
@@ -121,7 +121,7 @@ ncclResult_t issue(const char* op, const void* send, void* recv, size_t count, i
                    void* c, cudaStream_t stream) {
   Comm* comm = comm_of(c);
   if (comm == nullptr) return ncclInvalidArgument;
-  State& s = S();
+  State& s = stub_state();
   std::lock_guard<std::mutex> g(s.mu);
   Call call{0, op, send, recv, count, dtype, redop, root, comm->id, comm->nranks, comm->rank, stream};
   if (s.group_depth > 0) {
@@ -135,7 +135,7 @@ ncclResult_t issue(const char* op, const void* send, void* recv, size_t count, i
 
 ncclResult_t new_comm(void** out, int nranks, int rank) {
   if (out == nullptr || nranks < 1 || rank < 0 || rank >= nranks) return ncclInvalidArgument;
-  State& s = S();
+  State& s = stub_state();
   std::lock_guard<std::mutex> g(s.mu);
   Comm* c = new Comm();
   c->nranks = nranks;
@@ -157,7 +157,7 @@ Fn real(const char* name) {
 }
 
 ncclResult_t unsupported(const char* what) {
-  State& s = S();
+  State& s = stub_state();
   std::lock_guard<std::mutex> g(s.mu);
   s.last_error = std::string("ember NCCL stub: ") + what + " is not supported while saving";
   fprintf(stderr, "[ember-nccl] %s\n", s.last_error.c_str());
@@ -185,7 +185,7 @@ EXPORT const char* ncclGetErrorString(ncclResult_t rc) {
   return fn != nullptr ? fn(rc) : "ember NCCL stub error";
 }
 EXPORT const char* ncclGetLastError(void*) {
-  State& s = S();
+  State& s = stub_state();
   std::lock_guard<std::mutex> g(s.mu);
   return s.last_error.c_str();
 }
@@ -264,13 +264,13 @@ EXPORT ncclResult_t ncclRedOpDestroy(int, void*) { return ncclSuccess; }
 
 // ---- groups: one placeholder per outermost group ----
 EXPORT ncclResult_t ncclGroupStart() {
-  State& s = S();
+  State& s = stub_state();
   std::lock_guard<std::mutex> g(s.mu);
   s.group_depth++;
   return ncclSuccess;
 }
 EXPORT ncclResult_t ncclGroupEnd() {
-  State& s = S();
+  State& s = stub_state();
   std::lock_guard<std::mutex> g(s.mu);
   if (s.group_depth == 0) return ncclInvalidUsage;
   if (--s.group_depth > 0 || s.pending.empty()) return ncclSuccess;
@@ -326,11 +326,11 @@ EXPORT ncclResult_t ncclRecv(void* recv, size_t count, int dtype, int peer, void
 }
 
 // ---- control API (ember.runtime.comm reads it with ctypes) ----
-EXPORT unsigned long long ember_nccl_scratch() { return S().scratch; }
+EXPORT unsigned long long ember_nccl_scratch() { return stub_state().scratch; }
 
 // Every recorded call, one JSON object per line. Returns the bytes needed; copies when cap allows.
 EXPORT size_t ember_nccl_calls(char* buf, size_t cap) {
-  State& s = S();
+  State& s = stub_state();
   std::lock_guard<std::mutex> g(s.mu);
   std::string out;
   char line[512];

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ember_bench.cb import _phase_env, run_child
+from ember_bench.cb import phase_env, run_child
 
 pytestmark = pytest.mark.gpu
 
@@ -25,12 +25,12 @@ def cb_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     store = work / "store"
     opts: dict[str, Any] = {**MODEL, "store": store.as_uri(), "store_dir": str(store), "work_dir": str(work)}
     runs: dict[str, Any] = {"opts": opts, "work": work}
-    runs["native"] = run_child("native", opts, work, 240, env=_phase_env("native"))
-    runs["save"] = run_child("save", opts, work, 300, env=_phase_env("save"))
+    runs["native"] = run_child("native", opts, work, 240, env=phase_env("native"))
+    runs["save"] = run_child("save", opts, work, 300, env=phase_env("save"))
     assert "error" not in runs["save"], runs["save"].get("traceback", runs["save"])
     assert runs["save"]["archive"]["published"], runs["save"]["archive"]
     opts["identity"] = runs["save"]["archive"]["identity"]
-    runs["load"] = run_child("load", opts, work, 240, env=_phase_env("load"))
+    runs["load"] = run_child("load", opts, work, 240, env=phase_env("load"))
     return runs
 
 
@@ -79,7 +79,7 @@ def test_damaged_archive_is_refused_before_any_launch(cb_runs: dict[str, Any], t
     data[len(data) // 3] ^= 0x40
     table.write_bytes(bytes(data))
     opts.update(store=store.as_uri(), store_dir=str(store))
-    bad = run_child("load", opts, tmp_path, 240, env=_phase_env("load"))
+    bad = run_child("load", opts, tmp_path, 240, env=phase_env("load"))
     # refused at the archive's checks (never at the canary: nothing damaged was launched), then
     # the engine captures natively, as `ember serve` does, with native's tokens
     assert bad.get("mode") == "native", bad.get("error") or bad

@@ -46,11 +46,11 @@ def _shape(store: Path, **fault: str) -> tuple[list[dict], list[dict]]:
     from ember_bench import parallel
 
     args = {**ARGS, "store": store.as_uri()}
-    native = parallel._ranks("native", args, _env(**fault), 2, 900)
-    saved = parallel._save(args, _env(**fault), 900)
+    native = parallel.run_ranks("native", args, _env(**fault), 2, 900)
+    saved = parallel.save_shape(args, _env(**fault), 900)
     assert "error" not in saved, saved
     load_env = preload_env("load", _env(**fault))
-    loaded = parallel._ranks("load", {**args, "identity": saved["identity"]}, load_env, 2, 900)
+    loaded = parallel.run_ranks("load", {**args, "identity": saved["identity"]}, load_env, 2, 900)
     return native, loaded
 
 
@@ -72,7 +72,7 @@ def test_the_same_shape_without_it_restores_on_both_ranks(two_gpus: None) -> Non
 
     native, loaded = _shape(Path(tempfile.mkdtemp()))
     for r, (n, lo) in enumerate(zip(native, loaded, strict=True)):
-        v = parallel._verdict(r, n, lo)
+        v = parallel.rank_verdict(r, n, lo)
         assert all(v["tokens_identical"].values()) and v["outputs_identical"] == v["outputs"], v
         assert v["verify"].startswith("template") and v["verify"].endswith("own exec"), v
 
@@ -96,15 +96,16 @@ def test_a_broken_single_gpu_restore_is_refused_before_any_request(fault: str) -
     args = {"workload": "llama3-8b", "layers": 2, "sizes": "2,3,4,5,6,7,8", "tp": 1, "ep": 1, "dp": 1,
             "collectives": False, "store": Path(tempfile.mkdtemp()).as_uri()}
     env = {**_env(), "CUDA_VISIBLE_DEVICES": GPUS[0]}
-    saved = parallel._save(args, env, 900)
+    saved = parallel.save_shape(args, env, 900)
     assert "error" not in saved, saved
-    good = parallel._ranks("load", {**args, "identity": saved["identity"]}, preload_env("load", env), 1, 900)
+    good = parallel.run_ranks("load", {**args, "identity": saved["identity"]}, preload_env("load", env), 1,
+                              900)
     checked = good[0].get("timings", {}).get("verify", "")
     assert "refused" not in good[0] and "own exec" in checked, good[0]
     if fault == "stale-update" and "exec update" not in checked:
         pytest.fail(f"the canary's key has no other member to update to: {checked}")
     bad_env = preload_env("load", {**env, "EMBER_FAULT": fault})
-    bad = parallel._ranks("load", {**args, "identity": saved["identity"]}, bad_env, 1, 900)
+    bad = parallel.run_ranks("load", {**args, "identity": saved["identity"]}, bad_env, 1, 900)
     refused = bad[0].get("refused", "")
     assert "canary differs" in refused and SINGLE_GPU_FAULTS[fault] in refused, bad[0]
 
@@ -116,19 +117,19 @@ def test_a_refused_cb_restore_serves_natively_with_the_same_tokens(tmp_path: Pat
     import json
 
     from ember_bench import cb
-    from ember_bench.correctness import _SMALL, ARCHITECTURES
+    from ember_bench.correctness import ARCHITECTURES, SMALL_CONFIG
 
-    config = {"model_type": "mistral", **_SMALL, **ARCHITECTURES["mistral"][1]}
+    config = {"model_type": "mistral", **SMALL_CONFIG, **ARCHITECTURES["mistral"][1]}
     (tmp_path / "config.json").write_text(json.dumps(config))
     store = tmp_path / "store"
     opts = {"model": "mistral", "model_config": str(tmp_path / "config.json"), "layers": None,
             "store": store.as_uri(), "store_dir": str(store), "work_dir": str(tmp_path)}
     lane = {"CUDA_VISIBLE_DEVICES": GPUS[0], "NCCL_NVLS_ENABLE": "0"}
     native = cb.run_child("native", opts, tmp_path, 900, env=lane)
-    saved = cb.run_child("save", opts, tmp_path, 900, env={**lane, **(cb._phase_env("save") or {})})
+    saved = cb.run_child("save", opts, tmp_path, 900, env={**lane, **(cb.phase_env("save") or {})})
     assert "tokens" in native and "archive" in saved, (native.get("error"), saved.get("error"))
     opts["identity"] = saved["archive"]["identity"]
-    clean = {**lane, **(cb._phase_env("load") or {})}
+    clean = {**lane, **(cb.phase_env("load") or {})}
     good = cb.run_child("load", opts, tmp_path, 900, env=clean)  # a canary that refuses everything fails here
     assert good.get("mode") == "restored" and good["tokens"] == native["tokens"], good.get("reason")
     loaded = cb.run_child("load", opts, tmp_path, 900, env={**clean, "EMBER_FAULT": fault})

@@ -174,7 +174,7 @@ def test_programmatic_edge_data_restored(tmp_path: Path) -> None:
     """Two kernels joined by a programmatic (PDL) edge: the edge data survives SAVE → LOAD."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not found")
-    from ember.archive import graph_table as fmt
+    from ember.archive import graph_table
     from ember.runtime.graphs import rebuild
     from ember.runtime.graphs.driver import check, graph_edges, graph_nodes
     from ember.runtime.graphs.kernels import LiveResolver
@@ -236,7 +236,7 @@ def test_programmatic_edge_data_restored(tmp_path: Path) -> None:
         (1, int(cu.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC)),
     ]
     gs = walker.graph_set([walked])
-    table = fmt.decode(fmt.encode(gs))
+    table = graph_table.decode(graph_table.encode(gs))
     decoded = table.graph(0)
     assert decoded.edges == walked.edges
     functions = [resolver.function(r) for r in table.kernels]

@@ -44,7 +44,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.mark.parametrize("workload", ["llama3-8b", "qwen3-8b-compile", "qwen3-moe", "gemma3"])
 def test_save_then_load_in_fresh_perturbed_process(workload: str, store: str) -> None:
     _need_lib()
-    from ember_bench.graphs import _tokens_goal, bench_one
+    from ember_bench.graphs import bench_one, tokens_goal
 
     r = bench_one(workload, LAYERS, SIZES, store, timeout=600)
     assert "load_ms" in r, r.get("load_error") or r.get("save_error") or r.get("native_error") or r
@@ -56,7 +56,7 @@ def test_save_then_load_in_fresh_perturbed_process(workload: str, store: str) ->
     assert differ <= unstable, (differ, unstable)
     assert r["outputs_identical_vs_save"]["identical"] >= n - len(unstable), r["outputs_identical_vs_save"]
     assert r["outputs_identical_vs_native"] >= n - len(unstable)
-    goal = _tokens_goal(r)
+    goal = tokens_goal(r)
     if goal is None:  # the controls failed: native decoding itself differs between runs/processes
         pytest.xfail(
             f"native decoding not reproducible, tokens cannot judge the restore: {r['tokens_verdict']}"[:300]
@@ -78,7 +78,7 @@ def test_union_templates_serve_every_size_bit_identical(
     tokens match SAVE's. With EMBER_UNION_PROGRAMMATIC=1, chains with programmatic edges join;
     with EMBER_UNION_MEMSETS=1, chains with other memsets (placeholders writing scratch)."""
     _need_lib()
-    from ember_bench.graphs import _tokens_goal, bench_one
+    from ember_bench.graphs import bench_one, tokens_goal
 
     monkeypatch.setenv("EMBER_UNION_TEMPLATES", "1")
     monkeypatch.setenv("EMBER_UNION_PROGRAMMATIC", programmatic)
@@ -92,7 +92,7 @@ def test_union_templates_serve_every_size_bit_identical(
     unstable = set(r.get("native_nondeterministic") or {})
     assert set(r["outputs_identical_vs_save"]["differ"]) <= unstable, r["outputs_identical_vs_save"]
     assert r["outputs_identical_vs_native"] >= r["graphs"] - len(unstable)
-    goal = _tokens_goal(r)
+    goal = tokens_goal(r)
     if goal is None:
         pytest.xfail(f"native decoding not reproducible: {r['tokens_verdict']}"[:300])
     assert goal, (r["tokens_verdict"], r["tokens_first_divergence"])

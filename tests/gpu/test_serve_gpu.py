@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from ember_bench.cb import REF_PROMPT, _phase_env, run_child
+from ember_bench.cb import REF_PROMPT, phase_env, run_child
 
 pytestmark = pytest.mark.gpu
 
@@ -57,7 +57,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "store_dir": str(store),
         "work_dir": str(work),
     }
-    save = run_child("save", opts, work, 300, env=_phase_env("save"))
+    save = run_child("save", opts, work, 300, env=phase_env("save"))
     assert "error" not in save and save["archive"]["published"], save.get("traceback", save)
     return {"store": store, "identity": save["archive"]["identity"], "reference": save["reference"]}
 

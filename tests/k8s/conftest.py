@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from fixtures_cluster import LocalCluster
 from operator_harness import install_crds
+from support.cluster import LocalCluster
 
 
 @pytest.fixture(scope="module")

@@ -24,17 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fixtures_cluster import REPO, LocalCluster, LocalMinio, wait_until
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from sa_identity import assert_no_forbidden, operator_kubeconfig
+from support.cluster import REPO, LocalCluster, LocalMinio, wait_until
 
 from ember.archive.bundle import write_archive
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import open_store
-from ember_bench.claims import fake_gpu_nodes, kubectl_apply
-from ember_bench.synthetic import synthetic_graphset, synthetic_images
 from ember_operator.api import ModelDeploymentSpec
+from ember_testing.cluster import fake_gpu_nodes, kubectl_apply
+from ember_testing.synthetic import synthetic_graphset, synthetic_images
 
 GROUP, VERSION = "ember.dev", "v1alpha1"
 CRD_FILES = sorted((REPO / "crds").glob("*.yaml"))

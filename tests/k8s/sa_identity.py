@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 import yaml
-from fixtures_cluster import ENV_FILE, REPO, LocalCluster, read_env_file
 from kubernetes import client
+from support.cluster import ENV_FILE, REPO, LocalCluster, read_env_file
 
 ENV_VAR = "EMBER_TEST_OPERATOR_KUBECONFIG"
 CHART = REPO / "charts" / "ember"

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from fixtures_cluster import LocalCluster, LocalMinio
 from kubernetes.client.exceptions import ApiException
 from operator_harness import Api, md_spec
+from support.cluster import LocalCluster, LocalMinio
 
 pytestmark = [pytest.mark.k8s, pytest.mark.s3]
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures_cluster import LocalCluster, LocalMinio
 from operator_harness import (
     Api,
     OperatorProcess,
@@ -33,8 +32,9 @@ from operator_harness import (
     wait_for,
     write_test_archive,
 )
+from support.cluster import LocalCluster, LocalMinio
 
-from ember_bench.claims import fake_gpu_nodes, kubectl_apply
+from ember_testing.cluster import fake_gpu_nodes, kubectl_apply
 
 pytestmark = [pytest.mark.k8s, pytest.mark.s3]
 WARM_CLASS = "ember-warm-test"  # the chart's ember-warm, as the tests make it

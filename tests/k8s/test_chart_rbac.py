@@ -10,8 +10,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from fixtures_cluster import LocalCluster
 from sa_identity import apply_docs, install, render, token_kubeconfig
+from support.cluster import LocalCluster
 
 pytestmark = pytest.mark.k8s
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures_cluster import ENV_FILE, REPO, LocalCluster, read_env_file
+from support.cluster import ENV_FILE, REPO, LocalCluster, read_env_file
 
 pytestmark = pytest.mark.k8s
 

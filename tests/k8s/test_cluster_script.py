@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from fixtures_cluster import CLUSTER_SH, LocalCluster
+from support.cluster import CLUSTER_SH, LocalCluster
 
 pytestmark = [pytest.mark.k8s]
 

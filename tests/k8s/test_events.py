@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import pytest
-from fixtures_cluster import LocalCluster
 from kubernetes import client, config
+from support.cluster import LocalCluster
 
 from ember import contract
 from ember_operator.conditions import Event

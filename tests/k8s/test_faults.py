@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures_cluster import REPO, LocalCluster, LocalMinio, wait_until
 from kubernetes import client
 from operator_harness import (
     Api,
@@ -49,9 +48,10 @@ from operator_harness import (
     write_test_archive,
 )
 from sa_identity import operator_kubeconfig
+from support.cluster import REPO, LocalCluster, LocalMinio, wait_until
 from test_operator_status import StoreLink
 
-from ember_bench.claims import _kubectl_bin, fake_gpu_nodes, kubectl_apply
+from ember_testing.cluster import fake_gpu_nodes, kubectl_apply, kubectl_bin
 
 pytestmark = [pytest.mark.k8s, pytest.mark.s3, pytest.mark.slow]
 
@@ -126,7 +126,7 @@ class OwnApiserver:
 
     def _ready(self) -> bool:
         assert self.proc is not None and self.proc.poll() is None, self.log.read_text()[-2000:]
-        out = subprocess.run([_kubectl_bin(), "--kubeconfig", str(self.kubeconfig), "get", "--raw",
+        out = subprocess.run([kubectl_bin(), "--kubeconfig", str(self.kubeconfig), "get", "--raw",
                               "/readyz"], capture_output=True, text=True, timeout=10)
         return out.returncode == 0
 

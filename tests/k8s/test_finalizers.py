@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 
 import pytest
-from fixtures_cluster import LocalCluster, LocalMinio
 from kubernetes.client.exceptions import ApiException
 from operator_harness import Api, OperatorProcess, md_spec, wait_for
+from support.cluster import LocalCluster, LocalMinio
 
 pytestmark = [pytest.mark.k8s, pytest.mark.s3]
 

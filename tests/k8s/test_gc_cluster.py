@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures_cluster import LocalCluster
+from support.cluster import LocalCluster
 from typer.testing import CliRunner
 
 from ember import contract
@@ -16,7 +16,7 @@ from ember.archive import bundle
 from ember.cli import app
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import LocalStore
-from ember_bench.synthetic import synthetic_graphset, synthetic_images
+from ember_testing.synthetic import synthetic_graphset, synthetic_images
 
 pytestmark = pytest.mark.k8s
 

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures_cluster import LocalCluster, LocalMinio
 from kubernetes import client
 from operator_harness import Api, OperatorProcess, md_spec, operator_env, wait_for, write_test_archive
+from support.cluster import LocalCluster, LocalMinio
 
 pytestmark = [pytest.mark.k8s, pytest.mark.s3]
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures_cluster import LocalCluster, LocalMinio
 from kubernetes import watch
 from operator_harness import (
     GROUP,
@@ -33,6 +32,7 @@ from operator_harness import (
     wait_for,
     write_test_archive,
 )
+from support.cluster import LocalCluster, LocalMinio
 
 pytestmark = [pytest.mark.k8s, pytest.mark.s3, pytest.mark.slow]
 
@@ -262,9 +262,9 @@ def test_examples_apply_and_become_ready(
 
     from ember.archive.bundle import write_archive
     from ember.store import open_store
-    from ember_bench.claims import kubectl_apply
-    from ember_bench.synthetic import synthetic_graphset, synthetic_images
     from ember_operator.api import GraphArchiveSpec
+    from ember_testing.cluster import kubectl_apply
+    from ember_testing.synthetic import synthetic_graphset, synthetic_images
 
     env = {**minio.env, "EMBER_OPERATOR_MANIFEST_GRACE_SECONDS": "60",
            "EMBER_OPERATOR_LOCAL_STORE_ROOT": str(tmp_path)}  # the local example's store

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures_cluster import LocalCluster, LocalMinio
 from kubernetes.client.exceptions import ApiException
 from operator_harness import Api, OperatorProcess, identity_of, md_spec, operator_env, phase, wait_for
+from support.cluster import LocalCluster, LocalMinio
 
 pytestmark = [pytest.mark.k8s, pytest.mark.s3]
 

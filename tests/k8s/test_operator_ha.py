@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures_cluster import LocalCluster, LocalMinio
 from kubernetes import client, config
 from operator_harness import Api, OperatorProcess, md_spec, phase, wait_for, write_test_archive
+from support.cluster import LocalCluster, LocalMinio
 
 from ember_operator.kube import Kube
 from ember_operator.leader import LeaderElector

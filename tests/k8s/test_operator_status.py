@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures_cluster import LocalCluster, LocalMinio
 from operator_harness import (
     Api,
     OperatorProcess,
@@ -30,6 +29,7 @@ from operator_harness import (
     wait_for,
     write_test_archive,
 )
+from support.cluster import LocalCluster, LocalMinio
 
 pytestmark = [pytest.mark.k8s, pytest.mark.s3]
 

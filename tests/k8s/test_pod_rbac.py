@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fixtures_cluster import LocalCluster
 from kubernetes import client
 from operator_harness import chart_objects, refusal, wait_for
+from support.cluster import LocalCluster
 
 pytestmark = [pytest.mark.k8s]
 SA = "ember-pod"

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures_cluster import LocalCluster, LocalMinio
 from operator_harness import identity_of, md_spec, operator_env, phase, wait_for, write_test_archive
 from sa_identity import (
     assert_no_forbidden,
@@ -29,6 +28,7 @@ from sa_identity import (
     render_rbac,
     token_kubeconfig,
 )
+from support.cluster import LocalCluster, LocalMinio
 
 pytestmark = [pytest.mark.k8s, pytest.mark.s3, pytest.mark.slow]
 

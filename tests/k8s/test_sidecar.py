@@ -26,15 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures_cluster import LocalCluster, LocalMinio, wait_until
 from kubernetes import client
+from support.cluster import LocalCluster, LocalMinio, wait_until
+from support.sidecar import ThrottledProxy
 
 from ember import handoff
 from ember.store import Store, open_store
-from ember_bench.fetch import sample_identity, write_blob_archive
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
-from sidecar_helpers import ThrottledProxy
+from ember_testing.archives import sample_identity, write_blob_archive
 
 pytestmark = [pytest.mark.k8s, pytest.mark.s3]
 

@@ -1,5 +1,5 @@
 """The sidecar against the API server and MinIO as its container runs it: UID 65532, every capability
-dropped, no_new_privs, `/` read-only except its run dir and /tmp (tests/sidecar/confine.py), and
+dropped, no_new_privs, `/` read-only except its run dir and /tmp (tests/support/confine.py), and
 the serving pods' own identity: a token of the chart's `ember-pod` ServiceAccount (pod-rbac.yaml,
 rendered by helm for the test namespace) instead of the admin kubeconfig. It still claims, fetches,
 verifies, hands off and writes the restore result on its pod."""
@@ -18,16 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures_cluster import LocalCluster, LocalMinio, wait_until
 from kubernetes import client
 from sa_identity import apply_docs, render, token_kubeconfig
+from support.cluster import LocalCluster, LocalMinio, wait_until
+from support.confine import UID, confined, sidecar_env, unshare_works
 
 from ember import handoff
 from ember.store import open_store
-from ember_bench.fetch import write_blob_archive
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
-from confine import UID, confined, sidecar_env, unshare_works
+from ember_testing.archives import write_blob_archive
 
 pytestmark = [pytest.mark.k8s, pytest.mark.s3,
               pytest.mark.skipif(not unshare_works(), reason="needs root and mount namespaces (unshare)")]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from fixtures_cluster import wait_until
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from support.cluster import wait_until
 
 pytestmark = pytest.mark.k8s
 

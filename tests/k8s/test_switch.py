@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures_cluster import LocalCluster, LocalMinio
 from kubernetes import client
 from operator_harness import (
     Api,
@@ -28,6 +27,7 @@ from operator_harness import (
     wait_for,
     write_test_archive,
 )
+from support.cluster import LocalCluster, LocalMinio
 
 pytestmark = [pytest.mark.k8s, pytest.mark.s3, pytest.mark.slow]
 

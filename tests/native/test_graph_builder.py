@@ -9,9 +9,9 @@ import json
 
 BUILD = """
 import numpy as np
-from ember.archive import graph_table as fmt
+from ember.archive import graph_table
 from ember.archive.graphs import NodeType
-from ember_bench.synthetic import synthetic_graphset
+from ember_testing.synthetic import synthetic_graphset
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.walk import ATTR_SIZES
 cuda.standin_graph_dump.restype = ctypes.c_size_t
@@ -22,7 +22,7 @@ class Events(dict):
         return 0xE0000 + i
 
 gs = synthetic_graphset(graphs=6, nodes=300, groups=3, child_graphs=False)
-table = fmt.decode(fmt.encode(gs))
+table = graph_table.decode(graph_table.encode(gs))
 functions = [0x7000 + k for k in range(len(table.kernels))]
 attrs = rebuild.AttrSets(table)
 
@@ -130,7 +130,7 @@ nodes = [Node(NodeType.EMPTY), Node(NodeType.MEMSET, MemsetParams(S, 0, 1, 4, 1,
          Node(NodeType.MEMSET, MemsetParams(0x600000000000, 0, 0, 4, 8, 1)),
          Node(NodeType.MEMSET, MemsetParams(S, 0, 2, 4, 1, 1)), Node(NodeType.EMPTY)]
 graph = Graph((8,), nodes, [Edge(0, 1), Edge(1, 2), Edge(2, 3), Edge(3, 4), Edge(0, 4)])
-t = fmt.decode(fmt.encode(GraphSet([graph], [], [])))
+t = graph_table.decode(graph_table.encode(GraphSet([graph], [], [])))
 prep = rebuild.prepare_from_table(t, 0, [], None, rebuild.AttrSets(t))
 mark_splices(prep, [(1, 0), (3, 1)])
 children = {0: 0xC0FFEE0, 1: 0xBEEF0}

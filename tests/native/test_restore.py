@@ -32,7 +32,7 @@ import pytest
 
 from ember.archive.graphs import NodeType
 from ember.runtime.graphs.walk import ATTR_SIZES
-from ember_bench.synthetic import synthetic_graphset
+from ember_testing.synthetic import synthetic_graphset
 
 GRAPHS, NODES, GROUPS = 6, 300, 3  # the graph set both processes build (deterministic)
 
@@ -41,9 +41,9 @@ GRAPHS, NODES, GROUPS = 6, 300, 3  # the graph set both processes build (determi
 # ---- the snippets' common part -------------------------------------------------------------------
 
 COMMON = f"""
-from ember.archive import graph_table as fmt
+from ember.archive import graph_table
 from ember.archive.graphs import GraphSet, KernelRef, NodeType
-from ember_bench.synthetic import synthetic_graphset
+from ember_testing.synthetic import synthetic_graphset
 from ember.identity import ArchiveIdentity
 from ember.runtime import compat, publish
 from ember.runtime.adapter import Refused
@@ -113,7 +113,7 @@ ip.capture_end()
 key = compat.current(ENGINE)
 if os.environ.get("TEST_FOREIGN_GPU") == "1":
     key = key.model_copy(update={"gpu_name": "NVIDIA H100 80GB HBM3"})
-arc = publish.ArchiveContent(IDENTITY, key, fmt.encode(gs), images, alloc_log=ip.export_alloc_log(),
+arc = publish.ArchiveContent(IDENTITY, key, graph_table.encode(gs), images, alloc_log=ip.export_alloc_log(),
                              attachments={"engine-files": b"EMBR" * 1000})
 publish.write(STORE, arc, gs)
 last_json({"identity": IDENTITY.hash(), "key": key.model_dump()})

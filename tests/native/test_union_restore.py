@@ -1,7 +1,7 @@
 """Union templates through a real LOAD (ArchiveRestore over libember and the stand-in driver).
 
 SAVE (EMBER_UNION_TEMPLATES=1) publishes Llama-like decode chains of several topologies
-(`ember_bench.synthetic.synthetic_chains`) with one union template. LOAD then:
+(`ember_testing.synthetic.synthetic_chains`) with one union template. LOAD then:
 - hands the library over with the first needed key on its own exec, then builds ONE template
   exec for all keys (where topology groups would need several);
 - switches it to each key: what a launch would run (the stand-in's exec dump: the enabled nodes
@@ -18,15 +18,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SIZES = (1, 2, 4, 8, 16, 32, 48, 64)  # four topologies (ember_bench.synthetic.synthetic_chains)
+SIZES = (1, 2, 4, 8, 16, 32, 48, 64)  # four topologies (ember_testing.synthetic.synthetic_chains)
 
 
 COMMON = f"""
-from ember.archive import graph_table as fmt
+from ember.archive import graph_table
 from ember.archive.graphs import GraphSet, KernelRef
 from ember.identity import ArchiveIdentity
 from ember.runtime import compat, publish
-from ember_bench.synthetic import synthetic_chains
+from ember_testing.synthetic import synthetic_chains
 for name in ("standin_execs_alive", "standin_exec_updates", "standin_enable_calls"):
     getattr(cuda, name).restype = ctypes.c_int
 for name in ("standin_graph_dump", "standin_exec_dump"):
@@ -70,10 +70,10 @@ model()
 ip.capture_begin()
 window()
 ip.capture_end()
-arc = publish.ArchiveContent(IDENTITY, compat.current(ENGINE), fmt.encode(gs), images,
+arc = publish.ArchiveContent(IDENTITY, compat.current(ENGINE), graph_table.encode(gs), images,
                              alloc_log=ip.export_alloc_log())
 publish.write(STORE, arc, gs)
-last_json({"unions": len(fmt.GraphTable(arc.graph_table).unions)})
+last_json({"unions": len(graph_table.GraphTable(arc.graph_table).unions)})
 """
 
 LOAD = COMMON + """

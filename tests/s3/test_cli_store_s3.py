@@ -15,7 +15,7 @@ from ember.archive import bundle
 from ember.cli import app
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import S3Store, open_store
-from ember_bench.synthetic import synthetic_graphset, synthetic_images
+from ember_testing.synthetic import synthetic_graphset, synthetic_images
 
 pytestmark = pytest.mark.s3
 

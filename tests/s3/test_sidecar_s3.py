@@ -3,25 +3,22 @@ a large blob, shared blobs fetched once, an outage mid-way through the archive."
 
 from __future__ import annotations
 
-import sys
 import threading
 import uuid
 from pathlib import Path
 
 import pytest
-from fixtures_cluster import LocalMinio
+from support.cluster import LocalMinio
+from support.sidecar import RecordingReporter, ThrottledProxy, sample, wait_for
 
 from ember import handoff
 from ember.store import open_store
-from ember_bench.fetch import sample_identity, write_blob_archive
 from ember_sidecar.claims import Claim
 from ember_sidecar.fetching import ArchiveCache, FetchFailed
 from ember_sidecar.metrics import Metrics
 from ember_sidecar.restoring import Restorer
 from ember_sidecar.settings import Settings
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
-from sidecar_helpers import RecordingReporter, ThrottledProxy, sample, wait_for
+from ember_testing.archives import sample_identity, write_blob_archive
 
 pytestmark = pytest.mark.s3
 

@@ -14,8 +14,8 @@ import pytest
 from ember.archive import bundle, signing
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import S3Store, open_store
-from ember_bench.synthetic import synthetic_graphset, synthetic_images
 from ember_sidecar.fetching import ArchiveCache, FetchFailed
+from ember_testing.synthetic import synthetic_graphset, synthetic_images
 
 pytestmark = pytest.mark.s3
 

@@ -21,8 +21,8 @@ from ember.archive.gc import unreferenced_blobs
 from ember.cli import app
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import BlobCorrupt, BlobMissing, S3Store, StoreUnavailable, open_manifest_uri, open_store
-from ember_bench.synthetic import synthetic_graphset, synthetic_images
 from ember_sidecar.fetching import ArchiveCache
+from ember_testing.synthetic import synthetic_graphset, synthetic_images
 
 pytestmark = pytest.mark.s3
 

@@ -1,5 +1,5 @@
 """The `ember-sidecar` process as its container runs it: UID 65532, no capabilities, no_new_privs,
-`/` read-only except the run dir and its /tmp (tests/sidecar/confine.py builds the mount namespace).
+`/` read-only except the run dir and its /tmp (tests/support/confine.py builds the mount namespace).
 Standalone mode against a local store here; tests/k8s/test_sidecar_nonroot.py claims through the
 API server and fetches from MinIO the same way."""
 
@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from confine import UID, confined, open_to_all, sidecar_env, unshare_works
-from sidecar_helpers import wait_for
+from support.confine import UID, confined, open_to_all, sidecar_env, unshare_works
+from support.sidecar import wait_for
 
 from ember import handoff
 from ember.store import LocalStore
-from ember_bench.fetch import write_blob_archive
+from ember_testing.archives import write_blob_archive
 
 pytestmark = pytest.mark.skipif(not unshare_works(), reason="needs root and mount namespaces (unshare)")
 

@@ -10,11 +10,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from sidecar_helpers import wait_for
+from support.sidecar import wait_for
 
 from ember import handoff
 from ember.store import LocalStore
-from ember_bench.fetch import write_blob_archive
+from ember_testing.archives import write_blob_archive
 
 
 def get(port: int, path: str) -> tuple[int, str]:

@@ -10,15 +10,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from sidecar_helpers import RecordingReporter, sample, wait_for
+from support.sidecar import RecordingReporter, sample, wait_for
 
 from ember import handoff
 from ember.store import LocalStore
-from ember_bench.fetch import sample_identity, write_blob_archive
 from ember_sidecar.claims import Claim
 from ember_sidecar.fetching import ArchiveCache, FetchFailed
 from ember_sidecar.metrics import Metrics
 from ember_sidecar.restoring import Restorer
+from ember_testing.archives import sample_identity, write_blob_archive
 
 SIZES = [4096, 200_000, 50_000, 1_000_000]
 
@@ -249,7 +249,7 @@ def test_truncated_blob_is_a_size_mismatch(store: LocalStore, tmp_path: Path) ->
 
 def test_bundle_archive_handed_off_and_opened_from_cache(store: LocalStore, tmp_path: Path) -> None:
     from ember.archive.bundle import open_archive, verify_archive
-    from ember_bench.fetch import write_bundle_archive
+    from ember_testing.archives import write_bundle_archive
 
     m = write_bundle_archive(store, 2.0)
     r, _, run_dir = make(tmp_path)

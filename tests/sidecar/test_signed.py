@@ -7,17 +7,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sidecar_helpers import RecordingReporter, sample, wait_for
+from support.sidecar import RecordingReporter, sample, wait_for
 
 from ember import handoff
 from ember.archive import bundle, signing
 from ember.store import LocalStore
-from ember_bench.fetch import write_bundle_archive
 from ember_sidecar.claims import Claim
 from ember_sidecar.fetching import ArchiveCache
 from ember_sidecar.metrics import Metrics
 from ember_sidecar.restoring import Restorer
 from ember_sidecar.settings import Settings
+from ember_testing.archives import write_bundle_archive
 
 KEY, OTHER = signing.Ed25519PrivateKey.generate(), signing.Ed25519PrivateKey.generate()
 

@@ -13,8 +13,8 @@ from ember.archive import manifest as mf
 from ember.cli import app
 from ember.identity import ArchiveIdentity, CompatKey, Parallelism
 from ember.store import LocalStore
-from ember_bench.synthetic import synthetic_graphset, synthetic_images
 from ember_sidecar.fetching import ArchiveCache
+from ember_testing.synthetic import synthetic_graphset, synthetic_images
 
 IDENTITY = ArchiveIdentity(model="test/llama-3-8b-shape", engine="transformers", engine_version="4.57.0",
                            capture_sizes=(1, 2, 3, 4, 5, 6), parallelism=Parallelism(expert=2))

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from ember.archive import graph_table as fmt
+from ember.archive import graph_table
 from ember.archive.graphs import (
     Edge,
     EventParams,
@@ -22,7 +22,7 @@ from ember.archive.graphs import (
     Node,
     NodeType,
 )
-from ember_bench.synthetic import synthetic_graphset
+from ember_testing.synthetic import synthetic_graphset
 
 
 def small_set() -> GraphSet:
@@ -59,10 +59,10 @@ def small_set() -> GraphSet:
 
 def test_round_trip_every_node_type_field_and_edge() -> None:
     gs = small_set()
-    table = fmt.GraphTable(fmt.encode(gs))
+    table = graph_table.GraphTable(graph_table.encode(gs))
     assert table.count == 2
     assert table.keys == [(1, 16), (2, -32)]
-    assert table.version == fmt.VERSION
+    assert table.version == graph_table.VERSION
     back = table.to_graphset()
     assert back.graphs == gs.graphs
     assert back.kernels == gs.kernels
@@ -75,8 +75,8 @@ def test_round_trip_every_node_type_field_and_edge() -> None:
 
 def test_synthetic_set_round_trips_and_shares_structure() -> None:
     gs = synthetic_graphset(graphs=12, nodes=150, groups=3)
-    blob = fmt.encode(gs)
-    table = fmt.GraphTable(blob)
+    blob = graph_table.encode(gs)
+    table = graph_table.GraphTable(blob)
     assert [g.members for g in table.groups] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
     for i in (0, 5, 11):
         assert table.graph(i) == gs.graphs[i]
@@ -92,7 +92,7 @@ def test_synthetic_set_round_trips_and_shares_structure() -> None:
 
 
 def test_open_decodes_no_chunk_until_asked() -> None:
-    table = fmt.GraphTable(fmt.encode(synthetic_graphset(graphs=6, nodes=80, groups=2)))
+    table = graph_table.GraphTable(graph_table.encode(synthetic_graphset(graphs=6, nodes=80, groups=2)))
     assert table._cache == {}
     _ = table.keys, table.groups, table.kernels, table.node_type_counts()
     assert table._cache == {}
@@ -110,7 +110,7 @@ def test_changed_nodes_finds_exactly_the_differing_params() -> None:
                            arg_offsets=p.arg_offsets, arg_sizes=p.arg_sizes, extra=p.extra, attrs=p.attrs)
     b.nodes[10] = Node(NodeType.KERNEL, changed)
     gs2 = GraphSet([a, b, gs.graphs[2]], gs.kernels, gs.function_attrs)
-    table = fmt.GraphTable(fmt.encode(gs2))
+    table = graph_table.GraphTable(graph_table.encode(gs2))
     assert table.changed_nodes(1, 0).tolist() == [10]
     assert table.changed_nodes(0, 0).tolist() == []
     # Graphs of different batch sizes differ where the synthetic set puts the batch.
@@ -130,8 +130,8 @@ def test_changed_nodes_finds_exactly_the_differing_params() -> None:
 def test_unrestorable_nodes_are_refused_by_name(bad: NodeType) -> None:
     gs = small_set()
     gs.graphs[0].nodes[4] = Node(bad)
-    with pytest.raises(fmt.UnsupportedNode) as err:
-        fmt.encode(gs)
+    with pytest.raises(graph_table.UnsupportedNode) as err:
+        graph_table.encode(gs)
     msg = str(err.value)
     assert "graph 0 (key (1, 16))" in msg and "node 4" in msg and bad.name in msg
 
@@ -141,106 +141,110 @@ def test_unrestorable_node_inside_a_child_graph_names_the_path() -> None:
     child = gs.graphs[0].nodes[9].params
     assert isinstance(child, Graph)
     child.nodes.append(Node(NodeType.HOST))
-    with pytest.raises(fmt.UnsupportedNode, match=r"node 9 \(child graph\) node 2: HOST"):
-        fmt.encode(gs)
+    with pytest.raises(graph_table.UnsupportedNode, match=r"node 9 \(child graph\) node 2: HOST"):
+        graph_table.encode(gs)
 
 
 def test_bad_graph_contents_are_refused() -> None:
     gs = small_set()
     gs.graphs[1].edges.append(Edge(0, 5))
-    with pytest.raises(fmt.FormatError, match="edge names a node outside"):
-        fmt.encode(gs)
+    with pytest.raises(graph_table.FormatError, match="edge names a node outside"):
+        graph_table.encode(gs)
     gs = small_set()
     gs.graphs[0].nodes[0].params.kernel = 7  # type: ignore[union-attr]
-    with pytest.raises(fmt.UnsupportedNode, match="kernel index 7"):
-        fmt.encode(gs)
+    with pytest.raises(graph_table.UnsupportedNode, match="kernel index 7"):
+        graph_table.encode(gs)
 
 
 def test_truncated_table_is_refused_with_a_clear_error() -> None:
-    blob = fmt.encode(small_set())
-    with pytest.raises(fmt.FormatError, match="truncated"):
-        fmt.GraphTable(blob[:20])
-    with pytest.raises(fmt.FormatError, match="truncated"):
-        fmt.GraphTable(blob[:-7])
+    blob = graph_table.encode(small_set())
+    with pytest.raises(graph_table.FormatError, match="truncated"):
+        graph_table.GraphTable(blob[:20])
+    with pytest.raises(graph_table.FormatError, match="truncated"):
+        graph_table.GraphTable(blob[:-7])
 
 
 def test_bit_flip_in_a_chunk_is_detected() -> None:
     gs = synthetic_graphset(graphs=4, nodes=60, groups=1)
-    blob = bytearray(fmt.encode(gs))
-    table = fmt.GraphTable(bytes(blob))
+    blob = bytearray(graph_table.encode(gs))
+    table = graph_table.GraphTable(bytes(blob))
     row = table.rows[2]
     pos = table._chunks_off + int(row["chunk_off"]) + int(row["chunk_len"]) // 2
     blob[pos] ^= 0x40
-    damaged = fmt.GraphTable(bytes(blob))
-    with pytest.raises(fmt.FormatError, match=r"graph \(3,\)"):
+    damaged = graph_table.GraphTable(bytes(blob))
+    with pytest.raises(graph_table.FormatError, match=r"graph \(3,\)"):
         damaged.graph(2)  # zstd's frame checksum or our structure checks catch it
 
 
 def test_foreign_magic_zstd_and_major_version_are_refused() -> None:
-    blob = fmt.encode(small_set())
-    with pytest.raises(fmt.FormatError, match="not an ember graph table"):
-        fmt.GraphTable(b"XXXX" + blob[4:])
-    with pytest.raises(fmt.FormatError, match="zstd frame"):
-        fmt.GraphTable(b"\x28\xb5\x2f\xfd" + blob[4:])
+    blob = graph_table.encode(small_set())
+    with pytest.raises(graph_table.FormatError, match="not an ember graph table"):
+        graph_table.GraphTable(b"XXXX" + blob[4:])
+    with pytest.raises(graph_table.FormatError, match="zstd frame"):
+        graph_table.GraphTable(b"\x28\xb5\x2f\xfd" + blob[4:])
     newer = bytearray(blob)
-    struct.pack_into("<H", newer, 4, fmt.MAJOR + 1)
-    with pytest.raises(fmt.FormatVersionError, match=r"format 2\.\d+ .*upgrade ember"):
-        fmt.GraphTable(bytes(newer))
+    struct.pack_into("<H", newer, 4, graph_table.MAJOR + 1)
+    with pytest.raises(graph_table.FormatVersionError, match=r"format 2\.\d+ .*upgrade ember"):
+        graph_table.GraphTable(bytes(newer))
 
 
 def test_newer_minor_with_extra_sections_and_wider_rows_is_read() -> None:
     """A minor version may append row fields and add sections; this reader keeps what it knows."""
     gs = small_set()
-    blob = fmt.encode(gs)
-    _minor, _flags, ioff, ilen, iraw, coff = fmt.read_header(blob)
+    blob = graph_table.encode(gs)
+    _minor, _flags, ioff, ilen, iraw, coff = graph_table.read_header(blob)
     import zstandard as zstd
 
     index = zstd.ZstdDecompressor().decompress(blob[ioff:ioff + ilen], max_output_size=iraw)
-    sections = fmt.unpack_container(index, fmt.INDEX_SECTIONS, "index")
+    sections = graph_table.unpack_container(index, graph_table.INDEX_SECTIONS, "index")
     # Rebuild the index with GRPH rows 8 bytes wider and an unknown section.
-    names = list(fmt.GRPH_DT.names)
+    names = list(graph_table.GRPH_DT.names)
     wide = np.dtype({"names": [*names, "future"],
-                     "formats": [fmt.GRPH_DT.fields[n][0] for n in names] + ["<u8"],
-                     "offsets": [fmt.GRPH_DT.fields[n][1] for n in names] + [fmt.GRPH_DT.itemsize],
-                     "itemsize": fmt.GRPH_DT.itemsize + 8})
+                     "formats": [graph_table.GRPH_DT.fields[n][0] for n in names] + ["<u8"],
+                     "offsets": [graph_table.GRPH_DT.fields[n][1] for n in names]
+                                + [graph_table.GRPH_DT.itemsize],
+                     "itemsize": graph_table.GRPH_DT.itemsize + 8})
     grph = np.zeros(len(sections[b"GRPH"]), dtype=wide)
-    for n in fmt.GRPH_DT.names:
+    for n in graph_table.GRPH_DT.names:
         grph[n] = sections[b"GRPH"][n]
     grph["future"] = 0xFEEDFACE
     parts = {sid: (np.array(v) if sid != b"GRPH" else grph) for sid, v in sections.items()}
     parts[b"ZZZZ"] = b"something a later minor adds"
-    new_index = fmt.pack_container(parts)
+    new_index = graph_table.pack_container(parts)
     frame = zstd.ZstdCompressor().compress(new_index)
     chunks = blob[coff:]
-    header = fmt.OUTER.pack(fmt.MAGIC, fmt.MAJOR, fmt.MINOR + 3, fmt.OUTER.size, 0, fmt.OUTER.size,
-                            len(frame), len(new_index), fmt.OUTER.size + len(frame))
-    table = fmt.GraphTable(header + frame + chunks)
-    assert table.version == f"{fmt.MAJOR}.{fmt.MINOR + 3}"
+    size = graph_table.OUTER.size
+    header = graph_table.OUTER.pack(graph_table.MAGIC, graph_table.MAJOR, graph_table.MINOR + 3, size, 0,
+                                    size, len(frame), len(new_index), size + len(frame))
+    table = graph_table.GraphTable(header + frame + chunks)
+    assert table.version == f"{graph_table.MAJOR}.{graph_table.MINOR + 3}"
     assert table.to_graphset().graphs == gs.graphs
 
 
 def test_index_pointing_outside_its_pools_is_refused() -> None:
     gs = small_set()
-    blob = fmt.encode(gs)
-    _minor, _flags, ioff, ilen, iraw, coff = fmt.read_header(blob)
+    blob = graph_table.encode(gs)
+    _minor, _flags, ioff, ilen, iraw, coff = graph_table.read_header(blob)
     import zstandard as zstd
 
     index = zstd.ZstdDecompressor().decompress(blob[ioff:ioff + ilen], max_output_size=iraw)
-    sections = {k: np.array(v) for k, v in fmt.unpack_container(index, fmt.INDEX_SECTIONS, "i").items()}
+    sections = {k: np.array(v)
+                for k, v in graph_table.unpack_container(index, graph_table.INDEX_SECTIONS, "i").items()}
     sections[b"GRPH"]["node_count"][0] = 10_000
-    new_index = fmt.pack_container(sections)
+    new_index = graph_table.pack_container(sections)
     frame = zstd.ZstdCompressor().compress(new_index)
-    header = fmt.OUTER.pack(fmt.MAGIC, fmt.MAJOR, fmt.MINOR, fmt.OUTER.size, 0, fmt.OUTER.size, len(frame),
-                            len(new_index), fmt.OUTER.size + len(frame))
-    with pytest.raises(fmt.FormatError, match="outside the key/node/edge pools"):
-        fmt.GraphTable(header + frame + blob[coff:])
+    size = graph_table.OUTER.size
+    header = graph_table.OUTER.pack(graph_table.MAGIC, graph_table.MAJOR, graph_table.MINOR, size, 0, size,
+                                    len(frame), len(new_index), size + len(frame))
+    with pytest.raises(graph_table.FormatError, match="outside the key/node/edge pools"):
+        graph_table.GraphTable(header + frame + blob[coff:])
 
 
 def test_open_is_cheap_for_many_graphs() -> None:
     """Loose check only; real numbers come from `ember bench parse` (ember_bench.parse.parse_ms_512)."""
-    blob = fmt.encode(synthetic_graphset(graphs=128, nodes=300, groups=4))
+    blob = graph_table.encode(synthetic_graphset(graphs=128, nodes=300, groups=4))
     t = time.perf_counter()
-    table = fmt.GraphTable(blob)
+    table = graph_table.GraphTable(blob)
     for g in table.groups:
         table.chunk(g.template)
     _ = table.keys
@@ -250,11 +254,11 @@ def test_open_is_cheap_for_many_graphs() -> None:
 
 
 def test_empty_sets_and_graphs_round_trip() -> None:
-    empty = fmt.GraphTable(fmt.encode(GraphSet([], [], [])))
+    empty = graph_table.GraphTable(graph_table.encode(GraphSet([], [], [])))
     assert (empty.count, empty.keys, empty.groups, empty.node_type_counts()) == (0, [], [], {})
     empty.validate()
     gs = GraphSet([Graph((1,), [], [])], [], [])
-    assert fmt.GraphTable(fmt.encode(gs)).to_graphset() == gs
+    assert graph_table.GraphTable(graph_table.encode(gs)).to_graphset() == gs
 
 
 @pytest.mark.parametrize("graph", [
@@ -264,5 +268,5 @@ def test_empty_sets_and_graphs_round_trip() -> None:
     Graph((1,), [Node(NodeType.MEMSET, MemsetParams(-1, 0, 0, 4, 1, 1))], []),
 ])
 def test_values_that_do_not_fit_their_field_are_refused(graph: Graph) -> None:
-    with pytest.raises(fmt.FormatError, match="does not fit"):
-        fmt.encode(GraphSet([graph], [KernelRef("a" * 64, "k")], []))
+    with pytest.raises(graph_table.FormatError, match="does not fit"):
+        graph_table.encode(GraphSet([graph], [KernelRef("a" * 64, "k")], []))

@@ -14,8 +14,8 @@ from ember.archive import bundle, signing
 from ember.cli import app
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import LocalStore
-from ember_bench.synthetic import synthetic_graphset, synthetic_images
 from ember_sidecar.fetching import ArchiveCache, FetchFailed
+from ember_testing.synthetic import synthetic_graphset, synthetic_images
 
 IDENTITY = ArchiveIdentity(model="ember-workload/test", engine="ember-decode", engine_version="0.1.0",
                            capture_sizes=(1, 2))

@@ -12,38 +12,38 @@ import pytest
 import zstandard as zstd
 from typer.testing import CliRunner
 
-from ember.archive import bundle, union
-from ember.archive import graph_table as fmt
+from ember.archive import bundle, graph_table, union
 from ember.archive.graphs import Edge, MemcpyParams, Node, NodeType
 from ember.archive.union import union_groups
 from ember.cli import app
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import LocalStore
-from ember_bench.synthetic import synthetic_chains, synthetic_graphset, synthetic_images
+from ember_testing.synthetic import synthetic_chains, synthetic_graphset, synthetic_images
 
 Change = Callable[[dict[bytes, np.ndarray]], None]
 MEMSETS_TOO = frozenset({NodeType.KERNEL, NodeType.MEMSET})  # EMBER_UNION_MEMSETS=1
 
 
-def rewrite_index(blob: bytes, change: Change, minor: int = fmt.MINOR) -> bytes:
+def rewrite_index(blob: bytes, change: Change, minor: int = graph_table.MINOR) -> bytes:
     """The table with its index sections changed by `change` (and the header's minor set)."""
-    _minor, _flags, ioff, ilen, iraw, coff = fmt.read_header(blob)
+    _minor, _flags, ioff, ilen, iraw, coff = graph_table.read_header(blob)
     index = zstd.ZstdDecompressor().decompress(blob[ioff:ioff + ilen], max_output_size=iraw)
-    sections = {k: np.array(v) for k, v in fmt.unpack_container(
-        index, fmt.INDEX_SECTIONS, "index", fmt.OPTIONAL_INDEX_SECTIONS).items()}
+    sections = {k: np.array(v) for k, v in graph_table.unpack_container(
+        index, graph_table.INDEX_SECTIONS, "index", graph_table.OPTIONAL_INDEX_SECTIONS).items()}
     change(sections)
-    new_index = fmt.pack_container(sections)
+    new_index = graph_table.pack_container(sections)
     frame = zstd.ZstdCompressor().compress(new_index)
-    header = fmt.OUTER.pack(fmt.MAGIC, fmt.MAJOR, minor, fmt.OUTER.size, 0, fmt.OUTER.size, len(frame),
-                            len(new_index), fmt.OUTER.size + len(frame))
+    size = graph_table.OUTER.size
+    header = graph_table.OUTER.pack(graph_table.MAGIC, graph_table.MAJOR, minor, size, 0, size, len(frame),
+                                    len(new_index), size + len(frame))
     return header + frame + blob[coff:]
 
 
 def test_unions_round_trip_beside_the_graphs_and_their_groups() -> None:
     gs = synthetic_chains()
     expected = union_groups(gs.graphs, gs.function_attrs)
-    plain = fmt.GraphTable(fmt.encode(gs, unions=False))
-    table = fmt.GraphTable(fmt.encode(gs, unions=True))
+    plain = graph_table.GraphTable(graph_table.encode(gs, unions=False))
+    table = graph_table.GraphTable(graph_table.encode(gs, unions=True))
     assert table.version == "1.1"
     assert table.to_graphset().graphs == gs.graphs  # the roots are untouched
     assert [g.members for g in table.groups] == [g.members for g in plain.groups]
@@ -61,16 +61,16 @@ def test_unions_round_trip_beside_the_graphs_and_their_groups() -> None:
 
 def test_graphs_outside_any_union_say_so() -> None:
     gs = synthetic_graphset(graphs=4, nodes=60, groups=2)  # not chains
-    table = fmt.GraphTable(fmt.encode(gs, unions=True))
+    table = graph_table.GraphTable(graph_table.encode(gs, unions=True))
     assert table.unions == [] and [table.union_of(i) for i in range(4)] == [-1] * 4
 
 
 def test_the_writer_writes_unions_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
     gs = synthetic_chains()
     monkeypatch.delenv("EMBER_UNION_TEMPLATES", raising=False)
-    assert len(fmt.GraphTable(fmt.encode(gs)).unions) == 1
+    assert len(graph_table.GraphTable(graph_table.encode(gs)).unions) == 1
     monkeypatch.setenv("EMBER_UNION_TEMPLATES", "0")
-    assert fmt.GraphTable(fmt.encode(gs)).unions == []
+    assert graph_table.GraphTable(graph_table.encode(gs)).unions == []
 
 
 def test_a_table_without_union_sections_reads_as_before() -> None:
@@ -78,16 +78,16 @@ def test_a_table_without_union_sections_reads_as_before() -> None:
     gs = synthetic_chains()
 
     def drop(sections: dict[bytes, np.ndarray]) -> None:
-        for sid in fmt.OPTIONAL_INDEX_SECTIONS:
+        for sid in graph_table.OPTIONAL_INDEX_SECTIONS:
             del sections[sid]
 
-    table = fmt.GraphTable(rewrite_index(fmt.encode(gs, unions=False), drop, minor=0))
+    table = graph_table.GraphTable(rewrite_index(graph_table.encode(gs, unions=False), drop, minor=0))
     assert table.version == "1.0" and table.unions == []
     assert table.to_graphset().graphs == gs.graphs
 
 
-def _damaged(change: Change) -> fmt.GraphTable:
-    return fmt.GraphTable(rewrite_index(fmt.encode(synthetic_chains(), unions=True), change))
+def _damaged(change: Change) -> graph_table.GraphTable:
+    return graph_table.GraphTable(rewrite_index(graph_table.encode(synthetic_chains(), unions=True), change))
 
 
 def _another_type(s: dict[bytes, np.ndarray]) -> None:
@@ -126,7 +126,7 @@ def _field(section: bytes, name: str, value: int) -> Change:
 )
 def test_damaged_union_sections_are_refused(change: Change, match: str) -> None:
     table = _damaged(change)
-    with pytest.raises(fmt.FormatError, match=match):
+    with pytest.raises(graph_table.FormatError, match=match):
         _ = table.unions
 
 
@@ -134,7 +134,7 @@ def test_a_union_that_leaves_a_memset_out_reads_it_as_a_placeholder() -> None:
     gs = synthetic_chains(sizes=(1, 24, 32))  # 24 zeroes a workspace (6,144 bytes) the others do not
     (u,) = union.union_groups(gs.graphs, gs.function_attrs, optional=MEMSETS_TOO)
     assert u.members == (0, 1, 2)
-    (info,) = fmt.GraphTable(fmt.encode(gs, unions=[u])).unions
+    (info,) = graph_table.GraphTable(graph_table.encode(gs, unions=[u])).unions
     memsets = [s for s in info.optional.tolist() if u.graph.nodes[s].type == NodeType.MEMSET]
     assert memsets and info.placeholders.tolist() == memsets
     assert info.scratch_bytes == 64 * 24 * 4
@@ -154,8 +154,8 @@ def test_a_memset_no_placeholder_can_stand_in_for_is_never_optional(
     assert all(1 not in u.members for u in ugs)  # the planner keeps it an anchor ...
     monkeypatch.setattr(union, "placeable", lambda node: True)  # ... and a forged union is refused
     (u,) = union.union_groups(gs.graphs, gs.function_attrs, optional=MEMSETS_TOO)
-    table = fmt.GraphTable(fmt.encode(gs, unions=[u]))
-    with pytest.raises(fmt.FormatError, match="no placeholder can stand in for"):
+    table = graph_table.GraphTable(graph_table.encode(gs, unions=[u]))
+    with pytest.raises(graph_table.FormatError, match="no placeholder can stand in for"):
         _ = table.unions
 
 
@@ -167,8 +167,8 @@ def test_a_union_that_leaves_a_memcpy_out_of_a_member_is_refused() -> None:
     g.edges[:] = [Edge(i, i + 1) for i in range(len(g.nodes) - 1)]
     memcpys_too = frozenset({NodeType.KERNEL, NodeType.MEMCPY})  # no policy writes that: a forgery
     (u,) = union.union_groups(gs.graphs, gs.function_attrs, optional=memcpys_too)
-    table = fmt.GraphTable(fmt.encode(gs, unions=[u]))
-    with pytest.raises(fmt.FormatError, match="leaves a memcpy node out"):
+    table = graph_table.GraphTable(graph_table.encode(gs, unions=[u]))
+    with pytest.raises(graph_table.FormatError, match="leaves a memcpy node out"):
         _ = table.unions
 
 
@@ -197,7 +197,7 @@ def test_the_manifest_lists_the_unions_and_verify_compares_them(
 
 def test_members_match_their_slots_and_a_mismatch_is_refused() -> None:
     gs = synthetic_chains()
-    table = fmt.GraphTable(fmt.encode(gs, unions=True))
+    table = graph_table.GraphTable(graph_table.encode(gs, unions=True))
     (u,) = table.unions
     for m in range(len(u.members)):
         table.check_union_member(u, m)  # every member as SAVE wrote it
@@ -206,6 +206,7 @@ def test_members_match_their_slots_and_a_mismatch_is_refused() -> None:
     gs2 = synthetic_chains()
     node = next(n for n in gs2.graphs[0].nodes if n.params.attrs)  # type: ignore[union-attr]
     node.params.attrs = {4: bytes(64)}  # type: ignore[union-attr]
-    forged = fmt.GraphTable(fmt.encode(gs2, unions=union_groups(gs.graphs, gs.function_attrs)))
-    with pytest.raises(fmt.FormatError, match="does not match its union slot"):
+    unions = union_groups(gs.graphs, gs.function_attrs)
+    forged = graph_table.GraphTable(graph_table.encode(gs2, unions=unions))
+    with pytest.raises(graph_table.FormatError, match="does not match its union slot"):
         forged.check_union_member(forged.unions[0], 0)

@@ -8,9 +8,9 @@ import time
 from ember_bench.correctness import (
     ARCHITECTURES,
     Lanes,
-    _decode_start,
-    _first_difference,
     all_cases,
+    decode_start,
+    first_difference,
     markdown,
 )
 
@@ -45,23 +45,23 @@ def _rank(rank: int, tokens: bool = True, outputs: int = 3, **extra: object) -> 
 
 
 def test_a_start_is_wrong_if_any_rank_differs() -> None:
-    assert _decode_start([_rank(0), _rank(1)])["verdict"] == "identical"
-    wrong = _decode_start([_rank(0), _rank(1, tokens=False)])
+    assert decode_start([_rank(0), _rank(1)])["verdict"] == "identical"
+    wrong = decode_start([_rank(0), _rank(1, tokens=False)])
     assert wrong["verdict"] == "wrong" and "rank 1" in wrong["why"]
-    assert _decode_start([_rank(0, outputs=2), _rank(1)])["verdict"] == "wrong"
+    assert decode_start([_rank(0, outputs=2), _rank(1)])["verdict"] == "wrong"
 
 
 def test_a_refusal_on_every_failing_rank_is_a_fallback_not_an_error() -> None:
     refused = {"rank": 1, "load_error": "refused: verify: canary differs: rank 1: ..."}
-    assert _decode_start([_rank(0), refused])["verdict"] == "fell back"
+    assert decode_start([_rank(0), refused])["verdict"] == "fell back"
     crashed = {"rank": 1, "load_error": "load rank 1 exited -11"}
-    assert _decode_start([_rank(0), crashed])["verdict"] == "error"
+    assert decode_start([_rank(0), crashed])["verdict"] == "error"
 
 
 def test_the_first_differing_token_is_named() -> None:
     ref = [[[1, 2, 3], [4, 5, 6]], [[7, 8]]]
     got = [[[1, 2, 3], [4, 5, 6]], [[7, 9]]]
-    assert _first_difference(ref, got) == "wave 1 prompt 0 token 1"
+    assert first_difference(ref, got) == "wave 1 prompt 0 token 1"
 
 
 def test_the_report_counts_wrong_starts_per_case() -> None:

@@ -68,7 +68,7 @@ def _fake(runs: dict[str, list[dict[str, Any]]]) -> Any:
 
 
 def test_medians_and_the_cold_difference(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(true_cost, "_run", _fake(RUNS))
+    monkeypatch.setattr(true_cost, "run_child", _fake(RUNS))
     out = true_cost.measure("file:///s", "h" * 64, {}, repeats=3)
     assert (out["warm_first_ms"], out["warm_ready_ms"], out["warm_all_ms"]) == (7, 30, 32)
     assert out["build_only_ms"] == 400 and out["cold_ready_ms"] == 700
@@ -97,14 +97,14 @@ def test_medians_and_the_cold_difference(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_a_failed_child_is_an_error_not_a_figure(monkeypatch: pytest.MonkeyPatch) -> None:
     runs = {**RUNS, "cold": [{"error": "exited 1", "stderr": "boom"}, *RUNS["cold"][1:]]}
-    monkeypatch.setattr(true_cost, "_run", _fake(runs))
+    monkeypatch.setattr(true_cost, "run_child", _fake(runs))
     out = true_cost.measure("file:///s", "h" * 64, {}, repeats=3)
     assert out["error"]["error"] == "exited 1"
     assert "cold_extra_ms" not in out and "warm_all_ms" not in out
 
 
 def test_the_true_cost_goals_read_the_medians_and_the_worst_p99(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(true_cost, "_run", _fake(RUNS))
+    monkeypatch.setattr(true_cost, "run_child", _fake(RUNS))
     g = true_cost.goals(true_cost.measure("file:///s", "h" * 64, {}, repeats=3))
     assert g["warm_every_key_own_exec<=150ms"] is True  # median 30 ms
     assert g["warm_first_key<=30ms"] is True and g["first_use_no_exec_update"] is True
@@ -115,7 +115,7 @@ def test_the_true_cost_goals_read_the_medians_and_the_worst_p99(monkeypatch: pyt
 
 
 def test_the_report_line_names_each_variant_and_its_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(true_cost, "_run", _fake(RUNS))
+    monkeypatch.setattr(true_cost, "run_child", _fake(RUNS))
     tc = true_cost.measure("file:///s", "h" * 64, {}, repeats=3)
     line = true_cost.report_line(
         {"workload": "llama3-8b", "true_cost": tc, "native_over_warm_load": 5.0,
@@ -138,7 +138,7 @@ def test_the_cold_difference_with_each_runs_torch_import_taken_out(monkeypatch: 
     timed = {role: [{**r, "torch_import_ms": t} for r, t in zip(RUNS[role], imports[role], strict=True)]
              for role in imports}
     runs = {**RUNS, **timed}
-    monkeypatch.setattr(true_cost, "_run", _fake(runs))
+    monkeypatch.setattr(true_cost, "run_child", _fake(runs))
     tc = true_cost.measure("file:///s", "h" * 64, {}, repeats=3)
     assert tc["cold_extra_ms"] == 300  # unchanged: medians of whole runs
     assert tc["build_less_import_range_ms"] == [300, 300]
@@ -148,5 +148,5 @@ def test_the_cold_difference_with_each_runs_torch_import_taken_out(monkeypatch: 
                                   "native_over_cold_load": 9.0, "load_ms": 10.8})
     assert ("LOAD adds 300 ms (200 ms with each run's torch import taken out, bare builds then "
             "300-300 ms) (its build ends") in line
-    monkeypatch.setattr(true_cost, "_run", _fake(RUNS))  # children that did not time it: no such figure
+    monkeypatch.setattr(true_cost, "run_child", _fake(RUNS))  # children that did not time it: no such figure
     assert "cold_extra_less_import_ms" not in true_cost.measure("file:///s", "h" * 64, {}, repeats=3)

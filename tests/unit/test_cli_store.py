@@ -17,7 +17,7 @@ from ember.archive.gc import plan_gc
 from ember.cli import app
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import LocalStore
-from ember_bench.synthetic import synthetic_graphset, synthetic_images
+from ember_testing.synthetic import synthetic_graphset, synthetic_images
 
 A = ArchiveIdentity(model="test/a", engine="transformers", engine_version="4.57.0", capture_sizes=(1, 2, 4))
 B = A.model_copy(update={"model": "test/b"})

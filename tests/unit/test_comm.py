@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("cuda.bindings")
 
 from ember import native
-from ember.archive import graph_table as fmt
+from ember.archive import graph_table
 from ember.archive.graphs import Edge, Graph, GraphSet, MemsetParams, Node, NodeType
 from ember.engines.decode.parallel import Parallel
 from ember.runtime import comm, session
@@ -103,7 +103,7 @@ def test_placeholder_inside_a_child_graph_is_refused() -> None:
 
 def test_splices_replace_placeholders_on_both_preparation_paths() -> None:
     gs, t = _table()
-    table = fmt.decode(fmt.encode(gs))
+    table = graph_table.decode(graph_table.encode(gs))
     fast = rebuild.prepare_from_table(table, 1, [], None, rebuild.AttrSets(table))
     slow = rebuild.prepare(gs.graphs[1], [], None)
     for prep in (fast, slow):

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from gpu_gate import REQUIRE_GPU_ENV, gpu_available
+from support.gpu_gate import REQUIRE_GPU_ENV, gpu_available
 
 ROOT = Path(__file__).resolve().parents[2]
 

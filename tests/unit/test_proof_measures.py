@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ember.archive.graphs import Edge, Graph, GraphSet, KernelParams, KernelRef, Node, NodeType
 from ember.runtime.proof import measures as pm
-from ember_bench.graphs import _outputs_goal, _tokens_goal, token_verdicts
+from ember_bench.graphs import outputs_goal, token_verdicts, tokens_goal
 
 
 def test_programmatic_edge_rebuilt_as_default_is_a_difference() -> None:
@@ -78,7 +78,7 @@ def _runs(native: str, again: str, save: str, loaded: str) -> tuple[dict, dict]:
 
 def _verdict(*shas: str) -> tuple[dict, bool | None]:
     r = token_verdicts(*_runs(*shas))
-    return r, _tokens_goal(r)
+    return r, tokens_goal(r)
 
 
 def test_tokens_identical_when_all_agree() -> None:
@@ -102,14 +102,14 @@ def test_native_not_reproducible_is_not_a_restore_verdict() -> None:
 
 def test_outputs_goal_fails_on_restored_differences_native_does_not_have() -> None:
     rep = {"graphs": 67, "identical": 33, "differ": ["136", "144"]}
-    assert _outputs_goal({"outputs_identical_vs_save": rep,
+    assert outputs_goal({"outputs_identical_vs_save": rep,
                           "outputs_control_native_vs_save": {"identical": 67, "differ": []}}) is False
     # where two native processes disagree on a key, a restored difference there is no verdict
     rep = {"graphs": 67, "identical": 65, "differ": ["40", "200"]}
     control = {"identical": 65, "differ": ["40", "200"]}
     r = {"outputs_identical_vs_save": rep, "outputs_control_native_vs_save": control}
-    assert _outputs_goal(r) is True
-    assert _outputs_goal({}) is None
+    assert outputs_goal(r) is True
+    assert outputs_goal({}) is None
 
 
 def test_proof_facts_are_json_safe() -> None:
@@ -123,7 +123,7 @@ def test_proof_facts_are_json_safe() -> None:
 
 
 def test_load_stages_line_names_the_critical_path_the_background_and_the_controls() -> None:
-    from ember_bench.graphs import _stages
+    from ember_bench.graphs import stages_cell
 
     r = {
         "load_timings": {"read_ms": 5.2, "replay_window_ms": 0.3, "join_ms": 0.02,
@@ -133,7 +133,7 @@ def test_load_stages_line_names_the_critical_path_the_background_and_the_control
         "tpot_reinstantiated_ms": {"64": 12.25},
         "cold_start_s": {"native": 11.61, "restored": 6.27, "native_build_s": 4.74, "restored_build_s": 6.26},
     }
-    line = _stages(r)
+    line = stages_cell(r)
     assert line.startswith("read 5, replay_window 0, join 0, reconstruct 5286, templates 2708")
     assert "threads" not in line  # counts are not stages
     assert "captured graphs (libember memory) 9.500 (1)" in line
@@ -142,13 +142,13 @@ def test_load_stages_line_names_the_critical_path_the_background_and_the_control
     assert "cold start native 11.61 s (build 4.74) vs restored 6.27 s (build 6.26)" in line
     assert "redone after the replay" not in line
     r["load_timings"]["background_error"] = "CudaError: cuGraphInstantiate"
-    assert "background build refused, redone after the replay: CudaError" in _stages(r)
+    assert "background build refused, redone after the replay: CudaError" in stages_cell(r)
 
 
 def test_the_report_names_unions_and_the_topology_groups_they_replace() -> None:
-    from ember_bench.graphs import _groups
+    from ember_bench.graphs import groups_cell
 
-    assert _groups({"groups": 26, "union_templates": 2, "topology_groups": 32}) == (
+    assert groups_cell({"groups": 26, "union_templates": 2, "topology_groups": 32}) == (
         "26 (2 unions; 32 topology groups)")
-    assert _groups({"groups": 32, "union_templates": 0, "topology_groups": 32}) == "32"
-    assert _groups({"groups": 25}) == "25"  # a report from before unions
+    assert groups_cell({"groups": 32, "union_templates": 0, "topology_groups": 32}) == "32"
+    assert groups_cell({"groups": 25}) == "25"  # a report from before unions

@@ -9,13 +9,12 @@ import pytest
 
 pytest.importorskip("cuda.bindings")
 
-from ember.archive import bundle
-from ember.archive import graph_table as fmt
+from ember.archive import bundle, graph_table
 from ember.archive.graphs import GraphSet, KernelRef, NodeType
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.runtime import compat, publish
 from ember.store import open_store
-from ember_bench.synthetic import synthetic_graphset, synthetic_images
+from ember_testing.synthetic import synthetic_graphset, synthetic_images
 
 
 def _archive() -> tuple[publish.ArchiveContent, object]:
@@ -37,7 +36,7 @@ def _archive() -> tuple[publish.ArchiveContent, object]:
     arc = publish.ArchiveContent(
         ident,
         key,
-        fmt.encode(gs),
+        graph_table.encode(gs),
         images,
         alloc_log=b"ember-alloclog 1\n",
         rng_state=b"\1" * 16,
@@ -69,7 +68,7 @@ def test_the_proven_table_is_published_as_is(tmp_path: Path, monkeypatch: pytest
     def encode(*_: object, **__: object) -> bytes:
         raise AssertionError("publishing encoded the graph table again")
 
-    monkeypatch.setattr(fmt, "encode", encode)
+    monkeypatch.setattr(graph_table, "encode", encode)
     publish.write(tmp_path.as_uri(), arc, gs)
     archive = publish.open_archive(tmp_path.as_uri(), arc.identity.hash())
     assert archive.blob_bytes(archive.manifest.graphs.table) == arc.graph_table

@@ -12,12 +12,12 @@ import pytest
 
 pytest.importorskip("cuda.bindings")
 
-from ember.archive import graph_table as fmt
+from ember.archive import graph_table
 from ember.archive.graphs import Edge, Graph, GraphSet, KernelParams, KernelRef, Node, NodeType
 from ember.runtime.graphs import build_graph, rebuild
 from ember.runtime.graphs.prepared import OP_KERNEL
 from ember.runtime.graphs.walk import KERNEL_PARAMS
-from ember_bench.synthetic import synthetic_graphset
+from ember_testing.synthetic import synthetic_graphset
 
 
 def _kernel_struct(op: tuple) -> tuple:
@@ -118,7 +118,7 @@ def _summary(prep: rebuild.PreparedGraph) -> list:
 
 def test_table_fast_path_matches_object_path() -> None:
     gs = synthetic_graphset(graphs=5, nodes=240, groups=2)
-    table = fmt.decode(fmt.encode(gs))
+    table = graph_table.decode(graph_table.encode(gs))
     functions = [0x7000 + 16 * i for i in range(len(table.kernels))]
     sets = rebuild.AttrSets(table)
     for i in range(table.count):
@@ -139,7 +139,7 @@ def test_graphset_round_trip_keeps_what_rebuild_needs() -> None:
         attrs={8: bytes([1]) + bytes(63)},
     )
     gs = GraphSet([_graph([p, p], [Edge(0, 1, 1, 0, 1)])], [KernelRef("ab" * 8, "k")], [])
-    table = fmt.decode(fmt.encode(gs))
+    table = graph_table.decode(graph_table.encode(gs))
     assert _summary(rebuild.prepare(table.graph(0), [0x10], None)) == _summary(
         rebuild.prepare(gs.graphs[0], [0x10], None)
     )

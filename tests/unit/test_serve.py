@@ -346,7 +346,7 @@ def _sidecar_ready(run_dir: Path) -> tuple[int, str]:
 @pytest.mark.parametrize("corrupt", [False, True])
 def test_with_standalone_sidecar(tmp_path: Path, corrupt: bool) -> None:
     from ember.store import LocalStore
-    from ember_bench.fetch import write_blob_archive
+    from ember_testing.archives import write_blob_archive
 
     store = LocalStore(tmp_path / "store")
     m = write_blob_archive(store, [4096, 70_000])

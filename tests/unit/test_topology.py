@@ -117,7 +117,7 @@ def test_why_apart_names_the_first_difference_and_nothing_inside_a_group() -> No
 
 def test_signature_bytes_are_stable() -> None:
     """Archives store group signatures: the encoding must not drift (bump SIGNATURE_VERSION)."""
-    from ember_bench.synthetic import synthetic_graphset
+    from ember_testing.synthetic import synthetic_graphset
 
     gs = synthetic_graphset(graphs=12, nodes=300, groups=4, child_graphs=False)
     assert signature(gs.graphs[0], gs.function_attrs) == (

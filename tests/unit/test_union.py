@@ -12,7 +12,7 @@ import pytest
 from ember.archive.graphs import Edge, EventParams, Graph, Node, NodeType
 from ember.archive.topology import group_graphs, node_class
 from ember.archive.union import anchored_supersequence, not_a_chain, supersequence, union_groups
-from ember_bench.synthetic import synthetic_chains, synthetic_graphset
+from ember_testing.synthetic import synthetic_chains, synthetic_graphset
 
 
 def lcs_length(a: list[int], b: list[int]) -> int:
@@ -225,14 +225,8 @@ def test_the_merge_order_puts_the_first_needed_members_nodes_first() -> None:
 
 
 def test_the_what_if_diag_counts_templates_per_policy() -> None:
-    import importlib.util
-    from pathlib import Path
+    from ember_bench import union_whatif as whatif
 
-    path = Path(__file__).parents[2] / "benchmarks" / "diag" / "union_whatif.py"
-    spec = importlib.util.spec_from_file_location("union_whatif", path)
-    assert spec is not None and spec.loader is not None
-    whatif = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(whatif)
     # 24 zeroes a workspace the others do not; 48 and 64 have programmatic edges
     gs = with_pdl(synthetic_chains(sizes=(1, 8, 24, 32, 48, 64)), {"qkv": lambda b: b >= 48})
     groups = len(group_graphs(gs.graphs, gs.function_attrs))

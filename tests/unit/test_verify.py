@@ -56,6 +56,7 @@ def test_the_canary_compares_both_paths_bitwise(wrong_at: str, why: str) -> None
     assert e.resets >= 3  # every step from the same state
     if not wrong_at:
         assert r["checked"] == ["template", "exec update"]
+        assert set(r["parts_ms"]) == {"reference", "template", "exec update", "reset"}  # where the time went
 
 
 def test_the_own_exec_is_checked_too_and_a_lone_template_skips_the_update() -> None:

@@ -152,7 +152,7 @@ def _archive_with_caches(tmp_path: Path) -> Path:
     from ember.archive import bundle
     from ember.identity import ArchiveIdentity, CompatKey
     from ember.store import LocalStore
-    from ember_bench.synthetic import synthetic_graphset, synthetic_images
+    from ember_testing.synthetic import synthetic_graphset, synthetic_images
 
     _tree(tmp_path / "save")
     packed = compile_cache.pack(tmp_path / "save")

@@ -1,9 +1,9 @@
 """Where a template switch goes: how many nodes differ between two graphs of a group, and what
 setting only those on the exec costs next to cuGraphExecUpdate of the whole graph.
 
-    gcc -O2 -shared -fPIC -I<cuda.h dir> benchmarks/diag/diag_switch_set.c -o /tmp/dss.so -ldl
+    gcc -O2 -shared -fPIC -I<cuda.h dir> benchmarks/results/diag/diag_switch_set.c -o /tmp/dss.so -ldl
     LD_PRELOAD=$EMBER_LIB EMBER_MODE=load EMBER_ARM=manual \
-        python benchmarks/diag/diag_switch.py STORE IDENTITY OUT.json /tmp/dss.so
+        python benchmarks/results/diag/diag_switch.py STORE IDENTITY OUT.json /tmp/dss.so
 
 For each group with more than one member and each switch a -> b in member order: nodes, changed
 nodes (GraphTable.changed_nodes), cuGraphExecUpdate ms, the node-by-node set of the changed nodes

@@ -1,7 +1,7 @@
 """Diagnose union members whose outputs differ through the union template (run in save mode).
 
     LD_PRELOAD=$EMBER_LIB EMBER_MODE=save EMBER_ARM=manual \
-        python3 benchmarks/diag/diag_union_members.py [sizes] [--out=FILE] [--memsets-optional]
+        python3 benchmarks/results/diag/diag_union_members.py [sizes] [--out=FILE] [--memsets-optional]
 
 Captures the eager Llama-3-8B shape at `sizes` (default: all 67), builds the union templates SAVE
 would write, and launches every member through its union exec in key order, as SAVE's proof
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 from cuda.bindings import driver as cu
-from diag_restore import captured_graph_set  # run from benchmarks/diag: its siblings import
+from diag_restore import captured_graph_set  # run from benchmarks/results/diag: its siblings import
 
 from ember.archive import graph_table as fmt
 from ember.archive import union

@@ -2,7 +2,7 @@
 one-rank NCCL communicator, N distinct all-reduces captured one by one, each phase timed
 (cuStreamBeginCapture, the NCCL call, cuStreamEndCapture), then the same N in ONE capture.
 
-    python benchmarks/diag/diag_splice.py [N]      (GPU; prints JSON)
+    python benchmarks/results/diag/diag_splice.py [N]      (GPU; prints JSON)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Diagnose a failed proof: which graphs differ, and why (run under libember in save mode).
 
-    LD_PRELOAD=$EMBER_LIB EMBER_MODE=save EMBER_ARM=manual python3 benchmarks/diag/diag_restore.py [sizes]
+    LD_PRELOAD=$EMBER_LIB EMBER_MODE=save EMBER_ARM=manual python3 benchmarks/results/diag/diag_restore.py [sizes]
 
 Per graph key: is the NATIVE graph deterministic (two replays from one state), and does a
 rebuilt graph match it with (a) the captured function handles, (b) libember's catalog

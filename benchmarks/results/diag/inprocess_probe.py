@@ -4,7 +4,7 @@ Prints one JSON object: capture, walk, proof and template-build timings, exec-up
 times, TPOT native vs restored and token identity. Used before the cross-process path exists;
 `ember bench graphs` is the real benchmark.
 
-    python benchmarks/diag/inprocess_probe.py llama3-8b [--layers N] [--sizes all|small]
+    python benchmarks/results/diag/inprocess_probe.py llama3-8b [--layers N] [--sizes all|small]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-/* Diagnostic helper for benchmarks/diag/diag_switch.py: set node params on an exec, node by node.
+/* Diagnostic helper for benchmarks/results/diag/diag_switch.py: set node params on an exec, node by node.
  * Build: gcc -O2 -shared -fPIC -I<dir of cuda.h> diag_switch_set.c -o diag_switch_set.so -ldl
  * set_nodes(exec, dst, src, types, n, ctx, times): for i < n, copy the params of node src[i]
  * (a node of another graph of the same topology) onto exec's node dst[i]; kernel, memset and

@@ -5,7 +5,7 @@ each policy below, next to the unions the archive holds. A template is a union o
 group with a member outside every union. For each policy it lists the unions (members' keys,
 length, optional slots, programmatic edges kept) and why the graphs left out are not chains.
 
-    python benchmarks/diag/union_whatif.py STORE_URI [IDENTITY] [--out FILE.json]
+    python -m ember_bench.union_whatif STORE_URI [IDENTITY] [--out FILE.json]
 
 Policies: `default` (what SAVE writes now), `programmatic` (EMBER_UNION_PROGRAMMATIC=1),
 `programmatic, growth 2.0`, and `programmatic, memsets`: EMBER_UNION_MEMSETS=1 too, a member

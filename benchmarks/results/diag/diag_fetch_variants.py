@@ -3,7 +3,7 @@ one transfer manager with the sidecar's in-order hashing writer, the same withou
 (non-seekable and seekable targets), hashing on a separate thread, and boto3's download_file
 per blob. Runs interleaved; prints median and best seconds per variant.
 
-    python3 benchmarks/diag/diag_fetch_variants.py [runs]
+    python3 benchmarks/results/diag/diag_fetch_variants.py [runs]
 """
 
 import hashlib
@@ -24,8 +24,9 @@ from s3transfer.manager import TransferManager
 from s3transfer.subscribers import BaseSubscriber
 
 from ember.store import HashingWriter, open_store
-from ember_bench.fetch import _find_minio_env, sample_identity, write_bundle_archive
 from ember_sidecar.s3fetch import _ProvideSize
+from ember_testing.archives import sample_identity, write_bundle_archive
+from ember_testing.cluster import e2e_env as _find_minio_env
 
 env = _find_minio_env()
 os.environ.update(env)

@@ -1,6 +1,6 @@
 """Why are native Llama-3-8B decode graphs not bit-stable at 32 layers? (pure torch, no libember)
 
-    python3 benchmarks/diag/diag_depth.py [sizes] [layer counts] [probed sizes]  # default: 1,24,64  8,32
+    python3 benchmarks/results/diag/diag_depth.py [sizes] [layer counts] [probed sizes]  # default: 1,24,64  8,32
 
 One model is built; for each layer count the first L layers are captured (own pool, shared
 by the sizes, like an engine) and each hypothesis is tested on its own:

@@ -1,6 +1,6 @@
 """Where do the first key's image loads go: is cuLibraryLoadData size-bound, do loaders scale?
 
-    python benchmarks/diag/diag_image_loads.py STORE --threads 1,4,16,4e --out DIR   (4e: EAGER loading)
+    python benchmarks/results/diag/diag_image_loads.py STORE --threads 1,4,16,4e --out DIR   (4e: EAGER loading)
 
 For the one archive in STORE (e.g. the store `ember bench graphs --store` saved into), per loader
 thread count, one fresh process under libember in load mode (EMBER_LOADER_THREADS=n): every image

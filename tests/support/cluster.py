@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
 import subprocess
 import time
 import uuid
@@ -21,12 +20,13 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+# ENV_FILE: e2e/.work/env, or $EMBER_E2E_WORK/env (the scripts honour it too).
+from ember_testing.cluster import ENV_FILE, read_env_file
+
+REPO = Path(__file__).resolve().parents[2]
 E2E = REPO / "e2e"
 CLUSTER_SH = E2E / "cluster.sh"
 BUILD_SH = E2E / "build.sh"
-# EMBER_E2E_WORK moves e2e/.work (the scripts honour it too), e.g. for a second cluster.
-ENV_FILE = Path(os.environ.get("EMBER_E2E_WORK", E2E / ".work")) / "env"
 
 
 def in_ci() -> bool:
@@ -35,20 +35,6 @@ def in_ci() -> bool:
 
 # Under CI `up` may include the cold Go builds.
 UP_TIMEOUT_S = 3600 if in_ci() else 600
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    """Parse the `export KEY=VALUE` lines that cluster.sh writes."""
-    env: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        line = line.removeprefix("export ")
-        key, sep, value = line.partition("=")
-        if sep:
-            env[key] = shlex.split(value)[0] if value else ""
-    return env
 
 
 def wait_until(

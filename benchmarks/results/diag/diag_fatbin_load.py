@@ -1,6 +1,6 @@
 """What does cuLibraryLoadData pay for in a fatbin: every architecture's entry, or only this GPU's?
 
-    python benchmarks/diag/diag_fatbin_load.py STORE --out DIR --tag H100
+    python benchmarks/results/diag/diag_fatbin_load.py STORE --out DIR --tag H100
 
 For the one archive in STORE, each fatbin image is cut three ways, and each way is loaded in its
 own fresh process (plain driver through ctypes, no libember, default lazy module loading):

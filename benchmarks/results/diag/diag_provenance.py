@@ -15,7 +15,7 @@ the functions' provenance is. Each variant's step is also profiled (kernel time 
 variant's CUgraph instantiated here (`instantiate_ms`): whether LOAD's ~16 ms a graph is the
 driver's cost for any graph of that size or something of the restored graph's.
 
-    EMBER_MODE=load LD_PRELOAD=libember.so python benchmarks/diag/diag_provenance.py STORE IDENTITY
+    EMBER_MODE=load LD_PRELOAD=libember.so python benchmarks/results/diag/diag_provenance.py STORE IDENTITY
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 from cuda.bindings import driver as cu
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/
 from ember.engines.decode.adapter import load_workload
 from ember.runtime.graphs.driver import OK, torch_stream_handle
 from ember.runtime.graphs.kernels import LiveResolver

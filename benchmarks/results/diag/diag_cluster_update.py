@@ -5,7 +5,7 @@ Llama-3-8B shape's 24 splits). Merging those groups is only safe if an exec upda
 new cluster dimension. This builds one-node graphs of a kernel that writes the size of the
 cluster it ran in, instantiates one, updates it to the other and reads what the kernel saw.
 
-    python benchmarks/diag/diag_cluster_update.py --out DIR      (needs nvcc and an sm_90 GPU)
+    python benchmarks/results/diag/diag_cluster_update.py --out DIR      (needs nvcc and an sm_90 GPU)
 
 Each case: the update's CUresult and CUgraphExecUpdateResult, and the cluster size the kernel
 reported after the update (the new one if applied, the old one if stale).

@@ -14,7 +14,7 @@ supersequence); a key runs on it with the nodes it does not have disabled
   element size 1 and width 4 inside a Llama graph still wrote (diag_union_members.py), while
   element size 4, width 1 here was inert.
 
-    python benchmarks/diag/diag_union.py --out DIR      (needs nvcc and an sm_90 GPU)
+    python benchmarks/results/diag/diag_union.py --out DIR      (needs nvcc and an sm_90 GPU)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from cuda.bindings import driver as cu
-from diag_cluster_update import kernel  # run from benchmarks/diag: its siblings import
+from diag_cluster_update import kernel  # run from benchmarks/results/diag: its siblings import
 
 SRC = r"""
 extern "C" __global__ void step(unsigned* out, unsigned v) {

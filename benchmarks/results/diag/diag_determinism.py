@@ -1,7 +1,7 @@
 """Are the CAPTURED graphs bit-stable on their own? (no libember; one process per mode)
 
-    python3 benchmarks/diag/diag_determinism.py [sizes] [layers]          # default torch settings
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 DIAG_DET=1 python3 benchmarks/diag/diag_determinism.py ...
+    python3 benchmarks/results/diag/diag_determinism.py [sizes] [layers]          # default torch settings
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 DIAG_DET=1 python3 benchmarks/results/diag/diag_determinism.py ...
 
 Per size: capture natively, replay REPEATS times from one state (ids, pos, step and the KV
 cache restored), compare logits/tokens bitwise (max |diff| where not). For an unstable size, the

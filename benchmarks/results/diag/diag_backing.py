@@ -15,7 +15,7 @@ in different backings, interleaved over rounds (clocks drift), best round kept:
 - `vmm:<piece>`: one reserved VA range (1 GiB aligned) mapped in pieces of that size;
 - `vmm:one`: the whole range in one piece (what LOAD's premap does).
 
-    python benchmarks/diag/diag_backing.py --gib 16 --out result.json
+    python benchmarks/results/diag/diag_backing.py --gib 16 --out result.json
 
 H100 result: every backing within 0.7 % (benchmarks/results/diag-backing-H100-20261125.json), so
 the backing is not why restored steps ran faster (benchmarks/results/tpot-explained-*.md).

@@ -1,7 +1,7 @@
 """Why does a restored graph's token output differ from the argmax of its own logits? (LOAD side)
 
     LD_PRELOAD=$EMBER_LIB EMBER_MODE=load EMBER_ARM=manual \\
-        python3 benchmarks/diag/diag_load_order.py STORE [key]
+        python3 benchmarks/results/diag/diag_load_order.py STORE [key]
 
 For one key (default 136) of a LOADed llama3-8b archive: which rows are wrong; does it depend on
 the graph replayed before it (cross-graph memory); does zeroing or poisoning one window

@@ -11,7 +11,7 @@ with, per thread:
   runs again (p50/p99/max, while the build runs and after) is how long a thread that dropped the
   GIL waits to get it back.
 
-    EMBER_MODE=load LD_PRELOAD=libember.so python benchmarks/diag/diag_cold_contention.py \\
+    EMBER_MODE=load LD_PRELOAD=libember.so python benchmarks/results/diag/diag_cold_contention.py \\
         STORE IDENTITY --role cold --out OUT.json
 """
 
@@ -29,7 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/
 
 CALLS: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
 SPANS: dict[str, dict[str, float]] = {}

@@ -17,7 +17,7 @@ If `rebuilt` is as fast as `native` here, the cross-process speed-up comes from 
 captured vs rebuilt B=1, addresses and handles normalised, is diffed: the differing lines are
 counted by kind.
 
-    python benchmarks/diag/diag_speedup.py llama3-8b --sizes 1,64 --out result.json
+    python benchmarks/results/diag/diag_speedup.py llama3-8b --sizes 1,64 --out result.json
 """
 
 from __future__ import annotations

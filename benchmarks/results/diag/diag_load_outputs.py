@@ -1,7 +1,7 @@
 """Diagnose restored outputs that differ from SAVE's: which way of launching a restored graph
 gives SAVE's outputs (run like `ember load`: under libember in load mode, after `ember save`).
 
-    LD_PRELOAD=$EMBER_LIB EMBER_MODE=load python3 benchmarks/diag/diag_load_outputs.py STORE_URI [workload]
+    LD_PRELOAD=$EMBER_LIB EMBER_MODE=load python3 benchmarks/results/diag/diag_load_outputs.py STORE_URI [workload]
 
 For every key, from one reset state, in SAVE's order: (a) the group template updated to the key
 (what LOAD serves), (b) a dedicated exec of the key's graph, (c) the key's graph rebuilt by the

@@ -1,4 +1,4 @@
-"""Synthetic GraphSets shaped like an LLM decode capture, for tests and the parse benchmark.
+"""Synthetic GraphSets shaped like an LLM decode capture, for tests, the demo and the parse benchmark.
 
 Deterministic for a seed. Every node type the archive supports appears (kernel nodes in both
 argument forms with launch attributes, memset, memcpy, event record/wait, empty, a child graph),
