@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures_cluster import LocalCluster, LocalMinio
 from operator_harness import (
     COMPAT,
     Api,
@@ -35,11 +34,12 @@ from operator_harness import (
     wait_for,
     write_test_archive,
 )
+from support.cluster import LocalCluster, LocalMinio
 
 from ember import handoff
 from ember.archive.bundle import write_archive
 from ember.store import open_store
-from ember_bench.synthetic import synthetic_graphset, synthetic_images
+from ember_testing.synthetic import synthetic_graphset, synthetic_images
 
 pytestmark = [pytest.mark.k8s, pytest.mark.s3]
 

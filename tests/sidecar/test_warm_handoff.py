@@ -10,15 +10,15 @@ import time
 from pathlib import Path
 
 import pytest
-from sidecar_helpers import RecordingReporter
+from support.sidecar import RecordingReporter
 
 from ember import contract, handoff
 from ember.contract import Claim
 from ember.store import LocalStore
-from ember_bench.fetch import write_blob_archive
 from ember_sidecar.fetching import ArchiveCache
 from ember_sidecar.metrics import Metrics
 from ember_sidecar.restoring import Restorer
+from ember_testing.archives import write_blob_archive
 
 WARM = {contract.LABEL_POOL: contract.POOL_WARM}
 SERVING = {contract.LABEL_POOL: contract.POOL_SERVING, contract.LABEL_DEPLOYMENT: "md"}
