@@ -1,7 +1,10 @@
 """Start-up of a serving engine, by the pod protocol (`ember.handoff`): wait for the sidecar's
 archive up to a deadline → LOAD it inside the crash-safety marker (stages `compat`, `load`) → on
 any refusal, report the fallback with its reason and capture natively (`capture`) → one token
-(`first_token`) → only then `ready`.
+(`first_token`) → only then `ready`. The engine's state (`engine-state.json`: loading, ready,
+failed) goes to the sidecar as it changes. On an identity-keyed warm pod (the archive handed off
+before any claim) the engine does all of that at once, then waits idle for the claim; the first
+token after the claim is `first_token`, timed from the claim.
 
 The sequence only sees `EngineStarters` (restore / native / first token), so it is tested on CPU
 with a fake engine; `cb_starters` puts the real transformers engine behind it.
@@ -63,6 +66,37 @@ def run_startup(
     elif archive is None:
         out.reason = "handoff disabled"
 
+    warm = result is not None and result.warm  # identity-keyed warm pod: the claim comes later
+    _say(handoff.engine_loading, result, run_dir)
+    try:
+        _start(starters, out, result, archive_dir, run_dir, t0)
+    except Exception as exc:  # the operator replaces a warm pod whose engine failed
+        _say(handoff.engine_failed, result, run_dir, f"{type(exc).__name__}: {exc}")
+        raise
+    _say(handoff.engine_ready, result, run_dir, mode=out.mode)
+    if warm:  # loaded, restored or captured, one token run: idle until the claim puts it in service
+        claim = handoff.wait_for_claim(run_dir)
+        assert claim is not None  # no timeout: a warm pod waits as long as it takes
+        out.stages["warm_wait"] = claim.waited_s
+        _first_token(starters, out, claim.claimed_at or time.time())  # claim → first token
+    handoff.report("first_token", out.stages["first_token"], "ok", run_dir=run_dir, mode=out.mode)
+    handoff.report("ready", out.stages["first_token"], "ok", out.reason, run_dir=run_dir, mode=out.mode)
+    log.info("Engine became ready: mode=%s reason=%r stages=%s", out.mode, out.reason, out.stages)
+    return out
+
+
+def _say(state: Callable[..., Any], result: handoff.HandoffResult | None, run_dir: str | Path | None,
+         *reason: str, **info: Any) -> None:
+    """The engine's state to the sidecar (`engine-state.json`), for the hand-off's claim."""
+    if result is not None:
+        state(*reason, result, **info)
+    else:
+        state(*reason, None, run_dir=run_dir, **info)
+
+
+def _start(starters: EngineStarters, out: StartupResult, result: handoff.HandoffResult | None,
+           archive_dir: Path | None, run_dir: str | Path | None, t0: float) -> None:
+    """LOAD (else native capture) and one token."""
     # A process death from here to the first token leaves the crash marker: the next start in the
     # pod captures natively instead of loading again (ember.handoff.wait_for_archive).
     attempt = handoff.load_attempt(result).begin() if archive_dir is not None and result is not None else None
@@ -74,10 +108,6 @@ def run_startup(
     if out.mode != "restored":
         _start_native(starters, out, run_dir)
         _first_token(starters, out, t0)
-    handoff.report("first_token", out.stages["first_token"], "ok", run_dir=run_dir, mode=out.mode)
-    handoff.report("ready", out.stages["first_token"], "ok", out.reason, run_dir=run_dir, mode=out.mode)
-    log.info("Engine became ready: mode=%s reason=%r stages=%s", out.mode, out.reason, out.stages)
-    return out
 
 
 def _start_native(starters: EngineStarters, out: StartupResult, run_dir: str | Path | None) -> None:

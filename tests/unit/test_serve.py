@@ -207,7 +207,10 @@ def _reports(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _publish(run_dir: Path, identity: str = "id1") -> Path:
-    writer = handoff.HandoffWriter(run_dir)
+    return _publish_with(handoff.HandoffWriter(run_dir), identity)
+
+
+def _publish_with(writer: handoff.HandoffWriter, identity: str = "id1") -> Path:
     writer.fetching(identity, "file:///x")
     archive = writer.archive_dir(identity)
     archive.mkdir(parents=True)
@@ -286,6 +289,48 @@ def test_direct_archive_and_disabled_handoff(tmp_path: Path) -> None:
     s2 = Starters()
     out = run_startup(s2.bundle(), run_dir=tmp_path / "run2", use_handoff=False)
     assert out.mode == "native" and out.reason == "handoff disabled"
+
+
+def test_a_warm_pod_loads_before_its_claim_and_times_the_first_token_from_it(tmp_path: Path) -> None:
+    """Identity-keyed warm pod: the archive comes before any claim; the engine LOADs, runs one token,
+    says ready, waits idle; the claim puts it in service and the first token is timed from it."""
+    import threading
+
+    writer = handoff.HandoffWriter(tmp_path)
+    writer.warm = True
+    _publish_with(writer)
+    s, box = Starters(), dict[str, Any]()
+
+    def start() -> None:
+        box["out"] = run_startup(s.bundle(), run_dir=tmp_path, deadline=5)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while (handoff.read_engine_state(tmp_path) or {}).get("state") != "ready" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert handoff.read_engine_state(tmp_path)["state"] == "ready"
+    time.sleep(0.2)
+    assert thread.is_alive() and s.calls == ["restore", "first_token"]  # idle, not in service
+    assert "ready" not in [r["stage"] for r in _reports(tmp_path)]
+    writer.in_service(time.time())
+    thread.join(10)
+    out = box["out"]
+    assert out.mode == "restored" and s.calls == ["restore", "first_token", "first_token"]
+    assert out.stages["warm_wait"] >= 0.2 and out.stages["first_token"] < 5  # from the claim, not the start
+    assert [r["stage"] for r in _reports(tmp_path)][-2:] == ["first_token", "ready"]
+
+
+def test_the_engine_state_follows_the_start(tmp_path: Path) -> None:
+    """loading → ready on a cold start; failed, with the reason, when the start fails."""
+    _publish(tmp_path / "a")
+    run_startup(Starters().bundle(), run_dir=tmp_path / "a", deadline=5)
+    assert handoff.read_engine_state(tmp_path / "a")["state"] == "ready"
+    s = Starters(native_error=MemoryError("no room for the KV cache"))
+    with pytest.raises(MemoryError):
+        run_startup(s.bundle(), run_dir=tmp_path / "b", use_handoff=False)
+    failed = handoff.read_engine_state(tmp_path / "b")
+    assert failed["state"] == "failed" and "KV cache" in failed["reason"]
 
 
 def test_native_failure_is_reported_and_raised(tmp_path: Path) -> None:
