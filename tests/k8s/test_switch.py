@@ -202,8 +202,12 @@ def test_edit_back_mid_switch_reuses_draining_pods(env: Any, minio: LocalMinio) 
     api.patch_md("moe", {"spec": {"parallelism": DP1}})
     wait_for(lambda: original <= {p.metadata.name for p in api.serving("moe")}, "DP1 pods back in service",
              op)
-    st = api.md("moe")["status"]
-    assert st["switch"]["target"] == DP1 and st["phase"] == "Switching"
+    # the status follows the pods by one reconcile: wait for it, the EP2 pods drain for 30 s
+    def switching_back() -> bool:
+        st = api.md("moe").get("status") or {}
+        return (st.get("switch") or {}).get("target") == DP1 and st.get("phase") == "Switching"
+
+    wait_for(switching_back, "status: switching back to DP1", op, timeout=20)
     wait_for(lambda: settled(api, "moe", DP1, 2), "settled back on DP1 after the EP2 pods drained", op,
              timeout=60)
     assert {p.metadata.name for p in api.serving("moe")} == original
