@@ -75,13 +75,14 @@ class EngineStandIn:
     """kwok runs no container: as kwok plays the kubelet (a scheduled pod turns Ready), this plays
     the sidecar's report of a loaded, idle engine (`ember.dev/engine: ready`) on every
     identity-keyed warm pod of `namespace` once it is scheduled, so the operator may claim it.
-    The k8s tests that claim warm pods and the operator benches turn it on. A context manager;
+    The k8s tests that claim warm pods and the operator benches turn it on; `state` plays another
+    report (`failed: <reason>`: an engine that fails at load). A context manager;
     its own API client, so its watch never shares a connection pool with the caller's reads."""
 
-    def __init__(self, kubeconfig: str | Path, namespace: str) -> None:
+    def __init__(self, kubeconfig: str | Path, namespace: str, state: str = contract.ENGINE_READY) -> None:
         from kubernetes import client, config
 
-        self.namespace, self.stop = namespace, threading.Event()
+        self.namespace, self.state, self.stop = namespace, state, threading.Event()
         self.core = client.CoreV1Api(config.new_client_from_config(config_file=str(kubeconfig)))
         self.thread = threading.Thread(target=self._run, name="engine-stand-in", daemon=True)
         self.marked: set[str] = set()  # the pods it marked ready
@@ -120,7 +121,7 @@ class EngineStandIn:
             return
         try:
             self.core.patch_namespaced_pod(meta.name, self.namespace, {"metadata": {
-                "annotations": {contract.ANN_ENGINE: contract.ENGINE_READY}}})
+                "annotations": {contract.ANN_ENGINE: self.state}}})
             self.marked.add(meta.name)
         except ApiException as exc:
             if exc.status != 404:

@@ -112,6 +112,7 @@ class OperatorProcess:
             "EMBER_OPERATOR_SIDECAR_IMAGE": "registry.invalid/ember/ember:test",
             "EMBER_OPERATOR_RESYNC_SECONDS": "5",
             "EMBER_OPERATOR_SAVE_BACKOFF_SECONDS": "2",
+            "EMBER_OPERATOR_WARM_BACKOFF_SECONDS": "1",  # failing warm pools: tests/k8s/test_warm_failing.py
             "EMBER_OPERATOR_MANIFEST_GRACE_SECONDS": "20",
             "EMBER_OPERATOR_STORE_PROBE_TIMEOUT_SECONDS": "1",
             # Stores on loopback only (MinIO and the tests' relays, any port): tests/k8s/test_tenancy.py
