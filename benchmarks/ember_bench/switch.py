@@ -87,6 +87,15 @@ class _Switches:
 
         return sum(warm_split(ModelDeploymentSpec.model_validate(self.spec(SHAPE_A, self.warm))).values())
 
+    def warm_expected(self, shape: dict[str, int]) -> int:
+        """The new pods a switch to `shape` should take warm: its replicas, up to the warm pods of
+        its GPU count (`warm_split`)."""
+        from ember_operator.api import ModelDeploymentSpec
+        from ember_operator.pools import warm_split
+
+        spec = ModelDeploymentSpec.model_validate(self.spec(shape, self.warm))
+        return min(self.replicas, warm_split(spec).get(spec.parallelism.shapes()[0].gpus, 0))
+
     def switches(self, count: int) -> dict[str, Any]:
         b = self.bench
         name = "switch"
@@ -103,7 +112,8 @@ class _Switches:
             pods = b.wait(lambda t=target: self.new_ready(name, t), f"switch {i}: new pods Ready", 120, 0.02)
             took = time.perf_counter() - t0
             warm = sum(p.metadata.name.startswith("ember-warm-") for p in pods)
-            runs.append({"to": _key(target), "seconds": took, "from_warm": warm, "pods": len(pods)})
+            runs.append({"to": _key(target), "seconds": took, "from_warm": warm, "pods": len(pods),
+                         "warm_expected": self.warm_expected(target)})
             console.print(f"switch {i + 1}/{count} → {_key(target)}: {took * 1000:.0f} ms "
                           f"({warm}/{len(pods)} warm)")
             b.wait(lambda t=target: self.settled(name, t), f"switch {i}: settled", 180, 0.2)
@@ -129,11 +139,23 @@ class _Switches:
         return _figures(runs)
 
 
+def switch_verdict(runs: list[dict[str, Any]]) -> str:
+    """"ok" when every switch took as many warm pods as its warm pool holds for it
+    (`warm_expected`), else a FAIL line: cold pods where warm ones were meant to be measured."""
+    short = [r for r in runs if r["from_warm"] < r.get("warm_expected", 0)]
+    if not short:
+        return "ok"
+    missing = sum(r["warm_expected"] - r["from_warm"] for r in short)
+    return f"FAIL: {len(short)} of {len(runs)} switches took {missing} cold pods where warm were expected"
+
+
 def _figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ms = [r["seconds"] * 1000 for r in runs]
     pods = max(1, sum(r["pods"] for r in runs))
+    warm, verdict = sum(r["from_warm"] for r in runs), switch_verdict(runs)
     return {"runs": runs, "p50_ms": _percentile(ms, 50), "p99_ms": _percentile(ms, 99), "max_ms": max(ms),
-            "min_ms": min(ms), "warm_fraction": sum(r["from_warm"] for r in runs) / pods}
+            "min_ms": min(ms), "warm_fraction": warm / pods, "warm_pods": warm,
+            "cold_pods": sum(r["pods"] for r in runs) - warm, "verdict": verdict}
 
 
 def _markdown(result: dict[str, Any]) -> str:
@@ -147,13 +169,17 @@ def _markdown(result: dict[str, Any]) -> str:
         "GPUs.", "",
         "Measured: CR edit → every new-shape pod Ready with its claim naming the archive. From scratch: "
         "a new ModelDeployment of the 2-GPU shape, archive present, no warm pool, create → every pod Ready.",
-        "", "| | runs | p50 ms | p99 ms | min ms | max ms | pods from the warm pool |",
-        "|---|---|---|---|---|---|---|",
+        "", "| | runs | p50 ms | p99 ms | min ms | max ms | pods from the warm pool | warm / cold pods |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label, fig in (("switch (CR edit)", sw), ("same pods from scratch", cold)):
         if fig:
             lines.append(f"| {label} | {len(fig['runs'])} | {fig['p50_ms']:.0f} | {fig['p99_ms']:.0f} | "
-                         f"{fig['min_ms']:.0f} | {fig['max_ms']:.0f} | {fig['warm_fraction']:.0%} |")
+                         f"{fig['min_ms']:.0f} | {fig['max_ms']:.0f} | {fig['warm_fraction']:.0%} | "
+                         f"{fig.get('warm_pods')} / {fig.get('cold_pods')} |")
+    if sw:
+        lines += ["", f"Verdict (switches meant to take warm pods): {sw.get('verdict')}; warm pods' engines "
+                  "are played ready by `ember_testing.cluster.EngineStandIn` (kwok runs no engine)."]
     if result.get("load_average"):
         lines += ["", "Load average at the end: " + ", ".join(f"{x:.1f}" for x in result["load_average"])
                   + " (a 2-core VM shared with the control plane, kwok and MinIO)."]
@@ -181,3 +207,7 @@ def bench_switch(
         result["switch"] = run.switches(switches)
         result["from_scratch"] = run.from_scratch(switches)
         console.print(_markdown(result))
+    verdict = (result.get("switch") or {}).get("verdict", "ok")
+    if verdict != "ok":
+        console.print(f"[red]{verdict}[/red]")
+        raise typer.Exit(1)

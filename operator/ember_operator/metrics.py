@@ -74,6 +74,7 @@ class State(Collector):
         self.leading: Callable[[], bool] = lambda: True
         self._lock = threading.Lock()
         self._warm: dict[str, dict[str, int]] = {}  # namespace → pool → unclaimed pods
+        self._warm_failures: dict[str, dict[str, int]] = {}  # namespace → pool → failures in a row
         # (ns, md) → (fallback, native, warm ready, warm loading)
         self._pods: dict[tuple[str, str], tuple[int, int, int, int]] = {}
         self._counted: dict[tuple[str, str], set[tuple[str, str]]] = {}  # (ns, md) → counted pods
@@ -83,6 +84,11 @@ class State(Collector):
         """The namespace's pools, all of them: a pool no longer listed is no longer exported."""
         with self._lock:
             self._warm[namespace] = dict(sizes)
+
+    def set_warm_failures(self, namespace: str, failures: dict[str, int]) -> None:
+        """The namespace's failing pools (failures in a row); a pool not listed has none."""
+        with self._lock:
+            self._warm_failures[namespace] = dict(failures)
 
     def set_deployment(
         self, namespace: str, name: str, *, fallback: int, native: int, warm_ready: int = 0,
@@ -118,6 +124,7 @@ class State(Collector):
     def clear(self) -> None:
         with self._lock:
             self._warm.clear()
+            self._warm_failures.clear()
             self._pods.clear()
             self._archives.clear()
 
@@ -133,6 +140,9 @@ class State(Collector):
         if not leading:
             return
         warm = GaugeMetricFamily("ember_warm_pods", "Unclaimed warm pods.", labels=["namespace", "pool"])
+        failing = GaugeMetricFamily("ember_warm_pool_failures", "Warm pods of a pool that failed in a row "
+                                    "(engine failed, exited or restarted; its replacements back off); 0 "
+                                    "once an engine of the pool is ready.", labels=["namespace", "pool"])
         fallback = GaugeMetricFamily("ember_fallback_pods", "Serving pods whose restore fell back to "
                                      "native capture, now.", labels=["namespace", "deployment"])
         native = GaugeMetricFamily("ember_native_pods", "Serving pods claimed without an archive "
@@ -163,12 +173,15 @@ class State(Collector):
             for ns, pools in sorted(self._warm.items()):
                 for pool, size in sorted(pools.items()):
                     warm.add_metric([ns, pool], float(size))
+            for ns, pools in sorted(self._warm_failures.items()):
+                for pool, count in sorted(pools.items()):
+                    failing.add_metric([ns, pool], float(count))
             for (ns, md), (fell_back, natives, ready, loading) in sorted(self._pods.items()):
                 fallback.add_metric([ns, md], float(fell_back))
                 native.add_metric([ns, md], float(natives))
                 engines.add_metric([ns, md, "ready"], float(ready))
                 engines.add_metric([ns, md, "loading"], float(loading))
-        yield from (warm, fallback, native, engines, phases, stored, saving, deadline)
+        yield from (warm, failing, fallback, native, engines, phases, stored, saving, deadline)
 
 
 STATE = State()

@@ -63,6 +63,7 @@ from ember_operator.pools import WarmWant, gpu_starved, plan_pools, pool_wants, 
 from ember_operator.services import apply_service
 from ember_operator.settings import Settings
 from ember_operator.tenancy import Refused
+from ember_operator.warm_backoff import Failure, WarmBackoff
 
 log = logging.getLogger("ember_operator")
 
@@ -99,6 +100,7 @@ class Reconciler(ArchiveReconciling):
         self.pool = ThreadPoolExecutor(max(1, settings.claim_concurrency), thread_name_prefix="ember-api")
         self.instance = socket.gethostname()
         self._pool_faults: dict[tuple[str, str], str] = {}  # (ns, pool key) → last refusal reported
+        self.warm_backoff = WarmBackoff(settings.warm_backoff_seconds, settings.warm_backoff_max_seconds)
 
     # ------------------------------------------------------------------ helpers
     def _parallel(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
@@ -220,10 +222,12 @@ class Reconciler(ArchiveReconciling):
         if warm_capped := warm_pool_size(spec)[1]:
             capped.append(Event("Warning", "WarmPoolCapped", warm_capped))
         self.post_events(md, self.notices.fresh((ns, name), capped))
+        held = None
         if claimed or spec.warm_pool.size or obs.bound or (obs.warm and spec_changed):
-            self.reconcile_pools(ns)
+            held = self.reconcile_pools(ns)  # a failing pool's replacement waits: look again then
         # Refused: not every 2 s (the same request fails the same way); a spec edit comes at once.
-        return max(60.0, self.settings.resync_seconds) if refusals else plan.requeue_after
+        after = max(60.0, self.settings.resync_seconds) if refusals else plan.requeue_after
+        return min((t for t in (after, held) if t), default=after)
 
     def _yield_warm(self, obs: Observed, template: PodTemplate, md: dict[str, Any]) -> None:
         """Serving pods the scheduler cannot place for want of GPUs take them from idle warm pods
@@ -420,10 +424,12 @@ class Reconciler(ArchiveReconciling):
         return sorted({m["metadata"]["name"] for m in serving + alternative})
 
     # ------------------------------------------------------------------ warm pools
-    def reconcile_pools(self, ns: str) -> None:
+    def reconcile_pools(self, ns: str) -> float | None:
         """Every pool of the namespace. A pool the apiserver refuses (a deployment's template is
         rejected: quota, LimitRange, admission policy) is that pool's fault only: the others are
-        still reconciled and its deployments get a Warning event."""
+        still reconciled and its deployments get a Warning event. A pool whose pods keep failing
+        gets no new pods until its back-off ends (`warm_backoff`): returns the seconds until the
+        first such pool may be replenished (None: none is held)."""
         started = time.perf_counter()
         wanted: list[WarmWant] = []
         owners: dict[str, list[dict[str, Any]]] = {}
@@ -444,18 +450,32 @@ class Reconciler(ArchiveReconciling):
         warm = [PodView.of(p) for p in managed
                 if (p["metadata"].get("labels") or {}).get(contract.LABEL_POOL) == contract.POOL_WARM]
         plan = plan_pools(wanted, warm, {p["metadata"]["name"] for p in managed})
+        self._report_failures(owners, self.warm_backoff.observe(ns, warm))
+        held = {key: wait for key in plan.sizes if (wait := self.warm_backoff.wait(ns, key)) > 0}
+        self.warm_backoff.forget(ns, set(owners))
         # Serving pods waiting for GPUs come first: no new warm pods of their GPU product meanwhile.
-        held = {v.labels.get(contract.LABEL_GPU_PRODUCT) for v in map(PodView.of, managed)
-                if v.labels.get(contract.LABEL_POOL) == contract.POOL_SERVING and gpu_starved(v)}
-        plan.creates = [c for c in plan.creates if c["metadata"]["labels"].get(contract.LABEL_GPU_PRODUCT)
-                        not in held]
+        starved = {v.labels.get(contract.LABEL_GPU_PRODUCT) for v in map(PodView.of, managed)
+                   if v.labels.get(contract.LABEL_POOL) == contract.POOL_SERVING and gpu_starved(v)}
+        plan.creates = [c for c in plan.creates
+                        if c["metadata"]["labels"].get(contract.LABEL_GPU_PRODUCT) not in starved
+                        and c["metadata"]["labels"].get(contract.LABEL_POOL_KEY) not in held]
         create = lambda body: self._refused(self.kube.create, pods_path(ns), body)  # noqa: E731
         refused = [e for e in self._parallel(create, plan.creates) if e is not None]
         self._parallel(lambda pod: self._refused(self.kube.delete, pods_path(ns, pod)), plan.deletes)
         self._parallel(lambda item: self._refused(self._patch_pod, ns, *item), plan.patches)
         self._report_pools(ns, owners, {key: str(exc)[:1024] for key, exc in refused})
         metrics.STATE.set_warm_pools(ns, plan.sizes)
+        metrics.STATE.set_warm_failures(ns, self.warm_backoff.failures(ns))
         metrics.RECONCILE_SECONDS.labels("WarmPool").observe(time.perf_counter() - started)
+        return min(held.values()) if held else None
+
+    def _report_failures(self, owners: dict[str, list[dict[str, Any]]], failures: list[Failure]) -> None:
+        """A Warning event on each deployment of a pool whose warm pod just failed."""
+        for f in failures:
+            note = (f"warm pod {f.pod} failed ({f.count} in a row in pool {f.key[:24]}): {f.reason}; "
+                    f"its replacement waits {f.delay_s:.0f}s")
+            for md in owners.get(f.key, []):
+                self.post_events(md, [Event("Warning", "WarmEngineFailing", note)])
 
     def _pool_wants(
         self, ns: str, md: dict[str, Any], mds: list[dict[str, Any]], archives: dict[str, ArchiveView],

@@ -95,6 +95,12 @@ class Settings(BaseModel):
     resync_seconds: float = Field(30.0, description="Timer interval: every object is reconciled this often.")
     save_backoff_seconds: float = Field(10.0, description="First SAVE retry delay; doubles per attempt.")
     save_backoff_max_seconds: float = Field(600.0, description="Largest SAVE retry delay.")
+    warm_backoff_seconds: float = Field(
+        10.0, ge=0.0, description="A warm pool whose pods keep failing (engine failed, exited or "
+        "restarted): its replacement waits this long after the first failure in a row, doubling per "
+        "failure (0: no wait).")
+    warm_backoff_max_seconds: float = Field(300.0, ge=0.0, description="Largest wait of a failing warm "
+                                            "pool's replacements.")
     save_timeout_seconds: int = Field(3600, description="activeDeadlineSeconds of SAVE Jobs.")
     manifest_grace_seconds: float = Field(
         30.0, description="After a SAVE Job succeeds, how long to wait for its manifest to appear."

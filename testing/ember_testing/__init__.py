@@ -8,5 +8,6 @@ benchmarks and e2e/demo.sh imports it.
 - `ember_testing.synthetic`: GraphSets shaped like LLM decode captures and their fake kernel
   images (no CUDA).
 - `ember_testing.archives`: sample identities; blob archives and real archives put into a store.
-- `ember_testing.cluster`: the local control plane's env file, fake GPU nodes, `kubectl apply`.
+- `ember_testing.cluster`: the local control plane's env file, fake GPU nodes, `kubectl apply`,
+  `EngineStandIn` (ready engines on kwok's warm pods).
 """

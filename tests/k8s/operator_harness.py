@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -33,7 +32,7 @@ from ember.archive.bundle import write_archive
 from ember.identity import ArchiveIdentity, CompatKey
 from ember.store import open_store
 from ember_operator.api import ModelDeploymentSpec
-from ember_testing.cluster import fake_gpu_nodes, kubectl_apply
+from ember_testing.cluster import EngineStandIn, fake_gpu_nodes, kubectl_apply
 from ember_testing.synthetic import synthetic_graphset, synthetic_images
 
 GROUP, VERSION = "ember.dev", "v1alpha1"
@@ -113,6 +112,7 @@ class OperatorProcess:
             "EMBER_OPERATOR_SIDECAR_IMAGE": "registry.invalid/ember/ember:test",
             "EMBER_OPERATOR_RESYNC_SECONDS": "5",
             "EMBER_OPERATOR_SAVE_BACKOFF_SECONDS": "2",
+            "EMBER_OPERATOR_WARM_BACKOFF_SECONDS": "1",  # failing warm pools: tests/k8s/test_warm_failing.py
             "EMBER_OPERATOR_MANIFEST_GRACE_SECONDS": "20",
             "EMBER_OPERATOR_STORE_PROBE_TIMEOUT_SECONDS": "1",
             # Stores on loopback only (MinIO and the tests' relays, any port): tests/k8s/test_tenancy.py
@@ -234,62 +234,11 @@ class Api:
         return {}
 
 
-class EngineStandIn:
-    """kwok runs no container: as kwok plays the kubelet (a scheduled pod turns Ready), this plays
-    the sidecar's report of a loaded, idle engine on every identity-keyed warm pod once it is
-    scheduled (`ember.dev/engine: ready`), so the operator may claim it. Tests that claim warm
-    pods turn it on (`play_ready_engines`). Its own API client: its watch never
-    shares a connection pool with the test's reads."""
-
-    def __init__(self, api: Api) -> None:
-        from kubernetes import config
-
-        self.api, self.stop = api, threading.Event()
-        self.core = client.CoreV1Api(config.new_client_from_config(config_file=str(api.k8s.kubeconfig)))
-        self.thread = threading.Thread(target=self._run, name="engine-stand-in", daemon=True)
-
-    def __enter__(self) -> EngineStandIn:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(10)
-
-    def _run(self) -> None:
-        from kubernetes import watch
-
-        while not self.stop.is_set():
-            try:
-                w = watch.Watch()
-                for ev in w.stream(self.core.list_namespaced_pod, self.api.ns, timeout_seconds=30,
-                                   label_selector="ember.dev/pool=warm,ember.dev/warm-for"):
-                    if self.stop.is_set():
-                        w.stop()
-                        return
-                    self._mark(ev["object"])
-            except Exception:  # the namespace going away, an apiserver blip: look again
-                self.stop.wait(0.2)
-
-    def _mark(self, pod: Any) -> None:
-        meta = pod.metadata
-        if meta.deletion_timestamp or not pod.spec.node_name:
-            return
-        if "ember.dev/engine" in (meta.annotations or {}):
-            return
-        try:
-            self.core.patch_namespaced_pod(meta.name, self.api.ns, {"metadata": {
-                "annotations": {"ember.dev/engine": "ready"}}})
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-
-
 def play_ready_engines(api: Api) -> EngineStandIn:
     """From now on until the test's namespace goes, identity-keyed warm pods report a ready engine
     once scheduled (tests that claim warm pods on kwok call this first)."""
     if api.engines is None:
-        api.engines = EngineStandIn(api).__enter__()
+        api.engines = EngineStandIn(api.k8s.kubeconfig, api.ns).__enter__()
     return api.engines
 
 
