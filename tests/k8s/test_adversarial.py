@@ -288,10 +288,13 @@ def test_the_namespace_warm_cap_trims_the_younger_pools_with_a_warning(
     its 2 warm GPUs, the younger gets the 1 left (WarmPoolCapped naming the setting); when the
     older grows to 3, the younger's pool is drained and it is told so, with no edit of its own."""
     with _env(k8s, minio, tmp_path, "adv-nswarm", max_namespace_warm_gpus="3") as (api, op, prefix):
-        api.create_md("older", md_spec(minio, prefix, replicas=0, warmPool={"size": 2}))
+        older = md_spec(minio, prefix, replicas=0, warmPool={"size": 2})
+        write_test_archive(minio, prefix, older)  # no SAVE here: warm pools need an Available archive
+        api.create_md("older", older)
         wait_for(lambda: len(api.warm()) == 2, "the older deployment's 2 warm pods", op)
         younger = md_spec(minio, prefix, replicas=0, warmPool={"size": 2})
         younger["engine"]["image"] = "registry.invalid/ember/engine:other"  # another pool
+        write_test_archive(minio, prefix, younger)
         api.create_md("younger", younger)
         wait_for(lambda: "max_namespace_warm_gpus" in _events(api, "younger").get("WarmPoolCapped", ""),
                  "a WarmPoolCapped Warning on the younger deployment", op)
