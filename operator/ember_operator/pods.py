@@ -327,23 +327,28 @@ def base_labels(t: PodTemplate) -> dict[str, str]:
     }
 
 
+def _pod(t: PodTemplate, meta: dict[str, Any], priority_class: str, *, warm: bool) -> dict[str, Any]:
+    """A pod of template `t`: `meta` (name, labels, annotations, owners) under the template's
+    metadata patch, the pod spec at `priority_class`."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": templates.apply_metadata({"namespace": t.namespace, **meta}, templates.decode(t.patch)),
+        "spec": pod_spec(t, priority_class, warm=warm),
+    }
+
+
 def warm_pod(t: PodTemplate, prefetch: list[str] | None = None, name: str = "") -> dict[str, Any]:
     """An unclaimed pod of the pool, named `name` (`naming.warm_pod_names`; generateName when "").
 
     `prefetch`: manifests of the archives its deployments use; the sidecar caches them while the
     pod is warm (xLoRA's pre-loading), so a claim only hands them over.
     """
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": templates.apply_metadata({
-            **({"name": name} if name else {"generateName": naming.warm_pod_prefix(t.pool_key)}),
-            "namespace": t.namespace,
-            "labels": {**base_labels(t), contract.LABEL_POOL: contract.POOL_WARM},
-            "annotations": {contract.ANN_PREFETCH: contract.prefetch_annotation(prefetch or [])},
-        }, templates.decode(t.patch)),
-        "spec": pod_spec(t, t.warm_priority_class, warm=True),
-    }
+    return _pod(t, {
+        **({"name": name} if name else {"generateName": naming.warm_pod_prefix(t.pool_key)}),
+        "labels": {**base_labels(t), contract.LABEL_POOL: contract.POOL_WARM},
+        "annotations": {contract.ANN_PREFETCH: contract.prefetch_annotation(prefetch or [])},
+    }, t.warm_priority_class, warm=True)
 
 
 def bound_key(pool_key: str, deployment: str, claim: Claim) -> str:
@@ -363,37 +368,24 @@ def bound_warm_pod(
     no Service or HPA selector matches it) but carrying the claim's hand-off data from creation,
     so its sidecar fetches and verifies at once and its engine LOADs before any claim. Owned by
     the deployment (deleted with it). The claim adds the labels and the claim stamp."""
-    key = bound_key(t.pool_key, deployment, claim)
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": templates.apply_metadata({
-            "name": name,
-            "namespace": t.namespace,
-            "labels": {**base_labels(t), contract.LABEL_POOL_KEY: key,
-                       contract.LABEL_POOL: contract.POOL_WARM, contract.LABEL_WARM_FOR: deployment,
-                       contract.LABEL_IDENTITY: claim.identity[:16]},
-            "annotations": replace(claim, claimed_at=None).annotations(),
-            "ownerReferences": [owner_reference(deployment, owner_uid)],
-        }, templates.decode(t.patch)),
-        "spec": pod_spec(t, t.warm_priority_class, warm=True),
-    }
+    return _pod(t, {
+        "name": name,
+        "labels": {**base_labels(t), contract.LABEL_POOL_KEY: bound_key(t.pool_key, deployment, claim),
+                   contract.LABEL_POOL: contract.POOL_WARM, contract.LABEL_WARM_FOR: deployment,
+                   contract.LABEL_IDENTITY: claim.identity[:16]},
+        "annotations": replace(claim, claimed_at=None).annotations(),
+        "ownerReferences": [owner_reference(deployment, owner_uid)],
+    }, t.warm_priority_class, warm=True)
 
 
 def serving_pod(t: PodTemplate, claim: Claim, name: str, owner_uid: str) -> dict[str, Any]:
     """A cold pod: created already claimed, with a deterministic name."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": templates.apply_metadata({
-            "name": name,
-            "namespace": t.namespace,
-            "labels": {**base_labels(t), **claim.labels()},
-            "annotations": claim.annotations(),
-            "ownerReferences": [owner_reference(claim.deployment, owner_uid)],
-        }, templates.decode(t.patch)),
-        "spec": pod_spec(t, t.serving_priority_class),
-    }
+    return _pod(t, {
+        "name": name,
+        "labels": {**base_labels(t), **claim.labels()},
+        "annotations": claim.annotations(),
+        "ownerReferences": [owner_reference(claim.deployment, owner_uid)],
+    }, t.serving_priority_class, warm=False)
 
 
 def claim_patch(claim: Claim, resource_version: str, owner_uid: str) -> dict[str, Any]:
