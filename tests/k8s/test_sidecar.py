@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 from support.cluster import LocalCluster, LocalMinio, wait_until
-from support.sidecar import ThrottledProxy
+from support.sidecar import ThrottledProxy, stop_sidecars
 
 from ember import handoff
 from ember.store import Store, open_store
@@ -127,13 +126,7 @@ def sidecar_pod(k8s: LocalCluster, k8s_namespace: str, minio: LocalMinio, tmp_pa
         return SidecarPod(core, k8s_namespace, name, run_dir, proc)
 
     yield make
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.communicate(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    stop_sidecars(procs)
 
 
 def test_claim_fetch_verify_handoff_metrics(sidecar_pod: Any, bucket_store: Store) -> None:

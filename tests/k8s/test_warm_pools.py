@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -35,6 +34,7 @@ from operator_harness import (
     write_test_archive,
 )
 from support.cluster import LocalCluster, LocalMinio
+from support.sidecar import stop_sidecars
 
 from ember import handoff
 from ember.archive.bundle import write_archive
@@ -69,13 +69,7 @@ def sidecars(k8s: LocalCluster, minio: LocalMinio, tmp_path: Path) -> Iterator[A
         return run_dir, port
 
     yield start
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    stop_sidecars(procs)
 
 
 def _bound(api: Api, md: str) -> list[Any]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -119,3 +121,15 @@ class ThrottledProxy:
         self.cut()
         with contextlib.suppress(OSError):
             self.listener.close()
+
+
+def stop_sidecars(procs: list[subprocess.Popen[str]], timeout: float = 20.0) -> None:
+    """SIGTERM every sidecar process still running (its graceful shutdown), then kill any that
+    outlives `timeout`."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
