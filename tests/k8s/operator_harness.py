@@ -208,6 +208,10 @@ class Api:
     def warm(self) -> list[Any]:
         return self.pods("ember.dev/pool=warm")
 
+    def claimable(self) -> list[Any]:
+        """Warm pods the operator may claim: their engine reports ready (see play_ready_engines)."""
+        return [p for p in self.warm() if (p.metadata.annotations or {}).get("ember.dev/engine") == "ready"]
+
     def events_for(self, name: str) -> list[dict[str, Any]]:
         """Events about `name` (raw JSON: the typed client rejects events without eventTime)."""
         resp = self.core.list_namespaced_event(self.ns, _preload_content=False)

@@ -269,7 +269,7 @@ def test_sigterm_mid_batch_of_many_pods_stops_within_the_grace_period(
         spec = md_spec(minio, prefix, replicas=0, warmPool={"size": 4})
         write_test_archive(minio, prefix, spec)
         api.create_md("many", spec)
-        wait_for(lambda: len([p for p in api.warm() if p.spec.node_name]) == 4, "4 warm pods", op)
+        wait_for(lambda: len(api.claimable()) == 4, "4 warm pods with a ready engine", op)
         api.patch_md("many", {"spec": {"replicas": 600}})
         wait_for(lambda: len(api.serving("many")) >= 40, "the first pass creating pods", op, interval=0.1)
         stopping = time.monotonic()

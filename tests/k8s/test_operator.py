@@ -155,9 +155,7 @@ def test_scale_hpa_and_warm_claims(env: Any, minio: LocalMinio) -> None:
     api.create_md("qwen", spec)
     wait_for(lambda: phase(api, "qwen") == "Ready", "Ready", op)
     assert api.jobs() == []
-    warm = wait_for(lambda: len(w := api.warm()) == 2 and all(
-        any(c.type == "Ready" and c.status == "True" for c in (p.status.conditions or [])) for p in w) and w,
-        "two ready warm pods", op)
+    warm = wait_for(lambda: len(w := api.claimable()) == 2 and w, "two warm pods with a ready engine", op)
     warm_names = {p.metadata.name for p in warm}
 
     api.k8s.kubectl("scale", "-n", api.ns, "md/qwen", "--replicas=4")

@@ -163,8 +163,8 @@ def test_switch_takes_warm_pods_keeps_capacity_and_drains(env: Any, minio: Local
     write_all(minio, prefix, spec)
     api.create_md("moe", spec)
     wait_for(lambda: settled(api, "moe", DP1, 2), "Ready on DP1", op)
-    warm = wait_for(lambda: (w := api.warm()) and sorted(gpus(p) for p in w) == [1, 1, 2] and w,
-                    "warm pods: 4 GPUs as 2×1 + 1×2", op)
+    warm = wait_for(lambda: (w := api.claimable()) and sorted(gpus(p) for p in w) == [1, 1, 2] and w,
+                    "warm pods with a ready engine: 4 GPUs as 2×1 + 1×2", op)
     warm_two = {p.metadata.name for p in warm if gpus(p) == 2}
     old = {p.metadata.name for p in api.serving("moe")}
     with Capacity(api, "moe") as cap:
