@@ -71,24 +71,15 @@ STATE = _State()
 
 
 def report(stage: str, **fields: Any) -> None:
-    """Record a stage (log + `EMBER_VLLM_REPORT`). vLLM's processes (front end, engine core) write
-    one after the other into the same report: each adds its stages to what is there ("t": seconds
-    since that process loaded the plugin)."""
+    """Record a stage (log + `EMBER_VLLM_REPORT`, ember.engines.vllm.report): "t" is seconds since
+    this process loaded the plugin."""
+    from ember.engines.vllm import report as reports
+
     STATE.report.setdefault("stages", {})[stage] = {"t": round(time.time() - T0, 4), **fields}
     log.info("ember %s: %s", stage, json.dumps(fields, default=str)[:2000])
     path = os.environ.get("EMBER_VLLM_REPORT")
     if path:
-        try:
-            with open(path) as f:
-                merged = dict(json.load(f))
-        except (OSError, ValueError):
-            merged = {}
-        merged.update({k: v for k, v in STATE.report.items() if k != "stages"})
-        merged["stages"] = {**(merged.get("stages") or {}), **STATE.report["stages"]}
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(merged, f, default=str)
-        os.replace(tmp, path)
+        reports.write(path, STATE.report, reports.worker_rank())
 
 
 def register() -> None:

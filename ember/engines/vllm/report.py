@@ -1,0 +1,89 @@
+"""The vLLM plugin's stage report (`EMBER_VLLM_REPORT`), one JSON file per writer.
+
+vLLM's front end and engine core run one after the other and add their stages to the report
+file itself. The GPU workers of a parallel shape run at once, so each writes its own file beside
+it (`vllm-report.rank1.json`): one rank never overwrites another's stages. `read` puts them back
+together and `ranks_restored` says whether every rank of the world restored its graphs, which is
+what the sidecar reports as restored (a pod with one rank captured natively is not).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def worker_rank() -> tuple[int, int] | None:
+    """(rank, world) of this process in vLLM's torch.distributed world once there is one of more
+    than one rank; None elsewhere (front end, engine core, a single GPU)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    return int(dist.get_rank()), int(dist.get_world_size())
+
+
+def rank_path(path: str | Path, rank: int) -> Path:
+    path = Path(path)
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def write(path: str | Path, report: dict[str, Any], rank: tuple[int, int] | None) -> None:
+    """Merge this process's `report` ({"stages": {...}, other facts}) into its file, atomically."""
+    target = Path(path) if rank is None else rank_path(path, rank[0])
+    merged = _load(target)
+    merged.update({k: v for k, v in report.items() if k != "stages"})
+    merged["stages"] = {**(merged.get("stages") or {}), **(report.get("stages") or {})}
+    if rank is not None:
+        merged["rank"], merged["world"] = rank
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(merged, default=str))
+    os.replace(tmp, target)
+
+
+def read(path: str | Path) -> dict[str, Any]:
+    """The report with every rank's file under "ranks" ({"0": {...}, "1": {...}}) when there are any."""
+    path = Path(path)
+    out = _load(path)
+    ranks = {}
+    for p in sorted(path.parent.glob(f"{path.stem}.rank*{path.suffix}")):
+        one = _load(p)
+        if "rank" in one:
+            ranks[str(one["rank"])] = one
+    if ranks:
+        out["ranks"] = ranks
+    return out
+
+
+def clear(path: str | Path) -> None:
+    """A previous start's report and rank files, gone."""
+    path = Path(path)
+    path.unlink(missing_ok=True)
+    for p in path.parent.glob(f"{path.stem}.rank*{path.suffix}"):
+        p.unlink(missing_ok=True)
+
+
+def ranks_restored(report: dict[str, Any]) -> bool:
+    """Did every GPU worker restore? One GPU: the report's own capture stage; a world of N: N rank
+    files, each with a restored capture."""
+    ranks = report.get("ranks") or {}
+    if not ranks:
+        return _restored(report)
+    worlds = {int(r.get("world") or 0) for r in ranks.values()}
+    return len(worlds) == 1 and len(ranks) == worlds.pop() and all(_restored(r) for r in ranks.values())
+
+
+def _restored(one: dict[str, Any]) -> bool:
+    return bool(((one.get("stages") or {}).get("capture") or {}).get("how") == "restored")
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return {}
