@@ -1,7 +1,7 @@
 """The `ember` command line, the composition root: it may import every layer of the core.
 
 Core commands: version, doctor, inspect and verify (archives.py, no GPU), ls and gc (store.py),
-save and load (decode.py; `save --job` is every engine's SAVE Job, ember.engines.save_job), serve
+save and load (decode.py; `save --job` is every engine's SAVE Job, ember.cli.save_job), serve
 (serve.py; the server is ember.serving.server). `verify --replay` is
 composed here: the archive's integrity checks, then the runtime's GPU replay. Other packages add
 command groups through the `ember.commands` entry-point group (`ember bench` comes from the

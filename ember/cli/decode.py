@@ -3,7 +3,7 @@ workloads they name are `ember.engines.decode.workloads`.
 
 Both `save` and `load` re-execute themselves under libember (LD_PRELOAD, EMBER_MODE,
 EMBER_ARM=manual) unless they already run that way. Job mode (`ember save --job`) is the SAVE Job
-of every engine (`ember.engines.save_job`).
+of every engine (`ember.cli.save_job`).
 """
 
 from __future__ import annotations
@@ -99,10 +99,10 @@ def save(
 ) -> None:
     """SAVE: capture a workload's decode graphs, prove them bit-exact, publish the archive. A
     multi-GPU shape (--tp/--ep/--dp) is saved on ONE GPU: every rank LOADs the same archive.
-    `--job`: the operator's SAVE Job, for the engine EMBER_IDENTITY names (`ember.engines.save_job`;
+    `--job`: the operator's SAVE Job, for the engine EMBER_IDENTITY names (`ember.cli.save_job`;
     vLLM takes the arguments after `--`)."""
     if job:  # the operator's SAVE Job, for the engine its identity names
-        from ember.engines import save_job
+        from ember.cli import save_job
 
         raise typer.Exit(save_job.run(store, list(ctx.args), log=lambda m: console.print(f"[red]{m}[/red]")))
     if ctx.args:
