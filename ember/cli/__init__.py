@@ -27,6 +27,7 @@ import ember
 from ember.cli import archives as archive_commands
 from ember.cli import store as store_commands
 from ember.cli.decode import load, save
+from ember.cli.serve import CONTEXT_SETTINGS as SERVE_SETTINGS
 from ember.cli.serve import serve
 from ember.engines.decode.workloads import replay_verify
 
@@ -182,8 +183,7 @@ app.command("inspect")(archive_commands.inspect)
 app.command("ls")(store_commands.ls)
 app.command("gc")(store_commands.gc)
 app.command("verify")(verify)
-# extra arguments after `--` go to `vllm serve` (`--engine vllm`)
-app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve)
+app.command("serve", context_settings=SERVE_SETTINGS)(serve)
 app.command("save", context_settings={"allow_extra_args": True})(save)  # `--job -- <vLLM args>`
 app.command("load")(load)
 
