@@ -17,14 +17,22 @@ from typer.testing import CliRunner
 from ember import contract
 from ember.cli import app, save_job
 from ember.engines.transformers_cb import hooks
-from ember.identity import ArchiveIdentity
+from ember.identity import COMPAT_ENV_VARS, ArchiveIdentity
 from ember.runtime import session
 from ember.serving import server
 from ember_operator import naming
 from ember_operator.api import GraphArchiveSpec
 from ember_operator.jobs import save_job as save_job_object
-from ember_operator.planning import archive_object
-from ember_operator.pods import StoreAccess
+from ember_operator.planning import archive_object, template_of
+from ember_operator.pods import StoreAccess, pod_spec
+
+
+def _save_container(spec: Any) -> tuple[GraphArchiveSpec, dict[str, Any]]:
+    ga = GraphArchiveSpec.model_validate(archive_object("ga-x", "default", spec, CTX)["spec"])
+    job = save_job_object(name="job", namespace="default", archive_name=naming.archive_name(ga.identity_hash),
+                          archive_uid="u", spec=ga, store=StoreAccess.of(ga.store),
+                          sidecar_image="ember:test", timeout_seconds=600, attempt=0)
+    return ga, job["spec"]["template"]["spec"]["containers"][0]
 
 
 def test_the_operators_save_job_publishes_under_the_archive_identity(
@@ -33,11 +41,7 @@ def test_the_operators_save_job_publishes_under_the_archive_identity(
     spec = md_spec(model={"name": "tiny-llama"}, store=None,  # the operator's: file:///var/lib/ember
                    engine={"kind": "transformers", "version": "5.17", "image": "engine:test",
                            "args": ["--layers", "2", "--num-blocks", "32"]})
-    ga = GraphArchiveSpec.model_validate(archive_object("ga-x", "default", spec, CTX)["spec"])
-    job = save_job_object(name="job", namespace="default", archive_name=naming.archive_name(ga.identity_hash),
-                          archive_uid="u", spec=ga, store=StoreAccess.of(ga.store),
-                          sidecar_image="ember:test", timeout_seconds=600, attempt=0)
-    container = job["spec"]["template"]["spec"]["containers"][0]
+    ga, container = _save_container(spec)
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     env[contract.ENV_TERMINATION_LOG] = str(tmp_path / "termination-log")
 
@@ -60,3 +64,19 @@ def test_the_operators_save_job_publishes_under_the_archive_identity(
     assert store == "file:///var/lib/ember"
     assert (options.model, options.layers, options.num_blocks) == ("tiny-llama", 2, 32)
     assert json.loads((tmp_path / "termination-log").read_text())["identity"] == ga.identity_hash
+
+
+def test_the_save_job_and_the_engine_set_the_environment_load_compares() -> None:
+    """LOAD refuses an archive whose compatibility key's environment (COMPAT_ENV_VARS) is not the
+    engine's: the SAVE container and the serving pods' engine container set the same, a template's
+    variables included."""
+    spec = md_spec(template={"spec": {"containers": [{"name": "engine", "env": [
+        {"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:False"}]}]}})
+    _, save = _save_container(spec)
+    engine = pod_spec(template_of("default", spec, CTX))["containers"][0]
+
+    def compat(container: dict[str, Any]) -> dict[str, str]:
+        return {e["name"]: e.get("value", "") for e in container["env"] if e["name"] in COMPAT_ENV_VARS}
+
+    assert compat(save) == compat(engine) == {"NCCL_CUMEM_ENABLE": "0",
+                                              "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
