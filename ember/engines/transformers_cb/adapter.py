@@ -2,13 +2,15 @@
 
 `CBEngineAdapter` puts one `CBEngine` (`engine.py`) behind `ember.runtime.adapter.EngineAdapter`;
 the one pipeline (`ember.runtime.save` / `ember.runtime.load`) does the rest. Callers
-(`ember serve`, `ember bench cb`, the GPU tests) use the functions below:
+(`ember serve`, the SAVE Job of engine transformers, `ember bench cb`, the GPU tests) use the
+functions below:
 
 SAVE (process under LD_PRELOAD=libember.so EMBER_MODE=save EMBER_ARM=manual)::
 
     ip = session("save")                        # arm BEFORE the model is built
     model = build_model(...)
-    result = save_engine(model, gen_config, sizing_overrides, store_uri, model_name, ip)
+    result = save_engine(model, gen_config, sizing_overrides, store_uri, model_name, ip,
+                         identity=None)         # the SAVE Job's: the operator's name for it
 
 LOAD (fresh process, EMBER_MODE=load)::
 
