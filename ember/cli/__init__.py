@@ -184,7 +184,7 @@ app.command("ls")(store_commands.ls)
 app.command("gc")(store_commands.gc)
 app.command("verify")(verify)
 app.command("serve", context_settings=SERVE_SETTINGS)(serve)
-app.command("save", context_settings={"allow_extra_args": True})(save)  # `--job -- <vLLM args>`
+app.command("save", context_settings={"allow_extra_args": True})(save)  # `--job -- <engine args>`
 app.command("load")(load)
 
 # Command groups of other installed packages (pyproject.toml [project.entry-points."ember.commands"]).

@@ -100,13 +100,13 @@ def save(
     """SAVE: capture a workload's decode graphs, prove them bit-exact, publish the archive. A
     multi-GPU shape (--tp/--ep/--dp) is saved on ONE GPU: every rank LOADs the same archive.
     `--job`: the operator's SAVE Job, for the engine EMBER_IDENTITY names (`ember.cli.save_job`;
-    vLLM takes the arguments after `--`)."""
+    the engine's arguments after `--`)."""
     if job:  # the operator's SAVE Job, for the engine its identity names
         from ember.cli import save_job
 
         raise typer.Exit(save_job.run(store, list(ctx.args), log=lambda m: console.print(f"[red]{m}[/red]")))
     if ctx.args:
-        raise typer.BadParameter(f"unexpected arguments {ctx.args} (only a vLLM SAVE Job takes any)")
+        raise typer.BadParameter(f"unexpected arguments {ctx.args} (only a SAVE Job, --job, takes any)")
     from ember.runtime.session import reexec_under_libember
 
     par = parallel_shape(tp, ep, dp, collectives)

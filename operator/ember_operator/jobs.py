@@ -93,7 +93,7 @@ def save_container(spec: GraphArchiveSpec, store: StoreAccess) -> dict[str, Any]
     return {
         "name": contract.SAVE_CONTAINER,
         "image": spec.save.image,
-        "command": ["ember", "save", "--job", "--"],  # the engine's arguments (a vLLM Job runs them)
+        "command": ["ember", "save", "--job", "--"],  # engine.args follow (vLLM's, `ember serve`'s)
         "args": list(spec.save.args),
         "env": [
             {"name": contract.ENV_IDENTITY, "value": canonical_json(ident.canonical()).decode()},
