@@ -1,12 +1,13 @@
-"""The operator's SAVE Job of a transformers deployment on a GPU, end to end: the Job's container as
-the operator writes it (`ember save --job -- <engine.args>`, its environment) SAVEs into a file://
-store; the operator's store probe finds the manifest under the GraphArchive's identity hash; a
-standalone sidecar fetches the archive by that hash, as a pod's sidecar does, and `ember serve`
-with the same options and the engine container's environment LOADs it: restored, and with the
-tokens of a native start."""
+"""The SAVE Job of a transformers deployment on a GPU, end to end: `ember save --job --
+<engine.args>` with the environment the operator gives its container SAVEs into a file:// store
+under the identity's hash; a standalone sidecar fetches the archive by that hash, as a pod's
+sidecar does, and `ember serve` with the same options LOADs it: restored, with the tokens of a
+native start. tests/operator/test_operator_save_cb.py checks that environment and those arguments
+against the operator's own builders (the operator's packages are not needed here)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 from pathlib import Path
@@ -16,22 +17,17 @@ import pytest
 from support.serving import clean_env, serve
 
 from ember import contract, native
-from ember.identity import COMPAT_ENV_VARS
-from ember_operator.api import GraphArchiveSpec, ModelDeploymentSpec
-from ember_operator.jobs import save_container
-from ember_operator.planning import Context, archive_object, template_of
-from ember_operator.pods import StoreAccess, engine_container
-from ember_operator.store_probe import probe_store
+from ember.archive.manifest import loads
+from ember.identity import ArchiveIdentity, canonical_json
+from ember.identity_args import graph_args
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]  # a SAVE and two engine starts
 
 ENGINE_ARGS = ["--layers", "2", "--num-blocks", "32"]  # `ember serve` options; the model is the identity's
 SERVE = ["--model", "llama-3-8b", *ENGINE_ARGS]  # the serving pods' `ember serve`: the same model and sizing
 PROMPT = [7, 99, 1234, 5, 42, 3000, 17, 8]
-
-
-def _values(container: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container["env"] if "value" in e}
+# What the operator sets of ember.identity.COMPAT_ENV_VARS, on the SAVE and the engine container alike.
+COMPAT_ENV = {"NCCL_CUMEM_ENABLE": "0"}
 
 
 @pytest.fixture(scope="module")
@@ -43,41 +39,37 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from ember.runtime.session import ember_argv
 
     work = tmp_path_factory.mktemp("cb-job")
-    store = work / "store"
-    ctx = Context(sidecar_image="ember:test", default_store=store.as_uri(), local_store_root=str(work))
-    spec = ModelDeploymentSpec.model_validate({
-        "model": {"name": "llama-3-8b"},
-        "engine": {"kind": "transformers", "version": transformers.__version__, "image": "engine:test",
-                   "args": ENGINE_ARGS},
-        "gpu": {"product": "NVIDIA-H100-80GB-HBM3"},
-    })
-    ga = GraphArchiveSpec.model_validate(archive_object("ga", "default", spec, ctx)["spec"])
-    container = save_container(ga, StoreAccess.of(ga.store))
-    env = {**clean_env(), **_values(container)}
-    env.update({"LD_PRELOAD": str(lib), contract.ENV_LIB: str(lib), contract.ENV_RUN_DIR: str(work / "run"),
-                contract.ENV_TERMINATION_LOG: str(work / "termination-log")})
-    cmd = ember_argv(*container["command"][1:], *container["args"])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    log = (work / "termination-log").read_text() if (work / "termination-log").exists() else ""
-    assert proc.returncode == 0, (log, proc.stdout[-3000:], proc.stderr[-3000:])
-    engine_env = _values(engine_container(template_of("default", spec, ctx)))
-    return {"store": store, "identity": ga.identity_hash, "summary": json.loads(log), "job_env": env,
-            "serve_env": {**clean_env(), **{k: v for k, v in engine_env.items() if k in COMPAT_ENV_VARS}}}
+    store, log = work / "store", work / "termination-log"
+    # As the operator names a transformers deployment's archive (ModelDeploymentSpec.identity)
+    identity = ArchiveIdentity(model="llama-3-8b", engine="transformers",
+                               engine_version=transformers.__version__, capture_sizes=(1, 2, 4, 8),
+                               gpu_product="NVIDIA-H100-80GB-HBM3", engine_args=graph_args(ENGINE_ARGS))
+    env = {**clean_env(), **COMPAT_ENV, "LD_PRELOAD": str(lib), contract.ENV_LIB: str(lib),
+           contract.ENV_IDENTITY: canonical_json(identity.canonical()).decode(),
+           contract.ENV_IDENTITY_HASH: identity.hash(), contract.ENV_STORE: store.as_uri(),
+           contract.ENV_TERMINATION_LOG: str(log)}
+    proc = subprocess.run(ember_argv("save", "--job", "--", *ENGINE_ARGS), env=env, capture_output=True,
+                          text=True, timeout=600)
+    reason = log.read_text() if log.exists() else ""
+    assert proc.returncode == 0, (reason, proc.stdout[-3000:], proc.stderr[-3000:])
+    return {"store": store, "identity": identity.hash(), "summary": json.loads(reason)}
 
 
-def test_the_job_publishes_under_the_graph_archive_identity(job: dict[str, Any]) -> None:
-    summary, identity, store = job["summary"], job["identity"], job["store"]
+def test_the_job_publishes_under_the_identity_hash(job: dict[str, Any]) -> None:
+    summary, identity = job["summary"], job["identity"]
     assert summary["published"] and summary["identity"] == identity and summary["graphs"] > 0
-    probe = probe_store(store.as_uri(), identity, {}, 10.0)  # what the operator checks before Available
-    assert probe.manifest is not None and not probe.invalid, probe
-    assert probe.manifest.digest == summary["manifest_digest"] and probe.manifest.graphs == summary["graphs"]
+    data = (job["store"] / "archives" / identity / "manifest").read_bytes()
+    manifest = loads(data)
+    # what the operator's store probe and the pods' sidecar check before anything else
+    assert manifest.identity_hash == manifest.identity.hash() == identity
+    assert hashlib.sha256(data).hexdigest() == summary["manifest_digest"]
+    assert manifest.graphs.count == summary["graphs"]
 
 
 def test_the_pods_sidecar_fetches_it_and_serve_restores_the_native_tokens(
     job: dict[str, Any], tmp_path: Path
 ) -> None:
-    env = job["serve_env"]
-    assert {k: env.get(k) for k in COMPAT_ENV_VARS} == {k: job["job_env"].get(k) for k in COMPAT_ENV_VARS}
+    env = {**clean_env(), **COMPAT_ENV}  # the engine container's
     health, tokens, logs = serve(SERVE, tmp_path / "run", PROMPT, store=job["store"],
                                  identity=job["identity"], env=env)
     assert health["mode"] == "restored", (health, logs)
