@@ -33,6 +33,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember.identity import identity_short
+
 # ---- API group (the CRDs) ------------------------------------------------------------------------
 GROUP = "ember.dev"
 VERSION = "v1alpha1"
@@ -230,7 +232,7 @@ class Claim:
         return {
             LABEL_POOL: POOL_SERVING,
             LABEL_DEPLOYMENT: self.deployment,
-            LABEL_IDENTITY: self.identity[:16],
+            LABEL_IDENTITY: identity_short(self.identity),
             LABEL_REVISION: self.revision,
         }
 

@@ -47,6 +47,12 @@ def identity_short(identity_hash: str) -> str:
     return identity_hash[:IDENTITY_SHORT_HEX]
 
 
+def digest_short(digest: str) -> str:
+    """A sha256 digest (a manifest's or a blob's) in messages: its first 16 hex, as the
+    identity short of an identity hash."""
+    return digest[:IDENTITY_SHORT_HEX]
+
+
 class Parallelism(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     tensor: int = Field(1, ge=1)

@@ -1,7 +1,7 @@
 """The `ember` command line, the composition root: it may import every layer of the core.
 
 Core commands: version, doctor, inspect and verify (archives.py, no GPU), ls and gc (store.py),
-save and load (decode.py; `save --job` is every engine's SAVE Job, ember.engines.save_job), serve
+save and load (decode.py; `save --job` is every engine's SAVE Job, ember.cli.save_job), serve
 (serve.py; the server is ember.serving.server). `verify --replay` is
 composed here: the archive's integrity checks, then the runtime's GPU replay. Other packages add
 command groups through the `ember.commands` entry-point group (`ember bench` comes from the
@@ -27,6 +27,7 @@ import ember
 from ember.cli import archives as archive_commands
 from ember.cli import store as store_commands
 from ember.cli.decode import load, save
+from ember.cli.serve import CONTEXT_SETTINGS as SERVE_SETTINGS
 from ember.cli.serve import serve
 from ember.engines.decode.workloads import replay_verify
 
@@ -182,9 +183,8 @@ app.command("inspect")(archive_commands.inspect)
 app.command("ls")(store_commands.ls)
 app.command("gc")(store_commands.gc)
 app.command("verify")(verify)
-# extra arguments after `--` go to `vllm serve` (`--engine vllm`)
-app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve)
-app.command("save", context_settings={"allow_extra_args": True})(save)  # `--job -- <vLLM args>`
+app.command("serve", context_settings=SERVE_SETTINGS)(serve)
+app.command("save", context_settings={"allow_extra_args": True})(save)  # `--job -- <engine args>`
 app.command("load")(load)
 
 # Command groups of other installed packages (pyproject.toml [project.entry-points."ember.commands"]).

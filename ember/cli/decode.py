@@ -3,7 +3,7 @@ workloads they name are `ember.engines.decode.workloads`.
 
 Both `save` and `load` re-execute themselves under libember (LD_PRELOAD, EMBER_MODE,
 EMBER_ARM=manual) unless they already run that way. Job mode (`ember save --job`) is the SAVE Job
-of every engine (`ember.engines.save_job`).
+of every engine (`ember.cli.save_job`).
 """
 
 from __future__ import annotations
@@ -99,14 +99,14 @@ def save(
 ) -> None:
     """SAVE: capture a workload's decode graphs, prove them bit-exact, publish the archive. A
     multi-GPU shape (--tp/--ep/--dp) is saved on ONE GPU: every rank LOADs the same archive.
-    `--job`: the operator's SAVE Job, for the engine EMBER_IDENTITY names (`ember.engines.save_job`;
-    vLLM takes the arguments after `--`)."""
+    `--job`: the operator's SAVE Job, for the engine EMBER_IDENTITY names (`ember.cli.save_job`;
+    the engine's arguments after `--`)."""
     if job:  # the operator's SAVE Job, for the engine its identity names
-        from ember.engines import save_job
+        from ember.cli import save_job
 
         raise typer.Exit(save_job.run(store, list(ctx.args), log=lambda m: console.print(f"[red]{m}[/red]")))
     if ctx.args:
-        raise typer.BadParameter(f"unexpected arguments {ctx.args} (only a vLLM SAVE Job takes any)")
+        raise typer.BadParameter(f"unexpected arguments {ctx.args} (only a SAVE Job, --job, takes any)")
     from ember.runtime.session import reexec_under_libember
 
     par = parallel_shape(tp, ep, dp, collectives)

@@ -1,14 +1,19 @@
-"""`ember serve`'s options; the server itself is `ember.serving.server`."""
+"""`ember serve`'s options; the server itself is `ember.serving.server`. The SAVE Job of a
+transformers deployment reads its engine arguments as these options (`serve_options`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from ember import contract
 from ember.serving import server
+
+# Arguments it does not know are kept: `--engine vllm` passes them on to `vllm serve`.
+CONTEXT_SETTINGS: dict[str, Any] = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
 # long: typer declares every option in the signature; the body is one call
@@ -59,3 +64,16 @@ def serve(
     except server.UsageError as exc:
         raise typer.BadParameter(str(exc)) from exc
     raise typer.Exit(code)
+
+
+def serve_options(args: Sequence[str]) -> tuple[server.ServeOptions, list[str]]:
+    """`args` parsed as `ember serve`'s command line: its options, and the arguments it does not
+    know. UsageError with the command's message for a value it refuses."""
+    app = typer.Typer(context_settings=CONTEXT_SETTINGS)
+    app.command()(serve)
+    try:
+        ctx = typer.main.get_command(app).make_context("ember serve", list(args))
+    except Exception as exc:  # click's UsageError: typer's own copy of click from typer 0.26 on
+        message = getattr(exc, "format_message", None)
+        raise server.UsageError(message() if message else str(exc)) from None
+    return server.ServeOptions(**ctx.params), list(ctx.args)

@@ -4,7 +4,8 @@ options are declared in ember.cli.serve).
 The process: re-exec under libember (SAVE or LOAD need it), arm it before the model is built,
 serve HTTP at once (`ember.serving.http`, not ready yet), build the model, then start the engine
 by the pod protocol (`ember.serving.startup`): restored graphs from the sidecar's archive, or
-native capture on any refusal. Ready only after the first token. `--save-to` SAVEs instead.
+native capture on any refusal. Ready only after the first token. `--save-to` SAVEs instead, as
+the SAVE Job of a transformers deployment does (`save`, under the operator's identity).
 """
 
 from __future__ import annotations
@@ -17,11 +18,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ember import contract
 from ember.serving.http import ByteTokenizer, ServerState, make_server
 from ember.serving.startup import cb_starters, run_startup
+
+if TYPE_CHECKING:
+    from ember.identity import ArchiveIdentity
+    from ember.runtime.save import SaveOutcome
 
 log = logging.getLogger("ember.serving")
 
@@ -77,25 +82,18 @@ def run(o: ServeOptions, extra: Sequence[str] = ()) -> int:
         raise UsageError("give --model NAME|DIR or --model-config FILE")
     if o.preload and (o.save_to or o.use_handoff or o.archive is not None):
         _reexec_under_libember("save" if o.save_to else "load")
-    name = o.model or Path(str(o.model_config)).stem
-    sizing = {
-        "block_size": o.block_size,
-        "num_blocks": o.num_blocks,
-        "max_batch_tokens": o.max_batch_tokens,
-        "max_requests_per_batch": o.max_requests,
-        "q_padding_interval_size": o.q_interval,
-        "kv_padding_interval_size": o.kv_interval,
-    }
-    build = {"model": o.model, "model_config": o.model_config, "layers": o.layers, "seed": o.seed}
     if o.save_to:
-        return _save(build, sizing, o.save_to, name)
-    state = ServerState(model_name=name, max_tokens_limit=o.max_tokens_limit)
+        result = save(o, o.save_to)
+        print(json.dumps(result.summary(), default=str), flush=True)
+        return 0 if result.published else 1
+    state = ServerState(model_name=model_name(o), max_tokens_limit=o.max_tokens_limit)
     state.max_prompt_tokens = o.num_blocks * o.block_size // 2
     server = make_server(state, o.host, o.port)
     threading.Thread(target=server.serve_forever, name="ember-http", daemon=True).start()
     log.info("Listening on http://%s:%d (ready after the first token)", o.host, server.server_address[1])
     try:
-        engine = _start_engine(state, build, sizing, o.run_dir, o.use_handoff, o.archive, o.deadline)
+        engine = _start_engine(state, model_build(o), engine_sizing(o), o.run_dir, o.use_handoff, o.archive,
+                               o.deadline)
     except Exception as exc:
         state.error = f"{type(exc).__name__}: {exc}"
         log.exception("Engine start failed")
@@ -111,16 +109,38 @@ def run(o: ServeOptions, extra: Sequence[str] = ()) -> int:
     return 0
 
 
-def _save(build: dict[str, Any], sizing: dict[str, Any], save_to: str, name: str) -> int:
-    """`--save-to`: SAVE every graph key of this engine, print the summary; the exit code."""
+def model_name(o: ServeOptions) -> str:
+    return o.model or Path(str(o.model_config)).stem
+
+
+def model_build(o: ServeOptions) -> dict[str, Any]:
+    """`cb_engine.build_model`'s arguments: SAVE and LOAD build the same model from the same options."""
+    return {"model": o.model, "model_config": o.model_config, "layers": o.layers, "seed": o.seed}
+
+
+def engine_sizing(o: ServeOptions) -> dict[str, int]:
+    """The continuous-batching engine's sizing (its own names) from the options."""
+    return {
+        "block_size": o.block_size,
+        "num_blocks": o.num_blocks,
+        "max_batch_tokens": o.max_batch_tokens,
+        "max_requests_per_batch": o.max_requests,
+        "q_padding_interval_size": o.q_interval,
+        "kv_padding_interval_size": o.kv_interval,
+    }
+
+
+def save(o: ServeOptions, store_uri: str, identity: ArchiveIdentity | None = None) -> SaveOutcome:
+    """SAVE every graph key of the engine `o` describes into `store_uri`, under `identity` (the
+    SAVE Job's) or the engine's own (`cb_identity`). Run under libember in save mode."""
     from ember.engines.transformers_cb import adapter as cb_adapter
     from ember.engines.transformers_cb import engine as cb_engine
 
     ip = cb_adapter.session("save")  # armed before the model, as LOAD will be
-    lm = cb_engine.build_model(**build)
-    result, _ = cb_adapter.save_engine(lm, cb_engine.generation_config(), sizing, save_to, name, ip)
-    print(json.dumps(result.summary(), default=str), flush=True)
-    return 0 if result.published else 1
+    lm = cb_engine.build_model(**model_build(o))
+    result, _ = cb_adapter.save_engine(lm, cb_engine.generation_config(), engine_sizing(o), store_uri,
+                                       model_name(o), ip, identity=identity)
+    return result
 
 
 def _start_engine(

@@ -23,6 +23,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from ember.contract import SaveResult
+from ember.identity import digest_short
 from ember_operator import conditions, naming
 from ember_operator.api import CompatKeySummary, GAPhase, GraphArchiveSpec, GraphArchiveStatus
 from ember_operator.conditions import Event, parse_time, rfc3339
@@ -196,8 +197,9 @@ def _manifest_found(obs: ArchiveObserved, plan: ArchivePlan, manifest: ManifestI
         st.completion_time = rfc3339(obs.now)
     elif st.digest and st.digest != manifest.digest:
         plan.events.append(Event("Warning", "ManifestReplaced",
-                                 f"manifest {manifest.uri} was replaced: digest {st.digest[:16]}… → "
-                                 f"{manifest.digest[:16]}…; pods pinned to the old digest are replaced"))
+                                 f"manifest {manifest.uri} was replaced: digest {digest_short(st.digest)}… "
+                                 f"→ {digest_short(manifest.digest)}…; pods pinned to the old digest are "
+                                 "replaced"))
     st.phase = GAPhase.available
     st.uri, st.digest, st.bytes = manifest.uri, manifest.digest, manifest.bytes
     st.graphs = manifest.graphs

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ember import contract
+from ember.identity import identity_short
 from ember_operator import metrics, naming
 from ember_operator.api import GAPhase, GraphArchiveSpec, GraphArchiveStatus
 from ember_operator.archive_planning import ArchiveObserved, ArchivePlan, Backoff, job_refused, plan_archive
@@ -67,7 +68,7 @@ class ArchiveReconciling:
             log.error("GraphArchive %s/%s is invalid (edited by hand, or written by another operator "
                       "version?); delete it and its ModelDeployments recreate it: %s", ns, name, exc)
             return None
-        short = spec.identity_hash[:16]
+        short = identity_short(spec.identity_hash)
         # Users: deployments of the identity and serving/warm pods restoring it. SAVE pods carry
         # the identity label too but are no users (counting them kept archives alive for ever).
         refs = len(self.deployments_using(ns, short)) + len(

@@ -13,7 +13,7 @@ from typing import Any
 
 from ember import contract
 from ember.contract import SaveResult
-from ember.identity import canonical_json
+from ember.identity import canonical_json, identity_short
 from ember_operator import templates
 from ember_operator.api import GraphArchiveSpec
 from ember_operator.pods import (
@@ -38,7 +38,7 @@ def save_job(
         contract.LABEL_MANAGED_BY: contract.MANAGED_BY_OPERATOR,
         contract.LABEL_COMPONENT: "save",
         contract.LABEL_ARCHIVE: archive_name,
-        contract.LABEL_IDENTITY: spec.identity_hash[:16],
+        contract.LABEL_IDENTITY: identity_short(spec.identity_hash),
         contract.LABEL_GPU_PRODUCT: gpu_product,
     }
     pod_spec = {
@@ -93,7 +93,7 @@ def save_container(spec: GraphArchiveSpec, store: StoreAccess) -> dict[str, Any]
     return {
         "name": contract.SAVE_CONTAINER,
         "image": spec.save.image,
-        "command": ["ember", "save", "--job", "--"],  # the engine's arguments (a vLLM Job runs them)
+        "command": ["ember", "save", "--job", "--"],  # engine.args follow (vLLM's, `ember serve`'s)
         "args": list(spec.save.args),
         "env": [
             {"name": contract.ENV_IDENTITY, "value": canonical_json(ident.canonical()).decode()},

@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from ember import contract
+from ember.identity import identity_short
 
 
 def short_hash(*parts: Any, length: int = 10) -> str:
@@ -19,13 +20,13 @@ def short_hash(*parts: Any, length: int = 10) -> str:
 
 
 def archive_name(identity_hash: str) -> str:
-    """GraphArchive name: `ga-<first 16 hex of the identity hash>`."""
-    return f"ga-{identity_hash[:16]}"
+    """GraphArchive name: `ga-<identity short>` (the identity hash's first 16 hex)."""
+    return f"ga-{identity_short(identity_hash)}"
 
 
 def save_job_name(identity_hash: str, attempt: int) -> str:
     """SAVE Job name, deterministic per identity and attempt (a retry is a new attempt)."""
-    return f"ember-save-{identity_hash[:16]}-{attempt}"
+    return f"ember-save-{identity_short(identity_hash)}-{attempt}"
 
 
 def hpa_name(md_name: str) -> str:

@@ -33,7 +33,7 @@ from ember import contract
 from ember.archive import signing
 from ember.contract import Claim
 from ember.engines.vllm import args as vllm_args
-from ember.identity import ArchiveIdentity, canonical_json
+from ember.identity import ArchiveIdentity, canonical_json, identity_short
 from ember_operator import conditions, hpas, naming, switching, templates, tenancy
 from ember_operator.api import (
     ArchiveRef,
@@ -515,7 +515,7 @@ def _progressing(obs: Observed, st: ModelDeploymentStatus, rollout: _Rollout) ->
         return (True, MDPhase.pending.value, "waiting for the GraphArchive")
     if not can_deploy and old_left:
         return (True, MDPhase.reconfiguring.value,
-                f"new identity {ident_hash[:16]}: SAVE running; "
+                f"new identity {identity_short(ident_hash)}: SAVE running; "
                 f"{old_left} pod(s) keep serving the previous one")
     if not can_deploy:
         return (True, MDPhase.saving.value, f"waiting for the SAVE of {naming.archive_name(ident_hash)}")

@@ -22,6 +22,7 @@ from typing import Any
 
 from ember import contract
 from ember.contract import Claim
+from ember.identity import identity_short
 from ember_operator import naming, templates
 from ember_operator.api import StoreSpec
 
@@ -372,7 +373,7 @@ def bound_warm_pod(
         "name": name,
         "labels": {**base_labels(t), contract.LABEL_POOL_KEY: bound_key(t.pool_key, deployment, claim),
                    contract.LABEL_POOL: contract.POOL_WARM, contract.LABEL_WARM_FOR: deployment,
-                   contract.LABEL_IDENTITY: claim.identity[:16]},
+                   contract.LABEL_IDENTITY: identity_short(claim.identity)},
         "annotations": replace(claim, claimed_at=None).annotations(),
         "ownerReferences": [owner_reference(deployment, owner_uid)],
     }, t.warm_priority_class, warm=True)

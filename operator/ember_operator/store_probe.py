@@ -12,6 +12,7 @@ import hashlib
 import logging
 from typing import Any
 
+from ember.identity import identity_short
 from ember_operator.api import GraphArchiveSpec
 from ember_operator.archive_planning import ManifestInfo, StoreProbe
 from ember_operator.kube import Kube, secret_path
@@ -40,8 +41,8 @@ def probe_store(uri: str, identity_hash: str, opts: dict[str, Any], timeout_s: f
     try:
         manifest = loads(data)
         if manifest.identity_hash != identity_hash:
-            raise ManifestError(f"it is the manifest of identity {manifest.identity_hash[:16]}…, "
-                                f"not {identity_hash[:16]}…")
+            found, wanted = identity_short(manifest.identity_hash), identity_short(identity_hash)
+            raise ManifestError(f"it is the manifest of identity {found}…, not {wanted}…")
         info["bytes"] = manifest.total_bytes
         info["graphs"] = manifest.graphs.count
         compat = manifest.compat.model_dump()

@@ -13,6 +13,7 @@ import re
 
 from ember import contract
 from ember.contract import Claim, ClaimError, reason_class
+from ember.identity import identity_short
 from ember.store import StoreError, split_manifest_uri
 
 __all__ = ["Claim", "ClaimError", "manifest_identity", "parse_claim", "parse_prefetch", "reason_class"]
@@ -52,8 +53,8 @@ def parse_claim(annotations: dict[str, str] | None) -> Claim | None:
     if in_uri is None:
         raise ClaimError(f"{ann_archive}={archive!r} is not a manifest URI (…/archives/<hash>/manifest)")
     if in_uri != identity:
-        raise ClaimError(f"identity-mismatch: {ann_archive} names {in_uri[:16]}…, "
-                         f"{ann_identity} is {identity[:16]}…")
+        raise ClaimError(f"identity-mismatch: {ann_archive} names {identity_short(in_uri)}…, "
+                         f"{ann_identity} is {identity_short(identity)}…")
     ann_digest = contract.ANN_MANIFEST_DIGEST
     if not claim.manifest_digest:
         raise ClaimError(f"claim has {ann_archive} but no {ann_digest}: the manifest is not pinned "

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 from ember.archive import manifest as manifest_mod
 from ember.archive import signing
 from ember.archive.manifest import Manifest, ManifestError
+from ember.identity import digest_short, identity_short
 from ember.store import (
     BlobCorrupt,
     BlobMissing,
@@ -78,12 +79,14 @@ def verify_manifest(data: bytes, identity: str) -> Manifest:
         raise FetchFailed(f"manifest-invalid: {exc}") from exc
     if m.identity_hash != identity:
         raise FetchFailed(
-            f"identity-mismatch: manifest is {m.identity_hash[:16]}…, claim is {identity[:16]}…"
+            f"identity-mismatch: manifest is {identity_short(m.identity_hash)}…, "
+            f"claim is {identity_short(identity)}…"
         )
     actual = m.identity.hash()
     if actual != identity:
         raise FetchFailed(
-            f"identity-mismatch: manifest identity hashes to {actual[:16]}…, not {identity[:16]}…"
+            f"identity-mismatch: manifest identity hashes to {identity_short(actual)}…, "
+            f"not {identity_short(identity)}…"
         )
     return m
 
@@ -174,14 +177,14 @@ class ArchiveCache:
         except StoreError as exc:
             raise FetchFailed(f"store-error: {exc}") from exc
         if uri_identity != identity:
-            raise FetchFailed(f"identity-mismatch: {archive_uri} names {uri_identity[:16]}…")
+            raise FetchFailed(f"identity-mismatch: {archive_uri} names {identity_short(uri_identity)}…")
         data = self._retry(lambda: store.get_manifest(identity), cancel, deadline)
         if data is None:
             raise FetchFailed(f"archive-missing: no manifest at {archive_uri}")
         if digest and (actual := hashlib.sha256(data).hexdigest()) != digest:
             raise FetchFailed(f"manifest-digest-mismatch: manifest at {archive_uri} has sha256 "
-                              f"{actual[:16]}…, the claim pins {digest[:16]}… (replaced since the "
-                              "operator saw it)")
+                              f"{digest_short(actual)}…, the claim pins {digest_short(digest)}… "
+                              "(replaced since the operator saw it)")
         v0 = time.monotonic()
         signature = self._check_signature(store, identity, data, cancel, deadline)
         m = verify_manifest(data, identity)
@@ -197,8 +200,8 @@ class ArchiveCache:
             p = self.blob_path(b.sha256)
             size = p.stat().st_size if p.is_file() else -1
             if size != b.compressed_size:
-                raise FetchFailed(f"size-mismatch: blob {b.name} ({b.sha256[:16]}…) is {size} bytes, "
-                                  f"manifest says {b.compressed_size}")
+                raise FetchFailed(f"size-mismatch: blob {b.name} ({digest_short(b.sha256)}…) is {size} "
+                                  f"bytes, manifest says {b.compressed_size}")
         if signature is not None:  # LOAD checks it again in the engine (EMBER_TRUSTED_KEYS)
             self.local.put_signature(identity, signature)
         self.local.put_manifest(identity, data)  # last: the cached archive now exists

@@ -34,6 +34,7 @@ from typing import Any
 from ember import contract
 from ember.contract import FALLBACK_PREFIX, RESTORED, Claim, ClaimError
 from ember.handoff import HandoffWriter
+from ember.identity import identity_short
 from ember_sidecar.claims import manifest_identity, parse_claim, parse_prefetch, reason_class
 from ember_sidecar.fetching import ArchiveCache, Cancelled, FetchFailed
 from ember_sidecar.metrics import STAGES, Metrics
@@ -125,7 +126,8 @@ class Restorer:
             if self.stopping.is_set() or (self.current is not None and self.current.claim.key == claim.key):
                 return False
             if self.current is not None:
-                log.info("Claim changed from %s to %s", self.current.claim.identity[:16], claim.identity[:16])
+                log.info("Claim changed from %s to %s", identity_short(self.current.claim.identity),
+                         identity_short(claim.identity))
                 self._claim_cancel.set()
                 self._claim_cancel = threading.Event()
             # A claim's fetch gets the bandwidth; a prefetch of the claimed archive goes on (the
@@ -140,7 +142,7 @@ class Restorer:
             cancel = self._claim_cancel
             self.writer.fetching(claim.identity, claim.archive_uri, self._claim_time(claim, observed_at))
         log.info("%s: archive %s identity %s", "Warm pod's archive" if warm else "Claim observed",
-                 claim.archive_uri, claim.identity[:16])
+                 claim.archive_uri, identity_short(claim.identity))
         self._start(self._restore, state, cancel, name="ember-restore")
         return True
 
@@ -150,7 +152,7 @@ class Restorer:
             if not self.writer.warm or self.current is None or self.current.claim.key != claim.key:
                 return
             self.writer.in_service(self._claim_time(claim, observed_at))
-        log.info("Claimed: warm pod of %s in service", claim.identity[:16])
+        log.info("Claimed: warm pod of %s in service", identity_short(claim.identity))
 
     def prefetch(self, archive_uri: str) -> None:
         """Warm pod: cache an archive before any claim (failures are only logged and counted)."""
@@ -187,13 +189,13 @@ class Restorer:
         try:
             fetched = self.cache.fetch(claim.archive_uri, claim.identity, cancel, claim.manifest_digest)
         except Cancelled:
-            log.info("Restore of %s cancelled", claim.identity[:16])
+            log.info("Restore of %s cancelled", identity_short(claim.identity))
             return
         except FetchFailed as exc:
             self._fallback(state, exc.reason)
             return
         except Exception as exc:  # a bug must still end in a fallback, not a dead sidecar
-            log.exception("Restore of %s failed unexpectedly", claim.identity[:16])
+            log.exception("Restore of %s failed unexpectedly", identity_short(claim.identity))
             self._fallback(state, f"sidecar-error: {type(exc).__name__}: {exc}")
             return
         if cancel.is_set():
@@ -208,7 +210,8 @@ class Restorer:
             state.handed_off_at = time.time()
         log.info(
             "Archive %s handed off (%s, %.1f MB, fetch %.3fs, verify %.3fs, claim→handoff %.3fs)",
-            claim.identity[:16], "cached" if fetched.cached else "fetched", fetched.bytes_fetched / 1e6,
+            identity_short(claim.identity), "cached" if fetched.cached else "fetched",
+            fetched.bytes_fetched / 1e6,
             fetched.fetch_s, fetched.verify_s, state.handed_off_at - state.observed_at,
         )
 
@@ -256,7 +259,8 @@ class Restorer:
         log.warning("Restore fell back to native capture: %s", reason)
         self.reporter.result(FALLBACK_PREFIX + reason)
         self.reporter.event("Warning", "RestoreFallback",
-                            f"archive {identity[:16] or '?'}: falling back to native capture: {reason}",
+                            f"archive {identity_short(identity) or '?'}: falling back to native capture: "
+                            f"{reason}",
                             deployment=True)
 
     def _restored(self, state: ClaimState, load_s: float) -> None:
@@ -267,7 +271,7 @@ class Restorer:
         self.metrics.restored()
         self.reporter.result(RESTORED)
         self.reporter.event("Normal", "Restored",
-                            f"archive {state.claim.identity[:16]} restored; LOAD {load_s:.3f}s")
+                            f"archive {identity_short(state.claim.identity)} restored; LOAD {load_s:.3f}s")
 
     def poll_engine(self) -> None:
         """Turn new engine reports into metrics, results and readiness; enforce the engine timeout."""

@@ -102,7 +102,7 @@ def test_save_job_runs_on_one_gpu_of_the_product() -> None:
     assert job["metadata"]["name"] == f"ember-save-{ident.hash()[:16]}-0"
     pod = job["spec"]["template"]["spec"]
     c = pod["containers"][0]
-    assert c["command"] == ["ember", "save", "--job", "--"]  # the engine's arguments follow (vLLM Jobs)
+    assert c["command"] == ["ember", "save", "--job", "--"]  # the engine's arguments follow
     assert c["resources"]["limits"] == {"memory": "16Gi", "nvidia.com/gpu": "1"}  # 1 GPU, any shape
     assert c["resources"]["requests"] == {"cpu": "2", "memory": "16Gi"}  # never BestEffort
     env = {e["name"]: e.get("value") for e in c["env"]}

@@ -7,7 +7,11 @@ from typing import Any
 import pytest
 from operator_helpers import md_spec
 
+from ember import contract
+from ember.contract import Claim
+from ember.identity import digest_short, identity_short
 from ember.identity_args import graph_args
+from ember_operator import naming
 from ember_operator.api import CaptureSpec, IdentitySpec
 
 
@@ -99,3 +103,12 @@ def test_identities_without_args_or_digest_keep_their_hash() -> None:
     with_args = md_spec(engine=_engine(args=BASE_ARGS)).identity()
     assert with_args.canonical()["engine_args"] == BASE_ARGS
     assert IdentitySpec.of(with_args).to_identity().hash() == with_args.hash()
+
+
+def test_names_and_labels_keep_the_first_16_hex_of_the_identity_hash() -> None:
+    """`ga-<16>`, `ember-save-<16>-<n>` and the identity label are API: `identity_short` keeps them."""
+    h = md_spec().identity().hash()
+    claim = Claim(archive_uri=f"s3://b/archives/{h}/manifest", identity=h)
+    assert naming.archive_name(h) == f"ga-{h[:16]}"
+    assert naming.save_job_name(h, 2) == f"ember-save-{h[:16]}-2"
+    assert claim.labels()[contract.LABEL_IDENTITY] == h[:16] == identity_short(h) == digest_short(h)

@@ -37,8 +37,8 @@ def _clean(monkeypatch: pytest.MonkeyPatch) -> None:
     ({"EMBER_IDENTITY": "{not json"}, "EMBER_IDENTITY is not an archive identity"),
     ({"EMBER_IDENTITY": json.dumps({"model": "m"})}, "EMBER_IDENTITY is not an archive identity"),
     ({"EMBER_IDENTITY": _identity("vllm")}, "EMBER_STORE is not set"),
-    ({"EMBER_IDENTITY": _identity("transformers"), "EMBER_STORE": "file:///tmp/x"},
-     "engine 'transformers' has no SAVE Job here (known: ember-decode, vllm)"),
+    ({"EMBER_IDENTITY": _identity("sglang"), "EMBER_STORE": "file:///tmp/x"},
+     "engine 'sglang' has no SAVE Job here (known: ember-decode, transformers, vllm)"),
 ])
 def test_a_job_that_cannot_run_says_why_in_the_termination_log(tmp_path: Path, env: dict[str, str],
                                                                reason: str) -> None:

@@ -90,7 +90,7 @@ def workload_from_identity(identity: Any) -> tuple[Any, Any]:
 
 
 def save_identity(identity: Any, store: str) -> dict[str, Any]:
-    """The decode SAVE Job (`ember.engines.save_job`): the workload `identity` names, saved under
+    """The decode SAVE Job (`ember.cli.save_job`): the workload `identity` names, saved under
     that identity; a multi-GPU shape (or the one-GPU splice check) on ONE GPU under the NCCL stub.
     The process re-executes itself under libember first; its summary, or an exception."""
     from ember.runtime.session import reexec_under_libember

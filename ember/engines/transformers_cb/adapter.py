@@ -2,13 +2,15 @@
 
 `CBEngineAdapter` puts one `CBEngine` (`engine.py`) behind `ember.runtime.adapter.EngineAdapter`;
 the one pipeline (`ember.runtime.save` / `ember.runtime.load`) does the rest. Callers
-(`ember serve`, `ember bench cb`, the GPU tests) use the functions below:
+(`ember serve`, the SAVE Job of engine transformers, `ember bench cb`, the GPU tests) use the
+functions below:
 
 SAVE (process under LD_PRELOAD=libember.so EMBER_MODE=save EMBER_ARM=manual)::
 
     ip = session("save")                        # arm BEFORE the model is built
     model = build_model(...)
-    result = save_engine(model, gen_config, sizing_overrides, store_uri, model_name, ip)
+    result = save_engine(model, gen_config, sizing_overrides, store_uri, model_name, ip,
+                         identity=None)         # the SAVE Job's: the operator's name for it
 
 LOAD (fresh process, EMBER_MODE=load)::
 
@@ -174,11 +176,13 @@ class CBEngineAdapter:
         model_name: str = "",
         sizing_overrides: Mapping[str, Any] | None = None,
         max_graphs: int = DEFAULT_MAX_GRAPHS,
+        identity: ArchiveIdentity | None = None,
     ) -> None:
         self.cb = cb
         self.model_name = model_name
         self.sizing_overrides = dict(sizing_overrides or {})
         self.max_graphs = max_graphs
+        self._identity = identity  # the SAVE Job's (the operator's name for the archive), if given
         self._canary: dict[str, Any] | None = None  # SAVE's (`facts`), read at install
 
     @property
@@ -197,6 +201,8 @@ class CBEngineAdapter:
         return self.hooks.expected_keys()
 
     def identity(self) -> ArchiveIdentity:
+        if self._identity is not None:
+            return self._identity
         import torch
 
         return cb_identity(self.model_name, self.hooks.sizing, gpu_product=torch.cuda.get_device_name(),
@@ -288,17 +294,18 @@ def save_engine(
     ip: Any = None,
     *,
     max_graphs: int = DEFAULT_MAX_GRAPHS,
+    identity: ArchiveIdentity | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[SaveOutcome, CBEngine]:
     """Capture every key in the capture window, walk, prove, publish. Returns the pipeline's
-    result and the (not started) engine holding the captured set, so the caller may serve from it."""
+    result and the (not started) engine holding the captured set, so the caller may serve from it.
+    `identity`: the archive's name (the SAVE Job's), else `cb_identity` of the engine."""
     from ember.runtime.save import save
 
     cb = CBEngine(model)
     cb.gen_config = gen_config
-    adapter = CBEngineAdapter(
-        cb, model_name=model_name, sizing_overrides=sizing_overrides, max_graphs=max_graphs
-    )
+    adapter = CBEngineAdapter(cb, model_name=model_name, sizing_overrides=sizing_overrides,
+                              max_graphs=max_graphs, identity=identity)
     result = save(adapter, ip if ip is not None else _SESSION, store_uri, log=log)
     return result, cb
 
