@@ -47,11 +47,10 @@ from types import FrameType
 from typing import Any
 
 from ember import contract, handoff
-from ember.engines.vllm.args import process_env
+from ember.engines.vllm.args import SLEEP_MODE_ARG, process_env
 
 log = logging.getLogger("ember.serving.vllm")
 REPORT_FILE = "vllm-report.json"  # the plugin's stage report, in the hand-off's run dir
-SLEEP_MODE_ARG = "--enable-sleep-mode"  # vLLM allocates weights and KV cache so that it can free them
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM serves /sleep and /wake_up only in development mode
 # The warm-up token's prompt as token ids: every vocabulary has them, no tokenizer needed
 # (a vLLM started with --skip-tokenizer-init takes them too).

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, model_validator
 
+from ember.engines.vllm.args import SLEEP_MODE_ARG
 from ember.identity import ArchiveIdentity, Parallelism
 from ember.identity_args import graph_args, image_digest
 from ember_operator.api_autoscaling import QUANTITY, AutoscalingSpec, MetricTarget  # noqa: F401
@@ -248,7 +249,6 @@ class WarmEngine(StrEnum):
     sleeping = "sleeping"
 
 
-SLEEP_MODE_ARG = "--enable-sleep-mode"  # vLLM: allocate weights and KV cache so they can be freed
 
 
 class WarmPoolSpec(ApiModel):

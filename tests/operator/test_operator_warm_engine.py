@@ -13,8 +13,8 @@ from operator_helpers import CTX, md_spec
 from pydantic import ValidationError
 
 from ember import contract
+from ember.engines.vllm.args import SLEEP_MODE_ARG
 from ember_operator import naming
-from ember_operator.api import SLEEP_MODE_ARG
 from ember_operator.observed import ArchiveView, PodView
 from ember_operator.planning import archive_object, claim_for, template_of
 from ember_operator.pools import WarmWant, plan_pools, pool_wants
