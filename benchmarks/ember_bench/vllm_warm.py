@@ -49,7 +49,7 @@ import typer
 from ember import contract, handoff
 from ember.identity import ArchiveIdentity
 from ember_bench.vllm import SHAPES, write_config
-from ember_bench.vllm_warm_report import RUNS, parse_smi, write_report
+from ember_bench.vllm_warm_report import RUNS, earlier, parse_smi, write_report
 
 PROMPT = list(range(101, 133))  # token ids (no tokenizer): the client's first request
 MODES = (contract.WARM_ENGINE_READY, contract.WARM_ENGINE_SLEEPING)
@@ -70,6 +70,7 @@ class Options:
     idle_s: float = 10.0
     gpu: str = ""  # nvidia-smi -i: index or UUID; "" → CUDA_VISIBLE_DEVICES' first, else 0
     timeout: float = 900.0
+    fresh: bool = False  # start over: no archive of the store, no run of an earlier report
 
     @property
     def tag(self) -> str:
@@ -205,9 +206,13 @@ def _environ(**values: str) -> Iterator[None]:
 
 
 def save(d: Deployment, store: Path, o: Options) -> dict[str, Any]:
-    """The SAVE Job of the deployment (probe, then SAVE); its summary or the error."""
+    """The SAVE Job of the deployment (probe, then SAVE); its summary or the error. An archive of
+    the identity already in the store (an earlier invocation's) is used as it is."""
     from ember.engines.vllm.job import JobFailed, save_job
 
+    if (store / "archives" / d.identity.hash() / "manifest").is_file():
+        typer.echo(f"save-{d.mode}: {d.identity.hash()[:16]} in the store already")
+        return {"identity": d.identity.hash(), "published": True, "reused": True}
     work = o.work / f"job-{d.mode}"
     shutil.rmtree(work, ignore_errors=True)
     typer.echo(f"save-{d.mode}: {d.identity.hash()[:16]} args {d.save_args}")
@@ -359,8 +364,9 @@ def run_bench(o: Options) -> tuple[Path, Path]:
     store, index = work / "store", gpu_index(o.gpu)
     gpu = gpu_facts(index)
     deps = {m: deployment(cfg, m, o, version("vllm")) for m in MODES}
-    saves: dict[str, dict[str, Any]] = {}
-    results: dict[str, dict[str, Any]] = {}
+    if o.fresh:
+        shutil.rmtree(store, ignore_errors=True)
+    results, saves = ({}, {}) if o.fresh else _earlier(o, gpu, deps)
     for run in o.runs:
         mode = contract.WARM_ENGINE_SLEEPING if run == "warm-sleeping" else contract.WARM_ENGINE_READY
         if run != "cold-native" and mode not in saves:
@@ -371,6 +377,21 @@ def run_bench(o: Options) -> tuple[Path, Path]:
             results[run] = run_pod(run, deps[mode], store, o, index)
         write_report(o.tag, results, saves, gpu, o.out_dir)  # a cut-off run still leaves its figures
     return write_report(o.tag, results, saves, gpu, o.out_dir)
+
+
+def _earlier(o: Options, gpu: dict[str, Any], deps: dict[str, Deployment]
+             ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The runs and SAVEs of an earlier invocation's report (this GPU and model) of the same
+    deployments, so that the runs can be split over several commands; this one's runs replace them."""
+    results, saves = earlier(o.tag, gpu, o.out_dir)
+    ids = {m: d.identity.hash() for m, d in deps.items()}
+    kept = {r: res for r, res in results.items() if res.get("identity") == ids.get(res.get("mode", ""))
+            and r not in o.runs}
+    if kept:
+        typer.echo(f"going on from {', '.join(kept)} of the earlier report (--fresh: start over)")
+    store = o.work / "store" / "archives"  # an earlier SAVE counts while its archive is still there
+    return kept, {m: s for m, s in saves.items()
+                  if s.get("identity") == ids.get(m) and (store / ids[m] / "manifest").is_file()}
 
 
 # long: typer declares every option in the signature; the body is one call
@@ -389,10 +410,13 @@ def bench_vllm_warm(
     gpu: Annotated[str, typer.Option(help="nvidia-smi -i (index or UUID); default: CUDA_VISIBLE_DEVICES'"
                                           " first, else 0.")] = "",
     timeout: Annotated[float, typer.Option(help="Seconds per SAVE and per pod start.")] = 900.0,
+    fresh: Annotated[bool, typer.Option(help="Start over: SAVE again, forget an earlier report's runs "
+                                             "(default: go on from them, runs given here replace theirs).")
+                     ] = False,
 ) -> None:
     """vLLM warm pods: claim → first token (ready and sleeping), idle GPU memory, cold starts (GPU)."""
     chosen = tuple(r.strip() for r in runs.split(",") if r.strip())
     js, md = run_bench(Options(model, layers, work, out_dir, chosen, gpu_memory_utilization, max_model_len,
-                               graph_mode, max_batch, max_num_tokens, idle, gpu, timeout))
+                               graph_mode, max_batch, max_num_tokens, idle, gpu, timeout, fresh))
     typer.echo(md.read_text())
     typer.echo(f"wrote {js} and {md}")

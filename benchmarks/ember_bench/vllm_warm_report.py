@@ -24,7 +24,7 @@ ROWS: dict[str, tuple[str, str]] = {
     "GPU memory held serving (above the GPU's own use)": ("gpu_serving_held_mib", "MiB"),
     "GPU memory used before the pod started": ("gpu_before_mib", "MiB"),
     "restored (vLLM's report)": ("restored", ""),
-    "greedy tokens equal cold-native's": ("tokens_equal_native", ""),
+    "greedy tokens equal the reference run's": ("tokens_equal_reference", ""),
 }
 
 
@@ -45,7 +45,13 @@ def held(used: list[int] | None, before: int | None) -> int | None:
     return int(statistics.median(used)) - before
 
 
-def run_row(res: dict[str, Any], native_tokens: Any) -> dict[str, Any]:
+def reference(results: dict[str, dict[str, Any]]) -> str | None:
+    """The run whose greedy tokens the others are compared with: cold-native's (a fresh engine's
+    own graphs), else cold-restored's (restored, which other benches compare with native)."""
+    return next((r for r in ("cold-native", "cold-restored") if (results.get(r) or {}).get("tokens")), None)
+
+
+def run_row(res: dict[str, Any], ref: str | None, ref_tokens: Any) -> dict[str, Any]:
     """One run's figures, as the table shows them."""
     ready = res.get("ready_report") or {}
     before = res.get("gpu_before_mib")
@@ -59,8 +65,8 @@ def run_row(res: dict[str, Any], native_tokens: Any) -> dict[str, Any]:
         "gpu_serving_held_mib": held(res.get("gpu_serving_mib"), before),
         "gpu_before_mib": before,
         "restored": ready.get("restored"),
-        "tokens_equal_native": None if toks is None or native_tokens is None or res["run"] == "cold-native"
-        else toks == native_tokens,
+        "tokens_equal_reference": None if toks is None or ref_tokens is None or res["run"] == ref
+        else toks == ref_tokens,
         "stages": ready.get("stages"),
         "error": res.get("error"),
     }
@@ -77,7 +83,7 @@ def verdicts(rows: dict[str, dict[str, Any]]) -> dict[str, bool | None]:
     """The goals (None: not measured). A warm pod that captured natively does not meet them."""
     ready, sleeping = rows.get("warm-ready") or {}, rows.get("warm-sleeping") or {}
     idle_r, idle_s = ready.get("gpu_idle_held_mib"), sleeping.get("gpu_idle_held_mib")
-    woken = sleeping.get("tokens_equal_native")
+    woken = sleeping.get("tokens_equal_reference")
     return {
         f"warm ready: claim → first token ≤ {READY_GOAL_S} s (restored)": _goal(
             ready.get("claim_to_first_token_s"), READY_GOAL_S, ready.get("restored")),
@@ -85,19 +91,22 @@ def verdicts(rows: dict[str, dict[str, Any]]) -> dict[str, bool | None]:
             sleeping.get("claim_to_first_token_s"), SLEEPING_GOAL_S, sleeping.get("restored")),
         "warm sleeping holds less GPU memory idle than warm ready": None if idle_r is None or idle_s is None
         else idle_s < idle_r,
-        "tokens after the wake-up equal cold-native's": woken,
+        "tokens after the wake-up equal the reference run's": woken,
         "every run without an error": None if not rows else not any(r.get("error") for r in rows.values()),
     }
 
 
 def summarize(results: dict[str, dict[str, Any]], saves: dict[str, dict[str, Any]],
               gpu: dict[str, Any]) -> dict[str, Any]:
-    native = (results.get("cold-native") or {}).get("tokens")
-    rows = {name: run_row(res, native) for name, res in results.items()}
+    ref = reference(results)
+    ref_tokens = (results.get(ref) or {}).get("tokens") if ref else None
+    rows = {name: run_row(res, ref, ref_tokens) for name, res in results.items()}
     return {
         "gpu": gpu,
+        "tokens_reference": ref,
         "runs": rows,
-        "saves": {m: {k: s.get(k) for k in ("identity", "graphs", "bytes", "published", "error", "durations")}
+        "saves": {m: {k: s.get(k) for k in ("identity", "graphs", "bytes", "published", "reused", "error",
+                                            "durations")}
                   for m, s in saves.items()},
         "goals": verdicts(rows),
     }
@@ -122,7 +131,8 @@ def markdown(model: str, summary: dict[str, Any]) -> str:
         "",
         f"Measured {time.strftime('%Y-%m-%d')} by `ember bench vllm-warm`: `ember serve --engine vllm` "
         "behind a hand-off written as the sidecar writes it; random weights; each run a fresh process "
-        f"with an empty vLLM cache. GPU memory by nvidia-smi (total {gpu.get('total_mib', '?')} MiB).",
+        f"with an empty vLLM cache. GPU memory by nvidia-smi (total {gpu.get('total_mib', '?')} MiB). "
+        f"Greedy tokens compared with {summary.get('tokens_reference') or 'no run'}'s.",
         "",
         "| | " + " | ".join(cols) + " |",
         "|---" * (len(cols) + 1) + "|",
@@ -140,12 +150,26 @@ def markdown(model: str, summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def report_paths(model: str, gpu: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
+    slug = "".join(c if c.isalnum() else "-" for c in str(gpu.get("name", "unknown")).lower()).strip("-")
+    return out_dir / f"vllm-warm-{slug}-{model}.json", out_dir / f"vllm-warm-{slug}-{model}.md"
+
+
+def earlier(model: str, gpu: dict[str, Any], out_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(results, saves) of an earlier invocation's report on this GPU and model, to go on from."""
+    js = report_paths(model, gpu, out_dir)[0]
+    try:
+        data = json.loads(js.read_text())
+    except (OSError, ValueError):
+        return {}, {}
+    return dict(data.get("results") or {}), dict(data.get("saves") or {})
+
+
 def write_report(model: str, results: dict[str, dict[str, Any]], saves: dict[str, dict[str, Any]],
                  gpu: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
     summary = summarize(results, saves, gpu)
-    slug = "".join(c if c.isalnum() else "-" for c in str(gpu.get("name", "unknown")).lower()).strip("-")
     out_dir.mkdir(parents=True, exist_ok=True)
-    js, md = out_dir / f"vllm-warm-{slug}-{model}.json", out_dir / f"vllm-warm-{slug}-{model}.md"
+    js, md = report_paths(model, gpu, out_dir)
     js.write_text(json.dumps({"summary": summary, "results": results, "saves": saves}, indent=1,
                              default=str) + "\n")
     md.write_text(markdown(model, summary))
