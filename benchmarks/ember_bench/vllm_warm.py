@@ -366,7 +366,7 @@ def run_bench(o: Options) -> tuple[Path, Path]:
     deps = {m: deployment(cfg, m, o, version("vllm")) for m in MODES}
     if o.fresh:
         shutil.rmtree(store, ignore_errors=True)
-    results, saves = ({}, {}) if o.fresh else _earlier(o, gpu, deps)
+    results, saves = ({}, {}) if o.fresh else go_on_from(o, gpu, deps)
     for run in o.runs:
         mode = contract.WARM_ENGINE_SLEEPING if run == "warm-sleeping" else contract.WARM_ENGINE_READY
         if run != "cold-native" and mode not in saves:
@@ -379,7 +379,7 @@ def run_bench(o: Options) -> tuple[Path, Path]:
     return write_report(o.tag, results, saves, gpu, o.out_dir)
 
 
-def _earlier(o: Options, gpu: dict[str, Any], deps: dict[str, Deployment]
+def go_on_from(o: Options, gpu: dict[str, Any], deps: dict[str, Deployment]
              ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """The runs and SAVEs of an earlier invocation's report (this GPU and model) of the same
     deployments, so that the runs can be split over several commands; this one's runs replace them."""

@@ -98,7 +98,7 @@ def test_one_pod_end_to_end_against_the_stand_in(
 def test_runs_split_over_commands_go_on_from_the_earlier_report(tmp_path: Path) -> None:
     """A GPU command has a time limit: `--runs` of one command, then the others; the second keeps
     the first's runs of the same deployments and its SAVEs whose archives are still in the store."""
-    from ember_bench.vllm_warm import _earlier
+    from ember_bench.vllm_warm import go_on_from
     from ember_bench.vllm_warm_report import write_report
 
     deps = _deps(tmp_path)
@@ -111,7 +111,7 @@ def test_runs_split_over_commands_go_on_from_the_earlier_report(tmp_path: Path) 
     (tmp_path / "store" / "archives" / ready).mkdir(parents=True)
     (tmp_path / "store" / "archives" / ready / "manifest").write_text("{}")
     o = Options(work=tmp_path, out_dir=out, runs=("warm-sleeping",))
-    results, kept = _earlier(o, gpu, deps)
+    results, kept = go_on_from(o, gpu, deps)
     assert list(results) == ["warm-ready"] and list(kept) == ["ready"]  # no archive of sleeping's
     again = Options(work=tmp_path, out_dir=out, runs=("warm-ready",))
-    assert _earlier(again, gpu, deps)[0] == {}, "a run given again is measured again"
+    assert go_on_from(again, gpu, deps)[0] == {}, "a run given again is measured again"
