@@ -159,12 +159,16 @@ def served_model(port: int) -> str:
         return str(json.loads(r.read())["data"][0]["id"])
 
 
-def first_token(port: int, model: str, timeout: float) -> tuple[float, int]:
-    """One completion (max_tokens 1), retried while refused or unreachable: (the wall time it came
-    back, the refusals before it)."""
+def first_token(port: int, model: str, timeout: float, proc: subprocess.Popen[bytes] | None = None
+                ) -> tuple[float, int]:
+    """One completion (max_tokens 1), retried while refused or unreachable (and `proc` lives): (the
+    wall time it came back, the refusals before it)."""
     body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
     refusals, end = 0, time.monotonic() + timeout
     while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"ember serve exited {proc.returncode} before the first token "
+                               f"({refusals} refusals)")
         try:
             status, _ = _post(port, "/v1/completions", body, timeout)
         except OSError:
@@ -314,7 +318,7 @@ def _cold(w: handoff.HandoffWriter, proc: subprocess.Popen[bytes], port: int, cl
     res["ready_report"] = _wait(lambda: _ready_report(w, seen), proc, o.timeout, "the ready report")
     res["start_to_ready_s"] = round(time.time() - claimed, 3)
     model = served_model(port)
-    done, res["first_token_refusals"] = first_token(port, model, o.timeout)
+    done, res["first_token_refusals"] = first_token(port, model, o.timeout, proc)
     res["claim_to_first_token_s"] = round(done - claimed, 3)
     _serving(port, model, res, index)
 
@@ -333,7 +337,7 @@ def _warm(w: handoff.HandoffWriter, proc: subprocess.Popen[bytes], port: int, st
     seen: list[dict[str, Any]] = []
     claimed = time.time()
     w.in_service(claimed)  # the sidecar's part of the claim
-    done, res["first_token_refusals"] = first_token(port, model, o.timeout)
+    done, res["first_token_refusals"] = first_token(port, model, o.timeout, proc)
     res["claim_to_first_token_s"] = round(done - claimed, 4)
     res["ready_report"] = _wait(lambda: _ready_report(w, seen), proc, 60.0, "the ready report")
     _serving(port, model, res, index)
