@@ -29,7 +29,6 @@ crash-looping on the same archive. Exit code and signals pass through.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -47,6 +46,7 @@ from types import FrameType
 from typing import Any
 
 from ember import contract, handoff
+from ember.engines.vllm import report as reports
 from ember.engines.vllm.args import SLEEP_MODE_ARG, process_env
 
 log = logging.getLogger("ember.serving.vllm")
@@ -217,8 +217,8 @@ class VllmProcess:
 
     @property
     def restored(self) -> bool:
-        """vLLM restored the archive's graphs (the plugin says so)."""
-        return ((self.plugin_report().get("stages") or {}).get("capture") or {}).get("how") == "restored"
+        """vLLM restored the archive's graphs, on every rank (the plugin says so)."""
+        return reports.ranks_restored(self.plugin_report())
 
     def mark(self, stage: str, since: float) -> None:
         self.stages[stage] = round(time.monotonic() - since, 4)
@@ -246,13 +246,9 @@ class VllmProcess:
             self.proc.wait()
 
     def plugin_report(self) -> dict[str, Any]:
-        """What ember's plugin wrote while vLLM started (empty when nothing)."""
-        if self.report is None or not self.report.is_file():
-            return {}
-        with contextlib.suppress(OSError, ValueError):
-            data = json.loads(self.report.read_text())
-            return data if isinstance(data, dict) else {}
-        return {}
+        """What ember's plugin wrote while vLLM started, every rank's file under "ranks" (empty
+        when nothing)."""
+        return {} if self.report is None else reports.read(self.report)
 
 
 def _say(result: handoff.HandoffResult | None, run_dir: Path | None, state: Callable[..., Any], *reason: str,
@@ -303,8 +299,8 @@ def start(cli_args: list[str], result: handoff.HandoffResult | None, run_dir: Pa
     with its environment and arguments; SIGTERM and SIGINT go on to it."""
     env = vllm_env(result, dict(os.environ), sleeping=sleeping)
     report = Path(env["EMBER_VLLM_REPORT"]) if env.get("EMBER_VLLM_REPORT") else None
-    if report is not None:  # vLLM's processes add to it: a previous start's must go
-        report.unlink(missing_ok=True)
+    if report is not None:  # vLLM's processes add to it: a previous start's must go, rank files too
+        reports.clear(report)
     args = serve_args(cli_args, result, sleeping=sleeping)
     http = VllmHttp(_port(args), _flag(args, "--api-key") or env.get("VLLM_API_KEY", ""))
     _say(result, run_dir, handoff.engine_loading)
@@ -398,22 +394,30 @@ def report_load(vp: VllmProcess) -> None:
     reported already)."""
     if vp.result is None or vp.result.archive_dir is None:
         return
-    stages = vp.plugin_report().get("stages") or {}
-    capture, load = stages.get("capture") or {}, stages.get("load") or {}
-    if capture.get("how") == "restored":
-        seconds = float(load.get("seconds") or capture.get("seconds") or 0.0)
+    report = vp.plugin_report()
+    # one GPU: the report's own stages; a world of ranks: each rank's file
+    each = list((report.get("ranks") or {}).values()) or [report]
+    stages = [one.get("stages") or {} for one in each]
+    if reports.ranks_restored(report):
+        seconds = max(float((st.get("load") or st.get("capture") or {}).get("seconds") or 0.0)
+                      for st in stages)
         handoff.report("load", seconds, "ok", run_dir=vp.handoff_dir, engine="vllm",
-                       graphs=load.get("graphs"))
+                       graphs=(stages[0].get("load") or {}).get("graphs"), ranks=len(each))
         return
-    refused: dict[str, Any] = next(
-        (stages[s] for s in ("load_refused", "refused") if (stages.get(s) or {}).get("reason")), {})
-    if refused:
-        reason = str(refused["reason"])
-    elif capture:
-        reason = f"vllm-captured: vLLM captured its graphs ({capture.get('how')}), no reason given"
-    else:
-        reason = "vllm-report-missing: ember's vLLM plugin reported no capture (is it installed?)"
-    handoff.report("load", 0.0, "fallback", reason, run_dir=vp.handoff_dir, engine="vllm")
+    handoff.report("load", 0.0, "fallback", _not_restored(report, stages), run_dir=vp.handoff_dir,
+                   engine="vllm")
+
+
+def _not_restored(report: dict[str, Any], stages: list[dict[str, Any]]) -> str:
+    """Why vLLM did not restore, from the plugin's stages (the front end's and every rank's)."""
+    for st in [report.get("stages") or {}, *stages]:
+        for name in ("load_refused", "refused"):
+            if reason := (st.get(name) or {}).get("reason"):
+                return str(reason)
+    hows = sorted({str((st.get("capture") or {}).get("how")) for st in stages if st.get("capture")})
+    if hows:
+        return f"vllm-captured: vLLM captured its graphs ({', '.join(hows)}), no reason given"
+    return "vllm-report-missing: ember's vLLM plugin reported no capture (is it installed?)"
 
 
 def report_ready(vp: VllmProcess, seconds: float, *, claimed_at: float, mode: str) -> None:

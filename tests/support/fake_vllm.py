@@ -4,8 +4,9 @@ and /wake_up), plus /quit?code=N to die with an exit code. It records its comman
 environment and every call but /health (with the time, whether it was asleep, the Authorization
 header) in FAKE_VLLM_OUT, one JSON object a line. Knobs (environment): FAKE_VLLM_CRASH (exit 7
 at once), FAKE_VLLM_TOKEN_DELAY (seconds before a completion answers), FAKE_VLLM_TOKEN_STATUS
-(its HTTP status). With EMBER_VLLM_REPORT set it writes what ember's plugin would: restored when
-EMBER_VLLM_ARCHIVE is set, native otherwise."""
+(its HTTP status), FAKE_VLLM_RANKS (e.g. "restored,native-after-refusal": one report file per
+rank, as the GPU workers of a parallel world write them). With EMBER_VLLM_REPORT set it writes
+what ember's plugin would: restored when EMBER_VLLM_ARCHIVE is set, native otherwise."""
 
 from __future__ import annotations
 
@@ -39,12 +40,21 @@ record(argv=sys.argv[1:], env={k: os.environ.get(k) for k in keep},
 if os.environ.get("FAKE_VLLM_CRASH"):
     sys.exit(7)
 archive = os.environ.get("EMBER_VLLM_ARCHIVE")
-if os.environ.get("EMBER_VLLM_REPORT"):  # what ember's plugin writes while vLLM starts
-    stages = {"capture": {"how": "restored" if archive else "native", "by": "fake-vllm"}}
-    if archive:
+def stages_of(how):
+    stages = {"capture": {"how": how, "by": "fake-vllm"}}
+    if how == "restored":
         stages["load"] = {"seconds": 0.25, "graphs": 3}
-    with open(os.environ["EMBER_VLLM_REPORT"], "w") as f:
-        json.dump({"stages": stages}, f)
+    elif how == "native-after-refusal":
+        stages["load_refused"] = {"at": "load", "reason": "divergence: fake rank"}
+    return stages
+if os.environ.get("EMBER_VLLM_REPORT"):  # what ember's plugin writes while vLLM starts
+    path = os.environ["EMBER_VLLM_REPORT"]
+    ranks = [r for r in os.environ.get("FAKE_VLLM_RANKS", "").split(",") if r]
+    with open(path, "w") as f:  # the front end's and engine core's stages; the workers' per rank
+        json.dump({"stages": {} if ranks else stages_of("restored" if archive else "native")}, f)
+    for rank, how in enumerate(ranks):
+        with open(path.replace(".json", f".rank{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "world": len(ranks), "stages": stages_of(how)}, f)
 argv = sys.argv
 def flag(name, default=None):
     return argv[argv.index(name) + 1] if name in argv else default

@@ -84,6 +84,38 @@ def test_vllm_dying_while_loading_leaves_the_marker_and_the_next_start_is_native
         proc.wait(timeout=10)
 
 
+def test_a_world_whose_ranks_did_not_all_restore_is_a_fallback_with_the_ranks_reason(
+    tmp_path: Path, fake_vllm: dict[str, str]
+) -> None:
+    w = handoff.HandoffWriter(tmp_path / "run")
+    w.ready("abc", archive(w))
+    stale = w.run_dir / "vllm-report.rank3.json"
+    stale.write_text('{"rank": 3, "world": 4}')  # a previous start's rank file
+    env = {**fake_vllm, "FAKE_VLLM_RANKS": "restored,native-after-refusal"}
+    proc = serve(env, w.run_dir, free_port())
+    seen: list[dict] = []
+    try:
+        ready = wait_report(w, "ready", seen)
+        assert ready["restored"] is False and set(ready["vllm"]["ranks"]) == {"0", "1"}
+        (load,) = [r for r in seen if r["stage"] == "load"]
+        assert load["result"] == "fallback" and load["reason"] == "divergence: fake rank"
+        assert not stale.exists()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+    env["FAKE_VLLM_RANKS"] = "restored,restored"
+    proc = serve(env, w.run_dir, free_port())
+    seen = []
+    try:
+        ready = wait_report(w, "ready", seen)
+        assert ready["restored"] is True
+        (load,) = [r for r in seen if r["stage"] == "load"]
+        assert load["result"] == "ok" and load["ranks"] == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+
+
 def test_without_the_console_script_vllm_runs_as_a_module_of_this_interpreter(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
