@@ -171,6 +171,13 @@ ENV_POD_UID = "POD_UID"
 # Engine container (and the SAVE container):
 ENV_LIB = "EMBER_LIB"  # → LIB_PATH (ember.native finds libember.so through it)
 ENV_ENGINE = "EMBER_ENGINE"  # the engine kind of the ModelDeployment
+# Identity-keyed warm pods: how the engine idles before the claim (ModelDeployment
+# spec.warmPool.engine). WARM_ENGINE_READY holds everything (weights, graphs, KV cache) and answers
+# at once; WARM_ENGINE_SLEEPING (vLLM only: sleep mode level 1) frees the KV cache and moves the
+# weights to host memory until the claim wakes it. Unset: ready.
+ENV_WARM_ENGINE = "EMBER_WARM_ENGINE"
+WARM_ENGINE_READY = "ready"
+WARM_ENGINE_SLEEPING = "sleeping"
 # Sidecar and SAVE containers: the store (ember.store reads ENV_S3_ENDPOINT itself too).
 ENV_STORE = "EMBER_STORE"
 ENV_S3_ENDPOINT = "EMBER_S3_ENDPOINT"

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, model_validator
 
+from ember.engines.vllm.args import SLEEP_MODE_ARG
 from ember.identity import ArchiveIdentity, Parallelism
 from ember.identity_args import graph_args, image_digest
 from ember_operator.api_autoscaling import QUANTITY, AutoscalingSpec, MetricTarget  # noqa: F401
@@ -241,6 +242,15 @@ class StoreSpec(ApiModel):
         return self.s3.credentials_secret if self.s3 else None
 
 
+class WarmEngine(StrEnum):
+    """How the engine of an identity-keyed warm pod idles until its claim (ember.contract)."""
+
+    ready = "ready"
+    sleeping = "sleeping"
+
+
+
+
 class WarmPoolSpec(ApiModel):
     """Pre-warmed pods: per deployment, shape and archive once the shape's archive is Available
     (engine loaded before the claim), else per (GPU product, GPU count, engine, store)."""
@@ -249,6 +259,16 @@ class WarmPoolSpec(ApiModel):
                       "shape's GPU count and of each alternative's, round robin, while they fit (a 1-GPU "
                       "deployment keeps this many pods). A pool's size is the largest ask of the "
                       "deployments sharing it.")
+    engine: WarmEngine = Field(
+        WarmEngine.ready, description="How the engine of a warm pod (of a shape whose archive is "
+        "Available) idles until its claim. ready: restored, one token run, weights and KV cache on "
+        "the GPU; the claim is served at once. sleeping (vLLM only): the same, then vLLM's sleep mode "
+        "level 1 frees the KV cache and moves the weights to host memory (the engine container's "
+        "memory must hold them); the claim wakes it first. vLLM then runs with --enable-sleep-mode "
+        "(part of the archive identity: a change saves a new archive) and, on warm pods, its "
+        "development endpoints on (VLLM_SERVER_DEV_MODE=1: /sleep, /wake_up, /collective_rpc …) for "
+        "the pod's life. A change replaces the warm pods.",
+    )
 
 
 class SaveOptions(ApiModel):
@@ -265,10 +285,18 @@ class SaveOptions(ApiModel):
     )
 
 
+SLEEPING_NEEDS_VLLM = (
+    "warmPool.engine sleeping needs engine.kind vllm (its sleep mode frees the KV cache); the "
+    "transformers engine's restored graphs point at its KV cache, so its warm pods always hold it: use ready"
+)
 _MD_SPEC_RULES = cel(
     (
         "!has(self.gpu.count) || self.gpu.count == self.parallelism.tensor * self.parallelism.data",
         "gpu.count must equal parallelism.tensor × parallelism.data (or be left unset)",
+    ),
+    (
+        "self.warmPool.engine != 'sleeping' || self.engine.kind == 'vllm'",
+        SLEEPING_NEEDS_VLLM,
     ),
     (
         "!has(self.autoscaling) || self.replicas > 0",
@@ -315,7 +343,19 @@ class ModelDeploymentSpec(ApiModel):
         if self.gpu.count is not None and self.gpu.count != self.gpu_count():
             raise ValueError(f"gpu.count {self.gpu.count} must equal parallelism.tensor × parallelism.data "
                              f"({self.gpu_count()}), or be left unset")
+        if self.warm_pool.engine == WarmEngine.sleeping and self.engine.kind != EngineKind.vllm:
+            raise ValueError(SLEEPING_NEEDS_VLLM)
         return self
+
+    def engine_run_args(self) -> list[str]:
+        """The engine's arguments as every process of the deployment runs them (SAVE Job, serving
+        and warm pods): `engine.args`, and for `warmPool.engine: sleeping` vLLM's sleep mode, which
+        allocates the weights and the KV cache through another allocator (other addresses, so the
+        archive must be saved with it: it is part of the identity like any graph argument)."""
+        args = list(self.engine.args)
+        if self.warm_pool.engine == WarmEngine.sleeping and SLEEP_MODE_ARG not in args:
+            args.append(SLEEP_MODE_ARG)
+        return args
 
     def gpu_count(self, shape: ShapeSpec | None = None) -> int:
         """GPUs of one replica of `shape` (the current one by default)."""
@@ -338,7 +378,7 @@ class ModelDeploymentSpec(ApiModel):
             max_batch=self.capture.max_batch,
             parallelism=Parallelism(tensor=shape.tensor, expert=shape.expert, data=shape.data),
             gpu_product=self.gpu.product,
-            engine_args=graph_args(self.engine.args),
+            engine_args=graph_args(self.engine_run_args()),
             image_digest=image_digest(self.engine.image),
         )
 

@@ -158,11 +158,11 @@ def engine_args(spec: ModelDeploymentSpec, ident: ArchiveIdentity | None = None)
     template-keyed one learns them with the claim): for vLLM
     (`ember serve --engine vllm` starts `vllm serve` after the hand-off) the identity's arguments
     come first (model, capture sizes, graph mode, batch limits, parallel sizes: what the SAVE Job
-    ran, so LOAD's sizing check passes), then the deployment's own. `ident`: spec.identity(), when
-    the caller has it."""
+    ran, so LOAD's sizing check passes), then the deployment's own (`engine_run_args`: with vLLM's
+    sleep mode for a sleeping warm pool). `ident`: spec.identity(), when the caller has it."""
     if spec.engine.kind.value == "vllm":
-        return (*vllm_args.engine_args(ident or spec.identity()), *spec.engine.args)
-    return tuple(spec.engine.args)
+        return (*vllm_args.engine_args(ident or spec.identity()), *spec.engine_run_args())
+    return tuple(spec.engine_run_args())
 
 
 def trusted_keys_env(spec: ModelDeploymentSpec) -> str:
@@ -179,7 +179,7 @@ def _engine_resources(spec: ModelDeploymentSpec) -> dict[str, tuple[tuple[str, s
 
 def revision_of(identity_hash: str, template: PodTemplate, spec: ModelDeploymentSpec) -> str:
     """Pods of another revision are rolled: identity, pool template or engine args changed."""
-    return naming.short_hash(identity_hash, template.pool_key, list(spec.engine.args), length=10)
+    return naming.short_hash(identity_hash, template.pool_key, spec.engine_run_args(), length=10)
 
 
 def archive_object(
@@ -192,7 +192,7 @@ def archive_object(
         identity=IdentitySpec.of(ident),
         store=store_of(spec, ctx, namespace),
         save=SaveSpec(
-            image=spec.engine.image, args=list(spec.engine.args),
+            image=spec.engine.image, args=spec.engine_run_args(),
             pod_annotations=dict(spec.save.pod_annotations), timeout_seconds=spec.save.timeout_seconds,
             signing_secret=spec.archive.signing.secret_name or ctx.signing_secret or None,
             priority_class_name=priority_class or None,

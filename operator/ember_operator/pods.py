@@ -234,8 +234,9 @@ def engine_command(t: PodTemplate) -> dict[str, Any]:
                         "--host", "0.0.0.0", "--port", str(contract.ENGINE_PORT)]}
 
 
-def engine_container(t: PodTemplate) -> dict[str, Any]:
-    """The engine image, under libember, with the run directory and the pod's labels/annotations."""
+def engine_container(t: PodTemplate, extra_env: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:
+    """The engine image, under libember, with the run directory and the pod's labels/annotations
+    (`extra_env`: what only some pods of the template get, e.g. a warm pod's EMBER_WARM_ENGINE)."""
     return {
         "name": contract.ENGINE_CONTAINER,
         "image": t.engine_image,
@@ -249,6 +250,7 @@ def engine_container(t: PodTemplate) -> dict[str, Any]:
             {"name": "NCCL_CUMEM_ENABLE", "value": "0"},
             *ENGINE_HOME,
             *t.trust_env(),  # LOAD checks the cached archive's signature again
+            *extra_env,
         ],
         "volumeMounts": [*_shared_mounts(),
                          {"name": "ember-lib", "mountPath": contract.LIB_DIR, "readOnly": True},
@@ -297,10 +299,11 @@ def pod_security_context() -> dict[str, Any]:
     }
 
 
-def pod_spec(t: PodTemplate, priority_class: str = "", *, warm: bool = False) -> dict[str, Any]:
+def pod_spec(t: PodTemplate, priority_class: str = "", *, warm: bool = False,
+             engine_env: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "initContainers": [lib_init_container(t.sidecar_image), sidecar_container(t)],
-        "containers": [engine_container(t)],
+        "containers": [engine_container(t, engine_env)],
         "volumes": _pod_volumes(t),
         "securityContext": pod_security_context(),
         "restartPolicy": "Always",
@@ -328,14 +331,15 @@ def base_labels(t: PodTemplate) -> dict[str, str]:
     }
 
 
-def _pod(t: PodTemplate, meta: dict[str, Any], priority_class: str, *, warm: bool) -> dict[str, Any]:
+def _pod(t: PodTemplate, meta: dict[str, Any], priority_class: str, *, warm: bool,
+         engine_env: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:
     """A pod of template `t`: `meta` (name, labels, annotations, owners) under the template's
     metadata patch, the pod spec at `priority_class`."""
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": templates.apply_metadata({"namespace": t.namespace, **meta}, templates.decode(t.patch)),
-        "spec": pod_spec(t, priority_class, warm=warm),
+        "spec": pod_spec(t, priority_class, warm=warm, engine_env=engine_env),
     }
 
 
@@ -352,31 +356,39 @@ def warm_pod(t: PodTemplate, prefetch: list[str] | None = None, name: str = "") 
     }, t.warm_priority_class, warm=True)
 
 
-def bound_key(pool_key: str, deployment: str, claim: Claim) -> str:
+def bound_key(pool_key: str, deployment: str, claim: Claim,
+              warm_engine: str = contract.WARM_ENGINE_READY) -> str:
     """The pool key of a deployment's identity-keyed warm pods: its pod template, the deployment,
     and everything the engine starts from before a claim (archive and its digest, identity, engine
-    arguments, rank layout). A replaced archive or edited arguments make another pool."""
+    arguments, rank layout, how it idles: `warm_engine`). A replaced archive, edited arguments or
+    another warm engine mode make another pool."""
+    # the mode only when not the default, so the pools of deployments that never set it keep their keys
+    mode = [] if warm_engine == contract.WARM_ENGINE_READY else [warm_engine]
     return naming.short_hash(
         "bound", pool_key, deployment, claim.archive_uri, claim.identity, claim.manifest_digest,
-        list(claim.engine_args), claim.rank, claim.world, length=16,
+        list(claim.engine_args), claim.rank, claim.world, *mode, length=16,
     )
 
 
 def bound_warm_pod(
     t: PodTemplate, claim: Claim, deployment: str, owner_uid: str, name: str,
+    warm_engine: str = contract.WARM_ENGINE_READY,
 ) -> dict[str, Any]:
     """An identity-keyed warm pod of `deployment`: unclaimed (pool warm, no deployment label, so
     no Service or HPA selector matches it) but carrying the claim's hand-off data from creation,
-    so its sidecar fetches and verifies at once and its engine LOADs before any claim. Owned by
-    the deployment (deleted with it). The claim adds the labels and the claim stamp."""
+    so its sidecar fetches and verifies at once and its engine LOADs before any claim, then idles
+    as `warm_engine` says (its EMBER_WARM_ENGINE). Owned by the deployment (deleted with it). The
+    claim adds the labels and the claim stamp."""
+    key = bound_key(t.pool_key, deployment, claim, warm_engine)
     return _pod(t, {
         "name": name,
-        "labels": {**base_labels(t), contract.LABEL_POOL_KEY: bound_key(t.pool_key, deployment, claim),
+        "labels": {**base_labels(t), contract.LABEL_POOL_KEY: key,
                    contract.LABEL_POOL: contract.POOL_WARM, contract.LABEL_WARM_FOR: deployment,
                    contract.LABEL_IDENTITY: identity_short(claim.identity)},
         "annotations": replace(claim, claimed_at=None).annotations(),
         "ownerReferences": [owner_reference(deployment, owner_uid)],
-    }, t.warm_priority_class, warm=True)
+    }, t.warm_priority_class, warm=True,
+        engine_env=({"name": contract.ENV_WARM_ENGINE, "value": warm_engine},))
 
 
 def serving_pod(t: PodTemplate, claim: Claim, name: str, owner_uid: str) -> dict[str, Any]:

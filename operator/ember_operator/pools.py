@@ -3,10 +3,11 @@
 Two kinds of pool (`WarmWant`):
 
 - **identity-keyed** (a shape whose archive is Available): the pods of one deployment, shape,
-  archive (URI and manifest digest) and engine arguments, created with the hand-off data (the
-  claim's annotations without the claim stamp) so the sidecar fetches and verifies at once and
-  the engine loads before any claim. Owned by the deployment. A new digest or edited arguments
-  make a new key: the old pool has no asker any more and is drained, its pods never claimed.
+  archive (URI and manifest digest), engine arguments and warm engine mode (`warmPool.engine`,
+  the engine container's EMBER_WARM_ENGINE), created with the hand-off data (the claim's
+  annotations without the claim stamp) so the sidecar fetches and verifies at once and the engine
+  loads before any claim. Owned by the deployment. A new digest, edited arguments or another
+  mode make a new key: the old pool has no asker any more and is drained, its pods never claimed.
 - **template-keyed** (a shape whose archive cannot be had: failing, pods capture natively): pods
   of one pod template (GPU, engine, store) shared by the namespace's deployments, which learn
   their model with the claim, as cold pods do.
@@ -71,25 +72,28 @@ def warm_split(spec: ModelDeploymentSpec) -> dict[int, int]:
 @dataclass(frozen=True)
 class WarmWant:
     """`size` warm pods of `template`: identity-keyed when `claim` is set (its hand-off data; the
-    pods belong to `claim.deployment`, uid `owner_uid`), else template-keyed (`prefetch`: a
-    manifest its pods cache). Iterates as (template, size, prefetch)."""
+    pods belong to `claim.deployment`, uid `owner_uid`; their engine idles as `warm_engine` says),
+    else template-keyed (`prefetch`: a manifest its pods cache). Iterates as (template, size,
+    prefetch)."""
 
     template: PodTemplate
     size: int
     prefetch: str = ""
     claim: Claim | None = None
     owner_uid: str = ""
+    warm_engine: str = contract.WARM_ENGINE_READY
 
     @property
     def key(self) -> str:
         if self.claim is None:
             return self.template.pool_key
-        return bound_key(self.template.pool_key, self.claim.deployment, self.claim)
+        return bound_key(self.template.pool_key, self.claim.deployment, self.claim, self.warm_engine)
 
     def pod(self, name: str, prefetch: list[str]) -> dict[str, Any]:
         if self.claim is None:
             return warm_pod(self.template, prefetch, name)
-        return bound_warm_pod(self.template, self.claim, self.claim.deployment, self.owner_uid, name)
+        return bound_warm_pod(self.template, self.claim, self.claim.deployment, self.owner_uid, name,
+                              self.warm_engine)
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.template, self.size, self.prefetch))
@@ -111,7 +115,8 @@ def pool_wants(
         size = split.pop(shape.gpus, 0)  # the pods go with the first shape of each GPU count
         claim = bind(shape) if bind is not None else None
         if isinstance(claim, Claim):
-            out.append(WarmWant(templates(shape), size, claim=claim, owner_uid=owner_uid))
+            out.append(WarmWant(templates(shape), size, claim=claim, owner_uid=owner_uid,
+                                warm_engine=spec.warm_pool.engine.value))
         elif claim is False:
             out.append(WarmWant(templates(shape), 0))
         else:

@@ -64,6 +64,9 @@ INVALID: list[tuple[str, Any, str]] = [
      "ember restores vLLM 0.26.x only"),
     ("vllm-version-lookalike", lambda s: s["engine"].update(kind="vllm", version="0.260.0"),
      "ember restores vLLM 0.26.x only"),
+    # the transformers engine cannot free its KV cache (its restored graphs point at it)
+    ("sleeping-transformers", lambda s: s.update(warmPool={"size": 1, "engine": "sleeping"}),
+     "warmPool.engine sleeping needs engine.kind vllm"),
     ("bucket-characters", lambda s: _s3(s, bucket="My_Bucket!"), "bucket"),
     ("trusted-key-not-a-key", lambda s: s.update(archive={"signing": {"trustedKeys": [
         {"id": "k", "publicKey": "this is not a public key at all, just text"}]}}), "publicKey"),
@@ -92,6 +95,10 @@ def test_resources_external_metrics_and_label_keys_are_accepted(
          {"type": "Pods", "name": "vllm_num_requests_waiting", "averageValue": "500m"})
     spec["model"] = {"name": "/models/Qwen3-0.6B", "revision": "refs/pr/1", "dtype": "float16"}
     spec["engine"] = {**spec["engine"], "kind": "vllm", "version": "0.26.1rc1+cu128"}  # a restorable vLLM
+    spec["warmPool"] = {"size": 1, "engine": "sleeping"}  # vLLM's sleep mode
     created = Api(k8s, "default").create_md("ok-inputs", spec, dry_run=True)
     # Defaults: the engine gets CPU and memory requests, so a utilization target can act.
     assert created["spec"]["engine"]["resources"]["requests"] == {"cpu": "2", "memory": "16Gi"}
+    assert created["spec"]["warmPool"]["engine"] == "sleeping"
+    plain = Api(k8s, "default").create_md("ok-default", md_spec(minio, "admission"), dry_run=True)
+    assert plain["spec"]["warmPool"] == {"size": 0, "engine": "ready"}

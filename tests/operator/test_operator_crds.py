@@ -19,6 +19,8 @@ EXPECTED_RULE_MESSAGES = [
     "autoscaling target: set exactly one of averageValue and averageUtilization",
     "engine.version: ember restores vLLM 0.26.x only (the adapter patches their internals); another "
     "version would capture natively on every start",
+    "warmPool.engine sleeping needs engine.kind vllm (its sleep mode frees the KV cache); the "
+    "transformers engine's restored graphs point at its KV cache, so its warm pods always hold it: use ready",
 ]
 
 

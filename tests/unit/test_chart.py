@@ -129,6 +129,20 @@ def test_warm_pods_run_at_a_low_priority_class_of_the_chart(helm: str) -> None:
     assert env["EMBER_OPERATOR_SERVING_PRIORITY_CLASS"] == "high"
 
 
+def test_warm_back_off_reaches_the_operator_with_its_defaults(helm: str) -> None:
+    from ember_operator.settings import Settings
+
+    defaults = Settings.from_env(_operator_env(render(helm)))
+    assert (defaults.warm_backoff_seconds, defaults.warm_backoff_max_seconds) == (
+        Settings.model_fields["warm_backoff_seconds"].default,
+        Settings.model_fields["warm_backoff_max_seconds"].default)
+    env = _operator_env(render(helm, "warmPods.backoffSeconds=2.5", "warmPods.backoffMaxSeconds=0"))
+    assert env["EMBER_OPERATOR_WARM_BACKOFF_SECONDS"] == "2.5"
+    assert env["EMBER_OPERATOR_WARM_BACKOFF_MAX_SECONDS"] == "0"
+    settings = Settings.from_env(env)
+    assert (settings.warm_backoff_seconds, settings.warm_backoff_max_seconds) == (2.5, 0.0)
+
+
 def test_static_limits_are_written_into_the_admission_policy(helm: str) -> None:
     docs = render(helm, "limits.maxReplicas=30", "limits.maxNamespaceWarmGpus=12")
     policy = one(docs, "ValidatingAdmissionPolicy", "ember-limits")

@@ -1,137 +1,116 @@
 """`ember serve --engine vllm`: the hand-off decides how `vllm serve` starts (LOAD of the
 sidecar's archive under libember, or native), the crash marker covers vLLM's start until its
-/health answers, `ready` reaches the sidecar, and a vLLM that dies while loading makes the next
-start capture natively. A stand-in `vllm` executable records what it was given."""
+/health answers, `load` (how vLLM's LOAD went) and `ready` reach the sidecar, the engine state
+goes loading → ready (or failed), and a vLLM that dies while loading makes the next start
+capture natively. A stand-in `vllm` executable (tests/support/fake_vllm.py) records what it was
+given. Warm pods: test_serve_vllm_warm.py."""
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from support.fake_vllm import archive, calls, engine_state, fake_vllm_env, free_port, serve, wait_report
 
-from ember import handoff, native
-
-ROOT = Path(__file__).resolve().parents[2]
-FAKE = r'''#!/usr/bin/env python3
-import http.server, json, os, signal, sys
-keep = ("LD_PRELOAD", "EMBER_MODE", "EMBER_VLLM_ARCHIVE", "EMBER_VLLM_REPORT", "VLLM_USE_FLASHINFER_SAMPLER")
-with open(os.environ["FAKE_VLLM_OUT"], "a") as f:
-    f.write(json.dumps({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keep},
-                        "stale_report": os.path.exists(os.environ.get("EMBER_VLLM_REPORT") or "/none")})
-            + "\n")
-if os.environ.get("FAKE_VLLM_CRASH"):
-    sys.exit(7)
-if os.environ.get("EMBER_VLLM_REPORT"):  # what ember's plugin writes while vLLM starts
-    with open(os.environ["EMBER_VLLM_REPORT"], "w") as f:
-        json.dump({"stages": {"capture": {"how": "fake-vllm"}}}, f)
-port = int(sys.argv[sys.argv.index("--port") + 1])
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404); self.end_headers()
-    def log_message(self, *a): pass
-signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
-http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
-'''
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from ember import handoff
 
 
 @pytest.fixture
 def fake_vllm(tmp_path: Path) -> dict[str, str]:
-    if native.find_library() is None:
-        pytest.skip("libember not built")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    exe = bin_dir / "vllm"
-    exe.write_text(FAKE)
-    exe.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBER_", "LD_PRELOAD"))}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_VLLM_OUT=str(tmp_path / "calls.jsonl"),
-               PYTHONPATH=f"{ROOT}:{env.get('PYTHONPATH', '')}")
-    return env
-
-
-def _serve(env: dict[str, str], run_dir: Path, port: int) -> subprocess.Popen[str]:
-    # --engine comes from EMBER_ENGINE, as the operator's pod sets it
-    cmd = [sys.executable, "-c", "import sys; from ember.cli import app; sys.argv[0] = 'ember'; app()",
-           "serve", "--run-dir", str(run_dir), "--deadline", "5", "--", "--model", "m", "--port", str(port)]
-    return subprocess.Popen(cmd, env={**env, "EMBER_ENGINE": "vllm"}, text=True, stderr=subprocess.PIPE)
-
-
-def _wait_ready(w: handoff.HandoffWriter, timeout: float = 20) -> dict:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        for r in w.new_reports():
-            if r["stage"] == "ready":
-                return r
-        time.sleep(0.05)
-    raise AssertionError("no ready report")
-
-
-def _calls(env: dict[str, str]) -> list[dict]:
-    return [json.loads(x) for x in Path(env["FAKE_VLLM_OUT"]).read_text().splitlines()]
+    return fake_vllm_env(tmp_path)
 
 
 def test_handed_off_archive_starts_vllm_under_libember_and_clears_the_marker(
     tmp_path: Path, fake_vllm: dict[str, str]
 ) -> None:
     w = handoff.HandoffWriter(tmp_path / "run")
-    d = w.archive_dir("abc")
-    d.mkdir(parents=True)
-    (d / "manifest").write_text("{}")
+    d = archive(w)
     w.ready("abc", d, engine_args=("--max-model-len", "4096"))
     stale = '{"stages": {"capture": {"how": "restored"}}}'
     (w.run_dir / "vllm-report.json").write_text(stale)  # a previous start's
-    port = _port()
-    proc = _serve(fake_vllm, w.run_dir, port)
+    port = free_port()
+    proc = serve(fake_vllm, w.run_dir, port)
+    seen: list[dict] = []
     try:
-        ready = _wait_ready(w)
+        ready = wait_report(w, "ready", seen)
         assert ready["restored"] is True and ready["engine"] == "vllm"
-        assert ready["vllm"]["stages"]["capture"]["how"] == "fake-vllm"  # this start's, not the stale one
+        assert ready["vllm"]["stages"]["capture"]["by"] == "fake-vllm"  # this start's, not the stale one
         assert not (w.run_dir / handoff.MARKER_FILE).exists()
-        (call,) = _calls(fake_vllm)
+        # the sidecar hears that vLLM restored (it records the restore; no engine timeout later)
+        (load,) = [r for r in seen if r["stage"] == "load"]
+        assert load["result"] == "ok" and load["graphs"] == 3 and load["seconds"] == 0.25
+        state = engine_state(w.run_dir)
+        assert state["state"] == "ready" and state["identity"] == "abc" and state["restored"] is True
+        (call,) = calls(fake_vllm)
         # the command line's arguments, then the claim's (the deployment's engine.args)
         assert call["argv"] == ["serve", "--model", "m", "--port", str(port), "--max-model-len", "4096"]
         assert call["env"]["EMBER_MODE"] == "load" and call["env"]["EMBER_VLLM_ARCHIVE"] == str(d)
         assert "libember" in call["env"]["LD_PRELOAD"] and "libember_nccl" not in call["env"]["LD_PRELOAD"]
         assert call["env"]["EMBER_VLLM_REPORT"] == str(w.run_dir / "vllm-report.json")
+        assert call["env"]["VLLM_SERVER_DEV_MODE"] is None  # no sleep mode: no development endpoints
         assert call["stale_report"] is False  # vLLM's processes add to the report: it starts empty
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0, proc.stderr.read() if proc.stderr else ""
+    assert engine_state(w.run_dir)["state"] == "ready", "a signal is a shutdown, not an engine failure"
 
 
 def test_vllm_dying_while_loading_leaves_the_marker_and_the_next_start_is_native(
-    tmp_path: Path, fake_vllm
+    tmp_path: Path, fake_vllm: dict[str, str]
 ) -> None:
     w = handoff.HandoffWriter(tmp_path / "run")
-    d = w.archive_dir("abc")
-    d.mkdir(parents=True)
-    (d / "manifest").write_text("{}")
-    w.ready("abc", d)
-    crash = {**fake_vllm, "FAKE_VLLM_CRASH": "1"}
-    proc = _serve(crash, w.run_dir, _port())
+    w.ready("abc", archive(w))
+    proc = serve({**fake_vllm, "FAKE_VLLM_CRASH": "1"}, w.run_dir, free_port())
     assert proc.wait(timeout=20) == 7  # vLLM's exit code passes through
     assert (w.run_dir / handoff.MARKER_FILE).exists()
-    port = _port()
-    proc = _serve(fake_vllm, w.run_dir, port)
+    state = engine_state(w.run_dir)
+    assert state["state"] == "failed" and "exited 7 before it was healthy" in state["reason"]
+    proc = serve(fake_vllm, w.run_dir, free_port())
+    seen: list[dict] = []
     try:
-        ready = _wait_ready(w)
+        ready = wait_report(w, "ready", seen)
         assert ready["restored"] is False
-        second = _calls(fake_vllm)[-1]
+        loads = [r for r in seen if r["stage"] == "load"]
+        assert loads and all(r["result"] == "fallback" and r["reason"].startswith(handoff.REASON_CRASHED)
+                             for r in loads)
+        second = calls(fake_vllm)[-1]
         assert second["env"]["EMBER_MODE"] is None and second["env"]["EMBER_VLLM_ARCHIVE"] is None
         assert not second["env"]["LD_PRELOAD"]
+        assert engine_state(w.run_dir)["state"] == "ready"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+
+
+def test_a_world_whose_ranks_did_not_all_restore_is_a_fallback_with_the_ranks_reason(
+    tmp_path: Path, fake_vllm: dict[str, str]
+) -> None:
+    w = handoff.HandoffWriter(tmp_path / "run")
+    w.ready("abc", archive(w))
+    stale = w.run_dir / "vllm-report.rank3.json"
+    stale.write_text('{"rank": 3, "world": 4}')  # a previous start's rank file
+    env = {**fake_vllm, "FAKE_VLLM_RANKS": "restored,native-after-refusal"}
+    proc = serve(env, w.run_dir, free_port())
+    seen: list[dict] = []
+    try:
+        ready = wait_report(w, "ready", seen)
+        assert ready["restored"] is False and set(ready["vllm"]["ranks"]) == {"0", "1"}
+        (load,) = [r for r in seen if r["stage"] == "load"]
+        assert load["result"] == "fallback" and load["reason"] == "divergence: fake rank"
+        assert not stale.exists()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+    env["FAKE_VLLM_RANKS"] = "restored,restored"
+    proc = serve(env, w.run_dir, free_port())
+    seen = []
+    try:
+        ready = wait_report(w, "ready", seen)
+        assert ready["restored"] is True
+        (load,) = [r for r in seen if r["stage"] == "load"]
+        assert load["result"] == "ok" and load["ranks"] == 2
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=10)

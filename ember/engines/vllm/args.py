@@ -16,6 +16,10 @@ from typing import Any
 
 from ember.identity import ArchiveIdentity
 
+# vLLM's sleep mode: weights and KV cache through its own cuMem allocator, so that /sleep can free
+# them (a warm pod of `warmPool.engine: sleeping`). Another allocation sequence: identity.
+SLEEP_MODE_ARG = "--enable-sleep-mode"
+
 # ModelDeployment capture.graphMode → vLLM's CUDAGraphMode name
 GRAPH_MODES = {
     "full": "FULL",
