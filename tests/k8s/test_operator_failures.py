@@ -80,7 +80,7 @@ def test_valid_deployment_is_defaulted(k8s: LocalCluster, minio: LocalMinio, crd
     created = Api(k8s, "default").create_md("ok", _base(minio), dry_run=True)
     spec = created["spec"]
     assert spec["parallelism"] == {"tensor": 1, "expert": 1, "data": 1, "alternatives": []}
-    assert spec["capture"]["graphMode"] == "full" and spec["warmPool"] == {"size": 0}
+    assert spec["capture"]["graphMode"] == "full" and spec["warmPool"] == {"size": 0, "engine": "ready"}
     assert spec["model"]["revision"] == "main"
 
 
