@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,6 +196,26 @@ ENV_TRUSTED_KEYS = "EMBER_TRUSTED_KEYS"
 SIGNING_KEY_DIR = "/etc/ember/signing"
 SIGNING_SECRET_KEY = "signing-key.pem"  # the key in the signing Secret's data
 SIGNING_KEY_PATH = f"{SIGNING_KEY_DIR}/{SIGNING_SECRET_KEY}"
+
+
+# ---- The transformers engine's arguments ---------------------------------------------------------
+# A transformers deployment's pods run `ember serve --run-dir RUN_DIR --host 0.0.0.0 --port
+# ENGINE_PORT <serve_args>` (the operator writes the command; its claims carry serve_args), and its
+# SAVE Job reads the same serve_args: one model, one sizing on both sides.
+SERVE_MODEL_OPTIONS = ("--model", "--model-config")
+
+
+def serve_model_args(model: str, engine_args: Sequence[str]) -> list[str]:
+    """A transformers deployment's model options: `--model <model>` (its `model.name`) unless its
+    `engine_args` name the model themselves (`--model NAME|DIR`, `--model-config FILE`)."""
+    named = any(a.split("=", 1)[0] in SERVE_MODEL_OPTIONS for a in engine_args)
+    return [] if named else ["--model", model]
+
+
+def serve_args(model: str, engine_args: Sequence[str]) -> list[str]:
+    """A transformers deployment's `ember serve` arguments after the pod's own: the model options,
+    then `engine_args`."""
+    return [*serve_model_args(model, engine_args), *engine_args]
 
 
 # ---- The claim -----------------------------------------------------------------------------------
