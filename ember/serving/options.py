@@ -8,9 +8,11 @@ which `serve` imports when it runs), so the operator imports it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Annotated, Any
 
 import typer
@@ -109,7 +111,9 @@ def serve(
     raise typer.Exit(code)
 
 
+@functools.cache
 def _command() -> Any:
+    """The command `serve` declares (click's, built once: parsing never changes it)."""
     app = typer.Typer(context_settings=CONTEXT_SETTINGS)
     app.command()(serve)
     return typer.main.get_command(app)
@@ -140,14 +144,15 @@ POD_OWNED = {
 }
 
 
-def pod_owned_flags() -> dict[str, str]:
+@functools.cache
+def pod_owned_flags() -> Mapping[str, str]:
     """Every spelling of the POD_OWNED options (`--handoff` and `--no-handoff` …) and `--help`
     (it prints and exits), with why engine.args may not give it."""
     out = {"--help": "`ember serve` would print its help and exit"}
     for param in _command().params:
         for flag in [*param.opts, *param.secondary_opts] if param.name in POD_OWNED else []:
             out[flag] = POD_OWNED[param.name]
-    return out
+    return MappingProxyType(out)
 
 
 def pod_options(model: str, args: Sequence[str]) -> ServeOptions:
