@@ -12,7 +12,8 @@ A pod's life, in contract terms::
                  pods also LABEL_WARM_FOR and Claim.annotations() without ANN_CLAIMED_AT from their
                  creation (the sidecar hands the archive off at once, the engine LOADs, then
                  writes ENGINE_STATE_FILE; the sidecar mirrors it as ANN_ENGINE); template-keyed
-                 warm pods carry ANN_PREFETCH (JSON list) and learn their model with the claim
+                 warm pods carry ANN_PREFETCH (JSON list) and learn their archive with the claim
+                 (vLLM also its model; transformers pods run theirs from creation: serve_args)
     claim        Claim.labels() + Claim.annotations() patched onto it (or a cold pod created so);
                  on a bound pod only the labels (into service) and ANN_CLAIMED_AT change
     sidecar      Claim.from_annotations(...) → fetch, verify → RUN_DIR/STATUS_FILE (ember.handoff)
