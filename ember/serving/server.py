@@ -16,12 +16,11 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ember.serving.http import ByteTokenizer, ServerState, make_server
-from ember.serving.options import POD_OWNED, ServeOptions, UsageError, serve_options
+from ember.serving.options import ServeOptions, UsageError, serve_options
 from ember.serving.startup import cb_starters, run_startup
 
 if TYPE_CHECKING:
@@ -137,23 +136,24 @@ def claim_problem(o: ServeOptions, claim_args: Sequence[str]) -> str:
     """Why this `ember serve` (options `o`) cannot serve a claim whose engine arguments are
     `claim_args` ("" when it can, or when the claim names none). The operator writes a transformers
     pod's model and sizing into its command (`ember.contract.serve_args`, set at the pod's
-    creation) and claims it only with the same arguments (they are part of its pool's key): others
-    mean a pod claimed for another deployment, which must not serve its model."""
+    creation) and claims it only with the same arguments (they are part of its pool's key): a claim
+    whose arguments build another model or sizing means a pod claimed for another deployment,
+    which must not serve its model."""
     if not claim_args:
         return ""
     try:
         theirs, unknown = serve_options(claim_args)
     except UsageError as exc:
         theirs, unknown = o, [str(exc)]
-    if unknown or _engine_options(theirs) != _engine_options(o):
+    if unknown or _engine_of(theirs) != _engine_of(o):
         return (f"the claim's engine arguments {list(claim_args)} are not the ones this engine was "
                 f"started with (model {model_name(o)}): the pod belongs to another deployment's pool")
     return ""
 
 
-def _engine_options(o: ServeOptions) -> dict[str, Any]:
-    """The options a claim's arguments give (those a pod's command sets are not among them)."""
-    return {k: v for k, v in asdict(o).items() if k not in POD_OWNED}
+def _engine_of(o: ServeOptions) -> tuple[dict[str, Any], dict[str, int]]:
+    """What the options make of the engine: its model and its sizing."""
+    return model_build(o), engine_sizing(o)
 
 
 def _reexec_under_libember(mode: str) -> None:

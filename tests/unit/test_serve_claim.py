@@ -5,6 +5,8 @@ fails before it loads anything, and never serves."""
 
 from __future__ import annotations
 
+import types
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +89,48 @@ def test_the_start_checks_the_claims_engine_arguments_before_loading(tmp_path: P
     assert calls == []
     state = handoff.read_engine_state(tmp_path / "b")
     assert state is not None and state["state"] == "failed" and "not mine" in state["reason"]
+
+
+class _FakeCB:
+    """CBEngine's surface `ember serve` starts (no torch)."""
+
+    vocab_size = 32000
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        return [1] * max_new_tokens
+
+
+def test_ember_serve_restores_for_its_own_claim_and_fails_for_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real start-up wiring of `ember serve` (server → startup), the engine faked past the
+    model build: the pod's own claim is restored, another deployment's fails before any LOAD."""
+    from ember.engines.transformers_cb import adapter as cb_adapter
+    from ember.engines.transformers_cb import engine as cb_engine
+    from ember.serving.http import ServerState
+
+    built: list[dict[str, Any]] = []
+    restored: list[Path] = []
+    monkeypatch.setattr(cb_adapter, "session", lambda mode: None)
+    monkeypatch.setattr(cb_engine, "build_model", lambda **build: built.append(build) or "lm")
+    monkeypatch.setattr(cb_engine, "CBEngine", _FakeCB)
+    monkeypatch.setattr(cb_adapter, "restore_into", lambda engine, archive: restored.append(archive) or
+                        types.SimpleNamespace(graphs=3, seconds={"load": 0.1}))
+    args = ["--layers", "2", "--num-blocks", "32"]
+    o = replace(_pod_options("tiny-llama", args), run_dir=tmp_path / "own", deadline=5)
+
+    _handed_off(tmp_path / "own", tuple(contract.serve_args("tiny-llama", args)))
+    state = ServerState(model_name="tiny-llama")
+    server._start_engine(state, o)
+    assert state.ready.is_set() and state.startup.mode == "restored" and len(restored) == 1
+    assert built == [{"model": "tiny-llama", "model_config": None, "layers": 2, "seed": 0}]
+
+    _handed_off(tmp_path / "other", tuple(contract.serve_args("other-model", args)))
+    with pytest.raises(ClaimRefused, match="belongs to another deployment's pool"):
+        server._start_engine(ServerState(model_name="tiny-llama"), replace(o, run_dir=tmp_path / "other"))
+    assert len(restored) == 1
+    state_file = handoff.read_engine_state(tmp_path / "other")
+    assert state_file is not None and state_file["state"] == "failed"
