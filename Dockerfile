@@ -22,7 +22,9 @@ ARG BUILD_IMAGE=python:3.12-slim-bullseye
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 ARG ENGINE_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.26.0
-ARG TRANSFORMERS_VERSION=4.57.1
+# The transformers ember's continuous-batching adapter knows (ember.engines.transformers_cb): a
+# transformers deployment names it as engine.version ("5.17").
+ARG TRANSFORMERS_VERSION=5.17.0
 
 FROM ${BUILD_IMAGE} AS build
 # hadolint ignore=DL3008

@@ -12,7 +12,8 @@ A pod's life, in contract terms::
                  pods also LABEL_WARM_FOR and Claim.annotations() without ANN_CLAIMED_AT from their
                  creation (the sidecar hands the archive off at once, the engine LOADs, then
                  writes ENGINE_STATE_FILE; the sidecar mirrors it as ANN_ENGINE); template-keyed
-                 warm pods carry ANN_PREFETCH (JSON list) and learn their model with the claim
+                 warm pods carry ANN_PREFETCH (JSON list) and learn their archive with the claim
+                 (vLLM also its model; transformers pods run theirs from creation: serve_args)
     claim        Claim.labels() + Claim.annotations() patched onto it (or a cold pod created so);
                  on a bound pod only the labels (into service) and ANN_CLAIMED_AT change
     sidecar      Claim.from_annotations(...) → fetch, verify → RUN_DIR/STATUS_FILE (ember.handoff)
@@ -30,6 +31,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,6 +197,26 @@ ENV_TRUSTED_KEYS = "EMBER_TRUSTED_KEYS"
 SIGNING_KEY_DIR = "/etc/ember/signing"
 SIGNING_SECRET_KEY = "signing-key.pem"  # the key in the signing Secret's data
 SIGNING_KEY_PATH = f"{SIGNING_KEY_DIR}/{SIGNING_SECRET_KEY}"
+
+
+# ---- The transformers engine's arguments ---------------------------------------------------------
+# A transformers deployment's pods run `ember serve --run-dir RUN_DIR --host 0.0.0.0 --port
+# ENGINE_PORT <serve_args>` (the operator writes the command; its claims carry serve_args), and its
+# SAVE Job reads the same serve_args: one model, one sizing on both sides.
+SERVE_MODEL_OPTIONS = ("--model", "--model-config")
+
+
+def serve_model_args(model: str, engine_args: Sequence[str]) -> list[str]:
+    """A transformers deployment's model options: `--model <model>` (its `model.name`) unless its
+    `engine_args` name the model themselves (`--model NAME|DIR`, `--model-config FILE`)."""
+    named = any(a.split("=", 1)[0] in SERVE_MODEL_OPTIONS for a in engine_args)
+    return [] if named else ["--model", model]
+
+
+def serve_args(model: str, engine_args: Sequence[str]) -> list[str]:
+    """A transformers deployment's `ember serve` arguments after the pod's own: the model options,
+    then `engine_args`."""
+    return [*serve_model_args(model, engine_args), *engine_args]
 
 
 # ---- The claim -----------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Core commands: version, doctor, inspect and verify (archives.py, no GPU), ls and gc (store.py),
 save and load (decode.py; `save --job` is every engine's SAVE Job, ember.cli.save_job), serve
-(serve.py; the server is ember.serving.server). `verify --replay` is
+(declared in ember.serving.options; the server is ember.serving.server). `verify --replay` is
 composed here: the archive's integrity checks, then the runtime's GPU replay. Other packages add
 command groups through the `ember.commands` entry-point group (`ember bench` comes from the
 benchmarks that way), so the core never imports them. Every module imported here keeps torch out
@@ -27,9 +27,9 @@ import ember
 from ember.cli import archives as archive_commands
 from ember.cli import store as store_commands
 from ember.cli.decode import load, save
-from ember.cli.serve import CONTEXT_SETTINGS as SERVE_SETTINGS
-from ember.cli.serve import serve
 from ember.engines.decode.workloads import replay_verify
+from ember.serving.options import CONTEXT_SETTINGS as SERVE_SETTINGS
+from ember.serving.options import serve
 
 app = typer.Typer(help="ember: restore saved CUDA graphs instead of capturing them.", no_args_is_help=True)
 console = Console()

@@ -9,9 +9,11 @@ The identity's engine picks the SAVE, with the deployment's engine arguments (th
   a multi-GPU shape saved on ONE GPU under the NCCL stub; no arguments;
 - `vllm`: vLLM's two-process job (`ember.engines.vllm.job`);
 - `transformers`: the SAVE of `ember serve --save-to` (`ember.serving.server.save`), the arguments
-  read as `ember serve` options (`--model NAME|DIR` or `--model-config FILE`, `--layers`, `--seed`,
-  `--num-blocks`, `--block-size`, … ; the identity's model when they name none). Its pods LOAD
-  the archive only if their `ember serve` builds the same model (config digest, canary).
+  read as `ember serve` options after the identity's model, as the deployment's pods run them
+  (`ember.contract.serve_args`: `--model <model>` unless they name `--model NAME|DIR` or
+  `--model-config FILE`; then `--layers`, `--seed`, `--num-blocks`, `--block-size`, …; what a pod's
+  command sets, `--host` or `--save-to` …, refused as the operator's admission does:
+  `ember.serving.options.pod_options`). Its pods build the same model and sizing.
 Any other engine fails with its reason, and the deployment's pods capture natively.
 """
 
@@ -20,14 +22,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ember import contract
-from ember.cli.serve import serve_options
 from ember.identity import ArchiveIdentity, identity_short
 from ember.serving import server
+from ember.serving.options import pod_options
 
 Saver = Callable[[ArchiveIdentity, str, str, list[str]], dict[str, Any]]  # identity, raw, store, args
 
@@ -81,21 +82,16 @@ def _transformers(identity: ArchiveIdentity, raw: str, store: str, args: list[st
 
 
 def transformers_options(identity: ArchiveIdentity, args: list[str]) -> server.ServeOptions:
-    """The `ember serve` options the engine arguments give, checked with the identity before
+    """The `ember serve` options the engine arguments give after the identity's model (as the
+    deployment's pods run them: `ember.serving.options.pod_options`), checked with the identity before
     anything starts: JobFailed with what cannot be saved."""
     problems = _cb_identity_problems(identity)
     if problems:
         raise JobFailed("; ".join(problems))
     try:
-        options, unknown = serve_options(args)
+        options = pod_options(identity.model, args)
     except server.UsageError as exc:
         raise JobFailed(f"engine.args: {exc}") from None
-    if unknown:
-        raise JobFailed(f"engine.args {unknown} are not `ember serve` options")
-    if options.save_to or options.engine_kind != "transformers":
-        raise JobFailed("engine.args: --save-to and --engine are the SAVE Job's own")
-    if options.model is None and options.model_config is None:
-        options = replace(options, model=identity.model)
     _check_model(options)
     return options
 

@@ -1,5 +1,5 @@
 """`ember serve`: an OpenAI-compatible server over transformers' continuous-batching engine (its
-options are declared in ember.cli.serve).
+options are declared in ember.serving.options).
 
 The process: re-exec under libember (SAVE or LOAD need it), arm it before the model is built,
 serve HTTP at once (`ember.serving.http`, not ready yet), build the model, then start the engine
@@ -16,12 +16,11 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ember import contract
 from ember.serving.http import ByteTokenizer, ServerState, make_server
+from ember.serving.options import ServeOptions, UsageError, serve_options
 from ember.serving.startup import cb_starters, run_startup
 
 if TYPE_CHECKING:
@@ -29,36 +28,6 @@ if TYPE_CHECKING:
     from ember.runtime.save import SaveOutcome
 
 log = logging.getLogger("ember.serving")
-
-
-class UsageError(ValueError):
-    """The options cannot serve (the command line says so, exit 2)."""
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """`ember serve`'s options (ember.cli.serve declares them)."""
-
-    model: str | None = None
-    model_config: Path | None = None
-    layers: int | None = None
-    seed: int = 0
-    host: str = "127.0.0.1"
-    port: int = contract.ENGINE_PORT
-    run_dir: Path | None = None
-    use_handoff: bool = True
-    deadline: float = 30.0
-    archive: Path | None = None
-    num_blocks: int = 64
-    block_size: int = 256
-    max_batch_tokens: int = 1024
-    max_requests: int = 64
-    q_interval: int = 256
-    kv_interval: int = 4096
-    max_tokens_limit: int = 512
-    save_to: str | None = None
-    preload: bool = True
-    engine_kind: str = "transformers"
 
 
 def run(o: ServeOptions, extra: Sequence[str] = ()) -> int:
@@ -92,8 +61,7 @@ def run(o: ServeOptions, extra: Sequence[str] = ()) -> int:
     threading.Thread(target=server.serve_forever, name="ember-http", daemon=True).start()
     log.info("Listening on http://%s:%d (ready after the first token)", o.host, server.server_address[1])
     try:
-        engine = _start_engine(state, model_build(o), engine_sizing(o), o.run_dir, o.use_handoff, o.archive,
-                               o.deadline)
+        engine = _start_engine(state, o)
     except Exception as exc:
         state.error = f"{type(exc).__name__}: {exc}"
         log.exception("Engine start failed")
@@ -143,33 +111,49 @@ def save(o: ServeOptions, store_uri: str, identity: ArchiveIdentity | None = Non
     return result
 
 
-def _start_engine(
-    state: ServerState,
-    build: dict[str, Any],
-    sizing: dict[str, Any],
-    run_dir: Path | None,
-    use_handoff: bool,
-    archive: Path | None,
-    deadline: float,
-) -> Any:
+def _start_engine(state: ServerState, o: ServeOptions) -> Any:
     """Arm libember, build the model, start the engine restored or native; `state` ready after."""
     from ember.engines.transformers_cb import adapter as cb_adapter
     from ember.engines.transformers_cb import engine as cb_engine
 
-    if use_handoff or archive is not None:
+    if o.use_handoff or o.archive is not None:
         cb_adapter.session("load")  # armed before the model: SAVE's allocation order
-    if archive is not None:  # on the node already: its reconstruction overlaps the model build
-        cb_adapter.open_early(archive)
-    lm = cb_engine.build_model(**build)
+    if o.archive is not None:  # on the node already: its reconstruction overlaps the model build
+        cb_adapter.open_early(o.archive)
+    lm = cb_engine.build_model(**model_build(o))
     engine = cb_engine.CBEngine(lm)
-    state.tokenizer = _tokenizer_for(build["model"], engine.vocab_size)
+    state.tokenizer = _tokenizer_for(o.model, engine.vocab_size)
     state.engine = engine
-    starters = cb_starters(engine, sizing)
+    starters = cb_starters(engine, engine_sizing(o), lambda args: claim_problem(o, args))
     state.startup = run_startup(
-        starters, run_dir=run_dir, use_handoff=use_handoff, archive=archive, deadline=deadline
+        starters, run_dir=o.run_dir, use_handoff=o.use_handoff, archive=o.archive, deadline=o.deadline
     )
     state.ready.set()
     return engine
+
+
+def claim_problem(o: ServeOptions, claim_args: Sequence[str]) -> str:
+    """Why this `ember serve` (options `o`) cannot serve a claim whose engine arguments are
+    `claim_args` ("" when it can, or when the claim names none). The operator writes a transformers
+    pod's model and sizing into its command (`ember.contract.serve_args`, set at the pod's
+    creation) and claims it only with the same arguments (they are part of its pool's key): a claim
+    whose arguments build another model or sizing means a pod claimed for another deployment,
+    which must not serve its model."""
+    if not claim_args:
+        return ""
+    try:
+        theirs, unknown = serve_options(claim_args)
+    except UsageError as exc:
+        theirs, unknown = o, [str(exc)]
+    if unknown or _engine_of(theirs) != _engine_of(o):
+        return (f"the claim's engine arguments {list(claim_args)} are not the ones this engine was "
+                f"started with (model {model_name(o)}): the pod belongs to another deployment's pool")
+    return ""
+
+
+def _engine_of(o: ServeOptions) -> tuple[dict[str, Any], dict[str, int]]:
+    """What the options make of the engine: its model and its sizing."""
+    return model_build(o), engine_sizing(o)
 
 
 def _reexec_under_libember(mode: str) -> None:

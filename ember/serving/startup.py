@@ -4,7 +4,9 @@ any refusal, report the fallback with its reason and capture natively (`capture`
 (`first_token`) → only then `ready`. The engine's state (`engine-state.json`: loading, ready,
 failed) goes to the sidecar as it changes. On an identity-keyed warm pod (the archive handed off
 before any claim) the engine does all of that at once, then waits idle for the claim; the first
-token after the claim is `first_token`, timed from the claim.
+token after the claim is `first_token`, timed from the claim. A claim whose engine arguments are
+not the ones the engine was started with (`EngineStarters.claim_problem`: a pod claimed for
+another deployment) fails the engine (`failed`) before anything is loaded: it never serves.
 
 The sequence only sees `EngineStarters` (restore / native / first token), so it is tested on CPU
 with a fake engine; `cb_starters` puts the real transformers engine behind it.
@@ -33,15 +35,25 @@ class StartupResult:
     identity: str = ""
 
 
+def _any_claim(engine_args: tuple[str, ...]) -> str:
+    return ""
+
+
+class ClaimRefused(RuntimeError):
+    """The claim's engine arguments are not the ones this engine was started with."""
+
+
 @dataclass
 class EngineStarters:
     """`restore(archive_dir)` → (facts, seconds per stage, "compat"/"load" among them), raising
     Refused or anything else to refuse; `native()` → (facts, capture seconds);
-    `first_token()` runs one token through the started engine."""
+    `first_token()` runs one token through the started engine; `claim_problem(engine_args)` →
+    why the engine cannot serve a claim with those arguments ("" when it can)."""
 
     restore: Callable[[Path], tuple[dict[str, Any], dict[str, float]]]
     native: Callable[[], tuple[dict[str, Any], float]]
     first_token: Callable[[], list[int]]
+    claim_problem: Callable[[tuple[str, ...]], str] = _any_claim
 
 
 def run_startup(
@@ -96,7 +108,9 @@ def _say(state: Callable[..., Any], result: handoff.HandoffResult | None, run_di
 
 def _start(starters: EngineStarters, out: StartupResult, result: handoff.HandoffResult | None,
            archive_dir: Path | None, run_dir: str | Path | None, t0: float) -> None:
-    """LOAD (else native capture) and one token."""
+    """LOAD (else native capture) and one token, for a claim this engine can serve."""
+    if result is not None and (problem := starters.claim_problem(result.engine_args)):
+        raise ClaimRefused(problem)
     # A process death from here to the first token leaves the crash marker: the next start in the
     # pod captures natively instead of loading again (ember.handoff.wait_for_archive).
     attempt = handoff.load_attempt(result).begin() if archive_dir is not None and result is not None else None
@@ -156,7 +170,8 @@ def _restore(
 # ---------------------------------------------------------------------------------------------
 
 
-def cb_starters(engine: Any, sizing_overrides: dict[str, Any]) -> EngineStarters:
+def cb_starters(engine: Any, sizing_overrides: dict[str, Any],
+                claim_problem: Callable[[tuple[str, ...]], str] = _any_claim) -> EngineStarters:
     """EngineStarters over a CBEngine (imports torch/transformers lazily)."""
     from ember.engines.transformers_cb.adapter import restore_into
 
@@ -171,7 +186,7 @@ def cb_starters(engine: Any, sizing_overrides: dict[str, Any]) -> EngineStarters
     def first_token() -> list[int]:
         return engine.generate(FIRST_TOKEN_PROMPT, max_new_tokens=1)
 
-    return EngineStarters(restore, native, first_token)
+    return EngineStarters(restore, native, first_token, claim_problem)
 
 
 FIRST_TOKEN_PROMPT = list(range(11, 27))

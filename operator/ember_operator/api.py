@@ -16,6 +16,7 @@ from pydantic import ConfigDict, Field, model_validator
 from ember.engines.vllm.args import SLEEP_MODE_ARG
 from ember.identity import ArchiveIdentity, Parallelism
 from ember.identity_args import graph_args, image_digest
+from ember.serving.options import ServeOptions, UsageError, pod_options
 from ember_operator.api_autoscaling import QUANTITY, AutoscalingSpec, MetricTarget  # noqa: F401
 from ember_operator.api_base import (  # noqa: F401  (re-exported: crdgen and callers use api.*)
     DNS1123_SUBDOMAIN,
@@ -338,14 +339,26 @@ class ModelDeploymentSpec(ApiModel):
     )
 
     @model_validator(mode="after")
-    def _gpu_count(self) -> ModelDeploymentSpec:
-        # The operator's own check of objects stored before admission had the rule.
+    def _checks(self) -> ModelDeploymentSpec:
+        # The operator's own check of objects stored before admission had the rule, and of what
+        # CEL cannot judge (engine.args as `ember serve` parses them).
         if self.gpu.count is not None and self.gpu.count != self.gpu_count():
             raise ValueError(f"gpu.count {self.gpu.count} must equal parallelism.tensor × parallelism.data "
                              f"({self.gpu_count()}), or be left unset")
         if self.warm_pool.engine == WarmEngine.sleeping and self.engine.kind != EngineKind.vllm:
             raise ValueError(SLEEPING_NEEDS_VLLM)
+        if self.engine.kind == EngineKind.transformers:
+            try:
+                self.serve_options()
+            except UsageError as exc:
+                raise ValueError(f"engine.args: {exc} (engine.kind transformers: its pods and its SAVE "
+                                 "Job run `ember serve` with them)") from None
         return self
+
+    def serve_options(self) -> ServeOptions:
+        """transformers: the options of the pods' and the SAVE Job's `ember serve` (the model, then
+        `engine.args`); UsageError with what `ember serve` would refuse or a pod's command owns."""
+        return pod_options(self.model.name, self.engine_run_args())
 
     def engine_run_args(self) -> list[str]:
         """The engine's arguments as every process of the deployment runs them (SAVE Job, serving

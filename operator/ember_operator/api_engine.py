@@ -8,7 +8,9 @@ from typing import Annotated
 
 from pydantic import ConfigDict, Field
 
+from ember import contract
 from ember.engines.vllm.versions import SUPPORTED_MINOR
+from ember.serving.options import pod_owned_flags
 from ember_operator.api_base import MAX_ARG, NO_SPACE, ApiModel, cel
 
 ENGINE_VERSION = r"^[A-Za-z0-9][A-Za-z0-9.+_-]*$"  # PEP 440 / semver, local versions included
@@ -51,11 +53,27 @@ class EngineResources(ApiModel):
 
 # vLLM versions ember restores (ember.engines.vllm.versions): another would capture on every start
 _VLLM_VERSION = "^(" + "|".join(m.replace(".", "[.]") for m in SUPPORTED_MINOR) + ")([.+]|$)"
-_ENGINE_RULES = cel((
-    f"self.kind != 'vllm' || self.version.matches('{_VLLM_VERSION}')",
-    f"engine.version: ember restores vLLM {', '.join(m + '.x' for m in SUPPORTED_MINOR)} only (the "
-    "adapter patches their internals); another version would capture natively on every start",
-))
+# `ember serve` options a transformers pod's command owns (ember.serving.options.POD_OWNED). CEL
+# refuses them at once; the operator's own check (ModelDeploymentSpec) parses engine.args as
+# `ember serve` does and refuses unknown options and bad values too.
+POD_FLAGS = sorted(pod_owned_flags())
+TRANSFORMERS_POD_FLAGS = (
+    f"engine.args: {', '.join(POD_FLAGS)} are ember's in a transformers pod (it runs `ember serve "
+    f"--run-dir {contract.RUN_DIR} --host 0.0.0.0 --port {contract.ENGINE_PORT} <model> <engine.args>` "
+    "under libember, behind the sidecar's hand-off)"
+)
+_ENGINE_RULES = cel(
+    (
+        f"self.kind != 'vllm' || self.version.matches('{_VLLM_VERSION}')",
+        f"engine.version: ember restores vLLM {', '.join(m + '.x' for m in SUPPORTED_MINOR)} only (the "
+        "adapter patches their internals); another version would capture natively on every start",
+    ),
+    (
+        f"self.kind != 'transformers' || !has(self.args) || "
+        f"self.args.all(a, !a.matches('^({'|'.join(POD_FLAGS)})(=|$)'))",
+        TRANSFORMERS_POD_FLAGS,
+    ),
+)
 
 
 class EngineSpec(ApiModel):
@@ -77,7 +95,10 @@ class EngineSpec(ApiModel):
         default_factory=list, max_length=64,
         description="Extra engine arguments, delivered with the claim (annotation ember.dev/engine-args). "
         "Part of the archive identity, except arguments known not to change graphs (front end, "
-        "logging, names, tokenizer: ember.identity_args.NOT_GRAPH_ARGS).",
+        "logging, names, tokenizer: ember.identity_args.NOT_GRAPH_ARGS). transformers: `ember serve` "
+        "options (--model or --model-config instead of model.name, --layers, --num-blocks, …), in "
+        "the pods' command and the SAVE Job; what the command sets (--host, --port, --run-dir …) "
+        "and what `ember serve` would refuse are refused.",
     )
     resources: EngineResources = Field(
         default_factory=EngineResources, description="CPU and memory of the engine container.",

@@ -109,9 +109,12 @@ _CONTAINER_RULES = cel(
         "!has(self.securityContext)",
         _owned("the engine's securityContext", "non-root, read-only root, no capabilities"),
     ),
+    ("!has(self.image)", "the engine's image is spec.engine.image"),
     (
-        "!has(self.image) && !has(self.command) && !has(self.args)",
-        "the engine's image, command and args are spec.engine.image and spec.engine.args",
+        "!has(self.command) && !has(self.args)",
+        "the engine's command and args are ember's (`ember serve`: it runs the deployment's model and "
+        "spec.engine.args behind the sidecar's hand-off, and starts `vllm serve` for engine.kind vllm); "
+        "spec.template cannot set them: give engine arguments in spec.engine.args",
     ),
 )
 
@@ -156,8 +159,9 @@ class ContainerPatch(ApiModel):
     resources: Resources | None = Field(None, description="Requests and limits over spec.engine.resources.")
     security_context: Open | None = Field(None, description="Refused: ember's.", json_schema_extra=OPEN)
     image: str | None = Field(None, description="Refused: spec.engine.image.")
-    command: list[str] | None = Field(None, description="Refused: ember's.")
-    args: list[str] | None = Field(None, description="Refused: spec.engine.args.")
+    command: list[str] | None = Field(None, description="Refused: ember's (`ember serve`).")
+    args: list[str] | None = Field(None, description="Refused: ember's (`ember serve`); engine arguments "
+                                   "are spec.engine.args.")
 
 
 class Toleration(ApiModel):

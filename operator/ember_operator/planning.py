@@ -149,6 +149,7 @@ def template_of(
         trusted_keys=trusted_keys_env(spec),
         patch=templates.encode(spec.template),
         warm_priority_class=ctx.warm_priority_class, serving_priority_class=ctx.serving_priority_class,
+        serve_args=() if spec.engine.kind.value == "vllm" else engine_args(spec),
         **_engine_resources(spec),
     )
 
@@ -159,10 +160,13 @@ def engine_args(spec: ModelDeploymentSpec, ident: ArchiveIdentity | None = None)
     (`ember serve --engine vllm` starts `vllm serve` after the hand-off) the identity's arguments
     come first (model, capture sizes, graph mode, batch limits, parallel sizes: what the SAVE Job
     ran, so LOAD's sizing check passes), then the deployment's own (`engine_run_args`: with vLLM's
-    sleep mode for a sleeping warm pool). `ident`: spec.identity(), when the caller has it."""
+    sleep mode for a sleeping warm pool). `ident`: spec.identity(), when the caller has it.
+    transformers: its `ember serve` arguments (`contract.serve_args`: the model, then engine.args),
+    which its pods' command runs from their creation (`PodTemplate.serve_args`): the claim says
+    what the pod serves, and `ember serve` refuses a claim of other arguments."""
     if spec.engine.kind.value == "vllm":
         return (*vllm_args.engine_args(ident or spec.identity()), *spec.engine_run_args())
-    return tuple(spec.engine_run_args())
+    return tuple(contract.serve_args(spec.model.name, spec.engine_run_args()))
 
 
 def trusted_keys_env(spec: ModelDeploymentSpec) -> str:

@@ -113,16 +113,22 @@ class PodTemplate:
     # pool_key: a claimed warm pod keeps its class (a pod's priority is fixed at creation).
     warm_priority_class: str = ""
     serving_priority_class: str = ""
+    # transformers: `ember serve`'s arguments after the pod's own (contract.serve_args: the model,
+    # then engine.args), in the engine container's command from the pod's creation; () for vLLM,
+    # whose `ember serve --engine vllm` takes them from the claim.
+    serve_args: tuple[str, ...] = ()
 
     @property
     def pool_key(self) -> str:
-        # The trust list and the template only when set, so the pools of deployments without them
-        # keep their keys.
+        # The trust list, the template and the serve arguments only when set, so the pools of
+        # deployments without them keep their keys. A transformers pod runs its model from its
+        # creation: its pool is that model's and those arguments' only.
         return naming.short_hash(
             self.gpu_product, self.gpu_count, self.engine_kind, self.engine_version, self.engine_image,
             self.sidecar_image, self.store.uri, self.store.endpoint, self.store.credentials_secret,
             self.store.pvc, list(self.engine_requests), list(self.engine_limits),
             *([self.trusted_keys] if self.trusted_keys else []), *([self.patch] if self.patch else []),
+            *([list(self.serve_args)] if self.serve_args else []),
             length=16,
         )
 
@@ -225,13 +231,16 @@ def sidecar_container(t: PodTemplate) -> dict[str, Any]:
 
 
 def engine_command(t: PodTemplate) -> dict[str, Any]:
-    """vLLM: `ember serve` supervises `vllm serve` (ember.serving.vllm): it waits for the sidecar's
-    hand-off, then starts vLLM with the claim's arguments (the model and `engine.args`) under
-    libember, or natively with the reason. transformers: the engine image's own command."""
-    if t.engine_kind != "vllm":
-        return {}
-    return {"command": ["ember", "serve", "--engine", "vllm", "--run-dir", contract.RUN_DIR, "--",
-                        "--host", "0.0.0.0", "--port", str(contract.ENGINE_PORT)]}
+    """`ember serve` behind the sidecar's hand-off, on every address of the engine port.
+    vLLM: it supervises `vllm serve` (ember.serving.vllm), which it starts after the hand-off with
+    the claim's arguments (the identity's and `engine.args`) under libember, or natively with the
+    reason. transformers: it serves the model and sizing of `t.serve_args` (built before any claim,
+    restored from the handed-off archive or captured natively) and refuses a claim of others."""
+    if t.engine_kind == "vllm":
+        return {"command": ["ember", "serve", "--engine", "vllm", "--run-dir", contract.RUN_DIR, "--",
+                            "--host", "0.0.0.0", "--port", str(contract.ENGINE_PORT)]}
+    return {"command": ["ember", "serve", "--run-dir", contract.RUN_DIR, "--host", "0.0.0.0",
+                        "--port", str(contract.ENGINE_PORT), *t.serve_args]}
 
 
 def engine_container(t: PodTemplate, extra_env: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:

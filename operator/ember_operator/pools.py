@@ -9,8 +9,10 @@ Two kinds of pool (`WarmWant`):
   loads before any claim. Owned by the deployment. A new digest, edited arguments or another
   mode make a new key: the old pool has no asker any more and is drained, its pods never claimed.
 - **template-keyed** (a shape whose archive cannot be had: failing, pods capture natively): pods
-  of one pod template (GPU, engine, store) shared by the namespace's deployments, which learn
-  their model with the claim, as cold pods do.
+  of one pod template (GPU, engine, store) shared by the namespace's deployments. vLLM pods learn
+  their model with the claim, as cold pods do; a transformers pod runs the model and engine
+  arguments of its command from its creation, so they are part of its template's key
+  (`PodTemplate.serve_args`): shared only by deployments that serve the same.
 
 A shape whose archive is on its way (no GraphArchive yet, Pending, Saving) has no warm pods: no
 pod could be claimed for it before the archive is there, and pods made now would be replaced by

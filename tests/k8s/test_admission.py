@@ -67,6 +67,13 @@ INVALID: list[tuple[str, Any, str]] = [
     # the transformers engine cannot free its KV cache (its restored graphs point at it)
     ("sleeping-transformers", lambda s: s.update(warmPool={"size": 1, "engine": "sleeping"}),
      "warmPool.engine sleeping needs engine.kind vllm"),
+    # a transformers pod's command sets these (`ember serve --run-dir … --host … --port …`)
+    ("transformers-port", lambda s: s["engine"].update(args=["--layers", "2", "--port", "9000"]),
+     "are ember's in a transformers pod"),
+    ("transformers-no-handoff", lambda s: s["engine"].update(args=["--no-handoff"]),
+     "are ember's in a transformers pod"),
+    ("transformers-host-equals", lambda s: s["engine"].update(args=["--host=127.0.0.1"]),
+     "are ember's in a transformers pod"),
     ("bucket-characters", lambda s: _s3(s, bucket="My_Bucket!"), "bucket"),
     ("trusted-key-not-a-key", lambda s: s.update(archive={"signing": {"trustedKeys": [
         {"id": "k", "publicKey": "this is not a public key at all, just text"}]}}), "publicKey"),
@@ -94,7 +101,8 @@ def test_resources_external_metrics_and_label_keys_are_accepted(
          {"type": "Resource", "name": "cpu", "averageUtilization": 70},
          {"type": "Pods", "name": "vllm_num_requests_waiting", "averageValue": "500m"})
     spec["model"] = {"name": "/models/Qwen3-0.6B", "revision": "refs/pr/1", "dtype": "float16"}
-    spec["engine"] = {**spec["engine"], "kind": "vllm", "version": "0.26.1rc1+cu128"}  # a restorable vLLM
+    spec["engine"] = {**spec["engine"], "kind": "vllm", "version": "0.26.1rc1+cu128",  # a restorable vLLM
+                      "args": ["--port", "9000"]}  # vLLM's own: only transformers pods' command sets it
     spec["warmPool"] = {"size": 1, "engine": "sleeping"}  # vLLM's sleep mode
     created = Api(k8s, "default").create_md("ok-inputs", spec, dry_run=True)
     # Defaults: the engine gets CPU and memory requests, so a utilization target can act.
@@ -102,3 +110,7 @@ def test_resources_external_metrics_and_label_keys_are_accepted(
     assert created["spec"]["warmPool"]["engine"] == "sleeping"
     plain = Api(k8s, "default").create_md("ok-default", md_spec(minio, "admission"), dry_run=True)
     assert plain["spec"]["warmPool"] == {"size": 0, "engine": "ready"}
+    cb = md_spec(minio, "admission")
+    args = ["--model=tiny-llama", "--layers", "2", "--deadline", "60"]  # `ember serve` options
+    cb["engine"]["args"] = args
+    assert Api(k8s, "default").create_md("ok-cb", cb, dry_run=True)["spec"]["engine"]["args"] == args

@@ -102,7 +102,7 @@ def test_ready_condition_and_a_service_over_ready_serving_pods(env: Any, minio: 
     )
 
     # A new identity: its SAVE pod runs (Ready) while the old pods keep serving; never an endpoint.
-    api.patch_md("qwen", {"spec": {"engine": {"args": ["--enforce-eager"]}}})
+    api.patch_md("qwen", {"spec": {"engine": {"args": ["--layers", "2"]}}})
     wait_for(lambda: api.condition("qwen", "Ready").get("reason") == "Reconfiguring", "Ready=False", op)
     save_pod = wait_for(lambda: next(iter(api.pods("ember.dev/archive")), None), "the SAVE pod", op)
     wait_for(
@@ -166,6 +166,9 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("engine-security", _engine(securityContext={"runAsUser": 0}), "the engine's securityContext"),
     ("engine-image", _engine(image="other:1"), "spec.engine.image"),
+    ("engine-command", _engine(command=["python", "-m", "my_server"]),
+     "the engine's command and args are ember's (`ember serve`"),
+    ("engine-args", _engine(args=["--model", "other"]), "give engine arguments in spec.engine.args"),
     (
         "gpus",
         _engine(resources={"limits": {"nvidia.com/gpu": "8"}}),
@@ -284,7 +287,9 @@ def test_template_fields_reach_save_warm_and_serving_pods(env: Any, minio: Local
 
 def test_graph_arguments_and_a_pinned_image_name_new_archives(env: Any, minio: LocalMinio) -> None:
     api, op, prefix = env
-    api.create_md("ids", md_spec(minio, prefix, replicas=0))
+    # vLLM's arguments: which change graphs (ember.identity_args), which do not
+    api.create_md("ids", md_spec(minio, prefix, replicas=0, engine={
+        "kind": "vllm", "version": "0.26.0", "image": "registry.invalid/ember/engine:test"}))
 
     def archive_after(generation: int) -> str:
         def seen() -> str:

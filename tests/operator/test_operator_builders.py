@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
+import pytest
 from operator_helpers import CTX, md_spec
 
 from ember import contract
@@ -13,8 +15,8 @@ from ember_operator import naming
 from ember_operator.api import AutoscalingSpec, GraphArchiveSpec
 from ember_operator.hpas import hpa
 from ember_operator.jobs import job_state, read_termination, save_job
-from ember_operator.planning import archive_object, template_of
-from ember_operator.pods import StoreAccess, claim_patch, serving_pod, warm_pod
+from ember_operator.planning import archive_object, claim_for, revision_of, template_of
+from ember_operator.pods import StoreAccess, bound_key, bound_warm_pod, claim_patch, serving_pod, warm_pod
 from ember_operator.services import address, service
 
 
@@ -83,11 +85,42 @@ def test_warm_pod_is_unclaimed_and_claim_patch_is_conditional() -> None:
     assert patch["metadata"]["annotations"][contract.ANN_IDENTITY] == _claim().identity
 
 
-def test_pool_key_depends_on_gpu_engine_and_store_not_model() -> None:
-    a = template_of("default", md_spec(), CTX).pool_key
-    b = template_of("default", md_spec(model={"name": "other/model"}), CTX).pool_key
-    c = template_of("default", md_spec(gpu={"product": "NVIDIA-H200"}), CTX).pool_key
-    assert a == b and a != c
+VLLM = {"kind": "vllm", "version": "0.26.0", "image": "vllm:test"}
+
+
+def test_vllm_pool_key_depends_on_gpu_engine_and_store_not_model() -> None:
+    a = template_of("default", md_spec(engine=VLLM), CTX).pool_key
+    b = template_of("default", md_spec(engine=VLLM, model={"name": "other/model"}), CTX).pool_key
+    c = template_of("default", md_spec(engine=VLLM, gpu={"product": "NVIDIA-H200"}), CTX).pool_key
+    d = template_of("default", md_spec(engine={**VLLM, "args": ["--enforce-eager"]}), CTX).pool_key
+    assert a == b == d and a != c  # its pods learn model and arguments with the claim
+
+
+def test_vllm_pool_keys_names_and_revisions_are_those_of_before_transformers_commands() -> None:
+    """Pinned (computed by the operator before transformers pods ran `ember serve`): an upgrade
+    keeps every vLLM pool, its warm pod names and its serving pods' revision."""
+    spec = md_spec(engine={**VLLM, "args": ["--enforce-eager"]})
+    t = template_of("default", spec, CTX)
+    claim = claim_for("qwen", spec, None, "NoArchive")
+    assert t.serve_args == () and t.pool_key == "c80506fb992dc4b4"
+    assert bound_key(t.pool_key, "qwen", claim) == "66b9518b64e17463"
+    assert revision_of(spec.identity().hash(), t, spec) == "60d5e47ddc"
+    assert warm_pod(t, name=naming.warm_pod_names(t.pool_key, set(), 1)[0])["metadata"]["name"] == (
+        "ember-warm-c80506fb99-0")
+
+
+def test_transformers_pool_key_holds_the_model_and_the_engine_args() -> None:
+    """A transformers pod runs its model from its creation (its command): a template-keyed pool
+    serves one model and one set of `ember serve` arguments only."""
+    def key(**over: Any) -> str:
+        return template_of("default", md_spec(**over), CTX).pool_key
+
+    base = {"kind": "transformers", "version": "5.17", "image": "engine:test"}
+    keys = [key(engine=base), key(engine=base, model={"name": "other/model"}),
+            key(engine={**base, "args": ["--layers", "2"]}), key(engine={**base, "args": ["--layers", "3"]}),
+            key(engine={**base, "args": ["--model", "tiny-llama"]})]
+    assert len(set(keys)) == len(keys)
+    assert key(engine=base) == key(engine=base, replicas=7)
 
 
 def test_save_job_runs_on_one_gpu_of_the_product() -> None:
@@ -171,8 +204,7 @@ def test_vllm_pods_supervise_vllm_serve_and_the_claim_names_the_model() -> None:
     """engine.kind vllm: the engine container runs `ember serve --engine vllm` (it waits for the
     hand-off, then starts `vllm serve` with the claim's arguments); the claim carries the model
     first (a warm pod learns it only then) with everything else the SAVE Job ran vLLM with, then
-    engine.args. transformers pods keep the image's
-    own command."""
+    engine.args."""
     from ember.engines.vllm import args as vllm_args
     from ember_operator.planning import engine_args
 
@@ -190,8 +222,36 @@ def test_vllm_pods_supervise_vllm_serve_and_the_claim_names_the_model() -> None:
     cc = json.loads(args[args.index("--compilation-config") + 1])
     assert cc["cudagraph_capture_sizes"] == list(spec.capture.resolved_sizes())
     assert args[args.index("--max-num-seqs") + 1] == str(spec.capture.max_batch)
-    plain = serving_pod(template_of("default", md_spec(), CTX), _claim(), "p", "u")["spec"]["containers"][0]
-    assert "command" not in plain and engine_args(md_spec()) == ()
+
+
+@pytest.mark.parametrize(("args", "model_args"), [
+    ([], ["--model", "Qwen/Qwen3-0.6B"]),
+    (["--layers", "2", "--num-blocks", "32"], ["--model", "Qwen/Qwen3-0.6B"]),
+    (["--model", "tiny-llama", "--layers", "2"], []),  # engine.args name the model: not model.name
+    (["--model-config", "/models/shape.json"], []),
+])
+def test_transformers_pods_run_ember_serve_with_the_model_and_engine_args(
+    args: list[str], model_args: list[str]
+) -> None:
+    """Cold, template-keyed warm, identity-keyed warm and claimed pods alike: `ember serve` behind
+    the hand-off on the engine port, with the model and engine.args; the claim carries the same."""
+    from ember_operator.planning import engine_args
+
+    spec = md_spec(engine={"kind": "transformers", "version": "5.17", "image": "engine:test", "args": args},
+                   warmPool={"size": 1})
+    t = template_of("default", spec, CTX)
+    want = ["ember", "serve", "--run-dir", "/var/run/ember", "--host", "0.0.0.0", "--port", "8000",
+            *model_args, *args]
+    claim = claim_for("qwen", spec, None, "NoArchive")
+    pods = [serving_pod(t, claim, "p", "u"), warm_pod(t), bound_warm_pod(t, claim, "qwen", "u", "w")]
+    for pod in pods:
+        engine = pod["spec"]["containers"][0]
+        assert engine["command"] == want and "args" not in engine
+    assert list(claim.engine_args) == list(engine_args(spec)) == want[8:]
+    # a claim patch changes no command: the warm pod was made for these arguments (its pool key)
+    assert "spec" not in claim_patch(claim, "1", "u")
+    env = {e["name"]: e.get("value") for e in pods[0]["spec"]["containers"][0]["env"]}
+    assert env[contract.ENV_ENGINE] == "transformers"
 
 
 def test_the_service_selects_the_deployments_serving_pods_on_the_engine_port() -> None:

@@ -18,7 +18,7 @@ def _warm(name: str, key: str, ready: bool = True) -> PodView:
 
 def test_pool_size_is_the_largest_ask_of_a_template() -> None:
     t = template_of("default", md_spec(), CTX)
-    t_same = template_of("default", md_spec(model={"name": "other"}), CTX)
+    t_same = template_of("default", md_spec(replicas=5), CTX)
     plan = plan_pools([(t, 2, "s3://b/p/archives/1/manifest"), (t_same, 3, "")], [_warm("a", t.pool_key)])
     assert len(plan.creates) == 2 and plan.sizes[t.pool_key] == 3
     assert plan.creates[0]["metadata"]["labels"][contract.LABEL_POOL_KEY] == t.pool_key

@@ -1,7 +1,8 @@
 """The operator's SAVE Job of a transformers deployment, run as its container runs it: the command,
 arguments and environment the operator writes reach `ember save --job`, which saves the model and
 sizing of the engine arguments under the identity hash the GraphArchive is named by (the hash its
-pods' sidecar fetches). The engine is faked past the arguments (tests/gpu/test_cb_save_job.py runs it)."""
+pods' sidecar fetches): the model and sizing its serving pods' `ember serve` builds from the same
+arguments. The engine is faked past the arguments (tests/gpu/test_cb_save_job.py runs it)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ from ember.engines.transformers_cb import hooks
 from ember.identity import COMPAT_ENV_VARS, ArchiveIdentity
 from ember.runtime import session
 from ember.serving import server
+from ember.serving.options import serve_options
 from ember_operator import naming
 from ember_operator.api import GraphArchiveSpec
 from ember_operator.jobs import save_job as save_job_object
-from ember_operator.planning import archive_object, template_of
-from ember_operator.pods import StoreAccess, pod_spec
+from ember_operator.planning import archive_object, claim_for, template_of
+from ember_operator.pods import StoreAccess, pod_spec, serving_pod
 
 
 def _save_container(spec: Any) -> tuple[GraphArchiveSpec, dict[str, Any]]:
@@ -64,6 +66,18 @@ def test_the_operators_save_job_publishes_under_the_archive_identity(
     assert store == "file:///var/lib/ember"
     assert (options.model, options.layers, options.num_blocks) == ("tiny-llama", 2, 32)
     assert json.loads((tmp_path / "termination-log").read_text())["identity"] == ga.identity_hash
+
+    # The serving pods' `ember serve` (their command, from the same engine.args) builds the model
+    # and the sizing the Job saved, and takes the deployment's claims.
+    engine = serving_pod(template_of("default", spec, CTX), claim_for("tiny", spec, None, "NoArchive"), "p",
+                         "u")["spec"]["containers"][0]
+    assert engine["command"][:2] == ["ember", "serve"]
+    served, unknown = serve_options(engine["command"][2:])
+    assert unknown == [] and (served.host, served.port) == ("0.0.0.0", 8000)
+    assert served.run_dir == Path(contract.RUN_DIR) and served.use_handoff
+    assert server.model_build(served) == server.model_build(options)
+    assert server.engine_sizing(served) == server.engine_sizing(options)
+    assert server.claim_problem(served, claim_for("tiny", spec, None, "NoArchive").engine_args) == ""
 
 
 def test_the_save_job_and_the_engine_set_the_environment_load_compares() -> None:

@@ -16,13 +16,13 @@ from typer.testing import CliRunner
 
 from ember import contract
 from ember.cli import app, save_job
-from ember.cli.serve import serve_options
 from ember.engines.transformers_cb import adapter as cb_adapter
 from ember.engines.transformers_cb import engine as cb_engine
 from ember.engines.transformers_cb import hooks
 from ember.identity import ArchiveIdentity, Parallelism
 from ember.runtime import session
 from ember.serving import server
+from ember.serving.options import serve_options
 
 VERSION = "5.17.0"
 
@@ -51,7 +51,7 @@ def _job(tmp_path: Path, identity: ArchiveIdentity, *args: str, **env: str) -> t
 
 def test_engine_arguments_are_ember_serve_options_and_the_identity_names_the_model() -> None:
     o = save_job.transformers_options(_identity(), ["--layers", "2", "--num-blocks", "32", "--block-size",
-                                                    "128", "--seed", "3", "--host", "0.0.0.0"])
+                                                    "128", "--seed", "3"])
     assert (o.model, o.layers, o.seed) == ("tiny-llama", 2, 3)
     assert server.engine_sizing(o) == {"block_size": 128, "num_blocks": 32, "max_batch_tokens": 1024,
                                        "max_requests_per_batch": 64, "q_padding_interval_size": 256,
@@ -77,11 +77,13 @@ def test_the_job_parses_as_ember_serve_does(monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.mark.parametrize(("identity", "args", "reason"), [
     (_identity(), ["--max-new-tokens", "256"],
-     "engine.args ['--max-new-tokens', '256'] are not `ember serve` options"),
+     "engine.args: ['--max-new-tokens', '256'] are not `ember serve` options"),
     (_identity(), ["--num-blocks", "many"], "engine.args: Invalid value for '--num-blocks'"),
     (_identity(), ["--block-size"], "engine.args: Option '--block-size' requires an argument"),
-    (_identity(), ["--save-to", "file:///elsewhere"], "--save-to and --engine are the SAVE Job's own"),
-    (_identity(), ["--engine", "vllm"], "--save-to and --engine are the SAVE Job's own"),
+    (_identity(), ["--num-blocks", "0"], "engine.args: Invalid value for '--num-blocks'"),
+    (_identity(), ["--save-to", "file:///elsewhere"], "engine.args: --save-to: the SAVE Job saves"),
+    (_identity(), ["--engine", "vllm"], "engine.args: --engine: engine.kind names the engine"),
+    (_identity(), ["--host", "0.0.0.0"], "engine.args: --host: the pod's command sets it"),
     (_identity("Qwen/Qwen3-0.6B"), [], "no model to build: unknown model 'Qwen/Qwen3-0.6B'"),
     (_identity(), ["--model-config", "/nonexistent/shape.json"], "no model to build: "),
     (_identity(parallelism=Parallelism(tensor=2)), [], "no SAVE of a parallel shape (tensor 2, expert 1"),
