@@ -7,7 +7,7 @@ rank 0 and moves no data), a wrong collective splice, a kernel argument LOAD reb
 exec update that leaves a parameter stale. The canary can, for the key the first request needs:
 
 1. a reference from a seeded state: SAVE's fingerprint of its native graph where SAVE saw real
-   data (one GPU), else the engine's own step (no graph);
+   data (one GPU, or replicas with no collective), else the engine's own step (no graph);
 2. the restored graph, launched through its group's template as instantiated, same state;
 3. where the group has another member, the template updated to it and back (an exec update),
    launched again, same state;

@@ -92,3 +92,43 @@ def test_the_expert_ids_are_the_ranks_own() -> None:
     for layer in ids:
         layer.place_experts()
     assert ids[0].expert_ids.tolist() == [0, 1, 2, 3] and ids[1].expert_ids.tolist() == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("spec,shape", [
+    (SMALL_DENSE, {"data": 2}),
+    (SMALL_MOE, {"data": 2}),
+    (SMALL_DENSE, {"tensor": 2}),
+    (SMALL_MOE, {"data": 2, "expert": 2}),
+], ids=["dp2-dense", "dp2-moe", "tp2", "ep2"])
+def test_moves_data_is_whether_a_step_issues_a_collective(
+    spec: Any, shape: dict[str, int], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LOAD's canary compares a shape that issues no collective with SAVE's fingerprint (SAVE saw
+    real data there): `moves_data` must be false exactly when a rank's layer calls none."""
+    import torch.distributed as dist
+
+    calls: list[str] = []
+
+    def all_reduce(x: Any, *a: Any, **k: Any) -> None:
+        calls.append("all_reduce")
+
+    def all_gather(out: Any, h: Any, *a: Any, **k: Any) -> None:
+        calls.append("all_gather")
+        out.copy_(torch.cat([h] * (len(out) // len(h))))
+
+    def reduce_scatter(out: Any, y: Any, *a: Any, **k: Any) -> None:
+        calls.append("reduce_scatter")
+        out.copy_(y[: len(out)])
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "all_gather_into_tensor", all_gather)
+    monkeypatch.setattr(dist, "reduce_scatter_tensor", reduce_scatter)
+    par = Parallel(rank=0, **shape)
+    torch.manual_seed(0)
+    layer = Layer(spec, 0, par).to(torch.bfloat16)
+    getattr(layer, "place_experts", lambda: None)()
+    with torch.no_grad():
+        layer.mlp(torch.randn(3, spec.hidden, dtype=torch.bfloat16))
+        if spec.experts == 0:
+            par.all_reduce(torch.zeros(2))  # attention's output projection (tensor parallel)
+    assert bool(calls) == par.moves_data, (calls, par)

@@ -125,10 +125,11 @@ class DecodeAdapter:
             "inputs": w.input_addresses(),
             "outputs": {",".join(map(str, k)): [o.__dict__ for o in v] for k, v in w.output_specs().items()},
         }
-        if self.parallel.active:
+        if self.parallel.moves_data:
             # One GPU playing rank 0 ran placeholders, not collectives: its outputs are no
             # reference for any rank. `ember bench graphs --tp/--ep/--dp` compares every rank
-            # with a native multi-rank capture instead.
+            # with a native multi-rank capture instead. (Data-parallel replicas move no data:
+            # their SAVE's outputs are every rank's.)
             return {**base, "fingerprints": {}, "decode_sha256": {}, "decode_steps": {}}
         native = lambda k: w.graphs[k].replay()  # noqa: E731
         keys = self.keys()
@@ -176,9 +177,10 @@ class DecodeAdapter:
     def verify(self, library: GraphLibrary) -> dict[str, Any]:
         """LOAD's canary (`ember.runtime.verify`): the first needed key's graph — as instantiated,
         after an exec update, on its own exec — against SAVE's fingerprint of its native graph
-        (single GPU), or against the workload's own eager step on every rank of a multi-GPU shape,
-        whose SAVE saw no data (Refused on any difference). A compiled multi-GPU step is not
-        checked: its eager step is not the compiled one."""
+        where SAVE saw real data (one GPU, or data-parallel replicas: no collective), or against
+        the workload's own eager step on every rank of a shape whose collectives SAVE only
+        recorded (Refused on any difference). A compiled step of such a shape is not checked:
+        its eager step is not the compiled one."""
         from ember.runtime import verify
         from ember.runtime.graphs.driver import launch_exec
 
@@ -189,9 +191,10 @@ class DecodeAdapter:
             self.voted = True
             if not verify.unanimous(True, par.world):
                 raise Refused(verify.VERIFY, f"rank {par.rank}: a peer refused the archive before the canary")
-        # SAVE saw real data on one GPU: it fingerprinted its native graphs from reset_state(seed 7),
-        # smallest key first (one launch here; an eager step costs its kernels' first loads)
-        saved = self._saved_prints.get(f"{b}") if par.world == 1 and key == min(library.keys) else None
+        # SAVE saw real data (no collective): it fingerprinted its native graphs from
+        # reset_state(seed 7), smallest key first (one launch here; an eager step costs its
+        # kernels' first loads, ~0.5 s on a fresh rank)
+        saved = self._saved_prints.get(f"{b}") if not par.moves_data and key == min(library.keys) else None
         if saved is None and w.compiled:
             return {"verify": "skipped: a compiled multi-GPU step has no reference here"}
         seed = 7 if saved is not None else CANARY_SEED

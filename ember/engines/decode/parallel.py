@@ -50,8 +50,14 @@ class Parallel:
 
     @property
     def active(self) -> bool:
-        """Collectives in the graph: a world of several ranks, or forced."""
+        """A process group: a world of several ranks, or collectives forced in a world of one."""
         return self.world > 1 or self.collectives
+
+    @property
+    def moves_data(self) -> bool:
+        """Collectives in the graph (tensor or expert parallel, or forced). Data-parallel replicas
+        of a dense model issue none: a one-GPU SAVE computes what every rank computes."""
+        return self.tensor > 1 or self.experts_split
 
     def degrees(self) -> dict[str, Any]:
         """What the archive stores (the rank is the LOADing process's own)."""
