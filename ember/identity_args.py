@@ -66,6 +66,9 @@ NOT_GRAPH_ARGS: dict[str, bool] = {
     "--collect-detailed-traces": True,
     # where weights come from (the revision is identity already)
     "--download-dir": True,
+    # `ember serve` (the transformers engine): the hand-off's wait and a request limit
+    "--deadline": True,
+    "--max-tokens-limit": True,
 }
 
 _DIGEST = re.compile(r"@(sha256:[0-9a-f]{64})$")

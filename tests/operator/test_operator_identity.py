@@ -79,6 +79,17 @@ def test_arguments_that_do_not_change_graphs_keep_it(args: list[str]) -> None:
     assert md_spec(engine=_engine(args=args)).identity().hash() == base.hash()
 
 
+def test_ember_serve_serving_knobs_keep_a_transformers_identity_its_sizing_does_not() -> None:
+    def ident(*args: str) -> str:
+        engine = {"kind": "transformers", "version": "5.17", "image": "engine:test", "args": list(args)}
+        return md_spec(engine=engine).identity().hash()
+
+    base = ident("--num-blocks", "128")
+    assert ident("--num-blocks", "128", "--deadline", "60", "--max-tokens-limit", "64") == base
+    assert ident("--num-blocks", "256") != base
+    assert ident("--num-blocks", "128", "--layers", "2") != base
+
+
 def test_canonical_arguments_keep_values_and_repeated_flags_in_order() -> None:
     args = ["--b", "1", "2", "--a", "--port", "1", "--b=3", "--c", "--host"]
     assert graph_args(args) == ("--a", "--b", "1", "2", "--b", "3", "--c")
