@@ -327,6 +327,10 @@ class Restorer:
         value = self.engine_value()
         if value == contract.ENGINE_READY:
             self.engine_ready = True
+        elif value == contract.ENGINE_LOADING and self.engine == contract.ENGINE_READY:
+            # The engine said ready and now says loading: its container restarted (a crash, an
+            # OOM kill). Not ready until it says so again: no request goes to a loading engine.
+            self.engine_ready = False
         if value and value != self.engine:
             self.engine = value
             log.info("Engine: %s", value)

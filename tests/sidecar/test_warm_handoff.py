@@ -133,6 +133,31 @@ def test_failed_engine_turns_readiness_off_and_is_reported(tmp_path: Path) -> No
     assert rep.engines == ["loading", "ready", "failed: engine process exited (signal 9)"]
 
 
+def test_a_restarted_engine_is_not_ready_until_it_says_so_again(tmp_path: Path) -> None:
+    """The engine container restarts (a crash, an OOM kill) after it was ready: its new process
+    says `loading`, and readiness goes off until it reports ready again, so no request is routed
+    to an engine that is still loading."""
+    store = LocalStore(tmp_path / "store")
+    m = write_blob_archive(store, [4096])
+    r, rep, run_dir = make(tmp_path)
+    ann = bound_annotations(store, m.identity_hash, _digest(store, m.identity_hash))
+    claimed = {**ann, contract.ANN_CLAIMED_AT: contract.format_claimed_at(time.time())}
+    r.on_annotations(claimed, labels=SERVING)
+    result = handoff.wait_for_archive(run_dir, deadline=10)
+    handoff.engine_ready(result)
+    handoff.report("ready", 1.0, run_dir=run_dir)
+    r.poll_engine()
+    assert r.readiness() == (True, "engine ready")
+    handoff.engine_loading(result)  # the restarted engine's first word
+    r.poll_engine()
+    assert r.engine_value() == "loading" and r.readiness() == (False, "claimed: restore in progress")
+    handoff.engine_ready(result)
+    handoff.report("ready", 1.0, run_dir=run_dir)
+    r.poll_engine()
+    assert r.readiness() == (True, "engine ready")
+    assert rep.engines == ["ready", "loading", "ready"]
+
+
 def _digest(store: LocalStore, identity: str) -> str:
     manifest = store.get_manifest(identity)
     assert manifest is not None
