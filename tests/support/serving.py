@@ -27,13 +27,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def http(port: int, path: str, body: Any = None) -> tuple[int, dict[str, Any]]:
-    data = None if body is None else json.dumps(body).encode()
+def http(port: int, path: str, body: Any = None, *, raw: bytes | None = None,
+         timeout: float = 60) -> tuple[int, dict[str, Any]]:
+    """(status, JSON body) of a request to the server on `port` (POST with `body` or `raw`);
+    (0, {}) when nothing answers."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"}
     )
     try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())

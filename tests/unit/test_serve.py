@@ -4,7 +4,6 @@ real standalone sidecar process handing over a good and a corrupted archive."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.serving import http
 
 from ember import handoff
 from ember.runtime.adapter import Refused
@@ -35,18 +35,6 @@ class FakeEngine:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, timeout: float | None = None) -> list[int]:
         self.calls.append((list(prompt_ids), max_new_tokens))
         return [(sum(prompt_ids) + 7 * i) % self.vocab_size for i in range(max_new_tokens)]
-
-
-def _request(port: int, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, dict[str, Any]]:
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 @pytest.fixture
@@ -70,21 +58,21 @@ def served() -> Iterator[tuple[ServerState, int, FakeEngine]]:
 
 def test_not_ready_until_startup_finishes(served: tuple[ServerState, int, FakeEngine]) -> None:
     state, port, engine = served
-    code, body = _request(port, "/health")
+    code, body = http(port, "/health")
     assert code == 503 and body["status"] == "starting"
-    code, body = _request(port, "/v1/completions", {"prompt": "hi"})
+    code, body = http(port, "/v1/completions", {"prompt": "hi"})
     assert code == 503 and "starting" in body["error"]["message"]
     assert engine.calls == []
     state.startup = StartupResult(mode="restored", graphs=76)
     state.ready.set()
-    code, body = _request(port, "/health")
+    code, body = http(port, "/health")
     assert code == 200 and body["status"] == "ready" and body["mode"] == "restored" and body["graphs"] == 76
 
 
 def test_completions_text_and_token_prompts(served: tuple[ServerState, int, FakeEngine]) -> None:
     state, port, engine = served
     state.ready.set()
-    code, body = _request(port, "/v1/completions", {"model": "tiny", "prompt": "ab", "max_tokens": 3})
+    code, body = http(port, "/v1/completions", {"model": "tiny", "prompt": "ab", "max_tokens": 3})
     assert code == 200 and body["object"] == "text_completion" and body["model"] == "tiny"
     prompt = ByteTokenizer(engine.vocab_size).encode("ab")
     expected = engine.generate(prompt, 3)
@@ -92,16 +80,16 @@ def test_completions_text_and_token_prompts(served: tuple[ServerState, int, Fake
     assert choice["token_ids"] == expected and choice["finish_reason"] == "length"
     assert choice["text"] == ByteTokenizer(engine.vocab_size).decode(expected)
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
-    code, body = _request(port, "/v1/completions", {"prompt": [[5, 6], [7]], "max_tokens": 2})
+    code, body = http(port, "/v1/completions", {"prompt": [[5, 6], [7]], "max_tokens": 2})
     assert code == 200 and [c["token_ids"] for c in body["choices"]] == [[11, 18], [7, 14]]
-    code, body = _request(port, "/v1/completions", {"prompt": [1, 2, 3]})
+    code, body = http(port, "/v1/completions", {"prompt": [1, 2, 3]})
     assert code == 200 and len(body["choices"][0]["token_ids"]) == 16  # OpenAI default max_tokens
 
 
 def test_chat_completions(served: tuple[ServerState, int, FakeEngine]) -> None:
     state, port, engine = served
     state.ready.set()
-    code, body = _request(
+    code, body = http(
         port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
     )
     assert code == 200 and body["object"] == "chat.completion"
@@ -130,7 +118,7 @@ def test_bad_requests_get_400_and_do_not_reach_the_engine(
 ) -> None:
     state, port, engine = served
     state.ready.set()
-    code, resp = _request(port, path, body)
+    code, resp = http(port, path, body)
     assert code == 400 and fragment in resp["error"]["message"]
     assert resp["error"]["type"] == "invalid_request_error"
     assert engine.calls == []
@@ -139,10 +127,10 @@ def test_bad_requests_get_400_and_do_not_reach_the_engine(
 def test_invalid_json_unknown_route_and_models(served: tuple[ServerState, int, FakeEngine]) -> None:
     state, port, _ = served
     state.ready.set()
-    assert _request(port, "/v1/completions", raw=b"{not json")[0] == 400
-    assert _request(port, "/v1/completions", raw=b"[1]")[0] == 400
-    assert _request(port, "/v1/embeddings", {"input": "x"})[0] == 404
-    code, body = _request(port, "/v1/models")
+    assert http(port, "/v1/completions", raw=b"{not json")[0] == 400
+    assert http(port, "/v1/completions", raw=b"[1]")[0] == 400
+    assert http(port, "/v1/embeddings", {"input": "x"})[0] == 404
+    code, body = http(port, "/v1/models")
     assert code == 200 and body["data"][0]["id"] == "tiny"
 
 
@@ -154,9 +142,9 @@ def test_engine_failure_is_a_500_and_the_server_stays_up(served: tuple[ServerSta
         raise RuntimeError("engine generation loop stopped")
 
     engine.generate = broken  # type: ignore[method-assign]
-    code, body = _request(port, "/v1/completions", {"prompt": "x"})
+    code, body = http(port, "/v1/completions", {"prompt": "x"})
     assert code == 500 and "generation loop stopped" in body["error"]["message"]
-    assert _request(port, "/health")[0] == 200
+    assert http(port, "/health")[0] == 200
 
 
 def test_byte_tokenizer_round_trip_and_foreign_ids() -> None:
