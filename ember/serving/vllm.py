@@ -343,21 +343,14 @@ def _warm(vp: VllmProcess, mode: str) -> int | None:
     """A warm pod: the warm-up token (then the marker goes), vLLM's LOAD result, to sleep if so
     asked, engine `ready`, the claim (vLLM still supervised), awake again, `ready`. None once in
     service; the exit code when vLLM failed or died on the way."""
-    t = time.monotonic()
-    try:
-        vp.http.one_token()
-    except HTTP_ERRORS as exc:
-        return _failed(vp, f"warm-up token through vLLM's OpenAI API failed: {exc}")
-    vp.mark("warm_up_token_s", t)
+    if (code := _timed_call(vp, "warm_up_token_s", vp.http.one_token,
+                            "warm-up token through vLLM's OpenAI API")) is not None:
+        return code
     vp.proven()
     report_load(vp)
-    if mode == SLEEPING:
-        t = time.monotonic()
-        try:
-            vp.http.sleep(level=1)
-        except HTTP_ERRORS as exc:
-            return _failed(vp, f"vLLM sleep mode (POST /sleep?level=1) failed: {exc}")
-        vp.mark("sleep_s", t)
+    if mode == SLEEPING and (code := _timed_call(vp, "sleep_s", lambda: vp.http.sleep(level=1),
+                                                 "vLLM sleep mode (POST /sleep?level=1)")) is not None:
+        return code
     vp.mark("engine_ready_s", vp.started)
     vp.say(handoff.engine_ready, mode=mode, restored=vp.restored, engine_ready_s=vp.stages["engine_ready_s"])
     log.info("Warm engine %s (%s), waiting for the claim: %s", READY, mode, vp.stages)
@@ -367,14 +360,21 @@ def _warm(vp: VllmProcess, mode: str) -> int | None:
         return _failed(vp, f"vllm serve exited {vp.code} while warm")
     vp.mark("warm_wait_s", t)
     claimed_at = claim.claimed_at or time.time()
-    if mode == SLEEPING:
-        t = time.monotonic()
-        try:
-            vp.http.wake_up()
-        except HTTP_ERRORS as exc:
-            return _failed(vp, f"vLLM wake-up (POST /wake_up) after the claim failed: {exc}")
-        vp.mark("wake_up_s", t)
+    if mode == SLEEPING and (code := _timed_call(vp, "wake_up_s", vp.http.wake_up,
+                                                 "vLLM wake-up (POST /wake_up) after the claim")) is not None:
+        return code
     report_ready(vp, time.time() - claimed_at, claimed_at=claimed_at, mode=mode)
+    return None
+
+
+def _timed_call(vp: VllmProcess, stage: str, call: Callable[[], Any], what: str) -> int | None:
+    """One call to vLLM, timed as `stage`; the exit code (engine failed) when it fails."""
+    t = time.monotonic()
+    try:
+        call()
+    except HTTP_ERRORS as exc:
+        return _failed(vp, f"{what} failed: {exc}")
+    vp.mark(stage, t)
     return None
 
 

@@ -16,7 +16,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 
 from ember import handoff, native
+from support.sidecar import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = r'''#!/usr/bin/env python3
@@ -149,16 +149,6 @@ def calls(env: dict[str, str]) -> list[dict[str, Any]]:
 def http_calls(env: dict[str, str]) -> list[dict[str, Any]]:
     """The HTTP calls the stand-in answered (not /health), in order."""
     return [c for c in calls(env) if "call" in c]
-
-
-def wait_for(pred: Any, timeout: float = 20.0, what: str = "condition") -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def wait_report(w: handoff.HandoffWriter, stage: str, seen: list[dict[str, Any]], timeout: float = 20.0

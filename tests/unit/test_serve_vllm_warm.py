@@ -22,9 +22,9 @@ from support.fake_vllm import (
     quit_vllm,
     serve,
     wait_engine,
-    wait_for,
     wait_report,
 )
+from support.sidecar import wait_for
 
 from ember import contract, handoff
 from ember.serving.vllm import SLEEP_MODE_ARG, serve_args
@@ -55,7 +55,7 @@ def test_warm_pod_is_ready_only_after_a_token_and_in_service_only_after_the_clai
     seen: list[dict] = []
     try:
         # vLLM healthy, the token on its way: loading, the crash marker still there
-        wait_for(lambda: "POST /v1/completions" in _paths(fake_vllm), what="the warm-up token")
+        wait_for(lambda: "POST /v1/completions" in _paths(fake_vllm), 20, "the warm-up token")
         assert engine_state(w.run_dir)["state"] == contract.ENGINE_LOADING
         assert (w.run_dir / handoff.MARKER_FILE).exists(), "not proven before its first token"
         ready = wait_engine(w.run_dir, contract.ENGINE_READY)
