@@ -240,7 +240,7 @@ def _hand_off(w: handoff.HandoffWriter, run: str, d: Deployment, store: Path, cl
     h = d.identity.hash()
     w.warm = run.startswith("warm-")
     w.fetching(h, "", claimed_at=claimed_at)
-    if run == "cold-native":
+    if run.startswith("cold-native"):
         w.fallback("bench: cold native start", identity=h, engine_args=d.claim_args)
     else:
         w.ready(h, store / "archives" / h, engine_args=d.claim_args)
@@ -279,8 +279,14 @@ def _ready_report(w: handoff.HandoffWriter, seen: list[dict[str, Any]]) -> dict[
 def run_pod(run: str, d: Deployment, store: Path, o: Options, index: str) -> dict[str, Any]:
     """One pod's engine container (`ember serve --engine vllm`) from hand-off to serving; its figures."""
     run_dir, cache = o.work / f"pod-{run}", o.work / f"pod-{run}-vllm-cache"
-    for stale in (run_dir, cache):
-        shutil.rmtree(stale, ignore_errors=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if run == "cold-native-warm-cache":
+        cache = o.work / "pod-cold-native-vllm-cache"
+        if not cache.is_dir():
+            return {"run": run, "mode": d.mode, "identity": d.identity.hash(),
+                    "error": "no vLLM cache of a cold-native run to start from: run cold-native first"}
+    else:
+        shutil.rmtree(cache, ignore_errors=True)
     w, port = handoff.HandoffWriter(run_dir), _free_port()
     res: dict[str, Any] = {"run": run, "mode": d.mode, "identity": d.identity.hash(),
                            "gpu_before_mib": gpu_used_mib(index)}
@@ -373,7 +379,7 @@ def run_bench(o: Options) -> tuple[Path, Path]:
     results, saves = ({}, {}) if o.fresh else go_on_from(o, gpu, deps)
     for run in o.runs:
         mode = contract.WARM_ENGINE_SLEEPING if run == "warm-sleeping" else contract.WARM_ENGINE_READY
-        if run != "cold-native" and mode not in saves:
+        if not run.startswith("cold-native") and mode not in saves:
             saves[mode] = save(deps[mode], store, o)
         if saves.get(mode, {}).get("error"):
             results[run] = {"run": run, "mode": mode, "error": f"no archive: {saves[mode]['error']}"}
