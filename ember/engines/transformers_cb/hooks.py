@@ -374,26 +374,31 @@ class ManagerHooks:
 
     def canary(self, akey: ArchiveKey, launch: Callable[[Any], None], seed: int = 5) -> list[int]:
         """LOAD's canary state for `akey` and what `launch(stream)` (the key's graph) computes from it:
-        the synthetic batch SAVE captured the key with, its input ids seeded, the KV cache zeroed,
-        the output poisoned; returns the fingerprint of the sampled tokens and the word sums of
-        every layer's K and V cache. One sampled token shows little (a graph computing otherwise
-        often samples the same argmax); the cache holds what every layer computed from the
-        canary's tokens. SAVE records it with the native graph; LOAD compares the restored one
-        (`ember.runtime.verify`)."""
+        the synthetic batch SAVE captured the key with, its input ids seeded, the cache rows its
+        one request reads and writes zeroed, the output poisoned; returns the fingerprint of the
+        sampled tokens and of the K and V rows the request wrote, every layer, in batch order
+        (`ember.engines.transformers_cb.canary`). One sampled token shows little (a graph
+        computing otherwise often samples the same argmax); those rows hold what every layer
+        computed from the canary's tokens. Only the request's rows: the cost does not grow with
+        the cache, and neither the trash row (padding tokens write it in no set order) nor the
+        physical blocks the request got (SAVE's and LOAD's may differ) enter it. SAVE records it
+        with the native graph; LOAD compares the restored one (`ember.runtime.verify`)."""
         import torch
 
-        from ember.runtime.proof.replay import fingerprint, word_sums
+        from ember.engines.transformers_cb.canary import batch_rows, written_kv, zero_rows
+        from ember.runtime.proof.replay import fingerprint
 
         pair, _ = split_archive_key(akey)
         io = self.device_ios()[pair]
         cache = self.processor.cache
         vocab = int(self.manager.model.config.get_text_config().vocab_size)
         gen = torch.Generator(device="cpu").manual_seed(seed)
+        rows: list[Any] = []
 
         def run(batch: Any) -> None:
+            rows.extend(batch_rows(self._host_io(pair), cache))  # before the launch
             torch.cuda.synchronize()  # the batch's host-to-device copies are in
-            for t in (*cache.key_cache, *cache.value_cache):
-                t.zero_()
+            zero_rows(cache, rows)
             io.output_ids.view(torch.uint8).fill_(0xA5)
             ids = batch["input_ids"]
             ids.copy_(torch.randint(1, vocab, tuple(ids.shape), generator=gen, dtype=ids.dtype))
@@ -403,9 +408,11 @@ class ManagerHooks:
                 launch(stream)
 
         self._with_batch(akey, run)
-        # Only the allocatable blocks: padding tokens all write to one trash slot, in no set order.
-        blocks = [t[: cache.read_trash_index] for t in (*cache.key_cache, *cache.value_cache)]
-        return fingerprint([io.output_ids]) + word_sums(blocks)
+        return fingerprint([io.output_ids, *written_kv(cache, rows)])
+
+    def _host_io(self, pair: int) -> Any:
+        """The IO a batch is prepared into: the pair's host IO (async batching) or the IO itself."""
+        return self.io.io_pairs[pair].host_io if self.is_async else self.io
 
     def _with_batch(self, akey: ArchiveKey, run: Callable[[Any], None]) -> None:
         """`run(model kwargs)` on one synthetic batch padded to `akey` (prepare → get_model_kwargs);
@@ -419,9 +426,7 @@ class ManagerHooks:
         cache = self.processor.cache
         if self.is_async:
             self.io.current_pair = pair
-            host = self.io.io_pairs[pair].host_io
-        else:
-            host = self.io
+        host = self._host_io(pair)
         status = RequestStatus.DECODING if decode else RequestStatus.PREFILLING
         states = create_warmup_future_states(1, status, 1, cache.block_size if decode else 0, cache)
         if not states:

@@ -47,18 +47,6 @@ def fingerprint(tensors: list[torch.Tensor]) -> list[int]:
     return out
 
 
-def word_sums(tensors: list[torch.Tensor], chunk: int = 1 << 24) -> list[int]:
-    """Per tensor, the exact int64 sum of its 32-bit words: blind to where in the tensor a value
-    sits (a KV cache's block placement may differ between processes) but not to what was
-    written. Summed in chunks, so no temporary near the tensor's size (a KV cache fills the GPU)."""
-    parts = []
-    for t in tensors:
-        b = t.contiguous().view(torch.uint8).view(-1)
-        w = b[: b.numel() - b.numel() % 4].view(torch.int32)
-        parts.append(torch.stack([c.sum(dtype=torch.int64) for c in w.split(chunk)]).sum())
-    return [int(x) for x in torch.stack(parts).tolist()] if parts else []
-
-
 def _all_steps(workload: DecodeReplay) -> int:
     """The steps a decode run takes by default: as many as the history holds (its first row is
     the start)."""
