@@ -1,6 +1,6 @@
 """The report of `ember bench vllm-warm`: per run (cold-native, cold-native-warm-cache,
-cold-restored, warm-ready, warm-sleeping) its figures, the goal verdicts, JSON and a Markdown table. Pure: the unit tests feed
-it results by hand."""
+cold-restored, warm-ready, warm-sleeping) its figures, the goal verdicts, JSON and a Markdown
+table. Pure: the unit tests feed it results by hand."""
 
 from __future__ import annotations
 
@@ -139,7 +139,8 @@ def markdown(model: str, summary: dict[str, Any]) -> str:
         "",
         f"Measured {time.strftime('%Y-%m-%d')} by `ember bench vllm-warm`: `ember serve --engine vllm` "
         "behind a hand-off written as the sidecar writes it; random weights; each run a fresh process "
-        f"with an empty vLLM cache (cold-native-warm-cache: the one cold-native left). GPU memory by nvidia-smi (total {gpu.get('total_mib', '?')} MiB). "
+        "with an empty vLLM cache (cold-native-warm-cache: the one cold-native left). "
+        f"GPU memory by nvidia-smi (total {gpu.get('total_mib', '?')} MiB). "
         f"Greedy tokens compared with {summary.get('tokens_reference') or 'no run'}'s.",
         "",
         "| | " + " | ".join(cols) + " |",

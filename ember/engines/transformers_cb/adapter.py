@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ember.engines.transformers_cb.canary import KIND as CANARY_KIND
 from ember.engines.transformers_cb.engine import CBEngine, StartInfo
 from ember.engines.transformers_cb.hooks import (
     DEFAULT_MAX_GRAPHS,
@@ -239,7 +240,7 @@ class CBEngineAdapter:
         first = keys[need_order(keys)[0]]
         canary = self.hooks.canary(first, lambda stream: graphs[first].replay())
         return {**self.hooks.engine_facts(), "inputs": static_addresses(self.hooks),
-                "canary": {"key": list(first), "fingerprint": canary}}
+                "canary": {"kind": CANARY_KIND, "key": list(first), "fingerprint": canary}}
 
     def accept(self, facts: Mapping[str, Any]) -> CBSizing:
         if facts.get("kind") != ENGINE:
@@ -270,6 +271,10 @@ class CBEngineAdapter:
         saved = self._canary
         if not saved or tuple(saved["key"]) != tuple(key):
             return {"verify": "skipped: the archive records no canary for its first key"}
+        if saved.get("kind") != CANARY_KIND:
+            kind = saved.get("kind", "cache word sums")
+            raise Refused(COMPAT, f"the archive's canary is of another kind ({kind}; this engine checks "
+                          f"{CANARY_KIND}): SAVE it again")
 
         def graph_step() -> list[int]:
             return self.hooks.canary(key, lambda stream: library.launch_template(index, stream))

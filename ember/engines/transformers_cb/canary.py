@@ -23,6 +23,10 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+# What the canary fingerprints, recorded with SAVE's fingerprint: an archive whose canary is of
+# another kind (before: word sums of the whole cache) is refused, not compared and called a fault.
+KIND = "request-rows"
+
 
 @dataclass(frozen=True)
 class GroupRows:
