@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +24,13 @@ from typing import Any
 from ember import contract, handoff
 
 PROMPT = list(range(101, 133))  # token ids (no tokenizer): the client's first request
+
+
+def ember_argv(*args: str) -> list[str]:
+    """`ember <args>` with this interpreter (no console script needed, no CUDA import here)."""
+    run = "import sys; from ember.cli import app; sys.argv[0] = 'ember'; app()"
+    return [sys.executable, "-c", run, *args]
+
 
 # What an engine adds to a run's figures once it serves (e.g. its /health): (port, result).
 Describe = Callable[[int, dict[str, Any]], None]

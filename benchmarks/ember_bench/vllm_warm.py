@@ -32,7 +32,6 @@ import dataclasses
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -163,9 +162,8 @@ def run_pod(run: str, d: Deployment, store: Path, o: Options, index: str) -> dic
     w, port = handoff.HandoffWriter(run_dir), pods.free_port()
     res: dict[str, Any] = {"run": run, "mode": d.mode, "identity": d.identity.hash(),
                            "gpu_before_mib": pods.gpu_used_mib(index)}
-    cmd = [sys.executable, "-c", "import sys; from ember.cli import app; sys.argv[0] = 'ember'; app()",
-           "serve", "--engine", "vllm", "--run-dir", str(run_dir), "--", "--host", "127.0.0.1",
-           "--port", str(port)]
+    cmd = pods.ember_argv("serve", "--engine", "vllm", "--run-dir", str(run_dir), "--", "--host", "127.0.0.1",
+                          "--port", str(port))
     started = time.time()
     _hand_off(w, run, d, store, started)
 
