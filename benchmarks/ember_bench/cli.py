@@ -10,6 +10,7 @@ from __future__ import annotations
 import typer
 
 from ember_bench.cb import bench_cb
+from ember_bench.cb_warm import bench_cb_warm
 from ember_bench.claims import bench_claims
 from ember_bench.correctness import bench_correctness
 from ember_bench.fetch import bench_fetch
@@ -24,6 +25,7 @@ from ember_bench.vllm_warm import bench_vllm_warm
 app = typer.Typer(help="Benchmarks (run the GPU ones on a GPU machine).", no_args_is_help=True)
 app.command("graphs")(bench_graphs)
 app.command("cb")(bench_cb)
+app.command("cb-warm")(bench_cb_warm)
 app.command("fetch")(bench_fetch)
 app.command("claims")(bench_claims)
 app.command("native")(bench_native)

@@ -29,16 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,10 +42,11 @@ import typer
 
 from ember import contract, handoff
 from ember.identity import ArchiveIdentity
+from ember_bench import pods
 from ember_bench.vllm import SHAPES, write_config
-from ember_bench.vllm_warm_report import RUNS, earlier, parse_smi, write_report
+from ember_bench.vllm_warm_report import RUNS, earlier, write_report
+from ember_bench.warm_report import go_on_from as go_on
 
-PROMPT = list(range(101, 133))  # token ids (no tokenizer): the client's first request
 MODES = (contract.WARM_ENGINE_READY, contract.WARM_ENGINE_SLEEPING)
 
 
@@ -105,95 +100,6 @@ def deployment(cfg: Path, mode: str, o: Options, vllm_version: str) -> Deploymen
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU memory and HTTP
-# ---------------------------------------------------------------------------------------------
-
-
-def gpu_index(given: str = "") -> str:
-    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "").split(",")[0].strip()
-    return given or first or "0"
-
-
-def gpu_used_mib(index: str) -> int | None:
-    """memory.used of the GPU, from outside every process (nvidia-smi); None when unreadable."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                              "-i", index], capture_output=True, text=True, timeout=20, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    used = parse_smi(out.stdout)
-    return used[0] if used else None
-
-
-def gpu_facts(index: str) -> dict[str, Any]:
-    with contextlib.suppress(OSError, subprocess.TimeoutExpired, ValueError):
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits",
-                              "-i", index], capture_output=True, text=True, timeout=20, check=False)
-        name, total = out.stdout.strip().splitlines()[0].rsplit(",", 1)
-        return {"index": index, "name": name.strip(), "total_mib": int(total)}
-    return {"index": index, "name": "unknown"}
-
-
-def samples(index: str, n: int = 5, every_s: float = 0.5) -> list[int]:
-    out = []
-    for i in range(n):
-        if i:
-            time.sleep(every_s)
-        if (used := gpu_used_mib(index)) is not None:
-            out.append(used)
-    return out
-
-
-def _post(port: int, path: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return int(r.status), json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as exc:
-        return int(exc.code), {"error": exc.read()[:500].decode(errors="replace")}
-
-
-def served_model(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as r:
-        return str(json.loads(r.read())["data"][0]["id"])
-
-
-def first_token(port: int, model: str, timeout: float, proc: subprocess.Popen[bytes] | None = None
-                ) -> tuple[float, int]:
-    """One completion (max_tokens 1), retried while refused or unreachable (and `proc` lives): (the
-    wall time it came back, the refusals before it)."""
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
-    refusals, end = 0, time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"ember serve exited {proc.returncode} before the first token "
-                               f"({refusals} refusals)")
-        try:
-            status, _ = _post(port, "/v1/completions", body, timeout)
-        except OSError:
-            status = 0
-        if status == 200:
-            return time.time(), refusals
-        refusals += 1
-        time.sleep(0.01)
-    raise TimeoutError(f"no first token within {timeout:.0f} s ({refusals} refusals)")
-
-
-def greedy(port: int, model: str) -> tuple[list[Any] | None, str]:
-    """16 greedy token ids (vLLM's `token_ids`, else its logprobs' tokens as `token_id:N`; without a
-    tokenizer the text says nothing), or None and why."""
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, "logprobs": 0, "return_tokens_as_token_ids": True}
-    status, out = _post(port, "/v1/completions", body)
-    if status != 200:
-        return None, f"HTTP {status}: {out}"
-    choice = (out.get("choices") or [{}])[0]
-    ids = choice.get("token_ids") or (choice.get("logprobs") or {}).get("tokens")
-    return (list(ids), "") if ids else (None, f"no token ids in {str(choice)[:300]}")
-
-
-# ---------------------------------------------------------------------------------------------
 # SAVE and pods
 # ---------------------------------------------------------------------------------------------
 
@@ -229,21 +135,9 @@ def save(d: Deployment, store: Path, o: Options) -> dict[str, Any]:
             return {"error": str(exc)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _hand_off(w: handoff.HandoffWriter, run: str, d: Deployment, store: Path, claimed_at: float) -> None:
-    """What the sidecar writes: a claimed pod's archive (or capture natively), or a warm pod's."""
     h = d.identity.hash()
-    w.warm = run.startswith("warm-")
-    w.fetching(h, "", claimed_at=claimed_at)
-    if run.startswith("cold-native"):
-        w.fallback("bench: cold native start", identity=h, engine_args=d.claim_args)
-    else:
-        w.ready(h, store / "archives" / h, engine_args=d.claim_args)
+    pods.hand_off(w, run, h, store / "archives" / h, d.claim_args, claimed_at)
 
 
 def _pod_env(run: str, d: Deployment, cache: Path) -> dict[str, str]:
@@ -252,28 +146,6 @@ def _pod_env(run: str, d: Deployment, cache: Path) -> dict[str, str]:
     if run.startswith("warm-"):
         env[contract.ENV_WARM_ENGINE] = d.mode
     return env
-
-
-def _wait(pred: Any, proc: subprocess.Popen[bytes], timeout: float, what: str) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if (got := pred()) is not None:
-            return got
-        if proc.poll() is not None:
-            raise RuntimeError(f"ember serve exited {proc.returncode} before {what}")
-        time.sleep(0.02)
-    raise TimeoutError(f"no {what} within {timeout:.0f} s")
-
-
-def _engine_settled(run_dir: Path) -> dict[str, Any] | None:
-    """The engine state once ready or failed, else None."""
-    state = handoff.read_engine_state(run_dir) or {}
-    return state if state.get("state") in (contract.ENGINE_READY, contract.ENGINE_FAILED) else None
-
-
-def _ready_report(w: handoff.HandoffWriter, seen: list[dict[str, Any]]) -> dict[str, Any] | None:
-    seen.extend(w.new_reports())
-    return next((r for r in seen if r.get("stage") == "ready"), None)
 
 
 def run_pod(run: str, d: Deployment, store: Path, o: Options, index: str) -> dict[str, Any]:
@@ -287,73 +159,24 @@ def run_pod(run: str, d: Deployment, store: Path, o: Options, index: str) -> dic
                     "error": "no vLLM cache of a cold-native run to start from: run cold-native first"}
     else:
         shutil.rmtree(cache, ignore_errors=True)
-    w, port = handoff.HandoffWriter(run_dir), _free_port()
+    w, port = handoff.HandoffWriter(run_dir), pods.free_port()
     res: dict[str, Any] = {"run": run, "mode": d.mode, "identity": d.identity.hash(),
-                           "gpu_before_mib": gpu_used_mib(index)}
-    cmd = [sys.executable, "-c", "import sys; from ember.cli import app; sys.argv[0] = 'ember'; app()",
-           "serve", "--engine", "vllm", "--run-dir", str(run_dir), "--", "--host", "127.0.0.1",
-           "--port", str(port)]
+                           "gpu_before_mib": pods.gpu_used_mib(index)}
+    cmd = pods.ember_argv("serve", "--engine", "vllm", "--run-dir", str(run_dir), "--", "--host", "127.0.0.1",
+                          "--port", str(port))
     started = time.time()
     _hand_off(w, run, d, store, started)
-    log = open(o.work / f"pod-{run}.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, env=_pod_env(run, d, cache), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        (_warm if run.startswith("warm-") else _cold)(w, proc, port, started, res, o, index)
-    except (RuntimeError, TimeoutError, OSError, ValueError, KeyError) as exc:
-        res["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            res["exit_code"] = proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            res["exit_code"] = proc.wait()
-        log.close()
-    if "error" in res:
-        res["log_tail"] = (o.work / f"pod-{run}.log").read_text(errors="replace")[-6000:]
-    res["gpu_after_exit_mib"] = gpu_used_mib(index)
+
+    def body(proc: subprocess.Popen[bytes]) -> None:
+        if run.startswith("warm-"):
+            pods.warm(w, proc, port, started, res, o.timeout, o.idle_s, index)
+        else:
+            pods.cold(w, proc, port, started, res, o.timeout, index)
+
+    pods.drive(cmd, _pod_env(run, d, cache), o.work / f"pod-{run}.log", body, res, index)
     typer.echo(f"{run}: claim → first token {res.get('claim_to_first_token_s')} s, "
                f"idle {res.get('gpu_idle_mib')} MiB, error {res.get('error')}")
     return res
-
-
-def _cold(w: handoff.HandoffWriter, proc: subprocess.Popen[bytes], port: int, claimed: float,
-          res: dict[str, Any], o: Options, index: str) -> None:
-    """A claimed pod: ready (its readiness passes), then the first request; the claim was the start."""
-    seen: list[dict[str, Any]] = []
-    res["ready_report"] = _wait(lambda: _ready_report(w, seen), proc, o.timeout, "the ready report")
-    res["start_to_ready_s"] = round(time.time() - claimed, 3)
-    model = served_model(port)
-    done, res["first_token_refusals"] = first_token(port, model, o.timeout, proc)
-    res["claim_to_first_token_s"] = round(done - claimed, 3)
-    _serving(port, model, res, index)
-
-
-def _warm(w: handoff.HandoffWriter, proc: subprocess.Popen[bytes], port: int, started: float,
-          res: dict[str, Any], o: Options, index: str) -> None:
-    """A warm pod: engine ready, idle, memory; the claim and at once the first request."""
-    state = _wait(lambda: _engine_settled(w.run_dir), proc, o.timeout, "the engine's ready state")
-    if state["state"] == contract.ENGINE_FAILED:
-        raise RuntimeError(f"engine failed: {state.get('reason')}")
-    res["start_to_ready_s"] = round(float(state["at"]) - started, 3)
-    res["engine_state"] = state
-    model = served_model(port)  # the client knows its model: not part of the claim's time
-    time.sleep(o.idle_s)
-    res["gpu_idle_mib"] = samples(index)
-    seen: list[dict[str, Any]] = []
-    claimed = time.time()
-    w.in_service(claimed)  # the sidecar's part of the claim
-    done, res["first_token_refusals"] = first_token(port, model, o.timeout, proc)
-    res["claim_to_first_token_s"] = round(done - claimed, 4)
-    res["ready_report"] = _wait(lambda: _ready_report(w, seen), proc, 60.0, "the ready report")
-    _serving(port, model, res, index)
-
-
-def _serving(port: int, model: str, res: dict[str, Any], index: str) -> None:
-    res["tokens"], why = greedy(port, model)
-    if why:
-        res["tokens_error"] = why
-    res["gpu_serving_mib"] = samples(index, n=3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,8 +194,8 @@ def run_bench(o: Options) -> tuple[Path, Path]:
     o = dataclasses.replace(o, work=work)
     work.mkdir(parents=True, exist_ok=True)
     cfg = write_config(o.model, o.layers or None, work / "config")
-    store, index = work / "store", gpu_index(o.gpu)
-    gpu = gpu_facts(index)
+    store, index = work / "store", pods.gpu_index(o.gpu)
+    gpu = pods.gpu_facts(index)
     deps = {m: deployment(cfg, m, o, version("vllm")) for m in MODES}
     if o.fresh:
         shutil.rmtree(store, ignore_errors=True)
@@ -393,15 +216,11 @@ def go_on_from(o: Options, gpu: dict[str, Any], deps: dict[str, Deployment]
              ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """The runs and SAVEs of an earlier invocation's report (this GPU and model) of the same
     deployments, so that the runs can be split over several commands; this one's runs replace them."""
-    results, saves = earlier(o.tag, gpu, o.out_dir)
     ids = {m: d.identity.hash() for m, d in deps.items()}
-    kept = {r: res for r, res in results.items() if res.get("identity") == ids.get(res.get("mode", ""))
-            and r not in o.runs}
+    kept, saves = go_on(earlier(o.tag, gpu, o.out_dir), ids, o.runs, o.work / "store")
     if kept:
         typer.echo(f"going on from {', '.join(kept)} of the earlier report (--fresh: start over)")
-    store = o.work / "store" / "archives"  # an earlier SAVE counts while its archive is still there
-    return kept, {m: s for m, s in saves.items()
-                  if s.get("identity") == ids.get(m) and (store / ids[m] / "manifest").is_file()}
+    return kept, saves
 
 
 # long: typer declares every option in the signature; the body is one call
