@@ -76,12 +76,55 @@ def gpu_facts(index: str) -> dict[str, Any]:
     return {"index": index, "name": "unknown"}
 
 
-def samples(index: str, n: int = 5, every_s: float = 0.5) -> list[int]:
+def parse_apps(text: str) -> dict[int, int]:
+    """`nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits` → MiB per pid."""
+    out: dict[int, int] = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            out[int(parts[0])] = out.get(int(parts[0]), 0) + int(parts[1])
+    return out
+
+
+def process_tree(pid: int, proc_root: Path = Path("/proc")) -> set[int]:
+    """`pid` and every process below it (vLLM's engine core is a child of the API server)."""
+    children: dict[int, list[int]] = {}
+    for stat in proc_root.glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # the name field may hold spaces and parentheses: the ppid is the 2nd field after its last ')'
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p not in tree:
+            tree.add(p)
+            todo += children.get(p, [])
+    return tree
+
+
+def pod_used_mib(pid: int, index: str) -> int | None:
+    """GPU memory of the pod's own processes (nvidia-smi's per-process figures, contexts included),
+    blind to other users of the GPU; None when nvidia-smi lists none of them."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                              "--format=csv,noheader,nounits", "-i", index],
+                             capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    apps, tree = parse_apps(out.stdout), process_tree(pid)
+    mine = [mib for p, mib in apps.items() if p in tree]
+    return sum(mine) if mine else None
+
+
+def samples(index: str, n: int = 5, every_s: float = 0.5, pid: int | None = None) -> list[int]:
+    """memory.used of the GPU n times; with `pid`, that process tree's own use instead."""
     out = []
     for i in range(n):
         if i:
             time.sleep(every_s)
-        if (used := gpu_used_mib(index)) is not None:
+        used = gpu_used_mib(index) if pid is None else pod_used_mib(pid, index)
+        if used is not None:
             out.append(used)
     return out
 
@@ -224,7 +267,7 @@ def cold(w: handoff.HandoffWriter, proc: subprocess.Popen[bytes], port: int, cla
     model = served_model(port)
     done, res["first_token_refusals"] = first_token(port, model, timeout, proc)
     res["claim_to_first_token_s"] = round(done - claimed, 3)
-    serving(port, model, res, index, describe)
+    serving(port, model, res, index, proc.pid, describe)
 
 
 def warm(w: handoff.HandoffWriter, proc: subprocess.Popen[bytes], port: int, started: float,
@@ -239,19 +282,22 @@ def warm(w: handoff.HandoffWriter, proc: subprocess.Popen[bytes], port: int, sta
     model = served_model(port)  # the client knows its model: not part of the claim's time
     time.sleep(idle_s)
     res["gpu_idle_mib"] = samples(index)
+    res["gpu_idle_pod_mib"] = samples(index, pid=proc.pid)
     seen: list[dict[str, Any]] = []
     claimed = time.time()
     w.in_service(claimed)  # the sidecar's part of the claim
     done, res["first_token_refusals"] = first_token(port, model, timeout, proc)
     res["claim_to_first_token_s"] = round(done - claimed, 4)
     res["ready_report"] = wait(lambda: ready_report(w, seen), proc, 60.0, "the ready report")
-    serving(port, model, res, index, describe)
+    serving(port, model, res, index, proc.pid, describe)
 
 
-def serving(port: int, model: str, res: dict[str, Any], index: str, describe: Describe | None = None) -> None:
+def serving(port: int, model: str, res: dict[str, Any], index: str, pid: int,
+            describe: Describe | None = None) -> None:
     if describe is not None:
         describe(port, res)
     res["tokens"], why = greedy(port, model)
     if why:
         res["tokens_error"] = why
     res["gpu_serving_mib"] = samples(index, n=3)
+    res["gpu_serving_pod_mib"] = samples(index, n=3, pid=pid)

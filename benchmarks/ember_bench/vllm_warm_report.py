@@ -27,7 +27,10 @@ COLD_GOAL = 0.5  # a cold restored pod: start → first token ≤ this × vLLM's
 def verdicts(rows: dict[str, dict[str, Any]]) -> dict[str, bool | None]:
     """The goals (None: not measured). A warm pod that captured natively does not meet them."""
     ready, sleeping = rows.get("warm-ready") or {}, rows.get("warm-sleeping") or {}
-    idle_r, idle_s = ready.get("gpu_idle_held_mib"), sleeping.get("gpu_idle_held_mib")
+    # the pod's own processes where nvidia-smi lists them (blind to other GPU users), else the GPU's rise
+    key = "gpu_idle_pod_mib" if ready.get("gpu_idle_pod_mib") and sleeping.get("gpu_idle_pod_mib") \
+        else "gpu_idle_held_mib"
+    idle_r, idle_s = ready.get(key), sleeping.get(key)
     woken = sleeping.get("tokens_equal_reference")
     restored = (rows.get("cold-restored") or {}).get("claim_to_first_token_s")
     own_cache = (rows.get("cold-native-warm-cache") or {}).get("claim_to_first_token_s")

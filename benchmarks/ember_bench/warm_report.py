@@ -17,14 +17,20 @@ ROWS: dict[str, tuple[str, str]] = {
     "claim → ready (ember serve's report)": ("claim_to_ready_s", "s"),
     "process start → ready (cold) / engine ready (warm)": ("start_to_ready_s", "s"),
     "first-token requests refused before one was served": ("first_token_refusals", ""),
-    "GPU memory held idle, warm (above the GPU's own use)": ("gpu_idle_held_mib", "MiB"),
-    "GPU memory held serving (above the GPU's own use)": ("gpu_serving_held_mib", "MiB"),
+    "GPU memory held idle, warm (the pod's processes)": ("gpu_idle_pod_mib", "MiB"),
+    "GPU memory held serving (the pod's processes)": ("gpu_serving_pod_mib", "MiB"),
+    "GPU memory held idle, warm (the GPU's use above its use before)": ("gpu_idle_held_mib", "MiB"),
+    "GPU memory held serving (the GPU's use above its use before)": ("gpu_serving_held_mib", "MiB"),
     "GPU memory used before the pod started": ("gpu_before_mib", "MiB"),
     "restored (the engine's report)": ("restored", ""),
     "greedy tokens equal the reference run's": ("tokens_equal_reference", ""),
 }
 
 Verdicts = Callable[[dict[str, dict[str, Any]]], dict[str, bool | None]]
+
+
+def median(used: list[int] | None) -> int | None:
+    return int(statistics.median(used)) if used else None
 
 
 def held(used: list[int] | None, before: int | None) -> int | None:
@@ -52,6 +58,8 @@ def run_row(res: dict[str, Any], ref: str | None, ref_tokens: Any) -> dict[str, 
         "claim_to_ready_s": res.get("claim_to_ready_s", (stages or {}).get("claim_to_ready_s")),
         "start_to_ready_s": res.get("start_to_ready_s"),
         "first_token_refusals": res.get("first_token_refusals"),
+        "gpu_idle_pod_mib": median(res.get("gpu_idle_pod_mib")),
+        "gpu_serving_pod_mib": median(res.get("gpu_serving_pod_mib")),
         "gpu_idle_held_mib": held(res.get("gpu_idle_mib"), before),
         "gpu_serving_held_mib": held(res.get("gpu_serving_mib"), before),
         "gpu_before_mib": before,

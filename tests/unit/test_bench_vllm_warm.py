@@ -127,3 +127,22 @@ def test_the_warm_cache_run_starts_from_cold_natives_cache(tmp_path: Path) -> No
     d = _deps(tmp_path)["ready"]
     res = run_pod("cold-native-warm-cache", d, tmp_path / "store", Options(work=tmp_path), "0")
     assert "run cold-native first" in res["error"]
+
+
+def test_a_pods_gpu_memory_is_its_own_processes(tmp_path: Path) -> None:
+    """Beside other GPU users the GPU's rise says nothing of the pod: the figure is the per-process
+    use of the pod's process tree (vLLM's engine core is the API server's child)."""
+    from ember_bench.pods import parse_apps, process_tree
+    from ember_bench.vllm_warm_report import verdicts
+
+    assert parse_apps("4242, 30000\n4243, 512\nNo running processes found\n") == {4242: 30000, 4243: 512}
+    procs = ((10, 1, "ember"), (11, 10, "VLLM::EngineCore (x) y"), (12, 11, "w"), (20, 1, "other"))
+    for pid, ppid, name in procs:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({name}) S {ppid} 1 1 0\n")
+    assert process_tree(10, tmp_path) == {10, 11, 12}
+    assert process_tree(20, tmp_path) == {20}
+    # the verdict prefers the pods' own figures: the GPU's rise (other lanes) would say the opposite
+    rows = {"warm-ready": {"gpu_idle_pod_mib": 34_000, "gpu_idle_held_mib": 1_000},
+            "warm-sleeping": {"gpu_idle_pod_mib": 11_000, "gpu_idle_held_mib": 9_000}}
+    assert verdicts(rows)["warm sleeping holds less GPU memory idle than warm ready"] is True
