@@ -3,8 +3,9 @@ archive up to a deadline → LOAD it inside the crash-safety marker (stages `com
 any refusal, report the fallback with its reason and capture natively (`capture`) → one token
 (`first_token`) → only then `ready`. The engine's state (`engine-state.json`: loading, ready,
 failed) goes to the sidecar as it changes. On an identity-keyed warm pod (the archive handed off
-before any claim) the engine does all of that at once, then waits idle for the claim; the first
-token after the claim is `first_token`, timed from the claim. A claim whose engine arguments are
+before any claim) the engine does all of that at once, then waits idle for the claim, which puts
+it in service at once: no engine step between the claim and the client's first request (its
+warm-up token already ran), and `first_token` is the claim → in service time. A claim whose engine arguments are
 not the ones the engine was started with (`EngineStarters.claim_problem`: a pod claimed for
 another deployment) fails the engine (`failed`) before anything is loaded: it never serves.
 
@@ -90,7 +91,8 @@ def run_startup(
         claim = handoff.wait_for_claim(run_dir)
         assert claim is not None  # no timeout: a warm pod waits as long as it takes
         out.stages["warm_wait"] = claim.waited_s
-        _first_token(starters, out, claim.claimed_at or time.time())  # claim → first token
+        # In service now; a token run here would hold the client's first request for its length.
+        out.stages["first_token"] = time.time() - (claim.claimed_at or time.time())
     handoff.report("first_token", out.stages["first_token"], "ok", run_dir=run_dir, mode=out.mode)
     handoff.report("ready", out.stages["first_token"], "ok", out.reason, run_dir=run_dir, mode=out.mode)
     log.info("Engine became ready: mode=%s reason=%r stages=%s", out.mode, out.reason, out.stages)
