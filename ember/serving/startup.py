@@ -5,9 +5,10 @@ any refusal, report the fallback with its reason and capture natively (`capture`
 failed) goes to the sidecar as it changes. On an identity-keyed warm pod (the archive handed off
 before any claim) the engine does all of that at once, then waits idle for the claim, which puts
 it in service at once: no engine step between the claim and the client's first request (its
-warm-up token already ran), and `first_token` is the claim → in service time. A claim whose engine arguments are
-not the ones the engine was started with (`EngineStarters.claim_problem`: a pod claimed for
-another deployment) fails the engine (`failed`) before anything is loaded: it never serves.
+warm-up token already ran), and `first_token` is the claim → in service time. A claim whose
+engine arguments are not the ones the engine was started with (`EngineStarters.claim_problem`: a
+pod claimed for another deployment) fails the engine (`failed`) before anything is loaded: it
+never serves.
 
 The sequence only sees `EngineStarters` (restore / native / first token), so it is tested on CPU
 with a fake engine; `cb_starters` puts the real transformers engine behind it.
