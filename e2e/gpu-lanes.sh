@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Detached lanes of GPU work on a lent GPU machine, each on its own frozen build of this tree, so a
+# later call that syncs a newer tree never changes what a running lane imports, and a command's
+# time limit never cuts a run. Run from the repository root:
+#
+#   bash e2e/gpu-lanes.sh setup TAG      # ember as the tree is now -> /tmp/ember-TAG (not editable),
+#                                        # tests -> /tmp/snap-TAG, env -> /tmp/ember-env-TAG.sh
+#   echo "CMD" >> /tmp/ember-run/NAME.q  # one bash command a line (cwd /tmp/snap-TAG)
+#   bash e2e/gpu-lanes.sh start NAME TAG # run NAME.q's lines in order, detached: NAME.log, NAME.rc
+#   bash e2e/gpu-lanes.sh poll SECS      # wait until every lane ended (or SECS); tails; $OUT/run.tgz
+#
+# `touch /tmp/ember-run/stop-NAME` (or stop-all) skips a lane's remaining lines. Carried wheels in
+# .whl/ go to /tmp/site (as e2e/gpu-env.sh does); an unpacked vLLM kit in /tmp/vsite (and extras
+# in /tmp/vsite3) joins the path of builds set up after it. One GPU: two lanes at most, or memory
+# runs out (benchmarks/results/h200-20261129/README.md); several GPUs: CUDA_VISIBLE_DEVICES per line.
+set -uo pipefail
+RUN=${RUN:-/tmp/ember-run}
+mkdir -p "$RUN"
+
+setup() {
+  local tag=$1 t0=$SECONDS lib
+  if [[ ! -d /tmp/site ]] && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
+  fi
+  rm -rf "/tmp/ember-$tag" "/tmp/snap-$tag" && mkdir -p "/tmp/snap-$tag"
+  cp -a tests pyproject.toml "/tmp/snap-$tag/"
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --no-compile --target "/tmp/ember-$tag" . \
+    || return 1
+  lib=$(cd / && PYTHONPATH="/tmp/ember-$tag:/tmp/site" python3 -c 'import ember.native as n; print(n.find_library())')
+  echo "export PYTHONPATH=/tmp/ember-$tag:/tmp/site PATH=/tmp/ember-$tag/bin:\$PATH EMBER_LIB=$lib PYTHONUNBUFFERED=1" \
+    > "/tmp/ember-env-$tag.sh"
+  if [[ -f /tmp/vsite/vllm/__init__.py ]]; then
+    echo 'export PYTHONPATH=/tmp/vsite:$PYTHONPATH:/tmp/vsite3 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1' \
+      >> "/tmp/ember-env-$tag.sh"
+  fi
+  echo "setup $tag: $((SECONDS - t0)) s, EMBER_LIB=$lib"
+}
+
+lane() {  # the detached loop of `start`
+  local name=$1 tag=$2 line s rc
+  # shellcheck disable=SC1090
+  source "/tmp/ember-env-$tag.sh"; cd "/tmp/snap-$tag" || exit 1
+  while IFS= read -r line; do
+    [[ -z "$line" ]] && continue
+    if [[ -e $RUN/stop-$name || -e $RUN/stop-all ]]; then echo "## skipped (stop): $line"; continue; fi
+    s=$SECONDS; echo "## $(date -u +%T) >>> $line"
+    bash -c "$line" < /dev/null; rc=$?
+    echo "## $(date -u +%T) rc=$rc after $((SECONDS - s)) s: $line"
+  done < "$RUN/$name.q"
+  echo done > "$RUN/$name.rc"
+}
+
+start() {
+  rm -f "$RUN/$1.rc"
+  RUN=$RUN setsid nohup bash "$(realpath "$0")" lane "$1" "$2" >> "$RUN/$1.log" 2>&1 < /dev/null &
+  echo "lane $1 on $2: $(wc -l < "$RUN/$1.q") commands"
+}
+
+poll() {
+  local end=$((SECONDS + ${1:-500})) left l
+  while ((SECONDS < end)); do
+    left=0; for l in "$RUN"/*.log; do [[ -e ${l%.log}.rc ]] || left=$((left + 1)); done
+    ((left == 0)) && break; sleep 10
+  done
+  for l in "$RUN"/*.log; do
+    echo "===== $(basename "$l" .log): $(cat "${l%.log}.rc" 2>/dev/null || echo running)"
+    grep -E "^## |passed|failed|rror|wrong" "$l" | tail -"${TAILN:-12}"
+  done
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null
+  if [[ -n "${OUT:-}" ]]; then tar -C "$RUN" -czf "$OUT/run.tgz" --exclude=store --exclude=work .; fi
+}
+
+cmd=${1:-}; shift || true
+case "$cmd" in
+  setup|lane|start|poll) "$cmd" "$@" ;;
+  *) sed -n '2,15p' "$0"; exit 2 ;;
+esac
