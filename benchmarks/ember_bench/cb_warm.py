@@ -16,8 +16,9 @@ archive in the local store):
    archive. The claim is the process start (a cold pod is created claimed); claim → first token
    is until the first completion after the pod reported `ready` (when its readiness passes);
 3. `warm-ready`: a warm pod (the archive handed off before any claim: it restores, runs one token
-   and says its engine is `ready`); `--idle` seconds of idling, then nvidia-smi's memory.used of
-   the GPU (median of a few samples; the GPU's use before the pod is subtracted); then the claim
+   and says its engine is `ready`); `--idle` seconds of idling, then the GPU memory of the pod's
+   own processes (nvidia-smi per process, blind to other users of the GPU) and the GPU's rise over
+   its use before the pod (median of a few samples each); then the claim
    (the hand-off turns in service, as the sidecar does) and at once a completion (max_tokens 1),
    retried while refused: claim → first token. The sidecar's watch latency and the Service's
    routing are not in it. transformers has no sleeping engine: `warm-sleeping` is refused.

@@ -15,8 +15,9 @@ written as the sidecar writes it (the archive in the local store):
    is until the first completion after the pod reported `ready` (when its readiness passes);
 3. `warm-ready`, `warm-sleeping`: a warm pod (hand-off before any claim, EMBER_WARM_ENGINE set);
    once its engine says `ready` (after ember's warm-up token, and the sleep), `--idle` seconds of
-   idling, then nvidia-smi's memory.used of the GPU (median of a few samples; the GPU's use before
-   the pod is subtracted); then the claim (the hand-off turns in service, as the sidecar does) and at
+   idling, then the GPU memory of the pod's own processes (nvidia-smi per process, blind to other
+   users of the GPU) and the GPU's rise over its use before the pod (median of a few samples
+   each); then the claim (the hand-off turns in service, as the sidecar does) and at
    once a completion (max_tokens 1), retried while refused: claim → first token. The sidecar's watch
    latency and the Service's routing are not in it.
 
