@@ -148,11 +148,11 @@ def test_the_job_fails_with_the_reason(standin, tmp_path: Path, fake: dict, reas
         save_job(IDENTITY.model_dump_json(), "file:///s", [], work=tmp_path / "w", python=standin.python)
 
 
-def test_a_multi_gpu_shape_is_refused_before_any_engine_starts(standin, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_shape_no_rank_can_play_is_refused_before_any_engine_starts(standin, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     standin(probe_bytes=10)
-    tp2 = IDENTITY.model_copy(update={"parallelism": Parallelism(tensor=2)})
-    with pytest.raises(JobFailed, match=r"multi-GPU shape .*tensor 2"):
-        save_job(tp2.model_dump_json(), "file:///s", [], work=tmp_path / "w", python=standin.python)
+    bad = IDENTITY.model_copy(update={"parallelism": Parallelism(tensor=2, expert=3)})
+    with pytest.raises(JobFailed, match=r"expert 3 must be tensor x data = 2"):
+        save_job(bad.model_dump_json(), "file:///s", [], work=tmp_path / "w", python=standin.python)
     assert standin.calls() == []
 
 

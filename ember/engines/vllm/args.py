@@ -29,6 +29,9 @@ GRAPH_MODES = {
 }
 
 
+PARALLEL_PASSES = {"fuse_allreduce_rms": False, "fuse_gemm_comms": False}
+
+
 def _value(text: str) -> Any:
     """A compile setting as vLLM's config wants it: JSON when it parses ("3" → 3), else the text."""
     try:
@@ -41,6 +44,14 @@ def compilation_config(identity: ArchiveIdentity) -> dict[str, Any]:
     cfg: dict[str, Any] = {k: _value(v) for k, v in identity.compile.items()}
     cfg["cudagraph_mode"] = GRAPH_MODES.get(identity.graph_mode, identity.graph_mode.upper())
     cfg["cudagraph_capture_sizes"] = list(identity.capture_sizes)
+    p = identity.parallelism
+    if p.tensor * p.data * p.expert > 1:
+        # Passes that keep per-rank peer state in the graph (config/compilation.py PassConfig):
+        # fuse_allreduce_rms is FlashInfer's all-reduce fusion (an IPC workspace mapped from the
+        # peers); fuse_gemm_comms is async TP (torch symmetric memory). Neither is an NCCL call
+        # the stub can hold a place for. Pinned for parallel shapes only: one GPU is unchanged.
+        given = cfg.get("pass_config")
+        cfg["pass_config"] = {**(given if isinstance(given, dict) else {}), **PARALLEL_PASSES}
     return cfg
 
 
@@ -60,7 +71,14 @@ def engine_args(identity: ArchiveIdentity) -> list[str]:
     if p.data > 1:
         args += ["--data-parallel-size", str(p.data)]
     if p.expert > 1:
-        args += ["--enable-expert-parallel"]
+        # vLLM's default all2all (parallel.py all2all_backend) pinned: AgRsAll2AllManager is an
+        # all-gather and a reduce-scatter through the device communicator (NCCL), which the stub
+        # records; DeepEP/NIXL/FlashInfer backends own peer buffers it cannot stand in for
+        args += ["--enable-expert-parallel", "--all2all-backend", "allgather_reducescatter"]
+    if p.tensor * p.data * p.expert > 1:
+        # custom all-reduce registers CUDA IPC buffers of the peers' graphs after capture
+        # (custom_all_reduce.py register_graph_buffers): per-rank state no archive holds
+        args += ["--disable-custom-all-reduce"]
     return args
 
 
@@ -96,13 +114,21 @@ PROCESS_VARS = ("LD_PRELOAD", "EMBER_MODE", "EMBER_ARM", "EMBER_VLLM_ARCHIVE", "
                 "EMBER_VLLM_PROBE", "EMBER_VLLM_CACHES_PLACED")
 
 
-def process_env(mode: str, env: Mapping[str, str]) -> dict[str, str]:
+def process_env(mode: str, env: Mapping[str, str], *, comm_stub: bool = False) -> dict[str, str]:
     """The environment of a vLLM process: under libember in `mode` ("save" or "load"; anything
-    else: vLLM as it is), with FlashInfer's sampler off (FlashInfer is not in the image)."""
+    else: vLLM as it is), with FlashInfer's sampler off (FlashInfer is not in the image).
+    `comm_stub`: libember_nccl answers NCCL (one process playing a rank of N), in any mode."""
     out = {k: v for k, v in env.items() if k not in PROCESS_VARS}
     if mode in ("save", "load"):
         from ember.runtime.session import preload_env
 
-        out = preload_env(mode, out)
+        out = preload_env(mode, out, comm_stub=comm_stub)
+    elif comm_stub:
+        from ember.runtime.comm import stub_path
+
+        stub = stub_path()
+        if stub is None:
+            raise FileNotFoundError("libember_nccl.so not found: build libember (pip install -e .)")
+        out["LD_PRELOAD"] = str(stub)
     out.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     return out
