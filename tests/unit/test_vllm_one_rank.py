@@ -80,6 +80,17 @@ def test_a_parallel_shape_pins_what_the_stub_cannot_stand_in_for() -> None:
     assert env["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0" and env["VLLM_DISTRIBUTED_USE_SPLIT_GROUP"] == "0"
 
 
+def test_the_save_guard_names_a_vllm_of_another_parallel_shape() -> None:
+    moe = _shape(tensor=2, expert=4, data=2)
+    resolved = {"model": "/models/llama", "revision": "main", "dtype": "bfloat16", "engine_version": "0.26.0",
+                "capture_sizes": [1, 2, 4, 8], "cudagraph_mode": "FULL_AND_PIECEWISE", "max_num_seqs": 8,
+                "max_num_batched_tokens": 2048, "parallelism": vargs.parallelism(2, 2, True)}
+    assert vargs.mismatches(moe, resolved) == []
+    no_ep = vargs.mismatches(moe, {**resolved, "parallelism": vargs.parallelism(2, 2, False)})
+    assert len(no_ep) == 1 and no_ep[0].startswith("parallelism")
+    assert vargs.mismatches(IDENTITY, resolved)[0].startswith("parallelism")
+
+
 def _config(**pc: int) -> Any:
     par = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1, **pc}
     return SimpleNamespace(parallel_config=SimpleNamespace(**par), compilation_config=SimpleNamespace(),

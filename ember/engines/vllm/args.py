@@ -84,7 +84,8 @@ def engine_args(identity: ArchiveIdentity) -> list[str]:
 
 def mismatches(identity: ArchiveIdentity, resolved: dict[str, Any]) -> list[str]:
     """Where the engine's resolved config (`resolved`: model, revision, dtype, engine_version,
-    capture_sizes, cudagraph_mode, max_num_seqs, max_num_batched_tokens) is not `identity`."""
+    capture_sizes, cudagraph_mode, max_num_seqs, max_num_batched_tokens, parallelism) is not
+    `identity`."""
     want: dict[str, Any] = {
         "model": identity.model,
         "revision": identity.revision,
@@ -94,6 +95,7 @@ def mismatches(identity: ArchiveIdentity, resolved: dict[str, Any]) -> list[str]
         "cudagraph_mode": GRAPH_MODES.get(identity.graph_mode, identity.graph_mode.upper()),
         "max_num_seqs": identity.max_batch,
         "max_num_batched_tokens": identity.max_num_tokens,
+        "parallelism": identity.parallelism.model_dump(),
     }
     out = []
     if identity.engine != "vllm":
@@ -107,6 +109,11 @@ def mismatches(identity: ArchiveIdentity, resolved: dict[str, Any]) -> list[str]
         if got != value:
             out.append(f"{key}: identity {value!r}, vLLM resolved {got!r}")
     return out
+
+
+def parallelism(tensor: int, data: int, expert_parallel: bool) -> dict[str, int]:
+    """A vLLM parallel config as an identity's `parallelism` (EP spans the tensor x data ranks)."""
+    return {"tensor": tensor, "expert": tensor * data if expert_parallel else 1, "data": data}
 
 
 # ember's per-process variables: a vLLM process never inherits them from whoever started it

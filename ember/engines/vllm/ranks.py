@@ -83,13 +83,17 @@ def save_env(identity: ArchiveIdentity, rank: int, stub: str) -> dict[str, str]:
 
 def parallel_env(identity: ArchiveIdentity) -> dict[str, str]:
     """vLLM settings a parallel archive is captured with (and its pods must run with).
-    VLLM_ALLREDUCE_USE_SYMM_MEM=0: torch symmetric-memory all-reduce rendezvouses buffers with the
-    peers (`SymmMemCommunicator`, cuda_communicator.py:97), state the stub cannot stand in for.
+    VLLM_ALLREDUCE_USE_SYMM_MEM=0 (vLLM's default is 1): torch symmetric-memory all-reduce
+    rendezvouses buffers with the peers (`SymmMemCommunicator`, cuda_communicator.py:97), state
+    the stub cannot stand in for; VLLM_ALLREDUCE_USE_FLASHINFER=0 and VLLM_USE_NCCL_SYMM_MEM=0
+    (defaults, pinned against an inherited setting): FlashInfer's IPC all-reduce workspace and
+    NCCL window registration are peer state too.
     VLLM_DISTRIBUTED_USE_SPLIT_GROUP=0 (vLLM's default, pinned): split_group creates sub-groups
     collectively on an eagerly connected parent (parallel_state.py:1467), not through new_group."""
     if not is_parallel(identity):
         return {}
-    return {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_DISTRIBUTED_USE_SPLIT_GROUP": "0"}
+    return {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_ALLREDUCE_USE_FLASHINFER": "0",
+            "VLLM_USE_NCCL_SYMM_MEM": "0", "VLLM_DISTRIBUTED_USE_SPLIT_GROUP": "0"}
 
 
 def enter(env: Mapping[str, str] | None = None) -> bool:  # pragma: no cover - needs torch and vLLM
@@ -98,13 +102,16 @@ def enter(env: Mapping[str, str] | None = None) -> bool:  # pragma: no cover - n
     env = os.environ if env is None else env
     if not env.get(WORLD_ENV):
         return False
-    import torch
+    from datetime import timedelta
+
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
 
     rank, n = int(env["RANK"]), int(env[WORLD_ENV])
-    torch.cuda.set_device(0)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=n)
+    # An in-process store (as ember's decode SAVE): a torch NCCL group that ever needed a peer's
+    # key (vLLM's collectives go through pynccl, not torch's NCCL groups) fails in 2 min, not 30.
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=n,
+                            timeout=timedelta(minutes=2))
     real_new_group = dist.new_group
 
     def new_group(*args: Any, **kwargs: Any) -> Any:
