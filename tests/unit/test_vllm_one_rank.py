@@ -65,13 +65,13 @@ def test_a_parallel_shape_pins_what_the_stub_cannot_stand_in_for() -> None:
     a = vargs.engine_args(tp2)
     assert "--disable-custom-all-reduce" in a and "--all2all-backend" not in a
     cc = json.loads(a[a.index("--compilation-config") + 1])
-    assert cc["pass_config"] == {"fuse_allreduce_rms": False, "fuse_gemm_comms": False}
+    assert cc["pass_config"] == {"fuse_allreduce_rms": False, "fuse_gemm_comms": False, "enable_sp": False}
     moe = vargs.engine_args(_shape(tensor=2, expert=4, data=2))
     assert moe[moe.index("--all2all-backend") + 1] == "allgather_reducescatter"
     given = IDENTITY.model_copy(update={"compile": {"pass_config": '{"eliminate_noops": false}'},
                                         "parallelism": Parallelism(tensor=2)})
     assert vargs.compilation_config(given)["pass_config"] == {
-        "eliminate_noops": False, "fuse_allreduce_rms": False, "fuse_gemm_comms": False}
+        "eliminate_noops": False, "fuse_allreduce_rms": False, "fuse_gemm_comms": False, "enable_sp": False}
     assert ranks.save_args(tp2) == ["--distributed-executor-backend", "external_launcher"]
     env = ranks.save_env(_shape(tensor=2, expert=4, data=2), 3, "/lib/libember_nccl.so")
     assert env["RANK"] == "3" and env["WORLD_SIZE"] == env[ranks.WORLD_ENV] == "4"

@@ -29,7 +29,7 @@ GRAPH_MODES = {
 }
 
 
-PARALLEL_PASSES = {"fuse_allreduce_rms": False, "fuse_gemm_comms": False}
+PARALLEL_PASSES = {"fuse_allreduce_rms": False, "fuse_gemm_comms": False, "enable_sp": False}
 
 
 def _value(text: str) -> Any:
@@ -49,7 +49,9 @@ def compilation_config(identity: ArchiveIdentity) -> dict[str, Any]:
         # Passes that keep per-rank peer state in the graph (config/compilation.py PassConfig):
         # fuse_allreduce_rms is FlashInfer's all-reduce fusion (an IPC workspace mapped from the
         # peers); fuse_gemm_comms is async TP (torch symmetric memory). Neither is an NCCL call
-        # the stub can hold a place for. Pinned for parallel shapes only: one GPU is unchanged.
+        # the stub can hold a place for. enable_sp (on for dense TP at -O2, config/vllm.py:258)
+        # keeps only capture sizes that are multiples of TP (compilation.py:1507), which the key
+        # mirror (keys.py) does not model. Pinned for parallel shapes only: one GPU is unchanged.
         given = cfg.get("pass_config")
         cfg["pass_config"] = {**(given if isinstance(given, dict) else {}), **PARALLEL_PASSES}
     return cfg
