@@ -52,6 +52,7 @@ def test_each_rank_of_tp2_saves_on_one_gpu_with_the_same_graph_keys(tmp_path: Pa
     for rank in (0, 1):
         summary, store = _save_as(rank, ident, extra, tmp_path)
         assert summary["published"] is True and summary["identity"] == ident.hash(), summary
+        assert (summary["rank"], summary["world"]) == (rank, 2)
         assert "--distributed-executor-backend" in summary["args"]
         archive = bundle.open_archive(store, ident.hash())
         graphs = archive.manifest.graphs

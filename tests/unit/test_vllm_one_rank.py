@@ -157,7 +157,7 @@ def test_the_job_plays_the_rank_it_is_given(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setenv(ranks.RANK_ENV, "1")
     tp2 = _shape(tensor=2)
     out = job.save_job(tp2.model_dump_json(), "file:///s", [], work=tmp_path / "w", python=str(script))
-    assert out["identity"] == tp2.hash() and out["graphs"] == 7
+    assert out["identity"] == tp2.hash() and out["graphs"] == 7 and (out["rank"], out["world"]) == (1, 2)
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
     assert len(calls) == 2 and seen == [True, True]  # the probe too: NCCL must not wait for peers
     for call in calls:

@@ -126,6 +126,8 @@ def save_job(identity_raw: str, store_uri: str, extra_args: list[str], *, work: 
     work.mkdir(parents=True, exist_ok=True)
     args = [*engine_args(identity), *ranks.save_args(identity), *extra_args]
     summary: dict[str, Any] = {"engine": "vllm", "args": args}
+    if ranks.is_parallel(identity):
+        summary.update(rank=ranks.save_rank(os.environ), world=ranks.world(identity))
     steps: dict[str, float] = {}
     if not _has_flag(args, KV_FLAG):
         probe = run_child("probe", args, work, store_uri, identity_raw, python=python, timeout=timeout)
