@@ -22,11 +22,11 @@ pytestmark = [
 
 def _save_as(rank: int, ident: Any, extra: list[str], tmp: Path) -> tuple[dict, Path]:
     from ember.engines.vllm.job import save_job
-    from ember.engines.vllm.ranks import RANK_ENV
+    from ember.engines.vllm.ranks import OPT_IN_ENV, RANK_ENV
 
     store = tmp / f"store-rank{rank}"
     saved = dict(os.environ)
-    os.environ.update({RANK_ENV: str(rank), "VLLM_CACHE_ROOT": str(tmp / f"cache-rank{rank}"),
+    os.environ.update({RANK_ENV: str(rank), OPT_IN_ENV: "1", "VLLM_CACHE_ROOT": str(tmp / f"cache-{rank}"),
                        "VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1"})
     try:
         summary = save_job(ident.model_dump_json(), store.as_uri(), extra, work=tmp / f"job-rank{rank}",

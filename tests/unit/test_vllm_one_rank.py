@@ -42,13 +42,24 @@ def test_the_rank_to_play_comes_from_the_environment() -> None:
         ranks.save_rank({ranks.RANK_ENV: "one"})
 
 
+OPTED_IN = {ranks.OPT_IN_ENV: "1"}
+
+
 def test_shapes_no_rank_can_play_are_refused_with_the_reason() -> None:
-    assert ranks.refusals(_shape(tensor=2), 1) == []
-    assert ranks.refusals(_shape(tensor=2, expert=4, data=2), 3) == []
-    assert ranks.refusals(_shape(tensor=1, expert=4, data=4), 0) == []
-    assert "expert 2 must be tensor x data = 4" in ranks.refusals(_shape(tensor=2, expert=2, data=2), 0)[0]
-    assert "is not a rank of a world of 2" in ranks.refusals(_shape(tensor=2), 2)[0]
-    assert "data parallel without expert parallel" in ranks.refusals(_shape(data=2), 0)[0]
+    assert ranks.refusals(_shape(tensor=2), 1, OPTED_IN) == []
+    assert ranks.refusals(_shape(tensor=2, expert=4, data=2), 3, OPTED_IN) == []
+    assert ranks.refusals(_shape(tensor=1, expert=4, data=4), 0, OPTED_IN) == []
+    bad = ranks.refusals(_shape(tensor=2, expert=2, data=2), 0, OPTED_IN)
+    assert "expert 2 must be tensor x data = 4" in bad[0]
+    assert "is not a rank of a world of 2" in ranks.refusals(_shape(tensor=2), 2, OPTED_IN)[0]
+    assert "data parallel without expert parallel" in ranks.refusals(_shape(data=2), 0, OPTED_IN)[0]
+
+
+def test_a_parallel_save_waits_for_its_opt_in_while_no_pod_can_load_it() -> None:
+    """Every pod refuses a parallel vLLM archive until LOAD on N ranks exists: without the opt-in
+    the Job refuses (the GraphArchive fails and the pods capture natively, as before)."""
+    assert ranks.OPT_IN_ENV in ranks.refusals(_shape(tensor=2), 0, {})[0]
+    assert ranks.refusals(IDENTITY, 0, {}) == []  # one GPU needs none
 
 
 def test_one_gpu_gets_no_pin_and_its_arguments_are_unchanged() -> None:
@@ -60,17 +71,20 @@ def test_one_gpu_gets_no_pin_and_its_arguments_are_unchanged() -> None:
     assert ranks.parallel_env(IDENTITY) == {}
 
 
-def test_a_parallel_shape_pins_what_the_stub_cannot_stand_in_for() -> None:
+def test_a_parallel_shapes_save_pins_what_the_stub_cannot_stand_in_for() -> None:
     tp2 = _shape(tensor=2)
-    a = vargs.engine_args(tp2)
+    pods = vargs.engine_args(tp2)  # the pods' (and the identity's): vLLM's own features, unpinned
+    assert "--disable-custom-all-reduce" not in pods and "pass_config" not in pods[pods.index(
+        "--compilation-config") + 1]
+    a = vargs.engine_args(tp2, rank_pins=True)
     assert "--disable-custom-all-reduce" in a and "--all2all-backend" not in a
     cc = json.loads(a[a.index("--compilation-config") + 1])
     assert cc["pass_config"] == {"fuse_allreduce_rms": False, "fuse_gemm_comms": False, "enable_sp": False}
-    moe = vargs.engine_args(_shape(tensor=2, expert=4, data=2))
+    moe = vargs.engine_args(_shape(tensor=2, expert=4, data=2), rank_pins=True)
     assert moe[moe.index("--all2all-backend") + 1] == "allgather_reducescatter"
     given = IDENTITY.model_copy(update={"compile": {"pass_config": '{"eliminate_noops": false}'},
                                         "parallelism": Parallelism(tensor=2)})
-    assert vargs.compilation_config(given)["pass_config"] == {
+    assert vargs.compilation_config(given, rank_pins=True)["pass_config"] == {
         "eliminate_noops": False, "fuse_allreduce_rms": False, "fuse_gemm_comms": False, "enable_sp": False}
     assert ranks.save_args(tp2) == ["--distributed-executor-backend", "external_launcher"]
     env = ranks.save_env(_shape(tensor=2, expert=4, data=2), 3, "/lib/libember_nccl.so")
@@ -155,6 +169,7 @@ def test_the_job_plays_the_rank_it_is_given(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setattr("ember.runtime.comm.stub_path", lambda: Path("/lib/libember_nccl.so"))
     monkeypatch.setenv("FAKE_DIR", str(tmp_path))
     monkeypatch.setenv(ranks.RANK_ENV, "1")
+    monkeypatch.setenv(ranks.OPT_IN_ENV, "1")
     tp2 = _shape(tensor=2)
     out = job.save_job(tp2.model_dump_json(), "file:///s", [], work=tmp_path / "w", python=str(script))
     assert out["identity"] == tp2.hash() and out["graphs"] == 7 and (out["rank"], out["world"]) == (1, 2)

@@ -40,25 +40,27 @@ def _value(text: str) -> Any:
         return text
 
 
-def compilation_config(identity: ArchiveIdentity) -> dict[str, Any]:
+def compilation_config(identity: ArchiveIdentity, *, rank_pins: bool = False) -> dict[str, Any]:
     cfg: dict[str, Any] = {k: _value(v) for k, v in identity.compile.items()}
     cfg["cudagraph_mode"] = GRAPH_MODES.get(identity.graph_mode, identity.graph_mode.upper())
     cfg["cudagraph_capture_sizes"] = list(identity.capture_sizes)
-    p = identity.parallelism
-    if p.tensor * p.data * p.expert > 1:
+    if rank_pins:
         # Passes that keep per-rank peer state in the graph (config/compilation.py PassConfig):
         # fuse_allreduce_rms is FlashInfer's all-reduce fusion (an IPC workspace mapped from the
         # peers); fuse_gemm_comms is async TP (torch symmetric memory). Neither is an NCCL call
         # the stub can hold a place for. enable_sp (on for dense TP at -O2, config/vllm.py:258)
         # keeps only capture sizes that are multiples of TP (compilation.py:1507), which the key
-        # mirror (keys.py) does not model. Pinned for parallel shapes only: one GPU is unchanged.
+        # mirror (keys.py) does not model.
         given = cfg.get("pass_config")
         cfg["pass_config"] = {**(given if isinstance(given, dict) else {}), **PARALLEL_PASSES}
     return cfg
 
 
-def engine_args(identity: ArchiveIdentity) -> list[str]:
-    """`vllm serve` / EngineArgs command-line arguments that make vLLM capture `identity`'s graphs."""
+def engine_args(identity: ArchiveIdentity, *, rank_pins: bool = False) -> list[str]:
+    """`vllm serve` / EngineArgs command-line arguments that make vLLM capture `identity`'s graphs.
+    `rank_pins` (a parallel shape's one-GPU SAVE only, `ember.engines.vllm.ranks`): vLLM features
+    that keep per-rank peer state in graphs turned off. Pods never get them while LOAD refuses
+    parallel shapes: they would only slow the natively captured ranks (no custom all-reduce)."""
     p = identity.parallelism
     args = [
         "--model", identity.model,
@@ -66,18 +68,20 @@ def engine_args(identity: ArchiveIdentity) -> list[str]:
         "--dtype", identity.dtype,
         "--max-num-seqs", str(identity.max_batch),
         "--max-num-batched-tokens", str(identity.max_num_tokens),
-        "--compilation-config", json.dumps(compilation_config(identity), sort_keys=True),
+        "--compilation-config", json.dumps(compilation_config(identity, rank_pins=rank_pins), sort_keys=True),
     ]
     if p.tensor > 1:
         args += ["--tensor-parallel-size", str(p.tensor)]
     if p.data > 1:
         args += ["--data-parallel-size", str(p.data)]
     if p.expert > 1:
+        args += ["--enable-expert-parallel"]
+    if rank_pins and p.expert > 1:
         # vLLM's default all2all (parallel.py all2all_backend) pinned: AgRsAll2AllManager is an
         # all-gather and a reduce-scatter through the device communicator (NCCL), which the stub
         # records; DeepEP/NIXL/FlashInfer backends own peer buffers it cannot stand in for
-        args += ["--enable-expert-parallel", "--all2all-backend", "allgather_reducescatter"]
-    if p.tensor * p.data * p.expert > 1:
+        args += ["--all2all-backend", "allgather_reducescatter"]
+    if rank_pins:
         # custom all-reduce registers CUDA IPC buffers of the peers' graphs after capture
         # (custom_all_reduce.py register_graph_buffers): per-rank state no archive holds
         args += ["--disable-custom-all-reduce"]

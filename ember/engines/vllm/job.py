@@ -124,7 +124,8 @@ def save_job(identity_raw: str, store_uri: str, extra_args: list[str], *, work: 
             raise JobFailed(f"vLLM SAVE of {identity.parallelism}: " + "; ".join(why))
     work = work or Path(tempfile.mkdtemp(prefix="ember-vllm-job-"))
     work.mkdir(parents=True, exist_ok=True)
-    args = [*engine_args(identity), *ranks.save_args(identity), *extra_args]
+    pins = ranks.is_parallel(identity)
+    args = [*engine_args(identity, rank_pins=pins), *ranks.save_args(identity), *extra_args]
     summary: dict[str, Any] = {"engine": "vllm", "args": args}
     if ranks.is_parallel(identity):
         summary.update(rank=ranks.save_rank(os.environ), world=ranks.world(identity))

@@ -22,6 +22,9 @@ from typing import Any
 from ember.identity import ArchiveIdentity
 
 RANK_ENV = "EMBER_VLLM_SAVE_RANK"  # the global rank the SAVE Job plays (default 0)
+# Until LOAD restores vLLM on N ranks, every pod refuses a parallel archive: the Job SAVEs one only
+# when asked (experiments, `ember bench`), so a deployment's GraphArchive fails as before.
+OPT_IN_ENV = "EMBER_VLLM_PARALLEL_SAVE"
 WORLD_ENV = "EMBER_VLLM_SAVE_WORLD"  # set by the Job in its child: one process plays a rank of N
 
 
@@ -50,10 +53,13 @@ def save_rank(env: Mapping[str, str]) -> int:
         raise ValueError(f"{RANK_ENV}={text!r} is not a rank") from None
 
 
-def refusals(identity: ArchiveIdentity, rank: int) -> list[str]:
+def refusals(identity: ArchiveIdentity, rank: int, env: Mapping[str, str] = os.environ) -> list[str]:
     """Why this Job cannot SAVE `identity` as `rank` ([] when it can)."""
     p, n = identity.parallelism, world(identity)
     out = []
+    if is_parallel(identity) and env.get(OPT_IN_ENV, "").strip() != "1":
+        out.append(f"a vLLM archive of a multi-GPU shape is refused by every pod until LOAD restores vLLM "
+                   f"on N ranks; {OPT_IN_ENV}=1 SAVEs one anyway (experiments)")
     if p.expert > 1 and p.expert != n:
         out.append(f"expert {p.expert} must be tensor x data = {n} (vLLM's expert-parallel size)")
     if p.data > 1 and p.expert == 1:
