@@ -48,11 +48,14 @@ def test_a_job_that_cannot_run_says_why_in_the_termination_log(tmp_path: Path, e
 
 
 def test_the_identity_engine_picks_the_save(tmp_path: Path) -> None:
-    """A vLLM identity reaches vLLM's job (which refuses a multi-GPU shape before starting any
-    engine); a decode identity refuses engine arguments, which only vLLM takes."""
+    """A vLLM identity reaches vLLM's job (which refuses a rank outside the identity's world
+    before starting any engine); a decode identity refuses engine arguments, which only vLLM takes."""
     store = {"EMBER_STORE": (tmp_path / "store").as_uri()}
-    code, log = _job(tmp_path, {"EMBER_IDENTITY": _identity("vllm", tensor=2), **store})
-    assert code == 1 and "vLLM SAVE of a multi-GPU shape (tensor 2, expert 1, data 1)" in log, log
+    env = {"EMBER_IDENTITY": _identity("vllm", tensor=2), "EMBER_VLLM_SAVE_RANK": "2", **store}
+    code, log = _job(tmp_path, env)  # no opt-in: refused, as every pod would refuse the archive
+    assert code == 1 and "EMBER_VLLM_PARALLEL_SAVE=1" in log, log
+    code, log = _job(tmp_path, {**env, "EMBER_VLLM_PARALLEL_SAVE": "1"})
+    assert code == 1 and "EMBER_VLLM_SAVE_RANK=2 is not a rank of a world of 2" in log, log
     code, log = _job(tmp_path, {"EMBER_IDENTITY": _identity("ember-decode"), **store}, "--enforce-eager")
     assert code == 1 and "ember-decode takes no engine arguments" in log, log
 

@@ -96,7 +96,7 @@ def test_identity_becomes_vllm_arguments() -> None:
 def _resolved(**change: object) -> dict:
     base = {"model": "/models/llama", "revision": "main", "dtype": "bfloat16", "engine_version": "0.26.0",
             "capture_sizes": [8, 4, 2, 1], "cudagraph_mode": "FULL_AND_PIECEWISE", "max_num_seqs": 8,
-            "max_num_batched_tokens": 2048}
+            "max_num_batched_tokens": 2048, "parallelism": {"tensor": 1, "expert": 1, "data": 1}}
     return {**base, **change}
 
 
@@ -104,7 +104,7 @@ def test_a_vllm_that_is_not_the_identity_is_named() -> None:
     assert vargs.mismatches(IDENTITY, _resolved()) == []  # "0.26" pins 0.26.x; size order is free
     for field, value in [("capture_sizes", [1, 2, 4]), ("cudagraph_mode", "PIECEWISE"), ("max_num_seqs", 16),
                          ("dtype", "float16"), ("engine_version", "0.27.0"), ("model", "/models/other"),
-                         ("max_num_batched_tokens", 8192)]:
+                         ("max_num_batched_tokens", 8192), ("parallelism", vargs.parallelism(2, 1, False))]:
         problems = vargs.mismatches(IDENTITY, _resolved(**{field: value}))
         assert len(problems) == 1 and problems[0].startswith(field), (field, problems)
     assert vargs.mismatches(IDENTITY, _resolved(engine_version="0.260.1"))  # a prefix is not a pin
@@ -148,11 +148,14 @@ def test_the_job_fails_with_the_reason(standin, tmp_path: Path, fake: dict, reas
         save_job(IDENTITY.model_dump_json(), "file:///s", [], work=tmp_path / "w", python=standin.python)
 
 
-def test_a_multi_gpu_shape_is_refused_before_any_engine_starts(standin, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_shape_no_rank_can_play_is_refused_before_any_engine_starts(  # type: ignore[no-untyped-def]
+    standin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EMBER_VLLM_PARALLEL_SAVE", "1")
     standin(probe_bytes=10)
-    tp2 = IDENTITY.model_copy(update={"parallelism": Parallelism(tensor=2)})
-    with pytest.raises(JobFailed, match=r"multi-GPU shape .*tensor 2"):
-        save_job(tp2.model_dump_json(), "file:///s", [], work=tmp_path / "w", python=standin.python)
+    bad = IDENTITY.model_copy(update={"parallelism": Parallelism(tensor=2, expert=3)})
+    with pytest.raises(JobFailed, match=r"expert 3 must be tensor x data = 2"):
+        save_job(bad.model_dump_json(), "file:///s", [], work=tmp_path / "w", python=standin.python)
     assert standin.calls() == []
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ember import contract, settings
 from ember.engines.vllm import compile_cache
 from ember.engines.vllm import graphs as sites
-from ember.engines.vllm.args import mismatches
+from ember.engines.vllm.args import mismatches, parallelism
 from ember.engines.vllm.keys import GraphConfig, GraphKey, enumerate_descs, enumerate_keys
 from ember.engines.vllm.versions import check_engine, engine_version, unsupported_features
 from ember.identity import ArchiveIdentity, config_digest
@@ -156,6 +156,7 @@ class VllmAdapter:
     def resolved(self) -> dict[str, Any]:
         """What `ember.engines.vllm.args.mismatches` compares with an identity."""
         cfg, mc = self.graph_config(), self.vllm_config.model_config
+        pc = self.vllm_config.parallel_config
         return {
             "model": str(mc.model),
             "revision": str(getattr(mc, "revision", None) or "main"),
@@ -165,6 +166,8 @@ class VllmAdapter:
             "cudagraph_mode": cfg.cudagraph_mode,
             "max_num_seqs": cfg.max_num_seqs,
             "max_num_batched_tokens": int(self.vllm_config.scheduler_config.max_num_batched_tokens),
+            "parallelism": parallelism(int(pc.tensor_parallel_size), int(pc.data_parallel_size),
+                                       bool(getattr(pc, "enable_expert_parallel", False))),
         }
 
     def own_identity(self) -> ArchiveIdentity:

@@ -29,6 +29,9 @@ GRAPH_MODES = {
 }
 
 
+PARALLEL_PASSES = {"fuse_allreduce_rms": False, "fuse_gemm_comms": False, "enable_sp": False}
+
+
 def _value(text: str) -> Any:
     """A compile setting as vLLM's config wants it: JSON when it parses ("3" → 3), else the text."""
     try:
@@ -37,15 +40,27 @@ def _value(text: str) -> Any:
         return text
 
 
-def compilation_config(identity: ArchiveIdentity) -> dict[str, Any]:
+def compilation_config(identity: ArchiveIdentity, *, rank_pins: bool = False) -> dict[str, Any]:
     cfg: dict[str, Any] = {k: _value(v) for k, v in identity.compile.items()}
     cfg["cudagraph_mode"] = GRAPH_MODES.get(identity.graph_mode, identity.graph_mode.upper())
     cfg["cudagraph_capture_sizes"] = list(identity.capture_sizes)
+    if rank_pins:
+        # Passes that keep per-rank peer state in the graph (config/compilation.py PassConfig):
+        # fuse_allreduce_rms is FlashInfer's all-reduce fusion (an IPC workspace mapped from the
+        # peers); fuse_gemm_comms is async TP (torch symmetric memory). Neither is an NCCL call
+        # the stub can hold a place for. enable_sp (on for dense TP at -O2, config/vllm.py:258)
+        # keeps only capture sizes that are multiples of TP (compilation.py:1507), which the key
+        # mirror (keys.py) does not model.
+        given = cfg.get("pass_config")
+        cfg["pass_config"] = {**(given if isinstance(given, dict) else {}), **PARALLEL_PASSES}
     return cfg
 
 
-def engine_args(identity: ArchiveIdentity) -> list[str]:
-    """`vllm serve` / EngineArgs command-line arguments that make vLLM capture `identity`'s graphs."""
+def engine_args(identity: ArchiveIdentity, *, rank_pins: bool = False) -> list[str]:
+    """`vllm serve` / EngineArgs command-line arguments that make vLLM capture `identity`'s graphs.
+    `rank_pins` (a parallel shape's one-GPU SAVE only, `ember.engines.vllm.ranks`): vLLM features
+    that keep per-rank peer state in graphs turned off. Pods never get them while LOAD refuses
+    parallel shapes: they would only slow the natively captured ranks (no custom all-reduce)."""
     p = identity.parallelism
     args = [
         "--model", identity.model,
@@ -53,7 +68,7 @@ def engine_args(identity: ArchiveIdentity) -> list[str]:
         "--dtype", identity.dtype,
         "--max-num-seqs", str(identity.max_batch),
         "--max-num-batched-tokens", str(identity.max_num_tokens),
-        "--compilation-config", json.dumps(compilation_config(identity), sort_keys=True),
+        "--compilation-config", json.dumps(compilation_config(identity, rank_pins=rank_pins), sort_keys=True),
     ]
     if p.tensor > 1:
         args += ["--tensor-parallel-size", str(p.tensor)]
@@ -61,12 +76,22 @@ def engine_args(identity: ArchiveIdentity) -> list[str]:
         args += ["--data-parallel-size", str(p.data)]
     if p.expert > 1:
         args += ["--enable-expert-parallel"]
+    if rank_pins and p.expert > 1:
+        # vLLM's default all2all (parallel.py all2all_backend) pinned: AgRsAll2AllManager is an
+        # all-gather and a reduce-scatter through the device communicator (NCCL), which the stub
+        # records; DeepEP/NIXL/FlashInfer backends own peer buffers it cannot stand in for
+        args += ["--all2all-backend", "allgather_reducescatter"]
+    if rank_pins:
+        # custom all-reduce registers CUDA IPC buffers of the peers' graphs after capture
+        # (custom_all_reduce.py register_graph_buffers): per-rank state no archive holds
+        args += ["--disable-custom-all-reduce"]
     return args
 
 
 def mismatches(identity: ArchiveIdentity, resolved: dict[str, Any]) -> list[str]:
     """Where the engine's resolved config (`resolved`: model, revision, dtype, engine_version,
-    capture_sizes, cudagraph_mode, max_num_seqs, max_num_batched_tokens) is not `identity`."""
+    capture_sizes, cudagraph_mode, max_num_seqs, max_num_batched_tokens, parallelism) is not
+    `identity`."""
     want: dict[str, Any] = {
         "model": identity.model,
         "revision": identity.revision,
@@ -76,6 +101,7 @@ def mismatches(identity: ArchiveIdentity, resolved: dict[str, Any]) -> list[str]
         "cudagraph_mode": GRAPH_MODES.get(identity.graph_mode, identity.graph_mode.upper()),
         "max_num_seqs": identity.max_batch,
         "max_num_batched_tokens": identity.max_num_tokens,
+        "parallelism": identity.parallelism.model_dump(),
     }
     out = []
     if identity.engine != "vllm":
@@ -91,18 +117,31 @@ def mismatches(identity: ArchiveIdentity, resolved: dict[str, Any]) -> list[str]
     return out
 
 
+def parallelism(tensor: int, data: int, expert_parallel: bool) -> dict[str, int]:
+    """A vLLM parallel config as an identity's `parallelism` (EP spans the tensor x data ranks)."""
+    return {"tensor": tensor, "expert": tensor * data if expert_parallel else 1, "data": data}
+
+
 # ember's per-process variables: a vLLM process never inherits them from whoever started it
 PROCESS_VARS = ("LD_PRELOAD", "EMBER_MODE", "EMBER_ARM", "EMBER_VLLM_ARCHIVE", "EMBER_VLLM_STORE",
                 "EMBER_VLLM_PROBE", "EMBER_VLLM_CACHES_PLACED")
 
 
-def process_env(mode: str, env: Mapping[str, str]) -> dict[str, str]:
+def process_env(mode: str, env: Mapping[str, str], *, comm_stub: bool = False) -> dict[str, str]:
     """The environment of a vLLM process: under libember in `mode` ("save" or "load"; anything
-    else: vLLM as it is), with FlashInfer's sampler off (FlashInfer is not in the image)."""
+    else: vLLM as it is), with FlashInfer's sampler off (FlashInfer is not in the image).
+    `comm_stub`: libember_nccl answers NCCL (one process playing a rank of N), in any mode."""
     out = {k: v for k, v in env.items() if k not in PROCESS_VARS}
     if mode in ("save", "load"):
         from ember.runtime.session import preload_env
 
-        out = preload_env(mode, out)
+        out = preload_env(mode, out, comm_stub=comm_stub)
+    elif comm_stub:
+        from ember.runtime.comm import stub_path
+
+        stub = stub_path()
+        if stub is None:
+            raise FileNotFoundError("libember_nccl.so not found: build libember (pip install -e .)")
+        out["LD_PRELOAD"] = str(stub)
     out.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     return out

@@ -15,9 +15,11 @@ in two child processes, each a vLLM engine with its core in-process
    config is not that identity, so the archive a deployment names holds the graphs its pods ask for.
 
 vLLM runs with `ember.engines.vllm.args.engine_args(identity)` and then the deployment's own
-`engine.args` (the pods get the same list through the claim). A multi-GPU shape is refused with
-its reason (vLLM's tensor/data-parallel SAVE on one GPU is not built): the GraphArchive fails and
-the deployment's pods capture natively, as with any failed SAVE.
+`engine.args` (the pods get the same list through the claim). A multi-GPU shape (tensor x data
+ranks) is saved on the same ONE GPU: both children play rank `EMBER_VLLM_SAVE_RANK` (default 0)
+of the world under libember_nccl (`ember.engines.vllm.ranks`) and the Job reads that rank's report
+file. A shape it cannot play is refused with its reason: the GraphArchive fails and the pods
+capture natively, as with any failed SAVE.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from ember import contract
+from ember.engines.vllm import ranks
+from ember.engines.vllm import report as reports
 from ember.engines.vllm.args import engine_args, process_env
 from ember.identity import ArchiveIdentity
 
@@ -47,7 +51,13 @@ def _has_flag(args: list[str], flag: str) -> bool:
 
 
 def _child_env(mode: str, report: Path, store_uri: str, identity_raw: str) -> dict[str, str]:
-    env = process_env(mode, os.environ)
+    identity = ArchiveIdentity.model_validate_json(identity_raw)
+    parallel = ranks.is_parallel(identity)
+    env = process_env(mode, os.environ, comm_stub=parallel)
+    if parallel:
+        from ember.runtime.comm import stub_path
+
+        env.update(ranks.save_env(identity, ranks.save_rank(os.environ), str(stub_path())))
     # SAVE publishes under the identity it is given, whatever the Job's own environment holds
     save = {"EMBER_VLLM_STORE": store_uri, contract.ENV_IDENTITY: identity_raw}
     env.update(save if mode == "save" else {"EMBER_VLLM_PROBE": "1"})
@@ -60,7 +70,7 @@ def run_child(mode: str, args: list[str], work: Path, store_uri: str, identity_r
               python: str, timeout: float) -> dict[str, Any]:
     """One vLLM engine start (`python -m ember.engines.vllm.job <args>`); the plugin's report."""
     report, logf = work / f"{mode}.report.json", work / f"{mode}.log"
-    report.unlink(missing_ok=True)
+    reports.clear(report)
     t = time.perf_counter()
     with open(logf, "w") as log:
         try:
@@ -70,11 +80,23 @@ def run_child(mode: str, args: list[str], work: Path, store_uri: str, identity_r
             rc: int | str = proc.returncode
         except subprocess.TimeoutExpired:
             rc = f"timed out after {timeout:.0f} s"
-    out: dict[str, Any] = json.loads(report.read_text()) if report.is_file() else {}
+    out = rank_report(report, ranks.save_rank(os.environ))
     out.update(rc=rc, seconds=round(time.perf_counter() - t, 2))
     if rc != 0:
         out["log_tail"] = logf.read_text(errors="replace")[-3000:]
     return out
+
+
+def rank_report(path: Path, rank: int) -> dict[str, Any]:
+    """The child's report as `rank` saw it: the file the process wrote before torch.distributed
+    was up, then that rank's own file (`vllm-report.rank<r>.json`) over it, never another rank's."""
+    merged = reports.read(path)
+    mine = (merged.pop("ranks", None) or {}).get(str(rank)) or {}
+    stages = {**(merged.get("stages") or {}), **(mine.get("stages") or {})}
+    merged.update({k: v for k, v in mine.items() if k != "stages"})
+    if stages:
+        merged["stages"] = stages
+    return merged
 
 
 def _stage(report: dict[str, Any], name: str) -> dict[str, Any]:
@@ -93,14 +115,20 @@ def save_job(identity_raw: str, store_uri: str, extra_args: list[str], *, work: 
              python: str = sys.executable, timeout: float = 3600.0) -> dict[str, Any]:
     """Size, then SAVE; the summary the Job reports. JobFailed with the reason otherwise."""
     identity = ArchiveIdentity.model_validate_json(identity_raw)
-    p = identity.parallelism
-    if p.tensor * p.data * p.expert > 1:
-        raise JobFailed(f"vLLM SAVE of a multi-GPU shape (tensor {p.tensor}, expert {p.expert}, "
-                        f"data {p.data}) is not supported yet: the pods capture natively")
+    if ranks.is_parallel(identity):
+        try:
+            why = ranks.refusals(identity, ranks.save_rank(os.environ))
+        except ValueError as exc:
+            why = [str(exc)]
+        if why:
+            raise JobFailed(f"vLLM SAVE of {identity.parallelism}: " + "; ".join(why))
     work = work or Path(tempfile.mkdtemp(prefix="ember-vllm-job-"))
     work.mkdir(parents=True, exist_ok=True)
-    args = [*engine_args(identity), *extra_args]
+    pins = ranks.is_parallel(identity)
+    args = [*engine_args(identity, rank_pins=pins), *ranks.save_args(identity), *extra_args]
     summary: dict[str, Any] = {"engine": "vllm", "args": args}
+    if ranks.is_parallel(identity):
+        summary.update(rank=ranks.save_rank(os.environ), world=ranks.world(identity))
     steps: dict[str, float] = {}
     if not _has_flag(args, KV_FLAG):
         probe = run_child("probe", args, work, store_uri, identity_raw, python=python, timeout=timeout)
@@ -135,4 +163,5 @@ def llm_from_cli(args: list[str]) -> Any:
 
 
 if __name__ == "__main__":  # one step of the Job: the plugin does the work while the engine starts
+    ranks.enter()  # a parallel shape: this process becomes one rank of the world first
     llm_from_cli(json.loads(sys.argv[1]))

@@ -17,7 +17,10 @@ runner-class patches). Each is a reason to add a version here only after reading
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+from ember.engines.vllm.ranks import WORLD_ENV
 
 SUPPORTED_MINOR = ("0.26",)
 
@@ -157,7 +160,11 @@ def unsupported_features(vllm_config: Any) -> list[str]:
         out.append("LoRA (graphs per active-LoRA count)")
     if getattr(vllm_config, "speculative_config", None) is not None:
         out.append("speculative decoding (drafter graphs)")
+    # the SAVE Job playing one rank of the world (ember.engines.vllm.ranks); LOAD still refuses
+    one_rank_save = bool(os.environ.get(WORLD_ENV)) and os.environ.get("EMBER_MODE") == "save"
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        if one_rank_save and name != "pipeline_parallel_size":
+            continue
         if int(getattr(pc, name, 1) or 1) != 1:
             out.append(f"{name}={getattr(pc, name)} (rank-specific state: custom all-reduce, NCCL)")
     if getattr(pc, "use_ubatching", False) or getattr(pc, "enable_dbo", False):

@@ -1,0 +1,150 @@
+"""The vLLM SAVE Job as rank r of a world of N, in ONE process on ONE GPU.
+
+A parallel identity (tensor x data ranks, expert = tensor x data or 1) is saved once on one GPU:
+the Job's child runs vLLM with `--distributed-executor-backend external_launcher` (vLLM 0.26
+`v1/executor/uniproc_executor.py` ExecutorWithExternalLauncher: one in-process worker whose rank
+is `RANK`; `config/parallel.py` __post_init__: world_size *= data_parallel_size and
+data_parallel_rank = RANK // (world_size // data_parallel_size), so DP is outermost, as `place`).
+Before vLLM starts, `enter()` initializes torch.distributed itself (vLLM's
+`init_distributed_environment` skips `init_process_group` when it is initialized) with torch's
+in-process "fake" backend for the world and every gloo group, so no peer is ever waited for; the
+GPU collectives go through vLLM's pynccl, which loads libember_nccl (`VLLM_NCCL_SO_PATH`) and
+captures placeholders that LOAD splices with the rank's real communicator (ember.runtime.comm).
+Opt-in: only the SAVE Job sets `WORLD_ENV`; LOAD and serving still refuse parallel shapes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ember.identity import ArchiveIdentity
+
+RANK_ENV = "EMBER_VLLM_SAVE_RANK"  # the global rank the SAVE Job plays (default 0)
+# Until LOAD restores vLLM on N ranks, every pod refuses a parallel archive: the Job SAVEs one only
+# when asked (experiments, `ember bench`), so a deployment's GraphArchive fails as before.
+OPT_IN_ENV = "EMBER_VLLM_PARALLEL_SAVE"
+WORLD_ENV = "EMBER_VLLM_SAVE_WORLD"  # set by the Job in its child: one process plays a rank of N
+
+
+def world(identity: ArchiveIdentity) -> int:
+    p = identity.parallelism
+    return p.tensor * p.data
+
+
+def is_parallel(identity: ArchiveIdentity) -> bool:
+    p = identity.parallelism
+    return p.tensor * p.data * p.expert > 1
+
+
+def place(rank: int, tensor: int, data: int) -> tuple[int, int]:
+    """Global rank → (dp_rank, tp_rank): data parallel outermost, as vLLM numbers its world."""
+    if tensor < 1 or data < 1 or not 0 <= rank < tensor * data:
+        raise ValueError(f"rank {rank} is not in a world of tensor {tensor} x data {data}")
+    return divmod(rank, tensor)
+
+
+def save_rank(env: Mapping[str, str]) -> int:
+    text = env.get(RANK_ENV, "0").strip() or "0"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{RANK_ENV}={text!r} is not a rank") from None
+
+
+def refusals(identity: ArchiveIdentity, rank: int, env: Mapping[str, str] = os.environ) -> list[str]:
+    """Why this Job cannot SAVE `identity` as `rank` ([] when it can)."""
+    p, n = identity.parallelism, world(identity)
+    out = []
+    if is_parallel(identity) and env.get(OPT_IN_ENV, "").strip() != "1":
+        out.append(f"a vLLM archive of a multi-GPU shape is refused by every pod until LOAD restores vLLM "
+                   f"on N ranks; {OPT_IN_ENV}=1 SAVEs one anyway (experiments)")
+    if p.expert > 1 and p.expert != n:
+        out.append(f"expert {p.expert} must be tensor x data = {n} (vLLM's expert-parallel size)")
+    if p.data > 1 and p.expert == 1:
+        out.append("data parallel without expert parallel: vLLM's DP replicas of a dense model are "
+                   "independent engines (save tensor 1, data 1)")
+    if not 0 <= rank < n:
+        out.append(f"{RANK_ENV}={rank} is not a rank of a world of {n}")
+    return out
+
+
+def save_args(identity: ArchiveIdentity) -> list[str]:
+    """Arguments of the SAVE child only (the pods on N GPUs keep vLLM's own executor)."""
+    return ["--distributed-executor-backend", "external_launcher"] if is_parallel(identity) else []
+
+
+def save_env(identity: ArchiveIdentity, rank: int, stub: str) -> dict[str, str]:
+    """The SAVE child's environment as `rank` of the identity's world ({} for one GPU)."""
+    if not is_parallel(identity):
+        return {}
+    return {
+        WORLD_ENV: str(world(identity)), "RANK": str(rank), "LOCAL_RANK": "0",
+        "WORLD_SIZE": str(world(identity)), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29519",
+        "VLLM_NCCL_SO_PATH": stub,  # pynccl dlsyms its own handle: LD_PRELOAD alone would not reach it
+        **parallel_env(identity),
+    }
+
+
+def parallel_env(identity: ArchiveIdentity) -> dict[str, str]:
+    """vLLM settings a parallel archive is captured with (and its pods must run with).
+    VLLM_ALLREDUCE_USE_SYMM_MEM=0 (vLLM's default is 1): torch symmetric-memory all-reduce
+    rendezvouses buffers with the peers (`SymmMemCommunicator`, cuda_communicator.py:97), state
+    the stub cannot stand in for; VLLM_ALLREDUCE_USE_FLASHINFER=0 and VLLM_USE_NCCL_SYMM_MEM=0
+    (defaults, pinned against an inherited setting): FlashInfer's IPC all-reduce workspace and
+    NCCL window registration are peer state too.
+    VLLM_DISTRIBUTED_USE_SPLIT_GROUP=0 (vLLM's default, pinned): split_group creates sub-groups
+    collectively on an eagerly connected parent (parallel_state.py:1467), not through new_group."""
+    if not is_parallel(identity):
+        return {}
+    return {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_ALLREDUCE_USE_FLASHINFER": "0",
+            "VLLM_USE_NCCL_SYMM_MEM": "0", "VLLM_DISTRIBUTED_USE_SPLIT_GROUP": "0"}
+
+
+def enter(env: Mapping[str, str] | None = None) -> bool:  # pragma: no cover - needs torch and vLLM
+    """In the SAVE child, before vLLM: torch.distributed as `RANK` of `WORLD_SIZE` with no peers.
+    False when this process is not a one-rank SAVE."""
+    env = os.environ if env is None else env
+    if not env.get(WORLD_ENV):
+        return False
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    rank, n = int(env["RANK"]), int(env[WORLD_ENV])
+    # An in-process store (as ember's decode SAVE): a torch NCCL group that ever needed a peer's
+    # key (vLLM's collectives go through pynccl, not torch's NCCL groups) fails in 2 min, not 30.
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=n,
+                            timeout=timedelta(minutes=2))
+    real_new_group = dist.new_group
+
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        # vLLM's CPU groups (cpu_group, parallel_state.py:444) coordinate ranks through gloo,
+        # which would connect to peers: in-process fake groups answer instead
+        if kwargs.get("backend") in ("gloo", None):
+            kwargs["backend"] = "fake"
+        return real_new_group(*args, **kwargs)
+
+    dist.new_group = new_group
+    _single_node()
+    return True
+
+
+def _single_node() -> None:  # pragma: no cover - needs vLLM
+    """vLLM asks its CPU groups which ranks share a node (shared memory + object broadcasts a fake
+    group cannot answer) and sets up the TP group's shared-memory broadcaster, used by
+    multiprocess executors only: one node, no broadcaster."""
+    from vllm.distributed import parallel_state as ps
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    ps.in_the_same_node_as = lambda pg, source_rank=0: [True] * _size(pg)
+    ps._node_count = lambda pg: 1
+    shm_broadcast.MessageQueue.create_from_process_group = staticmethod(lambda *a, **k: None)
+
+
+def _size(pg: Any) -> int:  # pragma: no cover - needs torch
+    import torch.distributed as dist
+
+    return int(dist.get_world_size(pg)) if isinstance(pg, dist.ProcessGroup) else int(pg.world_size)

@@ -1,0 +1,65 @@
+"""vLLM 0.26's SAVE Job as rank 0 and as rank 1 of a tensor-parallel world of 2, each on this ONE
+GPU (`ember.engines.vllm.ranks`): a 2-layer random Llama-3-8B-shaped model. Each rank publishes an
+archive with graphs and with its collectives recorded as placeholders of a world of 2, and the two
+archives hold the same graph keys (one SAVE per identity serves every rank). LOAD on two real
+ranks is not built yet: these archives are checked, not restored."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(1800),  # two Jobs, each a probe and a SAVE engine start
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+]
+
+
+def _save_as(rank: int, ident: Any, extra: list[str], tmp: Path) -> tuple[dict, Path]:
+    from ember.engines.vllm.job import save_job
+    from ember.engines.vllm.ranks import OPT_IN_ENV, RANK_ENV
+
+    store = tmp / f"store-rank{rank}"
+    saved = dict(os.environ)
+    os.environ.update({RANK_ENV: str(rank), OPT_IN_ENV: "1", "VLLM_CACHE_ROOT": str(tmp / f"cache-{rank}"),
+                       "VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1"})
+    try:
+        summary = save_job(ident.model_dump_json(), store.as_uri(), extra, work=tmp / f"job-rank{rank}",
+                           timeout=900)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return summary, store
+
+
+def test_each_rank_of_tp2_saves_on_one_gpu_with_the_same_graph_keys(tmp_path: Path) -> None:
+    from ember.archive import bundle
+    from ember.identity import ArchiveIdentity, Parallelism
+    from ember_bench.vllm import write_config
+
+    cfg = write_config("llama-3-8b", 2, tmp_path / "config")
+    ident = ArchiveIdentity(model=str(cfg), engine="vllm", engine_version="0.26",
+                            capture_sizes=(1, 2, 4, 8), graph_mode="full-and-piecewise",
+                            max_num_tokens=2048, max_batch=8, parallelism=Parallelism(tensor=2))
+    extra = ["--load-format", "dummy", "--skip-tokenizer-init", "--gpu-memory-utilization", "0.4",
+             "--max-model-len", "2048", "--seed", "0"]
+    keys, nodes = [], []
+    for rank in (0, 1):
+        summary, store = _save_as(rank, ident, extra, tmp_path)
+        assert summary["published"] is True and summary["identity"] == ident.hash(), summary
+        assert (summary["rank"], summary["world"]) == (rank, 2)
+        assert "--distributed-executor-backend" in summary["args"]
+        archive = bundle.open_archive(store, ident.hash())
+        graphs = archive.manifest.graphs
+        assert graphs.count > 0 and graphs.keys, graphs
+        table = archive.manifest.engine.get("collectives") or {}
+        assert table.get("world") == 2 and table.get("nodes"), table  # all-reduces are placeholders
+        keys.append(sorted(map(tuple, graphs.keys)))
+        nodes.append(graphs.nodes)
+    assert keys[0] == keys[1]
+    assert nodes[0] == nodes[1]  # same shards, same graphs: only the rank differs
