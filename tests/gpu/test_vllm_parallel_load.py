@@ -106,8 +106,8 @@ def test_one_single_gpu_save_restores_every_rank(shape: str, tmp_path: Path) -> 
     model, par = SHAPES[shape]
     cfg = write_config(model, 2, tmp_path / "config")
     ident = ArchiveIdentity(model=str(cfg), engine="vllm", engine_version="0.26",
-                            capture_sizes=(1, 2, 4, 8, 16), graph_mode="full-and-piecewise", max_num_tokens=2048, max_batch=16,
-                            parallelism=Parallelism(**par))
+                            capture_sizes=(1, 2, 4, 8, 16), graph_mode="full-and-piecewise",
+                            max_num_tokens=2048, max_batch=16, parallelism=Parallelism(**par))
     args = [*engine_args(ident), *EXTRA]
     native = _engine(args, _env("native", args, tmp_path / "cache-native", {}), tmp_path / "native.log")
     store = _save(ident, tmp_path)
