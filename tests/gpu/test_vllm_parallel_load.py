@@ -27,19 +27,38 @@ EXTRA = ["--load-format", "dummy", "--skip-tokenizer-init", "--gpu-memory-utiliz
          "--max-model-len", "2048", "--seed", "0"]
 BATCHES = (1, 5, 12)
 
+# vLLM's async engine, as `vllm serve` runs it: data parallel needs it (vLLM's offline `LLM`
+# refuses DP > 1, and its env-driven offline DP puts VLLM_DP_RANK into the compile-cache hash)
 ENGINE = r"""
-import json, random, sys
+import asyncio, json, random, sys
 from vllm import SamplingParams
-from ember.engines.vllm.job import llm_from_cli
-llm = llm_from_cli(json.loads(sys.argv[1]))
-greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
-tokens = {}
-for b in json.loads(sys.argv[2]):
-    rng = random.Random(b)
-    prompts = [{"prompt_token_ids": [rng.randrange(10, 30000) for _ in range(rng.randrange(5, 40))]}
-               for _ in range(b)]
-    tokens[str(b)] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
-print("RESULT " + json.dumps(tokens))
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.v1.engine.async_llm import AsyncLLM
+
+
+async def main():
+    ns, _ = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser()).parse_known_args(json.loads(sys.argv[1]))
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(ns))
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
+
+    async def one(rid, prompt):
+        out = None
+        async for out in llm.generate(prompt, greedy, request_id=rid):
+            pass
+        return list(out.outputs[0].token_ids)
+
+    tokens = {}
+    for b in json.loads(sys.argv[2]):
+        rng = random.Random(b)
+        prompts = [{"prompt_token_ids": [rng.randrange(10, 30000) for _ in range(rng.randrange(5, 40))]}
+                   for _ in range(b)]
+        tokens[str(b)] = await asyncio.gather(*(one(f"{b}-{i}", p) for i, p in enumerate(prompts)))
+    llm.shutdown()
+    print("RESULT " + json.dumps(tokens), flush=True)
+
+
+asyncio.run(main())
 """
 
 

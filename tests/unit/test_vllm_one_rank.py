@@ -194,3 +194,14 @@ def test_the_job_plays_the_rank_it_is_given(tmp_path: Path, monkeypatch: pytest.
         assert "external_launcher" in call["args"] and "--disable-custom-all-reduce" in call["args"]
     assert "--kv-cache-memory-bytes" not in calls[0]["args"]  # the probe sized rank 1's engine
     assert calls[1]["args"][-2:] == ["--kv-cache-memory-bytes", "1000"]
+
+
+def test_the_dp_batch_agreement_of_a_one_rank_save_is_every_rank_asking_the_same() -> None:
+    env = ranks.save_env(_shape(tensor=2, expert=4, data=2), 3, "/stub.so")
+    assert env[ranks.DP_RANK_ENV] == "1"  # global rank 3 of tensor 2 x data 2
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(4, 2, dtype=torch.int32)
+    t[:, 1] = torch.tensor([5, 8, 0, 2], dtype=torch.int32)  # DP rank 1's column (vLLM's _run_ar)
+    ranks.AsIfEveryRank(1, SimpleNamespace(get_rank=lambda: 3)).all_reduce(t, group=None)
+    assert t.tolist() == [[5, 5], [8, 8], [0, 0], [2, 2]]
+    assert ranks.AsIfEveryRank(0, SimpleNamespace(get_rank=lambda: 3)).get_rank() == 3

@@ -78,11 +78,13 @@ def save_env(identity: ArchiveIdentity, rank: int, stub: str) -> dict[str, str]:
         WORLD_ENV: str(world(identity)), "RANK": str(rank), "LOCAL_RANK": "0",
         "WORLD_SIZE": str(world(identity)), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29519",
         STUB_ENV: stub,  # pynccl dlsyms its own handle: LD_PRELOAD alone would not reach it (enter())
+        DP_RANK_ENV: str(place(rank, identity.parallelism.tensor, identity.parallelism.data)[0]),
         **parallel_env(identity),
     }
 
 
 STUB_ENV = "EMBER_VLLM_NCCL_STUB"  # the SAVE child's libember_nccl, for vLLM's pynccl (enter())
+DP_RANK_ENV = "EMBER_VLLM_SAVE_DP_RANK"  # its data-parallel rank (the DP batch agreement, enter())
 # vLLM settings a parallel archive is captured with, and its pods run with (ember serve adds them
 # for a parallel shape's arguments, `pod_env`): see parallel_env.
 PARALLEL_ENV = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_ALLREDUCE_USE_FLASHINFER": "0",
@@ -150,7 +152,35 @@ def enter(env: Mapping[str, str] | None = None) -> bool:  # pragma: no cover - n
     dist.new_group = new_group
     _single_node()
     _stub_for_pynccl(env.get(STUB_ENV, ""))
+    _dp_agreement_as_every_rank(int(env.get(DP_RANK_ENV, "0") or 0))
     return True
+
+
+class AsIfEveryRank:
+    """`torch.distributed` as vLLM's DP batch agreement sees it in a one-rank SAVE
+    (`v1/worker/dp_utils.py` _run_ar, `v1/worker/gpu/dp_utils.py`): each DP rank writes its column
+    of a zero tensor and all-reduces it (token counts, graph mode). No peer answers here, and
+    every DP rank captures the same sizes, so the agreement is "every rank asked what this one
+    asked": this rank's column copied to every column. Anything else is torch.distributed's."""
+
+    def __init__(self, dp_rank: int, real: Any) -> None:
+        self.dp_rank, self.real = dp_rank, real
+
+    def all_reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> None:
+        mine = tensor[..., self.dp_rank].clone()
+        tensor.copy_(mine.unsqueeze(-1).expand_as(tensor))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def _dp_agreement_as_every_rank(dp_rank: int) -> None:  # pragma: no cover - needs vLLM
+    import torch.distributed as dist
+    from vllm.v1.worker import dp_utils
+    from vllm.v1.worker.gpu import dp_utils as v2_dp_utils
+
+    for module in (dp_utils, v2_dp_utils):
+        module.dist = AsIfEveryRank(dp_rank, dist)  # type: ignore[attr-defined]
 
 
 def _stub_for_pynccl(stub: str) -> None:  # pragma: no cover - needs vLLM
