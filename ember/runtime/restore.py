@@ -95,6 +95,13 @@ def release_cached_memory(ip: Interposer | None = None) -> dict[str, float]:
     return ms
 
 
+def _timed(step: Callable[[], Any]) -> float:
+    """Milliseconds `step()` took."""
+    t = time.perf_counter()
+    step()
+    return (time.perf_counter() - t) * 1e3
+
+
 def _splicer(facts: dict[str, Any], communicator: Any) -> Any:
     """This rank's Splicer when the archive holds collective placeholders (refuse without a
     communicator). `communicator`: an `ember.runtime.comm.Communicators`, or (ncclComm_t, world,
@@ -218,9 +225,7 @@ class ArchiveRestore:
             raise Refused(LOAD, f"libember refused the archive: {exc}") from exc
         tm["import_alloc_log_ms"] = (time.perf_counter() - t) * 1e3
         if splice_now and splicer is not None:  # after the import: the collectives' buffers are mapped
-            t = time.perf_counter()
-            splicer.capture()
-            tm["splice_now_ms"] = (time.perf_counter() - t) * 1e3
+            tm["splice_now_ms"] = _timed(splicer.capture)
         self = cls(ip, opened, tm)
         self.accepted = accepted
         self.splicer = splicer
