@@ -147,3 +147,14 @@ def test_restore_refuses_without_communicators_or_with_a_damaged_table() -> None
         restore._splicer(facts, None)
     with pytest.raises(Refused, match="not readable"):
         restore._splicer({"collectives": {"world": 2}}, comm.Communicators(2, 0))
+
+
+def test_vllms_groups_are_named_by_the_stubs_ids() -> None:
+    from types import SimpleNamespace
+
+    from ember.engines.vllm.parallel import stub_groups
+
+    ids = {0x1000: 4, 0x2000: 7}
+    stub = SimpleNamespace(ember_nccl_comm_id=lambda ptr: ids.get(ptr.value, -1))
+    groups = [("tp:0", 0x1000, 2, 1), ("dp:0", 0x2000, 2, 0), ("ep:0", 0, 4, 1), ("pp:0", 0x3000, 2, 0)]
+    assert stub_groups(stub, groups) == {4: TP, 7: DP}  # null and unknown communicators left out

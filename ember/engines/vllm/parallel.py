@@ -60,7 +60,7 @@ def stub_groups(stub: Any, groups: list[tuple[str, int, int, int]] | None = None
     groups = device_groups() if groups is None else groups
     out = {}
     for name, comm, size, _ in groups:
-        cid = stub_comm_id(stub, comm)
+        cid = stub_comm_id(stub, comm) if comm else -1
         if cid >= 0:
             out[cid] = CommGroup(name, size)
     return out
