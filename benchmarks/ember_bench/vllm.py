@@ -156,8 +156,25 @@ def bench_vllm(
     runs: Annotated[str, typer.Option(help="Which runs, in order.")] = ",".join(RUNS),
     gpu_memory_utilization: Annotated[float, typer.Option(help="vLLM's memory fraction.")] = 0.85,
     timeout: Annotated[float, typer.Option(help="Seconds per run.")] = 420.0,
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks (N GPUs: native vs one-GPU SAVE → "
+                                                 "N-rank LOAD).")] = 1,
+    ep: Annotated[int, typer.Option("--ep", help="Expert-parallel ranks: tensor x data (alone: data = N, "
+                                                 "attention data parallel).")] = 1,
+    dp: Annotated[int, typer.Option("--dp", help="Data-parallel ranks (MoE: with --ep).")] = 1,
 ) -> None:
-    """vLLM start-up: native vs SAVE → fresh-process LOAD (report in benchmarks/results)."""
+    """vLLM start-up: native vs SAVE → fresh-process LOAD (report in benchmarks/results); with
+    --tp/--ep/--dp: N-rank native vs one single-GPU SAVE → N-rank LOAD, per-rank figures."""
+    if tp > 1 or dp > 1 or ep > 1:
+        from ember_bench.vllm_parallel import bench_parallel
+
+        if ep > 1 and tp * dp == 1:
+            dp = ep
+        if ep > 1 and ep != tp * dp:
+            raise typer.BadParameter(f"--ep {ep} must be tensor x data = {tp * dp}")
+        bench_parallel(model, layers, tp, ep > 1, dp, work=work, out_dir=out_dir,
+                       batch_sizes=[int(b) for b in batch_sizes.split(",")], max_tokens=max_tokens,
+                       gpu_memory_utilization=gpu_memory_utilization, timeout=timeout)
+        return
     work = work.absolute() / (model + (f"-{layers}l" if layers else ""))
     cfg = write_config(model, layers or None, work / "config")
     store = work / "store"

@@ -59,6 +59,9 @@ def open_restore(
         ip, store_uri, identity_hash, adapter.engine, accept=adapter.accept,
         attached=getattr(adapter, "attached", None),  # engines with attachments only
         communicator=communicator() if communicator is not None else None,
+        # an engine that issues collectives while LOAD's background thread runs has its
+        # collectives captured here, before (vLLM: profile and warm-up runs on the same communicators)
+        splice_now=bool(getattr(adapter, "splice_before_build", False)),
     )
 
 

@@ -95,16 +95,29 @@ def release_cached_memory(ip: Interposer | None = None) -> dict[str, float]:
     return ms
 
 
-def _splicer(facts: dict[str, Any], communicator: tuple[int, int, int] | None) -> Any:
-    """This rank's Splicer when the archive holds collective placeholders (refuse without one)."""
+def _timed(step: Callable[[], Any]) -> float:
+    """Milliseconds `step()` took."""
+    t = time.perf_counter()
+    step()
+    return (time.perf_counter() - t) * 1e3
+
+
+def _splicer(facts: dict[str, Any], communicator: Any) -> Any:
+    """This rank's Splicer when the archive holds collective placeholders (refuse without a
+    communicator). `communicator`: an `ember.runtime.comm.Communicators`, or (ncclComm_t, world,
+    rank) of the world's one communicator."""
     if "collectives" not in facts:
         return None
     from ember.runtime import comm
 
-    table = comm.Collectives.from_facts(facts["collectives"])
+    try:
+        table = comm.Collectives.from_facts(facts["collectives"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise Refused(LOAD, f"archive's collective table is not readable: {type(exc).__name__}: "
+                            f"{exc}") from exc
     if communicator is None:
         raise Refused(LOAD, f"collectives for a world of {table.world} in the archive, no communicator here")
-    return comm.Splicer(table, *communicator)
+    return comm.Splicer(table, comm.Communicators.of(communicator))
 
 
 def _accept(opened: bundle.Archive, accept: Callable[[dict[str, Any]], Any] | None,
@@ -172,7 +185,8 @@ class ArchiveRestore:
         accept: Callable[[dict[str, Any]], Any] | None = None,
         attached: Callable[[bundle.Archive], Any] | None = None,
         background: bool | None = None,
-        communicator: tuple[int, int, int] | None = None,
+        communicator: Any = None,
+        splice_now: bool = False,
     ) -> ArchiveRestore:
         """Everything before the engine builds its model. `engine` is the compat key's engine
         string of this process (`compat.current(engine)`); `accept(manifest.engine)` may refuse
@@ -180,8 +194,10 @@ class ArchiveRestore:
         is kept as `accepted` (e.g. the engine's sizing); `attached(archive)` first puts the
         archive's attachments in place (vLLM's compile cache). `background` (default: unless
         EMBER_LOAD_BACKGROUND=0) builds the templates while the model builds.
-        `communicator`: (ncclComm_t, world, rank) of this rank, for an archive with collective
-        placeholders (created before this call, as the engine does natively)."""
+        `communicator`: this rank's `ember.runtime.comm.Communicators` (or (ncclComm_t, world,
+        rank) of its one communicator), for an archive with collective placeholders (created
+        before this call, as the engine does natively); `splice_now`: its collectives captured
+        in this call rather than on the background thread."""
         if ip is None:
             raise Refused(LOAD, "libember is not preloaded with EMBER_MODE=load")
         tm: dict[str, Any] = {}
@@ -208,6 +224,8 @@ class ArchiveRestore:
         except EmberError as exc:
             raise Refused(LOAD, f"libember refused the archive: {exc}") from exc
         tm["import_alloc_log_ms"] = (time.perf_counter() - t) * 1e3
+        if splice_now and splicer is not None:  # after the import: the collectives' buffers are mapped
+            tm["splice_now_ms"] = _timed(splicer.capture)
         self = cls(ip, opened, tm)
         self.accepted = accepted
         self.splicer = splicer

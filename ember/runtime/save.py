@@ -178,8 +178,11 @@ def collective_table(adapter: EngineAdapter, graph_set: GraphSet) -> comm.Collec
             raise Refused(ENGINE, f"a world of {ranks} ranks is saved under libember_nccl (see ember save)")
         return None
     scratch, calls = comm.stub_calls(stub)
+    # an engine with several communicators names each one's group (`stub_groups`, vLLM)
+    named = getattr(adapter, "stub_groups", None)
     try:
-        table = comm.placeholders(graph_set, scratch, calls, ranks, comm.nccl_version())
+        groups = named(stub) if named is not None else None
+        table = comm.placeholders(graph_set, scratch, calls, ranks, comm.nccl_version(), groups)
     except comm.PlaceholderError as exc:
         raise ProofFailed(f"archive NOT published: {exc}") from None
     if (world.tensor > 1 or world.expert > 1) and table is None:  # data parallel alone has none

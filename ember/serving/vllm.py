@@ -48,6 +48,7 @@ from typing import Any
 from ember import contract, handoff
 from ember.engines.vllm import report as reports
 from ember.engines.vllm.args import SLEEP_MODE_ARG, process_env
+from ember.engines.vllm.ranks import pod_env
 
 log = logging.getLogger("ember.serving.vllm")
 REPORT_FILE = "vllm-report.json"  # the plugin's stage report, in the hand-off's run dir
@@ -72,9 +73,12 @@ def warm_engine_mode(env: dict[str, str] | os._Environ[str]) -> str:
 
 def vllm_env(
     result: handoff.HandoffResult | None, env: dict[str, str], *, sleeping: bool = False,
+    args: list[str] | None = None,
 ) -> dict[str, str]:
     """vLLM's environment: LOAD of the handed-off archive, or a plain native start; `sleeping`:
-    with its development endpoints (/sleep, /wake_up)."""
+    with its development endpoints (/sleep, /wake_up); `args` (vLLM's): a shape of several ranks
+    runs with the settings its archive was saved with (`ranks.pod_env`), restored or not."""
+    env = {**env, **pod_env(args or [])}
     if result is None or result.archive_dir is None:
         env = process_env("native", env)
     else:
@@ -297,11 +301,11 @@ def start(cli_args: list[str], result: handoff.HandoffResult | None, run_dir: Pa
           sleeping: bool) -> VllmProcess:
     """Engine state `loading`, the crash marker when an archive is handed off, then `vllm serve`
     with its environment and arguments; SIGTERM and SIGINT go on to it."""
-    env = vllm_env(result, dict(os.environ), sleeping=sleeping)
+    args = serve_args(cli_args, result, sleeping=sleeping)
+    env = vllm_env(result, dict(os.environ), sleeping=sleeping, args=args)
     report = Path(env["EMBER_VLLM_REPORT"]) if env.get("EMBER_VLLM_REPORT") else None
     if report is not None:  # vLLM's processes add to it: a previous start's must go, rank files too
         reports.clear(report)
-    args = serve_args(cli_args, result, sleeping=sleeping)
     http = VllmHttp(_port(args), _flag(args, "--api-key") or env.get("VLLM_API_KEY", ""))
     _say(result, run_dir, handoff.engine_loading)
     # the crash marker, removed once vLLM is proven (healthy; a warm pod: one token served): a vLLM
@@ -409,7 +413,19 @@ def report_load(vp: VllmProcess) -> None:
 
 
 def _not_restored(report: dict[str, Any], stages: list[dict[str, Any]]) -> str:
-    """Why vLLM did not restore, from the plugin's stages (the front end's and every rank's)."""
+    """Why vLLM did not restore, from the plugin's stages (the front end's and every rank's); on
+    N ranks: which ranks restored, and the first refusing rank's reason."""
+    ranks = report.get("ranks") or {}
+    if ranks:
+        restored = sorted(int(r) for r, one in ranks.items() if reports.ranks_restored(one))
+        world = max([int(one.get("world") or 0) for one in ranks.values()] + [len(ranks)])
+        for r, one in sorted(ranks.items(), key=lambda kv: int(kv[0])):
+            st = one.get("stages") or {}
+            for name in ("refused", "load_refused"):
+                if reason := (st.get(name) or {}).get("reason"):
+                    return f"rank {r}: {reason} (restored on {len(restored)} of {world} ranks)"
+        if len(ranks) < world:
+            return f"vllm-report-missing: {len(ranks)} of {world} ranks reported (restored on {restored})"
     for st in [report.get("stages") or {}, *stages]:
         for name in ("load_refused", "refused"):
             if reason := (st.get(name) or {}).get("reason"):

@@ -328,6 +328,13 @@ EXPORT ncclResult_t ncclRecv(void* recv, size_t count, int dtype, int peer, void
 // ---- control API (ember.runtime.comm reads it with ctypes) ----
 EXPORT unsigned long long ember_nccl_scratch() { return stub_state().scratch; }
 
+// The id (the calls' "comm") of the fake communicator at `c`, -1 when it is not one of the stub's:
+// an engine with several communicators names the group of each (ember.runtime.comm.stub_comm_id).
+EXPORT int ember_nccl_comm_id(void* c) {
+  Comm* comm = comm_of(c);
+  return comm != nullptr ? comm->id : -1;
+}
+
 // Every recorded call, one JSON object per line. Returns the bytes needed; copies when cap allows.
 EXPORT size_t ember_nccl_calls(char* buf, size_t cap) {
   State& s = stub_state();

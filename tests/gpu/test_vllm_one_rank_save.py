@@ -1,8 +1,8 @@
 """vLLM 0.26's SAVE Job as rank 0 and as rank 1 of a tensor-parallel world of 2, each on this ONE
 GPU (`ember.engines.vllm.ranks`): a 2-layer random Llama-3-8B-shaped model. Each rank publishes an
 archive with graphs and with its collectives recorded as placeholders of a world of 2, and the two
-archives hold the same graph keys (one SAVE per identity serves every rank). LOAD on two real
-ranks is not built yet: these archives are checked, not restored."""
+archives hold the same graph keys (one SAVE per identity serves every rank). LOAD of such an
+archive on two real ranks: tests/gpu/test_vllm_parallel_load.py."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ pytestmark = [
 
 def _save_as(rank: int, ident: Any, extra: list[str], tmp: Path) -> tuple[dict, Path]:
     from ember.engines.vllm.job import save_job
-    from ember.engines.vllm.ranks import OPT_IN_ENV, RANK_ENV
+    from ember.engines.vllm.ranks import RANK_ENV
 
     store = tmp / f"store-rank{rank}"
     saved = dict(os.environ)
-    os.environ.update({RANK_ENV: str(rank), OPT_IN_ENV: "1", "VLLM_CACHE_ROOT": str(tmp / f"cache-{rank}"),
+    os.environ.update({RANK_ENV: str(rank), "VLLM_CACHE_ROOT": str(tmp / f"cache-{rank}"),
                        "VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1"})
     try:
         summary = save_job(ident.model_dump_json(), store.as_uri(), extra, work=tmp / f"job-rank{rank}",
@@ -59,6 +59,7 @@ def test_each_rank_of_tp2_saves_on_one_gpu_with_the_same_graph_keys(tmp_path: Pa
         assert graphs.count > 0 and graphs.keys, graphs
         table = archive.manifest.engine.get("collectives") or {}
         assert table.get("world") == 2 and table.get("nodes"), table  # all-reduces are placeholders
+        assert table.get("comms") == [{"name": "tp:0", "nranks": 2}], table  # named by vLLM's group
         keys.append(sorted(map(tuple, graphs.keys)))
         nodes.append(graphs.nodes)
     assert keys[0] == keys[1]

@@ -52,9 +52,7 @@ def test_the_identity_engine_picks_the_save(tmp_path: Path) -> None:
     before starting any engine); a decode identity refuses engine arguments, which only vLLM takes."""
     store = {"EMBER_STORE": (tmp_path / "store").as_uri()}
     env = {"EMBER_IDENTITY": _identity("vllm", tensor=2), "EMBER_VLLM_SAVE_RANK": "2", **store}
-    code, log = _job(tmp_path, env)  # no opt-in: refused, as every pod would refuse the archive
-    assert code == 1 and "EMBER_VLLM_PARALLEL_SAVE=1" in log, log
-    code, log = _job(tmp_path, {**env, "EMBER_VLLM_PARALLEL_SAVE": "1"})
+    code, log = _job(tmp_path, env)
     assert code == 1 and "EMBER_VLLM_SAVE_RANK=2 is not a rank of a world of 2" in log, log
     code, log = _job(tmp_path, {"EMBER_IDENTITY": _identity("ember-decode"), **store}, "--enforce-eager")
     assert code == 1 and "ember-decode takes no engine arguments" in log, log

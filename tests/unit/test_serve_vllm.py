@@ -98,7 +98,8 @@ def test_a_world_whose_ranks_did_not_all_restore_is_a_fallback_with_the_ranks_re
         ready = wait_report(w, "ready", seen)
         assert ready["restored"] is False and set(ready["vllm"]["ranks"]) == {"0", "1"}
         (load,) = [r for r in seen if r["stage"] == "load"]
-        assert load["result"] == "fallback" and load["reason"] == "divergence: fake rank"
+        assert load["result"] == "fallback"
+        assert load["reason"] == "rank 1: divergence: fake rank (restored on 1 of 2 ranks)"
         assert not stale.exists()
     finally:
         proc.send_signal(signal.SIGTERM)

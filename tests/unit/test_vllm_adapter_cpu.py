@@ -136,8 +136,11 @@ def _vllm_config(**over):
 def test_unsupported_features_are_named():
     assert versions.unsupported_features(_vllm_config()) == []
     assert "LoRA" in versions.unsupported_features(_vllm_config(lora=object()))[0]
+    # tensor parallel restores on N ranks, with the SAVE's pins; pipeline parallel does not
     tp = versions.unsupported_features(_vllm_config(parallel={"tensor_parallel_size": 2}))
-    assert tp and "tensor_parallel_size=2" in tp[0]
+    assert tp and "custom all-reduce" in tp[0]
+    pp = versions.unsupported_features(_vllm_config(parallel={"pipeline_parallel_size": 2}))
+    assert pp and "pipeline_parallel_size=2" in pp[0]
     assert "speculative" in versions.unsupported_features(_vllm_config(spec=object()))[0]
 
 

@@ -151,7 +151,6 @@ def test_the_job_fails_with_the_reason(standin, tmp_path: Path, fake: dict, reas
 def test_a_shape_no_rank_can_play_is_refused_before_any_engine_starts(  # type: ignore[no-untyped-def]
     standin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("EMBER_VLLM_PARALLEL_SAVE", "1")
     standin(probe_bytes=10)
     bad = IDENTITY.model_copy(update={"parallelism": Parallelism(tensor=2, expert=3)})
     with pytest.raises(JobFailed, match=r"expert 3 must be tensor x data = 2"):

@@ -42,7 +42,7 @@ def test_the_rank_to_play_comes_from_the_environment() -> None:
         ranks.save_rank({ranks.RANK_ENV: "one"})
 
 
-OPTED_IN = {ranks.OPT_IN_ENV: "1"}
+OPTED_IN: dict[str, str] = {}  # no opt-in any more: every pod LOADs a parallel archive
 
 
 def test_shapes_no_rank_can_play_are_refused_with_the_reason() -> None:
@@ -55,11 +55,9 @@ def test_shapes_no_rank_can_play_are_refused_with_the_reason() -> None:
     assert "data parallel without expert parallel" in ranks.refusals(_shape(data=2), 0, OPTED_IN)[0]
 
 
-def test_a_parallel_save_waits_for_its_opt_in_while_no_pod_can_load_it() -> None:
-    """Every pod refuses a parallel vLLM archive until LOAD on N ranks exists: without the opt-in
-    the Job refuses (the GraphArchive fails and the pods capture natively, as before)."""
-    assert ranks.OPT_IN_ENV in ranks.refusals(_shape(tensor=2), 0, {})[0]
-    assert ranks.refusals(IDENTITY, 0, {}) == []  # one GPU needs none
+def test_a_parallel_save_needs_no_opt_in_now_that_every_rank_loads_it() -> None:
+    assert ranks.refusals(_shape(tensor=2), 0, {}) == []
+    assert ranks.refusals(IDENTITY, 0, {}) == []
 
 
 def test_one_gpu_gets_no_pin_and_its_arguments_are_unchanged() -> None:
@@ -73,9 +71,10 @@ def test_one_gpu_gets_no_pin_and_its_arguments_are_unchanged() -> None:
 
 def test_a_parallel_shapes_save_pins_what_the_stub_cannot_stand_in_for() -> None:
     tp2 = _shape(tensor=2)
-    pods = vargs.engine_args(tp2)  # the pods' (and the identity's): vLLM's own features, unpinned
-    assert "--disable-custom-all-reduce" not in pods and "pass_config" not in pods[pods.index(
-        "--compilation-config") + 1]
+    pods = vargs.engine_args(tp2)  # the pods run as SAVE did: the same pins by default
+    assert pods == vargs.engine_args(tp2, rank_pins=True)
+    unpinned = vargs.engine_args(tp2, rank_pins=False)
+    assert "--disable-custom-all-reduce" not in unpinned
     a = vargs.engine_args(tp2, rank_pins=True)
     assert "--disable-custom-all-reduce" in a and "--all2all-backend" not in a
     cc = json.loads(a[a.index("--compilation-config") + 1])
@@ -90,8 +89,18 @@ def test_a_parallel_shapes_save_pins_what_the_stub_cannot_stand_in_for() -> None
     env = ranks.save_env(_shape(tensor=2, expert=4, data=2), 3, "/lib/libember_nccl.so")
     assert env["RANK"] == "3" and env["WORLD_SIZE"] == env[ranks.WORLD_ENV] == "4"
     assert env["LOCAL_RANK"] == "0"
-    assert env["VLLM_NCCL_SO_PATH"] == "/lib/libember_nccl.so"
+    # the stub reaches pynccl through ranks.enter, not VLLM_NCCL_SO_PATH (in the compile-cache hash)
+    assert env[ranks.STUB_ENV] == "/lib/libember_nccl.so" and "VLLM_NCCL_SO_PATH" not in env
     assert env["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0" and env["VLLM_DISTRIBUTED_USE_SPLIT_GROUP"] == "0"
+
+
+def test_pods_of_a_parallel_shape_get_the_saves_settings() -> None:
+    pods = vargs.engine_args(_shape(tensor=2))
+    assert ranks.parallel_args(pods) and ranks.pod_env(pods) == ranks.PARALLEL_ENV
+    assert ranks.parallel_args(["--data-parallel-size=2"]) and ranks.parallel_args(["-tp", "4"])
+    assert not ranks.parallel_args(vargs.engine_args(IDENTITY))
+    assert ranks.pod_env(["--tensor-parallel-size", "1"]) == {}
+    assert ranks.PARALLEL_ENV["NCCL_RUNTIME_CONNECT"] == "0"
 
 
 def test_the_save_guard_names_a_vllm_of_another_parallel_shape() -> None:
@@ -111,16 +120,21 @@ def _config(**pc: int) -> Any:
                            model_config=SimpleNamespace(enforce_eager=False))
 
 
-def test_only_the_one_rank_save_lets_a_parallel_config_through(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_parallel_config_loads_with_the_saves_pins_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in ranks.PARALLEL_ENV.items():
+        monkeypatch.setenv(name, value)
     tp2 = _config(tensor_parallel_size=2, data_parallel_size=2)
-    monkeypatch.delenv(ranks.WORLD_ENV, raising=False)
-    monkeypatch.setenv("EMBER_MODE", "save")
-    assert len(versions.unsupported_features(tp2)) == 2  # a SAVE outside the Job's one-rank child
-    monkeypatch.setenv(ranks.WORLD_ENV, "4")
-    assert versions.unsupported_features(tp2) == []
+    tp2.parallel_config.disable_custom_all_reduce = True
+    for mode in ("save", "load"):
+        monkeypatch.setenv("EMBER_MODE", mode)
+        assert versions.unsupported_features(tp2) == []
     assert "pipeline_parallel_size=2" in versions.unsupported_features(_config(pipeline_parallel_size=2))[0]
-    monkeypatch.setenv("EMBER_MODE", "load")  # LOAD on N real ranks is not built: refused
-    assert len(versions.unsupported_features(tp2)) == 2
+    tp2.parallel_config.disable_custom_all_reduce = False
+    assert "custom all-reduce" in versions.unsupported_features(tp2)[0]
+    tp2.parallel_config.disable_custom_all_reduce = True
+    monkeypatch.setenv("VLLM_ALLREDUCE_USE_SYMM_MEM", "1")
+    assert "VLLM_ALLREDUCE_USE_SYMM_MEM=1" in versions.unsupported_features(tp2)[0]
+    assert versions.unsupported_features(_config()) == []  # one GPU: no pin asked
 
 
 def test_the_job_reads_its_own_rank_never_another(tmp_path: Path) -> None:
@@ -138,7 +152,7 @@ STANDIN = r'''
 import json, os, sys
 from pathlib import Path
 rank = int(os.environ.get("RANK", "0"))
-env = {k: os.environ.get(k) for k in ("RANK", "EMBER_VLLM_SAVE_WORLD", "VLLM_NCCL_SO_PATH", "EMBER_MODE")}
+env = {k: os.environ.get(k) for k in ("RANK", "EMBER_VLLM_SAVE_WORLD", "EMBER_VLLM_NCCL_STUB", "EMBER_MODE")}
 with open(os.path.join(os.environ["FAKE_DIR"], "calls.jsonl"), "a") as f:
     f.write(json.dumps({"args": json.loads(sys.argv[3]), "env": env}) + "\n")
 base = Path(os.environ["EMBER_VLLM_REPORT"])
@@ -169,7 +183,6 @@ def test_the_job_plays_the_rank_it_is_given(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setattr("ember.runtime.comm.stub_path", lambda: Path("/lib/libember_nccl.so"))
     monkeypatch.setenv("FAKE_DIR", str(tmp_path))
     monkeypatch.setenv(ranks.RANK_ENV, "1")
-    monkeypatch.setenv(ranks.OPT_IN_ENV, "1")
     tp2 = _shape(tensor=2)
     out = job.save_job(tp2.model_dump_json(), "file:///s", [], work=tmp_path / "w", python=str(script))
     assert out["identity"] == tp2.hash() and out["graphs"] == 7 and (out["rank"], out["world"]) == (1, 2)
@@ -177,7 +190,18 @@ def test_the_job_plays_the_rank_it_is_given(tmp_path: Path, monkeypatch: pytest.
     assert len(calls) == 2 and seen == [True, True]  # the probe too: NCCL must not wait for peers
     for call in calls:
         assert call["env"]["RANK"] == "1" and call["env"]["EMBER_VLLM_SAVE_WORLD"] == "2"
-        assert call["env"]["VLLM_NCCL_SO_PATH"] == "/lib/libember_nccl.so"
+        assert call["env"]["EMBER_VLLM_NCCL_STUB"] == "/lib/libember_nccl.so"
         assert "external_launcher" in call["args"] and "--disable-custom-all-reduce" in call["args"]
     assert "--kv-cache-memory-bytes" not in calls[0]["args"]  # the probe sized rank 1's engine
     assert calls[1]["args"][-2:] == ["--kv-cache-memory-bytes", "1000"]
+
+
+def test_the_dp_batch_agreement_of_a_one_rank_save_is_every_rank_asking_the_same() -> None:
+    env = ranks.save_env(_shape(tensor=2, expert=4, data=2), 3, "/stub.so")
+    assert env[ranks.DP_RANK_ENV] == "1"  # global rank 3 of tensor 2 x data 2
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(4, 2, dtype=torch.int32)
+    t[:, 1] = torch.tensor([5, 8, 0, 2], dtype=torch.int32)  # DP rank 1's column (vLLM's _run_ar)
+    ranks.AsIfEveryRank(1, SimpleNamespace(get_rank=lambda: 3)).all_reduce(t, group=None)
+    assert t.tolist() == [[5, 5], [8, 8], [0, 0], [2, 2]]
+    assert ranks.AsIfEveryRank(0, SimpleNamespace(get_rank=lambda: 3)).get_rank() == 3

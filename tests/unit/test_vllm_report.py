@@ -56,3 +56,58 @@ def test_clear_removes_a_previous_starts_report_and_rank_files(tmp_path: Path) -
 
 def test_outside_a_distributed_world_there_is_no_rank() -> None:
     assert report.worker_rank() is None  # torch not imported, or no process group
+
+
+def _stages(**stages: dict) -> dict:
+    return {"stages": stages}
+
+
+def test_a_pod_not_restored_on_every_rank_says_which_rank_refused_and_why(tmp_path: Path) -> None:
+    from ember.serving.vllm import _not_restored
+
+    path = tmp_path / "vllm-report.json"
+    report.write(path, _stages(capture={"how": "native-after-refusal"},
+                               load_refused={"reason": "load: a peer rank refused the archive"}), (0, 2))
+    report.write(path, _stages(refused={"reason": "load: group tp:0 has 4 ranks here, 2 in the archive"},
+                               capture={"how": "native"}), (1, 2))
+    got = report.read(path)
+    each = [one["stages"] for one in got["ranks"].values()]
+    why = _not_restored(got, each)
+    assert why.startswith("rank 0: load: a peer rank refused"), why
+    assert "(restored on 0 of 2 ranks)" in why
+
+
+def test_a_rank_that_never_reported_is_named(tmp_path: Path) -> None:
+    from ember.serving.vllm import _not_restored
+
+    path = tmp_path / "vllm-report.json"
+    report.write(path, _stages(capture={"how": "restored"}), (0, 2))
+    got = report.read(path)
+    why = _not_restored(got, [got["ranks"]["0"]["stages"]])
+    assert why == "vllm-report-missing: 1 of 2 ranks reported (restored on [0])", why
+
+
+def test_the_sidecar_hears_ok_only_when_every_rank_restored(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from ember.serving import vllm as serving
+
+    heard: list[tuple] = []
+    monkeypatch.setattr(serving.handoff, "report", lambda *a, **k: heard.append((a, k)))
+    path = tmp_path / "vllm-report.json"
+    report.write(path, {"stages": {"load": {"seconds": 1.5, "graphs": 9}, "capture": {"how": "restored"}}},
+                 (0, 2))
+    report.write(path, {"stages": {"load": {"seconds": 2.0, "graphs": 9}, "capture": {"how": "restored"}}},
+                 (1, 2))
+    vp = SimpleNamespace(result=SimpleNamespace(archive_dir=tmp_path), handoff_dir=tmp_path,
+                         plugin_report=lambda: report.read(path))
+    serving.report_load(vp)  # type: ignore[arg-type]
+    (args, kw), = heard
+    assert args[:3] == ("load", 2.0, "ok") and kw["ranks"] == 2 and kw["graphs"] == 9
+    heard.clear()
+    refused = {"capture": {"how": "native-after-refusal"},
+               "load_refused": {"reason": "load: a peer rank refused the archive"}}
+    report.write(path, {"stages": refused}, (1, 2))
+    serving.report_load(vp)  # type: ignore[arg-type]
+    (args, kw), = heard
+    assert args[2] == "fallback" and args[3].startswith("rank 1: load: a peer rank refused"), args

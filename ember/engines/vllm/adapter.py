@@ -103,6 +103,9 @@ class VllmAdapter:
     """One vLLM model runner (bound late: LOAD opens the archive before the runner exists)."""
 
     kind = KIND
+    # vLLM's profile and warm-up runs issue collectives on the communicators LOAD's background
+    # thread would capture with: the splice is captured in open_restore instead (before them)
+    splice_before_build = True
 
     def __init__(
         self,
@@ -122,6 +125,7 @@ class VllmAdapter:
         self.model_name = model_name or os.environ.get("EMBER_VLLM_MODEL", "")
         self.captured: dict[GraphKey, sites.Captured] = {}
         self.graph_bytes = 0
+        self.voted: bool | None = None  # LOAD on N ranks: this rank's vote, once cast (`vote`)
 
     # -- 1 version ------------------------------------------------------------------------------
     @property
@@ -133,6 +137,37 @@ class VllmAdapter:
         if not problems and self.vllm_config is not None:
             problems = [f"not supported: {p}" for p in unsupported_features(self.vllm_config)]
         return problems
+
+    # -- multi-GPU ------------------------------------------------------------------------------
+    def world(self) -> int:
+        pc = self.vllm_config.parallel_config
+        return int(pc.tensor_parallel_size) * int(pc.data_parallel_size) * int(pc.pipeline_parallel_size)
+
+    def communicator(self) -> Any:
+        """This worker's communicators by vLLM group name (None on one GPU): LOAD splices with them."""
+        if self.world() < 2:
+            return None
+        from ember.engines.vllm.parallel import communicators
+
+        return communicators()
+
+    def stub_groups(self, stub: Any) -> dict[int, Any]:
+        """SAVE under libember_nccl: the stub's communicator ids → vLLM's groups."""
+        from ember.engines.vllm.parallel import stub_groups
+
+        return stub_groups(stub)
+
+    def vote(self, ok: bool) -> bool:
+        """LOAD on N ranks: this rank's vote (once), every rank's verdict back (ranks restore
+        together or capture together: parallel.agree)."""
+        if self.voted is not None:
+            return self.voted
+        from ember.engines.vllm.parallel import agree
+
+        self.voted = ok
+        verdict = agree(ok) if self.world() > 1 else ok
+        self.voted = verdict
+        return verdict
 
     # -- 2 keys ---------------------------------------------------------------------------------
     def graph_config(self) -> GraphConfig:
@@ -196,6 +231,11 @@ class VllmAdapter:
     def prepare(self, facts: Mapping[str, Any] | None) -> None:
         """vLLM allocated everything already; check that its keys are the ones enumerated (and at
         LOAD, that it resolved SAVE's sizing)."""
+        if int(self.vllm_config.parallel_config.tensor_parallel_size) > 1:
+            from ember.engines.vllm.parallel import rank_dependent
+
+            if odd_layers := rank_dependent(_model(self.runner)):
+                raise Refused(ENGINE, "graph content would differ per rank: " + "; ".join(odd_layers[:3]))
         mirror = sorted(enumerate_descs(self.graph_config()), key=repr)
         engine = sorted(engine_descs(self.runner), key=repr)
         if mirror != engine:
@@ -307,6 +347,8 @@ class VllmAdapter:
         if set(restored) != expected:
             odd = sorted(set(restored) ^ expected)[:4]
             raise Refused(LOAD, f"archive keys differ from the engine's: e.g. {odd}")
+        if not self.vote(True):  # every refusal a rank can meet before this point is behind it
+            raise Refused(LOAD, "a peer rank refused the archive: every rank captures natively")
         self.library = library  # keeps every exec alive while serving
         return sites.install(self.runner, restored, facts.get("outputs", {}), facts)
 

@@ -40,7 +40,14 @@ def _value(text: str) -> Any:
         return text
 
 
-def compilation_config(identity: ArchiveIdentity, *, rank_pins: bool = False) -> dict[str, Any]:
+def _parallel(identity: ArchiveIdentity) -> bool:
+    p = identity.parallelism
+    return p.tensor * p.data * p.expert > 1
+
+
+def compilation_config(identity: ArchiveIdentity, *, rank_pins: bool | None = None) -> dict[str, Any]:
+    """`rank_pins` (default: the shape has several ranks): see engine_args."""
+    rank_pins = _parallel(identity) if rank_pins is None else rank_pins
     cfg: dict[str, Any] = {k: _value(v) for k, v in identity.compile.items()}
     cfg["cudagraph_mode"] = GRAPH_MODES.get(identity.graph_mode, identity.graph_mode.upper())
     cfg["cudagraph_capture_sizes"] = list(identity.capture_sizes)
@@ -56,11 +63,14 @@ def compilation_config(identity: ArchiveIdentity, *, rank_pins: bool = False) ->
     return cfg
 
 
-def engine_args(identity: ArchiveIdentity, *, rank_pins: bool = False) -> list[str]:
+def engine_args(identity: ArchiveIdentity, *, rank_pins: bool | None = None) -> list[str]:
     """`vllm serve` / EngineArgs command-line arguments that make vLLM capture `identity`'s graphs.
-    `rank_pins` (a parallel shape's one-GPU SAVE only, `ember.engines.vllm.ranks`): vLLM features
-    that keep per-rank peer state in graphs turned off. Pods never get them while LOAD refuses
-    parallel shapes: they would only slow the natively captured ranks (no custom all-reduce)."""
+    `rank_pins` (default: the shape has several ranks): vLLM features that keep per-rank peer
+    state in graphs turned off, in the one-GPU SAVE (`ember.engines.vllm.ranks`) and in every pod
+    alike. The pods must run as SAVE did: the pass config is in vLLM's compile-cache hash, the
+    graphs hold NCCL where vLLM would put custom all-reduce, and a rank that captures natively
+    must compute what a restored one does (docs/multi-gpu.md)."""
+    rank_pins = _parallel(identity) if rank_pins is None else rank_pins
     p = identity.parallelism
     args = [
         "--model", identity.model,

@@ -126,3 +126,36 @@ def model_dir(facts: dict[str, Any]) -> str:
     (`compile_cache_key`) under this process's cache root; "" when SAVE compiled nothing."""
     key = str(facts.get("compile_cache_key") or "")
     return str(cache_root() / SUBDIR / key) if key else ""
+
+
+def saved_rank_dir(key: str) -> str:
+    """The `rank_<rank>_<dp rank>` directory SAVE compiled into, from its `compile_cache_key`."""
+    return next((part for part in key.split("/") if part.startswith("rank_")), "")
+
+
+def alias_rank(key: str, here: str, root: Path | None = None) -> int:
+    """vLLM keeps compiled code per rank (`<hash>/rank_<r>_<d>/`, under both trees of
+    torch_compile_cache); each directory SAVE's rank compiled into is copied to this rank's name
+    `here` where vLLM has none yet (copied aside, then renamed: another rank of the node may do
+    the same at once). Returns how many were copied."""
+    saved = saved_rank_dir(key)
+    base = (root or cache_root()) / SUBDIR
+    if not saved or saved == here or not base.is_dir():
+        return 0
+    copied = 0
+    found = [p for p in base.glob(f"**/{saved}") if p.is_dir() and len(p.relative_to(base).parts) <= 3]
+    for src in sorted(found):
+        dest = src.with_name(here)
+        if dest.exists():
+            continue
+        aside = Path(tempfile.mkdtemp(prefix=".ember-rank-", dir=src.parent))
+        try:
+            shutil.copytree(src, aside / here, symlinks=True,
+                            ignore=shutil.ignore_patterns("*.lock"))
+            os.rename(aside / here, dest)
+            copied += 1
+        except OSError:  # another process placed it first
+            pass
+        finally:
+            shutil.rmtree(aside, ignore_errors=True)
+    return copied

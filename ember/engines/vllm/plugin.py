@@ -199,6 +199,8 @@ def _patch_runner(module_name: str, kind: str) -> None:
 
     def capture_model(self: Any) -> int:
         t = time.perf_counter()
+        if STATE.mode == "load" and (STATE.refusal or not STATE.armed):
+            _vote_no(self, kind)  # its peers LOAD: they hear of this rank's refusal before restoring
         if not STATE.mode or STATE.refusal or not STATE.armed:
             out = capture(self)
             report("capture", how="native", seconds=round(time.perf_counter() - t, 4), reason=STATE.refusal)
@@ -208,6 +210,25 @@ def _patch_runner(module_name: str, kind: str) -> None:
         return _load(self, kind, lambda: capture(self))
 
     cls.__init__, cls.capture_model = __init__, capture_model
+
+
+def _vote_no(runner: Any, kind: str) -> None:
+    """A rank that will capture natively tells its peers (LOAD on N ranks: VllmAdapter.vote)."""
+    from ember.engines.vllm.adapter import VllmAdapter
+
+    try:
+        VllmAdapter(runner, runner_kind=kind).vote(False)
+    except Exception as exc:  # a world of one, or no vLLM groups: nobody to tell
+        report("vote", error=f"{type(exc).__name__}: {exc}")
+
+
+def _parallel_before_model(vllm_config: Any) -> None:
+    """A tensor-parallel shape: the embedding's shard bounds in device memory (SAVE and LOAD
+    alike, ember.engines.vllm.parallel) before vLLM builds the model."""
+    if int(vllm_config.parallel_config.tensor_parallel_size) > 1:
+        from ember.engines.vllm.parallel import patch_vocab_embedding
+
+        patch_vocab_embedding()
 
 
 def _arm(vllm_config: Any) -> Any:
@@ -244,6 +265,7 @@ def _before_runner(vllm_config: Any, kind: str) -> None:
         STATE.refusal = "; ".join(problems)
         report("refused", at="engine", reason=STATE.refusal)
         return
+    _parallel_before_model(vllm_config)
     STATE.ip = _arm(vllm_config)
     STATE.armed = STATE.ip is not None
     if not STATE.armed:
@@ -282,7 +304,21 @@ def _open(adapter: Any) -> Any:
         store_uri, identity = archive_location(os.environ.get("EMBER_VLLM_ARCHIVE", ""))
     except ValueError as exc:
         raise Refused(LOAD, f"EMBER_VLLM_ARCHIVE: {exc}") from exc
-    return open_restore(adapter, STATE.ip, store_uri, identity)
+    restore = open_restore(adapter, STATE.ip, store_uri, identity)
+    _own_rank_cache(adapter.vllm_config, restore.manifest.engine)
+    return restore
+
+
+def _own_rank_cache(vllm_config: Any, facts: dict[str, Any]) -> None:
+    """vLLM keeps compiled code per rank (`rank_<rank>_<dp rank>/`); SAVE compiled as the rank it
+    played, whose code every rank runs (the graphs are that code's launches): this rank's
+    directory is a copy of it where vLLM has none."""
+    from ember.engines.vllm import compile_cache
+
+    pc = vllm_config.parallel_config
+    here = f"rank_{int(pc.rank)}_{int(getattr(pc, 'data_parallel_index', 0) or 0)}"
+    if copied := compile_cache.alias_rank(str(facts.get("compile_cache_key") or ""), here):
+        report("compile_cache_rank", copied=copied, rank_dir=here)
 
 
 def _save(runner: Any, kind: str, native: Any) -> int:
@@ -322,6 +358,8 @@ def _load(runner: Any, kind: str, native: Any) -> int:
     except Refused as exc:
         STATE.refusal = f"{exc.stage}: {exc.reason}"
         report("load_refused", at=exc.stage, reason=exc.reason)
+        if adapter.voted is None:  # refused before its vote: its peers hear of it (VllmAdapter.vote)
+            adapter.vote(False)
         t = time.perf_counter()
         out = native()
         report("capture", how="native-after-refusal", seconds=round(time.perf_counter() - t, 4))

@@ -8,9 +8,10 @@ data_parallel_rank = RANK // (world_size // data_parallel_size), so DP is outerm
 Before vLLM starts, `enter()` initializes torch.distributed itself (vLLM's
 `init_distributed_environment` skips `init_process_group` when it is initialized) with torch's
 in-process "fake" backend for the world and every gloo group, so no peer is ever waited for; the
-GPU collectives go through vLLM's pynccl, which loads libember_nccl (`VLLM_NCCL_SO_PATH`) and
-captures placeholders that LOAD splices with the rank's real communicator (ember.runtime.comm).
-Opt-in: only the SAVE Job sets `WORLD_ENV`; LOAD and serving still refuse parallel shapes.
+GPU collectives go through vLLM's pynccl, which `enter()` points at libember_nccl (not through
+`VLLM_NCCL_SO_PATH`: every VLLM_* variable is in vLLM's compile-cache hash, and the pods, which
+run real NCCL, must find SAVE's compiled code), and become placeholders that each rank's LOAD
+splices with its real communicator of the same group (ember.engines.vllm.parallel).
 """
 
 from __future__ import annotations
@@ -22,9 +23,6 @@ from typing import Any
 from ember.identity import ArchiveIdentity
 
 RANK_ENV = "EMBER_VLLM_SAVE_RANK"  # the global rank the SAVE Job plays (default 0)
-# Until LOAD restores vLLM on N ranks, every pod refuses a parallel archive: the Job SAVEs one only
-# when asked (experiments, `ember bench`), so a deployment's GraphArchive fails as before.
-OPT_IN_ENV = "EMBER_VLLM_PARALLEL_SAVE"
 WORLD_ENV = "EMBER_VLLM_SAVE_WORLD"  # set by the Job in its child: one process plays a rank of N
 
 
@@ -57,9 +55,6 @@ def refusals(identity: ArchiveIdentity, rank: int, env: Mapping[str, str] = os.e
     """Why this Job cannot SAVE `identity` as `rank` ([] when it can)."""
     p, n = identity.parallelism, world(identity)
     out = []
-    if is_parallel(identity) and env.get(OPT_IN_ENV, "").strip() != "1":
-        out.append(f"a vLLM archive of a multi-GPU shape is refused by every pod until LOAD restores vLLM "
-                   f"on N ranks; {OPT_IN_ENV}=1 SAVEs one anyway (experiments)")
     if p.expert > 1 and p.expert != n:
         out.append(f"expert {p.expert} must be tensor x data = {n} (vLLM's expert-parallel size)")
     if p.data > 1 and p.expert == 1:
@@ -82,9 +77,19 @@ def save_env(identity: ArchiveIdentity, rank: int, stub: str) -> dict[str, str]:
     return {
         WORLD_ENV: str(world(identity)), "RANK": str(rank), "LOCAL_RANK": "0",
         "WORLD_SIZE": str(world(identity)), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29519",
-        "VLLM_NCCL_SO_PATH": stub,  # pynccl dlsyms its own handle: LD_PRELOAD alone would not reach it
+        STUB_ENV: stub,  # pynccl dlsyms its own handle: LD_PRELOAD alone would not reach it (enter())
+        DP_RANK_ENV: str(place(rank, identity.parallelism.tensor, identity.parallelism.data)[0]),
         **parallel_env(identity),
     }
+
+
+STUB_ENV = "EMBER_VLLM_NCCL_STUB"  # the SAVE child's libember_nccl, for vLLM's pynccl (enter())
+DP_RANK_ENV = "EMBER_VLLM_SAVE_DP_RANK"  # its data-parallel rank (the DP batch agreement, enter())
+# vLLM settings a parallel archive is captured with, and its pods run with (ember serve adds them
+# for a parallel shape's arguments, `pod_env`): see parallel_env.
+PARALLEL_ENV = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_ALLREDUCE_USE_FLASHINFER": "0",
+                "VLLM_USE_NCCL_SYMM_MEM": "0", "VLLM_DISTRIBUTED_USE_SPLIT_GROUP": "0",
+                "NCCL_RUNTIME_CONNECT": "0"}
 
 
 def parallel_env(identity: ArchiveIdentity) -> dict[str, str]:
@@ -95,11 +100,28 @@ def parallel_env(identity: ArchiveIdentity) -> dict[str, str]:
     (defaults, pinned against an inherited setting): FlashInfer's IPC all-reduce workspace and
     NCCL window registration are peer state too.
     VLLM_DISTRIBUTED_USE_SPLIT_GROUP=0 (vLLM's default, pinned): split_group creates sub-groups
-    collectively on an eagerly connected parent (parallel_state.py:1467), not through new_group."""
-    if not is_parallel(identity):
-        return {}
-    return {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_ALLREDUCE_USE_FLASHINFER": "0",
-            "VLLM_USE_NCCL_SYMM_MEM": "0", "VLLM_DISTRIBUTED_USE_SPLIT_GROUP": "0"}
+    collectively on an eagerly connected parent (parallel_state.py:1467), not through new_group.
+    The pods run with the same values: every VLLM_* variable is in the compile-cache hash
+    (envs.compile_factors), and LOAD refuses a parallel shape without them (versions).
+    NCCL_RUNTIME_CONNECT=0 (pods): every NCCL connection made when a communicator is created, so
+    capturing the splice never waits for a peer (docs/multi-gpu.md)."""
+    return dict(PARALLEL_ENV) if is_parallel(identity) else {}
+
+
+def parallel_args(args: list[str]) -> bool:
+    """Whether vLLM arguments name a shape of several ranks (tensor or data parallel > 1)."""
+    sizes = {"--tensor-parallel-size": 1, "-tp": 1, "--data-parallel-size": 1, "-dp": 1}
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        if name in sizes:
+            text = value if eq else (args[i + 1] if i + 1 < len(args) else "1")
+            sizes[name] = int(text) if text.isdigit() else 1
+    return max(sizes.values()) > 1
+
+
+def pod_env(args: list[str]) -> dict[str, str]:
+    """The environment a pod's vLLM gets for its arguments (ember serve --engine vllm)."""
+    return dict(PARALLEL_ENV) if parallel_args(args) else {}
 
 
 def enter(env: Mapping[str, str] | None = None) -> bool:  # pragma: no cover - needs torch and vLLM
@@ -129,7 +151,45 @@ def enter(env: Mapping[str, str] | None = None) -> bool:  # pragma: no cover - n
 
     dist.new_group = new_group
     _single_node()
+    _stub_for_pynccl(env.get(STUB_ENV, ""))
+    _dp_agreement_as_every_rank(int(env.get(DP_RANK_ENV, "0") or 0))
     return True
+
+
+class AsIfEveryRank:
+    """`torch.distributed` as vLLM's DP batch agreement sees it in a one-rank SAVE
+    (`v1/worker/dp_utils.py` _run_ar, `v1/worker/gpu/dp_utils.py`): each DP rank writes its column
+    of a zero tensor and all-reduces it (token counts, graph mode). No peer answers here, and
+    every DP rank captures the same sizes, so the agreement is "every rank asked what this one
+    asked": this rank's column copied to every column. Anything else is torch.distributed's."""
+
+    def __init__(self, dp_rank: int, real: Any) -> None:
+        self.dp_rank, self.real = dp_rank, real
+
+    def all_reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> None:
+        mine = tensor[..., self.dp_rank].clone()
+        tensor.copy_(mine.unsqueeze(-1).expand_as(tensor))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def _dp_agreement_as_every_rank(dp_rank: int) -> None:  # pragma: no cover - needs vLLM
+    import torch.distributed as dist
+    from vllm.v1.worker import dp_utils
+    from vllm.v1.worker.gpu import dp_utils as v2_dp_utils
+
+    for module in (dp_utils, v2_dp_utils):
+        module.dist = AsIfEveryRank(dp_rank, dist)  # type: ignore[attr-defined]
+
+
+def _stub_for_pynccl(stub: str) -> None:  # pragma: no cover - needs vLLM
+    """vLLM's pynccl opens the library `find_nccl_library()` names: the stub here."""
+    if not stub:
+        return
+    from vllm.distributed.device_communicators import pynccl_wrapper
+
+    pynccl_wrapper.find_nccl_library = lambda: stub
 
 
 def _single_node() -> None:  # pragma: no cover - needs vLLM

@@ -6,7 +6,8 @@ others are private methods and attributes, patched on the CLASS inside the engin
 by the plugin (no file of vLLM is edited). Each one is checked here; a missing one, another
 minor version, or a feature the adapter does not handle (LoRA, speculative decoding, data/tensor/
 pipeline parallelism, micro-batching, breakable graphs, Inductor graph partition, encoder graphs)
-is a refusal: vLLM then starts exactly as it would without ember.
+is a refusal: vLLM then starts exactly as it would without ember. Tensor and data parallel
+shapes (with expert parallel) restore on N ranks from one archive (ember.engines.vllm.parallel).
 
 How 0.27+ would differ from 0.26 (from the 0.29 and 0.33 sources read for the brief): the V2
 runner becomes the default for MoE models too (0.29); `BatchExecutionDescriptor` gains fields in
@@ -17,14 +18,18 @@ runner-class patches). Each is a reason to add a version here only after reading
 
 from __future__ import annotations
 
-import os
 from typing import Any
-
-from ember.engines.vllm.ranks import WORLD_ENV
 
 SUPPORTED_MINOR = ("0.26",)
 
 # (module, attribute path, documented/supported hook?, what the adapter does with it)
+PARALLEL_TOUCH_POINTS: tuple[tuple[str, str, bool, str], ...] = (
+    ("vllm.distributed.parallel_state", "_groups", False, "each group's communicator, by name"),
+    ("vllm.distributed.parallel_state", "get_world_group", False, "the ranks' vote (its CPU group)"),
+    ("vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding.forward", False,
+     "TP: the shard's bounds read from device memory"),
+    ("vllm.model_executor.layers.linear", "RowParallelLinear", False, "TP: a rank-0-only bias is refused"),
+)
 TOUCH_POINTS: tuple[tuple[str, str, bool, str], ...] = (
     ("vllm.plugins", "load_general_plugins", True, "runs ember's register() in every process"),
     (
@@ -117,7 +122,7 @@ def missing_touch_points() -> list[str]:
     import dataclasses
 
     problems = []
-    for module, path, _, _ in TOUCH_POINTS:
+    for module, path, _, _ in TOUCH_POINTS + PARALLEL_TOUCH_POINTS:
         try:
             _resolve(module, path.removesuffix(".cudagraph_dispatcher"))
         except (ImportError, AttributeError) as exc:
@@ -152,6 +157,28 @@ def check_engine() -> list[str]:
     return check_version_string(version) or missing_touch_points()
 
 
+def _parallel(pc: Any) -> bool:
+    ranks = int(getattr(pc, "tensor_parallel_size", 1) or 1) * int(getattr(pc, "data_parallel_size", 1) or 1)
+    return ranks > 1
+
+
+def _parallel_pins(pc: Any) -> list[str]:
+    """A parallel shape runs as its archive was saved: peer features off (ember.engines.vllm.args
+    engine_args and ranks.PARALLEL_ENV; every VLLM_* variable is in vLLM's compile-cache hash)."""
+    import os
+
+    from ember.engines.vllm.ranks import PARALLEL_ENV
+
+    out = []
+    if not getattr(pc, "disable_custom_all_reduce", False):
+        out.append("custom all-reduce on a parallel shape "
+                   "(--disable-custom-all-reduce, as engine_args passes)")
+    for name, value in PARALLEL_ENV.items():
+        if name.startswith("VLLM_") and os.environ.get(name, "") != value:
+            out.append(f"{name}={os.environ.get(name, '(unset)')} on a parallel shape ({value} expected)")
+    return out
+
+
 def unsupported_features(vllm_config: Any) -> list[str]:
     """Configurations whose graphs the adapter does not know how to key or restore (0.26)."""
     out = []
@@ -160,13 +187,12 @@ def unsupported_features(vllm_config: Any) -> list[str]:
         out.append("LoRA (graphs per active-LoRA count)")
     if getattr(vllm_config, "speculative_config", None) is not None:
         out.append("speculative decoding (drafter graphs)")
-    # the SAVE Job playing one rank of the world (ember.engines.vllm.ranks); LOAD still refuses
-    one_rank_save = bool(os.environ.get(WORLD_ENV)) and os.environ.get("EMBER_MODE") == "save"
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-        if one_rank_save and name != "pipeline_parallel_size":
-            continue
-        if int(getattr(pc, name, 1) or 1) != 1:
-            out.append(f"{name}={getattr(pc, name)} (rank-specific state: custom all-reduce, NCCL)")
+    # tensor and data parallel restore on N ranks (ember.engines.vllm.parallel); pipeline stages
+    # send activations point to point, to one peer: rank-specific, refused
+    if int(getattr(pc, "pipeline_parallel_size", 1) or 1) != 1:
+        out.append(f"pipeline_parallel_size={pc.pipeline_parallel_size} (point-to-point sends to one peer)")
+    if _parallel(pc):
+        out += _parallel_pins(pc)
     if getattr(pc, "use_ubatching", False) or getattr(pc, "enable_dbo", False):
         out.append("micro-batching (DBO)")
     if getattr(cc, "use_inductor_graph_partition", False):

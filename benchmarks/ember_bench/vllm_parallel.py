@@ -1,0 +1,213 @@
+"""`ember bench vllm --tp N | --ep | --dp N`: vLLM on N GPUs, native vs ONE single-GPU SAVE → N-rank LOAD.
+
+The same shapes and random weights as `ember bench vllm` (`write_config`), run as a deployment
+runs them: the identity's engine arguments (`ember.engines.vllm.args.engine_args`, with the
+parallel pins) and a pod's environment (`ranks.pod_env`), on vLLM's async engine (what `vllm serve`
+runs; the offline `LLM` refuses DP > 1):
+
+1. `native` — plain vLLM on N GPUs, its own compile cache;
+2. `save` — the SAVE Job (`ember.engines.vllm.job.save_job`: sizing probe, then SAVE) on GPU 0
+   alone, playing rank 0 of the world under libember_nccl;
+3. `load` — vLLM on N GPUs under libember (EMBER_MODE=load), from an empty cache root: every
+   worker restores the one archive.
+
+Per run: engine init, start → first token, greedy tokens at each batch size (compared with
+native); per rank (the plugin's report files): how its graphs came (`restored` / `native`),
+capture or LOAD seconds, the splice's part, vLLM's worker stages. Report:
+`benchmarks/results/vllm-<device>-<model>-<shape>.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from ember.engines.vllm import report as reports
+
+CHILD = r"""
+import time
+T0 = time.perf_counter()
+import asyncio, json, sys
+from ember_bench.vllm_child import prompts
+
+
+async def main(args):
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    ns, _ = parser.parse_known_args(args["engine_args"])
+    t = time.perf_counter()
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(ns))
+    init = time.perf_counter() - t
+
+    async def run(batch, seed, params):
+        async def one(i, p):
+            out = None
+            async for out in llm.generate(p, params, request_id=f"{seed}-{i}"):
+                pass
+            return list(out.outputs[0].token_ids)
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts(batch, 30000, seed))))
+
+    def params(n):
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+
+    greedy = params(args["max_tokens"])
+    await run(1, 0, params(1))
+    first = time.perf_counter() - T0
+    tokens = {str(b): await run(b, b, greedy) for b in args["batch_sizes"]}
+    llm.shutdown()
+    return {"engine_init_s": round(init, 3), "first_token_s": round(first, 3), "tokens": tokens}
+
+
+a = json.loads(sys.argv[1])
+res = asyncio.run(main(a))
+with open(a["out"], "w") as f:
+    json.dump(res, f)
+print("CHILD OK", json.dumps({k: v for k, v in res.items() if k != "tokens"}), flush=True)
+"""
+
+
+def shape_identity(cfg: Path, tensor: int, expert: bool, data: int) -> Any:
+    """The identity a deployment of this shape gets (5 capture sizes, as the GPU tests)."""
+    from ember.identity import ArchiveIdentity, Parallelism
+
+    par = Parallelism(tensor=tensor, data=data, expert=tensor * data if expert else 1)
+    return ArchiveIdentity(model=str(cfg), engine="vllm", engine_version="0.26",
+                           capture_sizes=(1, 2, 4, 8, 16), graph_mode="full-and-piecewise",
+                           max_num_tokens=2048, max_batch=16, parallelism=par)
+
+
+def shape_name(tensor: int, expert: bool, data: int) -> str:
+    parts = [f"tp{tensor}"] if tensor > 1 else []
+    parts += [f"ep{tensor * data}"] if expert else []
+    parts += [f"dp{data}"] if data > 1 else []
+    return "-".join(parts) or "tp1"
+
+
+def extra_args(gpu_memory_utilization: float) -> list[str]:
+    return ["--load-format", "dummy", "--skip-tokenizer-init", "--gpu-memory-utilization",
+            str(gpu_memory_utilization), "--max-model-len", "2048", "--seed", "0"]
+
+
+def child_env(mode: str, args: list[str], work: Path, extra: dict[str, str]) -> dict[str, str]:
+    from ember.engines.vllm.args import process_env
+    from ember.engines.vllm.ranks import pod_env
+
+    env = process_env(mode, {**os.environ, **pod_env(args)})
+    cache = work / f"vllm-cache-{mode}"
+    if mode == "load":  # a fresh pod: the compiled code comes from the archive
+        shutil.rmtree(cache, ignore_errors=True)
+    env.update(VLLM_CACHE_ROOT=str(cache), VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
+               VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def run_engine(mode: str, args: list[str], work: Path, extra: dict[str, str], options: dict[str, Any],
+               timeout: float) -> dict[str, Any]:
+    """One N-GPU engine process; its result with every rank's report (`ranks`)."""
+    out, logf = work / f"{mode}.json", work / f"{mode}.log"
+    report = work / f"{mode}-report" / "vllm-report.json"
+    out.unlink(missing_ok=True)
+    report.parent.mkdir(parents=True, exist_ok=True)
+    reports.clear(report)
+    env = child_env(mode, args, work, {"EMBER_VLLM_REPORT": str(report), **extra})
+    child = json.dumps({**options, "engine_args": args, "out": str(out)})
+    t = time.perf_counter()
+    with open(logf, "w") as log:
+        p = subprocess.run([sys.executable, "-c", CHILD, child], env=env, stdout=log,
+                           stderr=subprocess.STDOUT, timeout=timeout, check=False)
+    res: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    res.update(mode=mode, rc=p.returncode, process_wall_s=round(time.perf_counter() - t, 3),
+               ember=reports.read(report))
+    if p.returncode != 0 or not out.exists():
+        res["log_tail"] = logf.read_text()[-6000:]
+    typer.echo(f"{mode}: rc={p.returncode} first_token={res.get('first_token_s')}")
+    return res
+
+
+def run_save(ident: Any, args_extra: list[str], work: Path, timeout: float) -> dict[str, Any]:
+    """The SAVE Job on GPU 0 alone, as rank 0 of the identity's world."""
+    from ember.engines.vllm.job import JobFailed, save_job
+
+    saved = dict(os.environ)
+    os.environ.update({"VLLM_CACHE_ROOT": str(work / "vllm-cache-save"), "VLLM_USE_FLASHINFER_SAMPLER": "0",
+                       "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": saved.get("CUDA_VISIBLE_DEVICES", "0")
+                       .split(",")[0]})
+    t = time.perf_counter()
+    try:
+        summary = save_job(ident.model_dump_json(), (work / "store").as_uri(), args_extra, work=work / "job",
+                           timeout=timeout)
+    except JobFailed as exc:
+        summary = {"published": False, "error": str(exc)}
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    summary["save_job_s"] = round(time.perf_counter() - t, 3)
+    typer.echo(f"save: published={summary.get('published')} in {summary['save_job_s']} s")
+    return dict(summary)
+
+
+def per_rank(res: dict[str, Any]) -> dict[str, Any]:
+    """Each rank's figures from its report file."""
+    out = {}
+    for r, one in sorted(((res.get("ember") or {}).get("ranks") or {}).items(), key=lambda kv: int(kv[0])):
+        st = one.get("stages") or {}
+        load = st.get("load") or {}
+        timings = load.get("timings") or {}
+        out[r] = {
+            "capture_how": (st.get("capture") or {}).get("how"),
+            "capture_s": (st.get("capture") or {}).get("seconds"),
+            "refusal": (st.get("load_refused") or st.get("refused") or {}).get("reason"),
+            "graphs": load.get("graphs"),
+            "splice_ms": timings.get("splice_now_ms") or timings.get("splice_ms"),
+            "worker_stages_s": {k.removeprefix("worker."): v.get("seconds") for k, v in st.items()
+                                if k.startswith("worker.")},
+        }
+    return out
+
+
+def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int, *, work: Path,
+                   out_dir: Path, batch_sizes: list[int], max_tokens: int, gpu_memory_utilization: float,
+                   timeout: float) -> Path:
+    """native N-rank → one single-GPU SAVE → N-rank LOAD; the report's path."""
+    from ember.engines.vllm.args import engine_args
+    from ember_bench.vllm import write_config
+    from ember_bench.vllm_report import _device, _store_bytes
+
+    name = shape_name(tensor, expert, data)
+    work = work.absolute() / f"{model}-{layers or 'all'}l-{name}"
+    cfg = write_config(model, layers or None, work / "config")
+    ident = shape_identity(cfg, tensor, expert, data)
+    extra = extra_args(gpu_memory_utilization)
+    args = [*engine_args(ident), *extra]
+    options = {"batch_sizes": batch_sizes, "max_tokens": max_tokens}
+    results: dict[str, Any] = {"native": run_engine("native", args, work, {}, options, timeout)}
+    results["save"] = run_save(ident, extra, work, timeout)
+    archive = str(work / "store" / "archives" / ident.hash())
+    results["load"] = run_engine("load", args, work, {"EMBER_VLLM_ARCHIVE": archive}, options, timeout)
+    native, load = results["native"], results["load"]
+    summary = {
+        "shape": name, "model": model, "layers": layers, "identity": ident.hash(),
+        "restored_every_rank": reports.ranks_restored(load.get("ember") or {}),
+        "tokens_identical_to_native": bool(load.get("tokens")) and load.get("tokens") == native.get("tokens"),
+        "engine_init_s": {"native": native.get("engine_init_s"), "load": load.get("engine_init_s")},
+        "first_token_s": {"native": native.get("first_token_s"), "load": load.get("first_token_s")},
+        "save_job_s": results["save"].get("save_job_s"), "archive_bytes": _store_bytes(work / "store"),
+        "ranks": {"native": per_rank(native), "load": per_rank(load)},
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"vllm-{_device()}-{model}-{name}.json"
+    path.write_text(json.dumps({"summary": summary, "runs": results}, indent=1, default=str))
+    typer.echo(json.dumps(summary, indent=1, default=str))
+    return path

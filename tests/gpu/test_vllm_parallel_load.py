@@ -1,0 +1,147 @@
+"""vLLM 0.26 on 2 GPUs from ONE single-GPU SAVE: tensor parallel (a 2-layer random Llama-3-8B
+shape), expert parallel over TP=2 and data parallel 2 with EP (a 2-layer random Qwen3-MoE
+shape). Per identity: a native 2-rank vLLM, the SAVE Job as rank 0 on one GPU, then a 2-rank
+vLLM LOAD of that archive from an empty cache root. Every rank must restore (capture stage
+`restored`, so no graph captured at start; vLLM refuses captures afterwards), and the greedy
+tokens equal the native run's at several batch sizes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(2400),  # per shape: a SAVE Job (probe + SAVE) and two 2-rank engine starts
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+]
+
+EXTRA = ["--load-format", "dummy", "--skip-tokenizer-init", "--gpu-memory-utilization", "0.4",
+         "--max-model-len", "2048", "--seed", "0"]
+BATCHES = (1, 5, 12)
+
+# vLLM's async engine, as `vllm serve` runs it: data parallel needs it (vLLM's offline `LLM`
+# refuses DP > 1, and its env-driven offline DP puts VLLM_DP_RANK into the compile-cache hash)
+ENGINE = r"""
+import asyncio, json, random, sys
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.v1.engine.async_llm import AsyncLLM
+
+
+async def main():
+    ns, _ = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser()).parse_known_args(json.loads(sys.argv[1]))
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(ns))
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
+
+    async def one(rid, prompt):
+        out = None
+        async for out in llm.generate(prompt, greedy, request_id=rid):
+            pass
+        return list(out.outputs[0].token_ids)
+
+    tokens = {}
+    for b in json.loads(sys.argv[2]):
+        rng = random.Random(b)
+        prompts = [{"prompt_token_ids": [rng.randrange(10, 30000) for _ in range(rng.randrange(5, 40))]}
+                   for _ in range(b)]
+        tokens[str(b)] = await asyncio.gather(*(one(f"{b}-{i}", p) for i, p in enumerate(prompts)))
+    llm.shutdown()
+    print("RESULT " + json.dumps(tokens), flush=True)
+
+
+asyncio.run(main())
+"""
+
+
+def _gpus() -> int:
+    try:
+        import torch
+
+        return int(torch.cuda.device_count())
+    except ImportError:
+        return 0
+
+
+def _engine(args: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
+    with open(log, "w") as out:
+        p = subprocess.run([sys.executable, "-c", ENGINE, json.dumps(args), json.dumps(BATCHES)], env=env,
+                           stdout=subprocess.PIPE, stderr=out, text=True, timeout=900, check=False)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stdout[-2000:] + log.read_text()[-4000:]
+    return dict(json.loads(lines[-1].removeprefix("RESULT ")))
+
+
+def _env(mode: str, args: list[str], cache: Path, extra: dict[str, str]) -> dict[str, str]:
+    from ember.engines.vllm.args import process_env
+    from ember.engines.vllm.ranks import pod_env
+
+    env = process_env(mode, {**os.environ, **pod_env(args)})
+    env.update(VLLM_CACHE_ROOT=str(cache), VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
+               VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _save(ident: Any, tmp: Path) -> Path:
+    from ember.engines.vllm.job import save_job
+
+    store = tmp / "store"
+    saved = dict(os.environ)
+    os.environ.update({"VLLM_CACHE_ROOT": str(tmp / "cache-save"), "VLLM_USE_FLASHINFER_SAMPLER": "0",
+                       "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "0"})
+    try:
+        summary = save_job(ident.model_dump_json(), store.as_uri(), EXTRA, work=tmp / "job", timeout=1200)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert summary["published"] is True and summary["identity"] == ident.hash(), summary
+    return store
+
+
+SHAPES = {
+    "tp2": ("llama-3-8b", {"tensor": 2}),
+    "ep2-tp2": ("qwen3-moe", {"tensor": 2, "expert": 2}),
+    "dp2-ep2": ("qwen3-moe", {"data": 2, "expert": 2}),
+}
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_one_single_gpu_save_restores_every_rank(shape: str, tmp_path: Path) -> None:
+    from ember.archive import bundle
+    from ember.engines.vllm import report as reports
+    from ember.engines.vllm.args import engine_args
+    from ember.identity import ArchiveIdentity, Parallelism
+    from ember_bench.vllm import write_config
+
+    model, par = SHAPES[shape]
+    cfg = write_config(model, 2, tmp_path / "config")
+    ident = ArchiveIdentity(model=str(cfg), engine="vllm", engine_version="0.26",
+                            capture_sizes=(1, 2, 4, 8, 16), graph_mode="full-and-piecewise",
+                            max_num_tokens=2048, max_batch=16, parallelism=Parallelism(**par))
+    args = [*engine_args(ident), *EXTRA]
+    native = _engine(args, _env("native", args, tmp_path / "cache-native", {}), tmp_path / "native.log")
+    store = _save(ident, tmp_path)
+    table = bundle.open_archive(store, ident.hash()).manifest.engine.get("collectives") or {}
+    assert table.get("world") == 2 and table.get("comms"), table  # each call names its vLLM group
+    report = tmp_path / "load" / "vllm-report.json"
+    report.parent.mkdir()
+    load_env = _env("load", args, tmp_path / "cache-load", {
+        "EMBER_VLLM_ARCHIVE": str(store / "archives" / ident.hash()), "EMBER_VLLM_REPORT": str(report)})
+    loaded = _engine(args, load_env, tmp_path / "load.log")
+    got = reports.read(report)
+    ranks = got.get("ranks") or {}
+    assert sorted(ranks) == ["0", "1"], got
+    for r, one in ranks.items():
+        capture = (one.get("stages") or {}).get("capture") or {}
+        assert capture.get("how") == "restored", (r, one.get("stages"))
+    assert reports.ranks_restored(got)
+    assert loaded == native  # greedy tokens, every batch size

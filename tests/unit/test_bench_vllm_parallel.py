@@ -1,0 +1,30 @@
+"""CPU: `ember bench vllm --tp/--ep/--dp` names its shapes, builds the deployment's identity and
+reads each rank's figures from the plugin's report files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ember.engines.vllm import report
+from ember_bench import vllm_parallel as vp
+
+
+def test_shapes_and_their_identity(tmp_path: Path) -> None:
+    assert vp.shape_name(2, False, 1) == "tp2" and vp.shape_name(2, True, 1) == "tp2-ep2"
+    assert vp.shape_name(1, True, 2) == "ep2-dp2"
+    ident = vp.shape_identity(tmp_path, 1, True, 2)
+    assert ident.parallelism.model_dump() == {"tensor": 1, "expert": 2, "data": 2}
+
+
+def test_each_ranks_figures_come_from_its_report_file(tmp_path: Path) -> None:
+    path = tmp_path / "vllm-report.json"
+    report.write(path, {"stages": {"load": {"graphs": 9, "timings": {"splice_now_ms": 4.2}},
+                                   "capture": {"how": "restored", "seconds": 0.8},
+                                   "worker.load_model": {"seconds": 3.1}}}, (0, 2))
+    refused = {"capture": {"how": "native-after-refusal", "seconds": 9.0},
+               "load_refused": {"reason": "load: a peer rank refused the archive"}}
+    report.write(path, {"stages": refused}, (1, 2))
+    ranks = vp.per_rank({"ember": report.read(path)})
+    assert ranks["0"]["capture_how"] == "restored" and ranks["0"]["splice_ms"] == 4.2
+    assert ranks["0"]["worker_stages_s"] == {"load_model": 3.1} and ranks["0"]["graphs"] == 9
+    assert ranks["1"]["refusal"] == "load: a peer rank refused the archive"
