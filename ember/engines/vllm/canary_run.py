@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -87,11 +88,38 @@ class Steps:
                 n, cudagraph_runtime_mode=mode, force_attention=case.full, uniform_decode=case.uniform,
                 allow_microbatching=False, skip_eplb=True, remove_lora=False, is_graph_capturing=case.full)
         else:  # V2: the manager dispatches to the graphs; a profile run is eager (NONE)
-            hidden, _ = self.runner._dummy_run(n, uniform_decode=case.uniform, skip_eplb=True,
-                                               is_profile=not graphs)
+            with piecewise_dispatch(self.runner, case if graphs else None):
+                hidden, _ = self.runner._dummy_run(n, uniform_decode=case.uniform, skip_eplb=True,
+                                                   is_profile=not graphs)
         if hidden is None:
             raise RuntimeError("the dummy step returned no hidden states (not the last pipeline rank?)")
         return hidden[:n]
+
+
+@contextlib.contextmanager
+def piecewise_dispatch(runner: Any, case: Case | None) -> Iterator[None]:
+    """V2, a PIECEWISE case: its dummy step dispatched to the size's PIECEWISE graphs. V2's dummy
+    batch of n <= max_num_reqs tokens is n one-token requests, which its manager gives a FULL
+    decode graph where there is one (`CudaGraphManager.dispatch`: candidates by priority)."""
+    if case is None or case.full:
+        yield
+        return
+    manager = runner.cudagraph_manager
+    original = manager.dispatch
+
+    def dispatch(num_reqs: int, num_tokens: int, uniform_token_count: int | None,
+                 num_active_loras: int = 0) -> Any:
+        if num_tokens == case.num_tokens:
+            for desc in manager._candidates.get((num_tokens, num_active_loras), []):
+                if getattr(desc.cg_mode, "name", "") == "PIECEWISE":
+                    return desc
+        return original(num_reqs, num_tokens, uniform_token_count, num_active_loras=num_active_loras)
+
+    manager.dispatch = dispatch
+    try:
+        yield
+    finally:
+        del manager.dispatch  # the class's method again
 
 
 class Routed:
@@ -130,12 +158,18 @@ def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
     launched: list[int] = []
     problem: list[str] = []
 
+    t = time.perf_counter()
+    try:  # built before any step: a build that fails on one rank must not break the ranks' lockstep
+        own_execs(library, indices)
+        own = "own"
+    except Exception as exc:
+        problem.append(f"{case.name}: its own execs could not be built: {type(exc).__name__}: {exc}")
+        own = "template"  # the same launches as every other rank's, through the templates
+
     def via(path: str) -> Callable[[], list[Any]]:
         def step() -> list[Any]:
             route[0] = path
             launched.clear()
-            if path == "own":
-                own_execs(library, indices)
             hidden = steps.run(case, graphs=True)
             if sorted(set(launched)) != sorted(indices) and not problem:
                 problem.append(f"{case.name}: the {path} step launched {len(set(launched))} of its "
@@ -152,8 +186,11 @@ def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
         return list(saved) if saved is not None else [steps.run(case, graphs=False)]
 
     with routed(steps.runner, library, case, route, launched):
-        result = verify.canary(ref, via("template"), lambda: steps.reset(case), trip, via("own"),
+        build_ms = (time.perf_counter() - t) * 1e3
+        result = verify.canary(ref, via("template"), lambda: steps.reset(case), trip, via(own),
                                every_path=every_path)
+    result["parts_ms"]["own exec build"] = round(build_ms, 2)
+    result["verify_ms"] += build_ms
     return result, (problem[0] if problem else "")
 
 
@@ -186,6 +223,8 @@ def run(runner: Any, kind: str, library: Any, facts: Mapping[str, Any], world: i
             results[case.name], problem = check_case(steps, case, library, fp, every_path=world > 1)
             problems += [problem] if problem else []
     out = canary.combine(results, unchecked)
+    if unchecked:  # in the report too (`checked`): not silent, not a refusal (docs/runtime.md)
+        log.warning("ember: LOAD's canary has no reference for the %s step here", ", ".join(unchecked))
     if problems and out["ok"]:
         out.update(ok=False, why=problems[0])
     return out
