@@ -235,17 +235,22 @@ def run(runner: Any, kind: str, library: Any, facts: Mapping[str, Any], world: i
 
 def record(runner: Any, kind: str, keys: list[Any], facts: Mapping[str, Any]) -> dict[str, Any]:
     """SAVE (one GPU): each case's step through the NATIVE graphs from the canary's state,
-    fingerprinted (`canary.record`); a case that cannot run records why instead."""
+    fingerprinted (`canary.record`); a case that cannot run, or whose two runs differ, records
+    why instead."""
     steps = Steps(runner, kind, facts)
     prints: dict[str, list[int] | str] = {}
     cases = canary.cases(keys)
     with torch.inference_mode(), no_capture():
         for case in cases:
-            try:
-                steps.reset(case)
-                prints[case.name] = fingerprint([steps.run(case, graphs=True)])
-            except Exception as exc:  # LOAD then checks this case against an eager step, or not at all
+            try:  # twice: a fingerprint LOAD could not reproduce would refuse every restore
+                runs = []
+                for _ in range(2):
+                    steps.reset(case)
+                    runs.append(fingerprint([steps.run(case, graphs=True)]))
+                prints[case.name] = runs[0] if runs[0] == runs[1] else "the native step is not bit-stable"
+            except Exception as exc:
                 prints[case.name] = f"{type(exc).__name__}: {exc}"
+            if isinstance(prints[case.name], str):  # LOAD checks it against an eager step, or not at all
                 log.warning("ember: SAVE's canary step %s: %s", case.name, prints[case.name])
     return canary.record(cases, prints)
 
