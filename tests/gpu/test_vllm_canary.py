@@ -102,14 +102,15 @@ def _saved(model: str, tensor: int, tmp: Path) -> dict[str, Any]:
     return {"ident": ident, "args": args, "native": native, "store": tmp / "store"}
 
 
-def _load(saved: dict[str, Any], tmp: Path, fault: str = "") -> tuple[dict[str, Any], dict[str, Any], str]:
+def _load(saved: dict[str, Any], tmp: Path, fault: str = "",
+          more: dict[str, str] | None = None) -> tuple[dict[str, Any], dict[str, Any], str]:
     """A LOAD from an empty cache root; (its result, the plugin's report, the engine's log)."""
     from ember.engines.vllm import report as reports
 
     path = tmp / "report" / "vllm-report.json"
     path.parent.mkdir(parents=True)
     extra = {"EMBER_VLLM_ARCHIVE": str(saved["store"] / "archives" / saved["ident"].hash()),
-             "EMBER_VLLM_REPORT": str(path), **({"EMBER_FAULT": fault} if fault else {})}
+             "EMBER_VLLM_REPORT": str(path), **({"EMBER_FAULT": fault} if fault else {}), **(more or {})}
     args = saved["args"]
     got = _engine(args, _env("load", args, tmp / "cache-load", extra), tmp / "load.log")
     return got, reports.read(path), (tmp / "load.log").read_text()
@@ -184,3 +185,20 @@ def test_a_wrong_splice_is_refused_on_every_rank_and_both_capture_natively(
     why = _not_restored(rep, [one["stages"] for one in ranks.values()])
     assert reason_class(why) == "canary-differs" and "(restored on 0 of 2 ranks)" in why, why
     assert got["tokens"] == tp2["native"]["tokens"]
+
+
+def test_with_the_full_eager_reference_both_ranks_check_their_full_step_too(
+        tp2: dict[str, Any], tmp_path: Path) -> None:
+    """EMBER_VLLM_CANARY_FULL_EAGER=1: the FULL decode step against an eager step built with the
+    capture's attention metadata. Expected bitwise equal (the canary's attention reads zeroed K/V and
+    outputs zeros either way; every other kernel is the same compiled code): if this passes on the
+    GPU, the reference can become the default (docs/runtime.md, "The vLLM canary")."""
+    from ember.engines.vllm import report as reports
+
+    got, rep, log = _load(tp2, tmp_path, more={"EMBER_VLLM_CANARY_FULL_EAGER": "1"})
+    assert sorted(rep.get("ranks") or {}) == ["0", "1"], (rep, log[-3000:])
+    for r, one in (rep.get("ranks") or {}).items():
+        verify = reports.verify_cost(one)
+        assert verify["ok"] is True, (r, verify, log[-3000:])
+        assert verify["checked"][1] == "full:template+exec update+own exec", verify
+    assert reports.ranks_restored(rep) and got["tokens"] == tp2["native"]["tokens"]
