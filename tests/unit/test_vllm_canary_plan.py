@@ -208,3 +208,18 @@ def test_a_canary_refusal_on_n_ranks_keeps_its_reason_class_and_names_the_rank_t
     why = _not_restored(got, [one["stages"] for one in got["ranks"].values()])
     assert why.startswith("canary differs: rank 1: ") and why.endswith("(restored on 0 of 2 ranks)"), why
     assert reason_class(why) == "canary-differs"
+
+
+def test_the_bench_reports_the_canarys_cost_per_run_and_per_rank(tmp_path: Path) -> None:
+    from ember_bench.vllm_parallel import per_rank
+    from ember_bench.vllm_report import markdown, summarize
+
+    verify = {"ok": True, "verify_ms": 42.5, "parts_ms": {"piecewise.template": 9.0}, "checked": []}
+    one = {"ember": {"stages": {"verify": verify, "capture": {"how": "restored"}}}}
+    got = summarize({"native": {}, "load": one}, tmp_path)
+    assert got["runs"]["load"]["verify_ms"] == 42.5 and got["runs"]["native"]["verify_ms"] is None
+    assert got["runs"]["load"]["verify_parts_ms"] == {"piecewise.template": 9.0}
+    assert "| verify_ms | — | 42.50 |" in markdown("m", 2, "gpu", got)
+    ranks = per_rank({"ember": {"ranks": {"1": {"stages": {"verify": verify}}, "0": {"stages": {}}}}})
+    assert ranks["1"]["verify_ms"] == 42.5 and ranks["1"]["verify_ok"] is True
+    assert ranks["0"]["verify_ms"] is None  # refused before its canary, or captured natively
