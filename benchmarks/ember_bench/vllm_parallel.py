@@ -171,6 +171,9 @@ def per_rank(res: dict[str, Any]) -> dict[str, Any]:
             "refusal": (st.get("load_refused") or st.get("refused") or {}).get("reason"),
             "graphs": load.get("graphs"),
             "splice_ms": timings.get("splice_now_ms") or timings.get("splice_ms"),
+            "verify_ms": reports.verify_cost(one).get("verify_ms"),  # LOAD's canary, this rank
+            "verify_parts_ms": reports.verify_cost(one).get("parts_ms"),
+            "verify_ok": reports.verify_cost(one).get("ok"),
             "worker_stages_s": {k.removeprefix("worker."): v.get("seconds") for k, v in st.items()
                                 if k.startswith("worker.")},
         }

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ember.engines.vllm import report as reports
+
 STAGES = (
     "init_device",
     "load_model",
@@ -58,6 +60,8 @@ def summarize(results: dict[str, dict[str, Any]], store: Path) -> dict[str, Any]
             "stages_s": {s: _stage(res, f"worker.{s}").get("seconds") for s in STAGES},
             "kv_cache_memory_bytes": res.get("kv_cache_memory_bytes"),
             "num_gpu_blocks": res.get("num_gpu_blocks"),
+            "verify_ms": reports.verify_cost(res.get("ember") or {}).get("verify_ms"),  # LOAD's canary
+            "verify_parts_ms": reports.verify_cost(res.get("ember") or {}).get("parts_ms"),
             "refusal": next(
                 (
                     _stage(res, s).get("reason")
@@ -121,6 +125,7 @@ def markdown(model: str, layers: int, device: str, summary: dict[str, Any]) -> s
         "graphs_captured_serving",
         "tokens_identical_to_native",
         "kv_cache_memory_bytes",
+        "verify_ms",
         "refusal",
     ]
     for k in keys:

@@ -10,7 +10,10 @@ Nothing sets it outside tests; each name is read where its fault lives.
 - `kernel-arg`: LOAD changes the first kernel argument of each graph that reads as a float
   scalar (an epsilon, an alpha) to 2x+1: a corrupted kernel argument in every restored graph;
 - `own-exec`: the same corruption in the own execs only, the execs the Dedicator swaps in for the
-  templates while requests run (a swap that changes results).
+  templates while requests run (a swap that changes results);
+- `skip-kernel`: LOAD rebuilds the last kernel node of each graph (one with plain edges only) as
+  an empty node: a restored graph that leaves out work, whatever its kernels' arguments are (vLLM's
+  compiled graphs have few float scalars for `kernel-arg` to find: Inductor bakes them in).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 from ember import settings
 
 log = logging.getLogger(__name__)
-NAMES = ("view-offset", "stale-update", "splice-redop", "kernel-arg", "own-exec")
+NAMES = ("view-offset", "stale-update", "splice-redop", "kernel-arg", "own-exec", "skip-kernel")
 
 
 def active(name: str) -> bool:
@@ -57,4 +60,16 @@ def corrupt_a_float_argument(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int,
                     buf = np.frombuffer(bytes(raw), dtype=np.uint8).copy()
                     ptrs[first + j] = buf.ctypes.data
                     return buf
+    return None
+
+
+def kernel_to_skip(kernel_nodes: np.ndarray, src: np.ndarray, dst: np.ndarray,
+                   nondefault: np.ndarray) -> int | None:
+    """`skip-kernel`: the last kernel node (index into the graph's nodes) that no non-default edge
+    (programmatic, ports) touches, None when there is none. An empty node in its place runs nothing
+    and the graph stays buildable: a wrong result, never a crash."""
+    special = set(src[nondefault].tolist()) | set(dst[nondefault].tolist())
+    for j in reversed(np.asarray(kernel_nodes).tolist()):
+        if int(j) not in special:
+            return int(j)
     return None

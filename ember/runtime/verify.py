@@ -61,12 +61,15 @@ def canary(
     reset: Callable[[], None],
     switch_round_trip: Callable[[], bool] | None = None,
     own_exec_step: Callable[[], Outputs] | None = None,
+    every_path: bool = False,
 ) -> dict[str, Any]:
     """Run the canary; returns {"ok", "why", "verify_ms", "checked", "parts_ms"} (parts_ms: each
     path's milliseconds, the reference's included, so a slow canary says where). `own_step()` and
     `graph_step()` run one step from the state `reset()` sets and return copies of the outputs;
     `switch_round_trip()` updates the template away and back (False: the group has one member);
-    `own_exec_step()` runs the key's own exec (the path it takes once the Dedicator built it)."""
+    `own_exec_step()` runs the key's own exec (the path it takes once the Dedicator built it).
+    `every_path`: run every path even after a difference (steps that issue collectives: every
+    rank must launch the same sequence, whatever its own verdict), the first difference kept."""
     import torch
 
     def snap(outputs: Outputs) -> list[Any]:
@@ -104,8 +107,9 @@ def canary(
             checked.append(name)
             diff = first_difference(ref, snap(got))
             mark = lap(name, mark)
-            if diff:
+            if diff and not why:
                 why = f"{label}: {diff}"
+            if why and not every_path:
                 break
         reset()
     lap("reset", mark)
@@ -140,16 +144,20 @@ def round_trip(library: Any, index: int) -> Callable[[], bool]:
     return run
 
 
-def settle(result: dict[str, Any], world: int, rank: int) -> dict[str, Any]:
+def settle(result: dict[str, Any], world: int, rank: int,
+           agree: Callable[[bool], bool] | None = None) -> dict[str, Any]:
     """What LOAD's timings record of a passed canary; Refused(VERIFY) unless every rank's passed."""
-    refuse_unless(result, world, rank)
+    refuse_unless(result, world, rank, agree)
     return {"verify_ms": result["verify_ms"], "verify": "+".join(result["checked"]),
             "verify_parts": result.get("parts_ms", {})}
 
 
-def refuse_unless(result: dict[str, Any], world: int, rank: int) -> None:
-    """Raise Refused(VERIFY) unless every rank's canary passed."""
-    if unanimous(bool(result["ok"]), world):
+def refuse_unless(result: dict[str, Any], world: int, rank: int,
+                  agree: Callable[[bool], bool] | None = None) -> None:
+    """Raise Refused(VERIFY) unless every rank's canary passed. `agree(ok)`: the engine's own
+    vote (every rank's verdict at once) instead of `unanimous` over torch's default group."""
+    ok = bool(result["ok"])
+    if (agree(ok) if agree is not None else unanimous(ok, world)):
         return
     why = result["why"] or "another rank's canary failed"
     # "canary differs" first: the fallback metric's reason class is a reason's head

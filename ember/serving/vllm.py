@@ -412,6 +412,9 @@ def report_load(vp: VllmProcess) -> None:
                    engine="vllm")
 
 
+CANARY_HEAD, PEER_CANARY = "canary differs", "another rank's canary failed"  # ember.runtime.verify
+
+
 def _not_restored(report: dict[str, Any], stages: list[dict[str, Any]]) -> str:
     """Why vLLM did not restore, from the plugin's stages (the front end's and every rank's); on
     N ranks: which ranks restored, and the first refusing rank's reason."""
@@ -419,11 +422,16 @@ def _not_restored(report: dict[str, Any], stages: list[dict[str, Any]]) -> str:
     if ranks:
         restored = sorted(int(r) for r, one in ranks.items() if reports.ranks_restored(one))
         world = max([int(one.get("world") or 0) for one in ranks.values()] + [len(ranks)])
-        for r, one in sorted(ranks.items(), key=lambda kv: int(kv[0])):
-            st = one.get("stages") or {}
-            for name in ("refused", "load_refused"):
-                if reason := (st.get(name) or {}).get("reason"):
-                    return f"rank {r}: {reason} (restored on {len(restored)} of {world} ranks)"
+        found = [(r, str(reason)) for r, one in sorted(ranks.items(), key=lambda kv: int(kv[0]))
+                 for name in ("refused", "load_refused")
+                 if (reason := ((one.get("stages") or {}).get(name) or {}).get("reason"))]
+        # a canary's refusal: the rank that saw the difference, not one that heard of it; its
+        # reason names the rank and keeps its head ("canary differs": the metric's class)
+        own = [f for f in found if PEER_CANARY not in f[1]] or found
+        if own:
+            r, reason = own[0]
+            where = "" if reason.startswith(CANARY_HEAD) else f"rank {r}: "
+            return f"{where}{reason} (restored on {len(restored)} of {world} ranks)"
         if len(ranks) < world:
             return f"vllm-report-missing: {len(ranks)} of {world} ranks reported (restored on {restored})"
     for st in [report.get("stages") or {}, *stages]:

@@ -33,6 +33,7 @@ def test_save_then_load_restores_every_graph(model: str, tmp_path: Path) -> None
     assert runs["save"]["refusal"] is None, runs["save"]
     assert runs["load"]["refusal"] is None, runs["load"]
     assert runs["load"]["capture_how"] == "restored"
+    assert runs["load"]["verify_ms"] is not None  # LOAD's canary ran, and the bench reports its cost
     assert runs["load"]["graphs_captured_at_start"] == 0
     assert runs["load"]["graphs_captured_serving"] == 0
     assert runs["load"]["tokens_identical_to_native"] is True

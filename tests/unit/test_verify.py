@@ -67,3 +67,23 @@ def test_the_own_exec_is_checked_too_and_a_lone_template_skips_the_update() -> N
     r = verify.canary(e.own, e.graph, e.reset, lambda: False, lambda: [torch.tensor([1, 2, 5])])
     assert r["checked"] == ["template", "own exec"]
     assert r["why"].startswith("on its own exec: output 0: element 2")
+
+
+def test_on_n_ranks_every_path_runs_after_a_difference_and_the_first_one_is_kept() -> None:
+    """Steps that issue collectives: a rank that stopped at its first difference would leave its
+    peers waiting in the next path's collectives."""
+    torch = pytest.importorskip("torch")
+    from ember.runtime import verify
+
+    e = _Engine(torch, "instantiated")
+    ran: list[str] = []
+
+    def own_exec() -> list[Any]:
+        ran.append("own exec")
+        return [torch.tensor([1, 2, 9])]
+
+    r = verify.canary(e.own, e.graph, e.reset, e.round_trip, own_exec, every_path=True)
+    assert r["checked"] == ["template", "exec update", "own exec"] and ran == ["own exec"]
+    assert not r["ok"] and r["why"].startswith("as instantiated: output 0: element 2")
+    f = _Engine(torch, "instantiated")
+    assert verify.canary(f.own, f.graph, f.reset, f.round_trip, own_exec)["checked"] == ["template"]

@@ -126,6 +126,10 @@ class VllmAdapter:
         self.captured: dict[GraphKey, sites.Captured] = {}
         self.graph_bytes = 0
         self.voted: bool | None = None  # LOAD on N ranks: this rank's vote, once cast (`vote`)
+        self._facts: dict[str, Any] = {}  # the archive's engine facts, from install (the canary's)
+        self._before: dict[str, Any] = {}  # the engine's graph state before install (`uninstall`)
+        self._installed = False
+        self.canary: dict[str, Any] = {}  # LOAD's canary result (the plugin reports it)
 
     # -- 1 version ------------------------------------------------------------------------------
     @property
@@ -278,7 +282,7 @@ class VllmAdapter:
         manager = getattr(self.runner, "cudagraph_manager", None)
         hidden = getattr(manager, "hidden_states", None) if self.runner_kind == "v2" else None
         name = ",".join
-        return {
+        out = {
             "kind": KIND,
             "version": engine_version(),
             "runner": self.runner_kind,
@@ -291,6 +295,11 @@ class VllmAdapter:
             "v2_hidden_states": sites.describe(hidden) if hidden is not None else None,
             "inputs": static_addresses(self.runner),
         }
+        if self.world() == 1:  # SAVE saw real data: LOAD's canary compares with what it computed
+            from ember.engines.vllm import canary_run
+
+            out["canary"] = canary_run.record(self.runner, self.runner_kind, list(graphs), out)
+        return out
 
     def accept(self, facts: Mapping[str, Any]) -> dict[str, Any]:
         """Before the runner exists: the archive is a vLLM one of this version, runner and
@@ -350,7 +359,44 @@ class VllmAdapter:
         if not self.vote(True):  # every refusal a rank can meet before this point is behind it
             raise Refused(LOAD, "a peer rank refused the archive: every rank captures natively")
         self.library = library  # keeps every exec alive while serving
+        self._facts, self._before = dict(facts), sites.engine_state(self.runner)
+        self._installed = True
         return sites.install(self.runner, restored, facts.get("outputs", {}), facts)
+
+    def verify(self, library: GraphLibrary) -> dict[str, Any]:
+        """LOAD's canary, every rank, before any request (`ember.engines.vllm.canary`): the
+        restored steps against SAVE's fingerprint (one GPU) or the same step without graphs, the
+        verdict every rank's (`parallel.agree`). Whatever goes wrong inside is a refusal, and every
+        rank still reaches the agreement."""
+        from ember.engines.vllm import canary, canary_run
+        from ember.runtime import verify
+
+        world = self.world()
+        try:
+            result = canary_run.run(self.runner, self.runner_kind, library, self._facts, world)
+        except Exception as exc:
+            log.exception("ember: LOAD's canary raised")
+            result = canary.failed(f"the canary could not run: {type(exc).__name__}: {exc}")
+        self.canary = result
+        return verify.settle(result, world, self.rank(), self._agree if world > 1 else None)
+
+    def _agree(self, ok: bool) -> bool:
+        """The canary's verdict of every rank at once (the vote's MIN over vLLM's world group)."""
+        from ember.engines.vllm.parallel import agree
+
+        return agree(ok)
+
+    def rank(self) -> int:
+        import torch.distributed as dist
+
+        return int(dist.get_rank()) if self.world() > 1 and dist.is_initialized() else 0
+
+    def uninstall(self) -> None:
+        """A LOAD refused after `install` (its canary): the restored graphs out of the engine, so
+        the native capture that follows captures instead of replaying them."""
+        if self._installed:
+            sites.uninstall(self.runner, self._before)
+            self._installed = False
 
     # -- 6 stages -------------------------------------------------------------------------------
     def report(self, stage: str, **fields: Any) -> None:

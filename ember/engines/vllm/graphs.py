@@ -21,11 +21,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ember.engines.decode.model import tensor_at
 from ember.engines.vllm.keys import (
     PIECEWISE_ENTRY,
     V1_FULL_ENTRY,
@@ -33,6 +30,9 @@ from ember.engines.vllm.keys import (
     GraphKey,
     desc_of,
 )
+
+if TYPE_CHECKING:  # torch only where graphs are read or made: the module's LOAD-side helpers are CPU-tested
+    import torch
 
 
 class SiteError(RuntimeError):
@@ -44,6 +44,8 @@ class SiteError(RuntimeError):
 
 def describe(value: Any) -> Any:
     """A wrapper entry's output as JSON: tensors as (address, shape, stride, dtype), nesting kept."""
+    import torch
+
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
@@ -60,6 +62,8 @@ def describe(value: Any) -> Any:
 
 def rebuild(spec: Any) -> Any:
     """The output again, as tensors over SAVE's addresses (memory libember replayed at LOAD)."""
+    from ember.engines.decode.model import tensor_at
+
     if spec is None:
         return None
     if "ptr" in spec:
@@ -69,6 +73,8 @@ def rebuild(spec: Any) -> Any:
 
 
 def flat_tensors(value: Any) -> list[torch.Tensor]:
+    import torch
+
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, list | tuple):
@@ -149,6 +155,7 @@ class Captured:
 def recording_inputs() -> Iterator[dict[tuple[int, Any], list[torch.Tensor]]]:
     """While capturing: weak views of each wrapper capture's tensor arguments, by (id(wrapper),
     batch descriptor). The engine keeps only their addresses; the proof needs the tensors."""
+    import torch
     from vllm.compilation.cuda_graph import CUDAGraphWrapper
     from vllm.forward_context import get_forward_context, is_forward_context_available
     from vllm.utils.torch_utils import weak_ref_tensor
@@ -233,3 +240,40 @@ def install(
             manager.hidden_states = rebuild(extra["v2_hidden_states"])
         manager._graphs_captured = True  # the V2 dispatcher replays only after a capture
     return len(plan)
+
+
+def replace(runner: Any, graphs: Mapping[GraphKey, Any]) -> dict[GraphKey, Any]:
+    """Put `graphs` (key → object with replay()) where the engine finds installed graphs of those
+    keys; returns what was there (LOAD's canary routes a step's launches this way for a while)."""
+    sites = wrappers()
+    manager: Any = getattr(runner, "cudagraph_manager", None)
+    before: dict[GraphKey, Any] = {}
+    for key, graph in graphs.items():
+        if key[0] == V2_FULL_GRAPH:
+            desc = execution_descriptor(key)
+            before[key], manager.graphs[desc] = manager.graphs[desc], graph
+            continue
+        entry = sites[(key[0], key[1])].concrete_cudagraph_entries[batch_descriptor(key)]
+        before[key], entry.cudagraph = entry.cudagraph, graph
+    return before
+
+
+def engine_state(runner: Any) -> dict[str, Any]:
+    """What `install` changes in the V2 manager, as it is before (`uninstall` puts it back)."""
+    manager = getattr(runner, "cudagraph_manager", None)
+    if manager is None:
+        return {}
+    return {"hidden_states": getattr(manager, "hidden_states", None),
+            "captured": bool(getattr(manager, "_graphs_captured", False))}
+
+
+def uninstall(runner: Any, state: Mapping[str, Any]) -> None:
+    """Every installed graph gone and the V2 manager as `engine_state` found it: a LOAD refused
+    after `install` (its canary) lets vLLM capture natively, not replay the refused graphs."""
+    for w in wrappers().values():
+        w.concrete_cudagraph_entries.clear()
+    manager = getattr(runner, "cudagraph_manager", None)
+    if manager is not None and state:
+        manager.graphs.clear()
+        manager.hidden_states = state.get("hidden_states")
+        manager._graphs_captured = bool(state.get("captured"))

@@ -357,6 +357,9 @@ def _load(runner: Any, kind: str, native: Any) -> int:
         _after_install(kind)
     except Refused as exc:
         STATE.refusal = f"{exc.stage}: {exc.reason}"
+        adapter.uninstall()  # a canary's refusal comes after install: vLLM must capture, not replay
+        if adapter.canary:
+            report("verify", **verify_fields(adapter.canary))
         report("load_refused", at=exc.stage, reason=exc.reason)
         if adapter.voted is None:  # refused before its vote: its peers hear of it (VllmAdapter.vote)
             adapter.vote(False)
@@ -366,9 +369,17 @@ def _load(runner: Any, kind: str, native: Any) -> int:
         return int(out or 0)
     STATE.keep = adapter  # keeps the templates (and every exec) alive while serving
     timings = {k: round(v, 2) for k, v in restored.timings.items() if isinstance(v, float)}
+    report("verify", **verify_fields(adapter.canary))
     report("load", graphs=restored.graphs, seconds=round(time.perf_counter() - t, 4), timings=timings)
     report("capture", how="restored", seconds=round(time.perf_counter() - t, 4), graphs=restored.graphs)
     return 0
+
+
+def verify_fields(result: dict[str, Any]) -> dict[str, Any]:
+    """LOAD's canary in the report: its verdict, cost (ms) and where the time went, what it checked."""
+    return {"ok": bool(result.get("ok")), "verify_ms": round(float(result.get("verify_ms") or 0.0), 2),
+            "parts_ms": result.get("parts_ms") or {}, "checked": result.get("checked") or [],
+            "why": result.get("why") or ""}
 
 
 def _after_install(kind: str) -> None:

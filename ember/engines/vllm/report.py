@@ -78,6 +78,16 @@ def ranks_restored(report: dict[str, Any]) -> bool:
     return len(worlds) == 1 and len(ranks) == worlds.pop() and all(_restored(r) for r in ranks.values())
 
 
+def verify_cost(one: dict[str, Any]) -> dict[str, Any]:
+    """LOAD's canary of one writer's report (a rank's file, or a one-GPU report): its verdict,
+    milliseconds and parts ({} when no canary ran: native capture, or refused before it)."""
+    v = (one.get("stages") or {}).get("verify") or {}
+    if not v:
+        return {}
+    return {"ok": v.get("ok"), "verify_ms": v.get("verify_ms"), "parts_ms": v.get("parts_ms") or {},
+            "checked": v.get("checked") or [], "why": v.get("why") or ""}
+
+
 def _restored(one: dict[str, Any]) -> bool:
     return bool(((one.get("stages") or {}).get("capture") or {}).get("how") == "restored")
 

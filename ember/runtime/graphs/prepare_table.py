@@ -51,6 +51,7 @@ _KP_DT = np.dtype(
 )
 assert _KP_DT.itemsize == KERNEL_PARAMS.size
 _KERNEL_ARG = faults.active("kernel-arg")  # an injected fault (tests only)
+_SKIP_KERNEL = faults.active("skip-kernel")  # an injected fault (tests only)
 _OP_OF_TYPE = {
     int(NodeType.KERNEL): OP_KERNEL,
     int(NodeType.MEMSET): OP_MEMSET,
@@ -108,8 +109,11 @@ def prepare_from_table(
     fault = _corrupt(table, krows, ptrs, slot_addr, has_params) if corrupt or _KERNEL_ARG else None
     codes, args, objects = _node_ops(key, types, refs, kmask, st, c)
     attr_start, attr_count, attr_ids, attr_values = _attribute_ranges(krows, kmask, attr_sets)
+    edges = table.edges(row, row=True)
+    if _SKIP_KERNEL:
+        _skip_a_kernel(codes, args, attr_count, kmask, edges)
     arrays = NodeArrays(codes, args, attr_start, attr_count, attr_ids, attr_values, objects)
-    src, dst, data = _edges_by_destination(table.edges(row, row=True))
+    src, dst, data = _edges_by_destination(edges)
     return PreparedGraph(
         key=key,
         ops=[],
@@ -157,6 +161,15 @@ def _corrupt(table: Any, krows: np.ndarray, ptrs: np.ndarray, slot_addr: np.ndar
     first = (slot_addr - np.uint64(ptrs.ctypes.data)) // np.uint64(8)
     nodes = [(int(first[n]), table._layout(int(krows["layout"][n]))[1]) for n in np.nonzero(has_params)[0]]
     return faults.corrupt_a_float_argument(ptrs, nodes)
+
+
+def _skip_a_kernel(codes: np.ndarray, args: np.ndarray, attr_count: np.ndarray, kmask: np.ndarray,
+                   e: np.ndarray) -> None:
+    """The injected `skip-kernel` fault: one kernel node becomes an empty one (faults.kernel_to_skip)."""
+    nondefault = (e["type"] != 0) | (e["from_port"] != 0) | (e["to_port"] != 0)
+    j = faults.kernel_to_skip(np.nonzero(kmask)[0], e["src"], e["dst"], nondefault)
+    if j is not None:
+        codes[j], args[j], attr_count[j] = OP_EMPTY, 0, 0
 
 
 def _memset_shape(mp: Any) -> tuple[int, int, int, int]:

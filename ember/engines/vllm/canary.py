@@ -1,0 +1,136 @@
+"""LOAD's canary for vLLM: what it runs and against which reference (torch-free, CPU-tested).
+
+vLLM's graphs are not one graph per step: a PIECEWISE step launches one graph per compiled
+submodule (attention runs eagerly between them), a FULL step one graph of the whole model. So the
+canary checks whole STEPS (`Case`): the smallest PIECEWISE size (every piece of it) and the
+smallest FULL size (a decode step, what the first request's second step needs). Each step runs
+through vLLM's own dummy run (`_dummy_run`): its slot mappings are PAD, so no step writes the KV
+cache (nothing a later request reads is touched), and its block table rows are the ones a fresh
+engine has. The state every run starts from: input ids seeded (V1; V2's dummy batch zeroes them
+itself), positions zero, the step's graph outputs poisoned (`poison_targets`).
+
+The reference (`plan`):
+- one GPU (SAVE saw real data): SAVE recorded a fingerprint of each case's step through the
+  NATIVE graphs (`KIND`); LOAD's restored step from the same state must give the same
+  fingerprint. Graph against graph: the same kernels, bitwise;
+- N ranks (SAVE played one rank under the NCCL stub and saw no data), or an archive without a
+  fingerprint: the PIECEWISE step against the same step without graphs (`CUDAGraphMode.NONE`):
+  vLLM runs the same compiled (Inductor) code eagerly, attention runs eagerly in both, and the
+  collectives run on the same communicators the splice captured with. That covers every kernel
+  of the piecewise graphs and the spliced collectives. A FULL step has no such reference by
+  default: its attention is inside the graph with metadata built for capture, an eager step's
+  attention may pick another kernel; `EMBER_VLLM_CANARY_FULL_EAGER=1` compares it with an eager
+  step built with the capture's metadata (a difference refuses; whether vLLM's FULL graphs equal
+  that step bitwise is for a GPU run to show). Without it the FULL case is reported unchecked.
+Each restored step runs three ways (`ember.runtime.verify.canary`): through the templates (every
+key of the step switched in: exec updates), again after each key's template went to another
+member and back, and on the keys' own execs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ember.engines.vllm.keys import PIECEWISE_ENTRY, GraphKey
+
+KIND = "vllm-steps"  # what SAVE's canary record fingerprints: whole dummy steps (see the module doc)
+SEED = 13  # the canary's input ids (V1)
+SAVED, EAGER, UNCHECKED = "saved", "eager", "unchecked"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One canary step: a batch descriptor and every graph it launches, in launch order."""
+
+    name: str  # "piecewise" | "full"
+    num_tokens: int
+    uniform: bool
+    keys: tuple[GraphKey, ...]
+
+    @property
+    def full(self) -> bool:
+        return self.name == "full"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "num_tokens": self.num_tokens, "uniform": self.uniform,
+                "keys": [list(k) for k in self.keys]}
+
+
+def cases(keys: Iterable[GraphKey]) -> list[Case]:
+    """The canary's steps for an engine with these archive keys: the smallest PIECEWISE
+    descriptor with all its pieces, and the smallest FULL descriptor (a uniform decode one first)."""
+    keys = [tuple(k) for k in keys]
+    out: list[Case] = []
+    pw = [k for k in keys if k[0] == PIECEWISE_ENTRY]
+    if pw:
+        desc = min({k[2:] for k in pw})
+        step = tuple(sorted((k for k in pw if k[2:] == desc), key=lambda k: k[1]))
+        out.append(Case("piecewise", desc[0], bool(desc[2]), step))
+    full = [k for k in keys if k[0] != PIECEWISE_ENTRY]
+    if full:
+        k = min(full, key=lambda k: (0 if k[4] else 1, k[2], k[3]))
+        out.append(Case("full", k[2], bool(k[4]), (k,)))
+    return out
+
+
+def plan(case: Case, world: int, saved: Mapping[str, Any] | None, full_eager: bool) -> str:
+    """The reference of `case`: SAVE's fingerprint (one GPU, recorded for this very step), the
+    step without graphs (PIECEWISE; FULL only with `full_eager`), or unchecked."""
+    if world == 1 and saved_fingerprint(saved, case) is not None:
+        return SAVED
+    if not case.full or full_eager:
+        return EAGER
+    return UNCHECKED
+
+
+def record(cases_: Sequence[Case], prints: Mapping[str, list[int] | str]) -> dict[str, Any]:
+    """SAVE's canary record in the engine facts: per case its step and fingerprint (or why none)."""
+    return {"kind": KIND, "cases": {c.name: {**c.to_json(), "fingerprint": prints.get(c.name)}
+                                    for c in cases_}}
+
+
+def saved_fingerprint(saved: Mapping[str, Any] | None, case: Case) -> list[int] | None:
+    """SAVE's fingerprint of exactly this step (same kind, descriptor and keys), else None."""
+    if not saved or saved.get("kind") != KIND:
+        return None
+    one = (saved.get("cases") or {}).get(case.name) or {}
+    if [tuple(k) for k in one.get("keys") or []] != list(case.keys):
+        return None
+    if int(one.get("num_tokens", -1)) != case.num_tokens or bool(one.get("uniform")) != case.uniform:
+        return None
+    fp = one.get("fingerprint")
+    return [int(x) for x in fp] if isinstance(fp, list) else None
+
+
+def poison_targets(outputs: Sequence[tuple[int, int]], inputs: Iterable[int]) -> list[int]:
+    """Which of a step's graph outputs (address, bytes) to poison before a run: every one that is
+    not also a tensor argument of a graph of the step (a piece may update its input in place;
+    poisoning that would change what the step computes, and not the eager reference's)."""
+    reads = set(inputs)
+    seen: set[int] = set()
+    out = []
+    for i, (ptr, size) in enumerate(outputs):
+        if ptr in reads or ptr in seen or size <= 0:
+            continue
+        seen.add(ptr)
+        out.append(i)
+    return out
+
+
+def combine(results: Mapping[str, dict[str, Any]], unchecked: Sequence[str] = ()) -> dict[str, Any]:
+    """One verdict of several cases' `verify.canary` results (the first failure's reason), their
+    costs summed, each part named by its case; unchecked cases named in `checked`."""
+    why = next((f"{name}: {r['why']}" for name, r in results.items() if not r["ok"]), "")
+    parts = {f"{name}.{part}": ms for name, r in results.items()
+             for part, ms in r.get("parts_ms", {}).items()}
+    checked = [f"{name}:{'+'.join(r.get('checked', []))}" for name, r in results.items()]
+    checked += [f"{name}:unchecked" for name in unchecked]
+    return {"ok": not why, "why": why, "checked": checked, "parts_ms": parts,
+            "verify_ms": sum(float(r.get("verify_ms", 0.0)) for r in results.values())}
+
+
+def failed(why: str) -> dict[str, Any]:
+    """A canary that could not run: a refusal, never a pass."""
+    return {"ok": False, "why": why, "checked": [], "parts_ms": {}, "verify_ms": 0.0}

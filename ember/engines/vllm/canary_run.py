@@ -1,0 +1,263 @@
+"""LOAD's vLLM canary on the GPU: the steps of `ember.engines.vllm.canary` through vLLM's own
+dummy run, native graphs (SAVE's record), restored ones (LOAD) or none (the eager reference).
+
+Each restored step runs through `Routed` graphs put where the engine looks for the duration of
+the canary, so a path chooses how every key of the step launches: through its group's template
+(exec updates between the step's keys) or through the key's own exec. Every path launches every
+key of the step once; a path that did not (vLLM dispatched the step otherwise) refuses. Capture
+is off meanwhile (`no_capture`): a step vLLM would capture instead of replaying raises, and a
+raising canary refuses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ember import settings
+from ember.engines.vllm import canary
+from ember.engines.vllm import graphs as sites
+from ember.engines.vllm.canary import Case
+from ember.runtime import verify
+from ember.runtime.graphs.driver import launch_exec
+from ember.runtime.proof.replay import fingerprint
+
+log = logging.getLogger("ember.vllm")
+POISON = 0xA5
+
+
+@contextlib.contextmanager
+def no_capture() -> Iterator[None]:
+    """vLLM's capture switch off: a step that would capture raises instead (`validate_...`)."""
+    from vllm.compilation import monitor
+
+    was = bool(monitor.cudagraph_capturing_enabled)
+    monitor.set_cudagraph_capturing_enabled(False)
+    try:
+        yield
+    finally:
+        monitor.set_cudagraph_capturing_enabled(was)
+
+
+class Steps:
+    """One engine's canary steps: state, a run in a mode, the step's outputs poisoned."""
+
+    def __init__(self, runner: Any, kind: str, facts: Mapping[str, Any]) -> None:
+        self.runner, self.kind, self.facts = runner, kind, facts
+
+    def reset(self, case: Case) -> None:
+        """Every run's start: V1's input ids seeded and positions zero (V2's dummy batch zeroes
+        both itself), the step's graph outputs poisoned."""
+        n = case.num_tokens
+        if self.kind == "v1":
+            ids = _gpu(self.runner.input_ids)[:n]
+            vocab = int(self.runner.model_config.get_vocab_size())
+            gen = torch.Generator(device="cpu").manual_seed(canary.SEED)
+            ids.copy_(torch.randint(0, vocab, (n,), generator=gen, dtype=torch.int64).to(ids.dtype))
+            _gpu(self.runner.positions)[..., :n].zero_()
+        for t in self.outputs(case):
+            if t.is_contiguous():
+                t.view(torch.uint8).fill_(POISON)
+            else:
+                t.fill_(-3)
+
+    def outputs(self, case: Case) -> list[torch.Tensor]:
+        """The step's graph outputs that may be poisoned (`canary.poison_targets`)."""
+        specs = self.facts.get("outputs") or {}
+        tensors = [t for k in case.keys for t in sites.flat_tensors(sites.rebuild(specs.get(_name(k))))]
+        reads = [a for k in case.keys for a in (self.facts.get("input_addresses") or {}).get(_name(k), [])]
+        keep = canary.poison_targets([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors], reads)
+        return [tensors[i] for i in keep]
+
+    def run(self, case: Case, graphs: bool) -> torch.Tensor:
+        """One dummy step of `case`, through graphs or without (NONE); its hidden states."""
+        n = case.num_tokens
+        if self.kind == "v1":
+            from vllm.config import CUDAGraphMode
+
+            mode = CUDAGraphMode.NONE
+            if graphs:
+                mode = CUDAGraphMode.FULL if case.full else CUDAGraphMode.PIECEWISE
+            # a FULL step's attention metadata as the capture built it (max_seq_len, splits)
+            hidden, _ = self.runner._dummy_run(
+                n, cudagraph_runtime_mode=mode, force_attention=case.full, uniform_decode=case.uniform,
+                allow_microbatching=False, skip_eplb=True, remove_lora=False, is_graph_capturing=case.full)
+        else:  # V2: the manager dispatches to the graphs; a profile run is eager (NONE)
+            with piecewise_dispatch(self.runner, case if graphs else None):
+                hidden, _ = self.runner._dummy_run(n, uniform_decode=case.uniform, skip_eplb=True,
+                                                   is_profile=not graphs)
+        if hidden is None:
+            raise RuntimeError("the dummy step returned no hidden states (not the last pipeline rank?)")
+        return hidden[:n]
+
+
+@contextlib.contextmanager
+def piecewise_dispatch(runner: Any, case: Case | None) -> Iterator[None]:
+    """V2, a PIECEWISE case: its dummy step dispatched to the size's PIECEWISE graphs. V2's dummy
+    batch of n <= max_num_reqs tokens is n one-token requests, which its manager gives a FULL
+    decode graph where there is one (`CudaGraphManager.dispatch`: candidates by priority)."""
+    if case is None or case.full:
+        yield
+        return
+    manager = runner.cudagraph_manager
+    original = manager.dispatch
+
+    def dispatch(num_reqs: int, num_tokens: int, uniform_token_count: int | None,
+                 num_active_loras: int = 0) -> Any:
+        if num_tokens == case.num_tokens:
+            for desc in manager._candidates.get((num_tokens, num_active_loras), []):
+                if getattr(desc.cg_mode, "name", "") == "PIECEWISE":
+                    return desc
+        return original(num_reqs, num_tokens, uniform_token_count, num_active_loras=num_active_loras)
+
+    manager.dispatch = dispatch
+    try:
+        yield
+    finally:
+        del manager.dispatch  # the class's method again
+
+
+class Routed:
+    """A restored graph for the canary's paths: through its template or its own exec."""
+
+    def __init__(self, library: Any, index: int, route: list[str], launched: list[int]) -> None:
+        self.library, self.index, self.route, self.launched = library, index, route, launched
+
+    def replay(self, stream: Any = None) -> None:
+        self.launched.append(self.index)
+        if self.route[0] == "own":
+            launch_exec(self.library.own.get(self.index), stream)
+        else:
+            self.library.launch_template(self.index, stream)
+
+    def reset(self) -> None:
+        pass
+
+
+def own_execs(library: Any, indices: list[int]) -> None:
+    """The keys' own execs, built as the Dedicator builds them, in one builder call."""
+    missing = [i for i in indices if not library.own.has(i)]
+    if missing:
+        built = library.own.build(missing)
+        library.upload([ex for _, ex in built])
+        for i, ex in built:
+            library.own.adopt(i, ex)
+
+
+def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
+               every_path: bool) -> tuple[dict[str, Any], str]:
+    """`verify.canary` over one step; returns its result and a problem found on the way (a path
+    that did not launch every key of the step)."""
+    indices = [library.key_index(k) for k in case.keys]
+    route: list[str] = ["template"]
+    launched: list[int] = []
+    problem: list[str] = []
+
+    t = time.perf_counter()
+    try:  # built before any step: a build that fails on one rank must not break the ranks' lockstep
+        own_execs(library, indices)
+        own = "own"
+    except Exception as exc:
+        problem.append(f"{case.name}: its own execs could not be built: {type(exc).__name__}: {exc}")
+        own = "template"  # the same launches as every other rank's, through the templates
+
+    def via(path: str) -> Callable[[], list[Any]]:
+        def step() -> list[Any]:
+            route[0] = path
+            launched.clear()
+            hidden = steps.run(case, graphs=True)
+            if sorted(set(launched)) != sorted(indices) and not problem:
+                problem.append(f"{case.name}: the {path} step launched {len(set(launched))} of its "
+                               f"{len(indices)} restored graphs (vLLM did not dispatch it to them)")
+            return fingerprint([hidden]) if saved is not None else [hidden]
+        return step
+
+    def trip() -> bool:  # every key's template to another member and back; always a step after
+        for i in indices:
+            try:  # no collective here: a failed update must not break the ranks' lockstep either
+                verify.round_trip(library, i)()
+            except Exception as exc:
+                problem.append(f"{case.name}: exec update of {library.keys[i]}: {type(exc).__name__}: {exc}")
+        return True
+
+    def ref() -> list[Any]:
+        return list(saved) if saved is not None else [steps.run(case, graphs=False)]
+
+    with routed(steps.runner, library, case, route, launched):
+        build_ms = (time.perf_counter() - t) * 1e3
+        result = verify.canary(ref, via("template"), lambda: steps.reset(case), trip, via(own),
+                               every_path=every_path)
+    result["parts_ms"]["own exec build"] = round(build_ms, 2)
+    result["verify_ms"] += build_ms
+    return result, (problem[0] if problem else "")
+
+
+@contextlib.contextmanager
+def routed(runner: Any, library: Any, case: Case, route: list[str], launched: list[int]) -> Iterator[None]:
+    """The step's restored graphs replaced by `Routed` ones while the canary runs."""
+    mine = {k: Routed(library, library.key_index(k), route, launched) for k in case.keys}
+    before = sites.replace(runner, mine)
+    try:
+        yield
+    finally:
+        sites.replace(runner, before)
+
+
+def run(runner: Any, kind: str, library: Any, facts: Mapping[str, Any], world: int) -> dict[str, Any]:
+    """LOAD's canary over every case (`canary.combine`); the caller takes the ranks' verdict."""
+    steps = Steps(runner, kind, facts)
+    saved = facts.get("canary")
+    full_eager = settings.on("EMBER_VLLM_CANARY_FULL_EAGER")
+    results: dict[str, dict[str, Any]] = {}
+    unchecked: list[str] = []
+    problems: list[str] = []
+    with torch.inference_mode(), no_capture():
+        for case in canary.cases(library.keys):
+            how = canary.plan(case, world, saved, full_eager)
+            if how == canary.UNCHECKED:
+                unchecked.append(case.name)
+                continue
+            fp = canary.saved_fingerprint(saved, case) if how == canary.SAVED else None
+            results[case.name], problem = check_case(steps, case, library, fp, every_path=world > 1)
+            problems += [problem] if problem else []
+    out = canary.combine(results, unchecked)
+    if unchecked:  # in the report too (`checked`): not silent, not a refusal (docs/runtime.md)
+        log.warning("ember: LOAD's canary has no reference for the %s step here", ", ".join(unchecked))
+    if problems and out["ok"]:
+        out.update(ok=False, why=problems[0])
+    return out
+
+
+def record(runner: Any, kind: str, keys: list[Any], facts: Mapping[str, Any]) -> dict[str, Any]:
+    """SAVE (one GPU): each case's step through the NATIVE graphs from the canary's state,
+    fingerprinted (`canary.record`); a case that cannot run, or whose two runs differ, records
+    why instead."""
+    steps = Steps(runner, kind, facts)
+    prints: dict[str, list[int] | str] = {}
+    cases = canary.cases(keys)
+    with torch.inference_mode(), no_capture():
+        for case in cases:
+            try:  # twice: a fingerprint LOAD could not reproduce would refuse every restore
+                runs = []
+                for _ in range(2):
+                    steps.reset(case)
+                    runs.append(fingerprint([steps.run(case, graphs=True)]))
+                prints[case.name] = runs[0] if runs[0] == runs[1] else "the native step is not bit-stable"
+            except Exception as exc:
+                prints[case.name] = f"{type(exc).__name__}: {exc}"
+            if isinstance(prints[case.name], str):  # LOAD checks it against an eager step, or not at all
+                log.warning("ember: SAVE's canary step %s: %s", case.name, prints[case.name])
+    return canary.record(cases, prints)
+
+
+def _gpu(buf: Any) -> torch.Tensor:
+    return getattr(buf, "gpu", buf)
+
+
+def _name(key: Any) -> str:
+    return ",".join(map(str, key))

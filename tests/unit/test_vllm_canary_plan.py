@@ -1,0 +1,225 @@
+"""LOAD's canary for vLLM without vLLM or a GPU: which steps it runs, against which reference,
+what it poisons, how several steps make one verdict, the ranks' agreement, the refusal's way to
+the report and the fallback reason, and what a refused LOAD leaves in the engine."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ember.engines.vllm import canary, keys, report
+from ember.engines.vllm.canary import EAGER, SAVED, UNCHECKED, Case
+from ember.engines.vllm.keys import PIECEWISE_ENTRY, V1_FULL_ENTRY, V2_FULL_GRAPH, GraphConfig
+from ember.runtime import faults
+from ember.runtime.adapter import Refused
+from ember.runtime.verify import VERIFY, refuse_unless
+from ember_sidecar.claims import reason_class
+
+
+def _keys(mode: str = "FULL_AND_PIECEWISE", runner: str = "v1", pieces: int = 3) -> list[tuple[int, ...]]:
+    sizes = keys.default_capture_sizes(16, 2048)
+    cfg = GraphConfig(mode, tuple(sizes), max(sizes), 16, runner=runner)
+    return keys.enumerate_keys(cfg, pieces)
+
+
+@pytest.mark.parametrize("runner,full_site", [("v1", V1_FULL_ENTRY), ("v2", V2_FULL_GRAPH)])
+def test_the_canary_runs_the_smallest_piecewise_step_whole_and_the_smallest_decode_step(
+        runner: str, full_site: int) -> None:
+    pw, full = canary.cases(reversed(_keys(runner=runner)))  # any order in, launch order out
+    assert pw.name == "piecewise" and pw.num_tokens == 1 and not pw.uniform
+    assert pw.keys == tuple((PIECEWISE_ENTRY, p, 1, -1, 0) for p in range(3))  # every piece, in order
+    assert full.name == "full" and full.full and full.uniform and full.num_tokens == 1
+    assert full.keys == ((full_site, 0, 1, 1, 1),)
+
+
+def test_a_mode_without_full_or_piecewise_graphs_has_one_case() -> None:
+    assert [c.name for c in canary.cases(_keys("PIECEWISE"))] == ["piecewise"]
+    assert [c.name for c in canary.cases(_keys("FULL_DECODE_ONLY"))] == ["full"]
+    (full,) = canary.cases(_keys("FULL"))  # FULL for every batch: no uniform descriptor
+    assert full.keys[0][4] == 0 and full.num_tokens == 1
+    assert canary.cases([]) == []
+
+
+def _saved(cases: list[Case], prints: dict[str, Any]) -> dict[str, Any]:
+    return canary.record(cases, prints)
+
+
+def test_one_gpu_compares_with_saves_fingerprint_of_the_same_step_only() -> None:
+    pw, full = canary.cases(_keys())
+    saved = _saved([pw, full], {"piecewise": [1, 2], "full": "RuntimeError: no graph"})
+    assert canary.plan(pw, 1, saved, False) == SAVED and canary.saved_fingerprint(saved, pw) == [1, 2]
+    # SAVE could not run the FULL step: no fingerprint, and no eager reference unless asked
+    assert canary.plan(full, 1, saved, False) == UNCHECKED
+    assert canary.plan(full, 1, saved, True) == EAGER
+    # another step (other pieces), another kind: not compared with a fingerprint
+    other = Case("piecewise", 1, False, pw.keys[:2])
+    assert canary.saved_fingerprint(saved, other) is None and canary.plan(other, 1, saved, False) == EAGER
+    assert canary.saved_fingerprint({**saved, "kind": "request-rows"}, pw) is None
+    assert canary.plan(pw, 1, None, False) == EAGER  # an archive saved before the canary
+
+
+def test_n_ranks_never_use_a_fingerprint_save_made_without_data() -> None:
+    pw, full = canary.cases(_keys())
+    saved = _saved([pw, full], {"piecewise": [1, 2], "full": [3]})
+    assert canary.plan(pw, 2, saved, False) == EAGER
+    assert canary.plan(full, 2, saved, False) == UNCHECKED
+    assert canary.plan(full, 2, saved, True) == EAGER
+
+
+def test_outputs_a_graph_of_the_step_reads_are_not_poisoned() -> None:
+    outs = [(0x1000, 64), (0x2000, 64), (0x1000, 64), (0x3000, 0), (0x4000, 8)]
+    assert canary.poison_targets(outs, [0x2000]) == [0, 4]  # read, duplicate, empty: left alone
+
+
+def test_several_steps_make_one_verdict_with_their_costs() -> None:
+    ok = {"ok": True, "why": "", "checked": ["template", "own exec"], "verify_ms": 4.0,
+          "parts_ms": {"reference": 1.0, "template": 3.0}}
+    bad = {**ok, "ok": False, "why": "as instantiated: output 0: element 3 of 8 differs", "verify_ms": 6.0}
+    got = canary.combine({"piecewise": ok, "full": bad}, ["other"])
+    assert not got["ok"] and got["why"].startswith("full: as instantiated")
+    assert got["verify_ms"] == 10.0 and got["parts_ms"]["full.template"] == 3.0
+    assert got["checked"] == ["piecewise:template+own exec", "full:template+own exec", "other:unchecked"]
+    assert canary.combine({"piecewise": ok})["ok"]
+    assert not canary.failed("no runner")["ok"]
+
+
+def test_a_rank_whose_canary_passed_refuses_with_its_failed_peers() -> None:
+    heard: list[bool] = []
+
+    def agree(ok: bool) -> bool:
+        heard.append(ok)
+        return False  # a peer's canary failed
+
+    with pytest.raises(Refused) as err:
+        refuse_unless({"ok": True, "why": ""}, 2, 0, agree)
+    assert heard == [True] and err.value.stage == VERIFY
+    assert "another rank's canary failed" in err.value.reason
+    assert reason_class(err.value.reason) == "canary-differs"
+    refuse_unless({"ok": True, "why": ""}, 2, 0, lambda ok: ok)
+
+
+class _Cfg:
+    def __init__(self, tp: int) -> None:
+        self.parallel_config = SimpleNamespace(tensor_parallel_size=tp, data_parallel_size=1,
+                                               pipeline_parallel_size=1)
+
+
+def _fake_run(monkeypatch: pytest.MonkeyPatch, run: Any) -> None:
+    mod = types.ModuleType("ember.engines.vllm.canary_run")
+    mod.run = run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "ember.engines.vllm.canary_run", mod)
+    import ember.engines.vllm as pkg
+
+    monkeypatch.setattr(pkg, "canary_run", mod, raising=False)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_canary_that_raises_refuses_and_still_takes_part_in_the_ranks_agreement(
+        monkeypatch: pytest.MonkeyPatch, tp: int) -> None:
+    from ember.engines.vllm import parallel
+    from ember.engines.vllm.adapter import VllmAdapter
+
+    def run(*_: Any) -> dict[str, Any]:
+        raise RuntimeError("vLLM's dummy run changed")
+
+    _fake_run(monkeypatch, run)
+    votes: list[bool] = []
+    monkeypatch.setattr(parallel, "agree", lambda ok: votes.append(ok) or ok)
+    adapter = VllmAdapter(vllm_config=_Cfg(tp), runner_kind="v1")
+    monkeypatch.setattr(adapter, "rank", lambda: tp - 1)
+    with pytest.raises(Refused) as err:
+        adapter.verify(SimpleNamespace(keys=[]))
+    assert votes == ([False] if tp > 1 else [])  # one GPU: no peers to tell
+    assert f"rank {tp - 1}: " in err.value.reason and "could not run: RuntimeError" in err.value.reason
+    assert adapter.canary["ok"] is False
+
+
+def test_a_passed_canary_reports_its_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ember.engines.vllm import parallel
+    from ember.engines.vllm.adapter import VllmAdapter
+
+    result = canary.combine({"piecewise": {"ok": True, "why": "", "checked": ["template"], "verify_ms": 7.5,
+                                           "parts_ms": {"template": 5.0}}})
+    _fake_run(monkeypatch, lambda *_: result)
+    monkeypatch.setattr(parallel, "agree", lambda ok: ok)
+    adapter = VllmAdapter(vllm_config=_Cfg(2), runner_kind="v2")
+    monkeypatch.setattr(adapter, "rank", lambda: 1)
+    got = adapter.verify(SimpleNamespace(keys=[]))
+    assert got["verify_ms"] == 7.5 and got["verify_parts"] == {"piecewise.template": 5.0}
+
+
+def test_a_refused_load_takes_the_restored_graphs_out_of_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ember.engines.vllm import graphs as sites
+    from ember.engines.vllm.adapter import VllmAdapter
+
+    wrapper = SimpleNamespace(concrete_cudagraph_entries={"bd": "restored"})
+    monkeypatch.setattr(sites, "wrappers", lambda: {(PIECEWISE_ENTRY, 0): wrapper})
+    manager = SimpleNamespace(graphs={"desc": "restored"}, hidden_states=None, _graphs_captured=False)
+    runner = SimpleNamespace(cudagraph_manager=manager)
+    adapter = VllmAdapter(runner, vllm_config=_Cfg(1), runner_kind="v2")
+    adapter.uninstall()  # nothing installed: nothing touched
+    assert wrapper.concrete_cudagraph_entries
+    adapter._before, adapter._installed = sites.engine_state(runner), True
+    manager.hidden_states, manager._graphs_captured = "SAVE's buffer", True  # what install did
+    adapter.uninstall()
+    assert wrapper.concrete_cudagraph_entries == {} and manager.graphs == {}
+    assert manager.hidden_states is None and manager._graphs_captured is False  # vLLM captures anew
+
+
+def test_the_skip_kernel_fault_leaves_out_a_kernel_with_plain_edges_only() -> None:
+    kernels = np.array([0, 2, 3])
+    src, dst = np.array([0, 2, 3]), np.array([2, 3, 4])
+    plain = np.zeros(3, dtype=bool)
+    assert faults.kernel_to_skip(kernels, src, dst, plain) == 3
+    programmatic = np.array([False, True, False])  # 2 → 3 is programmatic
+    assert faults.kernel_to_skip(kernels, src, dst, programmatic) == 0
+    assert faults.kernel_to_skip(np.array([2, 3]), src, dst, programmatic) is None
+    assert "skip-kernel" in faults.NAMES
+
+
+def test_the_canarys_cost_and_verdict_reach_each_ranks_report(tmp_path: Path) -> None:
+    path = tmp_path / "vllm-report.json"
+    assert report.verify_cost(report.read(path)) == {}
+    verify = {"ok": True, "verify_ms": 31.2, "parts_ms": {"piecewise.template": 9.0},
+              "checked": ["piecewise:template"]}
+    report.write(path, {"stages": {"verify": verify}}, (1, 2))
+    one = report.read(path)["ranks"]["1"]
+    assert report.verify_cost(one) == {"ok": True, "verify_ms": 31.2, "parts_ms": {"piecewise.template": 9.0},
+                                       "checked": ["piecewise:template"], "why": ""}
+
+
+def test_a_canary_refusal_on_n_ranks_keeps_its_reason_class_and_names_the_rank_that_saw_it(
+        tmp_path: Path) -> None:
+    from ember.serving.vllm import _not_restored
+
+    path = tmp_path / "vllm-report.json"
+    head = "canary differs: rank {}: restored graphs do not compute what the engine does: "
+    report.write(path, {"stages": {"capture": {"how": "native-after-refusal"}, "load_refused": {
+        "reason": head.format(0) + "another rank's canary failed"}}}, (0, 2))
+    report.write(path, {"stages": {"capture": {"how": "native-after-refusal"}, "load_refused": {
+        "reason": head.format(1) + "piecewise: as instantiated: output 0: element 5 of 64 differs"}}}, (1, 2))
+    got = report.read(path)
+    why = _not_restored(got, [one["stages"] for one in got["ranks"].values()])
+    assert why.startswith("canary differs: rank 1: ") and why.endswith("(restored on 0 of 2 ranks)"), why
+    assert reason_class(why) == "canary-differs"
+
+
+def test_the_bench_reports_the_canarys_cost_per_run_and_per_rank(tmp_path: Path) -> None:
+    from ember_bench.vllm_parallel import per_rank
+    from ember_bench.vllm_report import markdown, summarize
+
+    verify = {"ok": True, "verify_ms": 42.5, "parts_ms": {"piecewise.template": 9.0}, "checked": []}
+    one = {"ember": {"stages": {"verify": verify, "capture": {"how": "restored"}}}}
+    got = summarize({"native": {}, "load": one}, tmp_path)
+    assert got["runs"]["load"]["verify_ms"] == 42.5 and got["runs"]["native"]["verify_ms"] is None
+    assert got["runs"]["load"]["verify_parts_ms"] == {"piecewise.template": 9.0}
+    assert "| verify_ms | — | 42.50 |" in markdown("m", 2, "gpu", got)
+    ranks = per_rank({"ember": {"ranks": {"1": {"stages": {"verify": verify}}, "0": {"stages": {}}}}})
+    assert ranks["1"]["verify_ms"] == 42.5 and ranks["1"]["verify_ok"] is True
+    assert ranks["0"]["verify_ms"] is None  # refused before its canary, or captured natively
