@@ -26,6 +26,10 @@ INCLUDES = {
     "latency": "the old shape's requests sent in the window: send → last token (its tokens each)",
     "graphs": "vLLM's compilation_counter.num_cudagraph_captured in each worker, at the end of "
     "start-up and its growth while serving (the plugin's `cudagraphs` stage)",
+    "verify_ms": "LOAD's verification of the restored graphs when the plugin reports one (vLLM's "
+    "adapter has no canary yet: —)",
+    "save_job_s": "the SAVE Job of one identity (sizing probe and SAVE processes, on one GPU), "
+    "done before the old shape starts: not part of any switch",
 }
 
 
@@ -276,6 +280,10 @@ def markdown(model: str, layers: int, device: str, summary: dict[str, Any]) -> s
     if summary["status"] == "refused":
         lines += ["**Not run on this machine:**", ""] + [f"- {r}" for r in summary["plan"]["refusals"]]
         return "\n".join([*lines, ""])
+    old = summary.get("old") or {}
+    lines += [f"Old shape: first token {_fmt(old.get('first_token_s'))} s after its process started, "
+              f"restored on every rank: {_fmt(old.get('restored_every_rank'))}, "
+              f"rc {_fmt(old.get('rc'))}.", ""]
     lines += _goals_md(summary) + _switches_md(summary) + _service_md(summary)
     lines += ["## SAVE", "", "| shape | published | reused | SAVE Job s | error |", "|---|---|---|---|---|"]
     for label, row in summary["saves"].items():
