@@ -64,7 +64,8 @@ class Options:
     baseline_s: float = 10.0
     settle_s: float = 5.0
     request_timeout_s: float = 60.0
-    timeout: float = 600.0
+    timeout: float = 600.0  # a SAVE Job; an engine's start up to its first token
+    after_first_s: float = 300.0  # a new shape's greedy batches and shutdown after its first token
     reuse_saves: bool = False
 
 
@@ -185,8 +186,11 @@ def finish(r: Running, timeout: float) -> dict[str, Any]:
         rc = f"killed after {timeout:.0f} s"
     reap(r)
     res: dict[str, Any] = {}
-    with contextlib.suppress(OSError, ValueError):
-        res = json.loads(r.out.read_text())
+    for part in (r.events, r.out):  # the events first: an engine that died after its first token
+        with contextlib.suppress(OSError, ValueError):
+            res.update(json.loads(part.read_text()))
+    if res.get("first_token_mono") and res.get("start_mono") and "first_token_s" not in res:
+        res["first_token_s"] = round(res["first_token_mono"] - res["start_mono"], 3)
     res.update(name=r.name, rc=rc, exit_mono=time.monotonic(), started_mono=r.started_mono,
                ember=reports.read(r.report))
     if r.requests_log.exists():  # the trickle, written as it went: there even if the engine died
@@ -227,8 +231,12 @@ def switch(variant: str, new_ident: Any, p: Plan, work: Path, archive: str, opts
     t_switch = time.monotonic()
     r = spawn(f"new-{variant}", "load" if variant == "restored" else "native", args, p.new_gpus, work,
               child, archive if variant == "restored" else "")
-    first = first_token(r, opts.timeout)
-    res = finish(r, opts.timeout if first else 30.0)
+    try:
+        first = first_token(r, opts.timeout)
+    except BaseException:  # interrupted: the new engine does not outlive the bench
+        stop(r)
+        raise
+    res = finish(r, opts.after_first_s if first else 30.0)
     res.update(variant=variant, switch_mono=t_switch,
                switch_to_first_token_s=round(first - t_switch, 3) if first else None)
     return res

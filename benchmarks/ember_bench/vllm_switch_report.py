@@ -21,6 +21,9 @@ INCLUDES = {
     "token (one request, one token): process start, `import vllm`, the engine's start (config, "
     "workers, weights, compile or the archive's compiled code, KV cache, graphs captured or "
     "restored) and the request; nothing is started ahead of the switch",
+    "page_cache": "the SAVE Jobs and the old shape imported vLLM and read the model before, so "
+    "their files are in the page cache, as on a node that already serves; the restored run reads "
+    "its archive from a local store on this disk (a pod's sidecar fetch from S3 is not in it)",
     "engine_init_s": "vLLM's AsyncLLM construction in the new process (no import, no request)",
     "import_s": "`import vllm` in the new process",
     "latency": "the old shape's requests sent in the window: send → last token (its tokens each)",
