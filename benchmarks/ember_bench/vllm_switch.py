@@ -12,13 +12,15 @@ the parallel pins) and a pod's environment (`ranks.pod_env`), as `ember bench vl
    SAVE on ONE GPU, the first one, playing rank 0 of its world); SAVE time of each;
 2. the old shape, restored from its archive, on the first GPUs; once its first token is out, a
    trickle of requests (`--interval`, open loop) for `--baseline` seconds before any switch;
-3. each switch (`--variants`, default restored then native): the time is taken, the new shape's
+3. each switch (`--variants`, default restored, native, native-warm): the time is taken, the new shape's
    engine process is started (`vllm_switch_child`, role `switch`), and switch → first token is
    until that process has its first token (one request, one token) — process start, `import
    vllm`, the engine's start (weights, compile or the archive's compiled code, KV cache, graphs
    captured or restored) and the first request are all in it, nothing is started ahead. Then
    greedy tokens at each batch size (per DP rank with data parallel ranks), and the new engine
-   shuts down; `--settle` seconds before the next switch;
+   shuts down; `--settle` seconds before the next switch. `native-warm` is native again on the
+   vLLM cache the native start left (compiled code warm, graphs still captured): what vLLM's own
+   cache gives a pod that has it;
 4. the old shape is stopped; its trickle gives requests served / failed, p50 / p99 latency before
    the switches and within each (switch → the new shape's first token; switch → its exit).
 
@@ -45,10 +47,11 @@ from typing import Annotated, Any
 import typer
 
 from ember.engines.vllm import report as reports
-from ember_bench.vllm_switch_plan import Plan, Shape, plan, shape, visible_gpus
+from ember_bench.vllm_switch_plan import Plan, Shape, plan, shape, variants_problem, visible_gpus
 from ember_bench.vllm_switch_report import write_report
 
-VARIANTS = ("restored", "native")
+VARIANTS = ("restored", "native", "native-warm")
+MODES = {"restored": "load", "native": "native", "native-warm": "native"}
 CHILD_MODULE = "ember_bench.vllm_switch_child"  # the engine process (`python -m`)
 
 
@@ -139,9 +142,9 @@ def save(ident: Any, p: Plan, work: Path, opts: Options) -> dict[str, Any]:
 
 
 def spawn(name: str, mode: str, args: list[str], gpus: tuple[str, ...], work: Path,
-          child: dict[str, Any], archive: str = "") -> Running:
+          child: dict[str, Any], archive: str = "", cache: Path | None = None) -> Running:
     """Start one engine process (`mode`: load, under libember with `archive`; native: plain vLLM)
-    in a fresh run folder and a fresh vLLM cache root."""
+    in a fresh run folder and a fresh vLLM cache root (or `cache`, an earlier run's)."""
     from ember_bench.vllm_parallel import child_env
 
     run = work / "runs" / name
@@ -152,6 +155,8 @@ def spawn(name: str, mode: str, args: list[str], gpus: tuple[str, ...], work: Pa
     if archive:
         extra["EMBER_VLLM_ARCHIVE"] = archive
     env = child_env(mode, args, run, extra)
+    if cache is not None:
+        env["VLLM_CACHE_ROOT"] = str(cache)
     spec = json.dumps({**child, "engine_args": args, "events": str(run / "events.json"),
                        "out": str(run / "result.json"), "requests_log": str(run / "requests.jsonl")})
     started = time.monotonic()
@@ -228,9 +233,11 @@ def switch(variant: str, new_ident: Any, p: Plan, work: Path, archive: str, opts
     child = {"role": "switch", "batch_sizes": list(opts.batch_sizes), "max_tokens": opts.max_tokens,
              "dp": p.new.data}
     args = engine_args_of(new_ident, opts.memory_fraction)
+    # native-warm: the cache root the native start filled (ember_bench.vllm_parallel.child_env)
+    cache = work / "runs" / "new-native" / "vllm-cache-native" if variant == "native-warm" else None
     t_switch = time.monotonic()
-    r = spawn(f"new-{variant}", "load" if variant == "restored" else "native", args, p.new_gpus, work,
-              child, archive if variant == "restored" else "")
+    r = spawn(f"new-{variant}", MODES[variant], args, p.new_gpus, work, child,
+              archive if variant == "restored" else "", cache)
     try:
         first = first_token(r, opts.timeout)
     except BaseException:  # interrupted: the new engine does not outlive the bench
@@ -313,8 +320,8 @@ def bench_vllm_switch(
     """A parallelism switch on one machine: the old shape serving, the new one started beside it,
     restored vs native; switch → first token, the old shape's service meanwhile, tokens."""
     chosen = tuple(v for v in variants.split(",") if v)
-    if not chosen or any(v not in VARIANTS for v in chosen):
-        raise typer.BadParameter(f"--variants: some of {', '.join(VARIANTS)}")
+    if why := variants_problem(chosen, VARIANTS):
+        raise typer.BadParameter(f"--variants: {why}")
     try:
         old, new = shape(from_tp, from_ep), shape(to_tp, to_ep)
     except ValueError as exc:

@@ -97,6 +97,17 @@ def plan(old: Shape, new: Shape, gpus: list[str], memory_fraction: float) -> Pla
                 memory_fraction=memory_fraction, refusals=tuple(why))
 
 
+def variants_problem(chosen: tuple[str, ...], known: tuple[str, ...]) -> str:
+    """What is wrong with the new shape's starts ("" when nothing): known names, each once, and
+    native-warm after native (it starts on the vLLM cache native filled)."""
+    if not chosen or any(v not in known for v in chosen) or len(set(chosen)) != len(chosen):
+        return f"each of {', '.join(known)} at most once"
+    if "native-warm" in chosen and ("native" not in chosen
+                                    or chosen.index("native") > chosen.index("native-warm")):
+        return "native-warm starts on the vLLM cache native left: native before it"
+    return ""
+
+
 def visible_gpus(env_value: str | None, count: int) -> list[str]:
     """The machine's GPUs as the children name them in CUDA_VISIBLE_DEVICES: the parent's own list
     when it has one (indices or UUIDs), else 0..count-1."""

@@ -114,7 +114,8 @@ def _results(restored_ranks: list[dict[str, Any]], old_first: float | None = 2.0
 def test_goals_met_when_every_rank_restores_without_capturing() -> None:
     p = plan(shape(1, 2), shape(1, 4), list("0123"), 0.35)
     s = rep.summarize(p, vs.Options(), _results([_rank("restored", 0, 0), _rank("restored", 0, 0)]))
-    verdicts = {g["goal"]: g["verdict"] for g in s["goals"]}
+    verdicts = {g["key"]: g["verdict"] for g in s["goals"]}
+    assert verdicts.pop("sooner_warm") == rep.NOT_MEASURED  # no native-warm start here
     assert set(verdicts.values()) == {rep.MET}, verdicts
     assert s["switches"]["restored"]["ranks"]["1"]["graphs_captured_at_start"] == 0
     assert s["service"]["before"]["sent"] == 5 and s["service"]["restored"]["to_first_token"]["served"] == 7
@@ -148,3 +149,14 @@ def test_the_command_refuses_two_gpus_for_ep4_and_says_so(tmp_path: Path,
     (js,) = tmp_path.glob("vllm-switch-*.json")
     assert json.loads(js.read_text())["summary"]["status"] == "refused"
     assert not (tmp_path / "w").exists()  # nothing started
+
+
+def test_variants_native_warm_after_native() -> None:
+    from ember_bench.vllm_switch_plan import variants_problem
+
+    assert variants_problem(vs.VARIANTS, vs.VARIANTS) == ""
+    assert variants_problem(("native", "restored"), vs.VARIANTS) == ""
+    assert "native before it" in variants_problem(("native-warm", "native"), vs.VARIANTS)
+    assert "native before it" in variants_problem(("restored", "native-warm"), vs.VARIANTS)
+    assert "at most once" in variants_problem(("restored", "restored"), vs.VARIANTS)
+    assert "at most once" in variants_problem(("warm",), vs.VARIANTS) and variants_problem((), vs.VARIANTS)

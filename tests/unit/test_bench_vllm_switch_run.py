@@ -27,7 +27,8 @@ time.sleep(0.3)  # the engine's start
 first = time.monotonic()
 Path(a["events"]).write_text(json.dumps({"start_mono": T0, "first_token_mono": first}))
 res = {"first_token_s": first - T0, "first_token_mono": first, "engine_init_s": 0.2, "import_s": 0.05,
-       "gpus": os.environ["CUDA_VISIBLE_DEVICES"], "mode": os.environ.get("EMBER_MODE")}
+       "gpus": os.environ["CUDA_VISIBLE_DEVICES"], "mode": os.environ.get("EMBER_MODE"),
+       "cache": os.environ.get("VLLM_CACHE_ROOT")}
 gpus = os.environ["CUDA_VISIBLE_DEVICES"].split(",")
 how = "restored" if os.environ.get("EMBER_VLLM_ARCHIVE") else "native"
 for r in range(len(gpus)):
@@ -51,7 +52,13 @@ Path(a["out"]).write_text(json.dumps(res))
 
 
 def _env(mode: str, args: list[str], work: Path, extra: dict[str, str]) -> dict[str, str]:
-    return {**os.environ, "EMBER_MODE": mode, **extra}
+    """vllm_parallel.child_env without libember: its cache root (test below), the mode."""
+    return {**os.environ, "EMBER_MODE": mode, "VLLM_CACHE_ROOT": str(work / f"vllm-cache-{mode}"), **extra}
+
+
+def test_the_native_cache_root_native_warm_starts_on(tmp_path: Path) -> None:
+    env = vllm_parallel.child_env("native", [], tmp_path / "runs" / "new-native", {})
+    assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "runs" / "new-native" / "vllm-cache-native")
 
 
 def test_a_switch_of_stand_in_engines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,14 +76,17 @@ def test_a_switch_of_stand_in_engines(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(vs, "save", save)
     p = plan(shape(1, 2), shape(1, 4), ["4", "5", "6", "7"], 0.35)
     opts = vs.Options(baseline_s=0.4, settle_s=0.1, interval_s=0.02, timeout=30, request_timeout_s=5)
-    results = vs.run_switches(p, tmp_path / "w", tmp_path / "cfg", ("restored", "native"), opts)
+    results = vs.run_switches(p, tmp_path / "w", tmp_path / "cfg", vs.VARIANTS, opts)
 
     assert len(set(saved)) == 2 and set(results["identities"].values()) == set(saved)
     old, restored, native = results["old"], results["switches"]["restored"], results["switches"]["native"]
     assert (old["gpus"], restored["gpus"], native["gpus"]) == ("4,5", "4,5,6,7", "4,5,6,7")
     assert (old["mode"], restored["mode"], native["mode"]) == ("load", "load", "native")
+    warm = results["switches"]["native-warm"]
+    assert warm["mode"] == "native" and warm["cache"] == str(tmp_path / "w/runs/new-native/vllm-cache-native")
+    assert restored["cache"] == str(tmp_path / "w/runs/new-restored/vllm-cache-load")
     assert old["rc"] == 0 and len(old["requests"]) > 10  # it served until told to stop
-    assert old["requests"][-1]["sent"] > native["exit_mono"] - 0.5  # ... after the last switch
+    assert old["requests"][-1]["sent"] > warm["exit_mono"] - 0.5  # ... after the last switch
     assert 0.3 <= restored["switch_to_first_token_s"] < 5
     assert restored["switch_mono"] < restored["first_token_mono"] < restored["exit_mono"]
     assert restored["exit_mono"] < native["switch_mono"]
