@@ -46,10 +46,10 @@ def per_rank(res: dict[str, Any]) -> dict[str, Any]:
     for r, one in ranks.items():
         st = one.get("stages") or {}
         graphs = st.get("cudagraphs") or {}
-        check = st.get("canary") or st.get("verify") or {}
+        timings = (st.get("load") or {}).get("timings") or {}
         out[r].update(graphs_captured_at_start=graphs.get("at_start"),
                       graphs_captured_serving=graphs.get("serving"),
-                      verify_ms=check.get("ms") or check.get("milliseconds"))
+                      verify_ms=timings.get("verify_ms"))  # LOAD's canary, where the adapter has one
     return out
 
 

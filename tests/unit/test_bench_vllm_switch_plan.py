@@ -83,7 +83,7 @@ def test_tokens_are_compared_per_dp_rank() -> None:
 
 def _rank(how: str, at_start: int | None, serving: int | None, splice: float = 3.0) -> dict[str, Any]:
     stages: dict[str, Any] = {"capture": {"how": how, "seconds": 0.5},
-                              "load": {"graphs": 10, "timings": {"splice_now_ms": splice}}}
+                              "load": {"graphs": 10, "timings": {"splice_now_ms": splice, "verify_ms": 7.5}}}
     if at_start is not None:
         stages["cudagraphs"] = {"at_start": at_start, "serving": serving}
     return {"stages": stages, "world": 2}
@@ -118,6 +118,7 @@ def test_goals_met_when_every_rank_restores_without_capturing() -> None:
     assert verdicts.pop("sooner_warm") == rep.NOT_MEASURED  # no native-warm start here
     assert set(verdicts.values()) == {rep.MET}, verdicts
     assert s["switches"]["restored"]["ranks"]["1"]["graphs_captured_at_start"] == 0
+    assert s["switches"]["restored"]["ranks"]["1"]["verify_ms"] == 7.5
     assert s["service"]["before"]["sent"] == 5 and s["service"]["restored"]["to_first_token"]["served"] == 7
     assert s["tokens"]["identical"] is True
 
