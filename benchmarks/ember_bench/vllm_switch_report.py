@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ember_bench.vllm_report import STAGES
 from ember_bench.vllm_switch_plan import Plan, window
 
 MET, NOT_MET, NOT_MEASURED = "met", "not met", "not measured"
@@ -247,18 +248,21 @@ def _switches_md(summary: dict[str, Any]) -> list[str]:
             "generate_s", "restored_every_rank", "rc")
     lines = ["## The new shape's start", "", "| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     lines += [f"| {k} | " + " | ".join(_fmt(sw[c].get(k)) for c in cols) + " |" for k in keys]
-    lines += ["", "| run | rank | how | refusal | LOAD/capture s | splice ms | graphs at start | "
-              "graphs serving | verify ms | load_model s | compile_or_warm_up s |", "|---" * 11 + "|"]
+    lines += ["", "Per rank (worker stages, s: init_device / load_model / determine_available_memory / "
+              "initialize_from_config / compile_or_warm_up_model):", "",
+              "| run | rank | how | refusal | LOAD/capture s | splice ms | graphs at start | "
+              "graphs serving | verify ms | worker stages s |", "|---" * 10 + "|"]
     runs = {"old (serving)": (summary.get("old") or {}).get("ranks") or {}}
     runs.update({c: sw[c]["ranks"] for c in cols})
     for c, ranks in runs.items():
         for r, one in ranks.items():
             st = one.get("worker_stages_s") or {}
+            stages = " / ".join(_fmt(st.get(s)) for s in STAGES)
             lines.append(f"| {c} | {r} | {_fmt(one.get('capture_how'))} | {_fmt(one.get('refusal'))} | "
                          f"{_fmt(one.get('capture_s'))} | {_fmt(one.get('splice_ms'))} | "
                          f"{_fmt(one.get('graphs_captured_at_start'))} | "
                          f"{_fmt(one.get('graphs_captured_serving'))} | {_fmt(one.get('verify_ms'))} | "
-                         f"{_fmt(st.get('load_model'))} | {_fmt(st.get('compile_or_warm_up_model'))} |")
+                         f"{stages} |")
     return [*lines, ""]
 
 

@@ -98,4 +98,5 @@ def test_a_switch_of_stand_in_engines(tmp_path: Path, monkeypatch: pytest.Monkey
     assert summary["tokens"]["dp_ranks"] == {f"dp{r}": True for r in range(4)}
     assert summary["service"]["restored"]["to_first_token"]["served"] > 0
     assert summary["switches"]["native"]["ranks"]["3"]["graphs_captured_at_start"] == 9
-    assert "| restored | 3 | restored |" in path.with_suffix(".md").read_text()
+    md = path.with_suffix(".md").read_text()
+    assert "| restored | 3 | restored |" in md and "— / — / — / — / — |" in md
