@@ -4,9 +4,10 @@ An EP=2 engine (by default; any `--from-tp/--from-ep`) serves a steady trickle o
 the new shape (`--to-tp/--to-ep`, EP=4 by default) is started on the same machine while the old
 one keeps serving, sharing its GPUs (each engine gets `--memory-fraction` of every GPU it uses),
 once restored from its pre-saved archive and once natively (no archive: vLLM compiles and
-captures). Both are fresh pods: a fresh vLLM cache root each (the restored one gets the compiled
-code from the archive), the engine arguments of the identity (`ember.engines.vllm.args`, with
-the parallel pins) and a pod's environment (`ranks.pod_env`), as `ember bench vllm --tp/--ep`.
+captures), then natively on the cache that left. The first two are fresh pods: a fresh vLLM
+cache root each (the restored one gets the compiled code from the archive); all run the engine
+arguments of the identity (`ember.engines.vllm.args`, with the parallel pins) and a pod's
+environment (`ranks.pod_env`), as `ember bench vllm --tp/--ep`.
 
 1. SAVE both identities first, each by the SAVE Job (`vllm_parallel.run_save`: sizing probe and
    SAVE on ONE GPU, the first one, playing rank 0 of its world); SAVE time of each;
@@ -18,7 +19,7 @@ the parallel pins) and a pod's environment (`ranks.pod_env`), as `ember bench vl
    vllm`, the engine's start (weights, compile or the archive's compiled code, KV cache, graphs
    captured or restored) and the first request are all in it, nothing is started ahead. Then
    greedy tokens at each batch size (per DP rank with data parallel ranks), and the new engine
-   shuts down; `--settle` seconds before the next switch. `native-warm` is native again on the
+   shuts down; 5 s (`Options.settle_s`) before the next switch. `native-warm` is native again on the
    vLLM cache the native start left (compiled code warm, graphs still captured): what vLLM's own
    cache gives a pod that has it;
 4. the old shape is stopped; its trickle gives requests served / failed, p50 / p99 latency before
