@@ -20,6 +20,7 @@ from ember_bench.native import bench_native
 from ember_bench.parse import bench_parse
 from ember_bench.switch import bench_switch
 from ember_bench.vllm import bench_vllm
+from ember_bench.vllm_switch import bench_vllm_switch
 from ember_bench.vllm_warm import bench_vllm_warm
 
 app = typer.Typer(help="Benchmarks (run the GPU ones on a GPU machine).", no_args_is_help=True)
@@ -34,4 +35,5 @@ app.command("switch")(bench_switch)
 app.command("fuzz")(bench_fuzz)
 app.command("vllm")(bench_vllm)
 app.command("vllm-warm")(bench_vllm_warm)
+app.command("vllm-switch")(bench_vllm_switch)
 app.command("correctness")(bench_correctness)

@@ -198,6 +198,12 @@ def _patch_runner(module_name: str, kind: str) -> None:
         init(self, vllm_config, device, *a, **kw)
 
     def capture_model(self: Any) -> int:
+        try:
+            return _capture_model(self)
+        finally:
+            watch_graph_captures()
+
+    def _capture_model(self: Any) -> int:
         t = time.perf_counter()
         if STATE.mode == "load" and (STATE.refusal or not STATE.armed):
             _vote_no(self, kind)  # its peers LOAD: they hear of this rank's refusal before restoring
@@ -210,6 +216,33 @@ def _patch_runner(module_name: str, kind: str) -> None:
         return _load(self, kind, lambda: capture(self))
 
     cls.__init__, cls.capture_model = __init__, capture_model
+
+
+def watch_graph_captures() -> None:
+    """The graphs vLLM counts as captured (`compilation_counter.num_cudagraph_captured`) once
+    start-up has captured or restored them (`cudagraphs.at_start`), and every capture after that
+    (`cudagraphs.serving`, reported as it happens: the goal is none). Only a write of that counter
+    is watched, so serving pays nothing while no graph is captured."""
+    try:
+        from vllm.compilation.counter import compilation_counter
+    except ImportError:
+        return
+    start = int(compilation_counter.num_cudagraph_captured)
+    report("cudagraphs", at_start=start, serving=0)
+    cls: Any = type(compilation_counter)
+    cls._ember_start = start  # a later start-up (a second capture_model) counts from its own
+    if getattr(cls, "_ember_watched", False):
+        return
+    setattr_ = cls.__setattr__
+
+    def counted(obj: Any, name: str, value: Any) -> None:
+        setattr_(obj, name, value)
+        first = int(type(obj)._ember_start)
+        if name == "num_cudagraph_captured" and obj is compilation_counter and int(value) > first:
+            report("cudagraphs", at_start=first, serving=int(value) - first)
+
+    cls.__setattr__ = counted
+    cls._ember_watched = True
 
 
 def _vote_no(runner: Any, kind: str) -> None:
