@@ -175,6 +175,9 @@ class _Bench:
             "EMBER_OPERATOR_SIDECAR_IMAGE": "registry.invalid/ember/ember:bench",
             "EMBER_OPERATOR_DEFAULT_STORE": self.store.as_uri(),
             "EMBER_OPERATOR_LOCAL_STORE_ROOT": str(self.workdir),  # the operator reads the store itself
+            # the bench's pool is its size (100 by default): the per-deployment cap (64) would keep
+            # the pool below the claims the bench waits for
+            "EMBER_OPERATOR_MAX_WARM_GPUS": "0",
         }
         log = (self.workdir / "operator.log").open("ab")
         self.op = subprocess.Popen([sys.executable, "-m", "ember_operator.main"], env=env, stdout=log,
