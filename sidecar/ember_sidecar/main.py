@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -161,9 +162,16 @@ def _main(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     code = run(settings, stop)
-    # An S3 download in flight runs in non-daemon transfer threads; do not wait for it on the way
-    # out (its partial file is already removed).
-    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+    # Threads still running now must not outlive the interpreter's finalization: an S3 download
+    # in flight (non-daemon transfer threads; its partial file is already removed) would be waited
+    # for, and a daemon thread (the pod watch blocked in its stream) that logs while the
+    # interpreter finalizes aborts the process (SIGABRT, seen once in tests/k8s). Nothing is left
+    # to clean up, so such an exit skips finalization.
+    deadline = time.monotonic() + 1.0
+    for t in threading.enumerate():
+        if t is not threading.main_thread():
+            t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threading.enumerate() if t is not threading.main_thread()):
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
