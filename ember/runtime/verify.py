@@ -32,6 +32,10 @@ from typing import Any
 
 from ember.runtime.adapter import Refused
 
+# A refused canary's reason starts with CANARY_HEAD (the fallback metric's reason class is a
+# reason's head); PEER_CANARY is the reason of a rank whose own canary passed but a peer's did not
+CANARY_HEAD, PEER_CANARY = "canary differs", "another rank's canary failed"
+
 VERIFY = "verify"
 
 Outputs = Sequence[Any]  # torch tensors
@@ -159,7 +163,6 @@ def refuse_unless(result: dict[str, Any], world: int, rank: int,
     ok = bool(result["ok"])
     if (agree(ok) if agree is not None else unanimous(ok, world)):
         return
-    why = result["why"] or "another rank's canary failed"
-    # "canary differs" first: the fallback metric's reason class is a reason's head
-    raise Refused(VERIFY, f"canary differs: rank {rank}: restored graphs do not compute what the engine "
+    why = result["why"] or PEER_CANARY
+    raise Refused(VERIFY, f"{CANARY_HEAD}: rank {rank}: restored graphs do not compute what the engine "
                           f"does: {why}")

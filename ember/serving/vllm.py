@@ -49,6 +49,7 @@ from ember import contract, handoff
 from ember.engines.vllm import report as reports
 from ember.engines.vllm.args import SLEEP_MODE_ARG, process_env
 from ember.engines.vllm.ranks import pod_env
+from ember.runtime.verify import CANARY_HEAD, PEER_CANARY
 
 log = logging.getLogger("ember.serving.vllm")
 REPORT_FILE = "vllm-report.json"  # the plugin's stage report, in the hand-off's run dir
@@ -410,9 +411,6 @@ def report_load(vp: VllmProcess) -> None:
         return
     handoff.report("load", 0.0, "fallback", _not_restored(report, stages), run_dir=vp.handoff_dir,
                    engine="vllm")
-
-
-CANARY_HEAD, PEER_CANARY = "canary differs", "another rank's canary failed"  # ember.runtime.verify
 
 
 def _not_restored(report: dict[str, Any], stages: list[dict[str, Any]]) -> str:

@@ -168,10 +168,9 @@ class VllmAdapter:
             return self.voted
         from ember.engines.vllm.parallel import agree
 
-        self.voted = ok
-        verdict = agree(ok) if self.world() > 1 else ok
-        self.voted = verdict
-        return verdict
+        self.voted = ok  # cast before the collective: one that raises is never joined again
+        self.voted = agree(ok) if self.world() > 1 else ok
+        return self.voted
 
     # -- 2 keys ---------------------------------------------------------------------------------
     def graph_config(self) -> GraphConfig:
