@@ -7,8 +7,8 @@ Nothing sets it outside tests; each name is read where its fault lives.
   (a stale template update: the template then computes another key's step);
 - `splice-redop`: LOAD splices each rank's collectives with a max where the archive's table says
   sum (a wrong splice: the all-reduce and reduce-scatter compute something else);
-- `kernel-arg`: LOAD changes the first kernel argument of each graph that reads as a float
-  scalar (an epsilon, an alpha) to 2x+1: a corrupted kernel argument in every restored graph;
+- `kernel-arg`: LOAD changes every kernel argument of each graph that reads as a float scalar
+  (an epsilon, an alpha) to 2x+1: corrupted kernel arguments in every restored graph;
 - `own-exec`: the same corruption in the own execs only, the execs the Dedicator swaps in for the
   templates while requests run (a swap that changes results);
 - `skip-kernel`: LOAD rebuilds the last kernel node of each graph (one with plain edges only) as
@@ -35,32 +35,41 @@ def active(name: str) -> bool:
     return name in settings.text("EMBER_FAULT").split(",")
 
 
-def corrupt_a_float_argument(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int, ...]]]) -> np.ndarray | None:
-    """`kernel-arg`/`own-exec`: the first float scalar among the kernel arguments (a 4-byte
-    argument, or a word of an 8-byte one that is not a pointer: a functor's epsilon or alpha)
-    becomes 2x+1 in a new buffer its argument pointer (`ptrs`, one per argument) now points to;
-    returns the buffer, to be kept alive with the graph, or None when no argument qualifies.
-    `nodes`: per kernel node its first slot in `ptrs` and its argument sizes. Only such a scalar
+def corrupt_float_arguments(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int, ...]]],
+                            names: list[str] | None = None) -> list[np.ndarray]:
+    """`kernel-arg`/`own-exec`: every float scalar among the kernel arguments (a 4-byte argument,
+    or a word of an 8-byte one that is not a pointer: a functor's epsilon or alpha) becomes 2x+1,
+    each changed argument in a new buffer its pointer (`ptrs`, one per argument) now points to;
+    returns the buffers, to be kept alive with the graph (none: no argument qualifies). Every
+    one, not only the first: one scalar may leave what a step computes unchanged (a guard, a
+    clamp's bound), and the fault must be a wrong result. `nodes`: per kernel node its first slot
+    in `ptrs` and its argument sizes; `names`: the nodes' kernels, for the log. Only such a scalar
     is changed: a pointer or a size moved could make a kernel touch memory it does not own, and
     the fault must stay a wrong result, never a crash."""
-    for first, sizes in nodes:
+    bufs, said = [], []
+    for n, (first, sizes) in enumerate(nodes):
         for j, size in enumerate(sizes):
             if size not in (4, 8):
                 continue
             raw = bytearray(ctypes.string_at(int(ptrs[first + j]), size))
             if size == 8 and 0 < int.from_bytes(raw[4:], "little") <= 0xFFFF:
                 continue  # a device pointer (its high word: a 48-bit address's top bits)
+            changed = []
             for w in range(0, size, 4):
                 word = bytes(raw[w : w + 4])
                 (value,) = struct.unpack("<f", word)
                 # an integer below 2**24 (a size, an index) reads as a tiny float: skipped
                 if int.from_bytes(word, "little") > 0x00FFFFFF and 1e-8 <= abs(value) <= 1e4:
                     raw[w : w + 4] = struct.pack("<f", value * 2 + 1)
-                    log.warning("fault: argument %d word %d: %r -> %r", j, w // 4, value, value * 2 + 1)
-                    buf = np.frombuffer(bytes(raw), dtype=np.uint8).copy()
-                    ptrs[first + j] = buf.ctypes.data
-                    return buf
-    return None
+                    changed.append(f"argument {j} word {w // 4}: {value!r} -> {value * 2 + 1!r}")
+            if changed:
+                buf = np.frombuffer(bytes(raw), dtype=np.uint8).copy()
+                ptrs[first + j] = buf.ctypes.data
+                bufs.append(buf)
+                said += [f"{names[n] if names else f'kernel node {n}'}: {c}" for c in changed]
+    if said:  # which kernels a run corrupted (a fault that changes nothing shows here)
+        log.warning("fault: %d float argument(s), %s", len(said), "; ".join(said[:4]))
+    return bufs
 
 
 def kernel_to_skip(kernel_nodes: np.ndarray, src: np.ndarray, dst: np.ndarray,

@@ -133,12 +133,15 @@ def unanimous(ok: bool, world: int) -> bool:
     return bool(flag.item())
 
 
-def round_trip(library: Any, index: int) -> Callable[[], bool]:
+def round_trip(library: Any, index: int, other: int | None = None) -> Callable[[], bool]:
     """`switch_round_trip` for graph `index` of a GraphLibrary: its template exec-updated to
-    another member of its group and back (False: the group has one member)."""
+    `other` (default: the first other member of its group) and back (False: the group has one
+    member)."""
 
     def run() -> bool:
-        other = next((m for m in library.group_members(index) if m != index), None)
+        nonlocal other
+        if other is None:
+            other = next((m for m in library.group_members(index) if m != index), None)
         if other is None:
             return False
         library.switch(other)

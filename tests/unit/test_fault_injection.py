@@ -14,22 +14,24 @@ def _arguments(*values: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     return ptrs, list(values)
 
 
-def test_the_first_float_scalar_changes_in_a_new_buffer() -> None:
-    size, eps = np.array([4096], np.int32), np.array([1e-6], np.float32)
-    ptrs, _keep = _arguments(size, np.array([0x7F00_1234_5000], np.uint64), eps)
+def test_every_float_scalar_changes_in_a_new_buffer(caplog) -> None:
+    size, eps, alpha = np.array([4096], np.int32), np.array([1e-6], np.float32), np.array([1.0], np.float64)
+    ptrs, _keep = _arguments(size, np.array([0x7F00_1234_5000], np.uint64), eps, alpha)
     before = ptrs.copy()
-    buf = faults.corrupt_a_float_argument(ptrs, [(0, (4, 8, 4))])
-    assert buf is not None and buf.view(np.float32)[0] == np.float32(1e-6) * 2 + 1
-    assert ptrs[2] == buf.ctypes.data and ptrs[2] != before[2]
+    bufs = faults.corrupt_float_arguments(ptrs, [(0, (4, 8)), (2, (4, 8))], ["k0", "k1"])
+    assert [b.ctypes.data for b in bufs] == [int(ptrs[2]), int(ptrs[3])]
+    assert bufs[0].view(np.float32)[0] == np.float32(1e-6) * 2 + 1
+    assert bufs[1].view(np.float64)[0] != 1.0  # a double's high word reads as a float (1.875)
     assert (ptrs[:2] == before[:2]).all()
     assert eps[0] == np.float32(1e-6) and size[0] == 4096  # the archive's bytes are not written
+    assert "fault: 2 float argument(s), k1: argument 0 word 0" in caplog.text  # kernels named
 
 
 def test_integers_and_pointers_are_never_changed() -> None:
     ints = [np.array([v], np.int32) for v in (0, 1, 64, 4096, 1 << 20)]
     ptrs, _keep = _arguments(*ints, np.array([0x7F00_1234_5000], np.uint64))
     before = ptrs.copy()
-    assert faults.corrupt_a_float_argument(ptrs, [(0, (4, 4, 4, 4, 4, 8))]) is None
+    assert faults.corrupt_float_arguments(ptrs, [(0, (4, 4, 4, 4, 4, 8))]) == []
     assert (ptrs == before).all()
 
 
@@ -44,6 +46,6 @@ def test_a_functor_of_two_floats_changes_but_a_pointer_never() -> None:
     pointer = np.array([0x7F00_3F80_0000], np.uint64)  # its low word reads as 1.0f
     functor = np.array([1.0, 1e-5], np.float32)  # (alpha, b): an 8-byte argument
     ptrs, _keep = _arguments(pointer, functor)
-    buf = faults.corrupt_a_float_argument(ptrs, [(0, (8, 8))])
-    assert buf is not None and ptrs[0] == pointer.ctypes.data
-    assert list(buf.view(np.float32)) == [3.0, np.float32(1e-5)]
+    (buf,) = faults.corrupt_float_arguments(ptrs, [(0, (8, 8))])
+    assert ptrs[0] == pointer.ctypes.data
+    assert list(buf.view(np.float32)) == [3.0, np.float32(1e-5) * 2 + 1]

@@ -29,21 +29,76 @@ def _keys(mode: str = "FULL_AND_PIECEWISE", runner: str = "v1", pieces: int = 3)
 
 
 @pytest.mark.parametrize("runner,full_site", [("v1", V1_FULL_ENTRY), ("v2", V2_FULL_GRAPH)])
-def test_the_canary_runs_the_smallest_piecewise_step_whole_and_the_smallest_decode_step(
+def test_the_canary_runs_the_second_smallest_piecewise_step_whole_and_decode_step(
         runner: str, full_site: int) -> None:
     pw, full = canary.cases(reversed(_keys(runner=runner)))  # any order in, launch order out
-    assert pw.name == "piecewise" and pw.num_tokens == 1 and not pw.uniform
-    assert pw.keys == tuple((PIECEWISE_ENTRY, p, 1, -1, 0) for p in range(3))  # every piece, in order
-    assert full.name == "full" and full.full and full.uniform and full.num_tokens == 1
-    assert full.keys == ((full_site, 0, 1, 1, 1),)
+    assert pw.name == "piecewise" and pw.num_tokens == 2 and not pw.uniform
+    assert pw.keys == tuple((PIECEWISE_ENTRY, p, 2, -1, 0) for p in range(3))  # every piece, in order
+    assert full.name == "full" and full.full and full.uniform and full.num_tokens == 2
+    assert full.keys == ((full_site, 0, 2, 2, 1),)
+    # one capture size: the smallest is all there is
+    (one,) = canary.cases([k for k in _keys("PIECEWISE", runner) if k[2] == 1])
+    assert one.num_tokens == 1
 
 
 def test_a_mode_without_full_or_piecewise_graphs_has_one_case() -> None:
     assert [c.name for c in canary.cases(_keys("PIECEWISE"))] == ["piecewise"]
     assert [c.name for c in canary.cases(_keys("FULL_DECODE_ONLY"))] == ["full"]
     (full,) = canary.cases(_keys("FULL"))  # FULL for every batch: no uniform descriptor
-    assert full.keys[0][4] == 0 and full.num_tokens == 1
+    assert full.keys[0][4] == 0 and full.num_tokens == 2
     assert canary.cases([]) == []
+
+
+def test_the_round_trip_goes_through_the_next_smaller_member() -> None:
+    key = (PIECEWISE_ENTRY, 0, 8, -1, 0)
+    members = [(PIECEWISE_ENTRY, 0, n, -1, 0) for n in (16, 8, 1, 4)]
+    assert canary.trip_member(key, members) == 3  # 4 tokens: the largest of fewer
+    assert canary.trip_member(members[2], members) == 0  # nothing smaller: the first other
+    assert canary.trip_member(key, [key]) is None
+
+
+class _StaleLibrary:
+    """Templates of one topology group whose exec update is stale (`faults.stale-update`: the
+    template keeps the graph it held). A graph of n tokens computes rows [0, n) of the output."""
+
+    def __init__(self, sizes: list[int], instantiated_from: int) -> None:
+        self.keys = [(PIECEWISE_ENTRY, 0, n, -1, 0) for n in sizes]
+        self.holds, self.runs = instantiated_from, instantiated_from  # label, graph really held
+
+    def group_members(self, index: int) -> list[int]:
+        return list(range(len(self.keys)))
+
+    def switch(self, index: int) -> None:
+        self.runs = self.holds  # stale: the graph of the key it held before, not `index`'s
+        self.holds = index
+
+    def step(self, index: int, rows: int) -> list[int]:
+        if self.holds != index:
+            self.switch(index)
+        n = self.keys[self.runs][2]
+        return [r * 10 if r < n else 0xA5 for r in range(rows)]  # rows a graph leaves: poisoned
+
+
+def test_a_stale_update_shows_in_the_canarys_step_only_through_a_smaller_member() -> None:
+    """Why the canary's step is not the smallest (the GPU showed it: a stale update on the V2
+    runner's Llama passed a canary of the 1-token step)."""
+    from ember.runtime.verify import round_trip
+
+    sizes = [1, 2, 4, 8, 16]
+    (case,) = canary.cases(_StaleLibrary(sizes, 0).keys)
+    assert case.num_tokens == 2
+    want = [r * 10 for r in range(case.num_tokens)]
+    for held in range(len(sizes)):
+        lib = _StaleLibrary(sizes, held)
+        a = lib.keys.index(case.keys[0])
+        lib.step(a, case.num_tokens)  # the template path
+        other = canary.trip_member(lib.keys[a], lib.keys)
+        assert round_trip(lib, a, other)()
+        assert lib.step(a, case.num_tokens) != want  # after the exec update: refused
+    # through a larger member (what a trip to the first other did), a 1-token step passes
+    lib = _StaleLibrary(sizes, 4)
+    lib.step(0, 1)
+    assert round_trip(lib, 0, 3)() and lib.step(0, 1) == [0]
 
 
 def _saved(cases: list[Case], prints: dict[str, Any]) -> dict[str, Any]:

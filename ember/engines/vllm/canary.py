@@ -2,12 +2,18 @@
 
 vLLM's graphs are not one graph per step: a PIECEWISE step launches one graph per compiled
 submodule (attention runs eagerly between them), a FULL step one graph of the whole model. So the
-canary checks whole STEPS (`Case`): the smallest PIECEWISE size (every piece of it) and the
-smallest FULL size (a decode step, what the first request's second step needs). Each step runs
+canary checks whole STEPS (`Case`): a small PIECEWISE size (every piece of it) and a small FULL
+size (a decode step, what the first request's second step needs). Each step runs
 through vLLM's own dummy run (`_dummy_run`): its slot mappings are PAD, so no step writes the KV
 cache (nothing a later request reads is touched), and its block table rows are the ones a fresh
 engine has. The state every run starts from: input ids seeded (V1; V2's dummy batch zeroes them
 itself), positions zero, the step's graph outputs poisoned (`poison_targets`).
+
+Why not the smallest step: a stale exec update (the template keeps the graph it held) that the
+canary's round trip makes run a LARGER member's graph computes a superset of the step's rows, and
+the rows the step reads come out the same. So each case is the second-smallest descriptor where
+there is one, and its round trip goes through the next smaller member (`trip_member`): a stale
+update then leaves rows of the step uncomputed, poisoned, and the canary differs.
 
 The reference (`plan`):
 - one GPU (SAVE saw real data): SAVE recorded a fingerprint of each case's step through the
@@ -59,20 +65,36 @@ class Case:
 
 
 def cases(keys: Iterable[GraphKey]) -> list[Case]:
-    """The canary's steps for an engine with these archive keys: the smallest PIECEWISE
-    descriptor with all its pieces, and the smallest FULL descriptor (a uniform decode one first)."""
+    """The canary's steps for an engine with these archive keys: the second-smallest PIECEWISE
+    descriptor with all its pieces, and the second-smallest FULL descriptor (uniform decode ones
+    first); the smallest where there is only one (see the module doc)."""
     keys = [tuple(k) for k in keys]
     out: list[Case] = []
     pw = [k for k in keys if k[0] == PIECEWISE_ENTRY]
     if pw:
-        desc = min({k[2:] for k in pw})
+        desc = _second(sorted({k[2:] for k in pw}))
         step = tuple(sorted((k for k in pw if k[2:] == desc), key=lambda k: k[1]))
         out.append(Case("piecewise", desc[0], bool(desc[2]), step))
     full = [k for k in keys if k[0] != PIECEWISE_ENTRY]
     if full:
-        k = min(full, key=lambda k: (0 if k[4] else 1, k[2], k[3]))
+        uniform = [k for k in full if k[4]] or full
+        k = _second(sorted(uniform, key=lambda k: (k[2], k[3])))
         out.append(Case("full", k[2], bool(k[4]), (k,)))
     return out
+
+
+def _second(ordered: Sequence[Any]) -> Any:
+    return ordered[1] if len(ordered) > 1 else ordered[0]
+
+
+def trip_member(key: GraphKey, members: Sequence[GraphKey]) -> int | None:
+    """Which of `members` (its topology group's keys) the round trip of `key` goes through: the
+    largest one of fewer tokens, else the first other; None when the group has no other."""
+    others = [i for i, m in enumerate(members) if tuple(m) != tuple(key)]
+    smaller = [i for i in others if members[i][2] < key[2]]
+    if smaller:
+        return max(smaller, key=lambda i: members[i][2])
+    return others[0] if others else None
 
 
 def plan(case: Case, world: int, saved: Mapping[str, Any] | None, full_eager: bool) -> str:

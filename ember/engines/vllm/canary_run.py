@@ -180,7 +180,7 @@ def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
     def trip() -> bool:  # every key's template to another member and back; always a step after
         for i in indices:
             try:  # no collective here: a failed update must not break the ranks' lockstep either
-                verify.round_trip(library, i)()
+                verify.round_trip(library, i, _trip_member(library, i))()
             except Exception as exc:
                 problem.append(f"{case.name}: exec update of {library.keys[i]}: {type(exc).__name__}: {exc}")
         return True
@@ -253,6 +253,12 @@ def record(runner: Any, kind: str, keys: list[Any], facts: Mapping[str, Any]) ->
             if isinstance(prints[case.name], str):  # LOAD checks it against an eager step, or not at all
                 log.warning("ember: SAVE's canary step %s: %s", case.name, prints[case.name])
     return canary.record(cases, prints)
+
+
+def _trip_member(library: Any, index: int) -> int | None:
+    members = library.group_members(index)
+    at = canary.trip_member(library.keys[index], [library.keys[m] for m in members])
+    return None if at is None else members[at]
 
 
 def _gpu(buf: Any) -> torch.Tensor:

@@ -157,10 +157,13 @@ def in_union(template: PreparedGraph, member: PreparedGraph, slots: np.ndarray,
 
 
 def _corrupt(table: Any, krows: np.ndarray, ptrs: np.ndarray, slot_addr: np.ndarray,
-             has_params: np.ndarray) -> np.ndarray | None:
+             has_params: np.ndarray) -> list[np.ndarray]:
     first = (slot_addr - np.uint64(ptrs.ctypes.data)) // np.uint64(8)
-    nodes = [(int(first[n]), table._layout(int(krows["layout"][n]))[1]) for n in np.nonzero(has_params)[0]]
-    return faults.corrupt_a_float_argument(ptrs, nodes)
+    which = np.nonzero(has_params)[0]
+    nodes = [(int(first[n]), table._layout(int(krows["layout"][n]))[1]) for n in which]
+    kernels = getattr(table, "kernels", None)
+    names = [kernels[int(krows["kernel"][n])].name for n in which] if kernels is not None else None
+    return faults.corrupt_float_arguments(ptrs, nodes, names)
 
 
 def _skip_a_kernel(codes: np.ndarray, args: np.ndarray, attr_count: np.ndarray, kmask: np.ndarray,
