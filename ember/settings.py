@@ -33,6 +33,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("EMBER_SWITCH_INTERVAL_US", "number", "200", "switch interval for LOAD's threads"),
     Setting("EMBER_SWAP_AT_LAUNCH", "text", "", "tests: own execs take their keys at this launch"),
     Setting("EMBER_FAULT", "text", "", "tests: faults to inject (ember.runtime.faults)"),
+    Setting("EMBER_STACKS_AFTER_S", "number", "300",
+            "a SAVE or LOAD still running logs every thread's stack this often (0: never)"),
     # SAVE (the archive's layout)
     Setting("EMBER_SLIM_IMAGES", "flag", "1", "cut kernel images to this GPU's cubin and the kernels used"),
     Setting("EMBER_UNION_TEMPLATES", "flag", "1", "write (SAVE) and use (LOAD) union templates"),

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ember.native import Interposer
 from ember.runtime.adapter import COMPAT, LOAD, EngineAdapter, Refused, model_config_digest
 from ember.runtime.restore import ArchiveRestore, release_cached_memory
+from ember.runtime.stacks import dumped_while_stuck
 
 __all__ = ["Restored", "load", "open_restore", "release_cached_memory"]
 
@@ -68,6 +69,11 @@ def open_restore(
 def load(adapter: EngineAdapter, restore: ArchiveRestore) -> Restored:
     """Step 2: allocate, check, replay, take the templates over, install. Refused on any problem;
     what the background built is dropped then."""
+    with dumped_while_stuck():
+        return _load(adapter, restore)
+
+
+def _load(adapter: EngineAdapter, restore: ArchiveRestore) -> Restored:
     tm: dict[str, Any] = {}
     facts = dict(restore.manifest.engine)
     try:

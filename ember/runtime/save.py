@@ -32,6 +32,7 @@ from ember.runtime.graphs.kernels import KernelResolver, LiveResolver, NativeRes
 from ember.runtime.graphs.walk import GraphWalker
 from ember.runtime.proof.fallbacks import prove_falling_back
 from ember.runtime.proof.prove import ProofFailed, ProofReport, prove, rng_consumers
+from ember.runtime.stacks import dumped_while_stuck
 
 
 @dataclass
@@ -276,6 +277,12 @@ def save(
     """SAVE the adapter's engine. `store_uri=None` proves without publishing; without libember
     (`ip=None`) the graphs are proven in-process but never published (LOAD could not find their
     kernels). Raises ProofFailed or Refused; nothing is published then."""
+    with dumped_while_stuck():
+        return _save(adapter, ip, store_uri, log)
+
+
+def _save(adapter: EngineAdapter, ip: Interposer | None, store_uri: str | None,
+          log: Callable[[str], None]) -> SaveOutcome:
     d: dict[str, float] = {}
     t_all = time.perf_counter()
     resolver: KernelResolver = NativeResolver(ip) if ip is not None else LiveResolver()
