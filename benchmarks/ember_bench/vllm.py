@@ -184,8 +184,12 @@ def bench_vllm(
         "max_tokens": max_tokens,
         "gpu_memory_utilization": gpu_memory_utilization,
     }
+    order = runs.split(",")
+    if "save" in order and "native" not in order[: order.index("save")]:
+        # SAVE takes native's KV-cache size; without it the plugin refuses and vLLM captures natively
+        raise typer.BadParameter("--runs: save needs native before it (its KV-cache size)")
     results: dict[str, dict[str, Any]] = {}
-    for mode in runs.split(","):
+    for mode in order:
         extra: dict[str, str] = {"EMBER_VLLM_MODEL": model + (f"-{layers}l" if layers else "")}
         child_args = dict(args)
         if mode == "save":

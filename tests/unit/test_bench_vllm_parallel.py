@@ -28,3 +28,17 @@ def test_each_ranks_figures_come_from_its_report_file(tmp_path: Path) -> None:
     assert ranks["0"]["capture_how"] == "restored" and ranks["0"]["splice_ms"] == 4.2
     assert ranks["0"]["worker_stages_s"] == {"load_model": 3.1} and ranks["0"]["graphs"] == 9
     assert ranks["1"]["refusal"] == "load: a peer rank refused the archive"
+
+
+def test_a_save_run_without_native_before_it_is_refused_before_any_engine_starts(tmp_path: Path) -> None:
+    """SAVE takes native's KV-cache size: without it the plugin refuses SAVE and vLLM captures
+    natively, which the bench would have timed as a SAVE."""
+    import pytest
+    import typer
+
+    from ember_bench.vllm import bench_vllm
+
+    for runs in ("save", "save,native", "save,load"):
+        with pytest.raises(typer.BadParameter, match="save needs native before it"):
+            bench_vllm(runs=runs, work=tmp_path, out_dir=tmp_path)
+    assert not any(tmp_path.iterdir())  # no config written, no engine started

@@ -365,7 +365,7 @@ def _save(runner: Any, kind: str, native: Any) -> int:
     store = os.environ.get("EMBER_VLLM_STORE") or None
     try:
         with torch.inference_mode():  # the engine's tensors are inference tensors
-            outcome = save(adapter, STATE.ip, store, log=log.info)
+            outcome = save(adapter, STATE.ip, store, log=_progress)
         report("save", **outcome.summary(), seconds=round(time.perf_counter() - t, 4))
     except Exception as exc:  # Refused, ProofFailed or a site the adapter does not know
         report("save_refused", reason=f"{type(exc).__name__}: {exc}", captured=len(adapter.captured))
@@ -373,6 +373,12 @@ def _save(runner: Any, kind: str, native: Any) -> int:
             return int(native() or 0)
     report("capture", how="save", seconds=round(time.perf_counter() - t, 4), graphs=len(adapter.captured))
     return adapter.graph_bytes
+
+
+def _progress(message: str) -> None:
+    """SAVE's steps in the report as it reaches them: a SAVE that never ends shows how far it got."""
+    log.info("ember: %s", message)
+    report("save_progress", last=message)
 
 
 def _load(runner: Any, kind: str, native: Any) -> int:
