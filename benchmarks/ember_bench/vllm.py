@@ -175,6 +175,10 @@ def bench_vllm(
                        batch_sizes=[int(b) for b in batch_sizes.split(",")], max_tokens=max_tokens,
                        gpu_memory_utilization=gpu_memory_utilization, timeout=timeout)
         return
+    order = runs.split(",")
+    if "save" in order and "native" not in order[: order.index("save")]:
+        # SAVE takes native's KV-cache size; without it the plugin refuses and vLLM captures natively
+        raise typer.BadParameter("--runs: save needs native before it (its KV-cache size)")
     work = work.absolute() / (model + (f"-{layers}l" if layers else ""))
     cfg = write_config(model, layers or None, work / "config")
     store = work / "store"
@@ -184,10 +188,6 @@ def bench_vllm(
         "max_tokens": max_tokens,
         "gpu_memory_utilization": gpu_memory_utilization,
     }
-    order = runs.split(",")
-    if "save" in order and "native" not in order[: order.index("save")]:
-        # SAVE takes native's KV-cache size; without it the plugin refuses and vLLM captures natively
-        raise typer.BadParameter("--runs: save needs native before it (its KV-cache size)")
     results: dict[str, dict[str, Any]] = {}
     for mode in order:
         extra: dict[str, str] = {"EMBER_VLLM_MODEL": model + (f"-{layers}l" if layers else "")}
