@@ -1,9 +1,9 @@
 """A SAVE or LOAD that does not end says where it is.
 
-Twice on one GPU a vLLM SAVE stopped after its capture and never ended, while another engine
-started beside it; nothing in its log said where (benchmarks/results/h200-20261129c). While SAVE
-or LOAD runs, every thread's Python stack goes to stderr each EMBER_STACKS_AFTER_S seconds (the
-engine's log), so the next one names the call it waits in. A run that ends first prints nothing.
+On one GPU a vLLM SAVE stopped after its capture and never ended, and nothing in its log said
+where (benchmarks/results/h200-20261129c). While SAVE or LOAD runs, every thread's Python stack
+goes to stderr each EMBER_STACKS_AFTER_S seconds (the engine's log), so the next one names the
+call it waits in. A run that ends first prints nothing.
 """
 
 from __future__ import annotations

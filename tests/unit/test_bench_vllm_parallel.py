@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import typer
+
 from ember.engines.vllm import report
 from ember_bench import vllm_parallel as vp
+from ember_bench.vllm import bench_vllm
 
 
 def test_shapes_and_their_identity(tmp_path: Path) -> None:
@@ -33,11 +37,6 @@ def test_each_ranks_figures_come_from_its_report_file(tmp_path: Path) -> None:
 def test_a_save_run_without_native_before_it_is_refused_before_any_engine_starts(tmp_path: Path) -> None:
     """SAVE takes native's KV-cache size: without it the plugin refuses SAVE and vLLM captures
     natively, which the bench would have timed as a SAVE."""
-    import pytest
-    import typer
-
-    from ember_bench.vllm import bench_vllm
-
     for runs in ("save", "save,native", "save,load"):
         with pytest.raises(typer.BadParameter, match="save needs native before it"):
             bench_vllm(runs=runs, work=tmp_path, out_dir=tmp_path)
