@@ -9,10 +9,14 @@
 #   bash e2e/gpu-lanes.sh start NAME TAG # run NAME.q's lines in order, detached: NAME.log, NAME.rc
 #   bash e2e/gpu-lanes.sh poll SECS      # wait until every lane ended (or SECS); tails; $OUT/run.tgz
 #
-# `touch /tmp/ember-run/stop-NAME` (or stop-all) skips a lane's remaining lines. Carried wheels in
-# .whl/ go to /tmp/site (as e2e/gpu-env.sh does); an unpacked vLLM kit in /tmp/vsite (and extras
-# in /tmp/vsite3) joins the path of builds set up after it. One GPU: two lanes at most, or memory
-# runs out (benchmarks/results/h200-20261129/README.md); several GPUs: CUDA_VISIBLE_DEVICES per line.
+# pytest lines: `--basetemp=/tmp/ember-run/pt/NAME` keeps each test's engine logs and reports where
+# `poll` packs them (pytest's own temp root keeps only its last three runs), caches and stores left out.
+# `touch /tmp/ember-run/stop-NAME` (or stop-all) skips a lane's remaining lines; `halt NAME|all`
+# also kills what it runs (a `pkill -f PATTERN` in a call's command matches that command's own
+# shell). Carried wheels in .whl/ go to /tmp/site (as e2e/gpu-env.sh does); an unpacked vLLM kit in
+# /tmp/vsite (and extras in /tmp/vsite3) joins the path of builds set up after it. One GPU: two
+# lanes at most, or memory runs out (benchmarks/results/h200-20261129/README.md); several GPUs:
+# CUDA_VISIBLE_DEVICES per line.
 set -uo pipefail
 RUN=${RUN:-/tmp/ember-run}
 mkdir -p "$RUN"
@@ -53,7 +57,18 @@ lane() {  # the detached loop of `start`
 start() {
   rm -f "$RUN/$1.rc"
   RUN=$RUN setsid nohup bash "$(realpath "$0")" lane "$1" "$2" >> "$RUN/$1.log" 2>&1 < /dev/null &
+  echo $! > "$RUN/$1.pid"  # setsid: the lane leads its own process group
   echo "lane $1 on $2: $(wc -l < "$RUN/$1.q") commands"
+}
+
+halt() {  # a lane (or all) stopped now, whatever it runs: its process group killed
+  local p
+  for p in "$RUN"/${1/#all/*}.pid; do
+    [[ -e $p ]] || continue
+    touch "$RUN/stop-$(basename "$p" .pid)"
+    kill -- "-$(cat "$p")" 2>/dev/null && echo "halted $(basename "$p" .pid)"
+    echo halted > "${p%.pid}.rc"
+  done
 }
 
 poll() {
@@ -67,11 +82,17 @@ poll() {
     grep -E "^## |passed|failed|rror|wrong" "$l" | tail -"${TAILN:-12}"
   done
   nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null
-  if [[ -n "${OUT:-}" ]]; then tar -C "$RUN" -czf "$OUT/run.tgz" --exclude=store --exclude=work .; fi
+  [[ -n "${OUT:-}" ]] && pack
+}
+
+pack() {  # $OUT/run.tgz: the lanes' logs and queues, and every small log and report under $RUN
+  (cd "$RUN" && find . \( -name store -o -name 'cache*' -o -name work -o -name config \) -prune -o -type f \
+    \( -name '*.log' -o -name '*.txt' -o -name '*.json' -o -name '*.md' -o -name '*.q' -o -name '*.rc' \) \
+    -size -4M -print) | tar -C "$RUN" -czf "$OUT/run.tgz" -T -
 }
 
 cmd=${1:-}; shift || true
 case "$cmd" in
-  setup|lane|start|poll) "$cmd" "$@" ;;
-  *) sed -n '2,15p' "$0"; exit 2 ;;
+  setup|lane|start|poll|pack|halt) "$cmd" "$@" ;;
+  *) sed -n '2,19p' "$0"; exit 2 ;;
 esac
