@@ -142,6 +142,10 @@ def test_unsupported_features_are_named():
     pp = versions.unsupported_features(_vllm_config(parallel={"pipeline_parallel_size": 2}))
     assert pp and "pipeline_parallel_size=2" in pp[0]
     assert "speculative" in versions.unsupported_features(_vllm_config(spec=object()))[0]
+    # vLLM 0.26's sequence-parallel MoE (EP, TP > 1, DP > 1) chunks tokens at tp_rank * chunk
+    sp = versions.unsupported_features(_vllm_config(parallel={"use_sequence_parallel_moe": True}))
+    assert sp == ["sequence-parallel MoE (expert parallel with tensor > 1 and data > 1: each TP "
+                  "rank's token chunk is a view offset by its rank)"]
 
 
 def test_the_plugin_patches_only_once_the_worker_module_is_imported(monkeypatch, tmp_path):

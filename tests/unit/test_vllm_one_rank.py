@@ -47,7 +47,9 @@ OPTED_IN: dict[str, str] = {}  # no opt-in any more: every pod LOADs a parallel 
 
 def test_shapes_no_rank_can_play_are_refused_with_the_reason() -> None:
     assert ranks.refusals(_shape(tensor=2), 1, OPTED_IN) == []
-    assert ranks.refusals(_shape(tensor=2, expert=4, data=2), 3, OPTED_IN) == []
+    assert ranks.refusals(_shape(tensor=2, expert=2), 1, OPTED_IN) == []
+    sp = ranks.refusals(_shape(tensor=2, expert=4, data=2), 3, OPTED_IN)
+    assert len(sp) == 1 and "sequence-parallel MoE" in sp[0]
     assert ranks.refusals(_shape(tensor=1, expert=4, data=4), 0, OPTED_IN) == []
     bad = ranks.refusals(_shape(tensor=2, expert=2, data=2), 0, OPTED_IN)
     assert "expert 2 must be tensor x data = 4" in bad[0]

@@ -57,6 +57,10 @@ def refusals(identity: ArchiveIdentity, rank: int, env: Mapping[str, str] = os.e
     out = []
     if p.expert > 1 and p.expert != n:
         out.append(f"expert {p.expert} must be tensor x data = {n} (vLLM's expert-parallel size)")
+    if p.expert > 1 and p.tensor > 1 and p.data > 1:
+        # vLLM 0.26 turns on sequence-parallel MoE for this shape (versions.unsupported_features)
+        out.append("expert parallel with tensor > 1 and data > 1: vLLM's sequence-parallel MoE "
+                   "takes each tensor rank's token chunk at a rank-dependent offset (save tensor 1)")
     if p.data > 1 and p.expert == 1:
         out.append("data parallel without expert parallel: vLLM's DP replicas of a dense model are "
                    "independent engines (save tensor 1, data 1)")

@@ -193,6 +193,13 @@ def unsupported_features(vllm_config: Any) -> list[str]:
         out.append(f"pipeline_parallel_size={pc.pipeline_parallel_size} (point-to-point sends to one peer)")
     if _parallel(pc):
         out += _parallel_pins(pc)
+    if getattr(pc, "use_sequence_parallel_moe", False):
+        # vLLM 0.26 config/parallel.py use_sequence_parallel_moe (all2all allgather_reducescatter,
+        # EP, TP > 1 and DP > 1): MoE layers take the TP rank's token chunk, `torch.narrow(x, 0,
+        # tp_rank * chunk, chunk)` (model_executor/models/utils.py sequence_parallel_chunk_impl),
+        # a rank-dependent offset the graphs would hold as rank 0's
+        out.append("sequence-parallel MoE (expert parallel with tensor > 1 and data > 1: each TP "
+                   "rank's token chunk is a view offset by its rank)")
     if getattr(pc, "use_ubatching", False) or getattr(pc, "enable_dbo", False):
         out.append("micro-batching (DBO)")
     if getattr(cc, "use_inductor_graph_partition", False):
