@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ember.vllm")
 KIND = "vllm"
+PEER_REFUSED = "a peer rank refused the archive: every rank captures natively"
 
 
 def runner_kind(runner: Any) -> str:
@@ -356,7 +357,7 @@ class VllmAdapter:
             odd = sorted(set(restored) ^ expected)[:4]
             raise Refused(LOAD, f"archive keys differ from the engine's: e.g. {odd}")
         if not self.vote(True):  # every refusal a rank can meet before this point is behind it
-            raise Refused(LOAD, "a peer rank refused the archive: every rank captures natively")
+            raise Refused(LOAD, PEER_REFUSED)
         self.library = library  # keeps every exec alive while serving
         self._facts, self._before = dict(facts), sites.engine_state(self.runner)
         self._installed = True

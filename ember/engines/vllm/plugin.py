@@ -284,7 +284,6 @@ def _arm(vllm_config: Any) -> Any:
 def _before_runner(vllm_config: Any, kind: str) -> None:
     """Arm libember (before the runner and model allocate); LOAD: open the archive."""
     from ember.engines.vllm.adapter import VllmAdapter
-    from ember.runtime.adapter import Refused
 
     if not STATE.mode:
         return
@@ -313,11 +312,8 @@ def _before_runner(vllm_config: Any, kind: str) -> None:
         )
         report("refused", at="save", reason=STATE.refusal)
     if STATE.mode == "load":
-        try:
-            STATE.restore = _open(adapter)
-        except Refused as exc:
-            STATE.refusal = f"{exc.stage}: {exc.reason}"
-            report("refused", at=exc.stage, reason=exc.reason)
+        STATE.restore = _open_agreed(adapter)
+        if STATE.restore is None:
             return
         facts = STATE.restore.manifest.engine
         vllm_config.cache_config.kv_cache_memory_bytes = int(facts["kv_cache_memory_bytes"])
@@ -326,6 +322,29 @@ def _before_runner(vllm_config: Any, kind: str) -> None:
             kv_cache_memory_bytes=int(facts["kv_cache_memory_bytes"]),
             timings={k: round(v, 2) for k, v in STATE.restore.timings.items() if isinstance(v, float)},
         )
+
+
+def _open_agreed(adapter: Any) -> Any:
+    """LOAD: the archive opened, and on N ranks every rank's verdict taken before any of them
+    sizes its KV cache; None (refused, reported) unless every rank opened it. A rank refused alone
+    here would leave `kv_cache_memory_bytes` unset, and vLLM would profile its graph memory (V1's
+    `profile_cudagraph_memory`: warm-up steps with real collectives) while its peers, whose size
+    the archive gives, never join them. (Refusals before this point, a vLLM version or libember
+    not preloaded, are the same on every rank: each such rank votes no at its capture instead.)"""
+    from ember.engines.vllm.adapter import PEER_REFUSED
+    from ember.runtime.adapter import LOAD, Refused
+
+    try:
+        restore = _open(adapter)
+    except Exception as exc:  # Refused, or anything else: never a rank that skips the vote
+        refused = exc if isinstance(exc, Refused) else Refused(LOAD, f"{type(exc).__name__}: {exc}")
+        restore, STATE.refusal = None, f"{refused.stage}: {refused.reason}"
+        report("refused", at=refused.stage, reason=refused.reason)
+    if not adapter.vote(restore is not None) and restore is not None:  # one GPU: its own verdict
+        restore.abandon()
+        restore, STATE.refusal = None, f"{LOAD}: {PEER_REFUSED}"
+        report("refused", at=LOAD, reason=PEER_REFUSED)
+    return restore
 
 
 def _open(adapter: Any) -> Any:
