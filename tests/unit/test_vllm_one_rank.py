@@ -207,3 +207,33 @@ def test_the_dp_batch_agreement_of_a_one_rank_save_is_every_rank_asking_the_same
     ranks.AsIfEveryRank(1, SimpleNamespace(get_rank=lambda: 3)).all_reduce(t, group=None)
     assert t.tolist() == [[5, 5], [8, 8], [0, 0], [2, 2]]
     assert ranks.AsIfEveryRank(0, SimpleNamespace(get_rank=lambda: 3)).get_rank() == 3
+
+
+def test_the_save_childs_config_hashes_as_its_pods_with_data_parallel() -> None:
+    """vLLM 0.26 multiplies world_size by DP for external_launcher only, and world_size is in the
+    hash that names the compile cache's directory: the SAVE child must hash as the pods do."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class ParallelConfig:  # vllm/config/parallel.py's fields that matter here
+        tensor_parallel_size: int
+        data_parallel_size: int
+        distributed_executor_backend: str
+        world_size: int = 0
+
+        def __post_init__(self) -> None:
+            self.world_size = self.tensor_parallel_size
+            if self.distributed_executor_backend == "external_launcher":
+                self.world_size *= self.data_parallel_size
+
+        def compute_hash(self) -> str:
+            return f"{self.tensor_parallel_size}/{self.data_parallel_size}/{self.world_size}"
+
+    save = ParallelConfig(1, 2, "external_launcher")
+    pod = ParallelConfig(1, 2, "mp")
+    assert save.compute_hash() != pod.compute_hash()  # what SAVE's compiled code was filed under
+    ranks.hash_as_the_pods(ParallelConfig)
+    ranks.hash_as_the_pods(ParallelConfig)  # once
+    assert save.compute_hash() == pod.compute_hash() and save.world_size == 2  # put back after
+    tp2 = ParallelConfig(2, 1, "external_launcher")
+    assert tp2.compute_hash() == ParallelConfig(2, 1, "mp").compute_hash()  # DP 1: untouched

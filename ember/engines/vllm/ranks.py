@@ -154,10 +154,38 @@ def enter(env: Mapping[str, str] | None = None) -> bool:  # pragma: no cover - n
         return real_new_group(*args, **kwargs)
 
     dist.new_group = new_group
+    from vllm.config.parallel import ParallelConfig
+
+    hash_as_the_pods(ParallelConfig)
     _single_node()
     _stub_for_pynccl(env.get(STUB_ENV, ""))
     _dp_agreement_as_every_rank(int(env.get(DP_RANK_ENV, "0") or 0))
     return True
+
+
+def hash_as_the_pods(config_class: Any) -> None:
+    """The SAVE child's parallel config hashed as its pods' is. vLLM 0.26 multiplies `world_size`
+    by the data-parallel size for `external_launcher` only (config/parallel.py __post_init__), and
+    `world_size` is in `compute_hash`, which names the compile cache's directory: with DP > 1 the
+    pods (vLLM's own executor, one engine per DP rank) would never find SAVE's compiled code,
+    compile again and allocate otherwise (LOAD refuses then). Hashed with the pods' world size."""
+    original = config_class.compute_hash
+    if getattr(original, "_ember_as_pods", False):
+        return
+
+    def compute_hash(self: Any) -> Any:
+        data = int(getattr(self, "data_parallel_size", 1) or 1)
+        if self.distributed_executor_backend != "external_launcher" or data <= 1:
+            return original(self)
+        launched = self.world_size
+        object.__setattr__(self, "world_size", launched // data)
+        try:
+            return original(self)
+        finally:
+            object.__setattr__(self, "world_size", launched)
+
+    compute_hash._ember_as_pods = True  # type: ignore[attr-defined]
+    config_class.compute_hash = compute_hash
 
 
 class AsIfEveryRank:
