@@ -1,9 +1,8 @@
 """A SAVE or LOAD that does not end says where it is.
 
-On one GPU a vLLM SAVE stopped after its capture and never ended, and nothing in its log said
-where (benchmarks/results/h200-20261129c). While SAVE or LOAD runs, every thread's Python stack
-goes to stderr each EMBER_STACKS_AFTER_S seconds (the engine's log), so the next one names the
-call it waits in. A run that ends first prints nothing.
+While SAVE or LOAD runs, every thread's Python stack goes to stderr each EMBER_STACKS_AFTER_S
+seconds (the engine's log), so one that hangs names the call it waits in (a vLLM SAVE stuck after
+its capture: benchmarks/results/h200-20261129c). A run that ends first prints nothing.
 """
 
 from __future__ import annotations
