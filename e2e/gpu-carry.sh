@@ -20,7 +20,7 @@ PY=(--python-version 3.12 --only-binary=:all: --implementation cp --platform any
 # ember's own dependencies the image lacks (pydantic as the kit pins it), the operator's (the warm
 # benches import it) and pytest-timeout; .vk3: what `vllm serve` needs beyond the kit
 WHEELS=(pydantic==2.14.3 pydantic_core==2.50.4 zstandard cryptography boto3 pytest_timeout pyyaml
-        typing_extensions kubernetes kopf)
+        typing_extensions kubernetes kopf py-spy)
 SERVE=(uvicorn watchfiles prometheus_fastapi_instrumentator model_hosting_container_standards)
 
 prepare() {

@@ -207,9 +207,15 @@ def _cb_case(
 
 
 def _starts(start: Callable[[int], dict[str, Any]], n: int, together: int) -> list[dict[str, Any]]:
-    """`n` fresh starts, `together` at a time on the case's GPUs (each its own processes)."""
+    """`n` fresh starts, `together` at a time on the case's GPUs (each its own processes); each
+    verdict on stderr as it comes, so a sweep cut short still says what its starts showed."""
+    def one(i: int) -> dict[str, Any]:
+        r = start(i)
+        typer.echo(f"  start {i + 1}/{n}: {r['verdict']} {r.get('why', '')[:200]}", err=True)
+        return r
+
     with ThreadPoolExecutor(max_workers=max(together, 1)) as pool:
-        return list(pool.map(start, range(n)))
+        return list(pool.map(one, range(n)))
 
 
 def first_difference(a: Any, b: Any) -> str:
@@ -229,6 +235,7 @@ def run_case(
     if "skip" in case.args:
         return {**out, "skipped": case.args["skip"]}
     gpus = lanes.take(case.world)
+    typer.echo(f"{case.name}: on GPU {','.join(gpus)}", err=True)
     t = time.perf_counter()
     try:
         env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "EMBER_MODE")}
