@@ -4,7 +4,7 @@ compared with the table again by `ember verify`."""
 from __future__ import annotations
 
 from ember.archive import graph_table
-from ember.archive.graphs import GraphSet
+from ember.archive.graphs import GraphSet, KernelParams, MemcpyParams, MemsetParams
 from ember.archive.manifest import GraphsSummary, Manifest, TopologyGroupSummary, UnionSummary
 from ember.archive.topology import TopologyGroup
 
@@ -54,3 +54,21 @@ def differences(m: Manifest, table: graph_table.GraphTable) -> list[str]:
     if table.node_type_counts() != m.graphs.node_types:
         problems.append("node-type counts in the graph table differ from the manifest's")
     return problems
+
+
+def graph_nodes(graph_set: GraphSet, key: tuple[int, ...], limit: int = 40) -> list[str]:
+    """A graph's nodes in words (kernel name and grid, memset/memcpy bytes): what a SAVE that
+    replays one graph for seconds logs about it."""
+    graph = next((g for g in graph_set.graphs if tuple(g.key) == tuple(key)), None)
+    out: list[str] = []
+    for node in graph.nodes[:limit] if graph is not None else []:
+        p = node.params
+        if isinstance(p, KernelParams):
+            out.append(f"{graph_set.kernels[p.kernel].name[:80]} grid={p.grid} block={p.block}")
+        elif isinstance(p, MemsetParams):
+            out.append(f"memset {p.width * p.height * p.element_size} B")
+        elif isinstance(p, MemcpyParams):
+            out.append(f"memcpy {p.size} B")
+        else:
+            out.append(node.type.name)
+    return out

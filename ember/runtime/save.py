@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ember.archive.graph_summary import graph_nodes
 from ember.archive.graphs import GraphSet
 from ember.identity import ArchiveIdentity
 from ember.native import Interposer
@@ -69,6 +70,7 @@ class SaveOutcome:
             **({"reason": self.reason} if self.reason else {}),
             "durations": {k: round(v, 4) for k, v in self.durations.items()},
             **({"graph_stats": self.graph_stats} if self.graph_stats else {}),
+            "proof_slowest": self.proof.slowest,
             **self.extra,
         }
 
@@ -139,7 +141,9 @@ def capture(
             ip.capture_end()
     d["capture_s"] = time.perf_counter() - t
     log(f"Captured {len(graphs)} graphs in {d['capture_s']:.2f} s")
+    t = time.perf_counter()
     random = rng_consumers(graphs)
+    d["rng_check_s"] = time.perf_counter() - t  # one replay of each graph (minutes: a graph to look at)
     if random:
         key, inc = next(iter(random.items()))
         raise ProofFailed(
@@ -197,7 +201,7 @@ def attachments(adapter: EngineAdapter) -> dict[str, bytes]:
     return dict(attach()) if attach is not None else {}
 
 
-def _log_proof(rep: ProofReport, log: Callable[[str], None]) -> None:
+def _log_proof(rep: ProofReport, graph_set: GraphSet, log: Callable[[str], None]) -> None:
     log(
         f"Proved {rep.graphs} graphs ({rep.templates} templates, {rep.unions} of them union templates, "
         f"{rep.programmatic_edges} programmatic "
@@ -208,6 +212,9 @@ def _log_proof(rep: ProofReport, log: Callable[[str], None]) -> None:
         log(f"Warning: {note}")
     if rep.suspects:
         log(f"Warning: kernels used only by the non-bit-stable graphs: {', '.join(rep.suspects[:8])}")
+    if rep.slowest and rep.slowest[0]["s"] > 1.0:  # seconds for one graph: name what it launches
+        log(f"Warning: the proof's slowest graphs: {rep.slowest}; the slowest one's nodes: "
+            f"{graph_nodes(graph_set, tuple(rep.slowest[0]['key']))}")
 
 
 def _prove_with_cut_images(
@@ -298,7 +305,7 @@ def _save(adapter: EngineAdapter, ip: Interposer | None, store_uri: str | None,
     lib.close()
     if not rep.ok:
         _refuse_unproven(rep)
-    _log_proof(rep, log)
+    _log_proof(rep, graph_set, log)
     t = time.perf_counter()
     facts = {
         **adapter.facts(graphs),  # reference results are computed with the NATIVE graphs here

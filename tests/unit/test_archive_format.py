@@ -270,3 +270,16 @@ def test_empty_sets_and_graphs_round_trip() -> None:
 def test_values_that_do_not_fit_their_field_are_refused(graph: Graph) -> None:
     with pytest.raises(graph_table.FormatError, match="does not fit"):
         graph_table.encode(GraphSet([graph], [KernelRef("a" * 64, "k")], []))
+
+
+def test_a_graph_in_words_names_its_kernels_and_copy_sizes() -> None:
+    from ember.archive.graph_summary import graph_nodes
+
+    words = graph_nodes(small_set(), (1, 16))
+    assert words[0] == "_Z3fooPfi grid=(2147483647, 65535, 3) block=(1024, 1, 1)"
+    assert words[1].startswith("nvjet_hsh_128x64_ünïcode grid=(132, 1, 1)")
+    assert words[4:10] == ["memset 4096 B", f"memcpy {2**40} B", "EVENT_RECORD", "WAIT_EVENT", "EMPTY",
+                           "GRAPH"]
+    assert graph_nodes(small_set(), (2, -32)) == ["EMPTY"]
+    assert graph_nodes(small_set(), (9,)) == []  # a key the set does not hold
+    assert len(graph_nodes(small_set(), (1, 16), limit=3)) == 3

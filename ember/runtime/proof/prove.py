@@ -103,6 +103,9 @@ class ProofReport:
     decode_ms: float = 0.0
     seconds: float = 0.0
     table_bytes: int = 0
+    # the keys whose proof took longest (key, seconds, bytes snapshotted and poisoned per replay):
+    # a SAVE that runs for minutes names the graph it spent them on
+    slowest: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -241,6 +244,7 @@ def prove(
     state_for = getattr(subject, "state_for", None)
     unstable: set[GraphKey] = set()
     for i, key in enumerate(lib.keys):
+        t = time.perf_counter()
         run = _Runner(state_for(key) if state_for is not None else state, list(subject.outs[key]))
         replay = subject.graphs[key].replay
         stable = _prove_key(
@@ -250,9 +254,20 @@ def prove(
         if not stable:
             unstable.add(tuple(key))
         run.restore()
+        _note_time(rep, key, time.perf_counter() - t, run)
     _note_unstable(rep, graph_set, unstable)
     rep.seconds = time.perf_counter() - t0
     return rep, blob, lib
+
+
+def _note_time(rep: ProofReport, key: GraphKey, seconds: float, run: _Runner, keep: int = 3) -> None:
+    def nbytes(ts: Sequence[torch.Tensor]) -> int:
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    rep.slowest.append({"key": list(key), "s": round(seconds, 4),
+                        "state_bytes": nbytes(run.state), "out_bytes": nbytes(run.outs)})
+    rep.slowest.sort(key=lambda x: -x["s"])
+    del rep.slowest[keep:]
 
 
 def _encode_decode(graph_set: GraphSet, rep: ProofReport, unions: bool | None = None
