@@ -98,14 +98,33 @@ def test_union_templates_serve_every_size_bit_identical(
     assert goal, (r["tokens_verdict"], r["tokens_first_divergence"])
 
 
-def _save(workload: str, store: str) -> str:
+def _save(workload: str, store: str, extra: dict[str, str] | None = None) -> str:
+    return _save_summary(workload, store, extra)["identity"]
+
+
+def _save_summary(workload: str, store: str, extra: dict[str, str] | None = None) -> dict:
     from ember.runtime.session import ember_argv, preload_env
 
     args = ["--workload", workload, "--layers", str(LAYERS), "--sizes", SIZES, "--store", store]
     cmd = ember_argv("save", *args)
-    p = subprocess.run(cmd, env=preload_env("save", _env()), capture_output=True, text=True, timeout=600)
+    env = preload_env("save", {**_env(), **(extra or {})})
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout[p.stdout.index("{") :])["identity"]
+    return json.loads(p.stdout[p.stdout.index("{") :])
+
+
+def test_a_save_names_its_slowest_graphs_and_their_kernels(store: str) -> None:
+    """Every graph's proof "slow" (EMBER_PROOF_PROFILE_S tiny): the summary names the three
+    slowest, slowest first, and the profiler's kernels of the first (under libember)."""
+    _need_lib()
+    summary = _save_summary("llama3-8b", store, {"EMBER_PROOF_PROFILE_S": "1e-9"})
+    slowest = summary["proof_slowest"]
+    assert len(slowest) == 3 and [x["s"] for x in slowest] == sorted((x["s"] for x in slowest), reverse=True)
+    assert all(x["out_bytes"] > 0 for x in slowest)
+    kernels = slowest[0]["kernels"]
+    assert kernels and not kernels[0].startswith("the profiler could not run"), kernels
+    assert all(" ms (" in k for k in kernels), kernels
+    assert "kernels" not in slowest[1]
 
 
 def _child(args: dict, env_extra: dict[str, str] | None = None) -> dict:

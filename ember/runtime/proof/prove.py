@@ -24,12 +24,14 @@ from typing import Any, Protocol
 
 import torch
 
+from ember import settings
 from ember.archive import graph_table
 from ember.archive.graphs import Graph, GraphSet, KernelRef
 from ember.runtime.graphs.templates import GraphLibrary
 from ember.runtime.graphs.walk import GraphWalker, KernelUnnamed, WalkRefused
 from ember.runtime.proof.measures import spread_of, suspect_kernels
 from ember.runtime.proof.measures import within_spread as _within
+from ember.runtime.proof.profile import top_kernels
 from ember.runtime.proof.structure import structure_problems
 
 NATIVE_REPEATS = 3
@@ -255,6 +257,7 @@ def prove(
             unstable.add(tuple(key))
         run.restore()
         _note_time(rep, key, time.perf_counter() - t, run)
+    _profile_slowest(rep, subject, state_for, state)
     _note_unstable(rep, graph_set, unstable)
     rep.seconds = time.perf_counter() - t0
     return rep, blob, lib
@@ -268,6 +271,20 @@ def _note_time(rep: ProofReport, key: GraphKey, seconds: float, run: _Runner, ke
                         "state_bytes": nbytes(run.state), "out_bytes": nbytes(run.outs)})
     rep.slowest.sort(key=lambda x: -x["s"])
     del rep.slowest[keep:]
+
+
+def _profile_slowest(rep: ProofReport, subject: ProofSubject, state_for: Any, state: Sequence[torch.Tensor]
+                     ) -> None:
+    """The slowest graph's kernels by GPU time (`proof.profile`), when its proof took longer than
+    EMBER_PROOF_PROFILE_S: replayed once more from its state, which is put back after."""
+    limit = settings.number("EMBER_PROOF_PROFILE_S")
+    if not rep.slowest or limit <= 0 or rep.slowest[0]["s"] <= limit:
+        return
+    key = next(k for k in subject.graphs if list(k) == rep.slowest[0]["key"])
+    run = _Runner(state_for(key) if state_for is not None else state, list(subject.outs[key]))
+    run.restore()
+    rep.slowest[0]["kernels"] = top_kernels(subject.graphs[key].replay)
+    run.restore()
 
 
 def _encode_decode(graph_set: GraphSet, rep: ProofReport, unions: bool | None = None
