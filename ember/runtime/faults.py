@@ -8,7 +8,9 @@ Nothing sets it outside tests; each name is read where its fault lives.
 - `splice-redop`: LOAD splices each rank's collectives with a max where the archive's table says
   sum (a wrong splice: the all-reduce and reduce-scatter compute something else);
 - `kernel-arg`: LOAD changes every kernel argument of each graph that reads as a float scalar
-  (an epsilon, an alpha) to 2x+1: corrupted kernel arguments in every restored graph;
+  (an epsilon, an alpha) to 2x+1, and halves one element count per graph (the last 4-byte
+  argument of 16 or more of its last kernel that has one): corrupted kernel arguments in every
+  restored graph, also where Inductor baked every float into its kernels (vLLM);
 - `own-exec`: the same corruption in the own execs only, the execs the Dedicator swaps in for the
   templates while requests run (a swap that changes results);
 - `skip-kernel`: LOAD rebuilds the last kernel node of each graph (one with plain edges only) as
@@ -35,17 +37,17 @@ def active(name: str) -> bool:
     return name in settings.text("EMBER_FAULT").split(",")
 
 
-def corrupt_float_arguments(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int, ...]]],
-                            names: list[str] | None = None) -> list[np.ndarray]:
+def corrupt_arguments(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int, ...]]],
+                      names: list[str] | None = None) -> list[np.ndarray]:
     """`kernel-arg`/`own-exec`: every float scalar among the kernel arguments (a 4-byte argument,
     or a word of an 8-byte one that is not a pointer: a functor's epsilon or alpha) becomes 2x+1,
-    each changed argument in a new buffer its pointer (`ptrs`, one per argument) now points to;
-    returns the buffers, to be kept alive with the graph (none: no argument qualifies). Every
-    one, not only the first: one scalar may leave what a step computes unchanged (a guard, a
-    clamp's bound), and the fault must be a wrong result. `nodes`: per kernel node its first slot
-    in `ptrs` and its argument sizes; `names`: the nodes' kernels, for the log. Only such a scalar
-    is changed: a pointer or a size moved could make a kernel touch memory it does not own, and
-    the fault must stay a wrong result, never a crash."""
+    and one count is halved (`_halve_a_count`); each changed argument in a new buffer its pointer
+    (`ptrs`, one per argument) now points to. Returns the buffers, to be kept alive with the graph
+    (none: nothing qualified). Every float, not only the first: one scalar may leave what a step
+    computes unchanged (a guard, a clamp's bound), and the fault must be a wrong result. `nodes`:
+    per kernel node its first slot in `ptrs` and its argument sizes; `names`: the nodes' kernels,
+    for the log. A pointer is never moved and a count only shrinks: the kernel must never touch
+    memory it does not own, the fault stays a wrong result, never a crash."""
     bufs, said = [], []
     for n, (first, sizes) in enumerate(nodes):
         for j, size in enumerate(sizes):
@@ -63,13 +65,39 @@ def corrupt_float_arguments(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int, 
                     raw[w : w + 4] = struct.pack("<f", value * 2 + 1)
                     changed.append(f"argument {j} word {w // 4}: {value!r} -> {value * 2 + 1!r}")
             if changed:
-                buf = np.frombuffer(bytes(raw), dtype=np.uint8).copy()
-                ptrs[first + j] = buf.ctypes.data
-                bufs.append(buf)
+                bufs.append(_repoint(ptrs, first + j, raw))
                 said += [f"{names[n] if names else f'kernel node {n}'}: {c}" for c in changed]
+    if count := _halve_a_count(ptrs, nodes, bufs):
+        said.append(f"{names[count[0]] if names else f'kernel node {count[0]}'}: {count[1]}")
     if said:  # which kernels a run corrupted (a fault that changes nothing shows here)
-        log.warning("fault: %d float argument(s), %s", len(said), "; ".join(said[:4]))
+        log.warning("fault: %d kernel argument(s), %s", len(said), "; ".join(said[-4:]))
     return bufs
+
+
+def _halve_a_count(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int, ...]]],
+                   bufs: list[np.ndarray]) -> tuple[int, str] | None:
+    """The last kernel node's last 4-byte argument in [16, 2**24) halved: an element count where
+    kernels put theirs last (Inductor's `xnumel`/`r0_numel`, a norm's hidden size), which a mask
+    compares indices with. The kernel covers part of its range, whatever floats its code holds;
+    a count used in index arithmetic (`x // ks0`) could reach further, which is why not the first.
+    Returns (node, what changed), or None."""
+    for n in reversed(range(len(nodes))):
+        first, sizes = nodes[n]
+        for j in reversed(range(len(sizes))):
+            size = sizes[j]
+            if size != 4:
+                continue
+            value = int.from_bytes(ctypes.string_at(int(ptrs[first + j]), 4), "little")
+            if 16 <= value < 1 << 24:
+                bufs.append(_repoint(ptrs, first + j, bytearray((value // 2).to_bytes(4, "little"))))
+                return n, f"argument {j}: count {value} -> {value // 2}"
+    return None
+
+
+def _repoint(ptrs: np.ndarray, slot: int, raw: bytearray) -> np.ndarray:
+    buf = np.frombuffer(bytes(raw), dtype=np.uint8).copy()
+    ptrs[slot] = buf.ctypes.data
+    return buf
 
 
 def kernel_to_skip(kernel_nodes: np.ndarray, src: np.ndarray, dst: np.ndarray,

@@ -79,7 +79,7 @@ def test_the_same_shape_without_it_restores_on_both_ranks(two_gpus: None) -> Non
 
 SINGLE_GPU_FAULTS = {
     "stale-update": "after an exec update",  # the template updated away and back: another key's step
-    "kernel-arg": "as instantiated",  # every restored graph has a float argument doubled
+    "kernel-arg": "as instantiated",  # every restored graph has float arguments doubled, a count halved
     "own-exec": "on its own exec",  # the exec the Dedicator swaps in computes otherwise
 }
 

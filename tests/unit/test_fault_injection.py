@@ -1,5 +1,5 @@
-"""The injected kernel-argument fault (`ember.runtime.faults`) changes only a float scalar: a size,
-an index or a pointer moved could make a kernel touch memory it does not own."""
+"""The injected kernel-argument fault (`ember.runtime.faults`) changes float scalars and halves one
+count: a pointer moved, or a size grown, could make a kernel touch memory it does not own."""
 
 from __future__ import annotations
 
@@ -18,21 +18,27 @@ def test_every_float_scalar_changes_in_a_new_buffer(caplog) -> None:
     size, eps, alpha = np.array([4096], np.int32), np.array([1e-6], np.float32), np.array([1.0], np.float64)
     ptrs, _keep = _arguments(size, np.array([0x7F00_1234_5000], np.uint64), eps, alpha)
     before = ptrs.copy()
-    bufs = faults.corrupt_float_arguments(ptrs, [(0, (4, 8)), (2, (4, 8))], ["k0", "k1"])
-    assert [b.ctypes.data for b in bufs] == [int(ptrs[2]), int(ptrs[3])]
+    bufs = faults.corrupt_arguments(ptrs, [(0, (4, 8)), (2, (4, 8))], ["k0", "k1"])
+    assert [b.ctypes.data for b in bufs] == [int(ptrs[2]), int(ptrs[3]), int(ptrs[0])]
     assert bufs[0].view(np.float32)[0] == np.float32(1e-6) * 2 + 1
     assert bufs[1].view(np.float64)[0] != 1.0  # a double's high word reads as a float (1.875)
-    assert (ptrs[:2] == before[:2]).all()
+    assert bufs[2].view(np.int32)[0] == 2048  # k1 has no count: k0's is halved
+    assert ptrs[1] == before[1]  # the pointer never
     assert eps[0] == np.float32(1e-6) and size[0] == 4096  # the archive's bytes are not written
-    assert "fault: 2 float argument(s), k1: argument 0 word 0" in caplog.text  # kernels named
+    assert "fault: 3 kernel argument(s), " in caplog.text and "k1: argument 0 word 0" in caplog.text
+    assert "k0: argument 0: count 4096 -> 2048" in caplog.text  # kernels named
 
 
-def test_integers_and_pointers_are_never_changed() -> None:
-    ints = [np.array([v], np.int32) for v in (0, 1, 64, 4096, 1 << 20)]
+def test_one_count_is_halved_the_last_kernels_last_and_no_pointer_or_flag_changes() -> None:
+    ints = [np.array([v], np.int32) for v in (0, 1, 15, 64, 4096, 1 << 20, 1 << 24)]
     ptrs, _keep = _arguments(*ints, np.array([0x7F00_1234_5000], np.uint64))
     before = ptrs.copy()
-    assert faults.corrupt_float_arguments(ptrs, [(0, (4, 4, 4, 4, 4, 8))]) == []
-    assert (ptrs == before).all()
+    (buf,) = faults.corrupt_arguments(ptrs, [(0, (4, 4, 4, 4)), (4, (4, 4, 4, 8))])
+    assert buf.view(np.int32)[0] == 1 << 19 and ptrs[5] == buf.ctypes.data  # node 1's last count
+    assert (np.delete(ptrs, 5) == np.delete(before, 5)).all()
+    flags_only = [np.array([v], np.int32) for v in (0, 1, 2, 15, 1 << 24)]
+    ptrs, _keep = _arguments(*flags_only)
+    assert faults.corrupt_arguments(ptrs, [(0, (4, 4, 4, 4, 4))]) == []  # nothing to corrupt safely
 
 
 def test_the_fault_is_off_unless_named(monkeypatch) -> None:
@@ -46,6 +52,6 @@ def test_a_functor_of_two_floats_changes_but_a_pointer_never() -> None:
     pointer = np.array([0x7F00_3F80_0000], np.uint64)  # its low word reads as 1.0f
     functor = np.array([1.0, 1e-5], np.float32)  # (alpha, b): an 8-byte argument
     ptrs, _keep = _arguments(pointer, functor)
-    (buf,) = faults.corrupt_float_arguments(ptrs, [(0, (8, 8))])
+    (buf,) = faults.corrupt_arguments(ptrs, [(0, (8, 8))])
     assert ptrs[0] == pointer.ctypes.data
     assert list(buf.view(np.float32)) == [3.0, np.float32(1e-5) * 2 + 1]

@@ -163,7 +163,7 @@ def _corrupt(table: Any, krows: np.ndarray, ptrs: np.ndarray, slot_addr: np.ndar
     nodes = [(int(first[n]), table._layout(int(krows["layout"][n]))[1]) for n in which]
     kernels = getattr(table, "kernels", None)
     names = [kernels[int(krows["kernel"][n])].name for n in which] if kernels is not None else None
-    return faults.corrupt_float_arguments(ptrs, nodes, names)
+    return faults.corrupt_arguments(ptrs, nodes, names)
 
 
 def _skip_a_kernel(codes: np.ndarray, args: np.ndarray, attr_count: np.ndarray, kmask: np.ndarray,
