@@ -19,7 +19,7 @@
 # CUDA_VISIBLE_DEVICES per line.
 set -uo pipefail
 RUN=${RUN:-/tmp/ember-run}
-mkdir -p "$RUN"
+mkdir -p "$RUN/pt"  # pytest --basetemp=$RUN/pt/NAME needs its parent (it makes only the last part)
 
 setup() {
   local tag=$1 t0=$SECONDS lib
