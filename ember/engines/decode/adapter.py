@@ -199,10 +199,14 @@ class DecodeAdapter:
             return {"verify": "skipped: a compiled multi-GPU step has no reference here"}
         seed = 7 if saved is not None else CANARY_SEED
 
+        whole = [True]
+
         def reset() -> None:
             """Every path's start; the key's outputs poisoned (a path that wrote none of them must
-            not pass on what an earlier path left there)."""
-            w.reset_state(seed=seed)
+            not pass on what an earlier path left there). The whole cache zeroed once, then only
+            what each path's one step wrote."""
+            w.reset_state(seed=seed, one_step_of=None if whole[0] else b)
+            whole[0] = False
             for t in self.outputs[key]:
                 t.view(torch.uint8).fill_(0xA5)
 
