@@ -217,8 +217,10 @@ class DecodeAdapter:
             library.launch_template(index)
             return outputs()
 
+        own = library.own.get_ahead(index)  # built while the reference and template paths run
+
         def via_own_exec() -> list[Any]:
-            launch_exec(library.own.get(index))
+            launch_exec(own.result())
             return outputs()
 
         reference = (lambda: saved) if saved is not None else (lambda: list(w.step(b)))

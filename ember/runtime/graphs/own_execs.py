@@ -5,8 +5,9 @@ updated to a graph ran its decode step up to 24 % slower than one instantiated f
 (benchmarks/results/switch-diag-H100-20261122-qwen3-8b.json), so the template only bridges a
 key's first steps. Own execs come three ways: for a hot key (`hot_after` launches through an
 updated template) on the library's pool, for every key in need order on a background thread
-(`need.Dedicator`), and at once for the key LOAD's canary checks (`get`). Each is adopted under the
-library's driver lock; with EMBER_SWAP_AT_LAUNCH they wait for a chosen launch (`need.SwapGate`).
+(`need.Dedicator`), and at once for the key LOAD's canary checks (`get`, or `get_ahead` on the
+pool while the canary's first paths run). Each is adopted under the library's driver lock; with
+EMBER_SWAP_AT_LAUNCH they wait for a chosen launch (`need.SwapGate`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,16 @@ class OwnExecs:
             self.lib.upload([ex])
             self.adopt(index, ex)
         return self.execs.get(index) or self.gate.parked.get(index) or ex
+
+    def get_ahead(self, index: int) -> Future[Any]:
+        """`get(index)` on a pool thread (in the library's context): LOAD's canary builds the
+        key's own exec while its first paths run on the GPU, and waits only where it launches it."""
+
+        def run() -> Any:
+            check(cu.cuCtxSetCurrent(self.lib.ctx), "cuCtxSetCurrent")
+            return self.get(index)
+
+        return self.lib.pool.submit(run)
 
     def adopt(self, index: int, ex: Any) -> None:
         with self.lib.driver_lock:
