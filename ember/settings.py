@@ -35,9 +35,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("EMBER_FAULT", "text", "", "tests: faults to inject (ember.runtime.faults)"),
     Setting("EMBER_STACKS_AFTER_S", "number", "300",
             "a SAVE or LOAD still running logs every thread's stack this often (0: never)"),
-    Setting("EMBER_PROOF_PROFILE_S", "number", "2",
-            "SAVE: a graph whose proof takes longer is replayed once more under torch.profiler, its "
-            "top kernels logged (0: never)"),
+    Setting("EMBER_PROOF_PROFILE_S", "number", "0",
+            "SAVE, a diagnosis: a graph whose proof takes longer is replayed once more under "
+            "torch.profiler (CUPTI beside libember), its top kernels in the summary (0: never)"),
     # SAVE (the archive's layout)
     Setting("EMBER_SLIM_IMAGES", "flag", "1", "cut kernel images to this GPU's cubin and the kernels used"),
     Setting("EMBER_UNION_TEMPLATES", "flag", "1", "write (SAVE) and use (LOAD) union templates"),
