@@ -280,7 +280,9 @@ def _profile_slowest(rep: ProofReport, subject: ProofSubject, state_for: Any, st
     limit = settings.number("EMBER_PROOF_PROFILE_S")
     if not rep.slowest or limit <= 0 or rep.slowest[0]["s"] <= limit:
         return
-    key = next(k for k in subject.graphs if list(k) == rep.slowest[0]["key"])
+    key = next((k for k in subject.graphs if list(k) == rep.slowest[0]["key"]), None)
+    if key is None:
+        return
     run = _Runner(state_for(key) if state_for is not None else state, list(subject.outs[key]))
     run.restore()
     rep.slowest[0]["kernels"] = top_kernels(subject.graphs[key].replay)
