@@ -160,7 +160,8 @@ def decode_start(ranks: list[dict[str, Any]]) -> dict[str, Any]:
            for x in ranks
            if not all(x["tokens_identical"].values()) or x["outputs_identical"] != x["outputs"]]
     return {"verdict": "wrong" if bad else "identical", "why": "; ".join(bad),
-            "verify_ms": [x.get("verify_ms") for x in ranks]}
+            "verify_ms": [x.get("verify_ms") for x in ranks],
+            "verify_parts_ms": [x.get("verify_parts_ms") for x in ranks]}  # where the canary's time went
 
 
 def _cb_case(

@@ -51,6 +51,12 @@ def test_a_start_is_wrong_if_any_rank_differs() -> None:
     assert decode_start([_rank(0, outputs=2), _rank(1)])["verdict"] == "wrong"
 
 
+def test_a_start_keeps_each_ranks_canary_cost_and_its_parts() -> None:
+    parts = {"reference": 1.0, "template": 40.0}
+    start = decode_start([_rank(0, verify_ms=41.0, verify_parts_ms=parts), _rank(1, verify_ms=43.0)])
+    assert start["verify_ms"] == [41.0, 43.0] and start["verify_parts_ms"] == [parts, None]
+
+
 def test_a_refusal_on_every_failing_rank_is_a_fallback_not_an_error() -> None:
     refused = {"rank": 1, "load_error": "refused: verify: canary differs: rank 1: ..."}
     assert decode_start([_rank(0), refused])["verdict"] == "fell back"
