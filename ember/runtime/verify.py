@@ -68,7 +68,8 @@ def canary(
     every_path: bool = False,
 ) -> dict[str, Any]:
     """Run the canary; returns {"ok", "why", "verify_ms", "checked", "parts_ms"} (parts_ms: each
-    path's milliseconds, the reference's included, so a slow canary says where). `own_step()` and
+    path's milliseconds, the reference's included, and "reset": every reset's, which the paths'
+    exclude, so a slow canary says where). `own_step()` and
     `graph_step()` run one step from the state `reset()` sets and return copies of the outputs;
     `switch_round_trip()` updates the template away and back (False: the group has one member);
     `own_exec_step()` runs the key's own exec (the path it takes once the Dedicator built it).
@@ -81,18 +82,29 @@ def canary(
 
     t = time.perf_counter()
     parts: dict[str, float] = {}
+    resets = [0.0]  # every reset's milliseconds: a path's part is its step and its comparison
 
-    def lap(name: str, since: float) -> float:
+    def sync() -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+
+    def fresh() -> float:
+        """The state every path starts from; returns when the path's own time starts."""
+        since = time.perf_counter()
+        reset()
+        sync()
         now = time.perf_counter()
-        parts[name] = round((now - since) * 1e3, 2)
+        resets[0] += (now - since) * 1e3
         return now
 
+    def lap(name: str, since: float) -> None:
+        sync()
+        parts[name] = round((time.perf_counter() - since) * 1e3, 2)
+
     with torch.no_grad():
-        reset()
+        start = fresh()
         ref = snap(own_step())
-        mark = lap("reference", t)
+        lap("reference", start)
 
         def updated() -> Outputs | None:
             return graph_step() if switch_round_trip is not None and switch_round_trip() else None
@@ -104,19 +116,19 @@ def canary(
         checked: list[str] = []
         why = ""
         for name, label, step in paths:
-            reset()
+            start = fresh()
             got = step()
             if got is None:  # no other member to update to
                 continue
             checked.append(name)
             diff = first_difference(ref, snap(got))
-            mark = lap(name, mark)
+            lap(name, start)
             if diff and not why:
                 why = f"{label}: {diff}"
             if why and not every_path:
                 break
-        reset()
-    lap("reset", mark)
+        fresh()
+    parts["reset"] = round(resets[0], 2)
     return {"ok": not why, "why": why, "checked": checked, "verify_ms": (time.perf_counter() - t) * 1e3,
             "parts_ms": parts}
 
