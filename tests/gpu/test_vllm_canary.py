@@ -100,7 +100,8 @@ def _saved(model: str, tensor: int, tmp: Path) -> dict[str, Any]:
         os.environ.update(saved_env)
     assert summary["published"] is True, summary
     # where SAVE's time went: the V2 runner's proof took minutes here (h200-20261129d)
-    print("SAVE", model, summary["durations"], summary["proof_slowest"])
+    print("SAVE", model, summary["durations"], summary["proof_slowest"],
+          f"bitwise {summary['bitwise_proven']} of {summary['graphs']}", summary["native_nondeterministic"])
     assert 0 < len(summary["proof_slowest"]) <= 3
     return {"ident": ident, "args": args, "native": native, "store": tmp / "store"}
 

@@ -19,6 +19,7 @@ where the engine looks, so its dispatcher finds every key and never captures.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,8 @@ from ember.engines.vllm.keys import (
 
 if TYPE_CHECKING:  # torch only where graphs are read or made: the module's LOAD-side helpers are CPU-tested
     import torch
+
+log = logging.getLogger("ember.vllm")
 
 
 class SiteError(RuntimeError):
@@ -198,9 +201,52 @@ def captured_graphs(
         hidden = manager.hidden_states
         for desc, graph in manager.graphs.items():
             out[key_of_execution(desc)] = Captured(
-                graph, hidden[: desc.num_tokens] if hidden is not None else None
+                MetadataFirst(graph, v2_full_metadata(runner, desc)),
+                hidden[: desc.num_tokens] if hidden is not None else None,
             )
     return out
+
+
+class MetadataFirst:
+    """A V2 FULL graph whose bare replay (SAVE's RNG check and proof) first rebuilds its
+    descriptor's attention metadata, as vLLM does before every launch of it. Without that it
+    reads what the last build left in the attention builder's one scheduler-metadata buffer: the
+    smallest size's (V2 captures the largest first), whose unwritten padding a larger size's
+    FlashAttention-3 kernel would take for tile and split counts. That is the likely reason, read
+    from vLLM 0.26's and FA3's source and not yet shown on a GPU, why a 2-layer Llama SAVE replayed
+    its graphs for ~3 s each and one FULL graph was not bit-stable (h200-20261129d). Everything
+    else is the graph's own. A rebuild that fails is said once; the replays are bare from then."""
+
+    def __init__(self, graph: Any, prepare: Any) -> None:
+        self.graph, self.prepare = graph, prepare
+
+    def replay(self) -> None:
+        if self.prepare is not None:
+            try:
+                self.prepare()
+            except Exception as exc:
+                log.warning("ember: the V2 FULL graph's metadata could not be rebuilt before a bare "
+                            "replay (%s: %s); replaying on what is there", type(exc).__name__, exc)
+                self.prepare = None
+        self.graph.replay()
+
+    def __getattr__(self, name: str) -> Any:  # raw_cuda_graph() and the rest: the graph's own
+        return getattr(self.graph, name)
+
+
+def v2_full_metadata(runner: Any, desc: Any) -> Any:
+    """What V2's capture ran before capturing `desc` (`prepare_inputs_to_capture`): dummy inputs,
+    slot mappings and the attention metadata of its size, written where the graph reads them."""
+
+    def prepare() -> None:
+        from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
+
+        tokens = int(desc.num_tokens)
+        reqs = int(desc.num_reqs or min(tokens, runner.cudagraph_manager.max_num_reqs))
+        prepare_inputs_to_capture(reqs, tokens, runner.model_state, runner.input_buffers, runner.block_tables,
+                                  runner.attn_groups, runner.kv_cache_config)
+
+    return prepare
 
 
 # ---- LOAD: restored graphs where the engine looks --------------------------------------------
