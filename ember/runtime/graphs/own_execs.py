@@ -5,14 +5,15 @@ updated to a graph ran its decode step up to 24 % slower than one instantiated f
 (benchmarks/results/switch-diag-H100-20261122-qwen3-8b.json), so the template only bridges a
 key's first steps. Own execs come three ways: for a hot key (`hot_after` launches through an
 updated template) on the library's pool, for every key in need order on a background thread
-(`need.Dedicator`), and at once for the key LOAD's canary checks (`get`, or `get_ahead` on the
-pool while the canary's first paths run). Each is adopted under the library's driver lock; with
+(`need.Dedicator`), and at once for the key LOAD's canary checks (`get`, or `get_ahead` on a
+thread while the canary's first paths run). Each is adopted under the library's driver lock; with
 EMBER_SWAP_AT_LAUNCH they wait for a chosen launch (`need.SwapGate`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import Future, wait
@@ -25,8 +26,6 @@ from ember.runtime.graphs.driver import CudaError, check
 from ember.runtime.graphs.need import Dedicator, SwapGate
 
 if TYPE_CHECKING:
-    import threading
-
     from ember.runtime.graphs.templates import GraphLibrary
 
 
@@ -73,14 +72,20 @@ class OwnExecs:
         return self.execs.get(index) or self.gate.parked.get(index) or ex
 
     def get_ahead(self, index: int) -> Future[Any]:
-        """`get(index)` on a pool thread (in the library's context): LOAD's canary builds the
-        key's own exec while its first paths run on the GPU, and waits only where it launches it."""
+        """`get(index)` on a thread of its own (in the library's context): LOAD's canary builds the
+        key's own exec while its first paths run on the GPU, and waits only where it launches it.
+        Not the library's pool: the templates still being prepared there would queue it."""
+        done: Future[Any] = Future()
 
-        def run() -> Any:
-            check(cu.cuCtxSetCurrent(self.lib.ctx), "cuCtxSetCurrent")
-            return self.get(index)
+        def run() -> None:
+            try:
+                check(cu.cuCtxSetCurrent(self.lib.ctx), "cuCtxSetCurrent")
+                done.set_result(self.get(index))
+            except BaseException as exc:  # the canary meets it where it launches the exec
+                done.set_exception(exc)
 
-        return self.lib.pool.submit(run)
+        threading.Thread(target=run, name="ember-canary-own-exec", daemon=True).start()
+        return done
 
     def adopt(self, index: int, ex: Any) -> None:
         with self.lib.driver_lock:
