@@ -81,30 +81,13 @@ def canary(
         return [x.clone() if isinstance(x, torch.Tensor) else x for x in outputs]
 
     t = time.perf_counter()
-    parts: dict[str, float] = {}
-    resets = [0.0]  # every reset's milliseconds: a path's part is its step and its comparison
-
-    def sync() -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-    def fresh() -> float:
-        """The state every path starts from; returns when the path's own time starts."""
-        since = time.perf_counter()
-        reset()
-        sync()
-        now = time.perf_counter()
-        resets[0] += (now - since) * 1e3
-        return now
-
-    def lap(name: str, since: float) -> None:
-        sync()
-        parts[name] = round((time.perf_counter() - since) * 1e3, 2)
+    clock = _Clock(reset)
+    parts = clock.parts
 
     with torch.no_grad():
-        start = fresh()
+        start = clock.fresh()
         ref = snap(own_step())
-        lap("reference", start)
+        clock.lap("reference", start)
 
         def updated() -> Outputs | None:
             return graph_step() if switch_round_trip is not None and switch_round_trip() else None
@@ -116,21 +99,50 @@ def canary(
         checked: list[str] = []
         why = ""
         for name, label, step in paths:
-            start = fresh()
+            start = clock.fresh()
             got = step()
             if got is None:  # no other member to update to
                 continue
             checked.append(name)
             diff = first_difference(ref, snap(got))
-            lap(name, start)
+            clock.lap(name, start)
             if diff and not why:
                 why = f"{label}: {diff}"
             if why and not every_path:
                 break
-        fresh()
-    parts["reset"] = round(resets[0], 2)
+        clock.fresh()
+    parts["reset"] = round(clock.resets, 2)
     return {"ok": not why, "why": why, "checked": checked, "verify_ms": (time.perf_counter() - t) * 1e3,
             "parts_ms": parts}
+
+
+class _Clock:
+    """The canary's parts: each path's milliseconds from the end of its reset (its step and its
+    comparison), every reset's summed apart."""
+
+    def __init__(self, reset: Callable[[], None]) -> None:
+        self.reset, self.resets = reset, 0.0
+        self.parts: dict[str, float] = {}
+
+    @staticmethod
+    def sync() -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def fresh(self) -> float:
+        """The state every path starts from; returns when the path's own time starts."""
+        since = time.perf_counter()
+        self.reset()
+        self.sync()
+        now = time.perf_counter()
+        self.resets += (now - since) * 1e3
+        return now
+
+    def lap(self, name: str, since: float) -> None:
+        self.sync()
+        self.parts[name] = round((time.perf_counter() - since) * 1e3, 2)
 
 
 def unanimous(ok: bool, world: int) -> bool:
