@@ -72,11 +72,12 @@ def _env(mode: str, args: list[str], cache: Path, extra: dict[str, str]) -> dict
 
 
 def _engine(args: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
-    with open(log, "w") as err:
-        p = subprocess.run([sys.executable, "-c", ENGINE, json.dumps(args)], env=env, stdout=subprocess.PIPE,
-                           stderr=err, text=True, timeout=900, check=False)
-    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, p.stdout[-2000:] + log.read_text()[-4000:]
+    with open(log, "w") as out:  # vLLM logs to stdout: its lines (a worker's exception) stay in the log
+        p = subprocess.run([sys.executable, "-c", ENGINE, json.dumps(args)], env=env, stdout=out,
+                           stderr=subprocess.STDOUT, text=True, timeout=900, check=False)
+    text = log.read_text()
+    lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, text[-6000:]
     return dict(json.loads(lines[-1].removeprefix("RESULT ")))
 
 
