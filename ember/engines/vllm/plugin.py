@@ -138,6 +138,8 @@ def _install() -> None:
         problems = check_engine()
         if not problems:
             _time_worker_stages()
+            if os.environ.get("EMBER_VLLM_MEMORY_TRACE"):
+                _trace_from_distributed_init()
             for kind, module in RUNNERS.items():
                 _patch_runner(module, kind)
     except Exception as exc:
@@ -177,7 +179,15 @@ def _time_worker_stages() -> None:
 
         def timed(self: Any, *a: Any, _name: str = name, _original: Any = original, **kw: Any) -> Any:
             t = time.perf_counter()
-            out = _original(self, *a, **kw)
+            try:
+                out = _original(self, *a, **kw)
+            except BaseException as exc:  # in the report: on N ranks a peer may wait for this one forever
+                report(f"worker.{_name}", seconds=round(time.perf_counter() - t, 4),
+                       error=f"{type(exc).__name__}: {exc}"[:2000])
+                _trace(f"failed-{_name}")
+                raise
+            if _name == "load_model":
+                _trace("after-load_model")
             extra = {"bytes": int(out)} if _name == "determine_available_memory" else {}
             report(f"worker.{_name}", seconds=round(time.perf_counter() - t, 4), **extra)
             if extra and settings.on("EMBER_VLLM_PROBE"):
@@ -185,6 +195,36 @@ def _time_worker_stages() -> None:
             return out
 
         setattr(gpu_worker.Worker, name, timed)
+
+
+def _trace_from_distributed_init() -> None:
+    """EMBER_VLLM_MEMORY_TRACE: torch's allocation history from the worker's distributed set-up on."""
+    from vllm.v1.worker import gpu_worker
+
+    from ember.engines.vllm import memtrace
+
+    original = gpu_worker.init_worker_distributed_environment
+
+    def traced(*a: Any, **kw: Any) -> Any:
+        memtrace.start()
+        return original(*a, **kw)
+
+    gpu_worker.init_worker_distributed_environment = traced
+
+
+def _trace(tag: str) -> None:
+    """EMBER_VLLM_MEMORY_TRACE: this worker's allocation history so far, to compare SAVE with LOAD."""
+    from ember.engines.vllm import memtrace
+    from ember.engines.vllm import report as reports
+
+    if memtrace.folder() is None:
+        return
+    try:
+        rank = reports.worker_rank()
+        path = memtrace.dump(STATE.mode, rank[0] if rank else 0, tag)
+        report(f"memtrace.{tag}", path=str(path))
+    except Exception as exc:  # a diagnostic never fails the engine
+        report(f"memtrace.{tag}", error=f"{type(exc).__name__}: {exc}")
 
 
 def _patch_runner(module_name: str, kind: str) -> None:
@@ -305,6 +345,7 @@ def _before_runner(vllm_config: Any, kind: str) -> None:
         report("refused", at="engine", reason=STATE.refusal)
         return
     report("armed", mode=STATE.mode, runner=kind)
+    _trace("armed")
     if STATE.mode == "save" and not vllm_config.cache_config.kv_cache_memory_bytes:
         STATE.refusal = (
             "SAVE needs kv_cache_memory_bytes (memory profiling allocates; LOAD skips it and "

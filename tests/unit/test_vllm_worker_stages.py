@@ -1,0 +1,97 @@
+"""CPU: the plugin's record of a vLLM worker's start-up stages, and the allocation-trace diagnostic.
+On N ranks a worker whose stage raises leaves its peers waiting in a collective for ever (vLLM's
+executor waits on every rank's reply): the raise must be in that rank's report."""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import pytest
+
+from ember.engines.vllm import memtrace, plugin
+from ember.engines.vllm import report as reports
+
+
+@pytest.fixture
+def worker(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Any:
+    """A stand-in `vllm.v1.worker.gpu_worker` whose Worker fails `determine_available_memory`."""
+
+    class Worker:
+        def init_device(self) -> None: ...
+        def load_model(self) -> None: ...
+        def determine_available_memory(self) -> int:
+            raise RuntimeError("expected all tensors to be on the same device")
+        def initialize_from_config(self, *a: Any) -> None: ...
+        def compile_or_warm_up_model(self) -> float:
+            return 1.0
+
+    module = types.ModuleType("vllm.v1.worker.gpu_worker")
+    module.Worker = Worker  # type: ignore[attr-defined]
+    for name in ("vllm", "vllm.v1", "vllm.v1.worker"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu_worker", module)
+    monkeypatch.setattr(sys.modules["vllm.v1.worker"], "gpu_worker", module, raising=False)
+    monkeypatch.setattr(plugin, "STATE", plugin._State())
+    monkeypatch.setenv("EMBER_VLLM_REPORT", str(tmp_path / "vllm-report.json"))
+    monkeypatch.delenv(memtrace.ENV, raising=False)
+    plugin._time_worker_stages()
+    return Worker()
+
+
+def test_a_stage_that_raises_is_in_the_report_and_still_raises(worker: Any, tmp_path) -> None:
+    worker.load_model()
+    with pytest.raises(RuntimeError, match="same device"):
+        worker.determine_available_memory()
+    stages = reports.read(tmp_path / "vllm-report.json")["stages"]
+    assert "error" not in stages["worker.load_model"]
+    failed = stages["worker.determine_available_memory"]
+    assert failed["error"] == "RuntimeError: expected all tensors to be on the same device"
+    assert "bytes" not in failed
+
+
+def test_a_stage_that_returns_is_timed_without_an_error(worker: Any, tmp_path) -> None:
+    assert worker.compile_or_warm_up_model() == 1.0
+    stage = reports.read(tmp_path / "vllm-report.json")["stages"]["worker.compile_or_warm_up_model"]
+    assert "error" not in stage and stage["seconds"] >= 0
+
+
+SNAPSHOT = {
+    "segments": [
+        {"device": 1, "address": 0x6000, "total_size": 2 << 20, "segment_type": "small",
+         "blocks": [{"size": 512, "requested_size": 4, "state": "active_allocated",
+                     "frames": [{"filename": "/x/site-packages/torch/cuda/__init__.py", "line": 1,
+                                 "name": "f"},
+                                {"filename": "/x/site-packages/vllm/distributed/pynccl.py", "line": 9,
+                                 "name": "__init__"}]},
+                    {"size": 2 << 20, "state": "inactive", "frames": []}]},
+        {"device": 0, "address": 0x9000, "total_size": 20 << 20, "segment_type": "large", "blocks": []},
+    ],
+    "device_traces": [
+        [{"action": "segment_alloc", "size": 1, "addr": 1, "frames": []}],
+        [{"action": "segment_alloc", "size": 2 << 20, "addr": 0x6000,
+          "frames": [{"filename": "/x/site-packages/vllm/v1/worker/gpu_model_runner.py", "line": 5,
+                      "name": "__init__"}]},
+         {"action": "free_requested", "size": 512, "addr": 0x6000, "frames": []},
+         {"action": "alloc", "size": 512, "addr": 0x6000,
+          "frames": [{"filename": "??", "line": 0, "name": "?"}]}],
+    ],
+}
+
+
+def test_the_trace_keeps_this_devices_segments_live_blocks_and_allocations_with_their_callers() -> None:
+    got = memtrace.summarize(SNAPSHOT, device=1)
+    assert got["segments"] == [{"address": 0x6000, "size": 2 << 20, "pool": "small",
+                                "live": [{"size": 4, "frames": ["vllm/distributed/pynccl.py:9 __init__"]}]}]
+    assert [(e["i"], e["action"]) for e in got["trace"]] == [(0, "segment_alloc"), (2, "alloc")]
+    assert got["trace"][0]["frames"] == ["vllm/v1/worker/gpu_model_runner.py:5 __init__"]
+    assert got["trace"][1]["frames"] == []  # frames without a file say nothing
+    assert memtrace.summarize(SNAPSHOT, device=3) == {"segments": [], "trace": []}
+
+
+def test_tracing_is_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.delenv(memtrace.ENV, raising=False)
+    assert memtrace.folder() is None and memtrace.dump("load", 0, "armed") is None
+    monkeypatch.setenv(memtrace.ENV, str(tmp_path))
+    assert memtrace.folder() == tmp_path
