@@ -61,12 +61,12 @@ start() {
   echo "lane $1 on $2: $(wc -l < "$RUN/$1.q") commands"
 }
 
-halt() {  # a lane (or all) stopped now, whatever it runs: its process group killed
-  local p
+halt() {  # a lane (or all) stopped now, whatever it runs: every process of its session killed
+  local p     # (not just its group: `timeout` puts its command in a group of its own)
   for p in "$RUN"/${1/#all/*}.pid; do
     [[ -e $p ]] || continue
     touch "$RUN/stop-$(basename "$p" .pid)"
-    kill -- "-$(cat "$p")" 2>/dev/null && echo "halted $(basename "$p" .pid)"
+    pkill -KILL -s "$(cat "$p")" 2>/dev/null && echo "halted $(basename "$p" .pid)"
     echo halted > "${p%.pid}.rc"
   done
 }
