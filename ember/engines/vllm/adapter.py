@@ -278,6 +278,8 @@ class VllmAdapter:
 
     # -- 4 sizing hints ------------------------------------------------------------------------
     def facts(self, graphs: Mapping[GraphKey, Any]) -> dict[str, Any]:
+        import torch
+
         cc = self.vllm_config.compilation_config
         manager = getattr(self.runner, "cudagraph_manager", None)
         hidden = getattr(manager, "hidden_states", None) if self.runner_kind == "v2" else None
@@ -288,6 +290,7 @@ class VllmAdapter:
             "runner": self.runner_kind,
             **self._sizing(),
             "compile_cache_key": compile_cache.key_of(str(getattr(cc, "local_cache_dir", "") or "")),
+            "device_index": int(torch.cuda.current_device()),  # in the compiled code (vllm.devices)
             "compilation_time_s": float(getattr(cc, "compilation_time", 0.0) or 0.0),
             "graph_memory_bytes": self.graph_bytes,
             "outputs": {name(map(str, k)): sites.describe(c.output) for k, c in self.captured.items()},

@@ -12,9 +12,10 @@ and the trace's entries (segment allocations and frees, allocations), oldest fir
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from ember import settings
 
 ENV = "EMBER_VLLM_MEMORY_TRACE"
 MAX_ENTRIES = 20000
@@ -22,7 +23,7 @@ ACTIONS = ("segment_alloc", "segment_map", "segment_free", "segment_unmap", "all
 
 
 def folder() -> Path | None:
-    raw = os.environ.get(ENV, "")
+    raw = settings.text(ENV)
     return Path(raw) if raw else None
 
 

@@ -138,7 +138,9 @@ def _install() -> None:
         problems = check_engine()
         if not problems:
             _time_worker_stages()
-            if os.environ.get("EMBER_VLLM_MEMORY_TRACE"):
+            if STATE.mode == "load" and settings.on("EMBER_VLLM_ONE_GPU"):
+                _one_gpu_per_worker()
+            if settings.text("EMBER_VLLM_MEMORY_TRACE"):
                 _trace_from_distributed_init()
             for kind, module in RUNNERS.items():
                 _patch_runner(module, kind)
@@ -195,6 +197,25 @@ def _time_worker_stages() -> None:
             return out
 
         setattr(gpu_worker.Worker, name, timed)
+
+
+def _one_gpu_per_worker() -> None:
+    """LOAD on N GPUs: each worker sees its own GPU only, as index 0 (ember.engines.vllm.devices)."""
+    from vllm.v1.worker import gpu_worker
+
+    from ember.engines.vllm import devices
+
+    original = gpu_worker.Worker.init_device
+
+    def init_device(self: Any, *a: Any, **kw: Any) -> Any:
+        try:
+            if done := devices.one_gpu(self):
+                report("one_gpu", done=done)
+        except Exception as exc:  # left as vLLM sets it: LOAD refuses a rank on another index
+            report("one_gpu", error=f"{type(exc).__name__}: {exc}")
+        return original(self, *a, **kw)
+
+    gpu_worker.Worker.init_device = init_device
 
 
 def _trace_from_distributed_init() -> None:
@@ -398,16 +419,27 @@ def _open(adapter: Any) -> Any:
     except ValueError as exc:
         raise Refused(LOAD, f"EMBER_VLLM_ARCHIVE: {exc}") from exc
     restore = open_restore(adapter, STATE.ip, store_uri, identity)
-    _own_rank_cache(adapter.vllm_config, restore.manifest.engine)
+    try:
+        _own_rank_cache(adapter.vllm_config, restore.manifest.engine)
+    except Refused:
+        restore.abandon()
+        raise
     return restore
 
 
 def _own_rank_cache(vllm_config: Any, facts: dict[str, Any]) -> None:
     """vLLM keeps compiled code per rank (`rank_<rank>_<dp rank>/`); SAVE compiled as the rank it
     played, whose code every rank runs (the graphs are that code's launches): this rank's
-    directory is a copy of it where vLLM has none."""
-    from ember.engines.vllm import compile_cache
+    directory is a copy of it where vLLM has none. Refused on a device index other than SAVE's:
+    the code names its device (ember.engines.vllm.devices)."""
+    import torch
 
+    from ember.engines.vllm import compile_cache
+    from ember.engines.vllm.devices import device_refusal
+    from ember.runtime.adapter import LOAD, Refused
+
+    if why := device_refusal(int(facts.get("device_index", 0)), int(torch.cuda.current_device())):
+        raise Refused(LOAD, why)
     pc = vllm_config.parallel_config
     here = f"rank_{int(pc.rank)}_{int(getattr(pc, 'data_parallel_index', 0) or 0)}"
     if copied := compile_cache.alias_rank(str(facts.get("compile_cache_key") or ""), here):

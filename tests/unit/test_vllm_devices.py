@@ -1,0 +1,45 @@
+"""CPU: which GPU a vLLM worker of a multi-GPU LOAD is narrowed to (`ember.engines.vllm.devices`),
+and the refusal of a rank whose device index is not SAVE's (Inductor writes the index into the
+compiled code every rank runs)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from ember.engines.vllm import devices
+
+
+def _pc(backend: str = "mp", tp: int = 2, pp: int = 1, dp_local: int | None = None, dp_index: int = 0,
+        nnodes: int = 1, dp_backend: str = "mp") -> Any:
+    return SimpleNamespace(distributed_executor_backend=backend, data_parallel_backend=dp_backend,
+                           nnodes_within_dp=nnodes, data_parallel_rank_local=dp_local,
+                           data_parallel_index=dp_index, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+
+
+@pytest.mark.parametrize("local_rank, pc, want", [
+    (1, _pc(), 1),                                    # TP=2, one engine: rank r on GPU r
+    (0, _pc(tp=1, dp_local=1), 1),                    # DP=2 of TP=1 engines: DP rank 1 on GPU 1
+    (1, _pc(tp=2, dp_local=1), 3),                    # DP=2 x TP=2: DP rank 1's block starts at 2
+    (1, _pc(tp=2, dp_index=1), 3),                    # no local DP rank: the DP index
+    (1, _pc(tp=2, pp=2, dp_local=1), 5),              # the block is TP x PP wide
+    (1, _pc(backend="ray", dp_local=1), 1),           # Ray places its workers itself
+    (1, _pc(dp_local=1, nnodes=2), 1),                # a DP rank over several nodes
+])
+def test_a_worker_is_narrowed_to_the_gpu_vllm_would_give_it(local_rank: int, pc: Any, want: int) -> None:
+    assert devices.node_index(local_rank, pc) == want
+
+
+def test_the_visible_gpus_are_the_environments_or_every_gpu() -> None:
+    assert devices.visible({"CUDA_VISIBLE_DEVICES": "2, 3"}, lambda: 8) == ["2", "3"]
+    assert devices.visible({"CUDA_VISIBLE_DEVICES": "GPU-a1,GPU-b2"}, lambda: 8) == ["GPU-a1", "GPU-b2"]
+    assert devices.visible({}, lambda: 2) == ["0", "1"]
+    assert devices.visible({"CUDA_VISIBLE_DEVICES": " "}, lambda: 1) == ["0"]
+
+
+def test_a_rank_on_another_device_index_than_saves_is_refused() -> None:
+    assert devices.device_refusal(0, 0) == ""
+    why = devices.device_refusal(0, 1)
+    assert "device index 0" in why and "cuda:1" in why
