@@ -16,7 +16,10 @@
 // never reused.
 #include "allocator.h"
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -133,8 +136,13 @@ void allocator_configure_from_env() {
 }
 
 // Divergence is sticky: the first one is kept, logged once, and never cleared.
-static void diverge(State& s, const std::string& msg) {
+static void diverge(State& s, const std::string& msg_in) {
   if (!s.divergence.empty()) return;
+  // the thread that made the differing call: the engine's main thread, or which other
+  char thread[32] = {0};
+  if (pthread_getname_np(pthread_self(), thread, sizeof thread) != 0 || thread[0] == '\0')
+    snprintf(thread, sizeof thread, "?");
+  const std::string msg = msg_in + strprintf(" [thread %s]", thread);
   s.divergence = msg;
   s.last_error = "divergence: " + msg;
   EMBER_LOG(Error, "Diverged from SAVE: %s", msg.c_str());

@@ -255,6 +255,7 @@ print(json.dumps({{"msg": msg, "raised": raised}}))
     )
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["raised"] and r["msg"] and "differs from SAVE" in r["msg"]
+    assert "[thread python" in r["msg"]  # the thread that made the call (here the main one)
     assert "Diverged from SAVE" in out.stderr  # and a log line
 
 
