@@ -48,6 +48,7 @@ from ember.runtime.graphs.kernels import KernelFunctions
 from ember.runtime.graphs.need import need_order
 from ember.runtime.graphs.rebuild import RebuildError
 from ember.runtime.graphs.templates import GraphLibrary
+from ember.runtime.thread_names import name_this_thread
 
 if TYPE_CHECKING:
     from ember.archive import bundle
@@ -239,6 +240,7 @@ class ArchiveRestore:
         ctx = current_context()
 
         def run() -> None:
+            name_this_thread()
             with short_switch_interval():  # the engine's build holds the GIL meanwhile (gil.py)
                 self._reconstruct(ctx)
 
@@ -316,6 +318,7 @@ class ArchiveRestore:
         those before it are read. Once the first key's images are handed, it waits until that
         key's template goes to libember's builder (`_rest`), then reads every other blob. A
         damaged blob is kept for `_join_reader`."""
+        name_this_thread()
         arc = self.opened
         order = list(self._handed)
         t = time.perf_counter()

@@ -30,6 +30,7 @@ from cuda.bindings import driver as cu
 from ember import settings
 from ember.runtime.gil import short_switch_interval
 from ember.runtime.graphs.driver import OK
+from ember.runtime.thread_names import name_this_thread
 
 DEFAULT_EXEC_MEMORY_MB = 2048.0
 BATCH = 2  # graphs per builder call: small, so the first keys' execs are ready early
@@ -83,6 +84,7 @@ class Dedicator:
         """Start once every event in `after` is set (templates built, serving started)."""
 
         def run() -> None:
+            name_this_thread()
             try:
                 for ev in after:
                     while not ev.wait(0.05):

@@ -24,6 +24,7 @@ from cuda.bindings import driver as cu
 from ember.runtime.graphs import rebuild
 from ember.runtime.graphs.driver import CudaError, check
 from ember.runtime.graphs.need import Dedicator, SwapGate
+from ember.runtime.thread_names import name_this_thread
 
 if TYPE_CHECKING:
     from ember.runtime.graphs.templates import GraphLibrary
@@ -78,6 +79,7 @@ class OwnExecs:
         done: Future[Any] = Future()
 
         def run() -> None:
+            name_this_thread()
             try:
                 check(cu.cuCtxSetCurrent(self.lib.ctx), "cuCtxSetCurrent")
                 done.set_result(self.get(index))
