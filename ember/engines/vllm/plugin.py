@@ -176,13 +176,16 @@ def _time_worker_stages() -> None:
     """Seconds of each start-up stage of the GPU worker (`report("worker.<stage>")`)."""
     from vllm.v1.worker import gpu_worker
 
+    from ember.runtime.stacks import dumped_while_stuck
+
     for name in WORKER_STAGES:
         original = getattr(gpu_worker.Worker, name)
 
         def timed(self: Any, *a: Any, _name: str = name, _original: Any = original, **kw: Any) -> Any:
             t = time.perf_counter()
             try:
-                out = _original(self, *a, **kw)
+                with dumped_while_stuck():  # a stage waiting on a peer for ever says where
+                    out = _original(self, *a, **kw)
             except BaseException as exc:  # in the report: on N ranks a peer may wait for this one forever
                 report(f"worker.{_name}", seconds=round(time.perf_counter() - t, 4),
                        error=f"{type(exc).__name__}: {exc}"[:2000])
