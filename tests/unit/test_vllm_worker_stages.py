@@ -95,3 +95,19 @@ def test_tracing_is_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert memtrace.folder() is None and memtrace.dump("load", 0, "armed") is None
     monkeypatch.setenv(memtrace.ENV, str(tmp_path))
     assert memtrace.folder() == tmp_path
+
+
+def _seg(size: int, where: str) -> dict[str, Any]:
+    return {"action": "segment_alloc", "size": size, "frames": [where]}
+
+
+def test_two_dumps_are_compared_up_to_their_first_differing_segment() -> None:
+    saved = {"trace": [_seg(2 << 20, "runner.py:1"), {"action": "alloc", "size": 8, "frames": []},
+                       _seg(20 << 20, "runner.py:9"), _seg(2 << 20, "model.py:3")]}
+    loaded = {"trace": [_seg(2 << 20, "runner.py:1"), _seg(2 << 20, "restore.py:7"),
+                        _seg(20 << 20, "runner.py:9")]}
+    got = memtrace.compare(saved, loaded, context=1)
+    assert got[0] == f"segment allocation #1 differs: SAVE {20 << 20} B, LOAD {2 << 20} B"
+    assert f"> #1 LOAD {2 << 20:>12} restore.py:7" in got and f"> #1 SAVE {20 << 20:>12} runner.py:9" in got
+    assert any(line.startswith("  #0 SAVE") for line in got)  # the context before it
+    assert memtrace.compare(saved, {"trace": saved["trace"][:2]}) == []  # a prefix: nothing differs yet

@@ -77,3 +77,35 @@ def dump(mode: str, rank: int, tag: str) -> Path | None:  # pragma: no cover - n
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summarize(torch.cuda.memory._snapshot(), device), default=str))
     return out
+
+
+def segments(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trace's segment allocations in order: what libember counts as allocation events."""
+    return [e for e in trace if e.get("action") in ("segment_alloc", "segment_map")]
+
+
+def compare(saved: dict[str, Any], loaded: dict[str, Any], context: int = 3) -> list[str]:
+    """Two dumps' segment allocations side by side up to the first that differs in size, with
+    what allocated each around it (SAVE left, LOAD right); [] when one is a prefix of the other."""
+    a, b = segments(saved.get("trace") or []), segments(loaded.get("trace") or [])
+    pairs = enumerate(zip(a, b, strict=False))  # dumps taken at different points: a prefix is fine
+    first = next((i for i, (x, y) in pairs if x.get("size") != y.get("size")), None)
+    if first is None:
+        return []
+    out = [f"segment allocation #{first} differs: SAVE {a[first].get('size')} B, "
+           f"LOAD {b[first].get('size')} B"]
+    for i in range(max(0, first - context), min(max(len(a), len(b)), first + context + 1)):
+        for side, seq in (("SAVE", a), ("LOAD", b)):
+            if i < len(seq):
+                where = (seq[i].get("frames") or ["?"])[0]
+                out.append(f"{'>' if i == first else ' '} #{i} {side} {seq[i].get('size'):>12} {where}")
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover - a diagnostic's command line
+    import sys
+
+    if len(sys.argv) != 3:
+        raise SystemExit("usage: python -m ember.engines.vllm.memtrace SAVE.json LOAD.json")
+    lines = compare(*(json.loads(Path(p).read_text()) for p in sys.argv[1:3]))
+    print("\n".join(lines) if lines else "the same segment allocations (one a prefix of the other)")
