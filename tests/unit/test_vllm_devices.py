@@ -4,6 +4,9 @@ compiled code every rank runs)."""
 
 from __future__ import annotations
 
+import os
+import sys
+import types
 from types import SimpleNamespace
 from typing import Any
 
@@ -43,3 +46,54 @@ def test_a_rank_on_another_device_index_than_saves_is_refused() -> None:
     assert devices.device_refusal(0, 0) == ""
     why = devices.device_refusal(0, 1)
     assert "device index 0" in why and "cuda:1" in why
+
+
+@pytest.fixture
+def vllm_platform(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stand-ins for vLLM's platform: logical id i is the i-th entry of CUDA_VISIBLE_DEVICES."""
+
+    def physical(i: int) -> int:
+        entry = os.environ["CUDA_VISIBLE_DEVICES"].split(",")[i]
+        return int(entry.removeprefix("GPU-")) if entry.startswith("GPU-") else int(entry)
+
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = SimpleNamespace(device_id_to_physical_device_id=physical)  # type: ignore[attr-defined]
+    cuda = types.ModuleType("vllm.platforms.cuda")
+    cuda._cuda_device_count_stateless = lambda visible=None: 8  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", sys.modules.get("vllm") or types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.setitem(sys.modules, "vllm.platforms.cuda", cuda)
+    monkeypatch.setattr(devices, "driver_initialized", lambda: False)
+
+
+def _worker(local_rank: int, **pc: Any) -> Any:
+    return SimpleNamespace(local_rank=local_rank, parallel_config=_pc(**pc) if pc else _pc())
+
+
+def test_each_worker_sees_only_the_gpu_vllm_gives_it(vllm_platform: None, monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    w = _worker(1, tp=1, dp_local=2)  # DP rank 2 of TP=1 engines: the node's third GPU
+    w.parallel_config.assigned_physical_gpu_ids = None
+    done = devices.one_gpu(w)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "7" and "GPU 3 of 4" in done
+    # vLLM maps the worker's logical GPU through this to the one it now sees as cuda:0
+    assert w.parallel_config.assigned_physical_gpu_ids == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("why, setup", [
+    ("one GPU", lambda w, mp: mp.setenv("CUDA_VISIBLE_DEVICES", "3")),
+    ("ray", lambda w, mp: setattr(w.parallel_config, "distributed_executor_backend", "ray")),
+    ("a user's map", lambda w, mp: setattr(w.parallel_config, "assigned_physical_gpu_ids", [1, 0])),
+    ("CUDA already up", lambda w, mp: mp.setattr(devices, "driver_initialized", lambda: True)),
+])
+def test_a_worker_is_left_as_vllm_sets_it_where_narrowing_cannot_hold(
+        vllm_platform: None, monkeypatch, why: str, setup: Any) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    w = _worker(1)
+    w.parallel_config.assigned_physical_gpu_ids = None
+    setup(w, monkeypatch)
+    before = dict(vars(w.parallel_config))
+    visible = os.environ["CUDA_VISIBLE_DEVICES"]
+    done = devices.one_gpu(w)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == visible, why
+    assert vars(w.parallel_config) == before and (done == "" or done.startswith("left as vLLM sets it")), why

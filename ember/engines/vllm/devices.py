@@ -57,7 +57,7 @@ def driver_initialized() -> bool:  # pragma: no cover - needs the CUDA driver
     return int(cuda.cuDeviceGetCount(ctypes.byref(n))) != CUDA_ERROR_NOT_INITIALIZED
 
 
-def one_gpu(worker: Any) -> str:  # pragma: no cover - needs vLLM
+def one_gpu(worker: Any) -> str:
     """Before vLLM's `init_device`: this worker's GPU the only one it sees. What was done, for the
     report ("" when there was nothing to do)."""
     from vllm.platforms import current_platform
