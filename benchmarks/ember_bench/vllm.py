@@ -161,6 +161,8 @@ def bench_vllm(
     ep: Annotated[int, typer.Option("--ep", help="Expert-parallel ranks: tensor x data (alone: data = N, "
                                                  "attention data parallel).")] = 1,
     dp: Annotated[int, typer.Option("--dp", help="Data-parallel ranks (MoE: with --ep).")] = 1,
+    tp1_save: Annotated[bool, typer.Option(help="With --tp/--ep/--dp: also SAVE the same model at TP=1, "
+                                                "the SAVE time the shape's is held to.")] = True,
 ) -> None:
     """vLLM start-up: native vs SAVE → fresh-process LOAD (report in benchmarks/results); with
     --tp/--ep/--dp: N-rank native vs one single-GPU SAVE → N-rank LOAD, per-rank figures."""
@@ -173,7 +175,7 @@ def bench_vllm(
             raise typer.BadParameter(f"--ep {ep} must be tensor x data = {tp * dp}")
         bench_parallel(model, layers, tp, ep > 1, dp, work=work, out_dir=out_dir,
                        batch_sizes=[int(b) for b in batch_sizes.split(",")], max_tokens=max_tokens,
-                       gpu_memory_utilization=gpu_memory_utilization, timeout=timeout)
+                       gpu_memory_utilization=gpu_memory_utilization, timeout=timeout, tp1_save=tp1_save)
         return
     order = runs.split(",")
     if "save" in order and "native" not in order[: order.index("save")]:

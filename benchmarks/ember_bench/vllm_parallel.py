@@ -9,7 +9,9 @@ runs; the offline `LLM` refuses DP > 1):
 2. `save` — the SAVE Job (`ember.engines.vllm.job.save_job`: sizing probe, then SAVE) on GPU 0
    alone, playing rank 0 of the world under libember_nccl;
 3. `load` — vLLM on N GPUs under libember (EMBER_MODE=load), from an empty cache root: every
-   worker restores the one archive.
+   worker restores the one archive;
+4. `save_tp1` (unless `--no-tp1-save`) — the SAVE Job of the same model at TP=1, the time the
+   shape's SAVE is held to (its goal: no longer).
 
 Per run: engine init, start → first token, greedy tokens at each batch size (compared with
 native); per rank (the plugin's report files): how its graphs came (`restored` / `native`),
@@ -180,9 +182,14 @@ def per_rank(res: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def ratio(num: Any, den: Any) -> float | None:
+    """num / den rounded, None where either is missing or den is 0."""
+    return round(float(num) / float(den), 3) if num is not None and den else None
+
+
 def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int, *, work: Path,
                    out_dir: Path, batch_sizes: list[int], max_tokens: int, gpu_memory_utilization: float,
-                   timeout: float) -> Path:
+                   timeout: float, tp1_save: bool = True) -> Path:
     """native N-rank → one single-GPU SAVE → N-rank LOAD; the report's path."""
     from ember.engines.vllm.args import engine_args
     from ember_bench.vllm import write_config
@@ -199,14 +206,20 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     results["save"] = run_save(ident, extra, work, timeout)
     archive = str(work / "store" / "archives" / ident.hash())
     results["load"] = run_engine("load", args, work, {"EMBER_VLLM_ARCHIVE": archive}, options, timeout)
+    if tp1_save:
+        results["save_tp1"] = run_save(shape_identity(cfg, 1, False, 1), extra, work / "tp1", timeout)
     native, load = results["native"], results["load"]
     summary = {
         "shape": name, "model": model, "layers": layers, "identity": ident.hash(),
         "restored_every_rank": reports.ranks_restored(load.get("ember") or {}),
         "tokens_identical_to_native": bool(load.get("tokens")) and load.get("tokens") == native.get("tokens"),
         "engine_init_s": {"native": native.get("engine_init_s"), "load": load.get("engine_init_s")},
+        "engine_init_load_over_native": ratio(load.get("engine_init_s"), native.get("engine_init_s")),
         "first_token_s": {"native": native.get("first_token_s"), "load": load.get("first_token_s")},
         "save_job_s": results["save"].get("save_job_s"), "archive_bytes": _store_bytes(work / "store"),
+        "save_job_s_tp1": (results.get("save_tp1") or {}).get("save_job_s"),
+        "save_over_tp1_save": ratio(results["save"].get("save_job_s"),
+                                    (results.get("save_tp1") or {}).get("save_job_s")),
         "ranks": {"native": per_rank(native), "load": per_rank(load)},
     }
     out_dir.mkdir(parents=True, exist_ok=True)

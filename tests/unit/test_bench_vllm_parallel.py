@@ -3,6 +3,7 @@ reads each rank's figures from the plugin's report files."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,37 @@ def test_a_save_run_without_native_before_it_is_refused_before_any_engine_starts
         with pytest.raises(typer.BadParameter, match="save needs native before it"):
             bench_vllm(runs=runs, work=tmp_path, out_dir=tmp_path)
     assert not any(tmp_path.iterdir())  # no config written, no engine started
+
+
+def test_the_summary_holds_each_goals_ratio_and_the_tp1_save_it_is_measured_against(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No engine: the runs are stand-ins, so what is checked is which identity each SAVE gets and
+    how the summary's ratios come from the runs."""
+    saves: list[dict] = []
+
+    def engine(mode: str, *a, **kw) -> dict:
+        return {"engine_init_s": {"native": 40.0, "load": 6.0}[mode], "tokens": {"1": [[5]]}}
+
+    def save(ident, extra, work, timeout) -> dict:
+        saves.append(ident.parallelism.model_dump())
+        return {"published": True, "save_job_s": 90.0 if ident.parallelism.tensor == 2 else 60.0}
+
+    monkeypatch.setattr(vp, "run_engine", engine)
+    monkeypatch.setattr(vp, "run_save", save)
+    monkeypatch.setattr("ember_bench.vllm_report._device", lambda: "gpu")
+    out = vp.bench_parallel("llama-3-8b", 2, 2, False, 1, work=tmp_path, out_dir=tmp_path / "out",
+                            batch_sizes=[1], max_tokens=2, gpu_memory_utilization=0.4, timeout=9)
+    summary = json.loads(out.read_text())["summary"]
+    assert saves == [{"tensor": 2, "expert": 1, "data": 1}, {"tensor": 1, "expert": 1, "data": 1}]
+    assert summary["engine_init_load_over_native"] == 0.15 and summary["tokens_identical_to_native"]
+    assert summary["save_job_s_tp1"] == 60.0 and summary["save_over_tp1_save"] == 1.5
+    saves.clear()
+    out = vp.bench_parallel("llama-3-8b", 2, 2, False, 1, work=tmp_path, out_dir=tmp_path / "out",
+                            batch_sizes=[1], max_tokens=2, gpu_memory_utilization=0.4, timeout=9,
+                            tp1_save=False)
+    summary = json.loads(out.read_text())["summary"]
+    assert len(saves) == 1 and summary["save_over_tp1_save"] is None
+
+
+def test_a_ratio_with_a_missing_side_is_none() -> None:
+    assert vp.ratio(3, 4) == 0.75 and vp.ratio(None, 4) is None and vp.ratio(3, 0) is None
