@@ -424,7 +424,7 @@ def _open(adapter: Any) -> Any:
     restore = open_restore(adapter, STATE.ip, store_uri, identity)
     try:
         _own_rank_cache(adapter.vllm_config, restore.manifest.engine)
-    except Refused:
+    except BaseException:  # the opened restore's background work stopped before the refusal
         restore.abandon()
         raise
     return restore
