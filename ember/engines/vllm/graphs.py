@@ -212,10 +212,10 @@ class MetadataFirst:
     descriptor's attention metadata, as vLLM does before every launch of it. Without that it
     reads what the last build left in the attention builder's one scheduler-metadata buffer: the
     smallest size's (V2 captures the largest first), whose unwritten padding a larger size's
-    FlashAttention-3 kernel would take for tile and split counts. That is the likely reason, read
-    from vLLM 0.26's and FA3's source and not yet shown on a GPU, why a 2-layer Llama SAVE replayed
-    its graphs for ~3 s each and one FULL graph was not bit-stable (h200-20261129d). Everything
-    else is the graph's own. A rebuild that fails is said once; the replays are bare from then."""
+    FlashAttention-3 kernel would take for tile and split counts: a 2-layer Llama SAVE replayed its
+    graphs for ~3 s each and one FULL graph was not bit-stable; with the rebuild its proof took
+    0.21 s, every graph bitwise (h200x2-20261129e). Everything else is the graph's own. A rebuild
+    that fails is said once; the replays are bare from then."""
 
     def __init__(self, graph: Any, prepare: Any) -> None:
         self.graph, self.prepare = graph, prepare
