@@ -16,7 +16,8 @@
 # shell). Carried wheels in .whl/ go to /tmp/site (as e2e/gpu-env.sh does); an unpacked vLLM kit in
 # /tmp/vsite (and extras in /tmp/vsite3) joins the path of builds set up after it. One GPU: two
 # lanes at most, or memory runs out (benchmarks/results/h200-20261129/README.md); several GPUs:
-# CUDA_VISIBLE_DEVICES per line.
+# CUDA_VISIBLE_DEVICES per line. vLLM on several GPUs runs alone: it refuses to start when another
+# process frees memory on its GPUs while it profiles (benchmarks/results/h200x2-20261129e).
 set -uo pipefail
 RUN=${RUN:-/tmp/ember-run}
 mkdir -p "$RUN/pt"  # pytest --basetemp=$RUN/pt/NAME needs its parent (it makes only the last part)
