@@ -95,5 +95,5 @@ pack() {  # $OUT/run.tgz: the lanes' logs and queues, and every small log and re
 cmd=${1:-}; shift || true
 case "$cmd" in
   setup|lane|start|poll|pack|halt) "$cmd" "$@" ;;
-  *) sed -n '2,19p' "$0"; exit 2 ;;
+  *) sed -n '2,20p' "$0"; exit 2 ;;
 esac
