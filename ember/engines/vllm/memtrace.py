@@ -5,13 +5,14 @@ side by side (libember names only the first differing event: its size and addres
 On with `EMBER_VLLM_MEMORY_TRACE=DIR` (off by default: recording stacks slows every allocation).
 Recording starts where the worker sets up its distributed environment (after its device is
 chosen, before NCCL's and the process groups' buffers), so what stays live in torch's pool when
-libember arms is in it too. `dump` writes `DIR/<mode>-rank<r>-<tag>.json`: the segments held then,
-and the trace's entries (segment allocations and frees, allocations), oldest first.
+libember arms is in it too. `dump` writes `DIR/<mode>-rank<r>-<pid>-<tag>.json`: the segments
+held then, and the trace's entries (segment allocations and frees, allocations), oldest first.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,7 @@ def dump(mode: str, rank: int, tag: str) -> Path | None:  # pragma: no cover - n
     import torch
 
     device = torch.cuda.current_device()
-    out = where / f"{mode or 'native'}-rank{rank}-{tag}.json"
+    out = where / f"{mode or 'native'}-rank{rank}-{os.getpid()}-{tag}.json"  # one file per process
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summarize(torch.cuda.memory._snapshot(), device), default=str))
     return out
