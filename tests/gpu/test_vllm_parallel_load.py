@@ -10,12 +10,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.engine_run import run_logged
 
 pytestmark = [
     pytest.mark.gpu,
@@ -72,12 +72,9 @@ def _gpus() -> int:
 
 
 def _engine(args: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
-    with open(log, "w") as out:  # vLLM logs to stdout: its lines (a worker's exception) stay in the log
-        p = subprocess.run([sys.executable, "-c", ENGINE, json.dumps(args), json.dumps(BATCHES)], env=env,
-                           stdout=out, stderr=subprocess.STDOUT, text=True, timeout=900, check=False)
-    text = log.read_text()
+    rc, text = run_logged([sys.executable, "-c", ENGINE, json.dumps(args), json.dumps(BATCHES)], env, log)
     lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, text[-6000:]
+    assert rc == 0 and lines, text[-6000:]
     return dict(json.loads(lines[-1].removeprefix("RESULT ")))
 
 
