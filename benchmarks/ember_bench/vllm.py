@@ -22,9 +22,11 @@ greedy tokens for several batch sizes (compared with run 1). Report:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -110,6 +112,23 @@ def _cache_root(mode: str, work: Path) -> Path:
     return fresh
 
 
+def run_session(cmd: list[str], env: dict[str, str], logf: Path, timeout: float) -> int | str:
+    """One engine process in a session of its own, its output in `logf`; its exit status, or
+    "timeout". Every process of the session is killed when it ends: a vLLM worker stuck in a
+    collective outlives its parent and would hold its GPU through the runs after."""
+    with open(logf, "w") as log:
+        p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc: int | str = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return rc
+
+
 def run_child(
     mode: str, work: Path, args: dict[str, Any], extra: dict[str, str], timeout: float
 ) -> dict[str, Any]:
@@ -119,23 +138,15 @@ def run_child(
         stale.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "ember_bench.vllm_child", json.dumps({**args, "out": str(out)})]
     t = time.perf_counter()
-    with open(logf, "w") as log:
-        p = subprocess.run(
-            cmd,
-            env=_child_env(mode, work, report, extra),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=timeout,
-            check=False,
-        )
+    rc = run_session(cmd, _child_env(mode, work, report, extra), logf, timeout)
     wall = time.perf_counter() - t
     res: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
-    res.update(mode=mode, rc=p.returncode, process_wall_s=round(wall, 3))
+    res.update(mode=mode, rc=rc, process_wall_s=round(wall, 3))
     if report.exists():
         res["ember"] = json.loads(report.read_text())
-    if p.returncode != 0 or not out.exists():
+    if rc != 0 or not out.exists():
         res["log_tail"] = logf.read_text()[-6000:]
-    typer.echo(f"{mode}: rc={p.returncode} wall={wall:.1f}s first_token={res.get('first_token_s')}")
+    typer.echo(f"{mode}: rc={rc} wall={wall:.1f}s first_token={res.get('first_token_s')}")
     return res
 
 

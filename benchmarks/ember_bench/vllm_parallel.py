@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -118,6 +117,8 @@ def child_env(mode: str, args: list[str], work: Path, extra: dict[str, str]) -> 
 def run_engine(mode: str, args: list[str], work: Path, extra: dict[str, str], options: dict[str, Any],
                timeout: float) -> dict[str, Any]:
     """One N-GPU engine process; its result with every rank's report (`ranks`)."""
+    from ember_bench.vllm import run_session
+
     out, logf = work / f"{mode}.json", work / f"{mode}.log"
     report = work / f"{mode}-report" / "vllm-report.json"
     out.unlink(missing_ok=True)
@@ -126,15 +127,12 @@ def run_engine(mode: str, args: list[str], work: Path, extra: dict[str, str], op
     env = child_env(mode, args, work, {"EMBER_VLLM_REPORT": str(report), **extra})
     child = json.dumps({**options, "engine_args": args, "out": str(out)})
     t = time.perf_counter()
-    with open(logf, "w") as log:
-        p = subprocess.run([sys.executable, "-c", CHILD, child], env=env, stdout=log,
-                           stderr=subprocess.STDOUT, timeout=timeout, check=False)
+    rc = run_session([sys.executable, "-c", CHILD, child], env, logf, timeout)
     res: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
-    res.update(mode=mode, rc=p.returncode, process_wall_s=round(time.perf_counter() - t, 3),
-               ember=reports.read(report))
-    if p.returncode != 0 or not out.exists():
+    res.update(mode=mode, rc=rc, process_wall_s=round(time.perf_counter() - t, 3), ember=reports.read(report))
+    if rc != 0 or not out.exists():
         res["log_tail"] = logf.read_text()[-6000:]
-    typer.echo(f"{mode}: rc={p.returncode} first_token={res.get('first_token_s')}")
+    typer.echo(f"{mode}: rc={rc} first_token={res.get('first_token_s')}")
     return res
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.engine_run import run_logged
 
 pytestmark = [
     pytest.mark.gpu,
@@ -72,7 +71,12 @@ def _gpus() -> int:
 
 
 def _engine(args: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
-    rc, text = run_logged([sys.executable, "-c", ENGINE, json.dumps(args), json.dumps(BATCHES)], env, log)
+    from ember_bench.vllm import run_session
+
+    # its own session, killed with its workers past the limit (one stuck in a collective held its GPU)
+    limit = float(os.environ.get("EMBER_GPU_ENGINE_TIMEOUT_S", "900"))
+    rc = run_session([sys.executable, "-c", ENGINE, json.dumps(args), json.dumps(BATCHES)], env, log, limit)
+    text = log.read_text()
     lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
     assert rc == 0 and lines, text[-6000:]
     return dict(json.loads(lines[-1].removeprefix("RESULT ")))
