@@ -111,3 +111,14 @@ def test_two_dumps_are_compared_up_to_their_first_differing_segment() -> None:
     assert f"> #1 LOAD {2 << 20:>12} restore.py:7" in got and f"> #1 SAVE {20 << 20:>12} runner.py:9" in got
     assert any(line.startswith("  #0 SAVE") for line in got)  # the context before it
     assert memtrace.compare(saved, {"trace": saved["trace"][:2]}) == []  # a prefix: nothing differs yet
+
+
+def test_a_stage_kept_unflushed_reaches_the_file_with_the_next_one(worker: Any, tmp_path) -> None:
+    """A worker's note before its rank is known waits for the worker's next write (which goes to
+    its rank's file), instead of rewriting the file its peers and the engine core share."""
+    path = tmp_path / "vllm-report.json"
+    plugin.report("one_gpu", flush=False, done="CUDA_VISIBLE_DEVICES=1")
+    assert not path.exists()
+    plugin.report("armed", mode="load")
+    stages = reports.read(path)["stages"]
+    assert stages["one_gpu"]["done"] == "CUDA_VISIBLE_DEVICES=1" and stages["armed"]["mode"] == "load"

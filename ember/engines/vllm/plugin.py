@@ -70,15 +70,16 @@ class _State:
 STATE = _State()
 
 
-def report(stage: str, **fields: Any) -> None:
+def report(stage: str, *, flush: bool = True, **fields: Any) -> None:
     """Record a stage (log + `EMBER_VLLM_REPORT`, ember.engines.vllm.report): "t" is seconds since
-    this process loaded the plugin."""
+    this process loaded the plugin. `flush=False`: kept for this process's next write (a worker
+    before its rank is known would write the file its peers and the engine core share)."""
     from ember.engines.vllm import report as reports
 
     STATE.report.setdefault("stages", {})[stage] = {"t": round(time.time() - T0, 4), **fields}
     log.info("ember %s: %s", stage, json.dumps(fields, default=str)[:2000])
     path = os.environ.get("EMBER_VLLM_REPORT")
-    if path:
+    if path and flush:
         reports.write(path, STATE.report, reports.worker_rank())
 
 
@@ -193,7 +194,7 @@ def _time_worker_stages() -> None:
                 raise
             if _name == "load_model":
                 _trace("after-load_model")
-            extra = {"bytes": int(out)} if _name == "determine_available_memory" else {}
+            extra: dict[str, Any] = {"bytes": int(out)} if _name == "determine_available_memory" else {}
             report(f"worker.{_name}", seconds=round(time.perf_counter() - t, 4), **extra)
             if extra and settings.on("EMBER_VLLM_PROBE"):
                 os._exit(0)  # the SAVE Job's sizing probe (ember.engines.vllm.job): the figure is written
@@ -213,9 +214,9 @@ def _one_gpu_per_worker() -> None:
     def init_device(self: Any, *a: Any, **kw: Any) -> Any:
         try:
             if done := devices.one_gpu(self):
-                report("one_gpu", done=done)
+                report("one_gpu", flush=False, done=done)
         except Exception as exc:  # left as vLLM sets it: LOAD refuses a rank on another index
-            report("one_gpu", error=f"{type(exc).__name__}: {exc}")
+            report("one_gpu", flush=False, error=f"{type(exc).__name__}: {exc}")
         return original(self, *a, **kw)
 
     gpu_worker.Worker.init_device = init_device
