@@ -133,6 +133,7 @@ def _refuse_all(problems: list[str]) -> None:
 def _install() -> None:
     """In a process that runs a GPU worker: check every touch point, then patch. It runs inside
     vLLM's import of the worker module: whatever goes wrong is a refusal, never the import's."""
+    from ember.engines.vllm import memtrace
     from ember.engines.vllm.versions import check_engine
 
     try:
@@ -141,7 +142,7 @@ def _install() -> None:
             _time_worker_stages()
             if STATE.mode == "load" and settings.on("EMBER_VLLM_ONE_GPU"):
                 _one_gpu_per_worker()
-            if settings.text("EMBER_VLLM_MEMORY_TRACE"):
+            if memtrace.folder() is not None:
                 _trace_from_distributed_init()
             for kind, module in RUNNERS.items():
                 _patch_runner(module, kind)
