@@ -16,6 +16,8 @@
 // never reused.
 #include "allocator.h"
 
+#include <dlfcn.h>
+#include <execinfo.h>
 #include <pthread.h>
 
 #include <algorithm>
@@ -146,6 +148,19 @@ static void diverge(State& s, const std::string& msg_in) {
   s.divergence = msg;
   s.last_error = "divergence: " + msg;
   EMBER_LOG(Error, "Diverged from SAVE: %s", msg.c_str());
+  // who made the call, beyond the caller library: the native stack (once, so cheap)
+  void* frames[24];
+  const int n = backtrace(frames, 24);
+  for (int i = 1; i < n; ++i) {
+    Dl_info info{};
+    const bool named = dladdr(frames[i], &info) != 0;
+    const char* lib = named && info.dli_fname ? strrchr(info.dli_fname, '/') : nullptr;
+    EMBER_LOG(Error, "  #%d %s %s+0x%llx", i, lib ? lib + 1 : (named && info.dli_fname ? info.dli_fname : "?"),
+              named && info.dli_sname ? info.dli_sname : "?",
+              static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(frames[i]) -
+                                              reinterpret_cast<uintptr_t>(named && info.dli_saddr ? info.dli_saddr
+                                                                                                   : info.dli_fbase)));
+  }
 }
 
 // ---- arming: reserve the region (caller holds the lock) ----
