@@ -149,8 +149,8 @@ static void diverge(State& s, const std::string& msg_in) {
   s.last_error = "divergence: " + msg;
   EMBER_LOG(Error, "Diverged from SAVE: %s", msg.c_str());
   // who made the call, beyond the caller library: the native stack (once, so cheap)
-  void* frames[24];
-  const int n = backtrace(frames, 24);
+  void* frames[48];
+  const int n = backtrace(frames, 48);
   for (int i = 1; i < n; ++i) {
     Dl_info info{};
     const bool named = dladdr(frames[i], &info) != 0;

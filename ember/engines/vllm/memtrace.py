@@ -7,6 +7,7 @@ Recording starts where the worker sets up its distributed environment (after its
 chosen, before NCCL's and the process groups' buffers), so what stays live in torch's pool when
 libember arms is in it too. `dump` writes `DIR/<mode>-rank<r>-<pid>-<tag>.json`: the segments
 held then, and the trace's entries (segment allocations and frees, allocations), oldest first.
+The plugin dumps after each start-up stage of the worker and where LOAD refuses.
 """
 
 from __future__ import annotations

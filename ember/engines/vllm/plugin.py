@@ -193,8 +193,7 @@ def _time_worker_stages() -> None:
                        error=f"{type(exc).__name__}: {exc}"[:2000])
                 _trace(f"failed-{_name}")
                 raise
-            if _name == "load_model":
-                _trace("after-load_model")
+            _trace(f"after-{_name}")
             extra: dict[str, Any] = {"bytes": int(out)} if _name == "determine_available_memory" else {}
             report(f"worker.{_name}", seconds=round(time.perf_counter() - t, 4), **extra)
             if extra and settings.on("EMBER_VLLM_PROBE"):
@@ -497,6 +496,7 @@ def _load(runner: Any, kind: str, native: Any) -> int:
         if adapter.canary:
             report("verify", **verify_fields(adapter.canary))
         report("load_refused", at=exc.stage, reason=exc.reason)
+        _trace("refused")
         if adapter.voted is None:  # refused before its vote: its peers hear of it (VllmAdapter.vote)
             adapter.vote(False)
         t = time.perf_counter()
