@@ -97,3 +97,38 @@ def test_a_worker_is_left_as_vllm_sets_it_where_narrowing_cannot_hold(
     done = devices.one_gpu(w)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == visible, why
     assert vars(w.parallel_config) == before and (done == "" or done.startswith("left as vLLM sets it")), why
+
+
+def test_vllms_set_device_makes_the_device_current_without_allocating(monkeypatch) -> None:
+    """vLLM's async-output thread calls `set_device` (torch.zeros(1) inside) while the main thread
+    allocates: under ember it binds the device through the driver instead, on every platform class."""
+    from ember.engines.vllm import plugin
+
+    calls: list[Any] = []
+
+    class CudaPlatformBase:
+        @classmethod
+        def set_device(cls, device: Any) -> None:
+            calls.append(("vllm's, with its allocation", device))
+
+    class NvmlCudaPlatform(CudaPlatformBase):
+        pass
+
+    cuda = types.ModuleType("vllm.platforms.cuda")
+    cuda.CudaPlatformBase = CudaPlatformBase  # type: ignore[attr-defined]
+    for name in ("vllm", "vllm.platforms"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.platforms.cuda", cuda)
+    monkeypatch.setattr(sys.modules["vllm.platforms"], "cuda", cuda, raising=False)
+    monkeypatch.setattr(devices, "set_device_eagerly", lambda device: calls.append(("ember's", device)))
+
+    NvmlCudaPlatform.set_device("cuda:0")
+    plugin._set_device_without_allocating()
+    NvmlCudaPlatform.set_device("cuda:1")
+    assert calls == [("vllm's, with its allocation", "cuda:0"), ("ember's", "cuda:1")]
+
+
+def test_the_set_device_patch_is_a_checked_touch_point() -> None:
+    from ember.engines.vllm.versions import TOUCH_POINTS
+
+    assert ("vllm.platforms.cuda", "CudaPlatformBase.set_device") in {(m, p) for m, p, *_ in TOUCH_POINTS}

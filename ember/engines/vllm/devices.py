@@ -80,6 +80,24 @@ def one_gpu(worker: Any) -> str:
     return f"{ENV}={entries[index]} (GPU {index} of {len(entries)}, physical {physical[index]})"
 
 
+def set_device_eagerly(device: Any) -> None:  # pragma: no cover - needs CUDA
+    """vLLM's `CudaPlatformBase.set_device` without its one-element `torch.zeros`.
+
+    vLLM makes a thread's device current with `torch.cuda.set_device` and then a `torch.zeros(1)`
+    (torch sets the device lazily). Its multiprocess executor does that on each worker's async
+    output thread, started after `load_model` while the main thread goes on allocating: a 2 MB
+    segment of torch's at a point of the allocation sequence that varies from start to start, and
+    that SAVE (one process, no such thread) never made. Every LOAD of a multi-GPU vLLM diverged
+    there (benchmarks/results/h200x2-20261130). The driver makes the device's primary context
+    current on the thread instead, which is what the allocation was for, and allocates nothing."""
+    import torch
+
+    from ember.runtime.session import ensure_context
+
+    index = torch.device(device).index
+    ensure_context(torch.cuda.current_device() if index is None else int(index))
+
+
 def device_refusal(saved: int, here: int) -> str:
     """Why a rank on device index `here` cannot run SAVE's compiled code ("" when it can)."""
     if saved == here:

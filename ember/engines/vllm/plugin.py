@@ -140,6 +140,8 @@ def _install() -> None:
         problems = check_engine()
         if not problems:
             _time_worker_stages()
+            if STATE.mode:
+                _set_device_without_allocating()
             if STATE.mode == "load" and settings.on("EMBER_VLLM_ONE_GPU"):
                 _one_gpu_per_worker()
             if memtrace.folder() is not None:
@@ -220,6 +222,18 @@ def _one_gpu_per_worker() -> None:
         return original(self, *a, **kw)
 
     gpu_worker.Worker.init_device = init_device
+
+
+def _set_device_without_allocating() -> None:
+    """SAVE and LOAD alike: vLLM's `set_device` allocates nothing (ember.engines.vllm.devices)."""
+    from vllm.platforms import cuda
+
+    from ember.engines.vllm.devices import set_device_eagerly
+
+    def set_device(cls: Any, device: Any) -> None:
+        set_device_eagerly(device)
+
+    cuda.CudaPlatformBase.set_device = classmethod(set_device)  # type: ignore[method-assign,assignment]
 
 
 def _trace_from_distributed_init() -> None:

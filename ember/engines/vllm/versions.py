@@ -91,6 +91,8 @@ TOUCH_POINTS: tuple[tuple[str, str, bool, str], ...] = (
     ("vllm.v1.worker.gpu_worker", "Worker.load_model", False, "stage timing"),
     ("vllm.v1.worker.gpu_worker", "Worker.initialize_from_config", False, "stage timing"),
     ("vllm.forward_context", "BatchDescriptor", False, "wrapper entry keys"),
+    ("vllm.platforms.cuda", "CudaPlatformBase.set_device", False,
+     "a thread's device made current without an allocation"),
 )
 
 # BatchDescriptor / BatchExecutionDescriptor fields the archive keys encode (0.26).
