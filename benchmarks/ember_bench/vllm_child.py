@@ -23,6 +23,27 @@ def prompts(batch: int, vocab: int, seed: int) -> list[dict[str, list[int]]]:
     ]
 
 
+async def generate_together(llm: Any, batch: list[dict[str, list[int]]], params: Any,
+                            prefix: str) -> list[list[int]]:
+    """vLLM's async engine (`AsyncLLM`): the tokens of every prompt of `batch`, all of them
+    scheduled from the same engine step. vLLM is not batch-invariant, and requests sent one after
+    another join whichever step is running when each arrives: the steps' shapes, and so a greedy
+    near-tie, would follow the timing, and two runs of one engine could differ without a fault.
+    The requests are added while the scheduler is paused (vLLM queues them) and run from its resume."""
+    await llm.pause_generation(mode="keep", clear_cache=False)
+    try:
+        queues = [await llm.add_request(f"{prefix}-{i}", p, params) for i, p in enumerate(batch)]
+    finally:
+        await llm.resume_generation()
+    tokens = []
+    for q in queues:
+        out = await q.get()
+        while not out.finished:
+            out = await q.get()
+        tokens.append(list(out.outputs[0].token_ids))
+    return tokens
+
+
 def main(args: dict[str, Any]) -> dict[str, Any]:
     import vllm
     from vllm import LLM, SamplingParams

@@ -10,12 +10,15 @@ runs; the offline `LLM` refuses DP > 1):
    alone, playing rank 0 of the world under libember_nccl;
 3. `load` — vLLM on N GPUs under libember (EMBER_MODE=load), from an empty cache root: every
    worker restores the one archive;
-4. `save_tp1` (unless `--no-tp1-save`) — the SAVE Job of the same model at TP=1, the time the
+4. `native_again` — native once more: its tokens must repeat the first run's, or no token
+   comparison at this shape can judge a restore (`native_reproducible`);
+5. `save_tp1` (unless `--no-tp1-save`) — the SAVE Job of the same model at TP=1, the time the
    shape's SAVE is held to (its goal: no longer).
 
-Per run: engine init, start → first token, greedy tokens at each batch size (compared with
-native); per rank (the plugin's report files): how its graphs came (`restored` / `native`),
-capture or LOAD seconds, the splice's part, vLLM's worker stages. Report:
+Per run: engine init, start → first token, greedy tokens at each batch size (each batch's
+requests scheduled together; compared with native); per rank (the plugin's report files): how
+its graphs came (`restored` / `native`), capture or LOAD seconds, the splice's part, vLLM's
+worker stages. Report:
 `benchmarks/results/vllm-<device>-<model>-<shape>.json`.
 """
 
@@ -37,7 +40,7 @@ CHILD = r"""
 import time
 T0 = time.perf_counter()
 import asyncio, json, sys
-from ember_bench.vllm_child import prompts
+from ember_bench.vllm_child import generate_together, prompts
 
 
 async def main(args):
@@ -53,12 +56,7 @@ async def main(args):
     init = time.perf_counter() - t
 
     async def run(batch, seed, params):
-        async def one(i, p):
-            out = None
-            async for out in llm.generate(p, params, request_id=f"{seed}-{i}"):
-                pass
-            return list(out.outputs[0].token_ids)
-        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts(batch, 30000, seed))))
+        return await generate_together(llm, prompts(batch, 30000, seed), params, f"{seed}")
 
     def params(n):
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -115,12 +113,14 @@ def child_env(mode: str, args: list[str], work: Path, extra: dict[str, str]) -> 
 
 
 def run_engine(mode: str, args: list[str], work: Path, extra: dict[str, str], options: dict[str, Any],
-               timeout: float) -> dict[str, Any]:
-    """One N-GPU engine process; its result with every rank's report (`ranks`)."""
+               timeout: float, name: str = "") -> dict[str, Any]:
+    """One N-GPU engine process (its files named `name`, else `mode`); its result with every
+    rank's report (`ranks`)."""
     from ember_bench.vllm import run_session
 
-    out, logf = work / f"{mode}.json", work / f"{mode}.log"
-    report = work / f"{mode}-report" / "vllm-report.json"
+    name = name or mode
+    out, logf = work / f"{name}.json", work / f"{name}.log"
+    report = work / f"{name}-report" / "vllm-report.json"
     out.unlink(missing_ok=True)
     report.parent.mkdir(parents=True, exist_ok=True)
     reports.clear(report)
@@ -132,7 +132,7 @@ def run_engine(mode: str, args: list[str], work: Path, extra: dict[str, str], op
     res.update(mode=mode, rc=rc, process_wall_s=round(time.perf_counter() - t, 3), ember=reports.read(report))
     if rc != 0 or not out.exists():
         res["log_tail"] = logf.read_text()[-6000:]
-    typer.echo(f"{mode}: rc={rc} first_token={res.get('first_token_s')}")
+    typer.echo(f"{name}: rc={rc} first_token={res.get('first_token_s')}")
     return res
 
 
@@ -204,6 +204,8 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     results["save"] = run_save(ident, extra, work, timeout)
     archive = str(work / "store" / "archives" / ident.hash())
     results["load"] = run_engine("load", args, work, {"EMBER_VLLM_ARCHIVE": archive}, options, timeout)
+    # native's own repeatability: tokens that differ between two native runs cannot judge a restore
+    results["native_again"] = run_engine("native", args, work, {}, options, timeout, name="native-again")
     if tp1_save:
         results["save_tp1"] = run_save(shape_identity(cfg, 1, False, 1), extra, work / "tp1", timeout)
     native, load = results["native"], results["load"]
@@ -211,6 +213,8 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
         "shape": name, "model": model, "layers": layers, "identity": ident.hash(),
         "restored_every_rank": reports.ranks_restored(load.get("ember") or {}),
         "tokens_identical_to_native": bool(load.get("tokens")) and load.get("tokens") == native.get("tokens"),
+        "native_reproducible": bool(native.get("tokens")) and
+        results["native_again"].get("tokens") == native.get("tokens"),
         "engine_init_s": {"native": native.get("engine_init_s"), "load": load.get("engine_init_s")},
         "engine_init_load_over_native": ratio(load.get("engine_init_s"), native.get("engine_init_s")),
         "first_token_s": {"native": native.get("first_token_s"), "load": load.get("first_token_s")},

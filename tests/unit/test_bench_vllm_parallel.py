@@ -1,10 +1,13 @@
 """CPU: `ember bench vllm --tp/--ep/--dp` names its shapes, builds the deployment's identity and
-reads each rank's figures from the plugin's report files."""
+reads each rank's figures from the plugin's report files; each batch's requests are scheduled
+together."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import typer
@@ -49,9 +52,11 @@ def test_the_summary_holds_each_goals_ratio_and_the_tp1_save_it_is_measured_agai
     """No engine: the runs are stand-ins, so what is checked is which identity each SAVE gets and
     how the summary's ratios come from the runs."""
     saves: list[dict] = []
+    flaky = [False]  # native's second run repeats its tokens, or not
 
-    def engine(mode: str, *a, **kw) -> dict:
-        return {"engine_init_s": {"native": 40.0, "load": 6.0}[mode], "tokens": {"1": [[5]]}}
+    def engine(mode: str, *a, name: str = "", **kw) -> dict:
+        tokens = [[6]] if flaky[0] and name == "native-again" else [[5]]
+        return {"engine_init_s": {"native": 40.0, "load": 6.0}[mode], "tokens": {"1": tokens}}
 
     def save(ident, extra, work, timeout) -> dict:
         saves.append(ident.parallelism.model_dump())
@@ -65,14 +70,56 @@ def test_the_summary_holds_each_goals_ratio_and_the_tp1_save_it_is_measured_agai
     summary = json.loads(out.read_text())["summary"]
     assert saves == [{"tensor": 2, "expert": 1, "data": 1}, {"tensor": 1, "expert": 1, "data": 1}]
     assert summary["engine_init_load_over_native"] == 0.15 and summary["tokens_identical_to_native"]
+    assert summary["native_reproducible"]
     assert summary["save_job_s_tp1"] == 60.0 and summary["save_over_tp1_save"] == 1.5
     saves.clear()
+    flaky[0] = True
     out = vp.bench_parallel("llama-3-8b", 2, 2, False, 1, work=tmp_path, out_dir=tmp_path / "out",
                             batch_sizes=[1], max_tokens=2, gpu_memory_utilization=0.4, timeout=9,
                             tp1_save=False)
     summary = json.loads(out.read_text())["summary"]
     assert len(saves) == 1 and summary["save_over_tp1_save"] is None
+    assert summary["tokens_identical_to_native"] and not summary["native_reproducible"]
 
 
 def test_a_ratio_with_a_missing_side_is_none() -> None:
     assert vp.ratio(3, 4) == 0.75 and vp.ratio(None, 4) is None and vp.ratio(3, 0) is None
+
+
+class _Engine:
+    """An async engine stand-in that records the order of calls; outputs finish after two puts."""
+
+    def __init__(self, fail_at: int = -1) -> None:
+        self.calls: list[str] = []
+        self.fail_at = fail_at
+
+    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
+        self.calls.append(f"pause:{mode}:{clear_cache}")
+
+    async def resume_generation(self) -> None:
+        self.calls.append("resume")
+
+    async def add_request(self, rid: str, prompt: dict, params: object) -> asyncio.Queue:
+        if len([c for c in self.calls if c.startswith("add")]) == self.fail_at:
+            raise RuntimeError("engine dead")
+        self.calls.append(f"add:{rid}")
+        q: asyncio.Queue = asyncio.Queue()
+        ids = prompt["prompt_token_ids"]
+        for done in (False, True):  # a partial output, then the finished one
+            q.put_nowait(SimpleNamespace(finished=done, outputs=[SimpleNamespace(token_ids=ids[: 1 + done])]))
+        return q
+
+
+def test_a_batchs_requests_are_all_added_while_the_scheduler_is_paused() -> None:
+    from ember_bench.vllm_child import generate_together
+
+    llm = _Engine()
+    batch = [{"prompt_token_ids": [i, i + 1, i + 2]} for i in (10, 20, 30)]
+    tokens = asyncio.run(generate_together(llm, batch, None, "b3"))
+    assert llm.calls == ["pause:keep:False", "add:b3-0", "add:b3-1", "add:b3-2", "resume"]
+    assert tokens == [[10, 11], [20, 21], [30, 31]]  # each request's finished output, in order
+
+    failing = _Engine(fail_at=1)
+    with pytest.raises(RuntimeError, match="engine dead"):
+        asyncio.run(generate_together(failing, batch, None, "b3"))
+    assert failing.calls[-1] == "resume"  # never left paused
