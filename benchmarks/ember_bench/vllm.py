@@ -174,19 +174,18 @@ def bench_vllm(
     dp: Annotated[int, typer.Option("--dp", help="Data-parallel ranks (MoE: with --ep).")] = 1,
     tp1_save: Annotated[bool, typer.Option(help="With --tp/--ep/--dp: also SAVE the same model at TP=1, "
                                                 "the SAVE time the shape's is held to.")] = True,
+    loads: Annotated[int, typer.Option(help="With --tp/--ep/--dp: fresh N-rank LOADs of the one archive, "
+                                            "each compared with native (a race shows in some only).")] = 1,
 ) -> None:
     """vLLM start-up: native vs SAVE → fresh-process LOAD (report in benchmarks/results); with
     --tp/--ep/--dp: N-rank native vs one single-GPU SAVE → N-rank LOAD, per-rank figures."""
     if tp > 1 or dp > 1 or ep > 1:
-        from ember_bench.vllm_parallel import bench_parallel
+        from ember_bench.vllm_parallel import bench_shape
 
-        if ep > 1 and tp * dp == 1:
-            dp = ep
-        if ep > 1 and ep != tp * dp:
-            raise typer.BadParameter(f"--ep {ep} must be tensor x data = {tp * dp}")
-        bench_parallel(model, layers, tp, ep > 1, dp, work=work, out_dir=out_dir,
-                       batch_sizes=[int(b) for b in batch_sizes.split(",")], max_tokens=max_tokens,
-                       gpu_memory_utilization=gpu_memory_utilization, timeout=timeout, tp1_save=tp1_save)
+        bench_shape(model, layers, tp, ep, dp, work=work, out_dir=out_dir,
+                    batch_sizes=[int(b) for b in batch_sizes.split(",")], max_tokens=max_tokens,
+                    gpu_memory_utilization=gpu_memory_utilization, timeout=timeout, tp1_save=tp1_save,
+                    loads=loads)
         return
     order = runs.split(",")
     if "save" in order and "native" not in order[: order.index("save")]:

@@ -9,7 +9,9 @@ runs; the offline `LLM` refuses DP > 1):
 2. `save` — the SAVE Job (`ember.engines.vllm.job.save_job`: sizing probe, then SAVE) on GPU 0
    alone, playing rank 0 of the world under libember_nccl;
 3. `load` — vLLM on N GPUs under libember (EMBER_MODE=load), from an empty cache root: every
-   worker restores the one archive;
+   worker restores the one archive; `--loads N` starts N such fresh LOADs (`loads_more`), and the
+   summary counts those that restored on every rank and those that served other tokens than
+   native (`wrong_loads`);
 4. `native_again` — native once more: its tokens must repeat the first run's, or no token
    comparison at this shape can judge a restore (`native_reproducible`);
 5. `save_tp1` (unless `--no-tp1-save`) — the SAVE Job of the same model at TP=1, the time the
@@ -185,10 +187,21 @@ def ratio(num: Any, den: Any) -> float | None:
     return round(float(num) / float(den), 3) if num is not None and den else None
 
 
+def bench_shape(model: str, layers: int, tp: int, ep: int, dp: int, **kw: Any) -> Path:
+    """`--tp/--ep/--dp` as given: EP alone is attention data parallel (data = N); EP must be
+    tensor x data (vLLM's expert-parallel size)."""
+    if ep > 1 and tp * dp == 1:
+        dp = ep
+    if ep > 1 and ep != tp * dp:
+        raise typer.BadParameter(f"--ep {ep} must be tensor x data = {tp * dp}")
+    return bench_parallel(model, layers, tp, ep > 1, dp, **kw)
+
+
 def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int, *, work: Path,
                    out_dir: Path, batch_sizes: list[int], max_tokens: int, gpu_memory_utilization: float,
-                   timeout: float, tp1_save: bool = True) -> Path:
-    """native N-rank → one single-GPU SAVE → N-rank LOAD; the report's path."""
+                   timeout: float, tp1_save: bool = True, loads: int = 1) -> Path:
+    """native N-rank → one single-GPU SAVE → `loads` fresh N-rank LOADs → native again; the
+    report's path."""
     from ember.engines.vllm.args import engine_args
     from ember_bench.vllm import write_config
     from ember_bench.vllm_report import _device, _store_bytes
@@ -202,30 +215,42 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     options = {"batch_sizes": batch_sizes, "max_tokens": max_tokens}
     results: dict[str, Any] = {"native": run_engine("native", args, work, {}, options, timeout)}
     results["save"] = run_save(ident, extra, work, timeout)
-    archive = str(work / "store" / "archives" / ident.hash())
-    results["load"] = run_engine("load", args, work, {"EMBER_VLLM_ARCHIVE": archive}, options, timeout)
+    archive = {"EMBER_VLLM_ARCHIVE": str(work / "store" / "archives" / ident.hash())}
+    every = [run_engine("load", args, work, archive, options, timeout, name=f"load-{i}" if i else "load")
+             for i in range(max(1, loads))]  # each from an empty cache root: a fresh pod
+    results["load"], results["loads_more"] = every[0], every[1:]
     # native's own repeatability: tokens that differ between two native runs cannot judge a restore
     results["native_again"] = run_engine("native", args, work, {}, options, timeout, name="native-again")
     if tp1_save:
         results["save_tp1"] = run_save(shape_identity(cfg, 1, False, 1), extra, work / "tp1", timeout)
-    native, load = results["native"], results["load"]
-    summary = {
-        "shape": name, "model": model, "layers": layers, "identity": ident.hash(),
-        "restored_every_rank": reports.ranks_restored(load.get("ember") or {}),
-        "tokens_identical_to_native": bool(load.get("tokens")) and load.get("tokens") == native.get("tokens"),
-        "native_reproducible": bool(native.get("tokens")) and
-        results["native_again"].get("tokens") == native.get("tokens"),
-        "engine_init_s": {"native": native.get("engine_init_s"), "load": load.get("engine_init_s")},
-        "engine_init_load_over_native": ratio(load.get("engine_init_s"), native.get("engine_init_s")),
-        "first_token_s": {"native": native.get("first_token_s"), "load": load.get("first_token_s")},
-        "save_job_s": results["save"].get("save_job_s"), "archive_bytes": _store_bytes(work / "store"),
-        "save_job_s_tp1": (results.get("save_tp1") or {}).get("save_job_s"),
-        "save_over_tp1_save": ratio(results["save"].get("save_job_s"),
-                                    (results.get("save_tp1") or {}).get("save_job_s")),
-        "ranks": {"native": per_rank(native), "load": per_rank(load)},
-    }
+    summary = {"shape": name, "model": model, "layers": layers, "identity": ident.hash(),
+               **summarize(results), "archive_bytes": _store_bytes(work / "store")}
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"vllm-{_device()}-{model}-{name}.json"
     path.write_text(json.dumps({"summary": summary, "runs": results}, indent=1, default=str))
     typer.echo(json.dumps(summary, indent=1, default=str))
     return path
+
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    """The goals' figures from the runs: the first LOAD's times and ranks; over every LOAD, how
+    many restored on every rank and how many served other tokens than native (`wrong_loads`)."""
+    native, load = results["native"], results["load"]
+    every = [load, *results.get("loads_more", [])]
+    tokens = native.get("tokens")
+    return {
+        "restored_every_rank": reports.ranks_restored(load.get("ember") or {}),
+        "tokens_identical_to_native": bool(load.get("tokens")) and load.get("tokens") == tokens,
+        "native_reproducible": bool(tokens) and (results.get("native_again") or {}).get("tokens") == tokens,
+        "loads": len(every),
+        "loads_restored_every_rank": sum(reports.ranks_restored(r.get("ember") or {}) for r in every),
+        "wrong_loads": sum(1 for r in every if not r.get("tokens") or r.get("tokens") != tokens),
+        "engine_init_s": {"native": native.get("engine_init_s"), "load": load.get("engine_init_s")},
+        "engine_init_load_over_native": ratio(load.get("engine_init_s"), native.get("engine_init_s")),
+        "first_token_s": {"native": native.get("first_token_s"), "load": load.get("first_token_s")},
+        "save_job_s": results["save"].get("save_job_s"),
+        "save_job_s_tp1": (results.get("save_tp1") or {}).get("save_job_s"),
+        "save_over_tp1_save": ratio(results["save"].get("save_job_s"),
+                                    (results.get("save_tp1") or {}).get("save_job_s")),
+        "ranks": {"native": per_rank(native), "load": per_rank(load)},
+    }

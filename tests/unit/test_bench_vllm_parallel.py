@@ -123,3 +123,40 @@ def test_a_batchs_requests_are_all_added_while_the_scheduler_is_paused() -> None
     with pytest.raises(RuntimeError, match="engine dead"):
         asyncio.run(generate_together(failing, batch, None, "b3"))
     assert failing.calls[-1] == "resume"  # never left paused
+
+
+def test_several_fresh_loads_are_each_counted_restored_or_not_and_right_or_wrong(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--loads 4`: the second LOAD refused on rank 1, the third served another token."""
+    def rank(how: str) -> dict:
+        return {"world": 2, "stages": {"capture": {"how": how}}}
+
+    names: list[str] = []
+
+    def engine(mode: str, *a, name: str = "", **kw) -> dict:
+        names.append(name or mode)
+        restored = {"ranks": {"0": rank("restored"), "1": rank("native" if name == "load-1" else "restored")}}
+        return {"engine_init_s": 5.0, "tokens": {"1": [[7 if name == "load-2" else 5]]},
+                "ember": restored if mode == "load" else {}}
+
+    monkeypatch.setattr(vp, "run_engine", engine)
+    monkeypatch.setattr(vp, "run_save", lambda *a: {"published": True, "save_job_s": 9.0})
+    monkeypatch.setattr("ember_bench.vllm_report._device", lambda: "gpu")
+    out = vp.bench_parallel("llama-3-8b", 2, 2, False, 1, work=tmp_path, out_dir=tmp_path / "out",
+                            batch_sizes=[1], max_tokens=2, gpu_memory_utilization=0.4, timeout=9,
+                            tp1_save=False, loads=4)
+    summary = json.loads(out.read_text())["summary"]
+    assert names == ["native", "load", "load-1", "load-2", "load-3", "native-again"]
+    assert summary["loads"] == 4 and summary["loads_restored_every_rank"] == 3
+    assert summary["wrong_loads"] == 1 and summary["restored_every_rank"] and summary["native_reproducible"]
+
+
+def test_the_shape_flags_give_vllms_expert_parallel_size_or_are_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    got: list[tuple] = []
+    monkeypatch.setattr(vp, "bench_parallel", lambda m, layers, t, e, d, **kw: got.append((t, e, d)))
+    vp.bench_shape("qwen3-moe", 2, 1, 2, 1)  # --ep 2 alone: attention data parallel
+    vp.bench_shape("qwen3-moe", 2, 2, 2, 1)  # EP over TP=2
+    assert got == [(1, True, 2), (2, True, 1)]
+    with pytest.raises(typer.BadParameter, match="--ep 3 must be tensor x data = 2"):
+        vp.bench_shape("qwen3-moe", 2, 2, 3, 1)
