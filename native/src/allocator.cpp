@@ -137,7 +137,25 @@ void allocator_configure_from_env() {
   s.cfg.manual_arm = arm != nullptr && strcmp(arm, "manual") == 0;
 }
 
-// Divergence is sticky: the first one is kept, logged once, and never cleared.
+// The calling thread's native stack, one log line a frame: who made a call, beyond its library.
+static void log_stack() {
+  void* frames[48];
+  const int n = backtrace(frames, 48);
+  for (int i = 2; i < n; ++i) {  // from the frame that called diverge()
+    Dl_info info{};
+    if (dladdr(frames[i], &info) == 0 || info.dli_fname == nullptr) {
+      EMBER_LOG(Error, "  #%d ?", i);
+      continue;
+    }
+    const char* slash = strrchr(info.dli_fname, '/');
+    const void* from = info.dli_saddr ? info.dli_saddr : info.dli_fbase;
+    EMBER_LOG(Error, "  #%d %s %s+0x%llx", i, slash ? slash + 1 : info.dli_fname,
+              info.dli_sname ? info.dli_sname : "?",
+              static_cast<unsigned long long>(static_cast<const char*>(frames[i]) - static_cast<const char*>(from)));
+  }
+}
+
+// Divergence is sticky: the first one is kept, logged once with its stack, and never cleared.
 static void diverge(State& s, const std::string& msg_in) {
   if (!s.divergence.empty()) return;
   // the thread that made the differing call: the engine's main thread, or which other
@@ -148,19 +166,7 @@ static void diverge(State& s, const std::string& msg_in) {
   s.divergence = msg;
   s.last_error = "divergence: " + msg;
   EMBER_LOG(Error, "Diverged from SAVE: %s", msg.c_str());
-  // who made the call, beyond the caller library: the native stack (once, so cheap)
-  void* frames[48];
-  const int n = backtrace(frames, 48);
-  for (int i = 1; i < n; ++i) {
-    Dl_info info{};
-    const bool named = dladdr(frames[i], &info) != 0;
-    const char* lib = named && info.dli_fname ? strrchr(info.dli_fname, '/') : nullptr;
-    EMBER_LOG(Error, "  #%d %s %s+0x%llx", i, lib ? lib + 1 : (named && info.dli_fname ? info.dli_fname : "?"),
-              named && info.dli_sname ? info.dli_sname : "?",
-              static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(frames[i]) -
-                                              reinterpret_cast<uintptr_t>(named && info.dli_saddr ? info.dli_saddr
-                                                                                                   : info.dli_fbase)));
-  }
+  log_stack();
 }
 
 // ---- arming: reserve the region (caller holds the lock) ----

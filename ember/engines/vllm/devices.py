@@ -14,6 +14,9 @@ so vLLM selects the same physical GPU as index 0. NCCL reaches peers it cannot s
 ember's decode ranks (one GPU each) do. Where that cannot be done (CUDA already initialised, a
 Ray or external launcher, a mapping the user gave), the worker is left as vLLM made it, and LOAD
 refuses a rank whose device index is not SAVE's (`device_refusal`).
+
+Also here: a thread's device made current without the allocation vLLM makes for it
+(`set_device_eagerly`).
 """
 
 from __future__ import annotations
