@@ -23,16 +23,18 @@ def prompts(batch: int, vocab: int, seed: int) -> list[dict[str, list[int]]]:
     ]
 
 
-async def generate_together(llm: Any, batch: list[dict[str, list[int]]], params: Any,
-                            prefix: str) -> list[list[int]]:
+async def generate_together(llm: Any, batch: list[dict[str, list[int]]], params: Any, prefix: str,
+                            dp_rank: int | None = None) -> list[list[int]]:
     """vLLM's async engine (`AsyncLLM`): the tokens of every prompt of `batch`, all of them
     scheduled from the same engine step. vLLM is not batch-invariant, and requests sent one after
     another join whichever step is running when each arrives: the steps' shapes, and so a greedy
     near-tie, would follow the timing, and two runs of one engine could differ without a fault.
-    The requests are added while the scheduler is paused (vLLM queues them) and run from its resume."""
+    The requests are added while the scheduler is paused (vLLM queues them) and run from its resume;
+    `dp_rank` sends them all to one data-parallel rank."""
     await llm.pause_generation(mode="keep", clear_cache=False)
     try:
-        queues = [await llm.add_request(f"{prefix}-{i}", p, params) for i, p in enumerate(batch)]
+        queues = [await llm.add_request(f"{prefix}-{i}", p, params, data_parallel_rank=dp_rank)
+                  for i, p in enumerate(batch)]
     finally:
         await llm.resume_generation()
     tokens = []

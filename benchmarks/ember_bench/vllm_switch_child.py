@@ -66,11 +66,11 @@ async def one(llm: Any, prompt: Any, n: int, rid: str, dp_rank: int | None = Non
 
 
 async def batch(llm: Any, size: int, seed: int, n: int, dp_rank: int | None) -> list[list[int]]:
-    from ember_bench.vllm_child import prompts
+    """A batch's greedy tokens, its requests scheduled together (`generate_together`)."""
+    from ember_bench.vllm_child import generate_together, prompts
 
-    tag = f"b{size}-s{seed}-r{dp_rank}"
-    return list(await asyncio.gather(*(one(llm, p, n, f"{tag}-{i}", dp_rank)
-                                       for i, p in enumerate(prompts(size, VOCAB, seed)))))
+    return await generate_together(llm, prompts(size, VOCAB, seed), params(n), f"b{size}-s{seed}-r{dp_rank}",
+                                   dp_rank)
 
 
 async def greedy(llm: Any, sizes: list[int], n: int, dp: int) -> dict[str, Any]:

@@ -99,10 +99,11 @@ class _Engine:
     async def resume_generation(self) -> None:
         self.calls.append("resume")
 
-    async def add_request(self, rid: str, prompt: dict, params: object) -> asyncio.Queue:
+    async def add_request(self, rid: str, prompt: dict, params: object,
+                          data_parallel_rank: int | None = None) -> asyncio.Queue:
         if len([c for c in self.calls if c.startswith("add")]) == self.fail_at:
             raise RuntimeError("engine dead")
-        self.calls.append(f"add:{rid}")
+        self.calls.append(f"add:{rid}" + ("" if data_parallel_rank is None else f"@dp{data_parallel_rank}"))
         q: asyncio.Queue = asyncio.Queue()
         ids = prompt["prompt_token_ids"]
         for done in (False, True):  # a partial output, then the finished one
@@ -118,6 +119,10 @@ def test_a_batchs_requests_are_all_added_while_the_scheduler_is_paused() -> None
     tokens = asyncio.run(generate_together(llm, batch, None, "b3"))
     assert llm.calls == ["pause:keep:False", "add:b3-0", "add:b3-1", "add:b3-2", "resume"]
     assert tokens == [[10, 11], [20, 21], [30, 31]]  # each request's finished output, in order
+
+    to_one = _Engine()
+    asyncio.run(generate_together(to_one, batch[:2], None, "b2", dp_rank=1))
+    assert to_one.calls[1:3] == ["add:b2-0@dp1", "add:b2-1@dp1"]
 
     failing = _Engine(fail_at=1)
     with pytest.raises(RuntimeError, match="engine dead"):
