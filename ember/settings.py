@@ -49,6 +49,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("EMBER_VLLM_PROBE", "flag", "0", "diagnosis: the vLLM plugin logs what it probes"),
     Setting("EMBER_VLLM_CANARY_FULL_EAGER", "flag", "0",
             "LOAD's canary checks a FULL step against an eager one where SAVE left no fingerprint"),
+    Setting("EMBER_VLLM_CANARY_EVERY_FULL", "flag", "0",
+            "diagnosis: LOAD's canary runs every FULL size, not one (which graph differs)"),
     Setting("EMBER_VLLM_ONE_GPU", "flag", "1",
             "LOAD: each worker of a multi-GPU shape sees only its own GPU, as SAVE did"),
     Setting("EMBER_VLLM_MEMORY_TRACE", "text", "",

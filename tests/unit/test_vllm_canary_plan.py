@@ -49,6 +49,20 @@ def test_a_mode_without_full_or_piecewise_graphs_has_one_case() -> None:
     assert canary.cases([]) == []
 
 
+def test_every_full_size_is_a_step_of_its_own_when_asked() -> None:
+    """EMBER_VLLM_CANARY_EVERY_FULL (diagnosis): which FULL graph differs, one step a size."""
+    base = canary.cases(_keys())
+    every = canary.cases(_keys(), every_full=True)
+    assert every[: len(base)] == base  # the usual steps first, unchanged
+    extra = every[len(base):]
+    sizes = sorted({k[2] for k in _keys() if k[0] == V1_FULL_ENTRY and k[4]})
+    assert [c.num_tokens for c in extra] == [n for n in sizes if n != 2]
+    assert all(c.full and c.uniform and c.name == f"full@{c.num_tokens}" for c in extra)
+    # on N ranks each is unchecked unless the eager reference is on, as the usual FULL step
+    assert {canary.plan(c, 2, None, False) for c in extra} == {UNCHECKED}
+    assert {canary.plan(c, 2, None, True) for c in extra} == {EAGER}
+
+
 def test_the_round_trip_goes_through_the_next_smaller_member() -> None:
     key = (PIECEWISE_ENTRY, 0, 8, -1, 0)
     members = [(PIECEWISE_ENTRY, 0, n, -1, 0) for n in (16, 8, 1, 4)]

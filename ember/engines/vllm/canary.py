@@ -57,17 +57,18 @@ class Case:
 
     @property
     def full(self) -> bool:
-        return self.name == "full"
+        return self.name.startswith("full")
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "num_tokens": self.num_tokens, "uniform": self.uniform,
                 "keys": [list(k) for k in self.keys]}
 
 
-def cases(keys: Iterable[GraphKey]) -> list[Case]:
+def cases(keys: Iterable[GraphKey], every_full: bool = False) -> list[Case]:
     """The canary's steps for an engine with these archive keys: the second-smallest PIECEWISE
     descriptor with all its pieces, and the second-smallest FULL descriptor (uniform decode ones
-    first); the smallest where there is only one (see the module doc)."""
+    first); the smallest where there is only one (see the module doc). `every_full` adds every other
+    FULL descriptor of that kind as its own step, `full@<tokens>` (diagnosis: which size differs)."""
     keys = [tuple(k) for k in keys]
     out: list[Case] = []
     pw = [k for k in keys if k[0] == PIECEWISE_ENTRY]
@@ -77,9 +78,10 @@ def cases(keys: Iterable[GraphKey]) -> list[Case]:
         out.append(Case("piecewise", desc[0], bool(desc[2]), step))
     full = [k for k in keys if k[0] != PIECEWISE_ENTRY]
     if full:
-        uniform = [k for k in full if k[4]] or full
-        k = _second(sorted(uniform, key=lambda k: (k[2], k[3])))
+        ordered = sorted([k for k in full if k[4]] or full, key=lambda k: (k[2], k[3]))
+        k = _second(ordered)
         out.append(Case("full", k[2], bool(k[4]), (k,)))
+        out += [Case(f"full@{o[2]}", o[2], bool(o[4]), (o,)) for o in ordered if every_full and o != k]
     return out
 
 

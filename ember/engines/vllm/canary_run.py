@@ -217,7 +217,7 @@ def run(runner: Any, kind: str, library: Any, facts: Mapping[str, Any], world: i
     unchecked: list[str] = []
     problems: list[str] = []
     with torch.inference_mode(), no_capture():
-        for case in canary.cases(library.keys):
+        for case in canary.cases(library.keys, settings.on("EMBER_VLLM_CANARY_EVERY_FULL")):
             how = canary.plan(case, world, saved, full_eager)
             if how == canary.UNCHECKED:
                 unchecked.append(case.name)
