@@ -90,9 +90,9 @@ def set_device_eagerly(device: Any) -> None:  # pragma: no cover - needs CUDA
     (torch sets the device lazily). Its multiprocess executor does that on each worker's async
     output thread, started after `load_model` while the main thread goes on allocating: a 2 MB
     segment of torch's at a point of the allocation sequence that varies from start to start, and
-    that SAVE (one process, no such thread) never made. Every LOAD of a multi-GPU vLLM diverged
-    there (benchmarks/results/h200x2-20261130). The driver makes the device's primary context
-    current on the thread instead, which is what the allocation was for, and allocates nothing."""
+    that SAVE (one process, no such thread) never makes: every multi-GPU LOAD would diverge there
+    (benchmarks/results/h200x2-20261130). The driver makes the device's primary context current on
+    the thread instead, which is what the allocation is for, and allocates nothing."""
     import torch
 
     from ember.runtime.session import ensure_context
