@@ -32,6 +32,8 @@ DTYPES = {
     11: "float8_e5m2",
 }
 REDOPS = {-1: "", 0: "sum", 1: "prod", 2: "max", 3: "min", 4: "avg"}
+DTYPE_BYTES = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2, 10: 1, 11: 1}
+PER_RANK = ("all_gather", "all_to_all")  # their receive buffer holds `count` elements per rank
 WORLD = "world"  # the one communicator of a table saved without groups
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "reduce", "broadcast", "send", "recv")
 
@@ -55,6 +57,14 @@ class Call:
         communicator's group in the table."""
         return cls(rec["op"], int(rec["send"]), int(rec["recv"]), int(rec["count"]), int(rec["dtype"]),
                    int(rec["redop"]), int(rec["root"]), comm)
+
+    def received(self, nranks: int) -> tuple[int, int] | None:
+        """(address, bytes) of the buffer the call writes on a rank of `nranks`; None: none, or
+        of a datatype this table does not know the size of."""
+        if self.op == "send" or not self.recv or self.dtype not in DTYPE_BYTES:
+            return None
+        count = self.count * (nranks if self.op in PER_RANK else 1)
+        return self.recv, count * DTYPE_BYTES[self.dtype]
 
     def describe(self) -> str:
         red = f" {REDOPS.get(self.redop, self.redop)}" if self.redop >= 0 else ""
@@ -109,6 +119,15 @@ class Collectives:
         """The communicator (index into `comms`) of placeholder i (one per placeholder: SAVE
         refuses a group of calls spanning several)."""
         return self.table[i][0].comm
+
+    def received(self) -> dict[int, list[tuple[int, int]]]:
+        """Per graph index, the buffers its placeholders' calls write, (address, bytes) each:
+        under the stub nothing writes them, so SAVE's proof sets them before every replay."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for g, pairs in self.nodes.items():
+            spans = (c.received(self.comms[c.comm].nranks) for _, i in pairs for c in self.table[i])
+            out[g] = sorted({s for s in spans if s is not None})
+        return out
 
     @property
     def placeholders(self) -> int:

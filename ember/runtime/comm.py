@@ -37,8 +37,8 @@ from ember.archive.graphs import GraphSet, MemsetParams, NodeType
 from ember.runtime import faults
 from ember.runtime.adapter import LOAD, Refused
 
-__all__ = ["Call", "Collectives", "CommGroup", "Communicators", "PlaceholderError", "Splicer", "placeholders",
-           "stub_calls", "stub_comm_id", "stub_loaded"]
+__all__ = ["Call", "Collectives", "CommGroup", "Communicators", "PlaceholderError", "Spans", "Splicer",
+           "placeholders", "stub_calls", "stub_comm_id", "stub_loaded", "stub_writes"]
 
 STUB_NAME = "libember_nccl.so"
 NCCL_SUM, NCCL_MAX = 0, 2  # ncclRedOp_t
@@ -183,6 +183,19 @@ def placeholders(
     if not nodes:
         return None
     return Collectives(world, nccl_version, table, nodes, comms.comms)
+
+
+Spans = dict[tuple[int, ...], list[tuple[int, int]]]  # per graph key: buffers, (address, bytes) each
+
+
+def stub_writes(graph_set: GraphSet, collectives: Collectives | None) -> Spans:
+    """Per graph key, the buffers its placeholders stand for writing. Under the stub they keep what
+    the memory held, often what a later kernel of the same graph left there on the last replay:
+    SAVE's proof zeroes them before every replay, or the captured graph would not even repeat
+    itself (nor keep its values finite, many layers deep)."""
+    if collectives is None:
+        return {}
+    return {tuple(graph_set.graphs[g].key): spans for g, spans in collectives.received().items()}
 
 
 def _holds_placeholder(graph: Any, scratch: int) -> bool:

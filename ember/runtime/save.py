@@ -225,10 +225,11 @@ def _prove_with_cut_images(
     resolver: KernelResolver,
     d: dict[str, float],
     log: Callable[[str], None],
+    reset: comm.Spans | None = None,
 ) -> tuple[ProofReport, bytes, Any, slim_images.SlimReport | None]:
     """The proof, with the kernel images cut to what the graphs use (slim_images) where libember
     is there; should it fail, again without union templates, then with the whole images
-    (proof/fallbacks.py)."""
+    (proof/fallbacks.py). `reset`: `comm.stub_writes`."""
     cut = None
     if ip is not None and slim_images.enabled():
         t = time.perf_counter()
@@ -238,7 +239,8 @@ def _prove_with_cut_images(
     subject = adapter.proof_subject(graphs)
 
     def run(unions: bool | None) -> tuple[ProofReport, bytes, Any]:
-        return prove(subject, graph_set, resolver.function_list, resolver=resolver, unions=unions)
+        return prove(subject, graph_set, resolver.function_list, resolver=resolver, unions=unions,
+                     reset=reset, log=log)
 
     def undo() -> None:
         if cut is not None:
@@ -299,7 +301,8 @@ def _save(adapter: EngineAdapter, ip: Interposer | None, store_uri: str | None,
     collectives = collective_table(adapter, graph_set)
     d["walk_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    rep, table_blob, lib, cut = _prove_with_cut_images(adapter, graphs, graph_set, ip, resolver, d, log)
+    rep, table_blob, lib, cut = _prove_with_cut_images(adapter, graphs, graph_set, ip, resolver, d, log,
+                                                       comm.stub_writes(graph_set, collectives))
     d["prove_s"] = time.perf_counter() - t - d.get("slim_s", 0.0)
     templates = [lib.order[0], *(g.template for g in lib.groups if g.template >= 0)]  # LOAD's order
     lib.close()

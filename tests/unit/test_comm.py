@@ -205,3 +205,15 @@ def test_a_save_job_of_a_parallel_identity_runs_under_the_stub() -> None:
         assert bool(identity_parallel(ident(**par)).active) is stub, par  # type: ignore[arg-type]
     assert parallel_shape(1, 2, 1).active and not parallel_shape(1, 1, 1).active
     assert parallel_shape(1, 4, 1).degrees() == {"tensor": 1, "expert": 4, "data": 4, "collectives": False}
+
+
+def test_the_proof_zeroes_what_each_graphs_placeholders_stand_for_writing() -> None:
+    """Under the stub a collective's receive buffer keeps what the memory held; SAVE's proof zeroes
+    it before each replay (an all-gather's holds one count per rank), per graph key."""
+    gs, t = _table()
+    recv = 0x6000_0000_0000
+    assert t.received() == {0: [(recv, 4096 * 2)], 1: [(recv, 128 * 2 * 2), (recv, 4096 * 2)]}
+    assert comm.stub_writes(gs, t) == {(1,): [(recv, 8192)], (2,): [(recv, 512), (recv, 8192)]}
+    assert comm.stub_writes(gs, None) == {}
+    assert comm.Call.from_record(_call(1, "send", 16, 1)).received(2) is None  # a send writes nothing here
+    assert comm.Call.from_record({**_call(1), "dtype": 42}).received(2) is None  # unknown size: left alone

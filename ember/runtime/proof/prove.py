@@ -35,6 +35,7 @@ from ember.runtime.proof.profile import top_kernels
 from ember.runtime.proof.structure import structure_problems
 
 NATIVE_REPEATS = 3
+SLOW_KEY_S = 5.0
 GraphKey = tuple[int, ...]
 
 
@@ -175,15 +176,29 @@ def _poison(tensors: tuple[torch.Tensor, ...]) -> None:
         t.view(torch.uint8).fill_(0xA5)
 
 
+class _Raw:
+    """Device bytes at an address, for torch (`torch.as_tensor` reads this interface)."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                         "version": 2}
+
+
 class _Runner:
     """One graph key's replays from one saved state, outputs poisoned before each replay (a graph
-    that skips writing an output cannot pass); returns copies of the outputs."""
+    that skips writing an output cannot pass); returns copies of the outputs. `reset`: buffers
+    (address, bytes) zeroed first, before the state: what SAVE's stub collectives would write
+    (they move no data, so a replay would read what the last one left there)."""
 
-    def __init__(self, state: Sequence[torch.Tensor], outs: list[torch.Tensor]) -> None:
+    def __init__(self, state: Sequence[torch.Tensor], outs: list[torch.Tensor],
+                 reset: Sequence[tuple[int, int]] = ()) -> None:
         self.state, self.outs = state, outs
         self.snap = [s.clone() for s in state]
+        self.zeros = [torch.as_tensor(_Raw(a, n), device="cuda") for a, n in reset]
 
     def restore(self) -> None:
+        for z in self.zeros:
+            z.zero_()
         for s, v in zip(self.state, self.snap, strict=True):
             s.copy_(v)
 
@@ -215,6 +230,8 @@ def prove(
     native_repeats: int = NATIVE_REPEATS,
     resolver: Any = None,
     unions: bool | None = None,
+    reset: Mapping[GraphKey, Sequence[tuple[int, int]]] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> tuple[ProofReport, bytes, GraphLibrary]:
     """Encode → decode → rebuild → replay every graph against the captured one (same process).
 
@@ -222,15 +239,48 @@ def prove(
     KernelResolver, SAVE's) names the rebuilt graphs' kernels again from their handles for the
     structure check (without one, the table's refs name them). `unions`: whether the table holds
     union templates (default: `graph_table.unions_by_default()`); their members are proven
-    through them. Returns the
-    report, the encoded graph table (what gets published) and the proven library.
-    Steps: serialize and read back (`_encode_decode`), structure (`_StructureCheck`), replay and
-    compare per key (`_prove_key`), report the graphs that are not bit-stable (`_note_unstable`).
+    through them. `reset`: per key, buffers zeroed before each replay (`_Runner`). `log` hears
+    of keys slower than SLOW_KEY_S. Returns the report, the encoded graph table (what gets
+    published) and the proven library. Steps: `_encode_decode`, `_StructureCheck`, `_prove_key`
+    per key, `_note_unstable`.
     """
     rep = ProofReport(graphs=len(graph_set.graphs))
     rep.programmatic_edges = sum(e.type == 1 for g in graph_set.graphs for e in g.edges)
     t0 = time.perf_counter()
     blob, table = _encode_decode(graph_set, rep, unions)
+    lib = _rebuild_checked(graph_set, table, functions_of, resolver, rep)
+    state, resets = subject.state_tensors(), reset or {}
+    # optional: a subject whose graphs each read their own tensors (vLLM's piecewise graphs)
+    # gives them per key, so each key snapshots only what it reads
+    state_for = getattr(subject, "state_for", None)
+
+    def runner(key: GraphKey) -> _Runner:
+        return _Runner(state_for(key) if state_for is not None else state, list(subject.outs[key]),
+                       resets.get(tuple(key), ()))
+
+    unstable: set[GraphKey] = set()
+    for i, key in enumerate(lib.keys):
+        t = time.perf_counter()
+        run = runner(key)
+        stable = _prove_key(
+            rep, lib, run, i, subject.graphs[key].replay,
+            dedicated=dedicated, repeats=repeats, native_repeats=native_repeats,
+        )
+        if not stable:
+            unstable.add(tuple(key))
+        run.restore()
+        _note_time(rep, key, time.perf_counter() - t, run, log, f"{i + 1} of {len(lib.keys)}")
+    _profile_slowest(rep, subject, runner)
+    _note_unstable(rep, graph_set, unstable)
+    rep.seconds = time.perf_counter() - t0
+    return rep, blob, lib
+
+
+def _rebuild_checked(graph_set: GraphSet, table: graph_table.GraphTable,
+                     functions_of: Callable[[list[Any]], list[int]], resolver: Any, rep: ProofReport
+                     ) -> GraphLibrary:
+    """The decoded table rebuilt as LOAD would (templates, unions), every graph's structure
+    checked against the captured one (`_StructureCheck`, into `rep`)."""
     functions = functions_of(table.kernels)
     lib = GraphLibrary(table, functions, hot_after=0)  # the proof dedicates itself
     lib.build_templates()
@@ -240,30 +290,11 @@ def prove(
     structure = _StructureCheck(graph_set, lib, functions, table.kernels, resolver)
     rep.mismatches.extend(structure.check_all())
     rep.notes.extend(structure.notes[:3])
-    state = subject.state_tensors()
-    # optional: a subject whose graphs each read their own tensors (vLLM's piecewise graphs)
-    # gives them per key, so each key snapshots only what it reads
-    state_for = getattr(subject, "state_for", None)
-    unstable: set[GraphKey] = set()
-    for i, key in enumerate(lib.keys):
-        t = time.perf_counter()
-        run = _Runner(state_for(key) if state_for is not None else state, list(subject.outs[key]))
-        replay = subject.graphs[key].replay
-        stable = _prove_key(
-            rep, lib, run, i, replay,
-            dedicated=dedicated, repeats=repeats, native_repeats=native_repeats,
-        )
-        if not stable:
-            unstable.add(tuple(key))
-        run.restore()
-        _note_time(rep, key, time.perf_counter() - t, run)
-    _profile_slowest(rep, subject, state_for, state)
-    _note_unstable(rep, graph_set, unstable)
-    rep.seconds = time.perf_counter() - t0
-    return rep, blob, lib
+    return lib
 
 
-def _note_time(rep: ProofReport, key: GraphKey, seconds: float, run: _Runner, keep: int = 3) -> None:
+def _note_time(rep: ProofReport, key: GraphKey, seconds: float, run: _Runner,
+               log: Callable[[str], None] | None, where: str, keep: int = 3) -> None:
     def nbytes(ts: Sequence[torch.Tensor]) -> int:
         return sum(t.numel() * t.element_size() for t in ts)
 
@@ -271,10 +302,11 @@ def _note_time(rep: ProofReport, key: GraphKey, seconds: float, run: _Runner, ke
                         "state_bytes": nbytes(run.state), "out_bytes": nbytes(run.outs)})
     rep.slowest.sort(key=lambda x: -x["s"])
     del rep.slowest[keep:]
+    if log is not None and seconds > SLOW_KEY_S:  # a SAVE killed later still names the graph
+        log(f"[ember] the proof took {seconds:.1f} s on graph {key} ({where})")
 
 
-def _profile_slowest(rep: ProofReport, subject: ProofSubject, state_for: Any, state: Sequence[torch.Tensor]
-                     ) -> None:
+def _profile_slowest(rep: ProofReport, subject: ProofSubject, runner: Callable[[GraphKey], _Runner]) -> None:
     """The slowest graph's kernels by GPU time (`proof.profile`), when its proof took longer than
     EMBER_PROOF_PROFILE_S: replayed once more from its state, which is put back after."""
     limit = settings.number("EMBER_PROOF_PROFILE_S")
@@ -283,7 +315,7 @@ def _profile_slowest(rep: ProofReport, subject: ProofSubject, state_for: Any, st
     key = next((k for k in subject.graphs if list(k) == rep.slowest[0]["key"]), None)
     if key is None:
         return
-    run = _Runner(state_for(key) if state_for is not None else state, list(subject.outs[key]))
+    run = runner(key)
     run.restore()
     rep.slowest[0]["kernels"] = top_kernels(subject.graphs[key].replay)
     run.restore()
