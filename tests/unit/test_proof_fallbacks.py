@@ -16,6 +16,8 @@ class Report:
     unions: int
     mismatches: list[str] = field(default_factory=list)
     unions_dropped: str = ""
+    graphs: int = 3
+    dedicated_ok: int = 3
 
 
 class Lib:
@@ -73,3 +75,18 @@ def test_a_proof_without_unions_or_cut_images_has_nothing_to_drop() -> None:
     rep, _, _, cut = prove_falling_back(lambda u: (Report(False, 0, ["differs"]), b"", Lib()), False, p.undo,
                                         print)
     assert not rep.ok and not cut and p.cut  # nothing undone, the failure is SAVE's to report
+
+
+def test_unions_are_kept_when_a_graphs_own_exec_is_wrong_too() -> None:
+    """Dropping unions cannot mend a dedicated exec: the proof is not run again for them (each run
+    of a deep model's proof can take minutes), only for the cut images."""
+    p = Prover(unions_bad=False, cut_bad=True)
+    calls: list[bool | None] = []
+
+    def prove(unions: bool | None) -> tuple[Report, bytes, Lib]:
+        calls.append(unions)
+        return Report(False, 2, ["graph (1,): dedicated exec differs"], dedicated_ok=2), b"", Lib()
+
+    rep, _, _, cut = prove_falling_back(prove, True, p.undo, print)
+    assert calls == [None, None] and not cut and not p.cut  # once cut, once whole; unions never dropped
+    assert not rep.ok and not rep.unions_dropped

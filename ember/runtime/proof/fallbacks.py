@@ -24,7 +24,7 @@ def prove_falling_back(
     is left to drop: without unions, then with the whole images and unions, then without either.
     Returns the last proof and whether the kernel images are still cut."""
     rep, blob, lib = prove(None)
-    if not rep.ok and rep.unions:
+    if _unions_may_be_why(rep):
         rep, blob, lib = _without_unions(prove, rep, lib, log)
     if not rep.ok and images_cut:
         log("[ember] the proof failed with the cut kernel images; proving with the whole images")
@@ -32,9 +32,16 @@ def prove_falling_back(
         undo_cut()
         images_cut = False
         rep, blob, lib = prove(None)
-        if not rep.ok and rep.unions:
+        if _unions_may_be_why(rep):
             rep, blob, lib = _without_unions(prove, rep, lib, log)
     return rep, blob, lib, images_cut
+
+
+def _unions_may_be_why(rep: Any) -> bool:
+    """A failed proof with union templates, every graph's own (dedicated) exec right: only the
+    template path failed, which unions change. A wrong dedicated exec is wrong without them too,
+    and a proof of many graphs can take minutes."""
+    return not rep.ok and bool(rep.unions) and rep.dedicated_ok == rep.graphs
 
 
 def _without_unions(prove: Callable[[bool | None], Proven], failed: Any, lib: Any,
