@@ -11,7 +11,8 @@ runs; the offline `LLM` refuses DP > 1):
 3. `load` — vLLM on N GPUs under libember (EMBER_MODE=load), from an empty cache root: every
    worker restores the one archive; `--loads N` starts N such fresh LOADs (`loads_more`), and the
    summary counts those that restored on every rank and those that served other tokens than
-   native (`wrong_loads`);
+   native (`wrong_loads`); a SAVE that published nothing gets one LOAD (its refusal, served
+   natively) and the summary says why (`save_error`);
 4. `native_again` — native once more: its tokens must repeat the first run's, or no token
    comparison at this shape can judge a restore (`native_reproducible`);
 5. `save_tp1` (unless `--no-tp1-save`) — the SAVE Job of the same model at TP=1, the time the
@@ -216,8 +217,10 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     results: dict[str, Any] = {"native": run_engine("native", args, work, {}, options, timeout)}
     results["save"] = run_save(ident, extra, work, timeout)
     archive = {"EMBER_VLLM_ARCHIVE": str(work / "store" / "archives" / ident.hash())}
+    # each from an empty cache root: a fresh pod; without an archive one LOAD shows the refusal
+    starts = max(1, loads) if results["save"].get("published") else 1
     every = [run_engine("load", args, work, archive, options, timeout, name=f"load-{i}" if i else "load")
-             for i in range(max(1, loads))]  # each from an empty cache root: a fresh pod
+             for i in range(starts)]
     results["load"], results["loads_more"] = every[0], every[1:]
     # native's own repeatability: tokens that differ between two native runs cannot judge a restore
     results["native_again"] = run_engine("native", args, work, {}, options, timeout, name="native-again")
@@ -248,6 +251,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "engine_init_s": {"native": native.get("engine_init_s"), "load": load.get("engine_init_s")},
         "engine_init_load_over_native": ratio(load.get("engine_init_s"), native.get("engine_init_s")),
         "first_token_s": {"native": native.get("first_token_s"), "load": load.get("first_token_s")},
+        "save_published": bool(results["save"].get("published")),
+        "save_error": results["save"].get("error"),
         "save_job_s": results["save"].get("save_job_s"),
         "save_job_s_tp1": (results.get("save_tp1") or {}).get("save_job_s"),
         "save_over_tp1_save": ratio(results["save"].get("save_job_s"),

@@ -156,6 +156,28 @@ def test_several_fresh_loads_are_each_counted_restored_or_not_and_right_or_wrong
     assert summary["wrong_loads"] == 1 and summary["restored_every_rank"] and summary["native_reproducible"]
 
 
+def test_a_save_that_published_nothing_gets_one_load_and_the_summary_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every LOAD without an archive refuses: one shows it (served natively), not `--loads` of them."""
+    names: list[str] = []
+
+    def engine(mode: str, *a, name: str = "", **kw) -> dict:
+        names.append(name or mode)
+        return {"engine_init_s": 5.0, "tokens": {"1": [[5]]}, "ember": {}}
+
+    monkeypatch.setattr(vp, "run_engine", engine)
+    failed = {"published": False, "error": "proof failed", "save_job_s": 9.0}
+    monkeypatch.setattr(vp, "run_save", lambda *a: failed)
+    monkeypatch.setattr("ember_bench.vllm_report._device", lambda: "gpu")
+    out = vp.bench_parallel("llama-3-8b", 2, 2, False, 1, work=tmp_path, out_dir=tmp_path / "out",
+                            batch_sizes=[1], max_tokens=2, gpu_memory_utilization=0.4, timeout=9,
+                            tp1_save=False, loads=10)
+    summary = json.loads(out.read_text())["summary"]
+    assert names == ["native", "load", "native-again"]
+    assert summary["loads"] == 1 and summary["loads_restored_every_rank"] == 0
+    assert summary["save_published"] is False and summary["save_error"] == "proof failed"
+
+
 def test_the_shape_flags_give_vllms_expert_parallel_size_or_are_refused(
         monkeypatch: pytest.MonkeyPatch) -> None:
     got: list[tuple] = []
