@@ -155,6 +155,7 @@ def archive_dir(save: dict[str, Any], store: Path) -> str:
     return str(store / "archives" / ident) if ident else ""
 
 
+# long: a typer command, its options are its signature
 def bench_vllm(
     model: Annotated[str, typer.Option(help=f"One of {', '.join(SHAPES)}.")] = "llama-3-8b",
     layers: Annotated[int, typer.Option(help="Override the number of layers (0: the model's).")] = 0,
@@ -176,16 +177,21 @@ def bench_vllm(
                                                 "the SAVE time the shape's is held to.")] = True,
     loads: Annotated[int, typer.Option(help="With --tp/--ep/--dp: fresh N-rank LOADs of the one archive, "
                                             "each compared with native (a race shows in some only).")] = 1,
+    pins_cost: Annotated[bool, typer.Option(help="With --tp/--ep/--dp, instead: one decode step (over "
+                                                 "--max-tokens steps) of native vLLM as vLLM runs the shape "
+                                                 "and as a pod runs it, ember's parallel pins on.")] = False,
 ) -> None:
     """vLLM start-up: native vs SAVE → fresh-process LOAD (report in benchmarks/results); with
     --tp/--ep/--dp: N-rank native vs one single-GPU SAVE → N-rank LOAD, per-rank figures."""
     if tp > 1 or dp > 1 or ep > 1:
         from ember_bench.vllm_parallel import bench_shape
+        from ember_bench.vllm_pins import bench_pins_cost
 
-        bench_shape(model, layers, tp, ep, dp, work=work, out_dir=out_dir,
-                    batch_sizes=[int(b) for b in batch_sizes.split(",")], max_tokens=max_tokens,
-                    gpu_memory_utilization=gpu_memory_utilization, timeout=timeout, tp1_save=tp1_save,
-                    loads=loads)
+        common = {"work": work, "out_dir": out_dir, "batch_sizes": [int(b) for b in batch_sizes.split(",")],
+                  "gpu_memory_utilization": gpu_memory_utilization, "timeout": timeout}
+        more = {"run": bench_pins_cost, "steps": max_tokens} if pins_cost else {
+            "max_tokens": max_tokens, "tp1_save": tp1_save, "loads": loads}
+        bench_shape(model, layers, tp, ep, dp, **more, **common)
         return
     order = runs.split(",")
     if "save" in order and "native" not in order[: order.index("save")]:

@@ -46,6 +46,33 @@ async def generate_together(llm: Any, batch: list[dict[str, list[int]]], params:
     return tokens
 
 
+async def decode_step_ms(llm: Any, batch: int, steps: int, repeats: int = 3, params: Any = None) -> float:
+    """One decode step of `batch` requests, in ms: the time to `steps` tokens less the time to 1
+    token, over `steps - 1`, for the same prompts scheduled together (the prefill, the same in
+    both, cancels; the prompts are in the prefix cache for both); the median of `repeats`.
+    `params(n)`: the sampling parameters of n greedy tokens (default: vLLM's)."""
+    if params is None:
+        from vllm import SamplingParams
+
+        def params(n: int) -> Any:
+            return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+
+    batch_prompts = prompts(batch, 30000, 7000 + batch)
+    runs = iter(range(1 << 30))
+
+    async def timed(n: int) -> float:
+        t = time.perf_counter()
+        await generate_together(llm, batch_prompts, params(n), f"step{batch}-{next(runs)}")
+        return time.perf_counter() - t
+
+    await timed(1)  # the prompts into the prefix cache
+    samples = []
+    for _ in range(repeats):
+        one, many = await timed(1), await timed(steps)
+        samples.append((many - one) / (steps - 1) * 1e3)
+    return round(sorted(samples)[len(samples) // 2], 4)
+
+
 def main(args: dict[str, Any]) -> dict[str, Any]:
     import vllm
     from vllm import LLM, SamplingParams

@@ -43,7 +43,7 @@ CHILD = r"""
 import time
 T0 = time.perf_counter()
 import asyncio, json, sys
-from ember_bench.vllm_child import generate_together, prompts
+from ember_bench.vllm_child import decode_step_ms, generate_together, prompts
 
 
 async def main(args):
@@ -68,8 +68,11 @@ async def main(args):
     await run(1, 0, params(1))
     first = time.perf_counter() - T0
     tokens = {str(b): await run(b, b, greedy) for b in args["batch_sizes"]}
+    timed = args.get("decode_batches") or []
+    steps = {str(b): await decode_step_ms(llm, b, args["decode_steps"]) for b in timed}
     llm.shutdown()
-    return {"engine_init_s": round(init, 3), "first_token_s": round(first, 3), "tokens": tokens}
+    return {"engine_init_s": round(init, 3), "first_token_s": round(first, 3), "tokens": tokens,
+            "decode_step_ms": steps}
 
 
 a = json.loads(sys.argv[1])
@@ -102,11 +105,13 @@ def extra_args(gpu_memory_utilization: float) -> list[str]:
             str(gpu_memory_utilization), "--max-model-len", "2048", "--seed", "0"]
 
 
-def child_env(mode: str, args: list[str], work: Path, extra: dict[str, str]) -> dict[str, str]:
+def child_env(mode: str, args: list[str], work: Path, extra: dict[str, str], pinned: bool = True
+              ) -> dict[str, str]:
+    """`pinned=False`: vLLM's own environment for the shape, not a pod's (`bench vllm --pins-cost`)."""
     from ember.engines.vllm.args import process_env
     from ember.engines.vllm.ranks import pod_env
 
-    env = process_env(mode, {**os.environ, **pod_env(args)})
+    env = process_env(mode, {**os.environ, **(pod_env(args) if pinned else {})})
     cache = work / f"vllm-cache-{mode}"
     if mode == "load":  # a fresh pod: the compiled code comes from the archive
         shutil.rmtree(cache, ignore_errors=True)
@@ -116,9 +121,9 @@ def child_env(mode: str, args: list[str], work: Path, extra: dict[str, str]) -> 
 
 
 def run_engine(mode: str, args: list[str], work: Path, extra: dict[str, str], options: dict[str, Any],
-               timeout: float, name: str = "") -> dict[str, Any]:
+               timeout: float, name: str = "", pinned: bool = True) -> dict[str, Any]:
     """One N-GPU engine process (its files named `name`, else `mode`); its result with every
-    rank's report (`ranks`)."""
+    rank's report (`ranks`). `pinned`: see child_env."""
     from ember_bench.vllm import run_session
 
     name = name or mode
@@ -127,7 +132,7 @@ def run_engine(mode: str, args: list[str], work: Path, extra: dict[str, str], op
     out.unlink(missing_ok=True)
     report.parent.mkdir(parents=True, exist_ok=True)
     reports.clear(report)
-    env = child_env(mode, args, work, {"EMBER_VLLM_REPORT": str(report), **extra})
+    env = child_env(mode, args, work, {"EMBER_VLLM_REPORT": str(report), **extra}, pinned)
     child = json.dumps({**options, "engine_args": args, "out": str(out)})
     t = time.perf_counter()
     rc = run_session([sys.executable, "-c", CHILD, child], env, logf, timeout)
@@ -188,14 +193,14 @@ def ratio(num: Any, den: Any) -> float | None:
     return round(float(num) / float(den), 3) if num is not None and den else None
 
 
-def bench_shape(model: str, layers: int, tp: int, ep: int, dp: int, **kw: Any) -> Path:
+def bench_shape(model: str, layers: int, tp: int, ep: int, dp: int, run: Any = None, **kw: Any) -> Path:
     """`--tp/--ep/--dp` as given: EP alone is attention data parallel (data = N); EP must be
-    tensor x data (vLLM's expert-parallel size)."""
+    tensor x data (vLLM's expert-parallel size). `run`: the bench (default `bench_parallel`)."""
     if ep > 1 and tp * dp == 1:
         dp = ep
     if ep > 1 and ep != tp * dp:
         raise typer.BadParameter(f"--ep {ep} must be tensor x data = {tp * dp}")
-    return bench_parallel(model, layers, tp, ep > 1, dp, **kw)
+    return (run or bench_parallel)(model, layers, tp, ep > 1, dp, **kw)
 
 
 def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int, *, work: Path,
