@@ -9,6 +9,7 @@ import time
 
 T0 = time.perf_counter()  # before any import: start → first token counts the imports too
 
+import itertools  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import sys  # noqa: E402
@@ -58,7 +59,7 @@ async def decode_step_ms(llm: Any, batch: int, steps: int, repeats: int = 3, par
             return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
 
     batch_prompts = prompts(batch, 30000, 7000 + batch)
-    runs = iter(range(1 << 30))
+    runs = itertools.count()  # request ids stay unique
 
     async def timed(n: int) -> float:
         t = time.perf_counter()
