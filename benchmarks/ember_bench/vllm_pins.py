@@ -10,6 +10,11 @@ default (`default`) and as a pod runs it (`pinned`), alternated over two rounds 
 first start compiles for its configuration, the second finds its compile cache). Each run times
 one decode step at several batch sizes (`vllm_child.decode_step_ms`). No SAVE, no LOAD: no ember
 code is in the engine. Report: `benchmarks/results/vllm-pins-<device>-<model>-<shape>.json`.
+
+One exception to "default": symmetric-memory all-reduce stays off in both (`DEFAULT_ENV`). Its
+multimem operations need NVLink multicast, which the GPU machines keep off: a program using it
+can put a shared host's GPUs out of service. The cost measured is therefore custom all-reduce,
+the fusion passes and sequence parallelism (and the all2all pin with EP).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 import typer
 
 ROUNDS = 2
+DEFAULT_ENV = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}  # see the module doc
 
 
 def bench_pins_cost(model: str, layers: int, tensor: int, expert: bool, data: int, *, work: Path,
@@ -36,13 +42,13 @@ def bench_pins_cost(model: str, layers: int, tensor: int, expert: bool, data: in
     work = work.absolute() / f"{model}-{layers or 'all'}l-{name}-pins"
     ident = shape_identity(write_config(model, layers or None, work / "config"), tensor, expert, data)
     extra = extra_args(gpu_memory_utilization)
-    configs = {"default": ([*engine_args(ident, rank_pins=False), *extra], False),
-               "pinned": ([*engine_args(ident), *extra], True)}
+    configs = {"default": ([*engine_args(ident, rank_pins=False), *extra], False, DEFAULT_ENV),
+               "pinned": ([*engine_args(ident), *extra], True, {})}
     steps = max(2, steps)
     options = {"batch_sizes": [1], "max_tokens": 1, "decode_batches": batch_sizes, "decode_steps": steps}
-    runs = {f"{how}-{r}": run_engine("native", args, work, {}, options, timeout, name=f"{how}-{r}",
+    runs = {f"{how}-{r}": run_engine("native", args, work, env, options, timeout, name=f"{how}-{r}",
                                      pinned=pinned)
-            for r in range(1, ROUNDS + 1) for how, (args, pinned) in configs.items()}
+            for r in range(1, ROUNDS + 1) for how, (args, pinned, env) in configs.items()}
     summary = {"shape": name, "model": model, "layers": layers, "decode_steps": steps,
                **summarize_pins(runs, batch_sizes)}
     out_dir.mkdir(parents=True, exist_ok=True)

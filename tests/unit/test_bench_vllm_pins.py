@@ -15,10 +15,15 @@ from ember_bench import vllm_child, vllm_parallel, vllm_pins
 
 def test_default_and_pinned_runs_alternate_and_each_batchs_step_is_compared(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    got: list[tuple[str, bool, bool]] = []
+    got: list[tuple[str, bool, bool, str | None]] = []
+    real_env = vllm_parallel.child_env
+    monkeypatch.delenv("VLLM_ALLREDUCE_USE_SYMM_MEM", raising=False)
 
-    def engine(mode: str, args: list[str], *a, name: str = "", pinned: bool = True, **kw) -> dict:
-        got.append((name, pinned, "--disable-custom-all-reduce" in args))
+    def engine(mode: str, args: list[str], work: Path, extra: dict, *a, name: str = "", pinned: bool = True,
+               **kw) -> dict:
+        # symmetric-memory all-reduce (NVLink multicast) is off in both: the machines forbid multicast
+        symm = real_env("native", args, work, extra, pinned).get("VLLM_ALLREDUCE_USE_SYMM_MEM")
+        got.append((name, pinned, "--disable-custom-all-reduce" in args, symm))
         if name == "pinned-2":
             return {"rc": 1}  # a failed run: its figures are missing, not zero
         step = {"default": 2.0, "pinned": 2.2}[name.split("-")[0]]
@@ -28,8 +33,8 @@ def test_default_and_pinned_runs_alternate_and_each_batchs_step_is_compared(
     monkeypatch.setattr("ember_bench.vllm_report._device", lambda: "gpu")
     out = vllm_pins.bench_pins_cost("llama-3-8b", 2, 2, False, 1, work=tmp_path, out_dir=tmp_path / "out",
                                     batch_sizes=[1, 16], steps=32, gpu_memory_utilization=0.4, timeout=9)
-    assert got == [("default-1", False, False), ("pinned-1", True, True),
-                   ("default-2", False, False), ("pinned-2", True, True)]
+    assert got == [("default-1", False, False, "0"), ("pinned-1", True, True, "0"),
+                   ("default-2", False, False, "0"), ("pinned-2", True, True, "0")]
     summary = json.loads(out.read_text())["summary"]
     assert out.name == "vllm-pins-gpu-llama-3-8b-tp2.json" and summary["failed_runs"] == ["pinned-2"]
     assert summary["decode_step"]["1"] == {"default_ms": [2.0, 2.0], "pinned_ms": [2.2, None],
