@@ -192,7 +192,7 @@ def stub_writes(graph_set: GraphSet, collectives: Collectives | None) -> Spans:
     """Per graph key, the buffers its placeholders stand for writing. Under the stub they keep what
     the memory held, often what a later kernel of the same graph left there on the last replay:
     SAVE's proof zeroes them before every replay, or the captured graph would not even repeat
-    itself (nor keep its values finite, many layers deep)."""
+    itself (nor keep its values finite, many layers deep), and puts back what they held after."""
     if collectives is None:
         return {}
     return {tuple(graph_set.graphs[g].key): spans for g, spans in collectives.received().items()}

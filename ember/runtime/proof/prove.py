@@ -188,19 +188,27 @@ class _Runner:
     """One graph key's replays from one saved state, outputs poisoned before each replay (a graph
     that skips writing an output cannot pass); returns copies of the outputs. `reset`: buffers
     (address, bytes) zeroed first, before the state: what SAVE's stub collectives would write
-    (they move no data, so a replay would read what the last one left there)."""
+    (they move no data, so a replay would read what the last one left there). `finish` puts
+    back what they held, in case one is not the graph's own scratch."""
 
     def __init__(self, state: Sequence[torch.Tensor], outs: list[torch.Tensor],
                  reset: Sequence[tuple[int, int]] = ()) -> None:
         self.state, self.outs = state, outs
         self.snap = [s.clone() for s in state]
         self.zeros = [torch.as_tensor(_Raw(a, n), device="cuda") for a, n in reset]
+        self.held = [z.clone() for z in self.zeros]
 
     def restore(self) -> None:
         for z in self.zeros:
             z.zero_()
         for s, v in zip(self.state, self.snap, strict=True):
             s.copy_(v)
+
+    def finish(self) -> None:
+        """Everything this key's replays touched as they found it (outputs aside)."""
+        self.restore()
+        for z, v in zip(self.zeros, self.held, strict=True):
+            z.copy_(v)
 
     def __call__(self, launch: Callable[[], None]) -> list[torch.Tensor]:
         self.restore()
@@ -268,7 +276,7 @@ def prove(
         )
         if not stable:
             unstable.add(tuple(key))
-        run.restore()
+        run.finish()
         _note_time(rep, key, time.perf_counter() - t, run, log, f"{i + 1} of {len(lib.keys)}")
     _profile_slowest(rep, subject, runner)
     _note_unstable(rep, graph_set, unstable)
@@ -318,7 +326,7 @@ def _profile_slowest(rep: ProofReport, subject: ProofSubject, runner: Callable[[
     run = runner(key)
     run.restore()
     rep.slowest[0]["kernels"] = top_kernels(subject.graphs[key].replay)
-    run.restore()
+    run.finish()
 
 
 def _encode_decode(graph_set: GraphSet, rep: ProofReport, unions: bool | None = None
