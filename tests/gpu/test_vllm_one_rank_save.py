@@ -74,8 +74,9 @@ def test_each_rank_of_tp2_saves_on_one_gpu_with_the_same_graph_keys(tmp_path: Pa
 def test_a_deep_parallel_save_proves_every_graph_bitwise(model: str, par: dict, tmp_path: Path) -> None:
     """8 layers saved under the stub, whose collectives write nothing: the proof zeroes what they
     stand for writing before every replay (`comm.stub_writes`), so each captured graph repeats
-    itself and every rebuilt graph is proven bit-identical. Without it an EP-over-TP SAVE read
-    the last replay's leftovers, its values grew past 1e38 and the proof refused after minutes."""
+    itself and every rebuilt graph is proven bit-identical. Before that, an 8-layer EP-over-TP
+    SAVE's captured graph did not repeat itself (one output past 1e38) and the proof refused
+    after minutes (benchmarks/results/h200x2-20261130b)."""
     from ember.archive import bundle
     from ember.identity import ArchiveIdentity, Parallelism
     from ember_bench.vllm import write_config
