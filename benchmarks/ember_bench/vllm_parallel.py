@@ -12,7 +12,7 @@ runs; the offline `LLM` refuses DP > 1):
    worker restores the one archive; `--loads N` starts N such fresh LOADs (`loads_more`), and the
    summary counts those that restored on every rank and those that served other tokens than
    native (`wrong_loads`); a SAVE that published nothing gets one LOAD (its refusal, served
-   natively) and the summary says why (`save_error`);
+   natively), no `save_tp1`, and the summary says why (`save_error`);
 4. `native_again` — native once more: its tokens must repeat the first run's, or no token
    comparison at this shape can judge a restore (`native_reproducible`);
 5. `save_tp1` (unless `--no-tp1-save`) — the SAVE Job of the same model at TP=1, the time the
@@ -229,7 +229,7 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     results["load"], results["loads_more"] = every[0], every[1:]
     # native's own repeatability: tokens that differ between two native runs cannot judge a restore
     results["native_again"] = run_engine("native", args, work, {}, options, timeout, name="native-again")
-    if tp1_save:
+    if tp1_save and results["save"].get("published"):  # the ratio needs the shape's SAVE
         results["save_tp1"] = run_save(shape_identity(cfg, 1, False, 1), extra, work / "tp1", timeout)
     summary = {"shape": name, "model": model, "layers": layers, "identity": ident.hash(),
                **summarize(results), "archive_bytes": _store_bytes(work / "store")}

@@ -166,14 +166,15 @@ def test_a_save_that_published_nothing_gets_one_load_and_the_summary_says_why(
         return {"engine_init_s": 5.0, "tokens": {"1": [[5]]}, "ember": {}}
 
     monkeypatch.setattr(vp, "run_engine", engine)
+    saves: list[object] = []
     failed = {"published": False, "error": "proof failed", "save_job_s": 9.0}
-    monkeypatch.setattr(vp, "run_save", lambda *a: failed)
+    monkeypatch.setattr(vp, "run_save", lambda *a: saves.append(a) or failed)
     monkeypatch.setattr("ember_bench.vllm_report._device", lambda: "gpu")
     out = vp.bench_parallel("llama-3-8b", 2, 2, False, 1, work=tmp_path, out_dir=tmp_path / "out",
                             batch_sizes=[1], max_tokens=2, gpu_memory_utilization=0.4, timeout=9,
-                            tp1_save=False, loads=10)
+                            tp1_save=True, loads=10)
     summary = json.loads(out.read_text())["summary"]
-    assert names == ["native", "load", "native-again"]
+    assert names == ["native", "load", "native-again"] and len(saves) == 1  # no TP=1 SAVE to compare with
     assert summary["loads"] == 1 and summary["loads_restored_every_rank"] == 0
     assert summary["save_published"] is False and summary["save_error"] == "proof failed"
 
