@@ -86,9 +86,11 @@ poll() {
   [[ -n "${OUT:-}" ]] && pack
 }
 
-pack() {  # $OUT/run.tgz: the lanes' logs and queues, and every small log and report under $RUN
+pack() {  # $OUT/run.tgz: the lanes' logs and queues, every small log and report under $RUN, and
+           # Inductor's autotuning choices (*.best_config) in the runs' vLLM caches
   (cd "$RUN" && find . \( -name store -o -name 'cache*' -o -name work -o -name config \) -prune -o -type f \
-    \( -name '*.log' -o -name '*.txt' -o -name '*.json' -o -name '*.md' -o -name '*.q' -o -name '*.rc' \) \
+    \( -name '*.log' -o -name '*.txt' -o -name '*.json' -o -name '*.md' -o -name '*.q' -o -name '*.rc' \
+    -o -name '*.best_config' \) \
     -size -4M -print) | tar -C "$RUN" -czf "$OUT/run.tgz" -T -
 }
 

@@ -51,6 +51,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "LOAD's canary checks a FULL step against an eager one where SAVE left no fingerprint"),
     Setting("EMBER_VLLM_CANARY_EVERY_FULL", "flag", "0",
             "diagnosis: LOAD's canary runs every FULL size, not one (which graph differs)"),
+    Setting("EMBER_VLLM_CAPTURE_NATIVELY", "flag", "0",
+            "bench: LOAD sets up as ever (the archive's caches, KV size, one GPU per worker), then "
+            "vLLM captures its graphs: what this pod computes natively, a restore's reference"),
     Setting("EMBER_VLLM_ONE_GPU", "flag", "1",
             "LOAD: each worker of a multi-GPU shape sees only its own GPU, as SAVE did"),
     Setting("EMBER_VLLM_MEMORY_TRACE", "text", "",

@@ -13,13 +13,22 @@ runs; the offline `LLM` refuses DP > 1):
    summary counts those that restored on every rank and those that served other tokens than
    native (`wrong_loads`); a SAVE that published nothing gets one LOAD (its refusal, served
    natively), no `save_tp1`, and the summary says why (`save_error`);
-4. `native_again` — native once more: its tokens must repeat the first run's, or no token
-   comparison at this shape can judge a restore (`native_reproducible`);
-5. `save_tp1` (unless `--no-tp1-save`) — the SAVE Job of the same model at TP=1, the time the
+4. `reference` — a LOAD that sets up as ever (the archive's compiled code and KV size, one GPU
+   per worker) and then lets vLLM capture its graphs (EMBER_VLLM_CAPTURE_NATIVELY): what this pod
+   computes natively, so `wrong_loads_vs_reference` counts LOADs whose restored graphs changed a
+   token, and `reference_identical_to_native` says whether the archive's code itself computes
+   native's tokens;
+5. `native_again` — native once more, compiling from an empty cache as the first did: its tokens
+   must repeat the first run's, or no token comparison at this shape can judge a restore
+   (`native_reproducible`);
+6. `save_tp1` (unless `--no-tp1-save`) — the SAVE Job of the same model at TP=1, the time the
    shape's SAVE is held to (its goal: no longer).
 
 Per run: engine init, start → first token, greedy tokens at each batch size (each batch's
-requests scheduled together; compared with native); per rank (the plugin's report files): how
+requests scheduled together; compared with native), Inductor's autotuning choices its cache root
+holds (`autotune`: a reduction's config decides its summation order, so the same compiled code
+computes other bits under another choice; `autotune_differs` counts kernels whose choice differs
+from native's); per rank (the plugin's report files): how
 its graphs came (`restored` / `native`), capture or LOAD seconds, the splice's part, vLLM's
 worker stages. Report:
 `benchmarks/results/vllm-<device>-<model>-<shape>.json`.
@@ -105,15 +114,16 @@ def extra_args(gpu_memory_utilization: float) -> list[str]:
             str(gpu_memory_utilization), "--max-model-len", "2048", "--seed", "0"]
 
 
-def child_env(mode: str, args: list[str], work: Path, extra: dict[str, str], pinned: bool = True
-              ) -> dict[str, str]:
-    """`pinned=False`: vLLM's own environment for the shape, not a pod's (`bench vllm --pins-cost`)."""
+def child_env(mode: str, args: list[str], work: Path, extra: dict[str, str], pinned: bool = True,
+              fresh: bool = False) -> dict[str, str]:
+    """`pinned=False`: vLLM's own environment for the shape, not a pod's (`bench vllm --pins-cost`);
+    `fresh`: from an empty cache root (a LOAD's always is)."""
     from ember.engines.vllm.args import process_env
     from ember.engines.vllm.ranks import pod_env
 
     env = process_env(mode, {**os.environ, **(pod_env(args) if pinned else {})})
-    cache = work / f"vllm-cache-{mode}"
-    if mode == "load":  # a fresh pod: the compiled code comes from the archive
+    cache = work / f"vllm-cache-{mode}{'-fresh' if fresh and mode != 'load' else ''}"
+    if mode == "load" or fresh:  # a fresh pod (a LOAD's compiled code comes from the archive)
         shutil.rmtree(cache, ignore_errors=True)
     env.update(VLLM_CACHE_ROOT=str(cache), VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
                VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONUNBUFFERED="1", **extra)
@@ -121,9 +131,9 @@ def child_env(mode: str, args: list[str], work: Path, extra: dict[str, str], pin
 
 
 def run_engine(mode: str, args: list[str], work: Path, extra: dict[str, str], options: dict[str, Any],
-               timeout: float, name: str = "", pinned: bool = True) -> dict[str, Any]:
+               timeout: float, name: str = "", pinned: bool = True, fresh: bool = False) -> dict[str, Any]:
     """One N-GPU engine process (its files named `name`, else `mode`); its result with every
-    rank's report (`ranks`). `pinned`: see child_env."""
+    rank's report (`ranks`). `pinned`, `fresh`: see child_env."""
     from ember_bench.vllm import run_session
 
     name = name or mode
@@ -132,16 +142,41 @@ def run_engine(mode: str, args: list[str], work: Path, extra: dict[str, str], op
     out.unlink(missing_ok=True)
     report.parent.mkdir(parents=True, exist_ok=True)
     reports.clear(report)
-    env = child_env(mode, args, work, {"EMBER_VLLM_REPORT": str(report), **extra}, pinned)
+    env = child_env(mode, args, work, {"EMBER_VLLM_REPORT": str(report), **extra}, pinned, fresh)
     child = json.dumps({**options, "engine_args": args, "out": str(out)})
     t = time.perf_counter()
     rc = run_session([sys.executable, "-c", CHILD, child], env, logf, timeout)
     res: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
-    res.update(mode=mode, rc=rc, process_wall_s=round(time.perf_counter() - t, 3), ember=reports.read(report))
+    res.update(mode=mode, rc=rc, process_wall_s=round(time.perf_counter() - t, 3), ember=reports.read(report),
+               autotune=autotune_choices(Path(env["VLLM_CACHE_ROOT"])))
     if rc != 0 or not out.exists():
         res["log_tail"] = logf.read_text()[-6000:]
     typer.echo(f"{name}: rc={rc} first_token={res.get('first_token_s')}")
     return res
+
+
+TIMING = ("time_taken_ms", "triton_cache_hash")  # in a best_config, not part of the choice
+
+
+def autotune_choices(root: Path) -> dict[str, Any]:
+    """The config Inductor's runtime autotuning chose for each kernel of several configs (its
+    `*.best_config` beside the kernel, written at the kernel's first launch; an archive carries
+    SAVE's), by file name, without its timing."""
+    out: dict[str, Any] = {}
+    for path in sorted(root.rglob("*.best_config")) if root.is_dir() else []:
+        try:
+            chosen = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(chosen, dict):
+            out[path.name] = {k: v for k, v in chosen.items() if k not in TIMING}
+    return out
+
+
+def autotune_differs(run: dict[str, Any], native: dict[str, Any]) -> int:
+    """Kernels both runs chose a config for, each choosing another."""
+    mine, theirs = run.get("autotune") or {}, native.get("autotune") or {}
+    return sum(1 for name in mine.keys() & theirs.keys() if mine[name] != theirs[name])
 
 
 def run_save(ident: Any, args_extra: list[str], work: Path, timeout: float) -> dict[str, Any]:
@@ -219,7 +254,7 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     extra = extra_args(gpu_memory_utilization)
     args = [*engine_args(ident), *extra]
     options = {"batch_sizes": batch_sizes, "max_tokens": max_tokens}
-    results: dict[str, Any] = {"native": run_engine("native", args, work, {}, options, timeout)}
+    results: dict[str, Any] = {"native": run_engine("native", args, work, {}, options, timeout, fresh=True)}
     results["save"] = run_save(ident, extra, work, timeout)
     archive = {"EMBER_VLLM_ARCHIVE": str(work / "store" / "archives" / ident.hash())}
     # each from an empty cache root: a fresh pod; without an archive one LOAD shows the refusal
@@ -227,8 +262,12 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     every = [run_engine("load", args, work, archive, options, timeout, name=f"load-{i}" if i else "load")
              for i in range(starts)]
     results["load"], results["loads_more"] = every[0], every[1:]
-    # native's own repeatability: tokens that differ between two native runs cannot judge a restore
-    results["native_again"] = run_engine("native", args, work, {}, options, timeout, name="native-again")
+    if results["save"].get("published"):  # this pod with the graphs vLLM captures
+        natively = {**archive, "EMBER_VLLM_CAPTURE_NATIVELY": "1"}
+        results["reference"] = run_engine("load", args, work, natively, options, timeout, name="reference")
+    # native's own repeatability, compiling afresh: tokens two native pods disagree on judge no restore
+    results["native_again"] = run_engine("native", args, work, {}, options, timeout, name="native-again",
+                                         fresh=True)
     if tp1_save and results["save"].get("published"):  # the ratio needs the shape's SAVE
         results["save_tp1"] = run_save(shape_identity(cfg, 1, False, 1), extra, work / "tp1", timeout)
     summary = {"shape": name, "model": model, "layers": layers, "identity": ident.hash(),
@@ -242,17 +281,27 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
     """The goals' figures from the runs: the first LOAD's times and ranks; over every LOAD, how
-    many restored on every rank and how many served other tokens than native (`wrong_loads`)."""
-    native, load = results["native"], results["load"]
+    many restored on every rank and how many served other tokens than native (`wrong_loads`) and
+    than this pod's own native capture (`wrong_loads_vs_reference`, None without a reference)."""
+    native, load, reference = results["native"], results["load"], results.get("reference") or {}
     every = [load, *results.get("loads_more", [])]
-    tokens = native.get("tokens")
+    tokens, ref_tokens = native.get("tokens"), reference.get("tokens")
+
+    def wrong(against: Any) -> int:
+        return sum(1 for r in every if not r.get("tokens") or r.get("tokens") != against)
+
     return {
         "restored_every_rank": reports.ranks_restored(load.get("ember") or {}),
         "tokens_identical_to_native": bool(load.get("tokens")) and load.get("tokens") == tokens,
         "native_reproducible": bool(tokens) and (results.get("native_again") or {}).get("tokens") == tokens,
+        "reference_identical_to_native": bool(ref_tokens) and ref_tokens == tokens if reference else None,
         "loads": len(every),
         "loads_restored_every_rank": sum(reports.ranks_restored(r.get("ember") or {}) for r in every),
-        "wrong_loads": sum(1 for r in every if not r.get("tokens") or r.get("tokens") != tokens),
+        "wrong_loads": wrong(tokens),
+        "wrong_loads_vs_reference": wrong(ref_tokens) if ref_tokens else None,
+        "autotune_differs_from_native": {
+            run: autotune_differs(results[run], native) for run in ("load", "reference", "native_again")
+            if results.get(run)},
         "engine_init_s": {"native": native.get("engine_init_s"), "load": load.get("engine_init_s")},
         "engine_init_load_over_native": ratio(load.get("engine_init_s"), native.get("engine_init_s")),
         "first_token_s": {"native": native.get("first_token_s"), "load": load.get("first_token_s")},

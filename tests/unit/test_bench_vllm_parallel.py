@@ -151,9 +151,72 @@ def test_several_fresh_loads_are_each_counted_restored_or_not_and_right_or_wrong
                             batch_sizes=[1], max_tokens=2, gpu_memory_utilization=0.4, timeout=9,
                             tp1_save=False, loads=4)
     summary = json.loads(out.read_text())["summary"]
-    assert names == ["native", "load", "load-1", "load-2", "load-3", "native-again"]
+    assert names == ["native", "load", "load-1", "load-2", "load-3", "reference", "native-again"]
     assert summary["loads"] == 4 and summary["loads_restored_every_rank"] == 3
     assert summary["wrong_loads"] == 1 and summary["restored_every_rank"] and summary["native_reproducible"]
+    assert summary["wrong_loads_vs_reference"] == 1 and summary["reference_identical_to_native"]
+
+
+def test_loads_that_serve_their_own_native_tokens_are_told_from_a_restore_that_changed_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every LOAD serves what the same pod computes with the graphs vLLM captures (the
+    reference), and that differs from native's own compile: wrong against native, right against
+    the reference. The reference is a LOAD told to capture, native and native again compile from
+    an empty cache root."""
+    calls: list[tuple[str, str, dict, bool]] = []
+
+    def engine(mode: str, args, work, extra: dict, *a, name: str = "", fresh: bool = False, **kw) -> dict:
+        calls.append((mode, name or mode, extra, fresh))
+        native = mode == "native"
+        restored = {"ranks": {"0": {"world": 1, "stages": {"capture": {"how": "restored"}}}}}
+        tokens = {"1": [[5 if native else 6]]}
+        return {"engine_init_s": 5.0, "tokens": tokens, "ember": {} if native else restored}
+
+    monkeypatch.setattr(vp, "run_engine", engine)
+    monkeypatch.setattr(vp, "run_save", lambda *a: {"published": True, "save_job_s": 9.0})
+    monkeypatch.setattr("ember_bench.vllm_report._device", lambda: "gpu")
+    out = vp.bench_parallel("llama-3-8b", 2, 2, False, 1, work=tmp_path, out_dir=tmp_path / "out",
+                            batch_sizes=[1], max_tokens=2, gpu_memory_utilization=0.4, timeout=9,
+                            tp1_save=False, loads=3)
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["wrong_loads"] == 3 and summary["wrong_loads_vs_reference"] == 0
+    assert summary["reference_identical_to_native"] is False and summary["native_reproducible"]
+    ref = next(c for c in calls if c[1] == "reference")
+    assert ref[0] == "load" and ref[2]["EMBER_VLLM_CAPTURE_NATIVELY"] == "1" and ref[2]["EMBER_VLLM_ARCHIVE"]
+    assert [c[3] for c in calls if c[0] == "native"] == [True, True]
+
+
+def _best_config(root: Path, name: str, **config: object) -> None:
+    path = root / "torch_compile_cache" / "torch_aot_compile" / "h" / "inductor_cache" / "ab" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**config, "time_taken_ms": 3, "triton_cache_hash": "x"}))
+
+
+def test_autotune_choices_are_read_from_a_cache_root_and_compared_without_timings(tmp_path: Path) -> None:
+    native, load = tmp_path / "native", tmp_path / "load"
+    _best_config(native, "k1.best_config", XBLOCK=1, R0_BLOCK=2048, num_warps=16)
+    _best_config(native, "k2.best_config", XBLOCK=64, num_warps=4)
+    _best_config(load, "k1.best_config", XBLOCK=8, R0_BLOCK=512, num_warps=8)  # another reduction order
+    _best_config(load, "k2.best_config", XBLOCK=64, num_warps=4)
+    _best_config(load, "k3.best_config", XBLOCK=1, num_warps=1)  # native never launched it
+    (load / "torch_compile_cache" / "broken.best_config").write_text("{not json")
+    runs = {"native": {"autotune": vp.autotune_choices(native)},
+            "load": {"autotune": vp.autotune_choices(load)}}
+    assert runs["native"]["autotune"]["k1.best_config"] == {"XBLOCK": 1, "R0_BLOCK": 2048, "num_warps": 16}
+    assert set(runs["load"]["autotune"]) == {"k1.best_config", "k2.best_config", "k3.best_config"}
+    assert vp.autotune_differs(runs["load"], runs["native"]) == 1
+    assert vp.autotune_differs(runs["native"], runs["native"]) == 0
+    assert vp.autotune_choices(tmp_path / "missing") == {}
+
+
+def test_a_fresh_run_starts_from_an_empty_cache_root_of_its_own(tmp_path: Path) -> None:
+    stale = tmp_path / "vllm-cache-native-fresh" / "torch_compile_cache"
+    stale.mkdir(parents=True)
+    env = vp.child_env("native", [], tmp_path, {}, fresh=True)
+    assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm-cache-native-fresh") and not stale.exists()
+    (tmp_path / "vllm-cache-native" / "kept").mkdir(parents=True)
+    assert vp.child_env("native", [], tmp_path, {})["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm-cache-native")
+    assert (tmp_path / "vllm-cache-native" / "kept").is_dir()  # a warm run keeps its cache
 
 
 def test_a_save_that_published_nothing_gets_one_load_and_the_summary_says_why(
@@ -174,7 +237,8 @@ def test_a_save_that_published_nothing_gets_one_load_and_the_summary_says_why(
                             batch_sizes=[1], max_tokens=2, gpu_memory_utilization=0.4, timeout=9,
                             tp1_save=True, loads=10)
     summary = json.loads(out.read_text())["summary"]
-    assert names == ["native", "load", "native-again"] and len(saves) == 1  # no TP=1 SAVE to compare with
+    # no reference (nothing to restore) and no TP=1 SAVE to compare with
+    assert names == ["native", "load", "native-again"] and len(saves) == 1
     assert summary["loads"] == 1 and summary["loads_restored_every_rank"] == 0
     assert summary["save_published"] is False and summary["save_error"] == "proof failed"
 

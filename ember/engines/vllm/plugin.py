@@ -495,12 +495,15 @@ def _load(runner: Any, kind: str, native: Any) -> int:
     import torch
 
     from ember.engines.vllm.adapter import VllmAdapter
-    from ember.runtime.adapter import Refused
+    from ember.runtime.adapter import LOAD, Refused
     from ember.runtime.load import load
 
     t = time.perf_counter()
     adapter = VllmAdapter(runner, runner_kind=kind)
     try:
+        if settings.on("EMBER_VLLM_CAPTURE_NATIVELY"):  # every rank alike: they all vote no
+            STATE.restore.abandon()
+            raise Refused(LOAD, "EMBER_VLLM_CAPTURE_NATIVELY=1: vLLM captures (a restore's reference)")
         with torch.inference_mode():
             restored = load(adapter, STATE.restore)
         _after_install(kind)
