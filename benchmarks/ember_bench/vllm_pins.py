@@ -6,8 +6,9 @@ peer state turned off (`args.engine_args`'s rank pins, `ranks.PARALLEL_ENV`): cu
 symmetric-memory and FlashInfer all-reduce, the all-reduce fusion passes and sequence
 parallelism, and EP's all2all pinned to all-gather + reduce-scatter (docs/multi-gpu.md). This
 bench measures what that costs a serving pod: native N-rank vLLM as vLLM runs the shape by
-default (`default`) and as a pod runs it (`pinned`), alternated over two rounds (each round's
-first start compiles for its configuration, the second finds its compile cache). Each run times
+default (`default`) and as a pod runs it (`pinned`), alternated over four rounds (each
+configuration's first start compiles, the later ones find its compile cache); each round's own
+ratio is in the summary, so a difference smaller than the noise between rounds shows as such. Each run times
 one decode step at several batch sizes (`vllm_child.decode_step_ms`). No SAVE, no LOAD: no ember
 code is in the engine. Report: `benchmarks/results/vllm-pins-<device>-<model>-<shape>.json`.
 
@@ -25,7 +26,7 @@ from typing import Any
 
 import typer
 
-ROUNDS = 2
+ROUNDS = 4  # two rounds at 8 layers disagreed in sign (h200x2-20261130c)
 DEFAULT_ENV = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}  # see the module doc
 
 
@@ -59,14 +60,18 @@ def bench_pins_cost(model: str, layers: int, tensor: int, expert: bool, data: in
 
 
 def summarize_pins(runs: dict[str, dict[str, Any]], batch_sizes: list[int]) -> dict[str, Any]:
-    """Per batch size: each configuration's decode step (ms) in every round, and the pinned one's
-    mean over the default's (`pinned_over_default`: 1.05 is 5 % slower; None where a run failed)."""
+    """Per batch size: each configuration's decode step (ms) in every round, the pinned one's mean
+    over the default's (`pinned_over_default`: 1.05 is 5 % slower; None where a run failed) and
+    each round's pinned over default (`round_ratios`)."""
     per_batch: dict[str, Any] = {}
     for b in map(str, batch_sizes):
         ms = {how: [(runs.get(f"{how}-{r}") or {}).get("decode_step_ms", {}).get(b)
                     for r in range(1, ROUNDS + 1)] for how in ("default", "pinned")}
         whole = all(v is not None for v in ms["default"] + ms["pinned"])
         ratio = sum(ms["pinned"]) / sum(ms["default"]) if whole and sum(ms["default"]) else None
+        pairs = zip(ms["pinned"], ms["default"], strict=True)
+        rounds = [round(p / d, 3) if p is not None and d else None for p, d in pairs]
         per_batch[b] = {**{f"{how}_ms": v for how, v in ms.items()},
-                        "pinned_over_default": round(ratio, 3) if ratio is not None else None}
+                        "pinned_over_default": round(ratio, 3) if ratio is not None else None,
+                        "round_ratios": rounds}
     return {"decode_step": per_batch, "failed_runs": sorted(k for k, v in runs.items() if v.get("rc"))}

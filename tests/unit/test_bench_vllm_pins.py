@@ -33,18 +33,24 @@ def test_default_and_pinned_runs_alternate_and_each_batchs_step_is_compared(
     monkeypatch.setattr("ember_bench.vllm_report._device", lambda: "gpu")
     out = vllm_pins.bench_pins_cost("llama-3-8b", 2, 2, False, 1, work=tmp_path, out_dir=tmp_path / "out",
                                     batch_sizes=[1, 16], steps=32, gpu_memory_utilization=0.4, timeout=9)
-    assert got == [("default-1", False, False, "0"), ("pinned-1", True, True, "0"),
-                   ("default-2", False, False, "0"), ("pinned-2", True, True, "0")]
+    assert got == [(f"{how}-{r}", how == "pinned", how == "pinned", "0")
+                   for r in range(1, vllm_pins.ROUNDS + 1) for how in ("default", "pinned")]
     summary = json.loads(out.read_text())["summary"]
     assert out.name == "vllm-pins-gpu-llama-3-8b-tp2.json" and summary["failed_runs"] == ["pinned-2"]
-    assert summary["decode_step"]["1"] == {"default_ms": [2.0, 2.0], "pinned_ms": [2.2, None],
-                                           "pinned_over_default": None}
+    rest = vllm_pins.ROUNDS - 2
+    assert summary["decode_step"]["1"] == {"default_ms": [2.0] * vllm_pins.ROUNDS,
+                                           "pinned_ms": [2.2, None, *[2.2] * rest],
+                                           "pinned_over_default": None,
+                                           "round_ratios": [1.1, None, *[1.1] * rest]}
 
 
-def test_the_ratio_is_the_pinned_mean_over_the_default_mean() -> None:
+def test_the_ratio_is_the_pinned_mean_over_the_default_mean_and_each_rounds_own_is_kept(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_pins, "ROUNDS", 2)
     runs = {"default-1": {"decode_step_ms": {"8": 2.0}}, "default-2": {"decode_step_ms": {"8": 2.0}},
-            "pinned-1": {"decode_step_ms": {"8": 2.1}}, "pinned-2": {"decode_step_ms": {"8": 2.3}}}
-    assert vllm_pins.summarize_pins(runs, [8])["decode_step"]["8"]["pinned_over_default"] == 1.1
+            "pinned-1": {"decode_step_ms": {"8": 1.8}}, "pinned-2": {"decode_step_ms": {"8": 2.6}}}
+    step = vllm_pins.summarize_pins(runs, [8])["decode_step"]["8"]
+    assert step["pinned_over_default"] == 1.1 and step["round_ratios"] == [0.9, 1.3]  # rounds disagree
 
 
 class _Timed:
