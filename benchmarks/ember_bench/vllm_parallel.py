@@ -27,8 +27,8 @@ runs; the offline `LLM` refuses DP > 1):
 Per run: engine init, start → first token, greedy tokens at each batch size (each batch's
 requests scheduled together; compared with native), Inductor's autotuning choices its cache root
 holds (`autotune`: a reduction's config decides its summation order, so the same compiled code
-computes other bits under another choice; `autotune_differs` counts kernels whose choice differs
-from native's); per rank (the plugin's report files): how
+computes other bits under another choice; the summary's `autotune_differs_from_native` counts
+kernels whose choice differs from native's); per rank (the plugin's report files): how
 its graphs came (`restored` / `native`), capture or LOAD seconds, the splice's part, vLLM's
 worker stages. Report:
 `benchmarks/results/vllm-<device>-<model>-<shape>.json`.
