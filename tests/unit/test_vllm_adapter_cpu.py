@@ -234,3 +234,28 @@ def test_a_failing_install_is_a_refusal_not_a_failed_import(monkeypatch, tmp_pat
     plugin._install()  # must not raise
     assert "RuntimeError: touch point moved" in plugin.STATE.refusal
     assert json.loads((tmp_path / "r.json").read_text())["stages"]["refused"]["note"] == "vLLM left untouched"
+
+
+def test_a_load_told_to_capture_natively_refuses_its_archive_and_vllm_captures(monkeypatch, tmp_path):
+    """The bench's reference (EMBER_VLLM_CAPTURE_NATIVELY): a LOAD set up as ever lets go of the
+    opened archive and vLLM captures, reported as a refusal with its reason."""
+    import json
+    import sys
+    import types
+
+    from ember.engines.vllm import plugin, report
+
+    fake_torch = types.ModuleType("torch")  # _load imports torch; nothing of it runs on this path
+    fake_torch.distributed = SimpleNamespace(is_available=lambda: False)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    path = tmp_path / "vllm-report.json"
+    monkeypatch.setenv("EMBER_VLLM_REPORT", str(path))
+    monkeypatch.setenv("EMBER_VLLM_CAPTURE_NATIVELY", "1")
+    abandoned: list[bool] = []
+    monkeypatch.setattr(plugin.STATE, "restore", SimpleNamespace(abandon=lambda: abandoned.append(True)))
+    one = SimpleNamespace(tensor_parallel_size=1, data_parallel_size=1, pipeline_parallel_size=1)
+    runner = SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=one))
+    assert plugin._load(runner, "v1", lambda: 7) == 7  # what vLLM's own capture returned
+    stages = report.read(path)["stages"]
+    assert abandoned == [True] and stages["capture"]["how"] == "native-after-refusal"
+    assert "EMBER_VLLM_CAPTURE_NATIVELY" in json.dumps(stages["load_refused"])
