@@ -130,6 +130,17 @@ def test_a_batchs_requests_are_all_added_while_the_scheduler_is_paused() -> None
     assert failing.calls[-1] == "resume"  # never left paused
 
 
+def _published_bench(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, engine: object, loads: int) -> dict:
+    """A TP=2 bench whose SAVE published, its engines `engine`; the summary."""
+    monkeypatch.setattr(vp, "run_engine", engine)
+    monkeypatch.setattr(vp, "run_save", lambda *a: {"published": True, "save_job_s": 9.0})
+    monkeypatch.setattr("ember_bench.vllm_report._device", lambda: "gpu")
+    out = vp.bench_parallel("llama-3-8b", 2, 2, False, 1, work=tmp_path, out_dir=tmp_path / "out",
+                            batch_sizes=[1], max_tokens=2, gpu_memory_utilization=0.4, timeout=9,
+                            tp1_save=False, loads=loads)
+    return json.loads(out.read_text())["summary"]
+
+
 def test_several_fresh_loads_are_each_counted_restored_or_not_and_right_or_wrong(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--loads 4`: the second LOAD refused on rank 1, the third served another token."""
@@ -144,13 +155,7 @@ def test_several_fresh_loads_are_each_counted_restored_or_not_and_right_or_wrong
         return {"engine_init_s": 5.0, "tokens": {"1": [[7 if name == "load-2" else 5]]},
                 "ember": restored if mode == "load" else {}}
 
-    monkeypatch.setattr(vp, "run_engine", engine)
-    monkeypatch.setattr(vp, "run_save", lambda *a: {"published": True, "save_job_s": 9.0})
-    monkeypatch.setattr("ember_bench.vllm_report._device", lambda: "gpu")
-    out = vp.bench_parallel("llama-3-8b", 2, 2, False, 1, work=tmp_path, out_dir=tmp_path / "out",
-                            batch_sizes=[1], max_tokens=2, gpu_memory_utilization=0.4, timeout=9,
-                            tp1_save=False, loads=4)
-    summary = json.loads(out.read_text())["summary"]
+    summary = _published_bench(monkeypatch, tmp_path, engine, loads=4)
     assert names == ["native", "load", "load-1", "load-2", "load-3", "reference", "native-again"]
     assert summary["loads"] == 4 and summary["loads_restored_every_rank"] == 3
     assert summary["wrong_loads"] == 1 and summary["restored_every_rank"] and summary["native_reproducible"]
@@ -172,13 +177,7 @@ def test_loads_that_serve_their_own_native_tokens_are_told_from_a_restore_that_c
         tokens = {"1": [[5 if native else 6]]}
         return {"engine_init_s": 5.0, "tokens": tokens, "ember": {} if native else restored}
 
-    monkeypatch.setattr(vp, "run_engine", engine)
-    monkeypatch.setattr(vp, "run_save", lambda *a: {"published": True, "save_job_s": 9.0})
-    monkeypatch.setattr("ember_bench.vllm_report._device", lambda: "gpu")
-    out = vp.bench_parallel("llama-3-8b", 2, 2, False, 1, work=tmp_path, out_dir=tmp_path / "out",
-                            batch_sizes=[1], max_tokens=2, gpu_memory_utilization=0.4, timeout=9,
-                            tp1_save=False, loads=3)
-    summary = json.loads(out.read_text())["summary"]
+    summary = _published_bench(monkeypatch, tmp_path, engine, loads=3)
     assert summary["wrong_loads"] == 3 and summary["wrong_loads_vs_reference"] == 0
     assert summary["reference_identical_to_native"] is False and summary["native_reproducible"]
     ref = next(c for c in calls if c[1] == "reference")
