@@ -298,6 +298,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "loads": len(every),
         "loads_restored_every_rank": sum(reports.ranks_restored(r.get("ember") or {}) for r in every),
         "wrong_loads": wrong(tokens),
+        "loads_agree": all(r.get("tokens") == load.get("tokens") for r in every),  # a race differs in some
         "wrong_loads_vs_reference": wrong(ref_tokens) if ref_tokens else None,
         "autotune_differs_from_native": {
             run: autotune_differs(results[run], native) for run in ("load", "reference", "native_again")

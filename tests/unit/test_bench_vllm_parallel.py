@@ -160,6 +160,7 @@ def test_several_fresh_loads_are_each_counted_restored_or_not_and_right_or_wrong
     assert summary["loads"] == 4 and summary["loads_restored_every_rank"] == 3
     assert summary["wrong_loads"] == 1 and summary["restored_every_rank"] and summary["native_reproducible"]
     assert summary["wrong_loads_vs_reference"] == 1 and summary["reference_identical_to_native"]
+    assert summary["loads_agree"] is False  # load-2 served another token than the others
 
 
 def test_loads_that_serve_their_own_native_tokens_are_told_from_a_restore_that_changed_one(
@@ -178,7 +179,7 @@ def test_loads_that_serve_their_own_native_tokens_are_told_from_a_restore_that_c
         return {"engine_init_s": 5.0, "tokens": tokens, "ember": {} if native else restored}
 
     summary = _published_bench(monkeypatch, tmp_path, engine, loads=3)
-    assert summary["wrong_loads"] == 3 and summary["wrong_loads_vs_reference"] == 0
+    assert summary["wrong_loads"] == 3 and summary["wrong_loads_vs_reference"] == 0 and summary["loads_agree"]
     assert summary["reference_identical_to_native"] is False and summary["native_reproducible"]
     ref = next(c for c in calls if c[1] == "reference")
     assert ref[0] == "load" and ref[2]["EMBER_VLLM_CAPTURE_NATIVELY"] == "1" and ref[2]["EMBER_VLLM_ARCHIVE"]
