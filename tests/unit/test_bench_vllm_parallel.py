@@ -176,11 +176,14 @@ def test_loads_that_serve_their_own_native_tokens_are_told_from_a_restore_that_c
         native = mode == "native"
         restored = {"ranks": {"0": {"world": 1, "stages": {"capture": {"how": "restored"}}}}}
         tokens = {"1": [[5 if native else 6]]}
-        return {"engine_init_s": 5.0, "tokens": tokens, "ember": {} if native else restored}
+        init = {"native": 40.0, "reference": 8.0}.get(name or mode, 2.0)
+        return {"engine_init_s": init, "tokens": tokens, "ember": {} if native else restored}
 
     summary = _published_bench(monkeypatch, tmp_path, engine, loads=3)
     assert summary["wrong_loads"] == 3 and summary["wrong_loads_vs_reference"] == 0 and summary["loads_agree"]
     assert summary["reference_identical_to_native"] is False and summary["native_reproducible"]
+    assert summary["engine_init_load_over_native"] == 0.05  # 2 s of 40
+    assert summary["engine_init_load_over_reference"] == 0.25  # of the reference's 8 s: the graphs' part
     ref = next(c for c in calls if c[1] == "reference")
     assert ref[0] == "load" and ref[2]["EMBER_VLLM_CAPTURE_NATIVELY"] == "1" and ref[2]["EMBER_VLLM_ARCHIVE"]
     assert [c[3] for c in calls if c[0] == "native"] == [True, True]
