@@ -42,7 +42,9 @@ Outputs = Sequence[Any]  # torch tensors
 
 
 def first_difference(ref: Outputs, got: Outputs) -> str:
-    """'' when every tensor is bitwise equal, else where the first one differs."""
+    """'' when every tensor is equal, else where the first one differs: the first element that
+    differs, how many do, and both values with their bits (one element or whole rows, a
+    subnormal, the poison a skipped write leaves, garbage)."""
     import torch
 
     for i, (a, b) in enumerate(zip(ref, got, strict=True)):
@@ -54,9 +56,27 @@ def first_difference(ref: Outputs, got: Outputs) -> str:
             return f"output {i}: {tuple(b.shape)} {b.dtype}, expected {tuple(a.shape)} {a.dtype}"
         same = torch.eq(a.view(torch.uint8) if a.dtype == torch.bool else a, b).view(-1)
         if not bool(same.all()):
-            at = int((~same).nonzero()[0])
-            return f"output {i}: element {at} of {a.numel()} differs"
+            differ = (~same).nonzero()
+            at = int(differ[0])
+            return f"output {i}: element {at} of {a.numel()} differs ({len(differ)} do): {_bits(a, b, at)}"
     return ""
+
+
+_INTS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}  # a view of an element's bits, by size
+
+
+def _bits(a: Any, b: Any, at: int) -> str:
+    """Element `at` of both tensors: its value and its bits, expected then got."""
+    import torch
+
+    kind = getattr(torch, _INTS.get(a.element_size(), "uint8"))
+    digits = 2 * a.element_size()
+    shown = []
+    for t in (a, b):
+        flat = t.contiguous().view(-1)
+        raw = int(flat.view(kind)[at]) & ((1 << 4 * digits) - 1) if a.element_size() in _INTS else 0
+        shown.append(f"{flat[at].item()!r} (0x{raw:0{digits}x})")
+    return f"expected {shown[0]}, got {shown[1]}"
 
 
 def canary(

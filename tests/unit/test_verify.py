@@ -87,3 +87,22 @@ def test_on_n_ranks_every_path_runs_after_a_difference_and_the_first_one_is_kept
     assert not r["ok"] and r["why"].startswith("as instantiated: output 0: element 2")
     f = _Engine(torch, "instantiated")
     assert verify.canary(f.own, f.graph, f.reset, f.round_trip, own_exec)["checked"] == ["template"]
+
+
+def test_a_difference_names_its_first_element_how_many_differ_and_both_values_bits() -> None:
+    """What SAVE's proof and the canary say of a difference: a lone subnormal (bf16 2**-128, the
+    EP-over-TP proof's one deviating element) reads differently from garbage or a poisoned row."""
+    torch = pytest.importorskip("torch")
+    from ember.runtime import verify
+
+    ref = torch.zeros(2, 3, dtype=torch.bfloat16)
+    got = ref.clone()
+    got[1, 1] = 2.0**-128
+    assert verify.first_difference([ref], [got]) == (
+        "output 0: element 4 of 6 differs (1 do): expected 0.0 (0x0000), got 2.938735877055719e-39 (0x0020)")
+    poisoned = ref.clone()
+    poisoned.view(torch.uint8)[:6].fill_(0xA5)  # a skipped write leaves the proof's poison
+    assert "(3 do)" in verify.first_difference([ref], [poisoned])
+    assert "got 1 (0x00000001)" in verify.first_difference([torch.zeros(2, dtype=torch.int32)],
+                                                           [torch.tensor([0, 1], dtype=torch.int32)])
+    assert verify.first_difference([ref], [ref.clone()]) == ""

@@ -33,6 +33,7 @@ from ember.runtime.proof.measures import spread_of, suspect_kernels
 from ember.runtime.proof.measures import within_spread as _within
 from ember.runtime.proof.profile import top_kernels
 from ember.runtime.proof.structure import structure_problems
+from ember.runtime.verify import first_difference
 
 NATIVE_REPEATS = 3
 SLOW_KEY_S = 5.0
@@ -426,12 +427,14 @@ def _prove_key(
     spread = native_spread(natives)
     stable = not any(spread)
     worst = [0.0] * len(natives[0])
-    ok = True
+    ok, where = True, ""
     for _ in range(repeats):  # a race would not show every time: replay the serving path again
-        good, dev = _compare(run(lambda: lib.launch_template(i)), natives, spread)
+        good, dev = _compare(rebuilt := run(lambda: lib.launch_template(i)), natives, spread)
         ok, worst = ok and good, [max(a, b) for a, b in zip(worst, dev, strict=True)]
+        where = where or ("" if good else first_difference(natives[0], rebuilt))  # for the reason
     differs = "output differs from the captured graph" + (
-        f" (deviation per output {worst})" if stable else f" beyond the native spread {spread}"
+        f" (deviation per output {worst}{'; ' + where if where else ''})" if stable
+        else f" beyond the native spread {spread}"
     )
     if ok:
         rep.template_ok += 1
