@@ -118,6 +118,7 @@ def child_env(mode: str, args: list[str], work: Path, extra: dict[str, str], pin
               fresh: bool = False) -> dict[str, str]:
     """`pinned=False`: vLLM's own environment for the shape, not a pod's (`bench vllm --pins-cost`);
     `fresh`: from an empty cache root (a LOAD's always is)."""
+    from ember.engines.vllm import compile_cache
     from ember.engines.vllm.args import process_env
     from ember.engines.vllm.ranks import pod_env
 
@@ -125,8 +126,11 @@ def child_env(mode: str, args: list[str], work: Path, extra: dict[str, str], pin
     cache = work / f"vllm-cache-{mode}{'-fresh' if fresh and mode != 'load' else ''}"
     if mode == "load" or fresh:  # a fresh pod (a LOAD's compiled code comes from the archive)
         shutil.rmtree(cache, ignore_errors=True)
-    env.update(VLLM_CACHE_ROOT=str(cache), VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
-               VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONUNBUFFERED="1", **extra)
+    # Triton's default cache under the run's root too (SAVE and LOAD set the same themselves): no run
+    # finds kernels in the `~/.triton` an earlier run on the machine left
+    env.update(VLLM_CACHE_ROOT=str(cache), TRITON_HOME=str(cache / compile_cache.TRITON_HOME),
+               VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", VLLM_USE_FLASHINFER_SAMPLER="0",
+               PYTHONUNBUFFERED="1", **extra)
     return env
 
 
@@ -144,15 +148,23 @@ def run_engine(mode: str, args: list[str], work: Path, extra: dict[str, str], op
     reports.clear(report)
     env = child_env(mode, args, work, {"EMBER_VLLM_REPORT": str(report), **extra}, pinned, fresh)
     child = json.dumps({**options, "engine_args": args, "out": str(out)})
-    t = time.perf_counter()
+    t, since = time.perf_counter(), time.time()
     rc = run_session([sys.executable, "-c", CHILD, child], env, logf, timeout)
     res: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    root = Path(env["VLLM_CACHE_ROOT"])
     res.update(mode=mode, rc=rc, process_wall_s=round(time.perf_counter() - t, 3), ember=reports.read(report),
-               autotune=autotune_choices(Path(env["VLLM_CACHE_ROOT"])))
+               autotune=autotune_choices(root), triton_compiled=triton_compiled(root, since))
     if rc != 0 or not out.exists():
         res["log_tail"] = logf.read_text()[-6000:]
     typer.echo(f"{name}: rc={rc} first_token={res.get('first_token_s')}")
     return res
+
+
+def triton_compiled(root: Path, since: float) -> int:
+    """Triton kernels compiled under a run's cache root while it ran: each compile writes its
+    group file (`__grp__<name>.json`); what an archive brought keeps SAVE's times."""
+    groups = root.rglob("__grp__*.json") if root.is_dir() else []
+    return sum(1 for g in groups if g.stat().st_mtime >= since - 1)
 
 
 TIMING = ("time_taken_ms", "triton_cache_hash")  # in a best_config, not part of the choice
@@ -300,6 +312,9 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "wrong_loads": wrong(tokens),
         "loads_agree": all(r.get("tokens") == load.get("tokens") for r in every),  # a race differs in some
         "wrong_loads_vs_reference": wrong(ref_tokens) if ref_tokens else None,
+        "triton_compiled": {  # Triton kernels each run compiled: at a LOAD's start the goal is none
+            run: results[run].get("triton_compiled") for run in ("native", "load", "reference")
+            if results.get(run)},
         "autotune_differs_from_native": {
             run: autotune_differs(results[run], native) for run in ("load", "reference", "native_again")
             if results.get(run)},

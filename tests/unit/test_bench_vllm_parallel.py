@@ -217,6 +217,7 @@ def test_a_fresh_run_starts_from_an_empty_cache_root_of_its_own(tmp_path: Path) 
     stale.mkdir(parents=True)
     env = vp.child_env("native", [], tmp_path, {}, fresh=True)
     assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm-cache-native-fresh") and not stale.exists()
+    assert env["TRITON_HOME"] == str(tmp_path / "vllm-cache-native-fresh" / "triton-home")  # not ~/.triton
     (tmp_path / "vllm-cache-native" / "kept").mkdir(parents=True)
     assert vp.child_env("native", [], tmp_path, {})["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm-cache-native")
     assert (tmp_path / "vllm-cache-native" / "kept").is_dir()  # a warm run keeps its cache
@@ -255,3 +256,25 @@ def test_the_shape_flags_give_vllms_expert_parallel_size_or_are_refused(
     assert got == [(1, True, 2), (2, True, 1)]
     with pytest.raises(typer.BadParameter, match="--ep 3 must be tensor x data = 2"):
         vp.bench_shape("qwen3-moe", 2, 2, 3, 1)
+
+
+def test_the_triton_kernels_a_run_compiled_are_those_written_while_it_ran(tmp_path: Path) -> None:
+    """A LOAD's cache root holds the archive's kernels with SAVE's times; only what the run
+    compiled itself counts."""
+    import os
+    import time
+
+    def kernel(where: Path, name: str, mtime: float | None = None) -> None:
+        where.mkdir(parents=True)
+        group = where / f"__grp__{name}.json"
+        group.write_text("{}")
+        (where / f"{name}.json").write_text("{}")
+        if mtime is not None:
+            os.utime(group, (mtime, mtime))
+
+    since = time.time()
+    kernel(tmp_path / "triton-home" / ".triton" / "cache" / "A1", "_sampler", since - 3600)  # the archive's
+    kernel(tmp_path / "triton-home" / ".triton" / "cache" / "B2", "_prepare_inputs")  # compiled now
+    kernel(tmp_path / "torch_compile_cache" / "x" / "inductor_cache" / "triton" / "0" / "C3", "triton_red_0")
+    assert vp.triton_compiled(tmp_path, since) == 2
+    assert vp.triton_compiled(tmp_path / "missing", since) == 0

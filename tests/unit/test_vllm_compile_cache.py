@@ -25,6 +25,9 @@ def _tree(root: Path) -> None:
     (base / "torch_aot_compile" / "abc" / "model.lock").write_text("")  # per process: not shipped
     (root / "modelinfos").mkdir()
     (root / "modelinfos" / INFO).write_text('{"hash": "9e"}')
+    kernel = root / compile_cache.TRITON_HOME / ".triton" / "cache" / "RBYNPP3K"  # vLLM's own Triton kernel
+    kernel.mkdir(parents=True)
+    (kernel / "_prepare_prefill_inputs_kernel.cubin").write_bytes(b"\x7fELF" * 50)
     (root / "hub-downloads").mkdir()  # not one of vLLM's caches ember ships
     (root / "hub-downloads" / "weights").write_bytes(b"w")
 
@@ -40,10 +43,11 @@ def test_the_tree_comes_back_under_another_root(tmp_path: Path) -> None:
     assert data is not None
     done = compile_cache.unpack(data, tmp_path / "pod")
     want = {k: v for k, v in _files(tmp_path / "save").items() if not k.endswith(".lock")}
-    assert _files(tmp_path / "pod") == want and len(want) == 4
-    assert done["placed"] == 3 and done["kept"] == 0  # three top-level entries, each placed whole
-    # no scratch directory is left behind, nothing but vLLM's two caches is shipped
-    assert sorted(p.name for p in (tmp_path / "pod").iterdir()) == ["modelinfos", "torch_compile_cache"]
+    assert _files(tmp_path / "pod") == want and len(want) == 5
+    assert done["placed"] == 4 and done["kept"] == 0  # four top-level entries, each placed whole
+    # no scratch directory is left behind, nothing but vLLM's caches and Triton's is shipped
+    assert sorted(p.name for p in (tmp_path / "pod").iterdir()) == [
+        "modelinfos", "torch_compile_cache", compile_cache.TRITON_HOME]
     assert sorted(p.name for p in (tmp_path / "pod" / compile_cache.SUBDIR).iterdir()) == [
         "3f2a9c01de", "torch_aot_compile"]
 
@@ -61,10 +65,10 @@ def test_what_the_pod_has_is_kept_and_the_rest_merged(tmp_path: Path) -> None:
     assert mine.read_text() == "the pod's own"
     assert (pod / "torch_aot_compile" / "abc" / "model").read_bytes() == b"aot" * 100
     assert (pod / "torch_aot_compile" / "other-model").is_dir()
-    assert done == {**done, "placed": 2, "kept": 1}  # torch_aot_compile/abc and the modelinfo
+    assert done == {**done, "placed": 3, "kept": 1}  # torch_aot_compile/abc, the modelinfo, Triton's
     # unpacking again changes nothing
     again = compile_cache.unpack(data, tmp_path / "pod")
-    assert again["placed"] == 0 and again["kept"] == 3
+    assert again["placed"] == 0 and again["kept"] == 4
 
 
 def _tar(*members: tuple[tarfile.TarInfo, bytes | None]) -> bytes:
@@ -191,7 +195,7 @@ def test_load_places_the_caches_when_vllm_starts_once_per_process_tree(
     info = tmp_path / "pod" / "modelinfos" / INFO
     assert info.read_text() == '{"hash": "9e"}'
     stage = json.loads((tmp_path / "report.json").read_text())["stages"]["compile_cache"]
-    assert stage["placed"] == 3 and stage["process"] == "plugin"
+    assert stage["placed"] == 4 and stage["process"] == "plugin"
     assert os.environ[compile_cache.PLACED] == str(tmp_path / "pod")
 
     info.unlink()  # a second process of the same tree: nothing unpacked again
@@ -223,3 +227,18 @@ def test_processes_of_one_start_add_their_stages_to_one_report(plugin_state, tmp
     plugin_state.report("capture", how="restored")
     stages = json.loads((tmp_path / "report.json").read_text())["stages"]
     assert stages["compile_cache"]["placed"] == 3 and stages["capture"]["how"] == "restored"
+
+
+@pytest.mark.parametrize("mode", ["save", "load", "off"])
+def test_save_and_load_keep_tritons_home_under_the_cache_root(
+    plugin_state, mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+) -> None:
+    """What Triton compiles into its default cache while SAVE runs ships with the archive, and a
+    fresh pod's LOAD finds it there, not in whatever `~/.triton` the machine has."""
+    monkeypatch.setenv("EMBER_MODE", mode)
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path / "inherited"))
+    monkeypatch.setattr(plugin_state, "after_import", lambda *a: None)  # no vLLM worker module here
+    monkeypatch.setattr(plugin_state, "place_caches", lambda: None)
+    plugin_state.register()
+    want = tmp_path / "pod" / compile_cache.TRITON_HOME if mode != "off" else tmp_path / "inherited"
+    assert os.environ["TRITON_HOME"] == str(want)

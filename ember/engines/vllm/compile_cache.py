@@ -7,7 +7,14 @@ Two trees under vLLM's cache root (`$VLLM_CACHE_ROOT`) decide how long a fresh p
   before it could restore a single graph;
 - `modelinfos/`: what vLLM's model registry learnt about the architecture's class. Without it,
   vLLM inspects the class in a subprocess that imports vLLM again, ~20 s before the engine even
-  starts (H200, 0.26.0). Each file carries the hash of the model module it describes.
+  starts (H200, 0.26.0). Each file carries the hash of the model module it describes;
+- `triton-home/`: the Triton home ember gives SAVE's and LOAD's vLLM processes (`TRITON_HOME`,
+  `own_triton_home`), so Triton's default cache (`<home>/.triton/cache`) is under the cache root
+  too. vLLM's own Triton kernels (the model runner's input preparation, the sampler, the MoE
+  kernels) are compiled at their first launch into that default cache when nothing has pointed
+  Triton elsewhere (a process that loads its compiled code instead of compiling, as SAVE and LOAD
+  do); without it a fresh pod compiles them again at start, or finds them in a `~/.triton` a
+  previous process on the machine left.
 A tree whose hashes do not match this process (another config, another vLLM) is never read by
 vLLM: it compiles or inspects, as it would without ember, and the graphs are still checked against
 the archive's sizing before any launch.
@@ -33,7 +40,8 @@ from typing import Any
 
 NAME = "vllm-cache.tar"  # the attachment's name in the archive
 SUBDIR = "torch_compile_cache"
-TREES = (SUBDIR, "modelinfos")
+TRITON_HOME = "triton-home"
+TREES = (SUBDIR, "modelinfos", TRITON_HOME)
 PLACED = "EMBER_VLLM_CACHES_PLACED"  # set by the plugin: the cache root the archive's caches went to
 
 
@@ -43,6 +51,15 @@ def cache_root() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     default = os.path.join(xdg, "vllm")
     return Path(os.path.expanduser(os.environ.get("VLLM_CACHE_ROOT") or default))
+
+
+def own_triton_home() -> Path:
+    """SAVE and LOAD: Triton's home (its default cache) under vLLM's cache root, set for this
+    process and the vLLM processes it starts (an inherited TRITON_HOME too: what is compiled
+    there must travel with the archive). Triton reads it at each compile."""
+    home = cache_root() / TRITON_HOME
+    os.environ["TRITON_HOME"] = str(home)
+    return home
 
 
 def placed_here() -> bool:

@@ -95,6 +95,10 @@ def register() -> None:
         return
     STATE.installed = True
     STATE.mode = mode if mode in ("save", "load") else ""
+    if STATE.mode:
+        from ember.engines.vllm.compile_cache import own_triton_home
+
+        own_triton_home()  # before any Triton compile: what SAVE compiles there ships
     if STATE.mode == "load":
         place_caches()
     if WORKER_MODULE in sys.modules:
