@@ -37,6 +37,7 @@ import typer
 
 from ember.engines.transformers_cb.engine import BUILTIN_SHAPES
 from ember.engines.vllm.args import process_env
+from ember.engines.vllm.compile_cache import TRITON_HOME
 from ember_bench.vllm_report import write_report
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -95,6 +96,7 @@ def _child_env(mode: str, work: Path, report: Path, extra: dict[str, str]) -> di
         VLLM_NO_USAGE_STATS="1",
         HF_HUB_OFFLINE="1",
         VLLM_CACHE_ROOT=str(_cache_root(mode, work)),
+        TRITON_HOME=str(_cache_root(mode, work) / TRITON_HOME),  # no run finds another's ~/.triton
         EMBER_VLLM_REPORT=str(report),
         PYTHONUNBUFFERED="1",
         **extra,

@@ -42,6 +42,7 @@ from typing import Annotated, Any
 import typer
 
 from ember import contract, handoff
+from ember.engines.vllm.compile_cache import TRITON_HOME
 from ember.identity import ArchiveIdentity
 from ember_bench import pods
 from ember_bench.vllm import SHAPES, write_config
@@ -143,7 +144,8 @@ def _hand_off(w: handoff.HandoffWriter, run: str, d: Deployment, store: Path, cl
 
 def _pod_env(run: str, d: Deployment, cache: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBER_", "LD_PRELOAD"))}
-    env.update(VLLM_CACHE_ROOT=str(cache), HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1")
+    env.update(VLLM_CACHE_ROOT=str(cache), TRITON_HOME=str(cache / TRITON_HOME), HF_HUB_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1")
     if run.startswith("warm-"):
         env[contract.ENV_WARM_ENGINE] = d.mode
     return env
