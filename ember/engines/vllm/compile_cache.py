@@ -1,6 +1,6 @@
 """vLLM's caches, shipped with the archive: SAVE packs them, LOAD puts them back before vLLM reads them.
 
-Two trees under vLLM's cache root (`$VLLM_CACHE_ROOT`) decide how long a fresh pod takes to start:
+Three trees under vLLM's cache root (`$VLLM_CACHE_ROOT`) decide how long a fresh pod takes to start:
 - `torch_compile_cache/`: what torch.compile produced (AOT-compiled models, Inductor artifacts),
   `<hash>/rank_<r>_<dp>/<prefix>/` and `torch_aot_compile/<hash>/`, the hashes over the config,
   the traced code, the compiler and the environment. Without it vLLM compiles for tens of seconds
@@ -19,11 +19,11 @@ A tree whose hashes do not match this process (another config, another vLLM) is 
 vLLM: it compiles or inspects, as it would without ember, and the graphs are still checked against
 the archive's sizing before any launch.
 
-The archive stores both as one uncompressed tar, members relative to the cache root (the bundle
+The archive stores the three as one uncompressed tar, members relative to the cache root (the bundle
 compresses every blob with zstd). Unpacking never overwrites: an entry that exists (vLLM's own, a
 previous start's) is kept, and a new one appears whole (extracted aside, then renamed), so a crash
 midway leaves no half-written entry for vLLM to trip over. tarfile's "data" filter refuses members
-that would land outside the root, links out of it, and device files; members outside the two trees
+that would land outside the root, links out of it, and device files; members outside the three trees
 are dropped.
 """
 
