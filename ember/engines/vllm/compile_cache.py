@@ -76,7 +76,7 @@ def _member(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
 
 
 def pack(root: Path | None = None) -> bytes | None:
-    """Both trees as one tar; None when this process's vLLM wrote neither."""
+    """The trees as one tar; None when this process wrote none of them."""
     root = root or cache_root()
     trees = [t for t in TREES if (root / t).is_dir() and any(p.is_file() for p in (root / t).rglob("*"))]
     if not trees:
