@@ -48,6 +48,7 @@ from typing import Annotated, Any
 import typer
 
 from ember.engines.vllm import report as reports
+from ember.engines.vllm.compile_cache import TRITON_HOME
 from ember_bench.vllm_switch_plan import Plan, Shape, plan, shape, variants_problem, visible_gpus
 from ember_bench.vllm_switch_report import write_report
 
@@ -156,8 +157,8 @@ def spawn(name: str, mode: str, args: list[str], gpus: tuple[str, ...], work: Pa
     if archive:
         extra["EMBER_VLLM_ARCHIVE"] = archive
     env = child_env(mode, args, run, extra)
-    if cache is not None:
-        env["VLLM_CACHE_ROOT"] = str(cache)
+    if cache is not None:  # Triton's home goes with it (vllm_parallel.child_env)
+        env.update(VLLM_CACHE_ROOT=str(cache), TRITON_HOME=str(cache / TRITON_HOME))
     spec = json.dumps({**child, "engine_args": args, "events": str(run / "events.json"),
                        "out": str(run / "result.json"), "requests_log": str(run / "requests.jsonl")})
     started = time.monotonic()
