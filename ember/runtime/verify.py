@@ -69,12 +69,11 @@ def _bits(a: Any, b: Any, at: int) -> str:
     """Element `at` of both tensors: its value and its bits, expected then got."""
     import torch
 
-    kind = getattr(torch, _INTS.get(a.element_size(), "uint8"))
-    digits = 2 * a.element_size()
+    kind, digits = _INTS.get(a.element_size()), 2 * a.element_size()
     shown = []
     for t in (a, b):
         flat = t.contiguous().view(-1)
-        raw = int(flat.view(kind)[at]) & ((1 << 4 * digits) - 1) if a.element_size() in _INTS else 0
+        raw = int(flat.view(getattr(torch, kind))[at]) & ((1 << 4 * digits) - 1) if kind else 0
         shown.append(f"{flat[at].item()!r} (0x{raw:0{digits}x})")
     return f"expected {shown[0]}, got {shown[1]}"
 
