@@ -179,13 +179,13 @@ def bench_vllm(
                                                 "the SAVE time the shape's is held to.")] = True,
     loads: Annotated[int, typer.Option(help="With --tp/--ep/--dp: fresh N-rank LOADs of the one archive, "
                                             "each compared with native (a race shows in some only).")] = 1,
-    pins_cost: Annotated[bool, typer.Option(help="With --tp/--ep/--dp, instead: one decode step (over "
-                                                 "--max-tokens steps) of native vLLM as vLLM runs the shape "
-                                                 "and as a pod runs it, ember's parallel pins on.")] = False,
+    pins_cost: Annotated[bool, typer.Option(help="Instead: one decode step (over --max-tokens steps) of "
+                                                 "native vLLM as vLLM runs the shape and as a pod runs it, "
+                                                 "with ember's pins (bench vllm_pins).")] = False,
 ) -> None:
     """vLLM start-up: native vs SAVE → fresh-process LOAD (report in benchmarks/results); with
     --tp/--ep/--dp: N-rank native vs one single-GPU SAVE → N-rank LOAD, per-rank figures."""
-    if tp > 1 or dp > 1 or ep > 1:
+    if tp > 1 or dp > 1 or ep > 1 or pins_cost:
         from ember_bench.vllm_parallel import bench_shape
         from ember_bench.vllm_pins import bench_pins_cost
 

@@ -1,21 +1,22 @@
-"""`ember bench vllm --tp N | --ep | --dp N --pins-cost`: what ember's parallel pins cost per
-decode step.
+"""`ember bench vllm [--tp N | --ep | --dp N] --pins-cost`: what ember's pins cost per decode step.
 
-A parallel vLLM archive is captured, and its pods run, with the vLLM features that keep per-rank
-peer state turned off (`args.engine_args`'s rank pins, `ranks.PARALLEL_ENV`): custom all-reduce,
-symmetric-memory and FlashInfer all-reduce, the all-reduce fusion passes and sequence
-parallelism, and EP's all2all pinned to all-gather + reduce-scatter (docs/multi-gpu.md). This
-bench measures what that costs a serving pod: native N-rank vLLM as vLLM runs the shape by
-default (`default`) and as a pod runs it (`pinned`), alternated over four rounds (each
-configuration's first start compiles, the later ones find its compile cache); each round's own
-ratio is in the summary, so a difference smaller than the noise between rounds shows as such. Each run times
-one decode step at several batch sizes (`vllm_child.decode_step_ms`). No SAVE, no LOAD: no ember
+Every vLLM archive is compiled, and its pods run, with Inductor's deterministic mode
+(`args.NUMERICS`: reductions compiled by rule, not by timing); a parallel one also with the vLLM
+features that keep per-rank peer state turned off (`args.engine_args`'s rank pins,
+`ranks.PARALLEL_ENV`): custom all-reduce, symmetric-memory and FlashInfer all-reduce, the
+all-reduce fusion passes and sequence parallelism, and EP's all2all pinned to all-gather +
+reduce-scatter (docs/multi-gpu.md). Without --tp/--ep/--dp the shape is one GPU and only the
+deterministic mode differs. This bench measures what that costs a serving pod: native N-rank
+vLLM as vLLM runs the shape by default (`default`) and as a pod runs it (`pinned`), alternated
+over four rounds (each configuration's first start compiles, the later ones find its compile
+cache); each round's own ratio is in the summary, so a difference smaller than the noise between
+rounds shows as such. Each run times one decode step at several batch sizes (`vllm_child.decode_step_ms`). No SAVE, no LOAD: no ember
 code is in the engine. Report: `benchmarks/results/vllm-pins-<device>-<model>-<shape>.json`.
 
 One exception to "default": symmetric-memory all-reduce stays off in both (`DEFAULT_ENV`). Its
 multimem operations need NVLink multicast, which the GPU machines keep off: a program using it
-can put a shared host's GPUs out of service. The cost measured is therefore custom all-reduce,
-the fusion passes and sequence parallelism (and the all2all pin with EP).
+can put a shared host's GPUs out of service. The cost measured is therefore the deterministic
+mode, custom all-reduce, the fusion passes and sequence parallelism (and the all2all pin with EP).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def bench_pins_cost(model: str, layers: int, tensor: int, expert: bool, data: in
     work = work.absolute() / f"{model}-{layers or 'all'}l-{name}-pins"
     ident = shape_identity(write_config(model, layers or None, work / "config"), tensor, expert, data)
     extra = extra_args(gpu_memory_utilization)
-    configs = {"default": ([*engine_args(ident, rank_pins=False), *extra], False, DEFAULT_ENV),
+    configs = {"default": ([*engine_args(ident, rank_pins=False, deterministic=False), *extra], False, DEFAULT_ENV),
                "pinned": ([*engine_args(ident), *extra], True, {})}
     steps = max(2, steps)
     options = {"batch_sizes": [1], "max_tokens": 1, "decode_batches": batch_sizes, "decode_steps": steps}

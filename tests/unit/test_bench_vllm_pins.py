@@ -15,7 +15,7 @@ from ember_bench import vllm_child, vllm_parallel, vllm_pins
 
 def test_default_and_pinned_runs_alternate_and_each_batchs_step_is_compared(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    got: list[tuple[str, bool, bool, str | None]] = []
+    got: list[tuple[str, bool, bool, str | None, bool]] = []
     real_env = vllm_parallel.child_env
     monkeypatch.delenv("VLLM_ALLREDUCE_USE_SYMM_MEM", raising=False)
 
@@ -23,7 +23,9 @@ def test_default_and_pinned_runs_alternate_and_each_batchs_step_is_compared(
                **kw) -> dict:
         # symmetric-memory all-reduce (NVLink multicast) is off in both: the machines forbid multicast
         symm = real_env("native", args, work, extra, pinned).get("VLLM_ALLREDUCE_USE_SYMM_MEM")
-        got.append((name, pinned, "--disable-custom-all-reduce" in args, symm))
+        compiled = json.loads(args[args.index("--compilation-config") + 1])
+        deterministic = compiled.get("inductor_compile_config", {}).get("deterministic", False)
+        got.append((name, pinned, "--disable-custom-all-reduce" in args, symm, deterministic))
         if name == "pinned-2":
             return {"rc": 1}  # a failed run: its figures are missing, not zero
         step = {"default": 2.0, "pinned": 2.2}[name.split("-")[0]]
@@ -33,7 +35,7 @@ def test_default_and_pinned_runs_alternate_and_each_batchs_step_is_compared(
     monkeypatch.setattr("ember_bench.vllm_report._device", lambda: "gpu")
     out = vllm_pins.bench_pins_cost("llama-3-8b", 2, 2, False, 1, work=tmp_path, out_dir=tmp_path / "out",
                                     batch_sizes=[1, 16], steps=32, gpu_memory_utilization=0.4, timeout=9)
-    assert got == [(f"{how}-{r}", how == "pinned", how == "pinned", "0")
+    assert got == [(f"{how}-{r}", how == "pinned", how == "pinned", "0", how == "pinned")
                    for r in range(1, vllm_pins.ROUNDS + 1) for how in ("default", "pinned")]
     summary = json.loads(out.read_text())["summary"]
     assert out.name == "vllm-pins-gpu-llama-3-8b-tp2.json" and summary["failed_runs"] == ["pinned-2"]
@@ -78,3 +80,21 @@ def test_a_decode_step_is_the_time_to_n_tokens_less_the_time_to_one_over_n_minus
     monkeypatch.setattr(vllm_child.time, "perf_counter", lambda: clock[0])
     ms = asyncio.run(vllm_child.decode_step_ms(_Timed(clock), 4, 17, params=lambda n: n))
     assert ms == pytest.approx(2.0)  # the 30 ms prefill cancelled
+
+
+def test_one_gpu_measures_the_deterministic_mode_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--pins-cost` without a parallel flag: the one-GPU shape, whose pods differ from vLLM's
+    default only by Inductor's deterministic mode."""
+    from ember_bench import vllm as bench
+
+    seen: list[tuple[int, int, int, object]] = []
+    monkeypatch.setattr(vllm_parallel, "bench_shape",
+                        lambda model, layers, tp, ep, dp, **kw: seen.append((tp, ep, dp, kw.get("run"))))
+    bench.bench_vllm(model="llama-3-8b", layers=2, work=tmp_path, out_dir=tmp_path, pins_cost=True)
+    assert seen == [(1, 1, 1, vllm_pins.bench_pins_cost)]
+    from ember.engines.vllm.args import engine_args
+
+    ident = vllm_parallel.shape_identity(tmp_path / "cfg", 1, False, 1)
+    default, pinned = engine_args(ident, rank_pins=False, deterministic=False), engine_args(ident)
+    differ = [(a, b) for a, b in zip(default, pinned, strict=True) if a != b]
+    assert len(differ) == 1 and '"deterministic": true' in differ[0][1]

@@ -101,7 +101,7 @@ def test_a_difference_names_its_first_element_how_many_differ_and_both_values_bi
     assert verify.first_difference([ref], [got]) == (
         "output 0: element 4 of 6 differs (1 do): expected 0.0 (0x0000), got 2.938735877055719e-39 (0x0020)")
     poisoned = ref.clone()
-    poisoned.view(torch.uint8)[:6].fill_(0xA5)  # a skipped write leaves the proof's poison
+    poisoned.view(-1).view(torch.uint8)[:6].fill_(0xA5)  # a skipped write leaves the proof's poison
     assert "(3 do)" in verify.first_difference([ref], [poisoned])
     assert "got 1 (0x00000001)" in verify.first_difference([torch.zeros(2, dtype=torch.int32)],
                                                            [torch.tensor([0, 1], dtype=torch.int32)])

@@ -65,7 +65,8 @@ def test_a_parallel_save_needs_no_opt_in_now_that_every_rank_loads_it() -> None:
 def test_one_gpu_gets_no_pin_and_its_arguments_are_unchanged() -> None:
     a = vargs.engine_args(IDENTITY)
     assert json.loads(a[a.index("--compilation-config") + 1]) == {
-        "cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8], "mode": 3}
+        "cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8], "mode": 3,
+        "inductor_compile_config": vargs.NUMERICS}
     assert "--disable-custom-all-reduce" not in a and "--all2all-backend" not in a
     assert ranks.save_args(IDENTITY) == [] and ranks.save_env(IDENTITY, 0, "/stub.so") == {}
     assert ranks.parallel_env(IDENTITY) == {}
@@ -88,6 +89,12 @@ def test_a_parallel_shapes_save_pins_what_the_stub_cannot_stand_in_for() -> None
     assert vargs.compilation_config(given, rank_pins=True)["pass_config"] == {
         "eliminate_noops": False, "fuse_allreduce_rms": False, "fuse_gemm_comms": False, "enable_sp": False}
     assert ranks.save_args(tp2) == ["--distributed-executor-backend", "external_launcher"]
+    # every shape compiles its reductions by rule (NUMERICS), over what the deployment gives
+    tuned = given.model_copy(update={"compile": {"inductor_compile_config": '{"max_autotune": true, '
+                                                                           '"deterministic": false}'}})
+    assert vargs.compilation_config(tuned)["inductor_compile_config"] == {"max_autotune": True, **vargs.NUMERICS}
+    assert vargs.compilation_config(tuned, deterministic=False)["inductor_compile_config"] == {
+        "max_autotune": True, "deterministic": False}
     env = ranks.save_env(_shape(tensor=2, expert=4, data=2), 3, "/lib/libember_nccl.so")
     assert env["RANK"] == "3" and env["WORLD_SIZE"] == env[ranks.WORLD_ENV] == "4"
     assert env["LOCAL_RANK"] == "0"
@@ -109,7 +116,8 @@ def test_the_save_guard_names_a_vllm_of_another_parallel_shape() -> None:
     moe = _shape(tensor=2, expert=4, data=2)
     resolved = {"model": "/models/llama", "revision": "main", "dtype": "bfloat16", "engine_version": "0.26.0",
                 "capture_sizes": [1, 2, 4, 8], "cudagraph_mode": "FULL_AND_PIECEWISE", "max_num_seqs": 8,
-                "max_num_batched_tokens": 2048, "parallelism": vargs.parallelism(2, 2, True)}
+                "max_num_batched_tokens": 2048, "parallelism": vargs.parallelism(2, 2, True),
+                "inductor_deterministic": True}
     assert vargs.mismatches(moe, resolved) == []
     no_ep = vargs.mismatches(moe, {**resolved, "parallelism": vargs.parallelism(2, 2, False)})
     assert len(no_ep) == 1 and no_ep[0].startswith("parallelism")

@@ -462,7 +462,9 @@ class DecodeWorkload:
         torch.cuda.synchronize()
         fn = self._step
         if self.compiled and compile_fn:
-            fn = torch.compile(fn, dynamic=True, fullgraph=False)
+            # deterministic: reductions compiled by rule, not by timing at first launch, so SAVE's
+            # kernels and a native process's sum in one order (ember.engines.vllm.args.NUMERICS)
+            fn = torch.compile(fn, dynamic=True, fullgraph=False, options={"deterministic": True})
         self._fn = fn
 
     def input_addresses(self) -> dict[str, int]:

@@ -31,6 +31,15 @@ GRAPH_MODES = {
 
 PARALLEL_PASSES = {"fuse_allreduce_rms": False, "fuse_gemm_comms": False, "enable_sp": False}
 
+# Inductor's deterministic mode (torch/_inductor/config.py `deterministic`), for every shape: a
+# reduction's Triton config (block size and warps decide its summation order) is chosen by rule,
+# not by timing the candidates at the kernel's first launch. Timed, two processes of one shape can
+# sum in different orders: SAVE's GPU chose another RMSNorm block than native TP=2 did, and every
+# restored start then served other tokens than native, while agreeing with a native capture of
+# SAVE's own compiled code (benchmarks/results/h200x2-20261130d). Combo kernels stay on, as vLLM
+# turns them on (config/compilation.py), but untimed: timing a choice is an error in this mode.
+NUMERICS = {"deterministic": True, "combo_kernels": True, "benchmark_combo_kernel": False}
+
 
 def _value(text: str) -> Any:
     """A compile setting as vLLM's config wants it: JSON when it parses ("3" → 3), else the text."""
@@ -45,12 +54,16 @@ def _parallel(identity: ArchiveIdentity) -> bool:
     return p.tensor * p.data * p.expert > 1
 
 
-def compilation_config(identity: ArchiveIdentity, *, rank_pins: bool | None = None) -> dict[str, Any]:
-    """`rank_pins` (default: the shape has several ranks): see engine_args."""
+def compilation_config(identity: ArchiveIdentity, *, rank_pins: bool | None = None,
+                       deterministic: bool = True) -> dict[str, Any]:
+    """`rank_pins` (default: the shape has several ranks), `deterministic`: see engine_args."""
     rank_pins = _parallel(identity) if rank_pins is None else rank_pins
     cfg: dict[str, Any] = {k: _value(v) for k, v in identity.compile.items()}
     cfg["cudagraph_mode"] = GRAPH_MODES.get(identity.graph_mode, identity.graph_mode.upper())
     cfg["cudagraph_capture_sizes"] = list(identity.capture_sizes)
+    if deterministic:
+        given = cfg.get("inductor_compile_config")
+        cfg["inductor_compile_config"] = {**(given if isinstance(given, dict) else {}), **NUMERICS}
     if rank_pins:
         # Passes that keep per-rank peer state in the graph (config/compilation.py PassConfig):
         # fuse_allreduce_rms is FlashInfer's all-reduce fusion (an IPC workspace mapped from the
@@ -63,13 +76,16 @@ def compilation_config(identity: ArchiveIdentity, *, rank_pins: bool | None = No
     return cfg
 
 
-def engine_args(identity: ArchiveIdentity, *, rank_pins: bool | None = None) -> list[str]:
+def engine_args(identity: ArchiveIdentity, *, rank_pins: bool | None = None,
+                deterministic: bool = True) -> list[str]:
     """`vllm serve` / EngineArgs command-line arguments that make vLLM capture `identity`'s graphs.
     `rank_pins` (default: the shape has several ranks): vLLM features that keep per-rank peer
     state in graphs turned off, in the one-GPU SAVE (`ember.engines.vllm.ranks`) and in every pod
     alike. The pods must run as SAVE did: the pass config is in vLLM's compile-cache hash, the
     graphs hold NCCL where vLLM would put custom all-reduce, and a rank that captures natively
-    must compute what a restored one does (docs/multi-gpu.md)."""
+    must compute what a restored one does (docs/multi-gpu.md). `deterministic` (every shape;
+    False only to measure what it costs): Inductor's `NUMERICS`, so that the SAVE, every pod and
+    a native capture compile the same reductions."""
     rank_pins = _parallel(identity) if rank_pins is None else rank_pins
     p = identity.parallelism
     args = [
@@ -78,7 +94,8 @@ def engine_args(identity: ArchiveIdentity, *, rank_pins: bool | None = None) -> 
         "--dtype", identity.dtype,
         "--max-num-seqs", str(identity.max_batch),
         "--max-num-batched-tokens", str(identity.max_num_tokens),
-        "--compilation-config", json.dumps(compilation_config(identity, rank_pins=rank_pins), sort_keys=True),
+        "--compilation-config",
+        json.dumps(compilation_config(identity, rank_pins=rank_pins, deterministic=deterministic), sort_keys=True),
     ]
     if p.tensor > 1:
         args += ["--tensor-parallel-size", str(p.tensor)]
@@ -100,8 +117,8 @@ def engine_args(identity: ArchiveIdentity, *, rank_pins: bool | None = None) -> 
 
 def mismatches(identity: ArchiveIdentity, resolved: dict[str, Any]) -> list[str]:
     """Where the engine's resolved config (`resolved`: model, revision, dtype, engine_version,
-    capture_sizes, cudagraph_mode, max_num_seqs, max_num_batched_tokens, parallelism) is not
-    `identity`."""
+    capture_sizes, cudagraph_mode, max_num_seqs, max_num_batched_tokens, parallelism,
+    inductor_deterministic) is not `identity` as `engine_args` runs it."""
     want: dict[str, Any] = {
         "model": identity.model,
         "revision": identity.revision,
@@ -112,6 +129,7 @@ def mismatches(identity: ArchiveIdentity, resolved: dict[str, Any]) -> list[str]
         "max_num_seqs": identity.max_batch,
         "max_num_batched_tokens": identity.max_num_tokens,
         "parallelism": identity.parallelism.model_dump(),
+        "inductor_deterministic": True,  # NUMERICS: an archive compiled otherwise is not saved
     }
     out = []
     if identity.engine != "vllm":
