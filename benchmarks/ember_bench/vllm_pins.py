@@ -10,8 +10,9 @@ deterministic mode differs. This bench measures what that costs a serving pod: n
 vLLM as vLLM runs the shape by default (`default`) and as a pod runs it (`pinned`), alternated
 over four rounds (each configuration's first start compiles, the later ones find its compile
 cache); each round's own ratio is in the summary, so a difference smaller than the noise between
-rounds shows as such. Each run times one decode step at several batch sizes (`vllm_child.decode_step_ms`). No SAVE, no LOAD: no ember
-code is in the engine. Report: `benchmarks/results/vllm-pins-<device>-<model>-<shape>.json`.
+rounds shows as such. Each run times one decode step at several batch sizes
+(`vllm_child.decode_step_ms`). No SAVE, no LOAD: no ember code is in the engine. Report:
+`benchmarks/results/vllm-pins-<device>-<model>-<shape>.json`.
 
 One exception to "default": symmetric-memory all-reduce stays off in both (`DEFAULT_ENV`). Its
 multimem operations need NVLink multicast, which the GPU machines keep off: a program using it
@@ -44,7 +45,8 @@ def bench_pins_cost(model: str, layers: int, tensor: int, expert: bool, data: in
     work = work.absolute() / f"{model}-{layers or 'all'}l-{name}-pins"
     ident = shape_identity(write_config(model, layers or None, work / "config"), tensor, expert, data)
     extra = extra_args(gpu_memory_utilization)
-    configs = {"default": ([*engine_args(ident, rank_pins=False, deterministic=False), *extra], False, DEFAULT_ENV),
+    vllms_own = engine_args(ident, rank_pins=False, deterministic=False)
+    configs = {"default": ([*vllms_own, *extra], False, DEFAULT_ENV),
                "pinned": ([*engine_args(ident), *extra], True, {})}
     steps = max(2, steps)
     options = {"batch_sizes": [1], "max_tokens": 1, "decode_batches": batch_sizes, "decode_steps": steps}

@@ -55,6 +55,8 @@ class SaveOutcome:
     captured: dict[tuple[int, ...], Any] = field(default_factory=dict)  # the native graphs, still live
     graph_stats: dict[str, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # the engine's own figures (decode: tpot_ms)
+    # `save(publish_later=True)`: publishes, with the engine's attachments as they are by then
+    publish_now: Callable[[], None] | None = None
 
     def summary(self) -> dict[str, Any]:
         """The SAVE Job's termination-message JSON (also printed by `ember save`)."""
@@ -282,16 +284,27 @@ def save(
     store_uri: str | None,
     *,
     log: Callable[[str], None] = print,
+    publish_later: bool = False,
 ) -> SaveOutcome:
     """SAVE the adapter's engine. `store_uri=None` proves without publishing; without libember
     (`ip=None`) the graphs are proven in-process but never published (LOAD could not find their
-    kernels). Raises ProofFailed or Refused; nothing is published then."""
+    kernels). Raises ProofFailed or Refused; nothing is published then. `publish_later`: the
+    outcome's `publish_now()` publishes, taking the attachments then (vLLM compiles Triton kernels
+    in its warm-up after the graphs are captured: they ship with its compile cache)."""
     with dumped_while_stuck():
-        return _save(adapter, ip, store_uri, log)
+        return _save(adapter, ip, store_uri, log, publish_later)
+
+
+def _publish_with_attachments(adapter: EngineAdapter, out: SaveOutcome, ip: Interposer | None, store_uri: str,
+                              graph_set: GraphSet, log: Callable[[str], None]) -> None:
+    out.publish_now = None  # once
+    if out.archive is not None:
+        out.archive.attachments = attachments(adapter)
+    _publish(out, ip, store_uri, graph_set, log)
 
 
 def _save(adapter: EngineAdapter, ip: Interposer | None, store_uri: str | None,
-          log: Callable[[str], None]) -> SaveOutcome:
+          log: Callable[[str], None], publish_later: bool = False) -> SaveOutcome:
     d: dict[str, float] = {}
     t_all = time.perf_counter()
     resolver: KernelResolver = NativeResolver(ip) if ip is not None else LiveResolver()
@@ -332,9 +345,11 @@ def _save(adapter: EngineAdapter, ip: Interposer | None, store_uri: str | None,
         alloc_log=ip.export_alloc_log() if ip is not None else b"",
         rng_state=bytes(torch.cuda.get_rng_state().numpy().tobytes()),
         engine=facts,
-        attachments=attachments(adapter),
+        attachments={} if publish_later else attachments(adapter),
     )
-    if store_uri is not None:
+    if store_uri is not None and publish_later:
+        out.publish_now = lambda: _publish_with_attachments(adapter, out, ip, store_uri, graph_set, log)
+    elif store_uri is not None:
         _publish(out, ip, store_uri, graph_set, log)
     d["total_s"] = time.perf_counter() - t_all
     return out

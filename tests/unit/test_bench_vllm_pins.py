@@ -82,7 +82,8 @@ def test_a_decode_step_is_the_time_to_n_tokens_less_the_time_to_one_over_n_minus
     assert ms == pytest.approx(2.0)  # the 30 ms prefill cancelled
 
 
-def test_one_gpu_measures_the_deterministic_mode_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_gpu_measures_the_deterministic_mode_alone(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """`--pins-cost` without a parallel flag: the one-GPU shape, whose pods differ from vLLM's
     default only by Inductor's deterministic mode."""
     from ember_bench import vllm as bench

@@ -237,8 +237,11 @@ def test_save_and_load_keep_tritons_home_under_the_cache_root(
     fresh pod's LOAD finds it there, not in whatever `~/.triton` the machine has."""
     monkeypatch.setenv("EMBER_MODE", mode)
     monkeypatch.setenv("TRITON_HOME", str(tmp_path / "inherited"))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     monkeypatch.setattr(plugin_state, "after_import", lambda *a: None)  # no vLLM worker module here
     monkeypatch.setattr(plugin_state, "place_caches", lambda: None)
     plugin_state.register()
     want = tmp_path / "pod" / compile_cache.TRITON_HOME if mode != "off" else tmp_path / "inherited"
     assert os.environ["TRITON_HOME"] == str(want)
+    # named, so Inductor (which points Triton at its own cache when none is) cannot move it
+    assert os.environ.get("TRITON_CACHE_DIR") == (str(want / ".triton" / "cache") if mode != "off" else None)

@@ -90,9 +90,10 @@ def test_a_parallel_shapes_save_pins_what_the_stub_cannot_stand_in_for() -> None
         "eliminate_noops": False, "fuse_allreduce_rms": False, "fuse_gemm_comms": False, "enable_sp": False}
     assert ranks.save_args(tp2) == ["--distributed-executor-backend", "external_launcher"]
     # every shape compiles its reductions by rule (NUMERICS), over what the deployment gives
-    tuned = given.model_copy(update={"compile": {"inductor_compile_config": '{"max_autotune": true, '
-                                                                           '"deterministic": false}'}})
-    assert vargs.compilation_config(tuned)["inductor_compile_config"] == {"max_autotune": True, **vargs.NUMERICS}
+    inductor = '{"max_autotune": true, "deterministic": false}'
+    tuned = given.model_copy(update={"compile": {"inductor_compile_config": inductor}})
+    assert vargs.compilation_config(tuned)["inductor_compile_config"] == {"max_autotune": True,
+                                                                          **vargs.NUMERICS}
     assert vargs.compilation_config(tuned, deterministic=False)["inductor_compile_config"] == {
         "max_autotune": True, "deterministic": False}
     env = ranks.save_env(_shape(tensor=2, expert=4, data=2), 3, "/lib/libember_nccl.so")

@@ -57,6 +57,54 @@ def test_a_stage_that_returns_is_timed_without_an_error(worker: Any, tmp_path) -
     assert "error" not in stage and stage["seconds"] >= 0
 
 
+class _Unpublished:
+    """SAVE's outcome as `save(publish_later=True)` leaves it: published by `publish_now()`."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.calls, self.fails, self.published = 0, fails, False
+        self.publish_now: Any = self._publish
+
+    def _publish(self) -> None:
+        self.calls += 1
+        self.publish_now = None
+        if self.fails:
+            raise OSError("store unreachable")
+        self.published = True
+
+    def summary(self) -> dict[str, Any]:
+        return {"published": self.published, "graphs": 3}
+
+
+def test_save_publishes_once_after_the_warm_up_that_compiles_vllms_own_kernels(worker: Any, tmp_path) -> None:
+    assert plugin.STATE.warm_up_timed  # so the SAVE defers (plugin._save)
+    outcome = _Unpublished()
+    plugin.STATE.unpublished = outcome
+    plugin.report("save", published=False, graphs=3, seconds=1.5)
+    worker.compile_or_warm_up_model()
+    worker.compile_or_warm_up_model()  # a second warm-up publishes nothing more
+    save = reports.read(tmp_path / "vllm-report.json")["stages"]["save"]
+    assert outcome.calls == 1 and save["published"] is True and save["seconds"] == 1.5
+    assert save["publish_after_warm_up_s"] >= 0 and plugin.STATE.unpublished is None
+
+
+def test_a_failed_warm_up_or_store_publishes_nothing_and_says_why(worker: Any, tmp_path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    outcome = _Unpublished()
+    plugin.STATE.unpublished = outcome
+    monkeypatch.setattr(type(worker), "compile_or_warm_up_model", lambda self: (_ for _ in ()).throw(
+        RuntimeError("warm-up failed")))
+    plugin._time_worker_stages()
+    with pytest.raises(RuntimeError):
+        worker.compile_or_warm_up_model()
+    assert outcome.calls == 0  # the engine never served: its archive is not published
+    failing = _Unpublished(fails=True)
+    plugin.STATE.unpublished = failing
+    plugin.publish_saved()
+    stages = reports.read(tmp_path / "vllm-report.json")["stages"]
+    assert failing.calls == 1 and "save" not in stages
+    assert stages["save_refused"]["reason"] == "publishing: OSError: store unreachable"
+
+
 SNAPSHOT = {
     "segments": [
         {"device": 1, "address": 0x6000, "total_size": 2 << 20, "segment_type": "small",

@@ -254,7 +254,8 @@ def identity_for(workload: DecodeWorkload) -> ArchiveIdentity:
         engine_version=ember.__version__,
         capture_sizes=tuple(workload.sizes),
         graph_mode="full",
-        compile={"backend": "inductor", "dynamic": "true", "deterministic": "true"} if workload.compiled else {},
+        compile=({"backend": "inductor", "dynamic": "true", "deterministic": "true"} if workload.compiled
+                 else {}),
         dtype="bfloat16",
         max_batch=workload.max_batch,
         gpu_product=torch.cuda.get_device_name(),

@@ -95,7 +95,8 @@ def engine_args(identity: ArchiveIdentity, *, rank_pins: bool | None = None,
         "--max-num-seqs", str(identity.max_batch),
         "--max-num-batched-tokens", str(identity.max_num_tokens),
         "--compilation-config",
-        json.dumps(compilation_config(identity, rank_pins=rank_pins, deterministic=deterministic), sort_keys=True),
+        json.dumps(compilation_config(identity, rank_pins=rank_pins, deterministic=deterministic),
+                   sort_keys=True),
     ]
     if p.tensor > 1:
         args += ["--tensor-parallel-size", str(p.tensor)]

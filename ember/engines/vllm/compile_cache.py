@@ -8,13 +8,12 @@ Three trees under vLLM's cache root (`$VLLM_CACHE_ROOT`) decide how long a fresh
 - `modelinfos/`: what vLLM's model registry learnt about the architecture's class. Without it,
   vLLM inspects the class in a subprocess that imports vLLM again, ~20 s before the engine even
   starts (H200, 0.26.0). Each file carries the hash of the model module it describes;
-- `triton-home/`: the Triton home ember gives SAVE's and LOAD's vLLM processes (`TRITON_HOME`,
-  `own_triton_home`), so Triton's default cache (`<home>/.triton/cache`) is under the cache root
-  too. vLLM's own Triton kernels (the model runner's input preparation, the sampler, the MoE
-  kernels) are compiled at their first launch into that default cache when nothing has pointed
-  Triton elsewhere (a process that loads its compiled code instead of compiling, as SAVE and LOAD
-  do); without it a fresh pod compiles them again at start, or finds them in a `~/.triton` a
-  previous process on the machine left.
+- `triton-home/`: the Triton home and cache ember gives SAVE's and LOAD's vLLM processes
+  (`own_triton_home`), where every Triton kernel SAVE compiles lands: Inductor's, and vLLM's own
+  (the model runner's input preparation, the sampler, the MoE kernels), which vLLM's warm-up
+  compiles after the graphs are captured (SAVE publishes after it: `plugin.publish_saved`).
+  Without it a fresh pod compiles them again at start, or finds them in a `~/.triton` a previous
+  process on the machine left.
 A tree whose hashes do not match this process (another config, another vLLM) is never read by
 vLLM: it compiles or inspects, as it would without ember, and the graphs are still checked against
 the archive's sizing before any launch.
@@ -54,11 +53,15 @@ def cache_root() -> Path:
 
 
 def own_triton_home() -> Path:
-    """SAVE and LOAD: Triton's home (its default cache) under vLLM's cache root, set for this
-    process and the vLLM processes it starts (an inherited TRITON_HOME too: what is compiled
-    there must travel with the archive). Triton reads it at each compile."""
+    """SAVE and LOAD: Triton's home and cache under vLLM's cache root, set for this process and
+    the vLLM processes it starts (inherited ones too: what is compiled there must travel with the
+    archive). The cache is named, not left to Triton's default: Inductor points Triton at its own
+    cache on its first kernel unless TRITON_CACHE_DIR is set (runtime/triton_heuristics.py), which
+    SAVE reaches while compiling and LOAD, loading compiled code, may never; vLLM's own kernels
+    would then be compiled into one place and looked for in another."""
     home = cache_root() / TRITON_HOME
     os.environ["TRITON_HOME"] = str(home)
+    os.environ["TRITON_CACHE_DIR"] = str(home / ".triton" / "cache")
     return home
 
 

@@ -65,6 +65,8 @@ class _State:
     refusal: str = ""
     keep: Any = None
     report: dict[str, Any] = field(default_factory=dict)
+    warm_up_timed: bool = False  # the worker's stages are wrapped: SAVE publishes after its warm-up
+    unpublished: Any = None  # SAVE's outcome until then
 
 
 STATE = _State()
@@ -204,9 +206,30 @@ def _time_worker_stages() -> None:
             report(f"worker.{_name}", seconds=round(time.perf_counter() - t, 4), **extra)
             if extra and settings.on("EMBER_VLLM_PROBE"):
                 os._exit(0)  # the SAVE Job's sizing probe (ember.engines.vllm.job): the figure is written
+            if _name == "compile_or_warm_up_model":
+                publish_saved()
             return out
 
         setattr(gpu_worker.Worker, name, timed)
+    STATE.warm_up_timed = True
+
+
+def publish_saved() -> None:
+    """SAVE's archive published once vLLM's warm-up is done: the warm-up, after the graphs are
+    captured, compiles vLLM's own Triton kernels (the model runner's, the sampler's), and they ship
+    in the archive's compile cache, so a LOAD compiles none. A failed warm-up publishes nothing."""
+    outcome, STATE.unpublished = STATE.unpublished, None
+    if outcome is None or outcome.publish_now is None:
+        return
+    t = time.perf_counter()
+    try:
+        outcome.publish_now()
+    except Exception as exc:  # the store refused it: nothing half-published (publish.write)
+        report("save_refused", reason=f"publishing: {type(exc).__name__}: {exc}")
+        return
+    seconds = (STATE.report.get("stages", {}).get("save") or {}).get("seconds")
+    report("save", **outcome.summary(), seconds=seconds,
+           publish_after_warm_up_s=round(time.perf_counter() - t, 4))
 
 
 def _one_gpu_per_worker() -> None:
@@ -479,7 +502,8 @@ def _save(runner: Any, kind: str, native: Any) -> int:
     store = os.environ.get("EMBER_VLLM_STORE") or None
     try:
         with torch.inference_mode():  # the engine's tensors are inference tensors
-            outcome = save(adapter, STATE.ip, store, log=_progress)
+            outcome = save(adapter, STATE.ip, store, log=_progress, publish_later=STATE.warm_up_timed)
+        STATE.unpublished = outcome if outcome.publish_now else None
         report("save", **outcome.summary(), seconds=round(time.perf_counter() - t, 4))
     except Exception as exc:  # Refused, ProofFailed or a site the adapter does not know
         report("save_refused", reason=f"{type(exc).__name__}: {exc}", captured=len(adapter.captured))
