@@ -1,7 +1,8 @@
 """`ember bench vllm`: vLLM 0.26 start-up, native vs SAVE → fresh-process LOAD (GPU machine).
 
 Random weights (`load_format="dummy"`) of a real model shape, the HF config written locally (no
-model hub), graph mode FULL_AND_PIECEWISE and vLLM's default capture sizes. Each run is a fresh
+model hub), graph mode FULL_AND_PIECEWISE, vLLM's default capture sizes and Inductor's
+deterministic mode (as a deployment's pods: `ember.engines.vllm.args.NUMERICS`). Each run is a fresh
 process with the engine core in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); native, save and
 native-warm share one compile cache (`VLLM_CACHE_ROOT` under the work directory), LOAD starts from
 an empty one and gets the compiled code from the archive (its compile-cache attachment), as a

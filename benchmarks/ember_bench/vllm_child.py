@@ -79,6 +79,8 @@ def main(args: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.compilation.counter import compilation_counter
 
+    from ember.engines.vllm.args import NUMERICS
+
     t_import = time.perf_counter() - T0
     kwargs: dict[str, Any] = {}
     if args.get("kv_cache_memory_bytes"):
@@ -93,7 +95,8 @@ def main(args: dict[str, Any]) -> dict[str, Any]:
         enforce_eager=False,
         gpu_memory_utilization=float(args["gpu_memory_utilization"]),
         max_model_len=2048,
-        compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"},
+        # Inductor's deterministic mode, as every pod of a deployment runs (args.NUMERICS)
+        compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE", "inductor_compile_config": NUMERICS},
         **kwargs,
     )
     t_init = time.perf_counter() - t
