@@ -98,7 +98,8 @@ def test_vllm_pool_key_depends_on_gpu_engine_and_store_not_model() -> None:
 
 def test_vllm_pool_keys_names_and_revisions_are_those_of_before_transformers_commands() -> None:
     """Pinned (computed by the operator before transformers pods ran `ember serve`): an upgrade
-    keeps every vLLM pool, its warm pod names and its serving pods' revision."""
+    keeps every vLLM pool's key, its warm pod names and its serving pods' revision; a claim-bound
+    pool changes only where its engines would start otherwise."""
     spec = md_spec(engine={**VLLM, "args": ["--enforce-eager"]})
     t = template_of("default", spec, CTX)
     claim = claim_for("qwen", spec, None, "NoArchive")
