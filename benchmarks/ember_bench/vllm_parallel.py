@@ -28,7 +28,7 @@ Per run: engine init, start → first token, greedy tokens at each batch size (e
 requests scheduled together; compared with native), Inductor's autotuning choices its cache root
 holds (`autotune`: a reduction's config decides its summation order, so the same compiled code
 computes other bits under another choice; the summary's `autotune_differs_from_native` counts
-kernels whose choice differs from native's); per rank (the plugin's report files): how
+reductions whose choice differs from native's); per rank (the plugin's report files): how
 its graphs came (`restored` / `native`), capture or LOAD seconds, the splice's part, vLLM's
 worker stages. Report:
 `benchmarks/results/vllm-<device>-<model>-<shape>.json`.
@@ -186,9 +186,11 @@ def autotune_choices(root: Path) -> dict[str, Any]:
 
 
 def autotune_differs(run: dict[str, Any], native: dict[str, Any]) -> int:
-    """Kernels both runs chose a config for, each choosing another."""
+    """Reductions (a config with an `R0_BLOCK`) both runs chose a config for, each choosing
+    another: a pointwise kernel's block size changes no result, a reduction's changes its order."""
     mine, theirs = run.get("autotune") or {}, native.get("autotune") or {}
-    return sum(1 for name in mine.keys() & theirs.keys() if mine[name] != theirs[name])
+    return sum(1 for name in mine.keys() & theirs.keys()
+               if mine[name] != theirs[name] and "R0_BLOCK" in {*mine[name], *theirs[name]})
 
 
 def run_save(ident: Any, args_extra: list[str], work: Path, timeout: float) -> dict[str, Any]:
