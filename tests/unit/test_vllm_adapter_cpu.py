@@ -146,6 +146,16 @@ def test_unsupported_features_are_named():
     sp = versions.unsupported_features(_vllm_config(parallel={"use_sequence_parallel_moe": True}))
     assert sp == ["sequence-parallel MoE (expert parallel with tensor > 1 and data > 1: each TP "
                   "rank's token chunk is a view offset by its rank)"]
+    # vLLM's compile through Inductor: only in its deterministic mode (args.NUMERICS), as SAVE compiled
+    compiled = _vllm_config()
+    compiled.compilation_config = SimpleNamespace(use_inductor_graph_partition=False, mode=3, backend="",
+                                                  inductor_compile_config={"combo_kernels": True})
+    assert "deterministic mode" in versions.unsupported_features(compiled)[0]
+    compiled.compilation_config.inductor_compile_config["deterministic"] = True
+    assert versions.unsupported_features(compiled) == []
+    compiled.compilation_config.backend = "eager"  # no Inductor: nothing autotuned
+    compiled.compilation_config.inductor_compile_config.clear()
+    assert versions.unsupported_features(compiled) == []
 
 
 def test_the_plugin_patches_only_once_the_worker_module_is_imported(monkeypatch, tmp_path):

@@ -206,6 +206,12 @@ def unsupported_features(vllm_config: Any) -> list[str]:
         out.append("micro-batching (DBO)")
     if getattr(cc, "use_inductor_graph_partition", False):
         out.append("Inductor graph partition (graphs inside Inductor)")
+    inductor = int(getattr(cc, "mode", 0) or 0) > 0 and getattr(cc, "backend", "") in ("", "inductor")
+    if inductor and not (getattr(cc, "inductor_compile_config", None) or {}).get("deterministic"):
+        # ember.engines.vllm.args.NUMERICS: SAVE compiles with it, and a pod compiling otherwise
+        # times its reductions' configs and may sum in another order than the archive's kernels
+        out.append("Inductor without its deterministic mode (inductor_compile_config.deterministic; "
+                   "ember's engine arguments set it)")
     try:
         from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
 
