@@ -28,7 +28,9 @@ Per run: engine init, start → first token, greedy tokens at each batch size (e
 requests scheduled together; compared with native), Inductor's autotuning choices its cache root
 holds (`autotune`: a reduction's config decides its summation order, so the same compiled code
 computes other bits under another choice; the summary's `autotune_differs_from_native` counts
-reductions whose choice differs from native's); per rank (the plugin's report files): how
+reductions whose choice differs from native's), the code Inductor generated (`compiled_code`, file
+names that hash their source; `code_not_in_native`: the files a LOAD ran, SAVE's, that native
+never generated); per rank (the plugin's report files): how
 its graphs came (`restored` / `native`), capture or LOAD seconds, the splice's part, vLLM's
 worker stages. Report:
 `benchmarks/results/vllm-<device>-<model>-<shape>.json`.
@@ -153,7 +155,8 @@ def run_engine(mode: str, args: list[str], work: Path, extra: dict[str, str], op
     res: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
     root = Path(env["VLLM_CACHE_ROOT"])
     res.update(mode=mode, rc=rc, process_wall_s=round(time.perf_counter() - t, 3), ember=reports.read(report),
-               autotune=autotune_choices(root), triton_compiled=triton_compiled(root, since))
+               autotune=autotune_choices(root), triton_compiled=triton_compiled(root, since),
+               compiled_code=compiled_code(root))
     if rc != 0 or not out.exists():
         res["log_tail"] = logf.read_text()[-6000:]
     typer.echo(f"{name}: rc={rc} first_token={res.get('first_token_s')}")
@@ -183,6 +186,20 @@ def autotune_choices(root: Path) -> dict[str, Any]:
         if isinstance(chosen, dict):
             out[path.name] = {k: v for k, v in chosen.items() if k not in TIMING}
     return out
+
+
+def compiled_code(root: Path) -> list[str]:
+    """The code Inductor generated under a run's cache root (the graphs' wrappers and their
+    kernels), by file name: each is named by a hash of its source, so two runs compiled the same
+    code where they hold the same names (a rank's kernels name its device: rank 1's differ)."""
+    files = root.rglob("inductor_cache/*/*.py") if root.is_dir() else []
+    return sorted({p.name for p in files})
+
+
+def code_not_in(run: dict[str, Any], native: dict[str, Any]) -> int | None:
+    """How many of a run's generated files native never generated (None when either has none)."""
+    mine, theirs = run.get("compiled_code") or [], native.get("compiled_code") or []
+    return len(set(mine) - set(theirs)) if mine and theirs else None
 
 
 def autotune_differs(run: dict[str, Any], native: dict[str, Any]) -> int:
@@ -317,6 +334,9 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "triton_compiled": {  # Triton kernels each run compiled: at a LOAD's start the goal is none
             run: results[run].get("triton_compiled") for run in ("native", "load", "reference")
             if results.get(run)},
+        # 0: SAVE generated the code native's rank 0 did, so only its choices could differ
+        "code_not_in_native": {run: code_not_in(results[run], native) for run in ("load", "native_again")
+                               if results.get(run)},
         "autotune_differs_from_native": {
             run: autotune_differs(results[run], native) for run in ("load", "reference", "native_again")
             if results.get(run)},

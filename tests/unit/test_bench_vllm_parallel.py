@@ -195,6 +195,23 @@ def _best_config(root: Path, name: str, **config: object) -> None:
     path.write_text(json.dumps({**config, "time_taken_ms": 3, "triton_cache_hash": "x"}))
 
 
+def test_the_code_a_run_generated_is_named_by_its_files_and_compared_with_natives(tmp_path: Path) -> None:
+    native, load = tmp_path / "native", tmp_path / "load"
+    for root, names in ((native, ["ab/kernel0.py", "ab/kernel1.py", "cd/wrapper.py"]),
+                        (load, ["ab/kernel0.py", "ef/kernel9.py"])):
+        for name in names:
+            path = root / "torch_compile_cache" / "torch_aot_compile" / "h" / "inductor_cache" / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("# code")
+    (load / "torch_compile_cache" / "other.py").write_text("")  # not Inductor's
+    runs = {"native": {"compiled_code": vp.compiled_code(native)},
+            "load": {"compiled_code": vp.compiled_code(load)}}
+    assert runs["load"]["compiled_code"] == ["kernel0.py", "kernel9.py"]
+    assert vp.code_not_in(runs["load"], runs["native"]) == 1
+    assert vp.code_not_in(runs["native"], runs["native"]) == 0
+    assert vp.code_not_in({"compiled_code": []}, runs["native"]) is None  # nothing to compare
+
+
 def test_autotune_choices_are_read_from_a_cache_root_and_compared_without_timings(tmp_path: Path) -> None:
     native, load = tmp_path / "native", tmp_path / "load"
     _best_config(native, "k1.best_config", XBLOCK=1, R0_BLOCK=2048, num_warps=16)
