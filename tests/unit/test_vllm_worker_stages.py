@@ -91,8 +91,10 @@ def test_a_failed_warm_up_or_store_publishes_nothing_and_says_why(worker: Any, t
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     outcome = _Unpublished()
     plugin.STATE.unpublished = outcome
-    monkeypatch.setattr(type(worker), "compile_or_warm_up_model", lambda self: (_ for _ in ()).throw(
-        RuntimeError("warm-up failed")))
+    def fails(self: Any) -> float:
+        raise RuntimeError("warm-up failed")
+
+    monkeypatch.setattr(type(worker), "compile_or_warm_up_model", fails)
     plugin._time_worker_stages()
     with pytest.raises(RuntimeError):
         worker.compile_or_warm_up_model()
