@@ -85,7 +85,7 @@ class ArchiveIdentity(BaseModel):
     engine_args: tuple[str, ...] = ()
     image_digest: str = ""
     # An engine's own settings that shape its graphs, by name (ember's decode workloads: seed,
-    # layers, collectives); none for the engines the operator deploys.
+    # layers, collectives; vLLM: how ember compiles it, `ember.engines.vllm.args.IDENTITY_WORKLOAD`).
     workload: dict[str, str] = Field(default_factory=dict)
 
     def canonical(self) -> dict[str, Any]:

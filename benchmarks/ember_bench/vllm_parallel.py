@@ -96,12 +96,14 @@ print("CHILD OK", json.dumps({k: v for k, v in res.items() if k != "tokens"}), f
 
 def shape_identity(cfg: Path, tensor: int, expert: bool, data: int) -> Any:
     """The identity a deployment of this shape gets (5 capture sizes, as the GPU tests)."""
+    from ember.engines.vllm.args import IDENTITY_WORKLOAD
     from ember.identity import ArchiveIdentity, Parallelism
 
     par = Parallelism(tensor=tensor, data=data, expert=tensor * data if expert else 1)
     return ArchiveIdentity(model=str(cfg), engine="vllm", engine_version="0.26",
                            capture_sizes=(1, 2, 4, 8, 16), graph_mode="full-and-piecewise",
-                           max_num_tokens=2048, max_batch=16, parallelism=par)
+                           max_num_tokens=2048, max_batch=16, parallelism=par,
+                           workload=dict(IDENTITY_WORKLOAD))
 
 
 def shape_name(tensor: int, expert: bool, data: int) -> str:

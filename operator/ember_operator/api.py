@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, model_validator
 
-from ember.engines.vllm.args import SLEEP_MODE_ARG
+from ember.engines.vllm.args import IDENTITY_WORKLOAD, SLEEP_MODE_ARG
 from ember.identity import ArchiveIdentity, Parallelism
 from ember.identity_args import graph_args, image_digest
 from ember.serving.options import ServeOptions, UsageError, pod_options
@@ -393,6 +393,7 @@ class ModelDeploymentSpec(ApiModel):
             gpu_product=self.gpu.product,
             engine_args=graph_args(self.engine_run_args()),
             image_digest=image_digest(self.engine.image),
+            workload=dict(IDENTITY_WORKLOAD) if self.engine.kind == EngineKind.vllm else {},
         )
 
 
@@ -496,6 +497,8 @@ class IdentitySpec(ApiModel):
     gpu_product: str = Field("", description="GPU product the archive is saved on.")
     engine_args: list[str] = Field(default_factory=list, description="Engine arguments that change graphs.")
     image_digest: str = Field("", description="Engine image digest (sha256:…) when the image is pinned.")
+    workload: dict[str, str] = Field(default_factory=dict, description="How ember runs the engine beyond "
+                                     "the fields above, where it shapes the graphs (vLLM: Inductor's mode).")
 
     @classmethod
     def of(cls, ident: ArchiveIdentity) -> IdentitySpec:

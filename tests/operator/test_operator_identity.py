@@ -116,6 +116,19 @@ def test_identities_without_args_or_digest_keep_their_hash() -> None:
     assert IdentitySpec.of(with_args).to_identity().hash() == with_args.hash()
 
 
+def test_a_vllm_identity_names_how_ember_compiles_it_through_the_grapharchive() -> None:
+    """An archive compiled before Inductor's deterministic mode is not found under it: the vLLM
+    identity names the mode, and the GraphArchive's spec keeps it for the SAVE Job's hash check."""
+    from ember.engines.vllm.args import IDENTITY_WORKLOAD
+
+    vllm = md_spec(engine=_engine()).identity()
+    assert vllm.workload == IDENTITY_WORKLOAD
+    assert IdentitySpec.of(vllm).to_identity().hash() == vllm.hash()
+    assert vllm.hash() != vllm.model_copy(update={"workload": {}}).hash()
+    cb = md_spec().identity()  # transformers: nothing compiled by Inductor
+    assert cb.engine == "transformers" and "workload" not in cb.canonical()
+
+
 def test_names_and_labels_keep_the_first_16_hex_of_the_identity_hash() -> None:
     """`ga-<16>`, `ember-save-<16>-<n>` and the identity label are API: `identity_short` keeps them."""
     h = md_spec().identity().hash()

@@ -39,6 +39,10 @@ PARALLEL_PASSES = {"fuse_allreduce_rms": False, "fuse_gemm_comms": False, "enabl
 # SAVE's own compiled code (benchmarks/results/h200x2-20261130d). Combo kernels stay on, as vLLM
 # turns them on (config/compilation.py), but untimed: timing a choice is an error in this mode.
 NUMERICS = {"deterministic": True, "combo_kernels": True, "benchmark_combo_kernel": False}
+# ...and in a vLLM identity (its `workload`: what ember runs the engine with beyond the identity's
+# fields), so that an archive compiled before NUMERICS is never found under a deployment's new
+# identity: the operator SAVEs again instead of every pod refusing the stale archive
+IDENTITY_WORKLOAD = {"inductor": "deterministic"}
 
 
 def _value(text: str) -> Any:
