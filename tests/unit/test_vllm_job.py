@@ -98,8 +98,7 @@ def test_identity_becomes_vllm_arguments() -> None:
 def _resolved(**change: object) -> dict:
     base = {"model": "/models/llama", "revision": "main", "dtype": "bfloat16", "engine_version": "0.26.0",
             "capture_sizes": [8, 4, 2, 1], "cudagraph_mode": "FULL_AND_PIECEWISE", "max_num_seqs": 8,
-            "max_num_batched_tokens": 2048, "parallelism": {"tensor": 1, "expert": 1, "data": 1},
-            "inductor_deterministic": True}
+            "max_num_batched_tokens": 2048, "parallelism": {"tensor": 1, "expert": 1, "data": 1}}
     return {**base, **change}
 
 
@@ -107,8 +106,7 @@ def test_a_vllm_that_is_not_the_identity_is_named() -> None:
     assert vargs.mismatches(IDENTITY, _resolved()) == []  # "0.26" pins 0.26.x; size order is free
     for field, value in [("capture_sizes", [1, 2, 4]), ("cudagraph_mode", "PIECEWISE"), ("max_num_seqs", 16),
                          ("dtype", "float16"), ("engine_version", "0.27.0"), ("model", "/models/other"),
-                         ("max_num_batched_tokens", 8192), ("parallelism", vargs.parallelism(2, 1, False)),
-                         ("inductor_deterministic", False)]:
+                         ("max_num_batched_tokens", 8192), ("parallelism", vargs.parallelism(2, 1, False))]:
         problems = vargs.mismatches(IDENTITY, _resolved(**{field: value}))
         assert len(problems) == 1 and problems[0].startswith(field), (field, problems)
     assert vargs.mismatches(IDENTITY, _resolved(engine_version="0.260.1"))  # a prefix is not a pin

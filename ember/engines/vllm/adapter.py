@@ -207,9 +207,6 @@ class VllmAdapter:
             "max_num_batched_tokens": int(self.vllm_config.scheduler_config.max_num_batched_tokens),
             "parallelism": parallelism(int(pc.tensor_parallel_size), int(pc.data_parallel_size),
                                        bool(getattr(pc, "enable_expert_parallel", False))),
-            "inductor_deterministic": bool(
-                (getattr(self.vllm_config.compilation_config, "inductor_compile_config", None) or {})
-                .get("deterministic")),
         }
 
     def own_identity(self) -> ArchiveIdentity:

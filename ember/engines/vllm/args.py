@@ -122,8 +122,9 @@ def engine_args(identity: ArchiveIdentity, *, rank_pins: bool | None = None,
 
 def mismatches(identity: ArchiveIdentity, resolved: dict[str, Any]) -> list[str]:
     """Where the engine's resolved config (`resolved`: model, revision, dtype, engine_version,
-    capture_sizes, cudagraph_mode, max_num_seqs, max_num_batched_tokens, parallelism,
-    inductor_deterministic) is not `identity` as `engine_args` runs it."""
+    capture_sizes, cudagraph_mode, max_num_seqs, max_num_batched_tokens, parallelism) is not
+    `identity`. (A vLLM compiling without NUMERICS is refused before this, at SAVE and at LOAD:
+    `versions.unsupported_features`.)"""
     want: dict[str, Any] = {
         "model": identity.model,
         "revision": identity.revision,
@@ -134,7 +135,6 @@ def mismatches(identity: ArchiveIdentity, resolved: dict[str, Any]) -> list[str]
         "max_num_seqs": identity.max_batch,
         "max_num_batched_tokens": identity.max_num_tokens,
         "parallelism": identity.parallelism.model_dump(),
-        "inductor_deterministic": True,  # NUMERICS: an archive compiled otherwise is not saved
     }
     out = []
     if identity.engine != "vllm":
