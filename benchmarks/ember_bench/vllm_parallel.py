@@ -21,7 +21,11 @@ runs; the offline `LLM` refuses DP > 1):
 5. `native_again` — native once more, compiling from an empty cache as the first did: its tokens
    must repeat the first run's, or no token comparison at this shape can judge a restore
    (`native_reproducible`);
-6. `save_tp1` (unless `--no-tp1-save`) — the SAVE Job of the same model at TP=1, the time the
+6. with `--diagnose`, two runs that tell where a pod's tokens part from native's
+   (`identical_to_native`): `native_save_code`, plain vLLM on a copy of SAVE's cache root (the
+   archive's compiled code without libember), and `load_unarchived`, a LOAD without an archive
+   (libember, a GPU per worker, refused: vLLM compiles and captures itself);
+7. `save_tp1` (unless `--no-tp1-save`) — the SAVE Job of the same model at TP=1, the time the
    shape's SAVE is held to (its goal: no longer).
 
 Per run: engine init, start → first token, greedy tokens at each batch size (each batch's
@@ -139,9 +143,12 @@ def child_env(mode: str, args: list[str], work: Path, extra: dict[str, str], pin
 
 
 def run_engine(mode: str, args: list[str], work: Path, extra: dict[str, str], options: dict[str, Any],
-               timeout: float, name: str = "", pinned: bool = True, fresh: bool = False) -> dict[str, Any]:
+               timeout: float, name: str = "", pinned: bool = True, fresh: bool = False,
+               seed: Path | None = None) -> dict[str, Any]:
     """One N-GPU engine process (its files named `name`, else `mode`); its result with every
-    rank's report (`ranks`). `pinned`, `fresh`: see child_env."""
+    rank's report (`ranks`). `pinned`, `fresh`: see child_env; `seed`: the run's cache root is a
+    copy of this one (`vllm-cache-<name>`), so it runs the code another run compiled."""
+    from ember.engines.vllm import compile_cache
     from ember_bench.vllm import run_session
 
     name = name or mode
@@ -151,6 +158,11 @@ def run_engine(mode: str, args: list[str], work: Path, extra: dict[str, str], op
     report.parent.mkdir(parents=True, exist_ok=True)
     reports.clear(report)
     env = child_env(mode, args, work, {"EMBER_VLLM_REPORT": str(report), **extra}, pinned, fresh)
+    if seed is not None:
+        cache = work / f"vllm-cache-{name}"
+        shutil.rmtree(cache, ignore_errors=True)
+        shutil.copytree(seed, cache, symlinks=True)
+        env.update(VLLM_CACHE_ROOT=str(cache), TRITON_HOME=str(cache / compile_cache.TRITON_HOME))
     child = json.dumps({**options, "engine_args": args, "out": str(out)})
     t, since = time.perf_counter(), time.time()
     rc = run_session([sys.executable, "-c", CHILD, child], env, logf, timeout)
@@ -273,9 +285,9 @@ def bench_shape(model: str, layers: int, tp: int, ep: int, dp: int, run: Any = N
 
 def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int, *, work: Path,
                    out_dir: Path, batch_sizes: list[int], max_tokens: int, gpu_memory_utilization: float,
-                   timeout: float, tp1_save: bool = True, loads: int = 1) -> Path:
+                   timeout: float, tp1_save: bool = True, loads: int = 1, diagnose: bool = False) -> Path:
     """native N-rank → one single-GPU SAVE → `loads` fresh N-rank LOADs → native again; the
-    report's path."""
+    report's path. `diagnose`: two more runs that tell where a pod's tokens part from native's."""
     from ember.engines.vllm.args import engine_args
     from ember_bench.vllm import write_config
     from ember_bench.vllm_report import _device, _store_bytes
@@ -298,6 +310,12 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     if results["save"].get("published"):  # this pod with the graphs vLLM captures
         natively = {**archive, "EMBER_VLLM_CAPTURE_NATIVELY": "1"}
         results["reference"] = run_engine("load", args, work, natively, options, timeout, name="reference")
+    if diagnose and results["save"].get("published"):
+        # plain vLLM on SAVE's compiled code; a pod's set-up (libember, a GPU per worker) compiling itself
+        results["native_save_code"] = run_engine("native", args, work, {}, options, timeout,
+                                                 name="native-save-code", seed=work / "vllm-cache-save")
+        results["load_unarchived"] = run_engine("load", args, work, {}, options, timeout,
+                                                name="load-unarchived")
     # native's own repeatability, compiling afresh: tokens two native pods disagree on judge no restore
     results["native_again"] = run_engine("native", args, work, {}, options, timeout, name="native-again",
                                          fresh=True)
@@ -310,6 +328,9 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     path.write_text(json.dumps({"summary": summary, "runs": results}, indent=1, default=str))
     typer.echo(json.dumps(summary, indent=1, default=str))
     return path
+
+
+DIAGNOSES = ("native_save_code", "load_unarchived")
 
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
@@ -333,6 +354,9 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "wrong_loads": wrong(tokens),
         "loads_agree": all(r.get("tokens") == load.get("tokens") for r in every),  # a race differs in some
         "wrong_loads_vs_reference": wrong(ref_tokens) if ref_tokens else None,
+        # --diagnose: which of the two a difference follows (SAVE's code, or a pod's set-up)
+        "identical_to_native": {run: bool(results[run].get("tokens")) and results[run].get("tokens") == tokens
+                                for run in DIAGNOSES if results.get(run)},
         "triton_compiled": {  # Triton kernels each run compiled: at a LOAD's start the goal is none
             run: results[run].get("triton_compiled") for run in ("native", "load", "reference")
             if results.get(run)},

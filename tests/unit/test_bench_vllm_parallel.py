@@ -130,14 +130,15 @@ def test_a_batchs_requests_are_all_added_while_the_scheduler_is_paused() -> None
     assert failing.calls[-1] == "resume"  # never left paused
 
 
-def _published_bench(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, engine: object, loads: int) -> dict:
+def _published_bench(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, engine: object, loads: int,
+                     diagnose: bool = False) -> dict:
     """A TP=2 bench whose SAVE published, its engines `engine`; the summary."""
     monkeypatch.setattr(vp, "run_engine", engine)
     monkeypatch.setattr(vp, "run_save", lambda *a: {"published": True, "save_job_s": 9.0})
     monkeypatch.setattr("ember_bench.vllm_report._device", lambda: "gpu")
     out = vp.bench_parallel("llama-3-8b", 2, 2, False, 1, work=tmp_path, out_dir=tmp_path / "out",
                             batch_sizes=[1], max_tokens=2, gpu_memory_utilization=0.4, timeout=9,
-                            tp1_save=False, loads=loads)
+                            tp1_save=False, loads=loads, diagnose=diagnose)
     return json.loads(out.read_text())["summary"]
 
 
@@ -187,6 +188,50 @@ def test_loads_that_serve_their_own_native_tokens_are_told_from_a_restore_that_c
     ref = next(c for c in calls if c[1] == "reference")
     assert ref[0] == "load" and ref[2]["EMBER_VLLM_CAPTURE_NATIVELY"] == "1" and ref[2]["EMBER_VLLM_ARCHIVE"]
     assert [c[3] for c in calls if c[0] == "native"] == [True, True]
+
+
+def test_diagnose_runs_saves_code_in_plain_vllm_and_a_pods_set_up_compiling_itself(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The LOADs serve the reference's tokens, not native's: plain vLLM on SAVE's code serves
+    them too, a LOAD without an archive serves native's. So SAVE's code is where they part."""
+    calls: dict[str, tuple[str, dict, object]] = {}
+
+    def engine(mode: str, args, work, extra: dict, *a, name: str = "", seed: Path | None = None,
+               **kw) -> dict:
+        calls[name or mode] = (mode, extra, seed)
+        own = (name or mode) in ("native", "native-again", "load-unarchived")
+        return {"engine_init_s": 3.0, "tokens": {"1": [[5 if own else 6]]}, "ember": {}}
+
+    summary = _published_bench(monkeypatch, tmp_path, engine, loads=1, diagnose=True)
+    assert list(calls) == ["native", "load", "reference", "native-save-code", "load-unarchived",
+                           "native-again"]
+    mode, extra, seed = calls["native-save-code"]
+    assert mode == "native" and seed == tmp_path / "llama-3-8b-2l-tp2" / "vllm-cache-save" and not extra
+    mode, extra, seed = calls["load-unarchived"]
+    assert mode == "load" and "EMBER_VLLM_ARCHIVE" not in extra and seed is None
+    assert summary["identical_to_native"] == {"native_save_code": False, "load_unarchived": True}
+    assert _published_bench(monkeypatch, tmp_path, engine, loads=1)["identical_to_native"] == {}
+
+
+def test_a_seeded_run_runs_on_a_copy_of_another_runs_cache_root(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, str] = {}
+
+    def session(cmd, env, logf, timeout) -> int:
+        seen.update(env)
+        Path(env["VLLM_CACHE_ROOT"], "written-by-the-run").write_text("")
+        Path(logf).write_text("died")
+        return 1
+
+    monkeypatch.setattr("ember_bench.vllm.run_session", session)
+    save = tmp_path / "vllm-cache-save"
+    (save / "torch_compile_cache").mkdir(parents=True)
+    (save / "torch_compile_cache" / "code.py").write_text("# SAVE's")
+    res = vp.run_engine("native", [], tmp_path, {}, {}, 9, name="native-save-code", seed=save)
+    root = tmp_path / "vllm-cache-native-save-code"
+    assert seen["VLLM_CACHE_ROOT"] == str(root) and seen["TRITON_HOME"] == str(root / "triton-home")
+    assert (root / "torch_compile_cache" / "code.py").read_text() == "# SAVE's"
+    assert not (save / "written-by-the-run").exists() and res["rc"] == 1  # SAVE's own root untouched
 
 
 def _best_config(root: Path, name: str, **config: object) -> None:
