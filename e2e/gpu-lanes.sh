@@ -87,8 +87,10 @@ poll() {
 }
 
 pack() {  # $OUT/run.tgz: the lanes' logs and queues, every small log and report under $RUN, and
-           # Inductor's autotuning choices (*.best_config) and generated code in the runs' vLLM caches
-  (cd "$RUN" && find . \( -name store -o -name 'cache*' -o -name work -o -name config \) -prune -o -type f \
+           # Inductor's autotuning choices (*.best_config) and generated code in the runs' vLLM caches,
+           # the Triton kernels' metadata in their Triton homes (which kernels a run compiled)
+  (cd "$RUN" && find . \( -name store -o -name 'cache*' ! -path '*/triton-home/*' -o -name work -o -name config \) \
+    -prune -o -type f \
     \( -name '*.log' -o -name '*.txt' -o -name '*.json' -o -name '*.md' -o -name '*.q' -o -name '*.rc' \
     -o -name '*.best_config' -o -path '*/inductor_cache/*/*.py' \) \
     -size -4M -print) | tar -C "$RUN" -czf "$OUT/run.tgz" -T -
