@@ -24,7 +24,8 @@ runs; the offline `LLM` refuses DP > 1):
 6. with `--diagnose`, two runs that tell where a pod's tokens part from native's
    (`identical_to_native`): `native_save_code`, plain vLLM on a copy of SAVE's cache root (the
    archive's compiled code without libember), and `load_unarchived`, a LOAD without an archive
-   (libember, a GPU per worker, refused: vLLM compiles and captures itself);
+   (libember, a GPU per worker, refused: vLLM compiles and captures itself), and
+   `native_kv_bytes`, native given SAVE's KV size as a pod is (vLLM skips its profiling run);
 7. `save_tp1` (unless `--no-tp1-save`) — the SAVE Job of the same model at TP=1, the time the
    shape's SAVE is held to (its goal: no longer).
 
@@ -316,6 +317,9 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
                                                  name="native-save-code", seed=work / "vllm-cache-save")
         results["load_unarchived"] = run_engine("load", args, work, {}, options, timeout,
                                                 name="load-unarchived")
+        # native sized as a pod is, by SAVE's KV bytes: vLLM then skips its memory-profiling run
+        results["native_kv_bytes"] = run_engine("native", [*args, *kv_bytes_args(results["save"])], work, {},
+                                                options, timeout, name="native-kv-bytes", fresh=True)
     # native's own repeatability, compiling afresh: tokens two native pods disagree on judge no restore
     results["native_again"] = run_engine("native", args, work, {}, options, timeout, name="native-again",
                                          fresh=True)
@@ -330,7 +334,16 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     return path
 
 
-DIAGNOSES = ("native_save_code", "load_unarchived")
+DIAGNOSES = ("native_save_code", "load_unarchived", "native_kv_bytes")
+
+
+def kv_bytes_args(save: dict[str, Any]) -> list[str]:
+    """The KV-cache size SAVE ran with (and a pod runs with), as vLLM's flag; [] when unknown."""
+    args = [str(a) for a in save.get("args") or []]
+    if "--kv-cache-memory-bytes" not in args:
+        return []
+    i = args.index("--kv-cache-memory-bytes")
+    return args[i:i + 2]
 
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:

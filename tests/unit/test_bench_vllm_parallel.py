@@ -134,7 +134,8 @@ def _published_bench(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, engine: ob
                      diagnose: bool = False) -> dict:
     """A TP=2 bench whose SAVE published, its engines `engine`; the summary."""
     monkeypatch.setattr(vp, "run_engine", engine)
-    monkeypatch.setattr(vp, "run_save", lambda *a: {"published": True, "save_job_s": 9.0})
+    monkeypatch.setattr(vp, "run_save", lambda *a: {"published": True, "save_job_s": 9.0,
+                                                    "args": ["--seed", "0", "--kv-cache-memory-bytes", "77"]})
     monkeypatch.setattr("ember_bench.vllm_report._device", lambda: "gpu")
     out = vp.bench_parallel("llama-3-8b", 2, 2, False, 1, work=tmp_path, out_dir=tmp_path / "out",
                             batch_sizes=[1], max_tokens=2, gpu_memory_utilization=0.4, timeout=9,
@@ -195,21 +196,25 @@ def test_diagnose_runs_saves_code_in_plain_vllm_and_a_pods_set_up_compiling_itse
     """The LOADs serve the reference's tokens, not native's: plain vLLM on SAVE's code serves
     them too, a LOAD without an archive serves native's. So SAVE's code is where they part."""
     calls: dict[str, tuple[str, dict, object]] = {}
+    engine_args: dict[str, list[str]] = {}
 
     def engine(mode: str, args, work, extra: dict, *a, name: str = "", seed: Path | None = None,
                **kw) -> dict:
-        calls[name or mode] = (mode, extra, seed)
-        own = (name or mode) in ("native", "native-again", "load-unarchived")
+        calls[name or mode], engine_args[name or mode] = (mode, extra, seed), args
+        own = (name or mode) in ("native", "native-again", "load-unarchived", "native-kv-bytes")
         return {"engine_init_s": 3.0, "tokens": {"1": [[5 if own else 6]]}, "ember": {}}
 
     summary = _published_bench(monkeypatch, tmp_path, engine, loads=1, diagnose=True)
     assert list(calls) == ["native", "load", "reference", "native-save-code", "load-unarchived",
-                           "native-again"]
+                           "native-kv-bytes", "native-again"]
+    assert engine_args["native-kv-bytes"] == [*engine_args["native"], "--kv-cache-memory-bytes", "77"]
     mode, extra, seed = calls["native-save-code"]
     assert mode == "native" and seed == tmp_path / "llama-3-8b-2l-tp2" / "vllm-cache-save" and not extra
     mode, extra, seed = calls["load-unarchived"]
     assert mode == "load" and "EMBER_VLLM_ARCHIVE" not in extra and seed is None
-    assert summary["identical_to_native"] == {"native_save_code": False, "load_unarchived": True}
+    assert summary["identical_to_native"] == {"native_save_code": False, "load_unarchived": True,
+                                              "native_kv_bytes": True}
+    assert vp.kv_bytes_args({"args": ["--seed", "0"]}) == [] and vp.kv_bytes_args({}) == []
     assert _published_bench(monkeypatch, tmp_path, engine, loads=1)["identical_to_native"] == {}
 
 
