@@ -183,6 +183,9 @@ def bench_vllm(
     diagnose: Annotated[bool, typer.Option(help="With --tp/--ep/--dp: also plain vLLM on SAVE's compiled "
                                                 "code and a LOAD without an archive (where tokens part "
                                                 "from native's).")] = False,
+    floor: Annotated[bool, typer.Option(help="With --tp/--ep/--dp: also native --enforce-eager on native's "
+                                             "kernels and a pod's KV size (vLLM's start without compile "
+                                             "or graphs).")] = False,
     pins_cost: Annotated[bool, typer.Option(help="Instead: one decode step (over --max-tokens steps) of "
                                                  "native vLLM as vLLM runs the shape and as a pod runs it, "
                                                  "with ember's pins (bench vllm_pins).")] = False,
@@ -196,7 +199,8 @@ def bench_vllm(
         common = {"work": work, "out_dir": out_dir, "batch_sizes": [int(b) for b in batch_sizes.split(",")],
                   "gpu_memory_utilization": gpu_memory_utilization, "timeout": timeout}
         more = {"run": bench_pins_cost, "steps": max_tokens} if pins_cost else {
-            "max_tokens": max_tokens, "tp1_save": tp1_save, "loads": loads, "diagnose": diagnose}
+            "max_tokens": max_tokens, "tp1_save": tp1_save, "loads": loads, "diagnose": diagnose,
+            "floor": floor}
         bench_shape(model, layers, tp, ep, dp, **more, **common)
         return
     order = runs.split(",")

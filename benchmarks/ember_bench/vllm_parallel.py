@@ -26,7 +26,10 @@ runs; the offline `LLM` refuses DP > 1):
    archive's compiled code without libember), and `load_unarchived`, a LOAD without an archive
    (libember, a GPU per worker, refused: vLLM compiles and captures itself), and
    `native_kv_bytes`, native given SAVE's KV size as a pod is (vLLM skips its profiling run);
-7. `save_tp1` (unless `--no-tp1-save`) — the SAVE Job of the same model at TP=1, the time the
+7. with `--floor`, `floor`: native with `--enforce-eager` (no compile, no graph), given SAVE's
+   KV size as a pod is and a copy of native's cache root (its Triton kernels): vLLM's own start,
+   which a restore cannot shorten (`engine_init_floor_over_native`);
+8. `save_tp1` (unless `--no-tp1-save`) — the SAVE Job of the same model at TP=1, the time the
    shape's SAVE is held to (its goal: no longer).
 
 Per run: engine init, start → first token, greedy tokens at each batch size (each batch's
@@ -286,9 +289,11 @@ def bench_shape(model: str, layers: int, tp: int, ep: int, dp: int, run: Any = N
 
 def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int, *, work: Path,
                    out_dir: Path, batch_sizes: list[int], max_tokens: int, gpu_memory_utilization: float,
-                   timeout: float, tp1_save: bool = True, loads: int = 1, diagnose: bool = False) -> Path:
+                   timeout: float, tp1_save: bool = True, loads: int = 1, diagnose: bool = False,
+                   floor: bool = False) -> Path:
     """native N-rank → one single-GPU SAVE → `loads` fresh N-rank LOADs → native again; the
-    report's path. `diagnose`: two more runs that tell where a pod's tokens part from native's."""
+    report's path. `diagnose`: three more runs that tell where a pod's tokens part from native's;
+    `floor`: one that times vLLM's start with nothing to compile, load or capture."""
     from ember.engines.vllm.args import engine_args
     from ember_bench.vllm import write_config
     from ember_bench.vllm_report import _device, _store_bytes
@@ -302,6 +307,10 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     options = {"batch_sizes": batch_sizes, "max_tokens": max_tokens}
     results: dict[str, Any] = {"native": run_engine("native", args, work, {}, options, timeout, fresh=True)}
     results["save"] = run_save(ident, extra, work, timeout)
+    if floor:  # vLLM's own start, nothing to compile, load or capture (native's Triton kernels, a pod's KV)
+        results["floor"] = run_engine("native", [*args, "--enforce-eager", *kv_bytes_args(results["save"])],
+                                      work, {}, options, timeout, name="floor",
+                                      seed=work / "vllm-cache-native-fresh")
     archive = {"EMBER_VLLM_ARCHIVE": str(work / "store" / "archives" / ident.hash())}
     # each from an empty cache root: a fresh pod; without an archive one LOAD shows the refusal
     starts = max(1, loads) if results["save"].get("published") else 1
@@ -351,6 +360,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     many restored on every rank and how many served other tokens than native (`wrong_loads`) and
     than this pod's own native capture (`wrong_loads_vs_reference`, None without a reference)."""
     native, load, reference = results["native"], results["load"], results.get("reference") or {}
+    floor = results.get("floor") or {}
     every = [load, *results.get("loads_more", [])]
     tokens, ref_tokens = native.get("tokens"), reference.get("tokens")
 
@@ -384,6 +394,9 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "engine_init_load_over_native": ratio(load.get("engine_init_s"), native.get("engine_init_s")),
         # the graphs' own part: the reference has the archive's compiled code too, and captures
         "engine_init_load_over_reference": ratio(load.get("engine_init_s"), reference.get("engine_init_s")),
+        # --floor: the part of native's init no restore can remove, and LOAD's init above it
+        "engine_init_floor_s": floor.get("engine_init_s"),
+        "engine_init_floor_over_native": ratio(floor.get("engine_init_s"), native.get("engine_init_s")),
         "first_token_s": {"native": native.get("first_token_s"), "load": load.get("first_token_s")},
         "save_published": bool(results["save"].get("published")),
         "save_error": results["save"].get("error"),

@@ -131,7 +131,7 @@ def test_a_batchs_requests_are_all_added_while_the_scheduler_is_paused() -> None
 
 
 def _published_bench(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, engine: object, loads: int,
-                     diagnose: bool = False) -> dict:
+                     diagnose: bool = False, floor: bool = False) -> dict:
     """A TP=2 bench whose SAVE published, its engines `engine`; the summary."""
     monkeypatch.setattr(vp, "run_engine", engine)
     monkeypatch.setattr(vp, "run_save", lambda *a: {"published": True, "save_job_s": 9.0,
@@ -139,7 +139,7 @@ def _published_bench(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, engine: ob
     monkeypatch.setattr("ember_bench.vllm_report._device", lambda: "gpu")
     out = vp.bench_parallel("llama-3-8b", 2, 2, False, 1, work=tmp_path, out_dir=tmp_path / "out",
                             batch_sizes=[1], max_tokens=2, gpu_memory_utilization=0.4, timeout=9,
-                            tp1_save=False, loads=loads, diagnose=diagnose)
+                            tp1_save=False, loads=loads, diagnose=diagnose, floor=floor)
     return json.loads(out.read_text())["summary"]
 
 
@@ -216,6 +216,25 @@ def test_diagnose_runs_saves_code_in_plain_vllm_and_a_pods_set_up_compiling_itse
                                               "native_kv_bytes": True}
     assert vp.kv_bytes_args({"args": ["--seed", "0"]}) == [] and vp.kv_bytes_args({}) == []
     assert _published_bench(monkeypatch, tmp_path, engine, loads=1)["identical_to_native"] == {}
+
+
+def test_the_floor_is_native_without_compile_or_graphs_on_natives_kernels_sized_as_a_pod(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: dict[str, tuple[list[str], object]] = {}
+
+    def engine(mode: str, args, work, extra: dict, *a, name: str = "", seed: Path | None = None,
+               **kw) -> dict:
+        calls[name or mode] = (args, seed)
+        return {"engine_init_s": {"native": 50.0, "floor": 10.0}.get(name or mode, 12.0), "ember": {}}
+
+    summary = _published_bench(monkeypatch, tmp_path, engine, loads=1, floor=True)
+    assert list(calls) == ["native", "floor", "load", "reference", "native-again"]  # before native again
+    args, seed = calls["floor"]
+    assert args == [*calls["native"][0], "--enforce-eager", "--kv-cache-memory-bytes", "77"]
+    assert seed == tmp_path / "llama-3-8b-2l-tp2" / "vllm-cache-native-fresh"  # native's Triton kernels
+    assert summary["engine_init_floor_s"] == 10.0 and summary["engine_init_floor_over_native"] == 0.2
+    assert summary["engine_init_load_over_native"] == 0.24
+    assert _published_bench(monkeypatch, tmp_path, engine, loads=1)["engine_init_floor_s"] is None
 
 
 def test_a_seeded_run_runs_on_a_copy_of_another_runs_cache_root(
