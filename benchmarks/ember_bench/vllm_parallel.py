@@ -21,11 +21,12 @@ runs; the offline `LLM` refuses DP > 1):
 5. `native_again` — native once more, compiling from an empty cache as the first did: its tokens
    must repeat the first run's, or no token comparison at this shape can judge a restore
    (`native_reproducible`);
-6. with `--diagnose`, two runs that tell where a pod's tokens part from native's
-   (`identical_to_native`): `native_save_code`, plain vLLM on a copy of SAVE's cache root (the
-   archive's compiled code without libember), and `load_unarchived`, a LOAD without an archive
-   (libember, a GPU per worker, refused: vLLM compiles and captures itself), and
-   `native_kv_bytes`, native given SAVE's KV size as a pod is (vLLM skips its profiling run);
+6. with `--diagnose`, three runs that tell where a pod's tokens part from native's
+   (`identical_to_native`): `native_save_code`, plain vLLM on a copy of SAVE's cache root (rank
+   0 runs the archive's compiled code without libember; SAVE compiled no other rank's, so the
+   others compile their own); `load_unarchived`, a LOAD without an archive (libember, a GPU per
+   worker, refused: vLLM compiles and captures itself); `native_kv_bytes`, native given SAVE's
+   KV size as a pod is (vLLM skips its profiling run);
 7. with `--floor`, `floor`: native with `--enforce-eager` (no compile, no graph), given SAVE's
    KV size as a pod is and a copy of native's cache root (its Triton kernels): vLLM's own start,
    which a restore cannot shorten (`engine_init_floor_over_native`);
@@ -377,7 +378,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "wrong_loads": wrong(tokens),
         "loads_agree": all(r.get("tokens") == load.get("tokens") for r in every),  # a race differs in some
         "wrong_loads_vs_reference": wrong(ref_tokens) if ref_tokens else None,
-        # --diagnose: which of the two a difference follows (SAVE's code, or a pod's set-up)
+        # --diagnose: what a difference follows (SAVE's code, a pod's set-up, or its KV sizing)
         "identical_to_native": {run: bool(results[run].get("tokens")) and results[run].get("tokens") == tokens
                                 for run in DIAGNOSES if results.get(run)},
         "triton_compiled": {  # Triton kernels each run compiled: at a LOAD's start the goal is none
