@@ -225,7 +225,8 @@ def test_the_floor_is_native_without_compile_or_graphs_on_natives_kernels_sized_
     def engine(mode: str, args, work, extra: dict, *a, name: str = "", seed: Path | None = None,
                **kw) -> dict:
         calls[name or mode] = (args, seed)
-        return {"engine_init_s": {"native": 50.0, "floor": 10.0}.get(name or mode, 12.0), "ember": {}}
+        return {"engine_init_s": {"native": 50.0, "floor": 10.0}.get(name or mode, 12.0), "ember": {},
+                "import_s": 20.0 if mode == "native" else 21.0}
 
     summary = _published_bench(monkeypatch, tmp_path, engine, loads=1, floor=True)
     assert list(calls) == ["native", "floor", "load", "reference", "native-again"]  # before native again
@@ -234,7 +235,13 @@ def test_the_floor_is_native_without_compile_or_graphs_on_natives_kernels_sized_
     assert seed == tmp_path / "llama-3-8b-2l-tp2" / "vllm-cache-native-fresh"  # native's Triton kernels
     assert summary["engine_init_floor_s"] == 10.0 and summary["engine_init_floor_over_native"] == 0.2
     assert summary["engine_init_load_over_native"] == 0.24
+    assert summary["import_s"] == {"native": 20.0, "load": 21.0}  # within start → first token
     assert _published_bench(monkeypatch, tmp_path, engine, loads=1)["engine_init_floor_s"] is None
+
+
+def test_the_engine_child_compiles_and_times_its_imports() -> None:
+    compile(vp.CHILD, "child", "exec")
+    assert "imported = time.perf_counter() - T0" in vp.CHILD and '"import_s"' in vp.CHILD
 
 
 def test_a_seeded_run_runs_on_a_copy_of_another_runs_cache_root(
