@@ -25,8 +25,9 @@ runs; the offline `LLM` refuses DP > 1):
    (`identical_to_native`): `native_save_code`, plain vLLM on a copy of SAVE's cache root (rank
    0 runs the archive's compiled code without libember; SAVE compiled no other rank's, so the
    others compile their own); `load_unarchived`, a LOAD without an archive (libember, a GPU per
-   worker, refused: vLLM compiles and captures itself); `native_kv_bytes`, native given SAVE's
-   KV size as a pod is (vLLM skips its profiling run);
+   worker, refused: vLLM compiles and captures itself), and where that differs from native,
+   `load_unarchived_all_gpus`, the same with every worker seeing every GPU (libember alone);
+   `native_kv_bytes`, native given SAVE's KV size as a pod is (vLLM skips its profiling run);
 7. with `--floor`, `floor`: native with `--enforce-eager` (no compile, no graph), given SAVE's
    KV size as a pod is and a copy of native's cache root (its Triton kernels): vLLM's own start,
    which a restore cannot shorten (`engine_init_floor_over_native`);
@@ -324,14 +325,7 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
         natively = {**archive, "EMBER_VLLM_CAPTURE_NATIVELY": "1"}
         results["reference"] = run_engine("load", args, work, natively, options, timeout, name="reference")
     if diagnose and results["save"].get("published"):
-        # plain vLLM on SAVE's compiled code; a pod's set-up (libember, a GPU per worker) compiling itself
-        results["native_save_code"] = run_engine("native", args, work, {}, options, timeout,
-                                                 name="native-save-code", seed=work / "vllm-cache-save")
-        results["load_unarchived"] = run_engine("load", args, work, {}, options, timeout,
-                                                name="load-unarchived")
-        # native sized as a pod is, by SAVE's KV bytes: vLLM then skips its memory-profiling run
-        results["native_kv_bytes"] = run_engine("native", [*args, *kv_bytes_args(results["save"])], work, {},
-                                                options, timeout, name="native-kv-bytes", fresh=True)
+        results.update(diagnoses(args, work, options, timeout, results))
     # native's own repeatability, compiling afresh: tokens two native pods disagree on judge no restore
     results["native_again"] = run_engine("native", args, work, {}, options, timeout, name="native-again",
                                          fresh=True)
@@ -346,7 +340,26 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     return path
 
 
-DIAGNOSES = ("native_save_code", "load_unarchived", "native_kv_bytes")
+def diagnoses(args: list[str], work: Path, options: dict[str, Any], timeout: float,
+              results: dict[str, Any]) -> dict[str, Any]:
+    """`--diagnose`'s runs (module doc, 6.), after the LOADs: each is compared with native."""
+    out = {
+        # plain vLLM on SAVE's compiled code
+        "native_save_code": run_engine("native", args, work, {}, options, timeout, name="native-save-code",
+                                       seed=work / "vllm-cache-save"),
+        # a pod's set-up (libember, a GPU per worker) compiling and capturing itself
+        "load_unarchived": run_engine("load", args, work, {}, options, timeout, name="load-unarchived"),
+    }
+    if out["load_unarchived"].get("tokens") != results["native"].get("tokens"):  # split the set-up
+        out["load_unarchived_all_gpus"] = run_engine("load", args, work, {"EMBER_VLLM_ONE_GPU": "0"}, options,
+                                                     timeout, name="load-unarchived-all-gpus")
+    # native sized as a pod is, by SAVE's KV bytes: vLLM then skips its memory-profiling run
+    out["native_kv_bytes"] = run_engine("native", [*args, *kv_bytes_args(results["save"])], work, {}, options,
+                                        timeout, name="native-kv-bytes", fresh=True)
+    return out
+
+
+DIAGNOSES = ("native_save_code", "load_unarchived", "load_unarchived_all_gpus", "native_kv_bytes")
 
 
 def kv_bytes_args(save: dict[str, Any]) -> list[str]:

@@ -218,6 +218,21 @@ def test_diagnose_runs_saves_code_in_plain_vllm_and_a_pods_set_up_compiling_itse
     assert _published_bench(monkeypatch, tmp_path, engine, loads=1)["identical_to_native"] == {}
 
 
+def test_a_pods_set_up_that_changes_tokens_is_split_into_libember_and_one_gpu_per_worker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: dict[str, dict] = {}
+
+    def engine(mode: str, args, work, extra: dict, *a, name: str = "", **kw) -> dict:
+        calls[name or mode] = extra
+        own = (name or mode) in ("native", "native-again", "load-unarchived-all-gpus")
+        return {"engine_init_s": 3.0, "tokens": {"1": [[5 if own else 6]]}, "ember": {}}
+
+    summary = _published_bench(monkeypatch, tmp_path, engine, loads=1, diagnose=True)
+    assert calls["load-unarchived-all-gpus"] == {"EMBER_VLLM_ONE_GPU": "0"}
+    assert summary["identical_to_native"]["load_unarchived"] is False
+    assert summary["identical_to_native"]["load_unarchived_all_gpus"] is True  # one GPU per worker, then
+
+
 def test_the_floor_is_native_without_compile_or_graphs_on_natives_kernels_sized_as_a_pod(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: dict[str, tuple[list[str], object]] = {}
