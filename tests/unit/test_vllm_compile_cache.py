@@ -151,7 +151,7 @@ def test_load_finds_the_model_under_its_own_root_once_put_back(monkeypatch: pyte
     assert compile_cache.key_of("/elsewhere/cache") == "" and compile_cache.model_dir({}) == ""
 
 
-def _archive_with_caches(tmp_path: Path) -> Path:
+def _archive_with_caches(tmp_path: Path, tensor: int = 1, engine: dict | None = None) -> Path:
     """A published archive whose attachment is SAVE's packed vLLM caches."""
     from ember.archive import bundle
     from ember.identity import ArchiveIdentity, CompatKey
@@ -161,12 +161,16 @@ def _archive_with_caches(tmp_path: Path) -> Path:
     _tree(tmp_path / "save")
     packed = compile_cache.pack(tmp_path / "save")
     assert packed is not None
-    ident = ArchiveIdentity(model="m", engine="vllm", engine_version="0.26.0", capture_sizes=(1, 2))
+    from ember.identity import Parallelism
+
+    ident = ArchiveIdentity(model="m", engine="vllm", engine_version="0.26.0", capture_sizes=(1, 2),
+                            parallelism=Parallelism(tensor=tensor))
     compat = CompatKey(gpu_name="NVIDIA H200", compute_capability="9.0", driver="580", cuda="13.0",
                        torch="2.11.0")
     store = LocalStore(tmp_path / "store")
     bundle.write_archive(store, synthetic_graphset(graphs=2, nodes=20, groups=1), ident, compat,
-                         kernel_images=synthetic_images(), attachments={compile_cache.NAME: packed})
+                         kernel_images=synthetic_images(), attachments={compile_cache.NAME: packed},
+                         engine=engine)
     return tmp_path / "store" / "archives" / ident.hash()
 
 
@@ -205,6 +209,28 @@ def test_load_places_the_caches_when_vllm_starts_once_per_process_tree(
     assert not compile_cache.placed_here()
     plugin_state.place_caches()
     assert (tmp_path / "elsewhere" / "modelinfos" / info.name).is_file()
+
+
+@pytest.mark.parametrize("compiled_with", [None, ["vocab-bounds"]])
+def test_a_tp2_archive_whose_save_did_not_name_the_vocab_patch_leaves_its_code_unplaced(
+    plugin_state, compiled_with: list[str] | None, tmp_path: Path,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Code compiled without the patch holds rank 0's vocabulary bounds: vLLM would load it by
+    its config and run it on every rank. Such an archive's caches are never placed (the runner's
+    accept refuses it too), so the pod compiles its own code."""
+    import json
+
+    engine = {"compiled_with": compiled_with} if compiled_with else {}
+    monkeypatch.setenv("EMBER_VLLM_ARCHIVE", str(_archive_with_caches(tmp_path, tensor=2, engine=engine)))
+    plugin_state.place_caches()
+    stage = json.loads((tmp_path / "report.json").read_text())["stages"]["compile_cache"]
+    placed = (tmp_path / "pod" / "modelinfos" / INFO).is_file()
+    if compiled_with:
+        assert placed and stage["placed"] == 4
+    else:
+        assert not placed and "vocabulary bounds" in stage["refused"]
+        assert compile_cache.PLACED not in os.environ
 
 
 def test_an_unreadable_archive_leaves_placing_to_the_runner(plugin_state, tmp_path: Path,

@@ -20,6 +20,7 @@ from ember.engines.vllm import compile_cache
 from ember.engines.vllm import graphs as sites
 from ember.engines.vllm.args import mismatches, parallelism
 from ember.engines.vllm.keys import GraphConfig, GraphKey, enumerate_descs, enumerate_keys
+from ember.engines.vllm.parallel import COMPILED_WITH, VOCAB_PATCH, archive_refusal
 from ember.engines.vllm.versions import check_engine, engine_version, unsupported_features
 from ember.identity import ArchiveIdentity, config_digest
 from ember.runtime.adapter import COMPAT, ENGINE, LOAD, Refused
@@ -144,6 +145,9 @@ class VllmAdapter:
         return problems
 
     # -- multi-GPU ------------------------------------------------------------------------------
+    def _tensor(self) -> int:
+        return int(self.vllm_config.parallel_config.tensor_parallel_size)
+
     def world(self) -> int:
         pc = self.vllm_config.parallel_config
         return int(pc.tensor_parallel_size) * int(pc.data_parallel_size) * int(pc.pipeline_parallel_size)
@@ -235,11 +239,13 @@ class VllmAdapter:
     def prepare(self, facts: Mapping[str, Any] | None) -> None:
         """vLLM allocated everything already; check that its keys are the ones enumerated (and at
         LOAD, that it resolved SAVE's sizing)."""
-        if int(self.vllm_config.parallel_config.tensor_parallel_size) > 1:
-            from ember.engines.vllm.parallel import rank_dependent
+        if (tensor := self._tensor()) > 1:
+            from ember.engines.vllm.parallel import code_refusal, rank_dependent
 
             if odd_layers := rank_dependent(_model(self.runner)):
                 raise Refused(ENGINE, "graph content would differ per rank: " + "; ".join(odd_layers[:3]))
+            if why := code_refusal(_model(self.runner), tensor):
+                raise Refused(ENGINE, why)
         mirror = sorted(enumerate_descs(self.graph_config()), key=repr)
         engine = sorted(engine_descs(self.runner), key=repr)
         if mirror != engine:
@@ -297,6 +303,8 @@ class VllmAdapter:
             "input_addresses": {name(map(str, k)): c.input_addresses for k, c in self.captured.items()},
             "v2_hidden_states": sites.describe(hidden) if hidden is not None else None,
             "inputs": static_addresses(self.runner),
+            # prepare() refused compiled code without the patch (ember.engines.vllm.parallel)
+            COMPILED_WITH: [VOCAB_PATCH] if self._tensor() > 1 else [],
         }
         if self.world() == 1:  # SAVE saw real data: LOAD's canary compares with what it computed
             from ember.engines.vllm import canary_run
@@ -326,6 +334,8 @@ class VllmAdapter:
             raise Refused(COMPAT, f"vLLM's compile cache {cache} is not on this node (LOAD would recompile)")
         if not int(facts.get("kv_cache_memory_bytes") or 0):
             raise Refused(COMPAT, "archive has no kv_cache_memory_bytes")
+        if why := archive_refusal(self._tensor(), facts):
+            raise Refused(COMPAT, why)
         return dict(facts)
 
     def attachments(self) -> dict[str, bytes]:

@@ -33,16 +33,17 @@ PARALLEL_PASSES = {"fuse_allreduce_rms": False, "fuse_gemm_comms": False, "enabl
 
 # Inductor's deterministic mode (torch/_inductor/config.py `deterministic`), for every shape: a
 # reduction's Triton config (block size and warps decide its summation order) is chosen by rule,
-# not by timing the candidates at the kernel's first launch. Timed, two processes of one shape can
-# sum in different orders: SAVE's GPU chose another RMSNorm block than native TP=2 did, and every
-# restored start then served other tokens than native, while agreeing with a native capture of
-# SAVE's own compiled code (benchmarks/results/h200x2-20261130d). Combo kernels stay on, as vLLM
-# turns them on (config/compilation.py), but untimed: timing a choice is an error in this mode.
+# not by timing the candidates at the kernel's first launch. Timed, SAVE's one GPU and a pod's
+# ranks can choose differently and sum in different orders (they did: benchmarks/results/
+# h200x2-20261130d), and the compiled code every rank runs is SAVE's. Combo kernels stay on, as
+# vLLM turns them on (config/compilation.py), but untimed: timing a choice is an error in this mode.
 NUMERICS = {"deterministic": True, "combo_kernels": True, "benchmark_combo_kernel": False}
 # ...and in a vLLM identity (its `workload`: what ember runs the engine with beyond the identity's
-# fields), so that an archive compiled before NUMERICS is never found under a deployment's new
-# identity: the operator SAVEs again instead of every pod refusing the stale archive
-IDENTITY_WORKLOAD = {"inductor": "deterministic"}
+# fields), so that an archive compiled otherwise is never found under a deployment's new identity:
+# the operator SAVEs again instead of every pod refusing the stale archive. `code`: the compiled
+# code reads each rank's own vocabulary bounds (ember.engines.vllm.parallel; archives SAVEd before
+# SAVE checked it held rank 0's).
+IDENTITY_WORKLOAD = {"inductor": "deterministic", "code": "rank-invariant"}
 
 
 def _value(text: str) -> Any:

@@ -14,9 +14,13 @@ Graph content must be the same on every rank (docs/multi-gpu.md, "the rule one a
 on"). Two vLLM layers are not:
 - `VocabParallelEmbedding` with TP > 1 masks token ids with its shard's bounds, Python ints
   (`shard_indices.org_vocab_start_index`, ...) that torch.compile bakes into the kernel: every
-  restored rank would look up rank 0's shard. `patch_vocab_embedding` (SAVE and LOAD alike, so the
-  compiled code and the graphs are the same) reads them from a device buffer written when the
-  layer is built (`BOUNDS`), at one address on every rank;
+  restored rank would look up rank 0's shard. `patch_vocab_embedding` (SAVE, its sizing probe
+  and LOAD alike, so the compiled code and the graphs are the same) reads them from a device
+  buffer written when the layer is built (`BOUNDS`), at one address on every rank. The buffer
+  alone proves nothing: vLLM loads an AOT-compiled forward by its config, not its code, so code
+  traced without the patch (the bounds baked in) still runs. So SAVE checks the modules its
+  compiled code traced (`code_refusal`) and names the patch in its facts (`COMPILED_WITH`), and
+  LOAD uses no TP > 1 archive that does not (`archive_refusal`);
 - `RowParallelLinear` adds its bias on TP rank 0 only (`tp_rank > 0` → no bias): a model with
   such a bias is refused (`rank_dependent`).
 Experts (EP) are chosen through `expert_map`, a device tensor per rank: rank-invariant.
@@ -24,12 +28,15 @@ Experts (EP) are chosen through `expert_map`, a device tensor per rank: rank-inv
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ember.archive.collectives import CommGroup
 from ember.runtime.comm import Communicators, stub_comm_id
 
 BOUNDS = "ember_vocab_bounds"  # the shard's bounds as a device buffer (see the module docstring)
+COMPILED_WITH = "compiled_with"  # SAVE's facts: the patches its compiled code traced
+VOCAB_PATCH = "vocab-bounds"
 
 
 def device_groups() -> list[tuple[str, int, int, int]]:  # pragma: no cover - needs vLLM
@@ -146,3 +153,37 @@ def rank_dependent(model: Any) -> list[str]:  # pragma: no cover - needs vLLM
                 and getattr(m, BOUNDS, None) is None:
             out.append(f"{name}: vocabulary shard bounds as Python ints (the embedding patch is not applied)")
     return out
+
+
+def traced_modules(model: Any) -> set[str] | None:
+    """The Python modules the model's AOT-compiled forwards traced (vLLM's `support_torch_compile`
+    keeps each as `aot_compiled_fn`; torch records its sources); None where none is compiled so."""
+    found: set[str] | None = None
+    for module in model.modules():
+        fn = getattr(module, "aot_compiled_fn", None)
+        if fn is not None:
+            found = (found or set()) | {src.module for src in fn.source_info().inlined_sources}
+    return found
+
+
+def code_refusal(model: Any, tensor: int) -> str:
+    """TP > 1: why the compiled code cannot serve every rank ('' where it can): it was traced
+    without the embedding patch, so it holds this process's vocabulary bounds. Without an
+    AOT-compiled forward vLLM keys its cache by the traced code itself, which the patch is in."""
+    try:
+        traced = traced_modules(model) if tensor > 1 else None
+    except Exception as exc:  # another torch: what it traced is unknown, so is what it bakes in
+        return f"cannot tell which code the compiled forward traced: {type(exc).__name__}: {exc}"
+    if traced is None or __name__ in traced:
+        return ""
+    return ("the compiled code was traced without ember's vocabulary patch (it holds this rank's "
+            "shard bounds, not every rank's)")
+
+
+def archive_refusal(tensor: int, facts: Mapping[str, Any]) -> str:
+    """LOAD, before anything of a TP > 1 archive is used: its SAVE must have named the patch its
+    compiled code traced ('' where it did, or at TP=1)."""
+    if tensor < 2 or VOCAB_PATCH in (facts.get(COMPILED_WITH) or []):
+        return ""
+    return ("archive's compiled code is not known to read the vocabulary bounds per rank (SAVEd "
+            "before ember checked it): it would serve rank 0's shard on every rank")

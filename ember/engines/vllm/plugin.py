@@ -111,11 +111,14 @@ def register() -> None:
 
 def place_caches() -> None:
     """LOAD, in the first vLLM process (plugins load in `EngineArgs.__post_init__`): the archive's
-    vLLM caches put under this process's cache root before vLLM reads them. The model-class facts
-    are read while the engine's config is built, long before a worker exists; without them vLLM
-    inspects the class in a subprocess that imports vLLM (~20 s). Once per process tree
-    (`compile_cache.PLACED`); a failure here leaves it to the runner's `attached()`, which refuses then."""
+    vLLM caches put under this process's cache root before vLLM reads them (not those of an
+    archive LOAD refuses for its code, `parallel.archive_refusal`: vLLM would run that code).
+    The model-class facts are read while the engine's config is built, long before a worker
+    exists; without them vLLM inspects the class in a subprocess that imports vLLM (~20 s). Once
+    per process tree (`compile_cache.PLACED`); a failure here leaves it to the runner's
+    `attached()`, which refuses then."""
     from ember.engines.vllm import compile_cache
+    from ember.engines.vllm.parallel import archive_refusal
     from ember.handoff import archive_location
     from ember.runtime import publish
 
@@ -123,7 +126,12 @@ def place_caches() -> None:
     if not archive or compile_cache.placed_here():
         return
     try:
-        data = publish.open_archive(*archive_location(archive)).attachment(compile_cache.NAME)
+        opened = publish.open_archive(*archive_location(archive))
+        tensor = int(opened.manifest.identity.parallelism.tensor)
+        if why := archive_refusal(tensor, opened.manifest.engine):  # the runner's accept() refuses too
+            report("compile_cache", refused=why, process="plugin")
+            return
+        data = opened.attachment(compile_cache.NAME)
         if data:
             report("compile_cache", **compile_cache.unpack(data), process="plugin")
         os.environ[compile_cache.PLACED] = str(compile_cache.cache_root())  # vLLM's processes inherit it
@@ -362,8 +370,8 @@ def _vote_no(runner: Any, kind: str) -> None:
 
 
 def _parallel_before_model(vllm_config: Any) -> None:
-    """A tensor-parallel shape: the embedding's shard bounds in device memory (SAVE and LOAD
-    alike, ember.engines.vllm.parallel) before vLLM builds the model."""
+    """A tensor-parallel shape: the embedding's shard bounds in device memory (SAVE, its probe and
+    LOAD alike, ember.engines.vllm.parallel) before vLLM builds the model."""
     if int(vllm_config.parallel_config.tensor_parallel_size) > 1:
         from ember.engines.vllm.parallel import patch_vocab_embedding
 
@@ -392,6 +400,8 @@ def _before_runner(vllm_config: Any, kind: str) -> None:
     from ember.engines.vllm.adapter import VllmAdapter
 
     if not STATE.mode:
+        if settings.on("EMBER_VLLM_PROBE"):  # its compile fills the cache SAVE loads: SAVE's model code
+            _parallel_before_model(vllm_config)
         return
     if STATE.armed or STATE.refusal:
         if STATE.armed:
