@@ -35,7 +35,7 @@ runs; the offline `LLM` refuses DP > 1):
    shape's SAVE is held to (its goal: no longer).
 
 Per run: engine init, start → first token, greedy tokens at each batch size (each batch's
-requests scheduled together; compared with native), Inductor's autotuning choices its cache root
+requests scheduled together, their token ids from the whole vocabulary; compared with native), Inductor's autotuning choices its cache root
 holds (`autotune`: a reduction's config decides its summation order, so the same compiled code
 computes other bits under another choice; the summary's `autotune_differs_from_native` counts
 reductions whose choice differs from native's), the code Inductor generated (`compiled_code`, file
@@ -81,7 +81,7 @@ async def main(args):
     init = time.perf_counter() - t
 
     async def run(batch, seed, params):
-        return await generate_together(llm, prompts(batch, 30000, seed), params, f"{seed}")
+        return await generate_together(llm, prompts(batch, args.get("vocab", 30000), seed), params, f"{seed}")
 
     def params(n):
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -308,7 +308,9 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     ident = shape_identity(cfg, tensor, expert, data)
     extra = extra_args(gpu_memory_utilization)
     args = [*engine_args(ident), *extra]
-    options = {"batch_sizes": batch_sizes, "max_tokens": max_tokens}
+    # prompt ids from the whole vocabulary: every tensor rank's shard of the embedding looks some up
+    vocab = int(json.loads((cfg / "config.json").read_text())["vocab_size"])
+    options = {"batch_sizes": batch_sizes, "max_tokens": max_tokens, "vocab": vocab}
     results: dict[str, Any] = {"native": run_engine("native", args, work, {}, options, timeout, fresh=True)}
     results["save"] = run_save(ident, extra, work, timeout)
     if floor:  # vLLM's own start, nothing to compile, load or capture (native's Triton kernels, a pod's KV)

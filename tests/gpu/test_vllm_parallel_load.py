@@ -4,7 +4,9 @@ shape). Per identity: a native 2-rank vLLM, the SAVE Job as rank 0 on one GPU, t
 vLLM LOAD of that archive from an empty cache root, then native again. Every rank must restore
 (capture stage `restored`, so no graph captured at start; vLLM refuses captures afterwards), native
 must repeat its own tokens (else they cannot judge a restore), and the greedy tokens of the LOAD
-equal native's at several batch sizes, each batch's requests scheduled together."""
+equal native's at several batch sizes, each batch's requests scheduled together. The prompts'
+token ids come from the whole vocabulary, so every tensor rank's shard of the embedding looks some
+up: a rank masking ids with another rank's bounds changes tokens from the first one."""
 
 from __future__ import annotations
 
@@ -43,8 +45,9 @@ async def main():
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(ns))
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
     tokens = {}
+    vocab = int(json.loads(sys.argv[3]))  # ids from the whole vocabulary: every rank's shard looks some up
     for b in json.loads(sys.argv[2]):  # each batch's requests in one step (not batch-invariant)
-        tokens[str(b)] = await generate_together(llm, prompts(b, 30000, b), greedy, str(b))
+        tokens[str(b)] = await generate_together(llm, prompts(b, vocab, b), greedy, str(b))
     llm.shutdown()
     print("RESULT " + json.dumps(tokens), flush=True)
 
@@ -62,12 +65,13 @@ def _gpus() -> int:
         return 0
 
 
-def _engine(args: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
+def _engine(args: list[str], env: dict[str, str], log: Path, vocab: int) -> dict[str, Any]:
     from ember_bench.vllm import run_session
 
     # its own session, killed with its workers past the limit (one stuck in a collective held its GPU)
     limit = float(os.environ.get("EMBER_GPU_ENGINE_TIMEOUT_S", "900"))
-    rc = run_session([sys.executable, "-c", ENGINE, json.dumps(args), json.dumps(BATCHES)], env, log, limit)
+    cmd = [sys.executable, "-c", ENGINE, json.dumps(args), json.dumps(BATCHES), str(vocab)]
+    rc = run_session(cmd, env, log, limit)
     text = log.read_text()
     lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
     assert rc == 0 and lines, text[-6000:]
@@ -122,15 +126,21 @@ def test_one_single_gpu_save_restores_every_rank(shape: str, tmp_path: Path) -> 
                             capture_sizes=(1, 2, 4, 8, 16), graph_mode="full-and-piecewise",
                             max_num_tokens=2048, max_batch=16, parallelism=Parallelism(**par))
     args = [*engine_args(ident), *EXTRA]
-    native = _engine(args, _env("native", args, tmp_path / "cache-native", {}), tmp_path / "native.log")
+    vocab = int(json.loads((cfg / "config.json").read_text())["vocab_size"])
+    native_env = _env("native", args, tmp_path / "cache-native", {})
+    native = _engine(args, native_env, tmp_path / "native.log", vocab)
     store = _save(ident, tmp_path)
-    table = bundle.open_archive(store, ident.hash()).manifest.engine.get("collectives") or {}
+    facts = bundle.open_archive(store, ident.hash()).manifest.engine
+    table = facts.get("collectives") or {}
     assert table.get("world") == 2 and table.get("comms"), table  # each call names its vLLM group
+    # TP: SAVE's compiled code was traced with the embedding that reads each rank's vocabulary bounds
+    assert facts.get("compiled_with") == (["vocab-bounds"] if par.get("tensor", 1) > 1 else []), facts.get(
+        "compiled_with")
     report = tmp_path / "load" / "vllm-report.json"
     report.parent.mkdir()
     load_env = _env("load", args, tmp_path / "cache-load", {
         "EMBER_VLLM_ARCHIVE": str(store / "archives" / ident.hash()), "EMBER_VLLM_REPORT": str(report)})
-    loaded = _engine(args, load_env, tmp_path / "load.log")
+    loaded = _engine(args, load_env, tmp_path / "load.log", vocab)
     got = reports.read(report)
     ranks = got.get("ranks") or {}
     assert sorted(ranks) == ["0", "1"], got
@@ -138,6 +148,6 @@ def test_one_single_gpu_save_restores_every_rank(shape: str, tmp_path: Path) -> 
         capture = (one.get("stages") or {}).get("capture") or {}
         assert capture.get("how") == "restored", (r, one.get("stages"))
     assert reports.ranks_restored(got)
-    again = _engine(args, _env("native", args, tmp_path / "cache-native", {}), tmp_path / "native-again.log")
+    again = _engine(args, native_env, tmp_path / "native-again.log", vocab)
     assert again == native, "native vLLM is not reproducible at this shape: its tokens cannot judge a restore"
     assert loaded == native  # greedy tokens, every batch size

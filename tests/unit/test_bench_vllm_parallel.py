@@ -259,6 +259,21 @@ def test_the_engine_child_compiles_and_times_its_imports() -> None:
     assert "imported = time.perf_counter() - T0" in vp.CHILD and '"import_s"' in vp.CHILD
 
 
+def test_prompts_draw_ids_from_the_whole_vocabulary_so_every_tensor_ranks_shard_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank masking token ids with another rank's vocabulary bounds changes tokens only for ids
+    in a shard other than rank 0's; ids below 30000 (rank 0's alone at TP=2) hid it."""
+    seen: list[dict] = []
+
+    def engine(mode: str, args, work, extra: dict, options: dict, *a, **kw) -> dict:
+        seen.append(options)
+        return {"engine_init_s": 3.0, "tokens": {"1": [[5]]}, "ember": {}}
+
+    _published_bench(monkeypatch, tmp_path, engine, loads=1)
+    assert {o["vocab"] for o in seen} == {128256}  # the Llama-3-8B shape's vocabulary
+    assert 'prompts(batch, args.get("vocab", 30000), seed)' in vp.CHILD
+
+
 def test_a_seeded_run_runs_on_a_copy_of_another_runs_cache_root(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str, str] = {}
