@@ -74,3 +74,28 @@ def test_the_sizing_probe_builds_the_model_save_builds(probe: str, patched: bool
     assert calls == ([config] if patched else [])
     assert not plugin.STATE.armed  # vLLM as it is otherwise: nothing armed, nothing refused
     assert not plugin.STATE.refusal
+
+
+def test_load_refuses_a_tp_archive_without_the_record_before_placing_its_code(tmp_path, monkeypatch) -> None:
+    """The runner's attached() runs before accept() and would put the archive's compiled code
+    where vLLM loads it: it refuses first, and places nothing."""
+    from ember.engines.vllm import compile_cache
+    from ember.engines.vllm.adapter import VllmAdapter
+    from ember.runtime.adapter import Refused
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "pod"))
+    monkeypatch.delenv(compile_cache.PLACED, raising=False)
+    unpacked: list[bool] = []
+    monkeypatch.setattr(compile_cache, "unpack", lambda data: unpacked.append(True) or {"placed": 1})
+    config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2))
+    adapter = VllmAdapter(vllm_config=config, runner_kind="v2")
+
+    def archive(engine: dict) -> Any:
+        return SimpleNamespace(manifest=SimpleNamespace(engine=engine), attachment=lambda name: b"caches")
+
+    with pytest.raises(Refused, match="vocabulary bounds per rank"):
+        adapter.attached(archive({}))
+    assert unpacked == []
+    adapter.report = lambda *a, **kw: None  # type: ignore[method-assign]
+    adapter.attached(archive({parallel.COMPILED_WITH: [parallel.VOCAB_PATCH]}))
+    assert unpacked == [True]

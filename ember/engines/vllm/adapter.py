@@ -348,7 +348,10 @@ class VllmAdapter:
 
     def attached(self, archive: Any) -> None:
         """At LOAD, before accept(): the archive's vLLM caches put under this process's cache
-        root (what is there already is kept), unless the plugin did it when vLLM started."""
+        root (what is there already is kept), unless the plugin did it when vLLM started. Not the
+        code of an archive accept() refuses for it: vLLM would load it anyway."""
+        if why := archive_refusal(self._tensor(), archive.manifest.engine):
+            raise Refused(COMPAT, why)
         if compile_cache.placed_here():
             return
         try:
