@@ -34,16 +34,15 @@ runs; the offline `LLM` refuses DP > 1):
 8. `save_tp1` (unless `--no-tp1-save`) — the SAVE Job of the same model at TP=1, the time the
    shape's SAVE is held to (its goal: no longer).
 
-Per run: engine init, start → first token, greedy tokens at each batch size (each batch's
-requests scheduled together, their token ids from the whole vocabulary; compared with native), Inductor's autotuning choices its cache root
-holds (`autotune`: a reduction's config decides its summation order, so the same compiled code
-computes other bits under another choice; the summary's `autotune_differs_from_native` counts
-reductions whose choice differs from native's), the code Inductor generated (`compiled_code`, file
-names that hash their source; `code_not_in_native`: the files a LOAD ran, SAVE's, that native
-never generated); per rank (the plugin's report files): how
-its graphs came (`restored` / `native`), capture or LOAD seconds, the splice's part, vLLM's
-worker stages. Report:
-`benchmarks/results/vllm-<device>-<model>-<shape>.json`.
+Per run: engine init, start → first token, greedy tokens at each batch size (each batch's requests
+scheduled together, their token ids from the whole vocabulary; compared with native), Inductor's
+autotuning choices its cache root holds (`autotune`: a reduction's config decides its summation
+order, so the same compiled code computes other bits under another choice; the summary's
+`autotune_differs_from_native` counts reductions whose choice differs from native's), the code
+Inductor generated (`compiled_code`, file names that hash their source; `code_not_in_native`: the
+files a LOAD ran, SAVE's, that native never generated); per rank (the plugin's report files): how
+its graphs came (`restored` / `native`), capture or LOAD seconds, the splice's part, vLLM's worker
+stages. Report: `benchmarks/results/vllm-<device>-<model>-<shape>.json`.
 """
 
 from __future__ import annotations
