@@ -333,7 +333,8 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     if tp1_save and results["save"].get("published"):  # the ratio needs the shape's SAVE
         results["save_tp1"] = run_save(shape_identity(cfg, 1, False, 1), extra, work / "tp1", timeout)
     summary = {"shape": name, "model": model, "layers": layers, "identity": ident.hash(),
-               **summarize(results), "archive_bytes": _store_bytes(work / "store")}
+               **summarize(results), "archive_bytes": _store_bytes(work / "store"),
+               "compiled_with": archive_facts(work / "store", ident.hash()).get("compiled_with")}
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"vllm-{_device()}-{model}-{name}.json"
     path.write_text(json.dumps({"summary": summary, "runs": results}, indent=1, default=str))
@@ -358,6 +359,17 @@ def diagnoses(args: list[str], work: Path, options: dict[str, Any], timeout: flo
     out["native_kv_bytes"] = run_engine("native", [*args, *kv_bytes_args(results["save"])], work, {}, options,
                                         timeout, name="native-kv-bytes", fresh=True)
     return out
+
+
+def archive_facts(store: Path, identity_hash: str) -> dict[str, Any]:
+    """The published archive's engine facts ({} without one): at TP > 1 its `compiled_with` names
+    the embedding patch SAVE's compiled code was traced with (ember.engines.vllm.parallel)."""
+    from ember.archive import bundle
+
+    try:
+        return dict(bundle.open_archive(str(store), identity_hash).manifest.engine)
+    except Exception:  # nothing published, or unreadable: the summary says None
+        return {}
 
 
 DIAGNOSES = ("native_save_code", "load_unarchived", "load_unarchived_all_gpus", "native_kv_bytes")

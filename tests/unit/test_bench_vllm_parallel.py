@@ -401,3 +401,18 @@ def test_the_triton_kernels_a_run_compiled_are_those_written_while_it_ran(tmp_pa
     kernel(tmp_path / "torch_compile_cache" / "x" / "inductor_cache" / "triton" / "0" / "C3", "triton_red_0")
     assert vp.triton_compiled(tmp_path, since) == 2
     assert vp.triton_compiled(tmp_path / "missing", since) == 0
+
+
+def test_the_summary_names_what_saves_compiled_code_was_traced_with(tmp_path: Path) -> None:
+    from ember.archive import bundle
+    from ember.identity import ArchiveIdentity, CompatKey
+    from ember.store import LocalStore
+    from ember_testing.synthetic import synthetic_graphset, synthetic_images
+
+    ident = ArchiveIdentity(model="m", engine="vllm", engine_version="0.26.0", capture_sizes=(1, 2))
+    compat = CompatKey(gpu_name="NVIDIA H200", compute_capability="9.0", driver="580", cuda="13.0")
+    bundle.write_archive(LocalStore(tmp_path / "store"), synthetic_graphset(graphs=2, nodes=20, groups=1),
+                         ident, compat, kernel_images=synthetic_images(),
+                         engine={"compiled_with": ["vocab-bounds"]})
+    assert vp.archive_facts(tmp_path / "store", ident.hash())["compiled_with"] == ["vocab-bounds"]
+    assert vp.archive_facts(tmp_path / "store", "0" * 64) == {}  # none published under that identity
