@@ -254,15 +254,43 @@ def test_the_floor_is_native_without_compile_or_graphs_on_natives_kernels_sized_
     assert _published_bench(monkeypatch, tmp_path, engine, loads=1)["engine_init_floor_s"] is None
 
 
-def test_the_engine_child_compiles_and_times_its_imports() -> None:
-    compile(vp.CHILD, "child", "exec")
-    assert "imported = time.perf_counter() - T0" in vp.CHILD and '"import_s"' in vp.CHILD
+FAKE_VLLM = {  # just what the engine child imports, an engine that records its prompts' ids
+    "vllm/__init__.py": "class SamplingParams:\n    def __init__(self, **kw): self.__dict__.update(kw)\n",
+    "vllm/engine/__init__.py": "",
+    "vllm/engine/arg_utils.py": (
+        "class AsyncEngineArgs:\n"
+        "    add_cli_args = staticmethod(lambda parser: parser)\n"
+        "    from_cli_args = staticmethod(lambda ns: ns)\n"),
+    "vllm/utils/__init__.py": "",
+    "vllm/utils/argparse_utils.py": "from argparse import ArgumentParser as FlexibleArgumentParser\n",
+    "vllm/v1/__init__.py": "",
+    "vllm/v1/engine/__init__.py": "",
+    "vllm/v1/engine/async_llm.py": """
+import asyncio, json, os
+from types import SimpleNamespace
 
 
-def test_prompts_draw_ids_from_the_whole_vocabulary_so_every_tensor_ranks_shard_is_read(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A rank masking token ids with another rank's vocabulary bounds changes tokens only for ids
-    in a shard other than rank 0's; ids below 30000 (rank 0's alone at TP=2) hid it."""
+class AsyncLLM:
+    @classmethod
+    def from_engine_args(cls, args):
+        return cls()
+
+    async def pause_generation(self, **kw): pass
+    async def resume_generation(self): pass
+    def shutdown(self): pass
+
+    async def add_request(self, rid, prompt, params, data_parallel_rank=None):
+        with open(os.environ["PROMPT_IDS"], "a") as f:
+            f.write(json.dumps(prompt["prompt_token_ids"]) + "\\n")
+        q = asyncio.Queue()
+        done = SimpleNamespace(token_ids=[1] * params.max_tokens)
+        q.put_nowait(SimpleNamespace(finished=True, outputs=[done]))
+        return q
+""",
+}
+
+
+def test_every_run_is_given_the_models_vocabulary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[dict] = []
 
     def engine(mode: str, args, work, extra: dict, options: dict, *a, **kw) -> dict:
@@ -270,8 +298,33 @@ def test_prompts_draw_ids_from_the_whole_vocabulary_so_every_tensor_ranks_shard_
         return {"engine_init_s": 3.0, "tokens": {"1": [[5]]}, "ember": {}}
 
     _published_bench(monkeypatch, tmp_path, engine, loads=1)
-    assert {o["vocab"] for o in seen} == {128256}  # the Llama-3-8B shape's vocabulary
-    assert 'prompts(batch, args.get("vocab", 30000), seed)' in vp.CHILD
+    assert {o["vocab"] for o in seen} == {128256}  # the Llama-3-8B shape's config
+
+
+@pytest.mark.parametrize(("vocab", "highest"), [(128256, 64128), (None, 0)])
+def test_the_engine_child_times_its_import_and_prompts_from_the_whole_vocabulary(
+        vocab: int | None, highest: int, tmp_path: Path) -> None:
+    """A rank masking token ids with another rank's vocabulary bounds changes tokens only for ids
+    outside rank 0's shard, which ids below 30000 (rank 0's alone at TP=2) never are. The pins
+    bench, which compares timings only, gives no vocabulary."""
+    import os
+    import subprocess
+    import sys
+
+    for name, text in FAKE_VLLM.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    out, ids = tmp_path / "out.json", tmp_path / "ids.jsonl"
+    spec = {"engine_args": [], "out": str(out), "batch_sizes": [64], "max_tokens": 2,
+            **({"vocab": vocab} if vocab else {})}
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PROMPT_IDS": str(ids),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root / "benchmarks"), str(root)])}
+    subprocess.run([sys.executable, "-c", vp.CHILD, json.dumps(spec)], env=env, check=True, timeout=60)
+    res = json.loads(out.read_text())
+    assert 0 < res["import_s"] <= res["first_token_s"] and res["tokens"]["64"][0] == [1, 1]
+    top = max(i for line in ids.read_text().splitlines() for i in json.loads(line))
+    assert top >= highest if vocab else top < 30000  # rank 1's shard of a TP=2 Llama starts at 64128
 
 
 def test_a_seeded_run_runs_on_a_copy_of_another_runs_cache_root(

@@ -154,15 +154,13 @@ def test_load_finds_the_model_under_its_own_root_once_put_back(monkeypatch: pyte
 def _archive_with_caches(tmp_path: Path, tensor: int = 1, engine: dict | None = None) -> Path:
     """A published archive whose attachment is SAVE's packed vLLM caches."""
     from ember.archive import bundle
-    from ember.identity import ArchiveIdentity, CompatKey
+    from ember.identity import ArchiveIdentity, CompatKey, Parallelism
     from ember.store import LocalStore
     from ember_testing.synthetic import synthetic_graphset, synthetic_images
 
     _tree(tmp_path / "save")
     packed = compile_cache.pack(tmp_path / "save")
     assert packed is not None
-    from ember.identity import Parallelism
-
     ident = ArchiveIdentity(model="m", engine="vllm", engine_version="0.26.0", capture_sizes=(1, 2),
                             parallelism=Parallelism(tensor=tensor))
     compat = CompatKey(gpu_name="NVIDIA H200", compute_capability="9.0", driver="580", cuda="13.0",
