@@ -107,10 +107,32 @@ def test_a_parallel_shapes_save_pins_what_the_stub_cannot_stand_in_for() -> None
 def test_pods_of_a_parallel_shape_get_the_saves_settings() -> None:
     pods = vargs.engine_args(_shape(tensor=2))
     assert ranks.parallel_args(pods) and ranks.pod_env(pods) == ranks.PARALLEL_ENV
-    assert ranks.parallel_args(["--data-parallel-size=2"]) and ranks.parallel_args(["-tp", "4"])
+    assert ranks.parallel_args(["-tp", "4"]) and ranks.parallel_args(["-dp=2", "-ep"])
+    moe = vargs.engine_args(_shape(expert=2, data=2))
+    assert ranks.pod_env(moe) == {**ranks.PARALLEL_ENV, reports.REPLICAS_ENV: "2"}
     assert not ranks.parallel_args(vargs.engine_args(IDENTITY))
     assert ranks.pod_env(["--tensor-parallel-size", "1"]) == {}
     assert ranks.PARALLEL_ENV["NCCL_RUNTIME_CONNECT"] == "0"
+
+
+def test_a_dense_models_data_parallel_replicas_restore_the_data_1_archive() -> None:
+    """vLLM runs a dense model's DP ranks as engines of their own (DP 1 each): the archive is the
+    tensor-parallel shape's, the pods add vLLM's DP size, and get no parallel settings where that
+    archive is one GPU's (every VLLM_* variable is in the compile-cache hash: SAVE ran without)."""
+    dense = Parallelism(tensor=1, data=4)
+    assert vargs.archived(dense) == Parallelism()
+    assert vargs.archived(Parallelism(tensor=2, data=2)) == Parallelism(tensor=2)
+    for kept in (Parallelism(expert=2, data=2), Parallelism(tensor=2), Parallelism()):
+        assert vargs.archived(kept) == kept
+    pods = vargs.pod_args(IDENTITY, 4)
+    assert pods == [*vargs.engine_args(IDENTITY), "--data-parallel-size", "4"]
+    assert ranks.args_shape(pods) == dense and not ranks.parallel_args(pods)
+    assert ranks.pod_env(pods) == {reports.REPLICAS_ENV: "4"}
+    tp_dp = vargs.pod_args(_shape(tensor=2), 2)
+    assert ranks.pod_env(tp_dp) == {**ranks.PARALLEL_ENV, reports.REPLICAS_ENV: "2"}
+    # an identity that already holds the DP size (MoE with EP) gets no second flag
+    assert vargs.pod_args(_shape(expert=2, data=2), 2).count("--data-parallel-size") == 1
+    assert ranks.args_shape(["-tp", "x", "--data-parallel-size", "0"]) == Parallelism()
 
 
 def test_the_save_guard_names_a_vllm_of_another_parallel_shape() -> None:

@@ -5,7 +5,11 @@ rank of its world restored."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from ember.engines.vllm import report
 
@@ -56,6 +60,36 @@ def test_clear_removes_a_previous_starts_report_and_rank_files(tmp_path: Path) -
 
 def test_outside_a_distributed_world_there_is_no_rank() -> None:
     assert report.worker_rank() is None  # torch not imported, or no process group
+
+
+def _torch(rank: int, world: int) -> SimpleNamespace:
+    dist = SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
+                           get_rank=lambda: rank, get_world_size=lambda: world)
+    return SimpleNamespace(distributed=dist)
+
+
+def test_a_dense_models_data_parallel_replicas_are_ranks_of_the_pod(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM gives each DP replica of a dense model DP 1 and a world of its own: its workers are
+    numbered after the earlier replicas' (data_parallel_index), so each writes its own file and
+    the pod is restored only when every replica's every rank is."""
+    env = {report.REPLICAS_ENV: "2"}
+    assert report.replica(SimpleNamespace(data_parallel_size=1, data_parallel_index=1), env) == (1, 2)
+    assert report.replica(SimpleNamespace(data_parallel_size=2, data_parallel_index=1), env) is None, "MoE"
+    assert report.replica(SimpleNamespace(data_parallel_size=1, data_parallel_index=1), {}) is None
+    assert report.replica(SimpleNamespace(data_parallel_size=1, data_parallel_index=3), env) is None
+    assert report.replica(SimpleNamespace(data_parallel_size=1), {report.REPLICAS_ENV: "two"}) is None
+    assert report.replica(None, env) is None, "a worker without a parallel config"
+    monkeypatch.setitem(sys.modules, "torch", _torch(0, 1))
+    assert report.worker_rank() is None and report.worker_rank((1, 2)) == (1, 2)
+    monkeypatch.setitem(sys.modules, "torch", _torch(1, 2))  # TP 2 in each of 2 replicas
+    assert report.worker_rank((1, 2)) == (3, 4) and report.worker_rank() == (1, 2)
+    path = tmp_path / "vllm-report.json"
+    report.write(path, _capture("restored"), (0, 2))
+    assert not report.ranks_restored(report.read(path)), "replica 1 has not reported"
+    report.write(path, _capture("restored"), (1, 2))
+    assert report.ranks_restored(report.read(path))
 
 
 def _stages(**stages: dict) -> dict:

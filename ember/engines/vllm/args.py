@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ember.identity import ArchiveIdentity
+from ember.identity import ArchiveIdentity, Parallelism
 
 # vLLM's sleep mode: weights and KV cache through its own cuMem allocator, so that /sleep can free
 # them (a warm pod of `warmPool.engine: sleeping`). Another allocation sequence: identity.
@@ -118,6 +118,28 @@ def engine_args(identity: ArchiveIdentity, *, rank_pins: bool | None = None,
         # custom all-reduce registers CUDA IPC buffers of the peers' graphs after capture
         # (custom_all_reduce.py register_graph_buffers): per-rank state no archive holds
         args += ["--disable-custom-all-reduce"]
+    return args
+
+
+def archived(shape: Parallelism) -> Parallelism:
+    """The shape a vLLM deployment of `shape` is saved in: data parallel without expert parallel is
+    data 1. vLLM 0.26 runs a dense model's DP ranks as independent engines of one replica each
+    (v1/engine/core.py run_engine_core: "Non-MoE DP ranks are completely independent, so treat
+    like DP=1"), so each of them restores the archive of its tensor-parallel shape, and DP=1 and
+    DP=N share one SAVE. A MoE model's DP ranks without EP are one engine (its experts are tensor
+    parallel across them): their engines keep DP N, are not that archive, and capture natively
+    (`mismatches`)."""
+    if shape.data > 1 and shape.expert == 1:
+        return Parallelism(tensor=shape.tensor, expert=1, data=1)
+    return shape
+
+
+def pod_args(identity: ArchiveIdentity, data: int) -> list[str]:
+    """A pod's vLLM arguments for `identity` served by `data` data-parallel replicas: the
+    identity's, and vLLM's DP size where the archive is one replica's (`archived`)."""
+    args = engine_args(identity)
+    if data > identity.parallelism.data:
+        args += ["--data-parallel-size", str(data)]
     return args
 
 

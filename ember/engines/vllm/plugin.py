@@ -67,6 +67,7 @@ class _State:
     report: dict[str, Any] = field(default_factory=dict)
     warm_up_timed: bool = False  # the worker's stages are wrapped: SAVE publishes after its warm-up
     unpublished: Any = None  # SAVE's outcome until then
+    replica: tuple[int, int] | None = None  # a worker's DP replica of a dense model (report.replica)
 
 
 STATE = _State()
@@ -82,7 +83,7 @@ def report(stage: str, *, flush: bool = True, **fields: Any) -> None:
     log.info("ember %s: %s", stage, json.dumps(fields, default=str)[:2000])
     path = os.environ.get("EMBER_VLLM_REPORT")
     if path and flush:
-        reports.write(path, STATE.report, reports.worker_rank())
+        reports.write(path, STATE.report, reports.worker_rank(STATE.replica))
 
 
 def register() -> None:
@@ -200,6 +201,9 @@ def _time_worker_stages() -> None:
         original = getattr(gpu_worker.Worker, name)
 
         def timed(self: Any, *a: Any, _name: str = name, _original: Any = original, **kw: Any) -> Any:
+            from ember.engines.vllm.report import replica
+
+            STATE.replica = replica(getattr(self, "parallel_config", None))
             t = time.perf_counter()
             try:
                 with dumped_while_stuck():  # a stage waiting on a peer for ever says where
@@ -294,7 +298,7 @@ def _trace(tag: str) -> None:
     if memtrace.folder() is None:
         return
     try:
-        rank = reports.worker_rank()
+        rank = reports.worker_rank(STATE.replica)
         path = memtrace.dump(STATE.mode, rank[0] if rank else 0, tag)
         report(f"memtrace.{tag}", path=str(path))
     except Exception as exc:  # a diagnostic never fails the engine

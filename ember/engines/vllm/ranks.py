@@ -20,7 +20,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ember.identity import ArchiveIdentity
+from ember.engines.vllm.args import archived
+from ember.engines.vllm.report import REPLICAS_ENV
+from ember.identity import ArchiveIdentity, Parallelism
 
 RANK_ENV = "EMBER_VLLM_SAVE_RANK"  # the global rank the SAVE Job plays (default 0)
 WORLD_ENV = "EMBER_VLLM_SAVE_WORLD"  # set by the Job in its child: one process plays a rank of N
@@ -63,7 +65,7 @@ def refusals(identity: ArchiveIdentity, rank: int, env: Mapping[str, str] = os.e
                    "takes each tensor rank's token chunk at a rank-dependent offset (save tensor 1)")
     if p.data > 1 and p.expert == 1:
         out.append("data parallel without expert parallel: vLLM's DP replicas of a dense model are "
-                   "independent engines (save tensor 1, data 1)")
+                   "independent engines, saved as data 1 (ember.engines.vllm.args.archived)")
     if not 0 <= rank < n:
         out.append(f"{RANK_ENV}={rank} is not a rank of a world of {n}")
     return out
@@ -112,20 +114,36 @@ def parallel_env(identity: ArchiveIdentity) -> dict[str, str]:
     return dict(PARALLEL_ENV) if is_parallel(identity) else {}
 
 
-def parallel_args(args: list[str]) -> bool:
-    """Whether vLLM arguments name a shape of several ranks (tensor or data parallel > 1)."""
+def args_shape(args: list[str]) -> Parallelism:
+    """The shape vLLM arguments serve (tensor and data parallel sizes, expert parallel or not)."""
     sizes = {"--tensor-parallel-size": 1, "-tp": 1, "--data-parallel-size": 1, "-dp": 1}
+    expert = False
     for i, a in enumerate(args):
         name, eq, value = a.partition("=")
         if name in sizes:
             text = value if eq else (args[i + 1] if i + 1 < len(args) else "1")
-            sizes[name] = int(text) if text.isdigit() else 1
-    return max(sizes.values()) > 1
+            sizes[name] = int(text) if text.isdigit() and int(text) > 0 else 1
+        expert = expert or name in ("--enable-expert-parallel", "-ep")
+    tensor = max(sizes["--tensor-parallel-size"], sizes["-tp"])
+    data = max(sizes["--data-parallel-size"], sizes["-dp"])
+    return Parallelism(tensor=tensor, data=data, expert=tensor * data if expert else 1)
+
+
+def parallel_args(args: list[str]) -> bool:
+    """Whether vLLM arguments run an engine of several ranks whose archive is a parallel one: not
+    a dense model's data-parallel replicas, each of which is an engine of its own (args.archived)."""
+    p = archived(args_shape(args))
+    return p.tensor * p.data * p.expert > 1
 
 
 def pod_env(args: list[str]) -> dict[str, str]:
-    """The environment a pod's vLLM gets for its arguments (ember serve --engine vllm)."""
-    return dict(PARALLEL_ENV) if parallel_args(args) else {}
+    """The environment a pod's vLLM gets for its arguments (ember serve --engine vllm): a parallel
+    archive's settings, and the count of data-parallel replicas (`REPLICAS_ENV`)."""
+    env = dict(PARALLEL_ENV) if parallel_args(args) else {}
+    shape = args_shape(args)
+    if shape.data > 1:
+        env[REPLICAS_ENV] = str(shape.data)
+    return env
 
 
 def enter(env: Mapping[str, str] | None = None) -> bool:  # pragma: no cover - needs torch and vLLM

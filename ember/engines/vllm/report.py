@@ -12,20 +12,45 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+# A pod's data-parallel size (ranks.pod_env). vLLM runs a dense model's DP ranks as engines of
+# one replica each (DP 1, args.archived), whose workers are each rank 0 of their own world: their
+# files are named by their replica, which vLLM keeps in `data_parallel_index`.
+REPLICAS_ENV = "EMBER_VLLM_REPLICAS"
 
-def worker_rank() -> tuple[int, int] | None:
-    """(rank, world) of this process in vLLM's torch.distributed world once there is one of more
-    than one rank; None elsewhere (front end, engine core, a single GPU)."""
+
+def replica(parallel_config: Any, env: Mapping[str, str] = os.environ) -> tuple[int, int] | None:
+    """(index, count) of this engine among a pod's data-parallel replicas of a dense model; None
+    for an engine of the whole world (one GPU, TP, or DP with the ranks in one world: MoE)."""
+    text = env.get(REPLICAS_ENV, "").strip()
+    count = int(text) if text.isdigit() else 1
+    if parallel_config is None or count < 2:
+        return None
+    if int(getattr(parallel_config, "data_parallel_size", 1) or 1) != 1:  # DP in one world (MoE)
+        return None
+    index = int(getattr(parallel_config, "data_parallel_index", 0) or 0)
+    return (index, count) if 0 <= index < count else None
+
+
+def worker_rank(replica: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """(rank, world) of this process among the pod's GPU workers once torch.distributed is set up
+    and there are more than one of them; None elsewhere (front end, engine core, a single GPU).
+    `replica`: this engine's (index, count) among independent DP replicas (`replica`): its ranks
+    come after the earlier replicas' ranks."""
     torch = sys.modules.get("torch")
     if torch is None:
         return None
     dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if not (dist.is_available() and dist.is_initialized()):
         return None
-    return int(dist.get_rank()), int(dist.get_world_size())
+    rank, world = int(dist.get_rank()), int(dist.get_world_size())
+    index, count = replica or (0, 1)
+    if world * count < 2:
+        return None
+    return index * world + rank, count * world
 
 
 def rank_path(path: str | Path, rank: int) -> Path:
