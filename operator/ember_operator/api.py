@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, model_validator
 
-from ember.engines.vllm.args import IDENTITY_WORKLOAD, SLEEP_MODE_ARG
+from ember.engines.vllm.args import IDENTITY_WORKLOAD, SLEEP_MODE_ARG, archived
 from ember.identity import ArchiveIdentity, Parallelism
 from ember.identity_args import graph_args, image_digest
 from ember.serving.options import ServeOptions, UsageError, pod_options
@@ -376,8 +376,11 @@ class ModelDeploymentSpec(ApiModel):
 
     def identity(self, shape: ShapeSpec | None = None) -> ArchiveIdentity:
         """The archive identity: what a SAVE of this spec (in `shape`, by default the current one)
-        captures; its hash names the GraphArchive."""
+        captures; its hash names the GraphArchive. vLLM's data parallel replicas of a dense model
+        are engines of their own: their shape's archive is data 1's (`archived`)."""
         shape = shape or self.parallelism
+        par = Parallelism(tensor=shape.tensor, expert=shape.expert, data=shape.data)
+        vllm = self.engine.kind == EngineKind.vllm
         return ArchiveIdentity(
             model=self.model.name,
             revision=self.model.revision,
@@ -389,11 +392,11 @@ class ModelDeploymentSpec(ApiModel):
             dtype=self.model.dtype.value,
             max_num_tokens=self.capture.max_num_tokens,
             max_batch=self.capture.max_batch,
-            parallelism=Parallelism(tensor=shape.tensor, expert=shape.expert, data=shape.data),
+            parallelism=archived(par) if vllm else par,
             gpu_product=self.gpu.product,
             engine_args=graph_args(self.engine_run_args()),
             image_digest=image_digest(self.engine.image),
-            workload=dict(IDENTITY_WORKLOAD) if self.engine.kind == EngineKind.vllm else {},
+            workload=dict(IDENTITY_WORKLOAD) if vllm else {},
         )
 
 

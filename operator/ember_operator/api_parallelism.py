@@ -15,7 +15,8 @@ class ShapeSpec(ApiModel):
     tensor: int = Field(1, ge=1, le=64, description="Tensor-parallel degree.")
     expert: int = Field(1, ge=1, le=512, description="Expert-parallel degree: 1, or tensor × data (vLLM's "
                         "expert-parallel size is the tensor × data ranks).")
-    data: int = Field(1, ge=1, le=64, description="Data-parallel degree inside one replica.")
+    data: int = Field(1, ge=1, le=64, description="Data-parallel degree inside one replica. vLLM with "
+                      "expert 1: engines of their own (a dense model's), which restore the data-1 archive.")
 
     @property
     def gpus(self) -> int:

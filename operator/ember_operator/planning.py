@@ -154,18 +154,23 @@ def template_of(
     )
 
 
-def engine_args(spec: ModelDeploymentSpec, ident: ArchiveIdentity | None = None) -> tuple[str, ...]:
+def engine_args(
+    spec: ModelDeploymentSpec, ident: ArchiveIdentity | None = None, shape: ShapeSpec | None = None,
+) -> tuple[str, ...]:
     """The claim's engine arguments (an identity-keyed warm pod carries them from its creation, a
     template-keyed one learns them with the claim): for vLLM
     (`ember serve --engine vllm` starts `vllm serve` after the hand-off) the identity's arguments
     come first (model, capture sizes, graph mode, batch limits, parallel sizes: what the SAVE Job
     ran, so LOAD's sizing check passes), then the deployment's own (`engine_run_args`: with vLLM's
-    sleep mode for a sleeping warm pool). `ident`: spec.identity(), when the caller has it.
+    sleep mode for a sleeping warm pool), with vLLM's data-parallel size where `shape` (default: the
+    current one) serves its archive in several replicas (`vllm_args.pod_args`). `ident`:
+    spec.identity(shape), when the caller has it.
     transformers: its `ember serve` arguments (`contract.serve_args`: the model, then engine.args),
     which its pods' command runs from their creation (`PodTemplate.serve_args`): the claim says
     what the pod serves, and `ember serve` refuses a claim of other arguments."""
     if spec.engine.kind.value == "vllm":
-        return (*vllm_args.engine_args(ident or spec.identity()), *spec.engine_run_args())
+        data = (shape or spec.parallelism).data
+        return (*vllm_args.pod_args(ident or spec.identity(shape), data), *spec.engine_run_args())
     return tuple(contract.serve_args(spec.model.name, spec.engine_run_args()))
 
 
@@ -302,7 +307,7 @@ def claim_for(
     return Claim(
         archive_uri=uri, identity=ident.hash(), claimed_at=claimed_at, deployment=deployment,
         revision=revision, rank=0, world=spec.gpu_count(shape),
-        identity_spec=canonical_json(ident.canonical()).decode(), engine_args=engine_args(spec, ident),
+        identity_spec=canonical_json(ident.canonical()).decode(), engine_args=engine_args(spec, ident, shape),
         native_reason="" if uri else native_reason,
         manifest_digest=archive.digest if archive is not None and uri else "",
     )

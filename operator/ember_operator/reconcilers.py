@@ -287,7 +287,8 @@ class Reconciler(ArchiveReconciling):
         """Everything planning needs, read in parallel (the reads are most of a reconcile's
         latency, and claims wait on them)."""
         ident_hash = spec.identity().hash()
-        alts = [spec.identity(shape).hash() for shape in spec.parallelism.shapes()[1:]]
+        alts = list(dict.fromkeys(h for shape in spec.parallelism.shapes()[1:]
+                                  if (h := spec.identity(shape).hash()) != ident_hash))
         reads: list[Future[Any]] = [
             self.pool.submit(self.kube.get, ga_path(ns, naming.archive_name(ident_hash))),
             self.pool.submit(self.kube.list, pods_path(ns), naming.selector(name)),

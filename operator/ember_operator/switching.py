@@ -52,12 +52,14 @@ def shapes_and_labels(
     presave priority)."""
     spec, missing, shapes = obs.spec, [], []
     wanted_labels = set()
+    current, named = spec.identity().hash(), set()  # shapes may share an archive (vLLM's dense DP)
     for i, shape in enumerate(spec.parallelism.shapes()):
         ident = spec.identity(shape)
         archive = naming.archive_name(ident.hash())
-        view = current_archive if i == 0 else obs.alt_archives.get(ident.hash())
-        if i > 0 and view is None:
+        view = current_archive if ident.hash() == current else obs.alt_archives.get(ident.hash())
+        if ident.hash() != current and view is None and archive not in named:
             missing.append((shape, archive))
+        named.add(archive)
         wanted_labels.add(uses_label(ident.short()))
         shapes.append(ShapeStatus(
             tensor=shape.tensor, expert=shape.expert, data=shape.data, gpus=shape.gpus, current=i == 0,

@@ -11,7 +11,7 @@ from typing import Any
 from operator_helpers import CTX, NOW, md_spec, observed
 
 from ember import contract
-from ember.identity import canonical_json
+from ember.identity import Parallelism, canonical_json
 from ember_operator import naming
 from ember_operator.api import GraphArchiveSpec, MDPhase
 from ember_operator.jobs import save_job
@@ -98,6 +98,30 @@ def test_save_job_of_any_shape_requests_one_gpu_and_alternatives_save_at_low_pri
     assert {k for k, v in plan.labels.items() if v} >= {f"ember.dev/uses-{s}" for s in shorts}
     assert [(s.gpus, s.current, s.phase) for s in plan.status.shapes] == [(1, True, "Available"),
                                                                           (4, False, "Pending")]
+
+
+def test_vllm_data_parallel_replicas_of_a_dense_model_share_the_data_1_archive() -> None:
+    """vLLM runs DP without EP as engines of one replica each: the shapes DP 1, 2 and 4 are one
+    archive (no presave, no second SAVE), their pods differ only in vLLM's DP size and GPUs."""
+    from ember.engines.vllm import args as vllm_args
+
+    vllm = {"kind": "vllm", "version": "0.26.0", "image": "vllm:test"}
+    dp2 = {"tensor": 1, "expert": 1, "data": 2}
+    spec = _spec(dp2, [DP1, {"tensor": 1, "expert": 1, "data": 4}, EP2], engine=vllm)
+    assert spec.identity() == _spec(DP1, engine=vllm).identity()
+    assert spec.identity().parallelism == Parallelism()
+    assert spec.identity(spec.parallelism.shapes()[3]).parallelism.data == 2, "EP keeps DP"
+    plan = plan_deployment(observed(spec, archive=_archive(spec)), LOW)
+    assert [p["metadata"]["name"] for p in plan.presaves] == [naming.archive_name(spec.identity(
+        spec.parallelism.shapes()[3]).hash())], "only EP's archive is another one"
+    assert [(s.data, s.phase) for s in plan.status.shapes] == [(2, "Available"), (1, "Available"),
+                                                               (4, "Available"), (2, "Pending")]
+    assert plan.claim is not None and plan.claim.world == 2
+    args = list(plan.claim.engine_args)
+    assert args == [*vllm_args.engine_args(spec.identity()), "--data-parallel-size", "2"]
+    assert "--disable-custom-all-reduce" not in args, "one GPU's archive: no rank pins"
+    # transformers keeps the shape in its identity (ember's decode engine captures DP itself)
+    assert _spec(dp2).identity().parallelism.data == 2
 
 
 def test_dropped_alternative_loses_its_label() -> None:
