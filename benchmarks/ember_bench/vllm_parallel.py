@@ -79,8 +79,9 @@ async def main(args):
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(ns))
     init = time.perf_counter() - t
 
-    async def run(batch, seed, params):
-        return await generate_together(llm, prompts(batch, args.get("vocab", 30000), seed), params, f"{seed}")
+    async def run(batch, seed, params, dp_rank=None):
+        return await generate_together(llm, prompts(batch, args.get("vocab", 30000), seed), params,
+                                       f"{seed}-{dp_rank}", dp_rank)
 
     def params(n):
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -88,7 +89,12 @@ async def main(args):
     greedy = params(args["max_tokens"])
     await run(1, 0, params(1))
     first = time.perf_counter() - T0
-    tokens = {str(b): await run(b, b, greedy) for b in args["batch_sizes"]}
+    # with data parallel, each batch on each DP rank in turn: every rank's own tokens are compared
+    dp = args.get("data_parallel", 1)
+    tokens = {}
+    for b in args["batch_sizes"]:
+        for r in range(dp) if dp > 1 else [None]:
+            tokens[str(b) if r is None else f"{b}@dp{r}"] = await run(b, b, greedy, r)
     timed = args.get("decode_batches") or []
     steps = {str(b): await decode_step_ms(llm, b, args["decode_steps"]) for b in timed}
     llm.shutdown()
@@ -106,11 +112,12 @@ print("CHILD OK", json.dumps({k: v for k, v in res.items() if k != "tokens"}), f
 
 
 def shape_identity(cfg: Path, tensor: int, expert: bool, data: int) -> Any:
-    """The identity a deployment of this shape gets (5 capture sizes, as the GPU tests)."""
-    from ember.engines.vllm.args import IDENTITY_WORKLOAD
+    """The identity a deployment of this shape gets (5 capture sizes, as the GPU tests): a dense
+    model's data parallel replicas restore the data-1 archive (args.archived)."""
+    from ember.engines.vllm.args import IDENTITY_WORKLOAD, archived
     from ember.identity import ArchiveIdentity, Parallelism
 
-    par = Parallelism(tensor=tensor, data=data, expert=tensor * data if expert else 1)
+    par = archived(Parallelism(tensor=tensor, data=data, expert=tensor * data if expert else 1))
     return ArchiveIdentity(model=str(cfg), engine="vllm", engine_version="0.26",
                            capture_sizes=(1, 2, 4, 8, 16), graph_mode="full-and-piecewise",
                            max_num_tokens=2048, max_batch=16, parallelism=par,
@@ -297,7 +304,7 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     """native N-rank → one single-GPU SAVE → `loads` fresh N-rank LOADs → native again; the
     report's path. `diagnose`: three more runs that tell where a pod's tokens part from native's;
     `floor`: one that times vLLM's start with nothing to compile, load or capture."""
-    from ember.engines.vllm.args import engine_args
+    from ember.engines.vllm.args import pod_args
     from ember_bench.vllm import write_config
     from ember_bench.vllm_report import _device, _store_bytes
 
@@ -306,10 +313,10 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     cfg = write_config(model, layers or None, work / "config")
     ident = shape_identity(cfg, tensor, expert, data)
     extra = extra_args(gpu_memory_utilization)
-    args = [*engine_args(ident), *extra]
+    args = [*pod_args(ident, data), *extra]
     # prompt ids from the whole vocabulary: every tensor rank's shard of the embedding looks some up
     vocab = int(json.loads((cfg / "config.json").read_text())["vocab_size"])
-    options = {"batch_sizes": batch_sizes, "max_tokens": max_tokens, "vocab": vocab}
+    options = {"batch_sizes": batch_sizes, "max_tokens": max_tokens, "vocab": vocab, "data_parallel": data}
     results: dict[str, Any] = {"native": run_engine("native", args, work, {}, options, timeout, fresh=True)}
     results["save"] = run_save(ident, extra, work, timeout)
     if floor:  # vLLM's own start, nothing to compile, load or capture (native's Triton kernels, a pod's KV)

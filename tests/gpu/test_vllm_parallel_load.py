@@ -1,12 +1,14 @@
 """vLLM 0.26 on 2 GPUs from ONE single-GPU SAVE: tensor parallel (a 2-layer random Llama-3-8B
-shape), expert parallel over TP=2 and data parallel 2 with EP (a 2-layer random Qwen3-MoE
-shape). Per identity: a native 2-rank vLLM, the SAVE Job as rank 0 on one GPU, then a 2-rank
-vLLM LOAD of that archive from an empty cache root, then native again. Every rank must restore
-(capture stage `restored`, so no graph captured at start; vLLM refuses captures afterwards), native
-must repeat its own tokens (else they cannot judge a restore), and the greedy tokens of the LOAD
-equal native's at several batch sizes, each batch's requests scheduled together. The prompts'
-token ids come from the whole vocabulary, so every tensor rank's shard of the embedding looks some
-up: a rank masking ids with another rank's bounds changes tokens from the first one."""
+shape), expert parallel over TP=2 and data parallel 2 with EP (a 2-layer random Qwen3-MoE shape),
+and data parallel 2 of the dense Llama shape (two engines of their own, each restoring the one-GPU
+archive: ember.engines.vllm.args.archived). Per identity: a native 2-rank vLLM, the SAVE Job as
+rank 0 on one GPU, then a 2-rank vLLM LOAD of that archive from an empty cache root, then native
+again. Every rank must restore (capture stage `restored`, so no graph captured at start; vLLM
+refuses captures afterwards), native must repeat its own tokens (else they cannot judge a
+restore), and the greedy tokens of the LOAD equal native's at several batch sizes, each batch's
+requests scheduled together (with DP, on each DP rank in turn). The prompts' token ids come from
+the whole vocabulary, so every tensor rank's shard of the embedding looks some up: a rank masking
+ids with another rank's bounds changes tokens from the first one."""
 
 from __future__ import annotations
 
@@ -46,8 +48,11 @@ async def main():
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
     tokens = {}
     vocab = int(json.loads(sys.argv[3]))  # ids from the whole vocabulary: every rank's shard looks some up
+    dp = int(sys.argv[4])  # with data parallel, each batch whole on each DP rank: every rank's tokens
     for b in json.loads(sys.argv[2]):  # each batch's requests in one step (not batch-invariant)
-        tokens[str(b)] = await generate_together(llm, prompts(b, vocab, b), greedy, str(b))
+        for r in range(dp) if dp > 1 else [None]:
+            key = str(b) if r is None else f"{b}@dp{r}"
+            tokens[key] = await generate_together(llm, prompts(b, vocab, b), greedy, key, r)
     llm.shutdown()
     print("RESULT " + json.dumps(tokens), flush=True)
 
@@ -65,12 +70,12 @@ def _gpus() -> int:
         return 0
 
 
-def _engine(args: list[str], env: dict[str, str], log: Path, vocab: int) -> dict[str, Any]:
+def _engine(args: list[str], env: dict[str, str], log: Path, vocab: int, dp: int) -> dict[str, Any]:
     from ember_bench.vllm import run_session
 
     # its own session, killed with its workers past the limit (one stuck in a collective held its GPU)
     limit = float(os.environ.get("EMBER_GPU_ENGINE_TIMEOUT_S", "900"))
-    cmd = [sys.executable, "-c", ENGINE, json.dumps(args), json.dumps(BATCHES), str(vocab)]
+    cmd = [sys.executable, "-c", ENGINE, json.dumps(args), json.dumps(BATCHES), str(vocab), str(dp)]
     rc = run_session(cmd, env, log, limit)
     text = log.read_text()
     lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
@@ -108,6 +113,7 @@ SHAPES = {
     "tp2": ("llama-3-8b", {"tensor": 2}),
     "ep2-tp2": ("qwen3-moe", {"tensor": 2, "expert": 2}),
     "dp2-ep2": ("qwen3-moe", {"data": 2, "expert": 2}),
+    "dp2": ("llama-3-8b", {"data": 2}),
 }
 
 
@@ -116,7 +122,7 @@ SHAPES = {
 def test_one_single_gpu_save_restores_every_rank(shape: str, tmp_path: Path) -> None:
     from ember.archive import bundle
     from ember.engines.vllm import report as reports
-    from ember.engines.vllm.args import engine_args
+    from ember.engines.vllm.args import archived, pod_args
     from ember.identity import ArchiveIdentity, Parallelism
     from ember_bench.vllm import write_config
 
@@ -124,15 +130,17 @@ def test_one_single_gpu_save_restores_every_rank(shape: str, tmp_path: Path) -> 
     cfg = write_config(model, 2, tmp_path / "config")
     ident = ArchiveIdentity(model=str(cfg), engine="vllm", engine_version="0.26",
                             capture_sizes=(1, 2, 4, 8, 16), graph_mode="full-and-piecewise",
-                            max_num_tokens=2048, max_batch=16, parallelism=Parallelism(**par))
-    args = [*engine_args(ident), *EXTRA]
+                            max_num_tokens=2048, max_batch=16, parallelism=archived(Parallelism(**par)))
+    dp = Parallelism(**par).data
+    args = [*pod_args(ident, dp), *EXTRA]
     vocab = int(json.loads((cfg / "config.json").read_text())["vocab_size"])
     native_env = _env("native", args, tmp_path / "cache-native", {})
-    native = _engine(args, native_env, tmp_path / "native.log", vocab)
+    native = _engine(args, native_env, tmp_path / "native.log", vocab, dp)
     store = _save(ident, tmp_path)
     facts = bundle.open_archive(store, ident.hash()).manifest.engine
     table = facts.get("collectives") or {}
-    assert table.get("world") == 2 and table.get("comms"), table  # each call names its vLLM group
+    one_gpu = ident.parallelism == Parallelism()  # dense DP: each engine is one GPU's, no collective
+    assert (not table) if one_gpu else (table.get("world") == 2 and table.get("comms")), table
     # TP: SAVE's compiled code was traced with the embedding that reads each rank's vocabulary bounds
     assert facts.get("compiled_with") == (["vocab-bounds"] if par.get("tensor", 1) > 1 else []), facts.get(
         "compiled_with")
@@ -140,7 +148,7 @@ def test_one_single_gpu_save_restores_every_rank(shape: str, tmp_path: Path) -> 
     report.parent.mkdir()
     load_env = _env("load", args, tmp_path / "cache-load", {
         "EMBER_VLLM_ARCHIVE": str(store / "archives" / ident.hash()), "EMBER_VLLM_REPORT": str(report)})
-    loaded = _engine(args, load_env, tmp_path / "load.log", vocab)
+    loaded = _engine(args, load_env, tmp_path / "load.log", vocab, dp)
     got = reports.read(report)
     ranks = got.get("ranks") or {}
     assert sorted(ranks) == ["0", "1"], got
@@ -148,6 +156,6 @@ def test_one_single_gpu_save_restores_every_rank(shape: str, tmp_path: Path) -> 
         capture = (one.get("stages") or {}).get("capture") or {}
         assert capture.get("how") == "restored", (r, one.get("stages"))
     assert reports.ranks_restored(got)
-    again = _engine(args, native_env, tmp_path / "native-again.log", vocab)
+    again = _engine(args, native_env, tmp_path / "native-again.log", vocab, dp)
     assert again == native, "native vLLM is not reproducible at this shape: its tokens cannot judge a restore"
     assert loaded == native  # greedy tokens, every batch size

@@ -282,6 +282,9 @@ class AsyncLLM:
     async def add_request(self, rid, prompt, params, data_parallel_rank=None):
         with open(os.environ["PROMPT_IDS"], "a") as f:
             f.write(json.dumps(prompt["prompt_token_ids"]) + "\\n")
+        if "DP_RANKS" in os.environ:
+            with open(os.environ["DP_RANKS"], "a") as f:
+                f.write(json.dumps([rid, data_parallel_rank]) + "\\n")
         q = asyncio.Queue()
         done = SimpleNamespace(token_ids=[1] * params.max_tokens)
         q.put_nowait(SimpleNamespace(finished=True, outputs=[done]))
@@ -325,6 +328,49 @@ def test_the_engine_child_times_its_import_and_prompts_from_the_whole_vocabulary
     assert 0 < res["import_s"] <= res["first_token_s"] and res["tokens"]["64"][0] == [1, 1]
     top = max(i for line in ids.read_text().splitlines() for i in json.loads(line))
     assert top >= highest if vocab else top < 30000  # rank 1's shard of a TP=2 Llama starts at 64128
+
+
+def test_with_data_parallel_each_batch_runs_on_every_dp_rank_in_turn(tmp_path: Path) -> None:
+    """A dense model's DP ranks are independent engines, and vLLM balances requests over them: a
+    batch split by timing would change its steps' shapes. Each batch goes whole to each DP rank,
+    and every rank's own tokens are kept."""
+    import os
+    import subprocess
+    import sys
+
+    for name, text in FAKE_VLLM.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    out, sent = tmp_path / "out.json", tmp_path / "dp.jsonl"
+    spec = {"engine_args": [], "out": str(out), "batch_sizes": [1, 3], "max_tokens": 2, "data_parallel": 2}
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PROMPT_IDS": str(tmp_path / "ids.jsonl"), "DP_RANKS": str(sent),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root / "benchmarks"), str(root)])}
+    subprocess.run([sys.executable, "-c", vp.CHILD, json.dumps(spec)], env=env, check=True, timeout=60)
+    assert set(json.loads(out.read_text())["tokens"]) == {"1@dp0", "1@dp1", "3@dp0", "3@dp1"}
+    calls = [json.loads(line) for line in sent.read_text().splitlines()][1:]  # after the first token
+    assert [r for _, r in calls] == [0, 1, 0, 0, 0, 1, 1, 1]
+    assert len({rid for rid, _ in calls}) == len(calls), "request ids stay unique across ranks"
+
+
+def test_a_dense_data_parallel_bench_saves_one_gpus_archive_and_serves_it_data_parallel(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs: list[tuple[list[str], dict]] = []
+    saves: list[dict] = []
+
+    def engine(mode: str, args, work, extra: dict, options: dict, *a, **kw) -> dict:
+        runs.append((list(args), options))
+        return {"engine_init_s": 3.0, "tokens": {"1@dp0": [[5]], "1@dp1": [[5]]}, "ember": {}}
+
+    monkeypatch.setattr(vp, "run_engine", engine)
+    monkeypatch.setattr(vp, "run_save", lambda ident, *a: saves.append(ident.parallelism.model_dump()) or {
+        "published": True, "save_job_s": 9.0})
+    monkeypatch.setattr("ember_bench.vllm_report._device", lambda: "gpu")
+    vp.bench_parallel("llama-3-8b", 2, 1, False, 2, work=tmp_path, out_dir=tmp_path / "out", batch_sizes=[1],
+                      max_tokens=2, gpu_memory_utilization=0.4, timeout=9, tp1_save=False)
+    assert saves == [{"tensor": 1, "expert": 1, "data": 1}]
+    for args, options in runs:
+        assert args[args.index("--data-parallel-size") + 1] == "2" and options["data_parallel"] == 2
 
 
 def test_a_seeded_run_runs_on_a_copy_of_another_runs_cache_root(
