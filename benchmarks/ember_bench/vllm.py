@@ -183,9 +183,9 @@ def bench_vllm(
     diagnose: Annotated[bool, typer.Option(help="With --tp/--ep/--dp: also plain vLLM on SAVE's compiled "
                                                 "code and a LOAD without an archive (where tokens part "
                                                 "from native's).")] = False,
-    floor: Annotated[bool, typer.Option(help="With --tp/--ep/--dp: also native --enforce-eager on native's "
-                                             "kernels and a pod's KV size (vLLM's start without compile "
-                                             "or graphs).")] = False,
+    floor: Annotated[bool, typer.Option(help="With --tp/--ep/--dp: also native on native's warm cache and "
+                                             "a pod's KV size; less its capture, the start no restore "
+                                             "shortens.")] = False,
     pins_cost: Annotated[bool, typer.Option(help="Instead: one decode step (over --max-tokens steps) of "
                                                  "native vLLM as vLLM runs the shape and as a pod runs it, "
                                                  "with ember's pins (bench vllm_pins).")] = False,

@@ -233,25 +233,31 @@ def test_a_pods_set_up_that_changes_tokens_is_split_into_libember_and_one_gpu_pe
     assert summary["identical_to_native"]["load_unarchived_all_gpus"] is True  # one GPU per worker, then
 
 
-def test_the_floor_is_native_without_compile_or_graphs_on_natives_kernels_sized_as_a_pod(
+def test_the_floor_is_vllms_warm_start_sized_as_a_pod_less_its_slowest_ranks_capture(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: dict[str, tuple[list[str], object]] = {}
+
+    def rank(seconds: float) -> dict:
+        return {"world": 2, "stages": {"capture": {"how": "native", "seconds": seconds}}}
 
     def engine(mode: str, args, work, extra: dict, *a, name: str = "", seed: Path | None = None,
                **kw) -> dict:
         calls[name or mode] = (args, seed)
-        return {"engine_init_s": {"native": 50.0, "floor": 10.0}.get(name or mode, 12.0), "ember": {},
+        ember = {"ranks": {"0": rank(0.5), "1": rank(2.0)}} if name == "floor" else {}
+        return {"engine_init_s": {"native": 50.0, "floor": 14.0}.get(name or mode, 12.0), "ember": ember,
                 "import_s": 20.0 if mode == "native" else 21.0}
 
     summary = _published_bench(monkeypatch, tmp_path, engine, loads=1, floor=True)
     assert list(calls) == ["native", "floor", "load", "reference", "native-again"]  # before native again
     args, seed = calls["floor"]
-    assert args == [*calls["native"][0], "--enforce-eager", "--kv-cache-memory-bytes", "77"]
-    assert seed == tmp_path / "llama-3-8b-2l-tp2" / "vllm-cache-native-fresh"  # native's Triton kernels
-    assert summary["engine_init_floor_s"] == 10.0 and summary["engine_init_floor_over_native"] == 0.2
+    assert args == [*calls["native"][0], "--kv-cache-memory-bytes", "77"]  # compiled, as native
+    assert seed == tmp_path / "llama-3-8b-2l-tp2" / "vllm-cache-native-fresh"  # native's code and kernels
+    assert summary["engine_init_floor_s"] == 12.0 and summary["engine_init_floor_over_native"] == 0.24
+    assert summary["engine_init_load_over_warm_native"] == round(12.0 / 14.0, 3)
     assert summary["engine_init_load_over_native"] == 0.24
     assert summary["import_s"] == {"native": 20.0, "load": 21.0}  # within start → first token
-    assert _published_bench(monkeypatch, tmp_path, engine, loads=1)["engine_init_floor_s"] is None
+    plain = _published_bench(monkeypatch, tmp_path, engine, loads=1)
+    assert plain["engine_init_floor_s"] is None and plain["engine_init_load_over_warm_native"] is None
 
 
 FAKE_VLLM = {  # just what the engine child imports, an engine that records its prompts' ids
