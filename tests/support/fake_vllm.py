@@ -30,7 +30,7 @@ FAKE = r'''#!/usr/bin/env python3
 import http.server, json, os, signal, sys, threading, time
 from urllib.parse import parse_qs, urlparse
 keep = ("LD_PRELOAD", "EMBER_MODE", "EMBER_VLLM_ARCHIVE", "EMBER_VLLM_REPORT", "VLLM_USE_FLASHINFER_SAMPLER",
-        "VLLM_SERVER_DEV_MODE")
+        "VLLM_SERVER_DEV_MODE", "EMBER_VLLM_REPLICAS", "VLLM_ALLREDUCE_USE_SYMM_MEM")
 lock = threading.Lock()
 def record(**entry):
     with lock, open(os.environ["FAKE_VLLM_OUT"], "a") as f:

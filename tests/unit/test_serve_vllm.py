@@ -117,6 +117,30 @@ def test_a_world_whose_ranks_did_not_all_restore_is_a_fallback_with_the_ranks_re
         proc.wait(timeout=10)
 
 
+@pytest.mark.parametrize(("shape", "replicas", "parallel"), [
+    (["--data-parallel-size", "2"], "2", False),  # a dense model's replicas: the one-GPU archive's settings
+    (["--tensor-parallel-size", "2"], None, True),
+    (["-tp", "2", "-dp", "2"], "2", True),
+])
+def test_vllm_runs_with_the_settings_of_the_archive_its_shape_restores(
+    shape: list[str], replicas: str | None, parallel: bool, tmp_path: Path, fake_vllm: dict[str, str]
+) -> None:
+    """Every VLLM_* variable is in vLLM's compile-cache hash: a pod runs with what its archive's
+    SAVE ran with (the parallel settings only for a parallel archive), and each dense DP replica's
+    workers learn the pod's replica count to report as ranks of the pod."""
+    w = handoff.HandoffWriter(tmp_path / "run")
+    w.ready("abc", archive(w), engine_args=tuple(shape))
+    proc = serve(fake_vllm, w.run_dir, free_port())
+    try:
+        wait_report(w, "ready", [])
+        (call,) = calls(fake_vllm)
+        assert call["env"]["EMBER_VLLM_REPLICAS"] == replicas
+        assert call["env"]["VLLM_ALLREDUCE_USE_SYMM_MEM"] == ("0" if parallel else None)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+
+
 def test_without_the_console_script_vllm_runs_as_a_module_of_this_interpreter(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
