@@ -269,3 +269,42 @@ def test_a_load_told_to_capture_natively_refuses_its_archive_and_vllm_captures(m
     stages = report.read(path)["stages"]
     assert abandoned == [True] and stages["capture"]["how"] == "native-after-refusal"
     assert "EMBER_VLLM_CAPTURE_NATIVELY" in json.dumps(stages["load_refused"])
+
+
+def _engine(tensor: int, data: int, expert: bool) -> SimpleNamespace:
+    """A vLLM config as one engine resolved it (a dense model's DP replica has DP 1)."""
+    return SimpleNamespace(
+        compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name="FULL_AND_PIECEWISE"),
+                                           cudagraph_capture_sizes=[1, 2, 4, 8],
+                                           max_cudagraph_capture_size=8),
+        scheduler_config=SimpleNamespace(max_num_seqs=4), num_speculative_tokens=0,
+        parallel_config=SimpleNamespace(tensor_parallel_size=tensor, data_parallel_size=data,
+                                        pipeline_parallel_size=1, enable_expert_parallel=expert))
+
+
+@pytest.mark.parametrize(("engine", "archive", "ok"), [
+    ((1, 1, False), {"tensor": 1, "expert": 1, "data": 1}, True),  # a dense DP replica, the one-GPU archive
+    ((1, 1, False), None, True),  # an archive from before the facts named the world: one GPU
+    ((1, 2, False), {"tensor": 1, "expert": 1, "data": 1}, False),  # MoE DP without EP: one world of 2
+    ((1, 2, False), None, False),
+    ((1, 2, True), {"tensor": 1, "expert": 2, "data": 2}, True),
+    ((1, 2, True), {"tensor": 1, "expert": 1, "data": 1}, False),
+])
+def test_load_accepts_only_an_archive_of_the_world_this_engine_runs(
+    engine: tuple[int, int, bool], archive: dict | None, ok: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A one-GPU archive has no collective to splice: served to ranks that all-reduce across DP
+    (a MoE model's DP ranks without EP, which the operator names by the data-1 identity too), its
+    graphs would compute each rank's part alone. LOAD refuses it before anything is restored."""
+    from ember.engines.vllm import adapter as vadapter
+    from ember.runtime.adapter import Refused
+
+    monkeypatch.setattr(vadapter, "engine_version", lambda: "0.26.0")
+    a = vadapter.VllmAdapter(vllm_config=_engine(*engine), runner_kind="v2")
+    facts = {"kind": "vllm", "version": "0.26.0", "runner": "v2", "graph_config": a.graph_config().to_json(),
+             "kv_cache_memory_bytes": 1 << 30, **({"parallelism": archive} if archive else {})}
+    if ok:
+        assert a.accept(facts)["kind"] == "vllm"
+    else:
+        with pytest.raises(Refused, match="archive is for the world"):
+            a.accept(facts)

@@ -199,7 +199,6 @@ class VllmAdapter:
     def resolved(self) -> dict[str, Any]:
         """What `ember.engines.vllm.args.mismatches` compares with an identity."""
         cfg, mc = self.graph_config(), self.vllm_config.model_config
-        pc = self.vllm_config.parallel_config
         return {
             "model": str(mc.model),
             "revision": str(getattr(mc, "revision", None) or "main"),
@@ -209,8 +208,7 @@ class VllmAdapter:
             "cudagraph_mode": cfg.cudagraph_mode,
             "max_num_seqs": cfg.max_num_seqs,
             "max_num_batched_tokens": int(self.vllm_config.scheduler_config.max_num_batched_tokens),
-            "parallelism": parallelism(int(pc.tensor_parallel_size), int(pc.data_parallel_size),
-                                       bool(getattr(pc, "enable_expert_parallel", False))),
+            "parallelism": self._parallelism(),
         }
 
     def own_identity(self) -> ArchiveIdentity:
@@ -305,6 +303,7 @@ class VllmAdapter:
             "inputs": static_addresses(self.runner),
             # prepare() refused compiled code without the patch (ember.engines.vllm.parallel)
             COMPILED_WITH: [VOCAB_PATCH] if self._tensor() > 1 else [],
+            "parallelism": self._parallelism(),  # the engine's world, which accept() compares
         }
         if self.world() == 1:  # SAVE saw real data: LOAD's canary compares with what it computed
             from ember.engines.vllm import canary_run
@@ -336,7 +335,18 @@ class VllmAdapter:
             raise Refused(COMPAT, "archive has no kv_cache_memory_bytes")
         if why := archive_refusal(self._tensor(), facts):
             raise Refused(COMPAT, why)
+        # The engine's own world, as vLLM runs it: a dense model's DP replica is DP 1 (the one-GPU
+        # archive serves it), a MoE model's DP ranks without EP are one world of DP N, which a
+        # one-GPU archive's graphs (no collective to splice) would serve wrongly.
+        world = facts.get("parallelism") or parallelism(1, 1, False)
+        if world != self._parallelism():
+            raise Refused(COMPAT, f"archive is for the world {world}, this engine runs {self._parallelism()}")
         return dict(facts)
+
+    def _parallelism(self) -> dict[str, int]:
+        pc = self.vllm_config.parallel_config
+        return parallelism(int(pc.tensor_parallel_size), int(pc.data_parallel_size),
+                           bool(getattr(pc, "enable_expert_parallel", False)))
 
     def attachments(self) -> dict[str, bytes]:
         """vLLM's compile cache and model-class facts, so a fresh pod loads compiled code instead

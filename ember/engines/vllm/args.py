@@ -127,8 +127,8 @@ def archived(shape: Parallelism) -> Parallelism:
     (v1/engine/core.py run_engine_core: "Non-MoE DP ranks are completely independent, so treat
     like DP=1"), so each of them restores the archive of its tensor-parallel shape, and DP=1 and
     DP=N share one SAVE. A MoE model's DP ranks without EP are one engine (its experts are tensor
-    parallel across them): their engines keep DP N, are not that archive, and capture natively
-    (`mismatches`)."""
+    parallel across them): their engines keep DP N, and LOAD refuses the one-GPU archive for
+    them (the archive's world against the engine's, `VllmAdapter.accept`): they capture natively."""
     if shape.data > 1 and shape.expert == 1:
         return Parallelism(tensor=shape.tensor, expert=1, data=1)
     return shape
