@@ -47,6 +47,20 @@ async def generate_together(llm: Any, batch: list[dict[str, list[int]]], params:
     return tokens
 
 
+async def greedy_tokens(llm: Any, batch_sizes: list[int], vocab: int, params: Any,
+                        data_parallel: int = 1) -> dict[str, list[list[int]]]:
+    """The tokens of a batch of each size (prompts seeded by the size, ids from `vocab`), each
+    scheduled together; with data parallel, each batch whole on each DP rank in turn (`"<b>@dp<r>"`):
+    vLLM balances requests over the ranks, and a batch split by timing would change its steps'
+    shapes, so every rank's own tokens are kept."""
+    out = {}
+    for b in batch_sizes:
+        for r in range(data_parallel) if data_parallel > 1 else [None]:
+            key = str(b) if r is None else f"{b}@dp{r}"
+            out[key] = await generate_together(llm, prompts(b, vocab, b), params, key, r)
+    return out
+
+
 async def decode_step_ms(llm: Any, batch: int, steps: int, repeats: int = 3, params: Any = None) -> float:
     """One decode step of `batch` requests, in ms: the time to `steps` tokens less the time to 1
     token, over `steps - 1`, for the same prompts scheduled together (the prefill, the same in

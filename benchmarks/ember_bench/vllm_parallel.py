@@ -66,7 +66,7 @@ CHILD = r"""
 import time
 T0 = time.perf_counter()
 import asyncio, json, sys
-from ember_bench.vllm_child import decode_step_ms, generate_together, prompts
+from ember_bench.vllm_child import decode_step_ms, generate_together, greedy_tokens, prompts
 
 
 async def main(args):
@@ -82,9 +82,8 @@ async def main(args):
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(ns))
     init = time.perf_counter() - t
 
-    async def run(batch, seed, params, dp_rank=None):
-        return await generate_together(llm, prompts(batch, args.get("vocab", 30000), seed), params,
-                                       f"{seed}-{dp_rank}", dp_rank)
+    async def run(batch, seed, params):
+        return await generate_together(llm, prompts(batch, args.get("vocab", 30000), seed), params, f"{seed}")
 
     def params(n):
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -92,12 +91,8 @@ async def main(args):
     greedy = params(args["max_tokens"])
     await run(1, 0, params(1))
     first = time.perf_counter() - T0
-    # with data parallel, each batch on each DP rank in turn: every rank's own tokens are compared
-    dp = args.get("data_parallel", 1)
-    tokens = {}
-    for b in args["batch_sizes"]:
-        for r in range(dp) if dp > 1 else [None]:
-            tokens[str(b) if r is None else f"{b}@dp{r}"] = await run(b, b, greedy, r)
+    tokens = await greedy_tokens(llm, args["batch_sizes"], args.get("vocab", 30000), greedy,
+                                 args.get("data_parallel", 1))
     timed = args.get("decode_batches") or []
     steps = {str(b): await decode_step_ms(llm, b, args["decode_steps"]) for b in timed}
     llm.shutdown()

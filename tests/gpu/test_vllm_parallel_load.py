@@ -39,20 +39,16 @@ from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.engine.async_llm import AsyncLLM
-from ember_bench.vllm_child import generate_together, prompts
+from ember_bench.vllm_child import greedy_tokens
 
 
 async def main():
     ns, _ = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser()).parse_known_args(json.loads(sys.argv[1]))
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(ns))
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
-    tokens = {}
     vocab = int(json.loads(sys.argv[3]))  # ids from the whole vocabulary: every rank's shard looks some up
-    dp = int(sys.argv[4])  # with data parallel, each batch whole on each DP rank: every rank's tokens
-    for b in json.loads(sys.argv[2]):  # each batch's requests in one step (not batch-invariant)
-        for r in range(dp) if dp > 1 else [None]:
-            key = str(b) if r is None else f"{b}@dp{r}"
-            tokens[key] = await generate_together(llm, prompts(b, vocab, b), greedy, key, r)
+    # each batch's requests in one step (not batch-invariant); with DP, on each DP rank in turn
+    tokens = await greedy_tokens(llm, json.loads(sys.argv[2]), vocab, greedy, int(sys.argv[4]))
     llm.shutdown()
     print("RESULT " + json.dumps(tokens), flush=True)
 

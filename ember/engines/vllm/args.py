@@ -54,9 +54,13 @@ def _value(text: str) -> Any:
         return text
 
 
+def several_ranks(shape: Parallelism) -> bool:
+    """Whether a shape is one engine of several ranks (its archive a parallel one)."""
+    return shape.tensor * shape.data * shape.expert > 1
+
+
 def _parallel(identity: ArchiveIdentity) -> bool:
-    p = identity.parallelism
-    return p.tensor * p.data * p.expert > 1
+    return several_ranks(identity.parallelism)
 
 
 def compilation_config(identity: ArchiveIdentity, *, rank_pins: bool | None = None,

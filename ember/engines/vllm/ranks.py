@@ -20,7 +20,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ember.engines.vllm.args import archived
+from ember.engines.vllm.args import archived, parallelism, several_ranks
 from ember.engines.vllm.report import REPLICAS_ENV
 from ember.identity import ArchiveIdentity, Parallelism
 
@@ -34,8 +34,7 @@ def world(identity: ArchiveIdentity) -> int:
 
 
 def is_parallel(identity: ArchiveIdentity) -> bool:
-    p = identity.parallelism
-    return p.tensor * p.data * p.expert > 1
+    return several_ranks(identity.parallelism)
 
 
 def place(rank: int, tensor: int, data: int) -> tuple[int, int]:
@@ -126,14 +125,13 @@ def args_shape(args: list[str]) -> Parallelism:
         expert = expert or name in ("--enable-expert-parallel", "-ep")
     tensor = max(sizes["--tensor-parallel-size"], sizes["-tp"])
     data = max(sizes["--data-parallel-size"], sizes["-dp"])
-    return Parallelism(tensor=tensor, data=data, expert=tensor * data if expert else 1)
+    return Parallelism(**parallelism(tensor, data, expert))
 
 
 def parallel_args(args: list[str]) -> bool:
     """Whether vLLM arguments run an engine of several ranks whose archive is a parallel one: not
     a dense model's data-parallel replicas, each of which is an engine of its own (args.archived)."""
-    p = archived(args_shape(args))
-    return p.tensor * p.data * p.expert > 1
+    return several_ranks(archived(args_shape(args)))
 
 
 def pod_env(args: list[str]) -> dict[str, str]:
