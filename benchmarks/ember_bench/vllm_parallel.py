@@ -38,7 +38,8 @@ runs; the offline `LLM` refuses DP > 1):
    shape's SAVE is held to (its goal: no longer).
 
 Per run: engine init, start → first token, greedy tokens at each batch size (each batch's requests
-scheduled together, their token ids from the whole vocabulary; compared with native), Inductor's
+scheduled together, their token ids from the whole vocabulary; with data parallel, on each DP rank
+in turn; compared with native), Inductor's
 autotuning choices its cache root holds (`autotune`: a reduction's config decides its summation
 order, so the same compiled code computes other bits under another choice; the summary's
 `autotune_differs_from_native` counts reductions whose choice differs from native's), the code
