@@ -128,12 +128,16 @@ class PodView:
 
     @property
     def shape(self) -> tuple[int, int, int] | None:
-        """(tensor, expert, data) of the identity the pod was claimed for; None if unclaimed."""
+        """(tensor, expert, data) the pod was claimed for; None if unclaimed. Tensor and expert are
+        its identity's, data its world over tensor: a vLLM pod of dense data-parallel replicas has
+        the data-1 identity (ember.engines.vllm.args.archived) and a world of all its GPUs."""
         try:
             par = json.loads(self.annotations[contract.ANN_IDENTITY_SPEC]).get("parallelism") or {}
-            return int(par.get("tensor", 1)), int(par.get("expert", 1)), int(par.get("data", 1))
+            tensor, expert, data = (int(par.get(k, 1)) for k in ("tensor", "expert", "data"))
+            world = int(self.annotations.get(contract.ANN_WORLD) or tensor * data)
         except (KeyError, ValueError, TypeError, AttributeError):
             return None
+        return tensor, expert, max(data, world // max(tensor, 1))
 
 
 def _engine_status(status: dict[str, Any]) -> dict[str, Any]:

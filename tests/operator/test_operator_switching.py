@@ -43,7 +43,8 @@ def _pods(spec: Any, names: list[str], ready: bool = True, drain_at: str = "") -
     rev = revision_of(ident.hash(), template_of("default", spec, CTX), spec)
     view = _archive(spec)
     ann = {contract.ANN_ARCHIVE: view.uri, contract.ANN_MANIFEST_DIGEST: view.digest,
-           contract.ANN_IDENTITY_SPEC: canonical_json(ident.canonical()).decode()}
+           contract.ANN_IDENTITY_SPEC: canonical_json(ident.canonical()).decode(),
+           contract.ANN_WORLD: str(spec.gpu_count())}
     if drain_at:
         ann[contract.ANN_DRAIN] = drain_at
     pool = contract.POOL_DRAINING if drain_at else contract.POOL_SERVING
@@ -122,6 +123,20 @@ def test_vllm_data_parallel_replicas_of_a_dense_model_share_the_data_1_archive()
     assert "--disable-custom-all-reduce" not in args, "one GPU's archive: no rank pins"
     # transformers keeps the shape in its identity (ember's decode engine captures DP itself)
     assert _spec(dp2).identity().parallelism.data == 2
+
+
+def test_a_switch_between_dense_data_parallel_shapes_of_vllm_names_both_and_saves_nothing() -> None:
+    """The shapes share the data-1 archive: a pod's data degree is its world over its tensor degree,
+    not its identity's, so the switch still says which shape it leaves."""
+    vllm = {"kind": "vllm", "version": "0.26.0", "image": "vllm:test"}
+    dp2 = {"tensor": 1, "expert": 1, "data": 2}
+    old_spec, new_spec = _spec(dp2, [DP1], engine=vllm), _spec(DP1, [dp2], engine=vllm)
+    old = _pods(old_spec, ["old-0", "old-1"])
+    assert {p.shape for p in old} == {(1, 1, 2)}
+    start = _switch(new_spec, old)
+    sw = start.status.switch
+    assert sw is not None and sw.previous.key() == (1, 1, 2) and sw.target.key() == (1, 1, 1) and sw.presaved
+    assert len(start.creates) == 2 and not start.presaves
 
 
 def test_dropped_alternative_loses_its_label() -> None:
