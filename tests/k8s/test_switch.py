@@ -266,3 +266,41 @@ def test_sigkill_of_the_leader_during_a_switch(k8s: LocalCluster, minio: LocalMi
             assert api.jobs() == [] and len(api.archives()) == 2
         finally:
             second.stop()
+
+
+DP2 = {"tensor": 1, "expert": 1, "data": 2}
+VLLM = {"kind": "vllm", "version": "0.26.0", "image": "registry.invalid/ember/vllm:test"}
+
+
+def vllm_dp(pod: Any) -> int:
+    """vLLM's data-parallel size in the pod's claim (1 when the arguments name none)."""
+    args = json.loads(pod.metadata.annotations["ember.dev/engine-args"])
+    return int(args[args.index("--data-parallel-size") + 1]) if "--data-parallel-size" in args else 1
+
+
+def test_vllm_dense_data_parallel_shapes_share_one_archive_and_switch_without_a_save(
+    env: Any, minio: LocalMinio,
+) -> None:
+    """vLLM runs a dense model's DP replicas as engines of their own: DP1 and DP2 are one identity,
+    one GraphArchive; a switch between them moves to 2-GPU pods of the same archive, vLLM told its
+    DP size by the claim, and the status names the shape it leaves."""
+    api, op, prefix = env
+    spec = shaped(md_spec(minio, prefix, replicas=1, engine=VLLM, drainSeconds=1), DP1, [DP1, DP2])
+    write_test_archive(minio, prefix, spec)
+    api.create_md("dense", spec)
+
+    def on(dp: int) -> bool:
+        st, pods = api.md("dense").get("status") or {}, api.serving("dense")
+        return (st.get("phase") == "Ready" and not st.get("switch") and len(pods) == 1
+                and all(gpus(p) == dp and vllm_dp(p) == dp and tp_ep_dp(p) == key(DP1) for p in pods))
+
+    wait_for(lambda: on(1), "Ready on DP1", op)
+    assert [(s["data"], s["phase"]) for s in api.md("dense")["status"]["shapes"]] == [(1, "Available"),
+                                                                                    (2, "Available")]
+    api.patch_md("dense", {"spec": {"parallelism": DP2}})
+    wait_for(lambda: (api.md("dense").get("status") or {}).get("switch"), "status.switch", op)
+    sw = api.md("dense")["status"]["switch"]
+    assert sw["previous"] == DP1 and sw["target"] == DP2 and sw["presaved"]
+    wait_for(lambda: on(2), "one 2-GPU pod of the same archive, the DP1 pod gone", op, timeout=60)
+    assert api.jobs() == [] and len(api.archives()) == 1, "one identity: no SAVE, one archive"
+    no_orphans(api, "dense", 1)
