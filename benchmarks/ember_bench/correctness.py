@@ -81,14 +81,16 @@ class Case:
     args: dict[str, Any] = field(default_factory=dict)
 
 
-def all_cases(gpus: int) -> list[Case]:
-    cases = [Case(f"decode/{w}{c}", "decode", 1, {"workload": w + c}) for w in DECODE_WORKLOADS
+def all_cases(gpus: int, layers: int = 0) -> list[Case]:
+    """`layers`: the decode and parallel cases' depth (0: each workload's own)."""
+    depth = {"layers": layers} if layers else {}
+    cases = [Case(f"decode/{w}{c}", "decode", 1, {"workload": w + c, **depth}) for w in DECODE_WORKLOADS
              for c in ("", "-compile")]
     for n in (2, 4):
         for dim, w in PARALLEL:
             if n == 4 and dim == "dp":
                 continue
-            cases.append(Case(f"parallel/{dim}{n}-{w}", "parallel", n, {"workload": w, dim: n}))
+            cases.append(Case(f"parallel/{dim}{n}-{w}", "parallel", n, {"workload": w, dim: n, **depth}))
     cases += [Case(f"cb/{a}", "cb", 1, {"arch": a}) for a in ARCHITECTURES]
     # the sliding-window shape whose restores once differed, its own execs swapped in at a chosen
     # launch (EMBER_SWAP_AT_LAUNCH) instead of wherever the background thread got to
@@ -233,6 +235,8 @@ def run_case(
     case: Case, lanes: Lanes, starts: int, work: Path, timeout: float, together: int = 1
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"case": case.name, "kind": case.kind, "world": case.world}
+    if case.kind != "cb":
+        out["layers"] = case.args.get("layers") or "full"
     if "skip" in case.args:
         return {**out, "skipped": case.args["skip"]}
     gpus = lanes.take(case.world)
@@ -267,13 +271,14 @@ def markdown(report: dict[str, Any]) -> str:
              "| case | world | wrong / N | identical | fell back | errors | wall s | note |",
              "|---|---|---|---|---|---|---|---|"]
     for r in report["cases"]:
+        name = r["case"] + (f" ({r['layers']} layers)" if r.get("layers", "full") != "full" else "")
         if "counts" not in r:
-            lines.append(f"| {r['case']} | {r['world']} | - | | | | {r.get('wall_s', '')} | "
+            lines.append(f"| {name} | {r['world']} | - | | | | {r.get('wall_s', '')} | "
                          f"{(r.get('skipped') or r.get('error', ''))[:160]} |")
             continue
         c, n = r["counts"], len(r["starts"])
         note = next((s["why"] for s in r["starts"] if s["verdict"] != "identical" and s["why"]), "")
-        lines.append(f"| {r['case']} | {r['world']} | {c['wrong']} / {n} | {c['identical']} "
+        lines.append(f"| {name} | {r['world']} | {c['wrong']} / {n} | {c['identical']} "
                      f"| {c['fell back']} "
                      f"| {c['error']} | {r['wall_s']} | {note[:160]} |")
     lines += ["", "wrong: tokens or graph outputs differ from native on any rank. fell back: LOAD refused "
@@ -291,6 +296,8 @@ def bench_correctness(
     together: Annotated[int, typer.Option(help="A CB case's LOAD starts run this many at a time on its GPU "
                                                "(small models: the sweep in less device time; decode "
                                                "cases, full-size, run one at a time).")] = 1,
+    layers: Annotated[int, typer.Option(help="Depth of the decode and parallel cases' models (0: each "
+                                             "workload's own); the report names it per case.")] = 0,
 ) -> None:
     """Native once, SAVE once, N fresh LOADs per case, compared with native: wrong starts / N."""
     try:
@@ -301,7 +308,7 @@ def bench_correctness(
     count = torch.cuda.device_count() if torch is not None else 0
     gpus = [g for g in ids.split(",") if g] if ids else [str(i) for i in range(count)]
     patterns = [p.strip() for p in cases.split(",") if p.strip()]
-    chosen = [c for c in all_cases(len(gpus)) if any(fnmatch.fnmatch(c.name, p) for p in patterns)]
+    chosen = [c for c in all_cases(len(gpus), layers) if any(fnmatch.fnmatch(c.name, p) for p in patterns)]
     if list_cases or not gpus or torch is None:
         typer.echo("\n".join(f"{c.name} (world {c.world}) {c.args.get('skip', '')}" for c in chosen))
         if not list_cases:

@@ -81,3 +81,16 @@ def test_the_report_counts_wrong_starts_per_case() -> None:
     md = markdown(report)
     assert "| cb/mistral | 1 | 1 / 2 | 1 | 0 | 0 | 1.0 | wave 1 prompt 7 token 9 |" in md
     assert "needs 4 GPUs" in md
+
+
+def test_a_shallower_depth_reaches_the_decode_and_parallel_cases_and_the_report_names_it() -> None:
+    cases = {c.name: c for c in all_cases(2, layers=8)}
+    assert cases["decode/gemma3-compile"].args["layers"] == 8
+    assert cases["parallel/tp2-llama3-8b"].args["layers"] == 8
+    assert "layers" not in cases["cb/mistral"].args  # CB models have their own small configs
+    assert all("layers" not in c.args for c in all_cases(2) if not c.name.startswith("cb/"))
+    row = {"case": "decode/gemma3-compile", "world": 1, "layers": 8, "wall_s": 3.0,
+           "counts": {"identical": 1, "wrong": 0, "fell back": 0, "error": 0},
+           "starts": [{"verdict": "identical", "why": ""}]}
+    md = markdown({"starts": 1, "device": "H200", "gpus": 1, "date": "d", "cases": [row]})
+    assert "| decode/gemma3-compile (8 layers) | 1 | 0 / 1 |" in md
