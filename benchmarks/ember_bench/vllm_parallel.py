@@ -28,8 +28,9 @@ runs; the offline `LLM` refuses DP > 1):
    worker, refused: vLLM compiles and captures itself), and where that differs from native,
    `load_unarchived_all_gpus`, the same with every worker seeing every GPU (libember alone);
    `native_kv_bytes`, native given SAVE's KV size as a pod is (vLLM skips its profiling run);
-7. with `--floor`, `floor`: native on a copy of native's cache root (its compiled code and
-   Triton kernels: vLLM's own warm start, which compiles nothing), given SAVE's KV size as a pod
+7. with `--floor`, `floor`: native on a copy of native's cache root (its compiled code, and its
+   Triton kernels moved where a warm start looks: `seed_triton_home`), so it compiles nothing
+   (`triton_compiled.floor`), given SAVE's KV size as a pod
    is (no profiling run). Less its graph capture (the slowest rank's), that is the start a
    restore cannot shorten: `engine_init_floor_s`, `engine_init_floor_over_native`; and
    `engine_init_load_over_warm_native` compares a LOAD with vLLM's own cache. (`--enforce-eager`
@@ -175,6 +176,7 @@ def run_engine(mode: str, args: list[str], work: Path, extra: dict[str, str], op
         cache = work / f"vllm-cache-{name}"
         shutil.rmtree(cache, ignore_errors=True)
         shutil.copytree(seed, cache, symlinks=True)
+        seed_triton_home(cache)
         env.update(VLLM_CACHE_ROOT=str(cache), TRITON_HOME=str(cache / compile_cache.TRITON_HOME))
     child = json.dumps({**options, "engine_args": args, "out": str(out)})
     t, since = time.perf_counter(), time.time()
@@ -188,6 +190,22 @@ def run_engine(mode: str, args: list[str], work: Path, extra: dict[str, str], op
         res["log_tail"] = logf.read_text()[-6000:]
     typer.echo(f"{name}: rc={rc} first_token={res.get('first_token_s')}")
     return res
+
+
+def seed_triton_home(root: Path) -> int:
+    """Copy the Triton kernels a cold start left in Inductor's per-compile directories into the
+    root's Triton home; how many. Inductor points Triton there while it compiles, so vLLM's own
+    kernels, compiled at warm-up in the same process, land there too, and a warm start (which loads
+    the compiled code, no Inductor) never looks there: it compiled 24 of them again, 18 s of its
+    warm-up (benchmarks/results/h200x2-20261130g). A floor compiles nothing."""
+    from ember.engines.vllm import compile_cache
+
+    dest, n = root / compile_cache.TRITON_HOME / ".triton" / "cache", 0
+    for kernel in sorted(root.rglob("inductor_cache/triton/*/*")):
+        if kernel.is_dir() and not (dest / kernel.name).exists():
+            shutil.copytree(kernel, dest / kernel.name)
+            n += 1
+    return n
 
 
 def triton_compiled(root: Path, since: float) -> int:
@@ -420,7 +438,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "identical_to_native": {run: bool(results[run].get("tokens")) and results[run].get("tokens") == tokens
                                 for run in DIAGNOSES if results.get(run)},
         "triton_compiled": {  # Triton kernels each run compiled: at a LOAD's start the goal is none
-            run: results[run].get("triton_compiled") for run in ("native", "load", "reference")
+            run: results[run].get("triton_compiled") for run in ("native", "load", "reference", "floor")
             if results.get(run)},
         # 0: SAVE generated the code native's rank 0 did, so only its choices could differ
         "code_not_in_native": {run: code_not_in(results[run], native) for run in ("load", "native_again")

@@ -260,6 +260,23 @@ def test_the_floor_is_vllms_warm_start_sized_as_a_pod_less_its_slowest_ranks_cap
     assert plain["engine_init_floor_s"] is None and plain["engine_init_load_over_warm_native"] is None
 
 
+def test_a_warm_start_finds_the_kernels_a_cold_start_left_in_inductors_directory(tmp_path: Path) -> None:
+    from ember_bench.vllm_parallel import seed_triton_home
+
+    inductor = tmp_path / "torch_compile_cache" / "torch_aot_compile" / "a35" / "inductor_cache" / "triton"
+    for device, kernel in (("0", "DLHQ"), ("0", "KPTW"), ("1", "DLHQ")):  # one kernel in two places
+        (inductor / device / kernel).mkdir(parents=True)
+        (inductor / device / kernel / f"__grp__{kernel}.json").write_text(device)
+    home = tmp_path / "triton-home" / ".triton" / "cache"
+    (home / "KPTW").mkdir(parents=True)
+    (home / "KPTW" / "own.json").write_text("kept")
+    assert seed_triton_home(tmp_path) == 1  # KPTW was there already
+    assert sorted(p.name for p in home.iterdir()) == ["DLHQ", "KPTW"]
+    assert (home / "DLHQ" / "__grp__DLHQ.json").read_text() == "0"
+    assert [p.name for p in (home / "KPTW").iterdir()] == ["own.json"]
+    assert seed_triton_home(tmp_path) == 0
+
+
 FAKE_VLLM = {  # just what the engine child imports, an engine that records its prompts' ids
     "vllm/__init__.py": "class SamplingParams:\n    def __init__(self, **kw): self.__dict__.update(kw)\n",
     "vllm/engine/__init__.py": "",
