@@ -1,0 +1,1 @@
+export CUDA_VISIBLE_DEVICES=""; python3 -m pytest -q -p no:cacheprovider tests/unit/test_verify.py tests/unit/test_proof_measures.py tests/unit/test_vllm_one_rank.py > /tmp/ember-run/torch-unit.txt 2>&1; tail -5 /tmp/ember-run/torch-unit.txt
