@@ -44,16 +44,18 @@ in turn; compared with native), Inductor's
 autotuning choices its cache root holds (`autotune`: a reduction's config decides its summation
 order, so the same compiled code computes other bits under another choice; the summary's
 `autotune_differs_from_native` counts reductions whose choice differs from native's), the code
-Inductor generated (`compiled_code`, file names that hash their source; `code_not_in_native`: the
-files a LOAD ran, SAVE's, that native never generated); per rank (the plugin's report files): how
-its graphs came (`restored` / `native`), capture or LOAD seconds, the splice's part, vLLM's worker
-stages. Report: `benchmarks/results/vllm-<device>-<model>-<shape>.json`.
+Inductor generated (`compiled_code`, digests of its files' source less the paths in comments;
+`code_not_in_native`: the files a LOAD ran, SAVE's, that native never generated); per rank (the
+plugin's report files): how its graphs came (`restored` / `native`), capture or LOAD seconds,
+the splice's part, vLLM's worker stages. Report: `benchmarks/results/vllm-<device>-<model>-<shape>.json`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -235,10 +237,15 @@ def autotune_choices(root: Path) -> dict[str, Any]:
 
 def compiled_code(root: Path) -> list[str]:
     """The code Inductor generated under a run's cache root (the graphs' wrappers and their
-    kernels), by file name: each is named by a hash of its source, so two runs compiled the same
-    code where they hold the same names (a rank's kernels name its device: rank 1's differ)."""
+    kernels), each by a digest of its source less its `# kernel path:` comments: those name the
+    run's own cache root, so the same wrapper compiled under two roots has two file names
+    (h200x2-20261130g counted 3 such "new" files). Two runs compiled the same code where they hold
+    the same digests (a rank's kernels name its device: rank 1's differ)."""
     files = root.rglob("inductor_cache/*/*.py") if root.is_dir() else []
-    return sorted({p.name for p in files})
+    return sorted({hashlib.sha256(KERNEL_PATH.sub(b"", p.read_bytes())).hexdigest()[:16] for p in files})
+
+
+KERNEL_PATH = re.compile(rb"^# kernel path: .*$", re.MULTILINE)
 
 
 def code_not_in(run: dict[str, Any], native: dict[str, Any]) -> int | None:

@@ -423,19 +423,27 @@ def _best_config(root: Path, name: str, **config: object) -> None:
     path.write_text(json.dumps({**config, "time_taken_ms": 3, "triton_cache_hash": "x"}))
 
 
-def test_the_code_a_run_generated_is_named_by_its_files_and_compared_with_natives(tmp_path: Path) -> None:
+def test_the_code_a_run_generated_is_compared_with_natives_whatever_cache_root_it_names(
+        tmp_path: Path) -> None:
     native, load = tmp_path / "native", tmp_path / "load"
-    for root, names in ((native, ["ab/kernel0.py", "ab/kernel1.py", "cd/wrapper.py"]),
-                        (load, ["ab/kernel0.py", "ef/kernel9.py"])):
-        for name in names:
-            path = root / "torch_compile_cache" / "torch_aot_compile" / "h" / "inductor_cache" / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("# code")
+
+    def code(root: Path, name: str, text: str) -> None:
+        path = root / "torch_compile_cache" / "torch_aot_compile" / "h" / "inductor_cache" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    for root in (native, load):  # the same wrapper; its comments name each run's own root
+        code(root, f"ab/wrapper-{root.name}.py", f"# kernel path: {root}/inductor_cache/k0.py\ncall(k0)\n")
+        code(root, "cd/k0.py", "def k0(): ...\n")
+    code(native, "cd/k1.py", "def k1(): ...\n")
+    code(load, "ef/k9.py", "def k9(): ...\n")  # code native never generated
     (load / "torch_compile_cache" / "other.py").write_text("")  # not Inductor's
     runs = {"native": {"compiled_code": vp.compiled_code(native)},
             "load": {"compiled_code": vp.compiled_code(load)}}
-    assert runs["load"]["compiled_code"] == ["kernel0.py", "kernel9.py"]
+    assert len(runs["load"]["compiled_code"]) == 3
     assert vp.code_not_in(runs["load"], runs["native"]) == 1
+    code(load, "ab/other.py", "# kernel path: x\ncall(k1)\n")  # a wrapper that calls another kernel
+    assert vp.code_not_in({"compiled_code": vp.compiled_code(load)}, runs["native"]) == 2
     assert vp.code_not_in(runs["native"], runs["native"]) == 0
     assert vp.code_not_in({"compiled_code": []}, runs["native"]) is None  # nothing to compare
 
