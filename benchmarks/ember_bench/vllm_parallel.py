@@ -30,24 +30,24 @@ runs; the offline `LLM` refuses DP > 1):
    `native_kv_bytes`, native given SAVE's KV size as a pod is (vLLM skips its profiling run);
 7. with `--floor`, `floor`: native on a copy of native's cache root (its compiled code, and its
    Triton kernels moved where a warm start looks: `seed_triton_home`), so it compiles nothing
-   (`triton_compiled.floor`), given SAVE's KV size as a pod
-   is (no profiling run). Less its graph capture (the slowest rank's), that is the start a
-   restore cannot shorten: `engine_init_floor_s`, `engine_init_floor_over_native`; and
-   `engine_init_load_over_warm_native` compares a LOAD with vLLM's own cache. (`--enforce-eager`
-   is no floor: eager vLLM's warm-up took 18.7 s per rank, benchmarks/results/h200x2-20261130f);
+   (`triton_compiled.floor`), given SAVE's KV size as a pod is (no profiling run). Less its graph
+   capture (the slowest rank's), that is the start a restore cannot shorten: `engine_init_floor_s`,
+   `engine_init_floor_over_native`; and `engine_init_load_over_warm_native` compares a LOAD with
+   vLLM's own cache. (`--enforce-eager` is no floor: eager vLLM's warm-up took 18.7 s per rank,
+   benchmarks/results/h200x2-20261130f);
 8. `save_tp1` (unless `--no-tp1-save`) — the SAVE Job of the same model at TP=1, the time the
    shape's SAVE is held to (its goal: no longer).
 
 Per run: engine init, start → first token, greedy tokens at each batch size (each batch's requests
 scheduled together, their token ids from the whole vocabulary; with data parallel, on each DP rank
-in turn; compared with native), Inductor's
-autotuning choices its cache root holds (`autotune`: a reduction's config decides its summation
-order, so the same compiled code computes other bits under another choice; the summary's
-`autotune_differs_from_native` counts reductions whose choice differs from native's), the code
-Inductor generated (`compiled_code`, digests of its files' source less the paths in comments;
-`code_not_in_native`: the files a LOAD ran, SAVE's, that native never generated); per rank (the
-plugin's report files): how its graphs came (`restored` / `native`), capture or LOAD seconds,
-the splice's part, vLLM's worker stages. Report: `benchmarks/results/vllm-<device>-<model>-<shape>.json`.
+in turn; compared with native), Inductor's autotuning choices its cache root holds (`autotune`: a
+reduction's config decides its summation order, so the same compiled code computes other bits under
+another choice; the summary's `autotune_differs_from_native` counts reductions whose choice differs
+from native's), the code Inductor generated (`compiled_code`, digests of its files' source less the
+paths in comments; `code_not_in_native`: the files a LOAD ran, SAVE's, that native never generated);
+per rank (the plugin's report files): how its graphs came (`restored` / `native`), capture or LOAD
+seconds, the splice's part, vLLM's worker stages. Report:
+`benchmarks/results/vllm-<device>-<model>-<shape>.json`.
 """
 
 from __future__ import annotations

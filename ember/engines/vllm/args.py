@@ -59,14 +59,10 @@ def several_ranks(shape: Parallelism) -> bool:
     return shape.tensor * shape.data * shape.expert > 1
 
 
-def _parallel(identity: ArchiveIdentity) -> bool:
-    return several_ranks(identity.parallelism)
-
-
 def compilation_config(identity: ArchiveIdentity, *, rank_pins: bool | None = None,
                        deterministic: bool = True) -> dict[str, Any]:
     """`rank_pins` (default: the shape has several ranks), `deterministic`: see engine_args."""
-    rank_pins = _parallel(identity) if rank_pins is None else rank_pins
+    rank_pins = several_ranks(identity.parallelism) if rank_pins is None else rank_pins
     cfg: dict[str, Any] = {k: _value(v) for k, v in identity.compile.items()}
     cfg["cudagraph_mode"] = GRAPH_MODES.get(identity.graph_mode, identity.graph_mode.upper())
     cfg["cudagraph_capture_sizes"] = list(identity.capture_sizes)
@@ -95,7 +91,7 @@ def engine_args(identity: ArchiveIdentity, *, rank_pins: bool | None = None,
     must compute what a restored one does (docs/multi-gpu.md). `deterministic` (every shape;
     False only to measure what it costs): Inductor's `NUMERICS`, so that the SAVE, every pod and
     a native capture compile the same reductions."""
-    rank_pins = _parallel(identity) if rank_pins is None else rank_pins
+    rank_pins = several_ranks(identity.parallelism) if rank_pins is None else rank_pins
     p = identity.parallelism
     args = [
         "--model", identity.model,
