@@ -47,8 +47,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("EMBER_VLLM", "flag", "1", "the vLLM plugin acts (0: it stays out of vLLM entirely)"),
     Setting("EMBER_VLLM_COMPILE_CACHE", "flag", "1", "carry vLLM's compile cache in the archive"),
     Setting("EMBER_VLLM_PROBE", "flag", "0", "diagnosis: the vLLM plugin logs what it probes"),
-    Setting("EMBER_VLLM_CANARY_FULL_EAGER", "flag", "0",
-            "LOAD's canary checks a FULL step against an eager one where SAVE left no fingerprint"),
+    Setting("EMBER_VLLM_CANARY_FULL_EAGER", "flag", "1",
+            "LOAD's canary checks a FULL step against an eager one where SAVE left no fingerprint "
+            "(N ranks; 0: that step is reported unchecked)"),
     Setting("EMBER_VLLM_CANARY_EVERY_FULL", "flag", "0",
             "diagnosis: LOAD's canary runs every FULL size, not one (which graph differs)"),
     Setting("EMBER_VLLM_CAPTURE_NATIVELY", "flag", "0",

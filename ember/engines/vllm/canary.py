@@ -23,11 +23,11 @@ The reference (`plan`):
   fingerprint: the PIECEWISE step against the same step without graphs (`CUDAGraphMode.NONE`):
   vLLM runs the same compiled (Inductor) code eagerly, attention runs eagerly in both, and the
   collectives run on the same communicators the splice captured with. That covers every kernel
-  of the piecewise graphs and the spliced collectives. A FULL step has no such reference by
-  default: its attention is inside the graph with metadata built for capture, an eager step's
-  attention may pick another kernel; `EMBER_VLLM_CANARY_FULL_EAGER=1` compares it with an eager
-  step built with the capture's metadata (a difference refuses; whether vLLM's FULL graphs equal
-  that step bitwise is for a GPU run to show). Without it the FULL case is reported unchecked.
+  of the piecewise graphs and the spliced collectives. A FULL step's attention is inside the
+  graph with metadata built for capture, so its reference is an eager step built with the
+  capture's metadata (`EMBER_VLLM_CANARY_FULL_EAGER`, on by default: bitwise equal on both ranks
+  of TP=2 on H200, benchmarks/results/h200x2-20261201a; a difference refuses). With it off the
+  FULL case is reported unchecked.
 Each restored step runs three ways (`ember.runtime.verify.canary`): through the templates (every
 key of the step switched in: exec updates), again after each key's template went to another
 member and back, and on the keys' own execs.
