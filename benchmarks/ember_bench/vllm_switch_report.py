@@ -30,8 +30,9 @@ INCLUDES = {
     "latency": "the old shape's requests sent in the window: send → last token (its tokens each)",
     "graphs": "vLLM's compilation_counter.num_cudagraph_captured in each worker, at the end of "
     "start-up and its growth while serving (the plugin's `cudagraphs` stage)",
-    "verify_ms": "LOAD's verification of the restored graphs when the plugin reports one (vLLM's "
-    "adapter has no canary yet: —)",
+    "verify_ms": "LOAD's canary on each rank (the plugin's `verify` stage, docs/runtime.md): "
+    "its steps through the restored graphs and their reference, before the engine serves; — "
+    "where no graph was restored",
     "save_job_s": "the SAVE Job of one identity (sizing probe and SAVE processes, on one GPU), "
     "done before the old shape starts: not part of any switch",
 }
