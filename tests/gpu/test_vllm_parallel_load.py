@@ -1,7 +1,8 @@
 """vLLM 0.26 on 2 GPUs from ONE single-GPU SAVE: tensor parallel (a 2-layer random Llama-3-8B
-shape), expert parallel over TP=2 and data parallel 2 with EP (a 2-layer random Qwen3-MoE shape),
-and data parallel 2 of the dense Llama shape (two engines of their own, each restoring the one-GPU
-archive: ember.engines.vllm.args.archived). Per identity: a native 2-rank vLLM, the SAVE Job as
+shape), data parallel 2 with EP (a 2-layer random Qwen3-MoE shape), and data parallel 2 of the
+dense Llama shape (two engines of their own, each restoring the one-GPU archive:
+ember.engines.vllm.args.archived); EP over TP=2 does not restore yet, and its test holds it to
+native's tokens whichever way its SAVE goes. Per identity: a native 2-rank vLLM, the SAVE Job as
 rank 0 on one GPU, then a 2-rank vLLM LOAD of that archive from an empty cache root, then native
 again. Every rank must restore (capture stage `restored`, so no graph captured at start; vLLM
 refuses captures afterwards), native must repeat its own tokens (else they cannot judge a
@@ -89,8 +90,9 @@ def _env(mode: str, args: list[str], cache: Path, extra: dict[str, str]) -> dict
     return env
 
 
-def _save(ident: Any, tmp: Path) -> Path:
-    from ember.engines.vllm.job import save_job
+def _save(ident: Any, tmp: Path) -> tuple[Path, str]:
+    """The SAVE Job on GPU 0 (rank 0 of the world): the store, and why nothing was published ("")."""
+    from ember.engines.vllm.job import JobFailed, save_job
 
     store = tmp / "store"
     saved = dict(os.environ)
@@ -98,11 +100,27 @@ def _save(ident: Any, tmp: Path) -> Path:
                        "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "0"})
     try:
         summary = save_job(ident.model_dump_json(), store.as_uri(), EXTRA, work=tmp / "job", timeout=1200)
+    except JobFailed as exc:
+        return store, str(exc)
     finally:
         os.environ.clear()
         os.environ.update(saved)
     assert summary["published"] is True and summary["identity"] == ident.hash(), summary
-    return store
+    return store, ""
+
+
+def _identity(shape: str, tmp: Path) -> tuple[Any, int, int]:
+    """The shape's identity (2 layers), its DP size and the vocabulary size."""
+    from ember.engines.vllm.args import archived
+    from ember.identity import ArchiveIdentity, Parallelism
+    from ember_bench.vllm import write_config
+
+    model, par = SHAPES[shape]
+    cfg = write_config(model, 2, tmp / "config")
+    ident = ArchiveIdentity(model=str(cfg), engine="vllm", engine_version="0.26",
+                            capture_sizes=(1, 2, 4, 8, 16), graph_mode="full-and-piecewise",
+                            max_num_tokens=2048, max_batch=16, parallelism=archived(Parallelism(**par)))
+    return ident, Parallelism(**par).data, int(json.loads((cfg / "config.json").read_text())["vocab_size"])
 
 
 SHAPES = {
@@ -114,25 +132,20 @@ SHAPES = {
 
 
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s != "ep2-tp2"])
 def test_one_single_gpu_save_restores_every_rank(shape: str, tmp_path: Path) -> None:
     from ember.archive import bundle
     from ember.engines.vllm import report as reports
-    from ember.engines.vllm.args import archived, pod_args
-    from ember.identity import ArchiveIdentity, Parallelism
-    from ember_bench.vllm import write_config
+    from ember.engines.vllm.args import pod_args
+    from ember.identity import Parallelism
 
-    model, par = SHAPES[shape]
-    cfg = write_config(model, 2, tmp_path / "config")
-    ident = ArchiveIdentity(model=str(cfg), engine="vllm", engine_version="0.26",
-                            capture_sizes=(1, 2, 4, 8, 16), graph_mode="full-and-piecewise",
-                            max_num_tokens=2048, max_batch=16, parallelism=archived(Parallelism(**par)))
-    dp = Parallelism(**par).data
+    ident, dp, vocab = _identity(shape, tmp_path)
+    par = SHAPES[shape][1]
     args = [*pod_args(ident, dp), *EXTRA]
-    vocab = int(json.loads((cfg / "config.json").read_text())["vocab_size"])
     native_env = _env("native", args, tmp_path / "cache-native", {})
     native = _engine(args, native_env, tmp_path / "native.log", vocab, dp)
-    store = _save(ident, tmp_path)
+    store, refused = _save(ident, tmp_path)
+    assert not refused, refused
     facts = bundle.open_archive(store, ident.hash()).manifest.engine
     table = facts.get("collectives") or {}
     one_gpu = ident.parallelism == Parallelism()  # dense DP: each engine is one GPU's, no collective
@@ -154,4 +167,35 @@ def test_one_single_gpu_save_restores_every_rank(shape: str, tmp_path: Path) -> 
     assert reports.ranks_restored(got)
     again = _engine(args, native_env, tmp_path / "native-again.log", vocab, dp)
     assert again == native, "native vLLM is not reproducible at this shape: its tokens cannot judge a restore"
+    assert loaded == native  # greedy tokens, every batch size
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
+def test_ep_over_tp_never_serves_a_wrong_token(tmp_path: Path) -> None:
+    """EP over TP=2 (Qwen3-MoE shape): SAVE's proof has refused it (captured graphs that do not
+    repeat themselves from one state, benchmarks/results/h200x2-20261130c), so it does not restore
+    yet. What must hold whichever way SAVE goes: a pod of the shape serves native's tokens, from
+    restored graphs on every rank or from graphs both ranks captured themselves, never a mix."""
+    from ember.engines.vllm import report as reports
+    from ember.engines.vllm.args import pod_args
+
+    ident, dp, vocab = _identity("ep2-tp2", tmp_path)
+    args = [*pod_args(ident, dp), *EXTRA]
+    native_env = _env("native", args, tmp_path / "cache-native", {})
+    native = _engine(args, native_env, tmp_path / "native.log", vocab, dp)
+    again = _engine(args, native_env, tmp_path / "native-again.log", vocab, dp)
+    assert again == native, "native vLLM is not reproducible at this shape: its tokens cannot judge a restore"
+    store, refused = _save(ident, tmp_path)
+    print("SAVE", refused or "published")
+    report = tmp_path / "load" / "vllm-report.json"
+    report.parent.mkdir()
+    load_env = _env("load", args, tmp_path / "cache-load", {
+        "EMBER_VLLM_ARCHIVE": str(store / "archives" / ident.hash()), "EMBER_VLLM_REPORT": str(report)})
+    loaded = _engine(args, load_env, tmp_path / "load.log", vocab, dp)
+    got = reports.read(report)
+    hows = {r: ((one.get("stages") or {}).get("capture") or {}).get("how") for r, one in
+            (got.get("ranks") or {}).items()}
+    assert sorted(hows) == ["0", "1"] and len(set(hows.values())) == 1, got
+    if refused:  # no archive: both ranks capture as vLLM does
+        assert not reports.ranks_restored(got), got
     assert loaded == native  # greedy tokens, every batch size
