@@ -141,6 +141,17 @@ def test_n_ranks_never_use_a_fingerprint_save_made_without_data() -> None:
     assert canary.plan(full, 2, saved, True) == EAGER
 
 
+def test_n_ranks_check_the_full_step_eagerly_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ember import settings
+
+    pw, full = canary.cases(_keys())
+    monkeypatch.delenv("EMBER_VLLM_CANARY_FULL_EAGER", raising=False)
+    assert canary.plan(full, 2, None, settings.on("EMBER_VLLM_CANARY_FULL_EAGER")) == EAGER
+    monkeypatch.setenv("EMBER_VLLM_CANARY_FULL_EAGER", "0")
+    assert canary.plan(full, 2, None, settings.on("EMBER_VLLM_CANARY_FULL_EAGER")) == UNCHECKED
+    assert canary.plan(pw, 2, None, settings.on("EMBER_VLLM_CANARY_FULL_EAGER")) == EAGER
+
+
 def test_outputs_a_graph_of_the_step_reads_are_not_poisoned() -> None:
     outs = [(0x1000, 64), (0x2000, 64), (0x1000, 64), (0x3000, 0), (0x4000, 8)]
     assert canary.poison_targets(outs, [0x2000]) == [0, 4]  # read, duplicate, empty: left alone
