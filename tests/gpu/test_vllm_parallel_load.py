@@ -123,6 +123,18 @@ def _identity(shape: str, tmp: Path) -> tuple[Any, int, int]:
     return ident, Parallelism(**par).data, int(json.loads((cfg / "config.json").read_text())["vocab_size"])
 
 
+def _load(ident: Any, args: list[str], store: Path, tmp: Path, vocab: int,
+          dp: int) -> tuple[Any, dict[str, Any]]:
+    """A 2-rank LOAD of the identity's archive from an empty cache root: its tokens, the ranks' report."""
+    from ember.engines.vllm import report as reports
+
+    report = tmp / "load" / "vllm-report.json"
+    report.parent.mkdir()
+    env = _env("load", args, tmp / "cache-load", {
+        "EMBER_VLLM_ARCHIVE": str(store / "archives" / ident.hash()), "EMBER_VLLM_REPORT": str(report)})
+    return _engine(args, env, tmp / "load.log", vocab, dp), reports.read(report)
+
+
 SHAPES = {
     "tp2": ("llama-3-8b", {"tensor": 2}),
     "ep2-tp2": ("qwen3-moe", {"tensor": 2, "expert": 2}),
@@ -153,12 +165,7 @@ def test_one_single_gpu_save_restores_every_rank(shape: str, tmp_path: Path) -> 
     # TP: SAVE's compiled code was traced with the embedding that reads each rank's vocabulary bounds
     assert facts.get("compiled_with") == (["vocab-bounds"] if par.get("tensor", 1) > 1 else []), facts.get(
         "compiled_with")
-    report = tmp_path / "load" / "vllm-report.json"
-    report.parent.mkdir()
-    load_env = _env("load", args, tmp_path / "cache-load", {
-        "EMBER_VLLM_ARCHIVE": str(store / "archives" / ident.hash()), "EMBER_VLLM_REPORT": str(report)})
-    loaded = _engine(args, load_env, tmp_path / "load.log", vocab, dp)
-    got = reports.read(report)
+    loaded, got = _load(ident, args, store, tmp_path, vocab, dp)
     ranks = got.get("ranks") or {}
     assert sorted(ranks) == ["0", "1"], got
     for r, one in ranks.items():
@@ -187,12 +194,7 @@ def test_ep_over_tp_never_serves_a_wrong_token(tmp_path: Path) -> None:
     assert again == native, "native vLLM is not reproducible at this shape: its tokens cannot judge a restore"
     store, refused = _save(ident, tmp_path)
     print("SAVE", refused or "published")
-    report = tmp_path / "load" / "vllm-report.json"
-    report.parent.mkdir()
-    load_env = _env("load", args, tmp_path / "cache-load", {
-        "EMBER_VLLM_ARCHIVE": str(store / "archives" / ident.hash()), "EMBER_VLLM_REPORT": str(report)})
-    loaded = _engine(args, load_env, tmp_path / "load.log", vocab, dp)
-    got = reports.read(report)
+    loaded, got = _load(ident, args, store, tmp_path, vocab, dp)
     hows = {r: ((one.get("stages") or {}).get("capture") or {}).get("how") for r, one in
             (got.get("ranks") or {}).items()}
     assert sorted(hows) == ["0", "1"] and len(set(hows.values())) == 1, got
