@@ -35,6 +35,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("EMBER_FAULT", "text", "", "tests: faults to inject (ember.runtime.faults)"),
     Setting("EMBER_STACKS_AFTER_S", "number", "300",
             "a SAVE or LOAD still running logs every thread's stack this often (0: never)"),
+    Setting("EMBER_PROOF_POOL_CHECK", "flag", "0",
+            "diagnosis: SAVE's proof tells, for graphs whose native replays differ, whether memory "
+            "outside their state carries it and which (ember.runtime.proof.pool_check)"),
     Setting("EMBER_PROOF_PROFILE_S", "number", "0",
             "SAVE, a diagnosis: a graph whose proof takes longer is replayed once more under "
             "torch.profiler (CUPTI beside libember), its top kernels in the summary (0: never)"),

@@ -17,6 +17,7 @@ are `replay`.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -281,6 +282,8 @@ def prove(
         _note_time(rep, key, time.perf_counter() - t, run, log, f"{i + 1} of {len(lib.keys)}")
     _profile_slowest(rep, subject, runner)
     _note_unstable(rep, graph_set, unstable)
+    if unstable and settings.on("EMBER_PROOF_POOL_CHECK"):
+        _pool_check(rep, graph_set, subject, runner, unstable)
     rep.seconds = time.perf_counter() - t0
     return rep, blob, lib
 
@@ -459,6 +462,24 @@ def _prove_key(
             "native_replays": len(natives),
         }
     return stable
+
+
+def _pool_check(rep: ProofReport, graph_set: GraphSet, subject: ProofSubject,
+                runner: Callable[[GraphKey], _Runner], unstable: set[GraphKey], most: int = 4) -> None:
+    """A diagnosis (`EMBER_PROOF_POOL_CHECK`): for the first few graphs whose native replays
+    differ, whether memory outside their state carries it, and which (`pool_check`), in the notes."""
+    from ember.runtime.proof import pool_check
+
+    graphs = {tuple(g.key): g for g in graph_set.graphs}
+    for key in sorted(unstable)[:most]:
+        run = runner(key)
+        try:
+            replay = functools.partial(run, subject.graphs[key].replay)
+            rep.notes.append(pool_check.diagnose(graph_set, graphs[key], replay))
+        except Exception as exc:  # a diagnosis never fails the proof
+            rep.notes.append(f"graph {key}: pool check failed: {type(exc).__name__}: {exc}")
+        finally:
+            run.finish()
 
 
 def _note_unstable(rep: ProofReport, graph_set: GraphSet, unstable: set[GraphKey]) -> None:
