@@ -210,7 +210,7 @@ def _log_proof(rep: ProofReport, graph_set: GraphSet, log: Callable[[str], None]
         f"edges kept) in {rep.seconds:.2f} s: {rep.bitwise} bit-identical, {rep.within_spread} within "
         "the native run-to-run spread (captured graph not bit-stable on its own)"
     )
-    for note in rep.notes[:3]:
+    for note in rep.notes[:8]:  # the pool check adds one per graph it diagnosed
         log(f"Warning: {note}")
     if rep.suspects:
         log(f"Warning: kernels used only by the non-bit-stable graphs: {', '.join(rep.suspects[:8])}")
@@ -320,6 +320,8 @@ def _save(adapter: EngineAdapter, ip: Interposer | None, store_uri: str | None,
     templates = [lib.order[0], *(g.template for g in lib.groups if g.template >= 0)]  # LOAD's order
     lib.close()
     if not rep.ok:
+        for note in rep.notes[:8]:  # the refusal's reason keeps two; a diagnosis may add more
+            log(f"Warning: {note}")
         _refuse_unproven(rep)
     _log_proof(rep, graph_set, log)
     t = time.perf_counter()
