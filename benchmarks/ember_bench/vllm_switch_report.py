@@ -26,7 +26,8 @@ INCLUDES = {
     "their files are in the page cache, as on a node that already serves; the restored run reads "
     "its archive from a local store on this disk (a pod's sidecar fetch from S3 is not in it)",
     "engine_init_s": "vLLM's AsyncLLM construction in the new process (no import, no request)",
-    "import_s": "`import vllm` in the new process",
+    "import_s": "`import vllm` and its engine modules (`arg_utils`, `async_llm`) in the new process, "
+    "as `ember bench vllm` counts them",
     "latency": "the old shape's requests sent in the window: send → last token (its tokens each)",
     "graphs": "vLLM's compilation_counter.num_cudagraph_captured in each worker, at the end of "
     "start-up and its growth while serving (the plugin's `cudagraphs` stage)",
