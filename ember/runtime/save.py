@@ -210,8 +210,6 @@ def _log_proof(rep: ProofReport, graph_set: GraphSet, log: Callable[[str], None]
         f"edges kept) in {rep.seconds:.2f} s: {rep.bitwise} bit-identical, {rep.within_spread} within "
         "the native run-to-run spread (captured graph not bit-stable on its own)"
     )
-    for note in rep.notes[:8]:  # the pool check adds one per graph it diagnosed
-        log(f"Warning: {note}")
     if rep.suspects:
         log(f"Warning: kernels used only by the non-bit-stable graphs: {', '.join(rep.suspects[:8])}")
     if rep.slowest and rep.slowest[0]["s"] > 1.0:  # seconds for one graph: name what it launches
@@ -319,9 +317,9 @@ def _save(adapter: EngineAdapter, ip: Interposer | None, store_uri: str | None,
     d["prove_s"] = time.perf_counter() - t - d.get("slim_s", 0.0)
     templates = [lib.order[0], *(g.template for g in lib.groups if g.template >= 0)]  # LOAD's order
     lib.close()
+    for note in rep.notes[:8]:  # a refusal's reason keeps two; the pool check adds one a graph
+        log(f"Warning: {note}")
     if not rep.ok:
-        for note in rep.notes[:8]:  # the refusal's reason keeps two; a diagnosis may add more
-            log(f"Warning: {note}")
         _refuse_unproven(rep)
     _log_proof(rep, graph_set, log)
     t = time.perf_counter()

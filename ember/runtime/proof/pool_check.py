@@ -29,6 +29,14 @@ MAX_CULPRITS = 4
 Block = tuple[int, int]  # (address, bytes)
 
 
+class DeviceBytes:
+    """Device bytes at an address, for torch (`torch.as_tensor` reads this interface)."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                         "version": 2}
+
+
 def pointers(graph: Graph) -> list[tuple[int, int]]:
     """(node index, value) of every aligned 8 bytes of each kernel argument (a pointer, or one inside
     a parameter struct) and every memset/memcpy address of the graph, child graphs included (their
@@ -108,10 +116,8 @@ def diagnose(graph_set: GraphSet, graph: Graph, run: Callable[[], list[Any]]) ->
     sentence for the proof's notes. Leaves every block it touched as it found it."""
     import torch
 
-    from ember.runtime.proof.prove import _Raw
-
     blocks = pointed_blocks(graph, allocator_blocks())
-    views = {b: torch.as_tensor(_Raw(*b), device="cuda") for b in blocks}
+    views = {b: torch.as_tensor(DeviceBytes(*b), device="cuda") for b in blocks}
 
     def copy() -> dict[Block, Any]:
         return {b: v.clone() for b, v in views.items()}

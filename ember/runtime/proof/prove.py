@@ -32,6 +32,7 @@ from ember.runtime.graphs.templates import GraphLibrary
 from ember.runtime.graphs.walk import GraphWalker, KernelUnnamed, WalkRefused
 from ember.runtime.proof.measures import spread_of, suspect_kernels
 from ember.runtime.proof.measures import within_spread as _within
+from ember.runtime.proof.pool_check import DeviceBytes, diagnose
 from ember.runtime.proof.profile import top_kernels
 from ember.runtime.proof.structure import structure_problems
 from ember.runtime.verify import first_difference
@@ -178,14 +179,6 @@ def _poison(tensors: tuple[torch.Tensor, ...]) -> None:
         t.view(torch.uint8).fill_(0xA5)
 
 
-class _Raw:
-    """Device bytes at an address, for torch (`torch.as_tensor` reads this interface)."""
-
-    def __init__(self, address: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
-                                         "version": 2}
-
-
 class _Runner:
     """One graph key's replays from one saved state, outputs poisoned before each replay (a graph
     that skips writing an output cannot pass); returns copies of the outputs. `reset`: buffers
@@ -197,7 +190,7 @@ class _Runner:
                  reset: Sequence[tuple[int, int]] = ()) -> None:
         self.state, self.outs = state, outs
         self.snap = [s.clone() for s in state]
-        self.zeros = [torch.as_tensor(_Raw(a, n), device="cuda") for a, n in reset]
+        self.zeros = [torch.as_tensor(DeviceBytes(a, n), device="cuda") for a, n in reset]
         self.held = [z.clone() for z in self.zeros]
 
     def restore(self) -> None:
@@ -468,14 +461,12 @@ def _pool_check(rep: ProofReport, graph_set: GraphSet, subject: ProofSubject,
                 runner: Callable[[GraphKey], _Runner], unstable: set[GraphKey], most: int = 4) -> None:
     """A diagnosis (`EMBER_PROOF_POOL_CHECK`): for the first few graphs whose native replays
     differ, whether memory outside their state carries it, and which (`pool_check`), in the notes."""
-    from ember.runtime.proof import pool_check
-
     graphs = {tuple(g.key): g for g in graph_set.graphs}
     for key in sorted(unstable)[:most]:
         run = runner(key)
         try:
             replay = functools.partial(run, subject.graphs[key].replay)
-            rep.notes.append(pool_check.diagnose(graph_set, graphs[key], replay))
+            rep.notes.append(diagnose(graph_set, graphs[key], replay))
         except Exception as exc:  # a diagnosis never fails the proof
             rep.notes.append(f"graph {key}: pool check failed: {type(exc).__name__}: {exc}")
         finally:
