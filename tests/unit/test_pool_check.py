@@ -29,7 +29,7 @@ def _kernel(kernel: int, *args: int, struct_arg: Sequence[int] = ()) -> Node:
     offsets, at = [], 0
     for size in sizes:
         offsets.append(at)
-        at += size if size == 8 or size > 8 else 8  # the 4-byte one is padded to 8
+        at += max(size, 8)  # the 4-byte one is padded to 8
     return Node(NodeType.KERNEL, KernelParams(kernel, (1, 1, 1), (32, 1, 1), 0, packed, tuple(offsets),
                                               tuple(sizes)))
 
