@@ -178,21 +178,23 @@ def bench_vllm(
     dp: Annotated[int, typer.Option("--dp", help="Data-parallel ranks (MoE: with --ep).")] = 1,
     tp1_save: Annotated[bool, typer.Option(help="With --tp/--ep/--dp: also SAVE the same model at TP=1, "
                                                 "the SAVE time the shape's is held to.")] = True,
-    loads: Annotated[int, typer.Option(help="With --tp/--ep/--dp: fresh N-rank LOADs of the one archive, "
-                                            "each compared with native (a race shows in some only).")] = 1,
+    loads: Annotated[int, typer.Option(help="Fresh N-rank LOADs of the one archive, each compared with "
+                                            "native (a race shows in some only); at TP=1 a pod's path, "
+                                            "as --tp runs it, on one GPU.")] = 1,
     diagnose: Annotated[bool, typer.Option(help="With --tp/--ep/--dp: also plain vLLM on SAVE's compiled "
                                                 "code and a LOAD without an archive (where tokens part "
                                                 "from native's).")] = False,
-    floor: Annotated[bool, typer.Option(help="With --tp/--ep/--dp: also native on native's warm cache and "
-                                             "a pod's KV size; less its capture, the start no restore "
-                                             "shortens.")] = False,
+    floor: Annotated[bool, typer.Option(help="Also native on native's warm cache and a pod's KV size; "
+                                             "less its capture, the start no restore shortens (at TP=1 "
+                                             "a pod's path, as --loads).")] = False,
     pins_cost: Annotated[bool, typer.Option(help="Instead: one decode step (over --max-tokens steps) of "
                                                  "native vLLM as vLLM runs the shape and as a pod runs it, "
                                                  "with ember's pins (bench vllm_pins).")] = False,
 ) -> None:
     """vLLM start-up: native vs SAVE → fresh-process LOAD (report in benchmarks/results); with
-    --tp/--ep/--dp: N-rank native vs one single-GPU SAVE → N-rank LOAD, per-rank figures."""
-    if tp > 1 or dp > 1 or ep > 1 or pins_cost:
+    --tp/--ep/--dp: N-rank native vs one single-GPU SAVE → N-rank LOAD, per-rank figures (also at
+    TP=1 with --loads N or --floor: a pod's path on one GPU, `vllm_parallel` at a world of one)."""
+    if tp > 1 or dp > 1 or ep > 1 or pins_cost or loads > 1 or floor:
         from ember_bench.vllm_parallel import bench_shape
         from ember_bench.vllm_pins import bench_pins_cost
 

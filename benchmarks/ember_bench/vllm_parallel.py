@@ -360,7 +360,7 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     # native's own repeatability, compiling afresh: tokens two native pods disagree on judge no restore
     results["native_again"] = run_engine("native", args, work, {}, options, timeout, name="native-again",
                                          fresh=True)
-    if tp1_save and results["save"].get("published"):  # the ratio needs the shape's SAVE
+    if tp1_save and tensor * data > 1 and results["save"].get("published"):  # needs the shape's SAVE
         results["save_tp1"] = run_save(shape_identity(cfg, 1, False, 1), extra, work / "tp1", timeout)
     summary = {"shape": name, "model": model, "layers": layers, "identity": ident.hash(),
                **summarize(results), "archive_bytes": _store_bytes(work / "store"),

@@ -82,6 +82,34 @@ def test_the_summary_holds_each_goals_ratio_and_the_tp1_save_it_is_measured_agai
     assert summary["tokens_identical_to_native"] and not summary["native_reproducible"]
 
 
+def test_tp1_with_loads_runs_a_pods_path_on_one_gpu_with_one_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--loads N` (or `--floor`) without a parallel flag: the pod's path at a world of one, N
+    LOADs of one SAVE, and no second SAVE at TP=1 to hold it to (it is the TP=1 SAVE)."""
+    from ember_bench import vllm as bench
+
+    runs: list[str] = []
+    saves: list[dict] = []
+
+    def engine(mode: str, *a, name: str = "", **kw) -> dict:
+        runs.append(name or mode)
+        return {"engine_init_s": {"native": 40.0, "load": 6.0}[mode], "tokens": {"1": [[5]]}}
+
+    def save(ident, extra, work, timeout) -> dict:
+        saves.append(ident.parallelism.model_dump())
+        return {"published": True, "save_job_s": 60.0}
+
+    monkeypatch.setattr(vp, "run_engine", engine)
+    monkeypatch.setattr(vp, "run_save", save)
+    monkeypatch.setattr("ember_bench.vllm_report._device", lambda: "gpu")
+    bench.bench_vllm(model="llama-3-8b", layers=2, work=tmp_path, out_dir=tmp_path / "out", loads=3,
+                     floor=True, batch_sizes="1", max_tokens=2)
+    assert saves == [{"tensor": 1, "expert": 1, "data": 1}]
+    assert runs == ["native", "floor", "load", "load-1", "load-2", "reference", "native-again"]
+    summary = json.loads((tmp_path / "out" / "vllm-gpu-llama-3-8b-tp1.json").read_text())["summary"]
+    assert summary["engine_init_load_over_native"] == 0.15 and summary["save_over_tp1_save"] is None
+
+
 def test_a_ratio_with_a_missing_side_is_none() -> None:
     assert vp.ratio(3, 4) == 0.75 and vp.ratio(None, 4) is None and vp.ratio(3, 0) is None
 

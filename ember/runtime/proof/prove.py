@@ -276,7 +276,7 @@ def prove(
     _profile_slowest(rep, subject, runner)
     _note_unstable(rep, graph_set, unstable)
     if unstable and settings.on("EMBER_PROOF_POOL_CHECK"):
-        _pool_check(rep, graph_set, subject, runner, unstable)
+        _pool_check(rep, graph_set, subject, runner, unstable, log)
     rep.seconds = time.perf_counter() - t0
     return rep, blob, lib
 
@@ -458,9 +458,11 @@ def _prove_key(
 
 
 def _pool_check(rep: ProofReport, graph_set: GraphSet, subject: ProofSubject,
-                runner: Callable[[GraphKey], _Runner], unstable: set[GraphKey], most: int = 4) -> None:
+                runner: Callable[[GraphKey], _Runner], unstable: set[GraphKey],
+                log: Callable[[str], None] | None, most: int = 4) -> None:
     """A diagnosis (`EMBER_PROOF_POOL_CHECK`): for the first few graphs whose native replays
-    differ, whether memory outside their state carries it, and which (`pool_check`), in the notes."""
+    differ, whether memory outside their state carries it, and which (`pool_check`), in the notes
+    and, as each is found, the log (a SAVE cut later still has them)."""
     graphs = {tuple(g.key): g for g in graph_set.graphs}
     for key in sorted(unstable)[:most]:
         run = runner(key)
@@ -471,6 +473,8 @@ def _pool_check(rep: ProofReport, graph_set: GraphSet, subject: ProofSubject,
             rep.notes.append(f"graph {key}: pool check failed: {type(exc).__name__}: {exc}")
         finally:
             run.finish()
+        if log is not None:
+            log(f"[ember] pool check: {rep.notes[-1]}")
 
 
 def _note_unstable(rep: ProofReport, graph_set: GraphSet, unstable: set[GraphKey]) -> None:
