@@ -57,6 +57,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -285,9 +286,11 @@ def run_save(ident: Any, args_extra: list[str], work: Path, timeout: float) -> d
 
 
 def per_rank(res: dict[str, Any]) -> dict[str, Any]:
-    """Each rank's figures from its report file."""
+    """Each rank's figures from its report file (a world of one: the report is rank 0's)."""
+    report = res.get("ember") or {}
+    ranks = report.get("ranks") or ({"0": report} if report.get("stages") else {})
     out = {}
-    for r, one in sorted(((res.get("ember") or {}).get("ranks") or {}).items(), key=lambda kv: int(kv[0])):
+    for r, one in sorted(ranks.items(), key=lambda kv: int(kv[0])):
         st = one.get("stages") or {}
         load = st.get("load") or {}
         timings = load.get("timings") or {}
@@ -304,6 +307,14 @@ def per_rank(res: dict[str, Any]) -> dict[str, Any]:
                                 if k.startswith("worker.")},
         }
     return out
+
+
+def spread(values: list[Any]) -> dict[str, float] | None:
+    """min, median and max of the values given (None ones left out); None when there are none."""
+    got = sorted(float(v) for v in values if v is not None)
+    if not got:
+        return None
+    return {"min": round(got[0], 3), "median": round(statistics.median(got), 3), "max": round(got[-1], 3)}
 
 
 def ratio(num: Any, den: Any) -> float | None:
@@ -456,6 +467,9 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "engine_init_s": {"native": native.get("engine_init_s"), "load": load.get("engine_init_s"),
                           "reference": reference.get("engine_init_s")},
         "engine_init_load_over_native": ratio(load.get("engine_init_s"), native.get("engine_init_s")),
+        # every LOAD's, not the first's alone: one start is no measure of a start
+        "engine_init_s_loads": spread([r.get("engine_init_s") for r in every]),
+        "verify_ms_loads": spread([rank.get("verify_ms") for r in every for rank in per_rank(r).values()]),
         # the graphs' own part: the reference has the archive's compiled code too, and captures
         "engine_init_load_over_reference": ratio(load.get("engine_init_s"), reference.get("engine_init_s")),
         # --floor: the part of native's init no restore can remove, and LOAD's init above it

@@ -93,7 +93,11 @@ def test_tp1_with_loads_runs_a_pods_path_on_one_gpu_with_one_save(
 
     def engine(mode: str, *a, name: str = "", **kw) -> dict:
         runs.append(name or mode)
-        return {"engine_init_s": {"native": 40.0, "load": 6.0}[mode], "tokens": {"1": [[5]]}}
+        i = len(runs)  # each LOAD's own init and canary; the floor captured for 0.5 s
+        how = {"how": "restored" if mode == "load" else "native", "seconds": 0.5}
+        report = {"stages": {"capture": how, "verify": {"ok": True, "verify_ms": 10.0 * i}}}
+        init = {"native": 40.0, "load": 6.0 if name in ("load", "reference") else 4.0 + i}[mode]
+        return {"engine_init_s": init, "tokens": {"1": [[5]]}, "ember": report}
 
     def save(ident, extra, work, timeout) -> dict:
         saves.append(ident.parallelism.model_dump())
@@ -108,6 +112,11 @@ def test_tp1_with_loads_runs_a_pods_path_on_one_gpu_with_one_save(
     assert runs == ["native", "floor", "load", "load-1", "load-2", "reference", "native-again"]
     summary = json.loads((tmp_path / "out" / "vllm-gpu-llama-3-8b-tp1.json").read_text())["summary"]
     assert summary["engine_init_load_over_native"] == 0.15 and summary["save_over_tp1_save"] is None
+    # the one report is rank 0's: the floor is less its capture, the canary counted per LOAD
+    assert summary["engine_init_floor_s"] == 39.5 and summary["loads_restored_every_rank"] == 3
+    assert summary["ranks"]["load"]["0"]["capture_how"] == "restored"
+    assert summary["engine_init_s_loads"] == {"min": 6.0, "median": 8.0, "max": 9.0}
+    assert summary["verify_ms_loads"] == {"min": 30.0, "median": 40.0, "max": 50.0}
 
 
 def test_a_ratio_with_a_missing_side_is_none() -> None:
