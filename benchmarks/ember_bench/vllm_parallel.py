@@ -309,6 +309,14 @@ def per_rank(res: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def spreads(loads: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every LOAD's engine init and every rank's canary, not the first LOAD's alone: one start is
+    no measure of a start."""
+    canaries = [rank.get("verify_ms") for r in loads for rank in per_rank(r).values()]
+    return {"engine_init_s_loads": spread([r.get("engine_init_s") for r in loads]),
+            "verify_ms_loads": spread(canaries)}
+
+
 def spread(values: list[Any]) -> dict[str, float] | None:
     """min, median and max of the values given (None ones left out); None when there are none."""
     got = sorted(float(v) for v in values if v is not None)
@@ -467,9 +475,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "engine_init_s": {"native": native.get("engine_init_s"), "load": load.get("engine_init_s"),
                           "reference": reference.get("engine_init_s")},
         "engine_init_load_over_native": ratio(load.get("engine_init_s"), native.get("engine_init_s")),
-        # every LOAD's, not the first's alone: one start is no measure of a start
-        "engine_init_s_loads": spread([r.get("engine_init_s") for r in every]),
-        "verify_ms_loads": spread([rank.get("verify_ms") for r in every for rank in per_rank(r).values()]),
+        **spreads(every),
         # the graphs' own part: the reference has the archive's compiled code too, and captures
         "engine_init_load_over_reference": ratio(load.get("engine_init_s"), reference.get("engine_init_s")),
         # --floor: the part of native's init no restore can remove, and LOAD's init above it

@@ -71,13 +71,15 @@ def test_each_rank_of_tp2_saves_on_one_gpu_with_the_same_graph_keys(tmp_path: Pa
     ("qwen3-moe", 2, True, 1),
     ("qwen3-moe", 1, True, 2),
 ], ids=["tp2", "ep2-tp2", "dp2-ep2"])
-def test_a_deep_parallel_save_proves_every_graph_bitwise(model: str, tensor: int, expert: bool, data: int,
-                                                         tmp_path: Path) -> None:
+def test_a_deep_parallel_save_publishes_graphs_as_native_computes_them(
+        model: str, tensor: int, expert: bool, data: int, tmp_path: Path) -> None:
     """8 layers saved under the stub, whose collectives write nothing: the proof zeroes what they
     stand for writing before every replay (`comm.stub_writes`), so each captured graph repeats
-    itself and every rebuilt graph is proven bit-identical. Before that, an 8-layer EP-over-TP
-    SAVE's captured graph did not repeat itself (one output past 1e38) and the proof refused
-    after minutes (benchmarks/results/h200x2-20261130b)."""
+    itself and every rebuilt graph is proven bit-identical (before that, an 8-layer EP-over-TP
+    SAVE's captured graph did not repeat itself, one output past 1e38: h200x2-20261130b). EP over
+    TP is held to less: its MoE piece computes bf16 subnormals that differ between native replays
+    from one state (h200-20261201b), so a graph may be proven within that spread, and the spread
+    must stay subnormal."""
     from ember.archive import bundle
     from ember_bench.vllm import write_config
     from ember_bench.vllm_parallel import extra_args, shape_identity
@@ -86,5 +88,11 @@ def test_a_deep_parallel_save_proves_every_graph_bitwise(model: str, tensor: int
     summary, store = _save_as(0, ident, extra_args(0.4), tmp_path)
     assert summary["published"] is True, summary
     engine = bundle.open_archive(store, ident.hash()).manifest.engine
-    assert engine["bitwise_proven"] == engine["graphs"] > 0, {k: engine.get(k) for k in (
-        "graphs", "bitwise_proven", "within_native_spread", "native_nondeterministic")}
+    facts = {k: engine.get(k) for k in ("graphs", "bitwise_proven", "within_native_spread",
+                                        "native_nondeterministic")}
+    if not (expert and tensor > 1):
+        assert engine["bitwise_proven"] == engine["graphs"] > 0, facts
+        return
+    assert engine["bitwise_proven"] + engine["within_native_spread"] == engine["graphs"] > 0, facts
+    spread = [max(g["native_spread"]) for g in (engine.get("native_nondeterministic") or {}).values()]
+    assert all(s < 2.0 ** -126 for s in spread), facts  # below bf16's smallest normal value

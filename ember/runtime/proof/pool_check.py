@@ -9,7 +9,9 @@ stub's collectives stand for writing; the rest of the memory its kernels point a
 For one such graph: the blocks its nodes point into (the caching allocator's blocks, any pool, up
 to `MAX_BLOCK` bytes each: weights and the KV cache are left out) are copied before each of two
 replays (`found`, `then`). Replayed twice from `found`: different outputs mean a kernel is not
-deterministic; equal ones mean the difference came from memory, and bisecting the blocks that
+deterministic or reads memory outside those blocks (a larger one, or memory torch's allocator does
+not hold: only the copied blocks are put back); equal ones mean the difference came from memory
+the blocks hold, and bisecting the blocks that
 differ between `found` and `then` (those put to `then`, the rest to `found`) finds the ones whose
 content changes the outputs. The nodes that point into them are named in node order. Every block
 is put back as it was found.
@@ -140,7 +142,9 @@ def diagnose(graph_set: GraphSet, graph: Graph, run: Callable[[], list[Any]]) ->
         put(found)
         if not same(r1, run()):
             return (f"graph {graph.key}: replays differ from the same memory: a kernel is not "
-                    f"deterministic (the {len(blocks)} blocks its nodes point into put back each time)")
+                    f"deterministic, or it reads memory outside the {len(blocks)} blocks its nodes point "
+                    f"into (put back each time; blocks over {MAX_BLOCK >> 20} MB and memory torch's "
+                    f"allocator does not hold are not)")
         changed = [b for b in blocks if not torch.equal(found[b], then[b])]
 
         def differs(subset: Sequence[Block]) -> bool:
