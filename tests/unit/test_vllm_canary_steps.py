@@ -1,0 +1,48 @@
+"""CPU (torch): the vLLM canary's resets (`canary_run.Steps.reset`), with stand-in graph outputs.
+
+Every path of a case starts from a reset that poisons the step's graph outputs. They are tensors
+over SAVE's addresses, rebuilt from the archive's specs; rebuilding them at every reset cost
+milliseconds per reset at full depth (h200-20261201b: 20–41 ms of resets per canary), so a case's
+are rebuilt once. What is poisoned must not change: every output, except one a graph of the step
+also reads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ember.engines.vllm import canary_run  # noqa: E402  (after the torch check)
+from ember.engines.vllm.canary import Case  # noqa: E402
+
+
+def test_a_case_rebuilds_its_outputs_once_and_poisons_them_at_every_reset(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    memory = {name: torch.zeros(8, dtype=torch.bfloat16) for name in ("1,0,2", "1,1,2", "1,2,2")}
+    rebuilt: list[str] = []
+
+    def rebuild(spec: Any) -> Any:
+        rebuilt.append(spec["name"])
+        return (memory[spec["name"]],)
+
+    monkeypatch.setattr(canary_run.sites, "rebuild", rebuild)
+    keys = ((1, 0, 2), (1, 1, 2), (1, 2, 2))
+    facts = {"outputs": {",".join(map(str, k)): {"name": ",".join(map(str, k))} for k in keys},
+             # piece 2 reads piece 1's output (an in-place update): poisoning it would change the step
+             "input_addresses": {"1,2,2": [memory["1,1,2"].data_ptr()]}}
+    steps = canary_run.Steps(runner=None, kind="v2", facts=facts)
+    case = Case("piecewise", 2, False, keys)
+
+    for _ in range(5):
+        for t in memory.values():
+            t.fill_(1.0)  # what a path's step left there
+        steps.reset(case)
+        poisoned = {n: bool((t.view(torch.uint8) == canary_run.POISON).all()) for n, t in memory.items()}
+        assert poisoned == {"1,0,2": True, "1,1,2": False, "1,2,2": True}
+    assert rebuilt == ["1,0,2", "1,1,2", "1,2,2"]  # once, not once a reset
+
+    other = Case("full", 2, True, keys[:1])
+    steps.reset(other)
+    assert rebuilt[3:] == ["1,0,2"]  # another case rebuilds its own
