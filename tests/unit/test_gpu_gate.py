@@ -3,6 +3,7 @@ GPU test (no GPU, no libember, no torch at import) fails the run (tests/conftest
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -35,6 +36,7 @@ def test_gpu_skips_fail_only_when_a_gpu_is_required() -> None:
     assert strict.returncode == 1, strict.stdout[-2000:]
     out = strict.stdout
     assert f"{REQUIRE_GPU_ENV}=1 and a GPU test was skipped" in out
-    assert "could not import 'torch'" in out  # module-level importorskip: a collection error
+    if importlib.util.find_spec("torch") is None:  # CI's machine: no torch
+        assert "could not import 'torch'" in out  # module-level importorskip: a collection error
     assert "no NVIDIA GPU" in out  # the tier's own skip marker
     assert " passed" not in out and " skipped" not in out.splitlines()[-1]
