@@ -431,11 +431,12 @@ def _prove_key(
         lib.own.instantiate(i)
         owns.append(run(lambda: lib.launch(i)))
         lib.own.drop(i)
-    (ok, worst, where), (good, dev, _) = _judge(natives, templates), _judge(natives, owns)
+    spread = native_spread(natives)
+    (ok, worst, where), (good, dev, _) = _judge(natives, spread, templates), _judge(natives, spread, owns)
     if not (ok and good):
         natives += [run(replay) for _ in range(SECOND_LOOK)]
-        (ok, worst, where), (good, dev, _) = _judge(natives, templates), _judge(natives, owns)
-    spread = native_spread(natives)
+        spread = native_spread(natives)
+        (ok, worst, where), (good, dev, _) = _judge(natives, spread, templates), _judge(natives, spread, owns)
     stable = not any(spread)
     differs = "output differs from the captured graph" + (
         f" (deviation per output {worst}{'; ' + where if where else ''})" if stable
@@ -459,11 +460,10 @@ def _prove_key(
     return stable
 
 
-def _judge(natives: list[list[torch.Tensor]],
+def _judge(natives: list[list[torch.Tensor]], spread: list[float],
            rebuilt: list[list[torch.Tensor]]) -> tuple[bool, list[float], str]:
-    """Rebuilt replays against the native ones (`_compare`): all good?, the largest deviation per
-    output, where the first that is not good differs ('' when all are)."""
-    spread = native_spread(natives)
+    """Rebuilt replays against the native ones and their spread (`_compare`): all good?, the
+    largest deviation per output, where the first that is not good differs ('' when all are)."""
     ok, worst, where = True, [0.0] * len(natives[0]), ""
     for got in rebuilt:
         good, dev = _compare(got, natives, spread)
