@@ -79,34 +79,36 @@ def _bits(a: Any, b: Any, at: int) -> str:
 
 
 def canary(
-    own_step: Callable[[], Outputs],
+    reference: Callable[[], Outputs] | Outputs,
     graph_step: Callable[[], Outputs],
     reset: Callable[[], None],
     switch_round_trip: Callable[[], bool] | None = None,
     own_exec_step: Callable[[], Outputs] | None = None,
     every_path: bool = False,
+    reset_after: bool = True,
 ) -> dict[str, Any]:
     """Run the canary; returns {"ok", "why", "verify_ms", "checked", "parts_ms"} (parts_ms: each
     path's milliseconds, the reference's included, and "reset": every reset's, which the paths'
-    exclude, so a slow canary says where). `own_step()` and
-    `graph_step()` run one step from the state `reset()` sets and return copies of the outputs;
-    `switch_round_trip()` updates the template away and back (False: the group has one member);
-    `own_exec_step()` runs the key's own exec (the path it takes once the Dedicator built it).
-    `every_path`: run every path even after a difference (steps that issue collectives: every
-    rank must launch the same sequence, whatever its own verdict), the first difference kept."""
+    exclude). `reference`: the engine's own step (a callable) or outputs recorded before (SAVE's
+    fingerprint: no step, no reset). `graph_step()` runs one step from the state `reset()` sets
+    and returns copies of the outputs; `switch_round_trip()` updates the template away and back
+    (False: the group has one member); `own_exec_step()` runs the key's own exec. `every_path`:
+    every path even after a difference (steps that issue collectives: every rank launches the
+    same sequence), the first difference kept. `reset_after`: a last reset (steps that leave
+    state a request reads, e.g. the decode workload's cache rows; vLLM's dummy steps leave none)."""
     import torch
-
-    def snap(outputs: Outputs) -> list[Any]:
-        return [x.clone() if isinstance(x, torch.Tensor) else x for x in outputs]
 
     t = time.perf_counter()
     clock = _Clock(reset)
     parts = clock.parts
 
     with torch.no_grad():
-        start = clock.fresh()
-        ref = snap(own_step())
-        clock.lap("reference", start)
+        if callable(reference):
+            start = clock.fresh()
+            ref = _snap(reference())
+            clock.lap("reference", start)
+        else:
+            ref = list(reference)
 
         def updated() -> Outputs | None:
             return graph_step() if switch_round_trip is not None and switch_round_trip() else None
@@ -123,16 +125,24 @@ def canary(
             if got is None:  # no other member to update to
                 continue
             checked.append(name)
-            diff = first_difference(ref, snap(got))
+            diff = first_difference(ref, _snap(got))
             clock.lap(name, start)
             if diff and not why:
                 why = f"{label}: {diff}"
             if why and not every_path:
                 break
-        clock.fresh()
+        if reset_after:
+            clock.fresh()
     parts["reset"] = round(clock.resets, 2)
     return {"ok": not why, "why": why, "checked": checked, "verify_ms": (time.perf_counter() - t) * 1e3,
             "parts_ms": parts}
+
+
+def _snap(outputs: Outputs) -> list[Any]:
+    """Copies of a step's outputs (the next path's step writes the same memory)."""
+    import torch
+
+    return [x.clone() if isinstance(x, torch.Tensor) else x for x in outputs]
 
 
 class _Clock:

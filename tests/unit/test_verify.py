@@ -106,3 +106,17 @@ def test_a_difference_names_its_first_element_how_many_differ_and_both_values_bi
     assert "got 1 (0x00000001)" in verify.first_difference([torch.zeros(2, dtype=torch.int32)],
                                                            [torch.tensor([0, 1], dtype=torch.int32)])
     assert verify.first_difference([ref], [ref.clone()]) == ""
+
+
+def test_a_recorded_reference_runs_no_step_and_needs_no_reset_and_the_last_reset_is_optional() -> None:
+    """SAVE's fingerprint is the reference: one reset per path, and with `reset_after=False`
+    (an engine whose canary steps leave nothing a request reads) none after the last."""
+    torch = pytest.importorskip("torch")
+    from ember.runtime import verify
+
+    e = _Engine(torch)
+    r = verify.canary([torch.tensor([1, 2, 3])], e.graph, e.reset, e.round_trip)
+    assert r["ok"] and "reference" not in r["parts_ms"] and e.resets == 2 + 1
+    f = _Engine(torch, "update")
+    r = verify.canary([torch.tensor([1, 2, 3])], f.graph, f.reset, f.round_trip, reset_after=False)
+    assert r["why"].startswith("after an exec update") and f.resets == 2

@@ -46,3 +46,22 @@ def test_a_case_rebuilds_its_outputs_once_and_poisons_them_at_every_reset(
     other = Case("full", 2, True, keys[:1])
     steps.reset(other)
     assert rebuilt[3:] == ["1,0,2"]  # another case rebuilds its own
+
+
+def test_outputs_of_every_size_and_dtype_are_poisoned_whole_and_a_strided_one_filled(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The poison is one copy from one buffer: each output gets exactly its own bytes of it,
+    whatever its size and element type; a strided output cannot be a flat byte view, so it is
+    filled (-3) instead."""
+    base, pool = torch.zeros(4, 6), torch.ones(10, dtype=torch.bfloat16)
+    memory = {"1,0,2": pool[:3], "1,1,2": torch.zeros(2, 5, dtype=torch.float32),
+              "1,2,2": torch.zeros(7, dtype=torch.int64), "1,3,2": base.t()}
+    monkeypatch.setattr(canary_run.sites, "rebuild", lambda spec: (memory[spec["name"]],))
+    keys = tuple((1, i, 2) for i in range(4))
+    facts = {"outputs": {",".join(map(str, k)): {"name": ",".join(map(str, k))} for k in keys}}
+    steps = canary_run.Steps(runner=None, kind="v2", facts=facts)
+    steps.reset(Case("piecewise", 2, False, keys))
+    for name in ("1,0,2", "1,1,2", "1,2,2"):
+        assert bool((memory[name].view(torch.uint8) == canary_run.POISON).all()), name
+    assert bool((base == -3).all())
+    assert bool((pool[3:] == 1).all())  # the memory past an output stays as it was

@@ -223,7 +223,7 @@ class DecodeAdapter:
             launch_exec(own.result())
             return outputs()
 
-        reference = (lambda: saved) if saved is not None else (lambda: list(w.step(b)))
+        reference = saved if saved is not None else (lambda: list(w.step(b)))
         trip = verify.round_trip(library, index)
         result = verify.canary(reference, via_template, reset, trip, via_own_exec)
         return verify.settle(result, par.world, par.rank)

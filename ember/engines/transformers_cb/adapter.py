@@ -282,7 +282,7 @@ class CBEngineAdapter:
         def own_exec_step() -> list[int]:
             return self.hooks.canary(key, lambda stream: launch_exec(library.own.get(index), stream))
 
-        result = verify.canary(lambda: saved["fingerprint"], graph_step, lambda: None,
+        result = verify.canary(saved["fingerprint"], graph_step, lambda: None,
                                verify.round_trip(library, index), own_exec_step)
         return verify.settle(result, 1, 0)
 

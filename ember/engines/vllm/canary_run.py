@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -50,22 +50,43 @@ class Steps:
     def __init__(self, runner: Any, kind: str, facts: Mapping[str, Any]) -> None:
         self.runner, self.kind, self.facts = runner, kind, facts
         self._outputs: dict[str, list[torch.Tensor]] = {}
+        self._poison: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._ids: dict[int, torch.Tensor] = {}
 
     def reset(self, case: Case) -> None:
         """Every run's start: V1's input ids seeded and positions zero (V2's dummy batch zeroes
-        both itself), the step's graph outputs poisoned."""
+        both itself), the step's graph outputs poisoned: their bytes copied from one poisoned
+        buffer in one call (a full-depth step has ~70 outputs; a fill each cost ~3 ms a reset)."""
         n = case.num_tokens
         if self.kind == "v1":
             ids = _gpu(self.runner.input_ids)[:n]
-            vocab = int(self.runner.model_config.get_vocab_size())
-            gen = torch.Generator(device="cpu").manual_seed(canary.SEED)
-            ids.copy_(torch.randint(0, vocab, (n,), generator=gen, dtype=torch.int64).to(ids.dtype))
+            if (seeded := self._ids.get(n)) is None:
+                vocab = int(self.runner.model_config.get_vocab_size())
+                gen = torch.Generator(device="cpu").manual_seed(canary.SEED)
+                seeded = torch.randint(0, vocab, (n,), generator=gen, dtype=torch.int64).to(ids.dtype)
+                seeded = self._ids[n] = seeded.to(ids.device)
+            ids.copy_(seeded)
             _gpu(self.runner.positions)[..., :n].zero_()
-        for t in self.outputs(case):
-            if t.is_contiguous():
-                t.view(torch.uint8).fill_(POISON)
-            else:
-                t.fill_(-3)
+        dsts, srcs, rest = self.poison(case)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        for t in rest:
+            t.fill_(-3)
+
+    def poison(self, case: Case) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """The step's outputs as flat bytes with their poisoned sources (slices of one buffer per
+        device), and the non-contiguous ones, which are filled one by one."""
+        if (got := self._poison.get(case.name)) is not None:
+            return got
+        flat = [t for t in self.outputs(case) if t.is_contiguous()]
+        dsts = [t.view(torch.uint8).view(-1) for t in flat]
+        sources: dict[Any, torch.Tensor] = {}
+        for d in dsts:
+            if d.device not in sources or sources[d.device].numel() < d.numel():
+                sources[d.device] = torch.full((d.numel(),), POISON, dtype=torch.uint8, device=d.device)
+        srcs = [sources[d.device][: d.numel()] for d in dsts]
+        got = self._poison[case.name] = (dsts, srcs, [t for t in self.outputs(case) if not t.is_contiguous()])
+        return got
 
     def outputs(self, case: Case) -> list[torch.Tensor]:
         """The step's graph outputs that may be poisoned (`canary.poison_targets`), rebuilt once per
@@ -129,17 +150,22 @@ def piecewise_dispatch(runner: Any, case: Case | None) -> Iterator[None]:
 
 
 class Routed:
-    """A restored graph for the canary's paths: through its template or its own exec."""
+    """A restored graph for the canary's paths: through its template or its own exec. `spent`
+    sums the host milliseconds of its launches (exec updates included)."""
 
-    def __init__(self, library: Any, index: int, route: list[str], launched: list[int]) -> None:
-        self.library, self.index, self.route, self.launched = library, index, route, launched
+    def __init__(self, library: Any, index: int, route: list[str], launched: list[int],
+                 spent: list[float]) -> None:
+        self.library, self.index, self.route = library, index, route
+        self.launched, self.spent = launched, spent
 
     def replay(self, stream: Any = None) -> None:
+        t = time.perf_counter()
         self.launched.append(self.index)
         if self.route[0] == "own":
             launch_exec(self.library.own.get(self.index), stream)
         else:
             self.library.launch_template(self.index, stream)
+        self.spent[0] += (time.perf_counter() - t) * 1e3
 
     def reset(self) -> None:
         pass
@@ -158,30 +184,40 @@ def own_execs(library: Any, indices: list[int]) -> None:
 def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
                every_path: bool) -> tuple[dict[str, Any], str]:
     """`verify.canary` over one step; returns its result and a problem found on the way (a path
-    that did not launch every key of the step)."""
+    that did not launch every key of the step). The keys' own execs are built on a thread while
+    the first paths run (libember's builder holds no GIL); the own-exec path waits for them."""
     indices = [library.key_index(k) for k in case.keys]
     route: list[str] = ["template"]
     launched: list[int] = []
+    spent = [0.0]
+    graph_ms: list[float] = []  # each step's host time in the restored graphs' launches
     problem: list[str] = []
 
     t = time.perf_counter()
-    try:  # built before any step: a build that fails on one rank must not break the ranks' lockstep
-        own_execs(library, indices)
-        own = "own"
-    except Exception as exc:
-        problem.append(f"{case.name}: its own execs could not be built: {type(exc).__name__}: {exc}")
-        own = "template"  # the same launches as every other rank's, through the templates
+    ahead = library.own.ahead(lambda: own_execs(library, indices))
 
-    def via(path: str) -> Callable[[], list[Any]]:
-        def step() -> list[Any]:
-            route[0] = path
-            launched.clear()
-            hidden = steps.run(case, graphs=True)
-            if sorted(set(launched)) != sorted(indices) and not problem:
-                problem.append(f"{case.name}: the {path} step launched {len(set(launched))} of its "
-                               f"{len(indices)} restored graphs (vLLM did not dispatch it to them)")
-            return fingerprint([hidden]) if saved is not None else [hidden]
-        return step
+    def via(path: str) -> list[Any]:
+        route[0], spent[0] = path, 0.0
+        launched.clear()
+        hidden = steps.run(case, graphs=True)
+        graph_ms.append(round(spent[0], 2))
+        if sorted(set(launched)) != sorted(indices) and not problem:
+            problem.append(f"{case.name}: the {path} step launched {len(set(launched))} of its "
+                           f"{len(indices)} restored graphs (vLLM did not dispatch it to them)")
+        return fingerprint([hidden]) if saved is not None else [hidden]
+
+    waited = [0.0]
+
+    def via_own() -> list[Any]:
+        w = time.perf_counter()
+        try:  # a build that failed on one rank must not break the ranks' lockstep: the same
+            ahead.result()  # launches as every other rank's, through the templates
+            path = "own"
+        except Exception as exc:
+            problem.append(f"{case.name}: its own execs could not be built: {type(exc).__name__}: {exc}")
+            path = "template"
+        waited[0] = (time.perf_counter() - w) * 1e3
+        return via(path)
 
     def trip() -> bool:  # every key's template to another member and back; always a step after
         for i in indices:
@@ -191,22 +227,24 @@ def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
                 problem.append(f"{case.name}: exec update of {library.keys[i]}: {type(exc).__name__}: {exc}")
         return True
 
-    def ref() -> list[Any]:
-        return list(saved) if saved is not None else [steps.run(case, graphs=False)]
-
-    with routed(steps.runner, library, case, route, launched):
-        build_ms = (time.perf_counter() - t) * 1e3
-        result = verify.canary(ref, via("template"), lambda: steps.reset(case), trip, via(own),
-                               every_path=every_path)
-    result["parts_ms"]["own exec build"] = round(build_ms, 2)
-    result["verify_ms"] += build_ms
+    reference: Any = list(saved) if saved is not None else (lambda: [steps.run(case, graphs=False)])
+    with routed(steps.runner, library, case, route, launched, spent):
+        result = verify.canary(reference, lambda: via("template"), lambda: steps.reset(case), trip, via_own,
+                               every_path=every_path, reset_after=False)
+    with contextlib.suppress(Exception):
+        ahead.result()  # a path that broke off early: the thread's exec adoptions are done before we go
+    result["parts_ms"]["own exec wait"] = round(waited[0], 2)
+    calls = zip(result["checked"], graph_ms, strict=False)  # the paths that ran a step, in order
+    result["parts_ms"].update({f"{name} graph calls": ms for name, ms in calls})
+    result["verify_ms"] = (time.perf_counter() - t) * 1e3  # the build's start included
     return result, (problem[0] if problem else "")
 
 
 @contextlib.contextmanager
-def routed(runner: Any, library: Any, case: Case, route: list[str], launched: list[int]) -> Iterator[None]:
+def routed(runner: Any, library: Any, case: Case, route: list[str], launched: list[int],
+           spent: list[float]) -> Iterator[None]:
     """The step's restored graphs replaced by `Routed` ones while the canary runs."""
-    mine = {k: Routed(library, library.key_index(k), route, launched) for k in case.keys}
+    mine = {k: Routed(library, library.key_index(k), route, launched, spent) for k in case.keys}
     before = sites.replace(runner, mine)
     try:
         yield

@@ -1,0 +1,167 @@
+"""CPU (torch): one vLLM canary case's paths (`canary_run.check_case`) over a stand-in library and
+dummy step.
+
+What is checked: the keys' own execs are built on a thread while the template paths run, and the
+own-exec path waits for them; a build that fails, or an own exec that computes otherwise, refuses;
+with SAVE's fingerprint as the reference no step runs for it, so it needs no reset, and nothing
+is reset after the last path (a dummy step leaves nothing a request reads); the report says how
+long each path spent in the graphs' launches."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ember.engines.vllm import canary_run  # noqa: E402  (after the torch check)
+from ember.engines.vllm.canary import Case  # noqa: E402
+from ember.runtime.proof.replay import fingerprint  # noqa: E402
+
+# pieces 0 and 1 at 2 tokens (the case) and at 1 token (each piece's round trip goes there)
+KEYS = [(1, 0, 2), (1, 1, 2), (1, 0, 1), (1, 1, 1)]
+CASE = Case("piecewise", 2, False, tuple(KEYS[:2]))
+BUILD_S = 0.2
+
+
+class Own:
+    """Own execs: each writes its key's value (`wrong`: one more), built slowly on a thread."""
+
+    def __init__(self, lib: Lib, wrong: bool, fails: bool) -> None:
+        self.lib, self.wrong, self.fails = lib, wrong, fails
+        self.execs: dict[int, Any] = {}
+        self.built_on: list[str] = []
+        self.build_span: list[float] = []
+
+    def has(self, i: int) -> bool:
+        return i in self.execs
+
+    def build(self, indices: list[int]) -> list[tuple[int, Any]]:
+        self.built_on.append(threading.current_thread().name)
+        start = time.perf_counter()
+        time.sleep(BUILD_S)
+        self.build_span[:] = [start, time.perf_counter()]
+        if self.fails:
+            raise RuntimeError("cuGraphInstantiate: out of memory")
+        return [(i, lambda i=i: self.lib.write(i, i + 1 + int(self.wrong))) for i in indices]
+
+    def adopt(self, i: int, ex: Any) -> None:
+        self.execs[i] = ex
+
+    def get(self, i: int) -> Any:
+        return self.execs[i]
+
+    def ahead(self, build: Any) -> Future[Any]:
+        done: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(build())
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        threading.Thread(target=run, name="own-builder").start()
+        return done
+
+
+class Lib:
+    """Key i's graph writes i + 1 into row i of the step's output; templates hold one key each."""
+
+    def __init__(self, wrong_own: bool = False, build_fails: bool = False) -> None:
+        self.keys = list(KEYS)
+        self.out = torch.zeros(2)
+        self.own = Own(self, wrong_own, build_fails)
+        self.template_launches: list[float] = []
+
+    def key_index(self, key: Any) -> int:
+        return self.keys.index(tuple(key))
+
+    def group_members(self, i: int) -> list[int]:
+        return [j for j, k in enumerate(self.keys) if k[1] == self.keys[i][1]]
+
+    def switch(self, i: int) -> None:
+        pass
+
+    def upload(self, execs: list[Any]) -> None:
+        pass
+
+    def write(self, i: int, value: int) -> None:
+        self.out[self.keys[i][1]] = value
+
+    def launch_template(self, i: int, stream: Any = None) -> None:
+        self.template_launches.append(time.perf_counter())
+        self.write(i, i + 1)
+
+
+class Steps:
+    """The dummy step: the routed graphs of the case launched in order (graphs) or computed."""
+
+    def __init__(self, lib: Lib) -> None:
+        self.lib, self.runner, self.resets = lib, object(), 0
+        self.routed: dict[Any, Any] = {}
+
+    def reset(self, case: Case) -> None:
+        self.resets += 1
+        self.lib.out.fill_(-1)
+
+    def run(self, case: Case, graphs: bool) -> Any:
+        if graphs:
+            for key in case.keys:
+                self.routed[key].replay()
+        else:
+            self.lib.out.copy_(torch.tensor([1.0, 2.0]))
+        return self.lib.out.clone()
+
+
+@pytest.fixture
+def stand_in(monkeypatch: pytest.MonkeyPatch) -> Any:
+    def make(**kw: Any) -> tuple[Lib, Steps]:
+        lib = Lib(**kw)
+        steps = Steps(lib)
+
+        def replace(runner: Any, mine: dict[Any, Any]) -> dict[Any, Any]:
+            before, steps.routed = steps.routed, mine
+            return before
+
+        monkeypatch.setattr(canary_run.sites, "replace", replace)
+        monkeypatch.setattr(canary_run, "launch_exec", lambda ex, stream=None: ex())
+        return lib, steps
+
+    return make
+
+
+SAVED = fingerprint([torch.tensor([1.0, 2.0])])
+
+
+def test_own_execs_are_built_on_a_thread_while_the_template_paths_run(stand_in: Any) -> None:
+    lib, steps = stand_in()
+    result, problem = canary_run.check_case(steps, CASE, lib, SAVED, every_path=False)
+    assert result["ok"] and not problem, (result, problem)
+    assert result["checked"] == ["template", "exec update", "own exec"]
+    assert lib.own.built_on == ["own-builder"]
+    start, end = lib.own.build_span
+    assert any(start <= t <= end for t in lib.template_launches)  # the template paths ran meanwhile
+    parts = result["parts_ms"]
+    assert parts["own exec wait"] > 0.0 and {"template graph calls", "own exec graph calls"} <= set(parts)
+    assert result["verify_ms"] >= BUILD_S * 1e3  # the build's time is the canary's
+    assert steps.resets == 3  # one a path: none for SAVE's fingerprint, none after the last path
+
+
+def test_an_own_exec_that_computes_otherwise_is_refused(stand_in: Any) -> None:
+    lib, steps = stand_in(wrong_own=True)
+    result, _ = canary_run.check_case(steps, CASE, lib, SAVED, every_path=False)
+    assert not result["ok"] and result["why"].startswith("on its own exec")
+
+
+def test_a_failed_build_refuses_and_its_path_launches_as_every_other_ranks(stand_in: Any) -> None:
+    lib, steps = stand_in(build_fails=True)
+    launches = len(lib.template_launches)
+    result, problem = canary_run.check_case(steps, CASE, lib, None, every_path=True)
+    assert "own execs could not be built" in problem and "out of memory" in problem
+    assert result["checked"] == ["template", "exec update", "own exec"]
+    assert len(lib.template_launches) - launches == 3 * len(CASE.keys)  # its own path went through them
+    assert steps.resets == 4  # the eager reference is a step: it starts from a reset too
