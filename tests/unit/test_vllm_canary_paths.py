@@ -1,17 +1,16 @@
 """CPU (torch): one vLLM canary case's paths (`canary_run.check_case`) over a stand-in library and
 dummy step.
 
-What is checked: the keys' own execs are built on a thread while the template paths run, and the
-own-exec path waits for them; a build that fails, or an own exec that computes otherwise, refuses;
-with SAVE's fingerprint as the reference no step runs for it, so it needs no reset, and nothing
-is reset after the last path (a dummy step leaves nothing a request reads); the report says how
-long each path spent in the graphs' launches."""
+What is checked: the keys' own execs are built before the first step, and their build's time is
+the canary's; a build that fails, or an own exec that computes otherwise, refuses, and a failed
+build's path launches through the templates (what every other rank launches); with SAVE's
+fingerprint as the reference no step runs for it, so it needs no reset, and nothing is reset
+after the last path (a dummy step leaves nothing a request reads); the report says how long each
+path spent in the graphs' launches."""
 
 from __future__ import annotations
 
-import threading
 import time
-from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -29,19 +28,17 @@ BUILD_S = 0.2
 
 
 class Own:
-    """Own execs: each writes its key's value (`wrong`: one more), built slowly on a thread."""
+    """Own execs: each writes its key's value (`wrong`: one more); the build takes a while."""
 
     def __init__(self, lib: Lib, wrong: bool, fails: bool) -> None:
         self.lib, self.wrong, self.fails = lib, wrong, fails
         self.execs: dict[int, Any] = {}
-        self.built_on: list[str] = []
         self.build_span: list[float] = []
 
     def has(self, i: int) -> bool:
         return i in self.execs
 
     def build(self, indices: list[int]) -> list[tuple[int, Any]]:
-        self.built_on.append(threading.current_thread().name)
         start = time.perf_counter()
         time.sleep(BUILD_S)
         self.build_span[:] = [start, time.perf_counter()]
@@ -54,18 +51,6 @@ class Own:
 
     def get(self, i: int) -> Any:
         return self.execs[i]
-
-    def ahead(self, build: Any) -> Future[Any]:
-        done: Future[Any] = Future()
-
-        def run() -> None:
-            try:
-                done.set_result(build())
-            except BaseException as exc:
-                done.set_exception(exc)
-
-        threading.Thread(target=run, name="own-builder").start()
-        return done
 
 
 class Lib:
@@ -103,6 +88,7 @@ class Steps:
     def __init__(self, lib: Lib) -> None:
         self.lib, self.runner, self.resets = lib, object(), 0
         self.routed: dict[Any, Any] = {}
+        self.rebuilt_ms = {CASE.name: 2.5}
 
     def reset(self, case: Case) -> None:
         self.resets += 1
@@ -137,16 +123,16 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> Any:
 SAVED = fingerprint([torch.tensor([1.0, 2.0])])
 
 
-def test_own_execs_are_built_on_a_thread_while_the_template_paths_run(stand_in: Any) -> None:
+def test_own_execs_are_built_before_the_first_step_and_a_saved_reference_needs_no_reset(
+        stand_in: Any) -> None:
     lib, steps = stand_in()
     result, problem = canary_run.check_case(steps, CASE, lib, SAVED, every_path=False)
     assert result["ok"] and not problem, (result, problem)
     assert result["checked"] == ["template", "exec update", "own exec"]
-    assert lib.own.built_on == ["own-builder"]
-    start, end = lib.own.build_span
-    assert any(start <= t <= end for t in lib.template_launches)  # the template paths ran meanwhile
+    assert lib.own.build_span[1] <= min(lib.template_launches)
     parts = result["parts_ms"]
-    assert parts["own exec wait"] > 0.0 and {"template graph calls", "own exec graph calls"} <= set(parts)
+    assert parts["own exec build"] >= BUILD_S * 1e3 and parts["outputs rebuilt"] == 2.5
+    assert {"template graph calls", "exec update graph calls", "own exec graph calls"} <= set(parts)
     assert result["verify_ms"] >= BUILD_S * 1e3  # the build's time is the canary's
     assert steps.resets == 3  # one a path: none for SAVE's fingerprint, none after the last path
 

@@ -52,6 +52,7 @@ class Steps:
         self._outputs: dict[str, list[torch.Tensor]] = {}
         self._poison: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
         self._ids: dict[int, torch.Tensor] = {}
+        self.rebuilt_ms: dict[str, float] = {}  # per case: its outputs rebuilt and their poison made
 
     def reset(self, case: Case) -> None:
         """Every run's start: V1's input ids seeded and positions zero (V2's dummy batch zeroes
@@ -78,6 +79,7 @@ class Steps:
         device), and the non-contiguous ones, which are filled one by one."""
         if (got := self._poison.get(case.name)) is not None:
             return got
+        t0 = time.perf_counter()
         flat = [t for t in self.outputs(case) if t.is_contiguous()]
         dsts = [t.view(torch.uint8).view(-1) for t in flat]
         sources: dict[Any, torch.Tensor] = {}
@@ -86,6 +88,7 @@ class Steps:
                 sources[d.device] = torch.full((d.numel(),), POISON, dtype=torch.uint8, device=d.device)
         srcs = [sources[d.device][: d.numel()] for d in dsts]
         got = self._poison[case.name] = (dsts, srcs, [t for t in self.outputs(case) if not t.is_contiguous()])
+        self.rebuilt_ms[case.name] = (time.perf_counter() - t0) * 1e3
         return got
 
     def outputs(self, case: Case) -> list[torch.Tensor]:
@@ -184,8 +187,9 @@ def own_execs(library: Any, indices: list[int]) -> None:
 def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
                every_path: bool) -> tuple[dict[str, Any], str]:
     """`verify.canary` over one step; returns its result and a problem found on the way (a path
-    that did not launch every key of the step). The keys' own execs are built on a thread while
-    the first paths run (libember's builder holds no GIL); the own-exec path waits for them."""
+    that did not launch every key of the step). The keys' own execs are built before the first
+    step: built on a thread beside the steps, they cost the steps as much as they saved
+    (h200-20261201c: vLLM's step is Python, and so is the build's preparation)."""
     indices = [library.key_index(k) for k in case.keys]
     route: list[str] = ["template"]
     launched: list[int] = []
@@ -194,7 +198,13 @@ def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
     problem: list[str] = []
 
     t = time.perf_counter()
-    ahead = library.own.ahead(lambda: own_execs(library, indices))
+    try:  # built before any step: a build that fails on one rank must not break the ranks' lockstep
+        own_execs(library, indices)
+        own = "own"
+    except Exception as exc:
+        problem.append(f"{case.name}: its own execs could not be built: {type(exc).__name__}: {exc}")
+        own = "template"  # the same launches as every other rank's, through the templates
+    build_ms = (time.perf_counter() - t) * 1e3
 
     def via(path: str) -> list[Any]:
         route[0], spent[0] = path, 0.0
@@ -206,19 +216,6 @@ def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
                            f"{len(indices)} restored graphs (vLLM did not dispatch it to them)")
         return fingerprint([hidden]) if saved is not None else [hidden]
 
-    waited = [0.0]
-
-    def via_own() -> list[Any]:
-        w = time.perf_counter()
-        try:  # a build that failed on one rank must not break the ranks' lockstep: the same
-            ahead.result()  # launches as every other rank's, through the templates
-            path = "own"
-        except Exception as exc:
-            problem.append(f"{case.name}: its own execs could not be built: {type(exc).__name__}: {exc}")
-            path = "template"
-        waited[0] = (time.perf_counter() - w) * 1e3
-        return via(path)
-
     def trip() -> bool:  # every key's template to another member and back; always a step after
         for i in indices:
             try:  # no collective here: a failed update must not break the ranks' lockstep either
@@ -229,14 +226,14 @@ def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
 
     reference: Any = list(saved) if saved is not None else (lambda: [steps.run(case, graphs=False)])
     with routed(steps.runner, library, case, route, launched, spent):
-        result = verify.canary(reference, lambda: via("template"), lambda: steps.reset(case), trip, via_own,
-                               every_path=every_path, reset_after=False)
-    with contextlib.suppress(Exception):
-        ahead.result()  # a path that broke off early: the thread's exec adoptions are done before we go
-    result["parts_ms"]["own exec wait"] = round(waited[0], 2)
+        result = verify.canary(reference, lambda: via("template"), lambda: steps.reset(case), trip,
+                               lambda: via(own), every_path=every_path, reset_after=False)
+    parts = result["parts_ms"]
+    parts["own exec build"] = round(build_ms, 2)
+    parts["outputs rebuilt"] = round(steps.rebuilt_ms.get(case.name, 0.0), 2)  # in the first reset
     calls = zip(result["checked"], graph_ms, strict=False)  # the paths that ran a step, in order
-    result["parts_ms"].update({f"{name} graph calls": ms for name, ms in calls})
-    result["verify_ms"] = (time.perf_counter() - t) * 1e3  # the build's start included
+    parts.update({f"{name} graph calls": ms for name, ms in calls})
+    result["verify_ms"] += build_ms
     return result, (problem[0] if problem else "")
 
 

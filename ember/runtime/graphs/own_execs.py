@@ -15,9 +15,9 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future, wait
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from cuda.bindings import driver as cu
 
@@ -28,8 +28,6 @@ from ember.runtime.thread_names import name_this_thread
 
 if TYPE_CHECKING:
     from ember.runtime.graphs.templates import GraphLibrary
-
-T = TypeVar("T")
 
 
 class OwnExecs:
@@ -75,20 +73,16 @@ class OwnExecs:
         return self.execs.get(index) or self.gate.parked.get(index) or ex
 
     def get_ahead(self, index: int) -> Future[Any]:
-        """`get(index)` on a thread of its own: LOAD's canary builds the key's own exec while its
-        first paths run on the GPU, and waits only where it launches it."""
-        return self.ahead(lambda: self.get(index))
-
-    def ahead(self, build: Callable[[], T]) -> Future[T]:
-        """`build()` on a thread of its own, in the library's context. Not the library's pool: the
-        templates still being prepared there would queue it."""
-        done: Future[T] = Future()
+        """`get(index)` on a thread of its own (in the library's context): LOAD's canary builds the
+        key's own exec while its first paths run on the GPU, and waits only where it launches it.
+        Not the library's pool: the templates still being prepared there would queue it."""
+        done: Future[Any] = Future()
 
         def run() -> None:
             name_this_thread()
             try:
                 check(cu.cuCtxSetCurrent(self.lib.ctx), "cuCtxSetCurrent")
-                done.set_result(build())
+                done.set_result(self.get(index))
             except BaseException as exc:  # the canary meets it where it launches the exec
                 done.set_exception(exc)
 
