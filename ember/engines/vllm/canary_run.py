@@ -57,7 +57,7 @@ class Steps:
     def reset(self, case: Case) -> None:
         """Every run's start: V1's input ids seeded and positions zero (V2's dummy batch zeroes
         both itself), the step's graph outputs poisoned: their bytes copied from one poisoned
-        buffer in one call (a full-depth step has ~70 outputs; a fill each cost ~3 ms a reset)."""
+        buffer in one call, not a fill each (a full-depth step has ~70 outputs)."""
         n = case.num_tokens
         if self.kind == "v1":
             ids = _gpu(self.runner.input_ids)[:n]
