@@ -187,6 +187,8 @@ def bench_vllm(
     floor: Annotated[bool, typer.Option(help="Also native on native's warm cache and a pod's KV size; "
                                              "less its capture, the start no restore shortens (at TP=1 "
                                              "a pod's path, as --loads).")] = False,
+    ab: Annotated[str, typer.Option(help="KEY=VALUE: every second LOAD runs with this setting, and the "
+                                         "summary gives each half's spreads (an A/B in one run).")] = "",
     pins_cost: Annotated[bool, typer.Option(help="Instead: one decode step (over --max-tokens steps) of "
                                                  "native vLLM as vLLM runs the shape and as a pod runs it, "
                                                  "with ember's pins (bench vllm_pins).")] = False,
@@ -194,6 +196,8 @@ def bench_vllm(
     """vLLM start-up: native vs SAVE → fresh-process LOAD (report in benchmarks/results); with
     --tp/--ep/--dp: N-rank native vs one single-GPU SAVE → N-rank LOAD, per-rank figures (also at
     TP=1 with --loads N or --floor: a pod's path on one GPU, `vllm_parallel` at a world of one)."""
+    if ab and (loads < 2 or "=" not in ab):
+        raise typer.BadParameter("--ab takes KEY=VALUE and needs --loads 2 or more")
     if tp > 1 or dp > 1 or ep > 1 or pins_cost or loads > 1 or floor:
         from ember_bench.vllm_parallel import bench_shape
         from ember_bench.vllm_pins import bench_pins_cost
@@ -202,7 +206,7 @@ def bench_vllm(
                   "gpu_memory_utilization": gpu_memory_utilization, "timeout": timeout}
         more = {"run": bench_pins_cost, "steps": max_tokens} if pins_cost else {
             "max_tokens": max_tokens, "tp1_save": tp1_save, "loads": loads, "diagnose": diagnose,
-            "floor": floor}
+            "floor": floor, "ab": ab}
         bench_shape(model, layers, tp, ep, dp, **more, **common)
         return
     order = runs.split(",")

@@ -309,6 +309,28 @@ def per_rank(res: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def ab_env(ab: str, index: int) -> dict[str, str]:
+    """The setting `--ab KEY=VALUE` gives LOAD `index`: every second one (1, 3, ...) has it."""
+    if not ab or index % 2 == 0:
+        return {}
+    key, _, value = ab.partition("=")
+    return {key: value}
+
+
+def ab_loads(every: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Each half of an A/B run's LOADs: without the setting (a) and with it (b), their engine init
+    and canary spreads and the worker's `compile_or_warm_up_model` (restore and canary inside)."""
+    if not any("ab" in r for r in every):
+        return None
+
+    def half(runs: list[dict[str, Any]]) -> dict[str, Any]:
+        stage = [rank.get("worker_stages_s", {}).get("compile_or_warm_up_model")
+                 for r in runs for rank in per_rank(r).values()]
+        return {"loads": len(runs), **spreads(runs), "compile_or_warm_up_model_s": spread(stage)}
+
+    return {"a": half([r for r in every if not r.get("ab")]), "b": half([r for r in every if r.get("ab")])}
+
+
 def spreads(loads: list[dict[str, Any]]) -> dict[str, Any]:
     """Every LOAD's engine init and every rank's canary, not the first LOAD's alone: one start is
     no measure of a start."""
@@ -343,10 +365,11 @@ def bench_shape(model: str, layers: int, tp: int, ep: int, dp: int, run: Any = N
 def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int, *, work: Path,
                    out_dir: Path, batch_sizes: list[int], max_tokens: int, gpu_memory_utilization: float,
                    timeout: float, tp1_save: bool = True, loads: int = 1, diagnose: bool = False,
-                   floor: bool = False) -> Path:
+                   floor: bool = False, ab: str = "") -> Path:
     """native N-rank → one single-GPU SAVE → `loads` fresh N-rank LOADs → native again; the
     report's path. `diagnose`: three more runs that tell where a pod's tokens part from native's;
-    `floor`: vLLM's own warm start, which compiles nothing (module doc, 7.)."""
+    `floor`: vLLM's own warm start, which compiles nothing (module doc, 7.); `ab` ("KEY=VALUE"):
+    every second LOAD runs with that setting (`ab_loads`)."""
     from ember.engines.vllm.args import pod_args
     from ember_bench.vllm import write_config
     from ember_bench.vllm_report import _device, _store_bytes
@@ -368,8 +391,11 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     archive = {"EMBER_VLLM_ARCHIVE": str(work / "store" / "archives" / ident.hash())}
     # each from an empty cache root: a fresh pod; without an archive one LOAD shows the refusal
     starts = max(1, loads) if results["save"].get("published") else 1
-    every = [run_engine("load", args, work, archive, options, timeout, name=f"load-{i}" if i else "load")
-             for i in range(starts)]
+    every = [run_engine("load", args, work, {**archive, **ab_env(ab, i)}, options, timeout,
+                        name=f"load-{i}" if i else "load") for i in range(starts)]
+    if ab:
+        for i, run in enumerate(every):
+            run["ab"] = bool(ab_env(ab, i))
     results["load"], results["loads_more"] = every[0], every[1:]
     if results["save"].get("published"):  # this pod with the graphs vLLM captures
         natively = {**archive, "EMBER_VLLM_CAPTURE_NATIVELY": "1"}
@@ -381,7 +407,7 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
                                          fresh=True)
     if tp1_save and tensor * data > 1 and results["save"].get("published"):  # needs the shape's SAVE
         results["save_tp1"] = run_save(shape_identity(cfg, 1, False, 1), extra, work / "tp1", timeout)
-    summary = {"shape": name, "model": model, "layers": layers, "identity": ident.hash(),
+    summary = {"shape": name, "model": model, "layers": layers, "identity": ident.hash(), "ab": ab or None,
                **summarize(results), "archive_bytes": _store_bytes(work / "store"),
                "compiled_with": archive_facts(work / "store", ident.hash()).get("compiled_with")}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -476,6 +502,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                           "reference": reference.get("engine_init_s")},
         "engine_init_load_over_native": ratio(load.get("engine_init_s"), native.get("engine_init_s")),
         **spreads(every),
+        "ab_loads": ab_loads(every),
         # the graphs' own part: the reference has the archive's compiled code too, and captures
         "engine_init_load_over_reference": ratio(load.get("engine_init_s"), reference.get("engine_init_s")),
         # --floor: the part of native's init no restore can remove, and LOAD's init above it
