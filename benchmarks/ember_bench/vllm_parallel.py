@@ -407,7 +407,8 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
                                          fresh=True)
     if tp1_save and tensor * data > 1 and results["save"].get("published"):  # needs the shape's SAVE
         results["save_tp1"] = run_save(shape_identity(cfg, 1, False, 1), extra, work / "tp1", timeout)
-    summary = {"shape": name, "model": model, "layers": layers, "identity": ident.hash(), "ab": ab or None,
+    summary = {"shape": name, "model": model, "layers": layers, "identity": ident.hash(),
+               "ab": ab or None, "ab_loads": ab_loads(every),
                **summarize(results), "archive_bytes": _store_bytes(work / "store"),
                "compiled_with": archive_facts(work / "store", ident.hash()).get("compiled_with")}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -502,7 +503,6 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                           "reference": reference.get("engine_init_s")},
         "engine_init_load_over_native": ratio(load.get("engine_init_s"), native.get("engine_init_s")),
         **spreads(every),
-        "ab_loads": ab_loads(every),
         # the graphs' own part: the reference has the archive's compiled code too, and captures
         "engine_init_load_over_reference": ratio(load.get("engine_init_s"), reference.get("engine_init_s")),
         # --floor: the part of native's init no restore can remove, and LOAD's init above it

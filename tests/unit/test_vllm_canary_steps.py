@@ -1,10 +1,9 @@
 """CPU (torch): the vLLM canary's resets (`canary_run.Steps.reset`), with stand-in graph outputs.
 
 Every path of a case starts from a reset that poisons the step's graph outputs. They are tensors
-over SAVE's addresses, rebuilt from the archive's specs; rebuilding them at every reset cost
-milliseconds per reset at full depth (h200-20261201b: 20–41 ms of resets per canary), so a case's
-are rebuilt once. What is poisoned must not change: every output, except one a graph of the step
-also reads."""
+over SAVE's addresses, rebuilt from the archive's specs: 1–2 ms for a full-depth step's ~70
+(h200-20261201c), so a case's are rebuilt once, not at each reset. What is poisoned must not
+change: every output, except one a graph of the step also reads."""
 
 from __future__ import annotations
 
@@ -50,9 +49,8 @@ def test_a_case_rebuilds_its_outputs_once_and_poisons_them_at_every_reset(
 
 def test_outputs_of_every_size_and_dtype_are_poisoned_whole_and_a_strided_one_filled(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The poison is one copy from one buffer: each output gets exactly its own bytes of it,
-    whatever its size and element type; a strided output cannot be a flat byte view, so it is
-    filled (-3) instead."""
+    """Each output's own bytes are poisoned, whatever its size and element type, and none past
+    it; a strided output cannot be viewed as bytes, so it is filled (-3) instead."""
     base, pool = torch.zeros(4, 6), torch.ones(10, dtype=torch.bfloat16)
     memory = {"1,0,2": pool[:3], "1,1,2": torch.zeros(2, 5, dtype=torch.float32),
               "1,2,2": torch.zeros(7, dtype=torch.int64), "1,3,2": base.t()}

@@ -50,14 +50,14 @@ class Steps:
     def __init__(self, runner: Any, kind: str, facts: Mapping[str, Any]) -> None:
         self.runner, self.kind, self.facts = runner, kind, facts
         self._outputs: dict[str, list[torch.Tensor]] = {}
-        self._poison: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
         self._ids: dict[int, torch.Tensor] = {}
-        self.rebuilt_ms: dict[str, float] = {}  # per case: its outputs rebuilt and their poison made
+        self.rebuilt_ms: dict[str, float] = {}  # per case: its outputs rebuilt (in its first reset)
 
     def reset(self, case: Case) -> None:
         """Every run's start: V1's input ids seeded and positions zero (V2's dummy batch zeroes
-        both itself), the step's graph outputs poisoned: their bytes copied from one poisoned
-        buffer in one call, not a fill each (a full-depth step has ~70 outputs)."""
+        both itself), the step's graph outputs poisoned, a fill each: 0.5 ms for 70 outputs, and
+        the fill kernel is loaded long before (one `torch._foreach_copy_` would cost its kernel's
+        first load, 17 ms, in the first reset; benchmarks/results/h200-20261201c)."""
         n = case.num_tokens
         if self.kind == "v1":
             ids = _gpu(self.runner.input_ids)[:n]
@@ -68,40 +68,25 @@ class Steps:
                 seeded = self._ids[n] = seeded.to(ids.device)
             ids.copy_(seeded)
             _gpu(self.runner.positions)[..., :n].zero_()
-        dsts, srcs, rest = self.poison(case)
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
-        for t in rest:
-            t.fill_(-3)
-
-    def poison(self, case: Case) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """The step's outputs as flat bytes with their poisoned sources (slices of one buffer per
-        device), and the non-contiguous ones, which are filled one by one."""
-        if (got := self._poison.get(case.name)) is not None:
-            return got
-        t0 = time.perf_counter()
-        flat = [t for t in self.outputs(case) if t.is_contiguous()]
-        dsts = [t.view(torch.uint8).view(-1) for t in flat]
-        sources: dict[Any, torch.Tensor] = {}
-        for d in dsts:
-            if d.device not in sources or sources[d.device].numel() < d.numel():
-                sources[d.device] = torch.full((d.numel(),), POISON, dtype=torch.uint8, device=d.device)
-        srcs = [sources[d.device][: d.numel()] for d in dsts]
-        got = self._poison[case.name] = (dsts, srcs, [t for t in self.outputs(case) if not t.is_contiguous()])
-        self.rebuilt_ms[case.name] = (time.perf_counter() - t0) * 1e3
-        return got
+        for t in self.outputs(case):
+            if t.is_contiguous():
+                t.view(torch.uint8).fill_(POISON)
+            else:
+                t.fill_(-3)
 
     def outputs(self, case: Case) -> list[torch.Tensor]:
         """The step's graph outputs that may be poisoned (`canary.poison_targets`), rebuilt once per
-        case: every reset poisons them (5 a case; a full-depth step's ~70 tensors over fixed
-        addresses cost ms to rebuild each time)."""
+        case: every reset poisons them (3 a case; a full-depth step's ~70 tensors over fixed
+        addresses take 1–2 ms to rebuild)."""
         if (got := self._outputs.get(case.name)) is not None:
             return got
+        t0 = time.perf_counter()
         specs = self.facts.get("outputs") or {}
         tensors = [t for k in case.keys for t in sites.flat_tensors(sites.rebuild(specs.get(_name(k))))]
         reads = [a for k in case.keys for a in (self.facts.get("input_addresses") or {}).get(_name(k), [])]
         keep = canary.poison_targets([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors], reads)
         got = self._outputs[case.name] = [tensors[i] for i in keep]
+        self.rebuilt_ms[case.name] = (time.perf_counter() - t0) * 1e3
         return got
 
     def run(self, case: Case, graphs: bool) -> torch.Tensor:
