@@ -76,7 +76,7 @@ class Steps:
 
     def outputs(self, case: Case) -> list[torch.Tensor]:
         """The step's graph outputs that may be poisoned (`canary.poison_targets`), rebuilt once per
-        case: every reset poisons them (3 a case; a full-depth step's ~70 tensors over fixed
+        case: every reset poisons them (3 or 4 a case; a full-depth step's ~70 tensors over fixed
         addresses take 1–2 ms to rebuild)."""
         if (got := self._outputs.get(case.name)) is not None:
             return got
