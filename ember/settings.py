@@ -50,6 +50,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("EMBER_VLLM", "flag", "1", "the vLLM plugin acts (0: it stays out of vLLM entirely)"),
     Setting("EMBER_VLLM_COMPILE_CACHE", "flag", "1", "carry vLLM's compile cache in the archive"),
     Setting("EMBER_VLLM_PROBE", "flag", "0", "diagnosis: the vLLM plugin logs what it probes"),
+    Setting("EMBER_VLLM_CANARY", "flag", "1",
+            "bench: 0 leaves LOAD's canary out, to measure what it adds to the start (the restore "
+            "then serves unproven and its report says so: never in production)"),
     Setting("EMBER_VLLM_CANARY_FULL_EAGER", "flag", "1",
             "LOAD's canary checks a FULL step against an eager one where SAVE left no fingerprint "
             "(N ranks; 0: that step is reported unchecked)"),

@@ -234,6 +234,31 @@ def test_a_passed_canary_reports_its_cost(monkeypatch: pytest.MonkeyPatch) -> No
     assert got["verify_ms"] == 7.5 and got["verify_parts"] == {"piecewise.template": 5.0}
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_bench_without_the_canary_runs_none_and_its_report_says_so(
+        monkeypatch: pytest.MonkeyPatch, tp: int) -> None:
+    """`EMBER_VLLM_CANARY=0` (the bench's A/B of what the canary adds): no step runs, every rank
+    still takes part in the agreement, and `checked` says the restore is unproven."""
+    from ember.engines.vllm import parallel
+    from ember.engines.vllm.adapter import VllmAdapter
+    from ember.engines.vllm.plugin import verify_fields
+
+    ran: list[bool] = []
+    _fake_run(monkeypatch, lambda *_: ran.append(True) or canary.failed("ran"))
+    votes: list[bool] = []
+    monkeypatch.setattr(parallel, "agree", lambda ok: votes.append(ok) or ok)
+    monkeypatch.setenv("EMBER_VLLM_CANARY", "0")
+    adapter = VllmAdapter(vllm_config=_Cfg(tp), runner_kind="v1")
+    monkeypatch.setattr(adapter, "rank", lambda: 0)
+    got = adapter.verify(SimpleNamespace(keys=[]))
+    assert ran == [] and votes == ([True] if tp > 1 else []) and got["verify_ms"] == 0.0
+    assert verify_fields(adapter.canary)["checked"] == ["skipped: EMBER_VLLM_CANARY=0"]
+    monkeypatch.setenv("EMBER_VLLM_CANARY", "1")  # the default: the canary runs, and refuses here
+    with pytest.raises(Refused):
+        adapter.verify(SimpleNamespace(keys=[]))
+    assert ran == [True]
+
+
 def test_a_refused_load_takes_the_restored_graphs_out_of_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     from ember.engines.vllm import graphs as sites
     from ember.engines.vllm.adapter import VllmAdapter

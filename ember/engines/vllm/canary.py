@@ -158,3 +158,9 @@ def combine(results: Mapping[str, dict[str, Any]], unchecked: Sequence[str] = ()
 def failed(why: str) -> dict[str, Any]:
     """A canary that could not run: a refusal, never a pass."""
     return {"ok": False, "why": why, "checked": [], "parts_ms": {}, "verify_ms": 0.0}
+
+
+def skipped() -> dict[str, Any]:
+    """`EMBER_VLLM_CANARY=0` (a bench's A/B): no canary ran, and the report's `checked` says so."""
+    return {"ok": True, "why": "", "checked": ["skipped: EMBER_VLLM_CANARY=0"], "parts_ms": {},
+            "verify_ms": 0.0}
