@@ -187,8 +187,9 @@ def bench_vllm(
     floor: Annotated[bool, typer.Option(help="Also native on native's warm cache and a pod's KV size; "
                                              "less its capture, the start no restore shortens (at TP=1 "
                                              "a pod's path, as --loads).")] = False,
-    ab: Annotated[str, typer.Option(help="KEY=VALUE: every second LOAD runs with this setting, and the "
-                                         "summary gives each half's spreads (an A/B in one run).")] = "",
+    ab: Annotated[list[str] | None, typer.Option(
+        help="KEY=VALUE[,KEY=VALUE] (repeatable): the LOADs cycle through none and each of these, and "
+             "the summary gives each group's spreads (an A/B in one run).")] = None,
     pins_cost: Annotated[bool, typer.Option(help="Instead: one decode step (over --max-tokens steps) of "
                                                  "native vLLM as vLLM runs the shape and as a pod runs it, "
                                                  "with ember's pins (bench vllm_pins).")] = False,
@@ -196,8 +197,9 @@ def bench_vllm(
     """vLLM start-up: native vs SAVE → fresh-process LOAD (report in benchmarks/results); with
     --tp/--ep/--dp: N-rank native vs one single-GPU SAVE → N-rank LOAD, per-rank figures (also at
     TP=1 with --loads N or --floor: a pod's path on one GPU, `vllm_parallel` at a world of one)."""
-    if ab and (loads < 2 or "=" not in ab):
-        raise typer.BadParameter("--ab takes KEY=VALUE and needs --loads 2 or more")
+    ab = ab or []
+    if ab and (loads < len(ab) + 1 or not all("=" in kv for one in ab for kv in one.split(","))):
+        raise typer.BadParameter("--ab takes KEY=VALUE and needs a LOAD without and one with each")
     if tp > 1 or dp > 1 or ep > 1 or pins_cost or loads > 1 or floor:
         from ember_bench.vllm_parallel import bench_shape
         from ember_bench.vllm_pins import bench_pins_cost

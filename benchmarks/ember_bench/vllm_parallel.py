@@ -60,6 +60,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -309,26 +310,39 @@ def per_rank(res: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def ab_env(ab: str, index: int) -> dict[str, str]:
-    """The setting `--ab KEY=VALUE` gives LOAD `index`: every second one (1, 3, ...) has it."""
-    if not ab or index % 2 == 0:
-        return {}
-    key, _, value = ab.partition("=")
-    return {key: value}
+def ab_env(ab: Sequence[str], index: int) -> dict[str, str]:
+    """The settings `--ab` gives LOAD `index`: with k of them, LOADs cycle through none and each
+    (`--ab A=1 --ab B=0`: LOAD 0 none, 1 A=1, 2 B=0, 3 none, ...). One `--ab` may hold several
+    settings, comma-separated."""
+    label = ab_label(ab, index)
+    return dict(one.partition("=")[::2] for one in label.split(",")) if label else {}
+
+
+def ab_label(ab: Sequence[str], index: int) -> str:
+    """The `--ab` LOAD `index` runs with ("" for none)."""
+    group = index % (len(ab) + 1)
+    return ab[group - 1] if group else ""
 
 
 def ab_loads(every: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Each half of an A/B run's LOADs: without the setting (a) and with it (b), their engine init
-    and canary spreads and the worker's `compile_or_warm_up_model` (restore and canary inside)."""
+    """Each group of an A/B run's LOADs (`without` a setting, then one per `--ab`): their engine
+    init and canary spreads, the worker's `compile_or_warm_up_model` (restore and canary inside)
+    and what of it comes after ember's capture stage returns (vLLM's own warm-up: the step it runs
+    there is the process's first unless a canary ran before it)."""
     if not any("ab" in r for r in every):
         return None
 
-    def half(runs: list[dict[str, Any]]) -> dict[str, Any]:
-        stage = [rank.get("worker_stages_s", {}).get("compile_or_warm_up_model")
+    def group(runs: list[dict[str, Any]]) -> dict[str, Any]:
+        ranks = [rank.get("worker_stages_s", {}) | {"capture_s": rank.get("capture_s")}
                  for r in runs for rank in per_rank(r).values()]
-        return {"loads": len(runs), **spreads(runs), "compile_or_warm_up_model_s": spread(stage)}
+        stage = [x.get("compile_or_warm_up_model") for x in ranks]
+        after = [x["compile_or_warm_up_model"] - x["capture_s"] for x in ranks
+                 if x.get("compile_or_warm_up_model") is not None and x.get("capture_s") is not None]
+        return {"loads": len(runs), **spreads(runs), "compile_or_warm_up_model_s": spread(stage),
+                "after_capture_s": spread(after)}
 
-    return {"a": half([r for r in every if not r.get("ab")]), "b": half([r for r in every if r.get("ab")])}
+    labels = dict.fromkeys(r.get("ab") or "without" for r in every)
+    return {label: group([r for r in every if (r.get("ab") or "without") == label]) for label in labels}
 
 
 def spreads(loads: list[dict[str, Any]]) -> dict[str, Any]:
@@ -365,11 +379,11 @@ def bench_shape(model: str, layers: int, tp: int, ep: int, dp: int, run: Any = N
 def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int, *, work: Path,
                    out_dir: Path, batch_sizes: list[int], max_tokens: int, gpu_memory_utilization: float,
                    timeout: float, tp1_save: bool = True, loads: int = 1, diagnose: bool = False,
-                   floor: bool = False, ab: str = "") -> Path:
+                   floor: bool = False, ab: Sequence[str] = ()) -> Path:
     """native N-rank → one single-GPU SAVE → `loads` fresh N-rank LOADs → native again; the
     report's path. `diagnose`: three more runs that tell where a pod's tokens part from native's;
-    `floor`: vLLM's own warm start, which compiles nothing (module doc, 7.); `ab` ("KEY=VALUE"):
-    every second LOAD runs with that setting (`ab_loads`)."""
+    `floor`: vLLM's own warm start, which compiles nothing (module doc, 7.); `ab` (["KEY=VALUE"]):
+    the LOADs cycle through none and each setting (`ab_env`, `ab_loads`)."""
     from ember.engines.vllm.args import pod_args
     from ember_bench.vllm import write_config
     from ember_bench.vllm_report import _device, _store_bytes
@@ -395,7 +409,7 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
                         name=f"load-{i}" if i else "load") for i in range(starts)]
     if ab:
         for i, run in enumerate(every):
-            run["ab"] = bool(ab_env(ab, i))
+            run["ab"] = ab_label(ab, i)
     results["load"], results["loads_more"] = every[0], every[1:]
     if results["save"].get("published"):  # this pod with the graphs vLLM captures
         natively = {**archive, "EMBER_VLLM_CAPTURE_NATIVELY": "1"}
@@ -408,7 +422,7 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     if tp1_save and tensor * data > 1 and results["save"].get("published"):  # needs the shape's SAVE
         results["save_tp1"] = run_save(shape_identity(cfg, 1, False, 1), extra, work / "tp1", timeout)
     summary = {"shape": name, "model": model, "layers": layers, "identity": ident.hash(),
-               "ab": ab or None, "ab_loads": ab_loads(every),
+               "ab": list(ab) or None, "ab_loads": ab_loads(every),
                **summarize(results), "archive_bytes": _store_bytes(work / "store"),
                "compiled_with": archive_facts(work / "store", ident.hash()).get("compiled_with")}
     out_dir.mkdir(parents=True, exist_ok=True)

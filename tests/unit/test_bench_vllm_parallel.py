@@ -585,10 +585,11 @@ def test_the_summary_names_what_saves_compiled_code_was_traced_with(tmp_path: Pa
     assert vp.archive_facts(tmp_path / "store", "0" * 64) == {}  # none published under that identity
 
 
-def test_ab_gives_every_second_load_the_setting_and_each_half_its_own_spreads(
+def test_ab_cycles_the_loads_through_each_setting_and_gives_each_group_its_own_spreads(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--loads 4 --ab KEY=VALUE`: LOADs 1 and 3 run with the setting; the summary keeps each
-    half's engine init, canary and restore stage apart, and counts every LOAD's tokens."""
+    """`--loads 6 --ab A --ab B`: LOADs 0 and 3 run without, 1 and 4 with A, 2 and 5 with B; the
+    summary keeps each group's engine init, canary, restore stage and vLLM's warm-up after it
+    apart, and counts every LOAD's tokens."""
     from ember_bench import vllm as bench
 
     envs: dict[str, dict] = {}
@@ -596,8 +597,11 @@ def test_ab_gives_every_second_load_the_setting_and_each_half_its_own_spreads(
     def engine(mode: str, args, work, extra, *a, name: str = "", **kw) -> dict:
         envs[name or mode] = dict(extra)
         b = extra.get("EMBER_LOAD_BACKGROUND") == "0"
-        report = {"stages": {"capture": {"how": "restored" if mode == "load" else "native"},
-                             "verify": {"ok": True, "verify_ms": 50.0 if b else 150.0},
+        off = extra.get("EMBER_VLLM_CANARY") == "0"
+        canary = 0.0 if off else 50.0 if b else 150.0
+        report = {"stages": {"capture": {"how": "restored" if mode == "load" else "native",
+                                         "seconds": 0.2 + canary / 1e3},
+                             "verify": {"ok": True, "verify_ms": canary},
                              "worker.compile_or_warm_up_model": {"seconds": 1.5 if b else 1.2}}}
         init = 40.0 if mode == "native" else (12.0 if b else 11.0) + len(envs) / 100
         return {"engine_init_s": init, "tokens": {"1": [[5]]}, "ember": report}
@@ -605,17 +609,23 @@ def test_ab_gives_every_second_load_the_setting_and_each_half_its_own_spreads(
     monkeypatch.setattr(vp, "run_engine", engine)
     monkeypatch.setattr(vp, "run_save", lambda *a: {"published": True, "save_job_s": 60.0})
     monkeypatch.setattr("ember_bench.vllm_report._device", lambda: "gpu")
-    with pytest.raises(typer.BadParameter):
-        bench.bench_vllm(model="llama-3-8b", layers=2, work=tmp_path, out_dir=tmp_path / "out",
-                         ab="EMBER_LOAD_BACKGROUND=0")  # one LOAD has no halves
-    bench.bench_vllm(model="llama-3-8b", layers=2, work=tmp_path, out_dir=tmp_path / "out", loads=4,
-                     ab="EMBER_LOAD_BACKGROUND=0", batch_sizes="1", max_tokens=2)
-    assert [n for n, e in envs.items() if e.get("EMBER_LOAD_BACKGROUND") == "0"] == ["load-1", "load-3"]
+    ab = ["EMBER_LOAD_BACKGROUND=0", "EMBER_VLLM_CANARY=0"]
+    for bad in (["EMBER_LOAD_BACKGROUND"], [*ab, "X=1"]):  # no value; 4 groups need 4 LOADs or more
+        with pytest.raises(typer.BadParameter):
+            bench.bench_vllm(model="llama-3-8b", layers=2, work=tmp_path, out_dir=tmp_path / "out", loads=3,
+                             ab=bad)
+    bench.bench_vllm(model="llama-3-8b", layers=2, work=tmp_path, out_dir=tmp_path / "out", loads=6,
+                     ab=ab, batch_sizes="1", max_tokens=2)
+    assert [n for n, e in envs.items() if e.get("EMBER_LOAD_BACKGROUND") == "0"] == ["load-1", "load-4"]
+    assert [n for n, e in envs.items() if e.get("EMBER_VLLM_CANARY") == "0"] == ["load-2", "load-5"]
     assert all("EMBER_VLLM_ARCHIVE" in envs[n] for n in ("load", "load-1", "load-2", "load-3"))
     summary = json.loads((tmp_path / "out" / "vllm-gpu-llama-3-8b-tp1.json").read_text())["summary"]
-    a, b = summary["ab_loads"]["a"], summary["ab_loads"]["b"]
-    assert summary["ab"] == "EMBER_LOAD_BACKGROUND=0" and a["loads"] == b["loads"] == 2
+    assert summary["ab"] == ab and list(summary["ab_loads"]) == ["without", *ab]
+    a, b, off = (summary["ab_loads"][k] for k in ("without", *ab))
+    assert a["loads"] == b["loads"] == off["loads"] == 2
     assert a["verify_ms_loads"]["median"] == 150.0 and b["verify_ms_loads"]["median"] == 50.0
+    assert off["verify_ms_loads"]["max"] == 0.0
     assert a["compile_or_warm_up_model_s"]["max"] == 1.2 and b["compile_or_warm_up_model_s"]["min"] == 1.5
+    assert a["after_capture_s"]["median"] == pytest.approx(0.85) and off["after_capture_s"]["min"] == 1.0
     assert a["engine_init_s_loads"]["max"] < 12.0 <= b["engine_init_s_loads"]["min"]
-    assert summary["loads"] == 4 and summary["wrong_loads"] == 0
+    assert summary["loads"] == 6 and summary["wrong_loads"] == 0
