@@ -250,6 +250,8 @@ def _start_load(run: _Phase) -> None:
                   reason=info.reason)
     if "restore.verify_ms" in info.seconds:  # LOAD's canary, part of the start
         result["verify_ms"] = info.seconds["restore.verify_ms"] * 1e3
+        result["verify_parts_ms"] = {k.removeprefix("restore.verify."): round(v * 1e3, 2)
+                                     for k, v in info.seconds.items() if k.startswith("restore.verify.")}
     if engine.library is not None:
         lib = engine.library
         result["library_timings"] = dict(vars(lib.timings))
@@ -373,7 +375,8 @@ def repeat_processes(opts: dict[str, Any], work: Path, timeout: float, repeats: 
     for _ in range(repeats):
         for name, (phase, changed) in PROCESS_RUNS.items():
             r = run_child(phase, opts, work, timeout, env={**(phase_env(phase) or {}), **changed})
-            keep = ("process_to_first_token_s", "start_to_first_token_s", "process_marks_s", "error")
+            keep = ("process_to_first_token_s", "start_to_first_token_s", "process_marks_s", "verify_ms",
+                    "error")
             runs[name].append({k: r[k] for k in keep if k in r})
     return runs
 
@@ -395,6 +398,10 @@ def process_medians(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "to_first_token_range_s": [min(r["process_to_first_token_s"] for r in ok),
                                        max(r["process_to_first_token_s"] for r in ok)],
         }
+        if canary := sorted(r["verify_ms"] for r in ok if r.get("verify_ms") is not None):  # restored ones
+            med = statistics.median(canary)
+            out[name]["verify_ms"] = {"min": round(canary[0], 2), "median": round(med, 2),
+                                      "max": round(canary[-1], 2)}
     return out
 
 
@@ -409,6 +416,7 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "capture_all_s": save.get("capture_all_s"),
         "native_start_to_first_token_s": native.get("start_to_first_token_s"),
         "restored_start_to_first_token_s": load.get("start_to_first_token_s"),
+        "restored_verify_ms": load.get("verify_ms"),  # LOAD's canary, inside the restored start
         # the same from the process's start: the model build (not restored) counts here
         "native_process_to_first_token_s": native.get("process_to_first_token_s"),
         "restored_process_to_first_token_s": load.get("process_to_first_token_s"),

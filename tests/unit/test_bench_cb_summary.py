@@ -66,3 +66,13 @@ def test_repeated_processes_give_medians_and_the_ratio_follows_them() -> None:
     assert s["process_restored_over_native"] == 17.0 / 15.0
     assert s["goals"]["process start -> first token <= 1/10 of native"] is False
     assert "process" not in s["errors"]
+
+
+def test_the_restored_starts_report_their_canary_and_the_repeats_its_spread() -> None:
+    phases = _phases("restored", 0.6)
+    phases["load"]["verify_ms"] = 61.0
+    phases["process"] = {"native": [_run(15.0, 4.5, 14.0)],
+                         "load": [{**_run(17.0, 7.0, 16.5), "verify_ms": v} for v in (70.0, 40.0, 55.0)]}
+    s = summarize(phases)
+    assert s["restored_verify_ms"] == 61.0 and "verify_ms" not in s["process_medians"]["native"]
+    assert s["process_medians"]["load"]["verify_ms"] == {"min": 40.0, "median": 55.0, "max": 70.0}

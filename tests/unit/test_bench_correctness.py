@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
+
+import pytest
 
 from ember_bench.correctness import (
     ARCHITECTURES,
@@ -55,6 +58,27 @@ def test_a_start_keeps_each_ranks_canary_cost_and_its_parts() -> None:
     parts = {"reference": 1.0, "template": 40.0}
     start = decode_start([_rank(0, verify_ms=41.0, verify_parts_ms=parts), _rank(1, verify_ms=43.0)])
     assert start["verify_ms"] == [41.0, 43.0] and start["verify_parts_ms"] == [parts, None]
+
+
+def test_a_cb_start_keeps_its_canarys_cost_and_parts_and_a_refused_one_falls_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ember_bench import cb, correctness
+
+    parts = {"template": 30.0, "reset": 2.0}
+    loads = iter([{"tokens": [[1, 2]], "mode": "restored", "verify_ms": 41.0, "verify_parts_ms": parts},
+                  {"tokens": [[1, 2]], "mode": "native", "reason": "verify: canary differs"}])
+
+    def child(phase: str, opts: dict, out: Path, timeout: float, env: dict) -> dict:
+        if phase == "save":
+            return {"tokens": [[1, 2]], "archive": {"identity": "ab" * 32}}
+        return next(loads) if phase == "load" else {"tokens": [[1, 2]]}
+
+    monkeypatch.setattr(cb, "run_child", child)
+    case = correctness.Case("cb/llama", "cb", 1, {"arch": "llama"})
+    env = {"CUDA_VISIBLE_DEVICES": "0", "NCCL_NVLS_ENABLE": "0"}
+    got = correctness._cb_case(case, env, 2, 1, tmp_path, 10.0)["starts"]
+    assert got[0] == {"verdict": "identical", "why": "", "verify_ms": 41.0, "verify_parts_ms": parts}
+    assert got[1]["verdict"] == "fell back" and "canary differs" in got[1]["why"]
 
 
 def test_a_refusal_on_every_failing_rank_is_a_fallback_not_an_error() -> None:

@@ -376,6 +376,8 @@ def restore_into(engine: CBEngine, archive_dir: str | Path, ip: Any = None) -> S
     seconds = {"compat": t_compat, "manager": restored.timings["prepare_ms"] / 1e3, "load": t_load}
     info = StartInfo("restored", seconds, graphs=restored.graphs, sizing=sizing)
     info.seconds.update({f"restore.{k}": v / 1e3 for k, v in restored.timings.items() if k.endswith("_ms")})
+    parts = restored.timings.get("verify_parts") or {}  # where the canary's time went
+    info.seconds.update({f"restore.verify.{k}": v / 1e3 for k, v in parts.items()})
     engine.start(info)
     return info
 
