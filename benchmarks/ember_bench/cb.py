@@ -254,6 +254,7 @@ def _start_load(run: _Phase) -> None:
                                      for k, v in info.seconds.items() if k.startswith("restore.verify.")}
     if engine.library is not None:
         lib = engine.library
+        result["canary_key"] = list(lib.keys[lib.order[0]])  # the key LOAD's canary ran
         result["library_timings"] = dict(vars(lib.timings))
         result["edge_data"] = edge_data_per_key({k: lib.graph(lib.key_index(k)) for k in lib.keys})
 

@@ -204,7 +204,7 @@ def _cb_case(
         why = lo.get("reason", "") if fell_back else "" if same else first_difference(ref, lo.get("tokens"))
         verdict = ("fell back" if fell_back else "identical") if same else "wrong"
         return {"verdict": verdict, "why": why, "verify_ms": lo.get("verify_ms"),
-                "verify_parts_ms": lo.get("verify_parts_ms")}
+                "verify_parts_ms": lo.get("verify_parts_ms"), "canary_key": lo.get("canary_key")}
 
     runs = _starts(start, starts, together)
     return {"identity": opts["identity"], "save_identical": saved.get("tokens") == ref, "starts": runs}

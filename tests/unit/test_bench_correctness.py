@@ -65,7 +65,8 @@ def test_a_cb_start_keeps_its_canarys_cost_and_parts_and_a_refused_one_falls_bac
     from ember_bench import cb, correctness
 
     parts = {"template": 30.0, "reset": 2.0}
-    loads = iter([{"tokens": [[1, 2]], "mode": "restored", "verify_ms": 41.0, "verify_parts_ms": parts},
+    loads = iter([{"tokens": [[1, 2]], "mode": "restored", "verify_ms": 41.0, "verify_parts_ms": parts,
+                   "canary_key": [0, 64, 256]},
                   {"tokens": [[1, 2]], "mode": "native", "reason": "verify: canary differs"}])
 
     def child(phase: str, opts: dict, out: Path, timeout: float, env: dict) -> dict:
@@ -77,7 +78,8 @@ def test_a_cb_start_keeps_its_canarys_cost_and_parts_and_a_refused_one_falls_bac
     case = correctness.Case("cb/llama", "cb", 1, {"arch": "llama"})
     env = {"CUDA_VISIBLE_DEVICES": "0", "NCCL_NVLS_ENABLE": "0"}
     got = correctness._cb_case(case, env, 2, 1, tmp_path, 10.0)["starts"]
-    assert got[0] == {"verdict": "identical", "why": "", "verify_ms": 41.0, "verify_parts_ms": parts}
+    assert got[0] == {"verdict": "identical", "why": "", "verify_ms": 41.0, "verify_parts_ms": parts,
+                      "canary_key": [0, 64, 256]}
     assert got[1]["verdict"] == "fell back" and "canary differs" in got[1]["why"]
 
 

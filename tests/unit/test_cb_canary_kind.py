@@ -37,3 +37,34 @@ def test_an_archive_with_another_canary_kind_is_refused(monkeypatch: pytest.Monk
         _verify(old, monkeypatch)
     with pytest.raises(_Compared):
         _verify({**old, "kind": KIND}, monkeypatch)
+
+
+def test_each_path_of_the_canary_reports_where_its_time_went(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The template, exec-update and own-exec paths each get their batch, rows, graph and
+    fingerprint times in the canary's parts, named by path (the exec update is graph_step's
+    second call)."""
+    from ember.runtime import verify
+
+    calls: list[str] = []
+
+    def canary(akey: Any, launch: Any, times: dict[str, float]) -> list[int]:
+        calls.append("step")
+        times.update(batch=10.0 * len(calls), rows=1.0, graph=5.0, fingerprint=2.0)
+        return [7]
+
+    def run(ref: Any, graph_step: Any, reset: Any, round_trip: Any, own_exec_step: Any) -> dict[str, Any]:
+        assert graph_step() == ref and graph_step() == ref and own_exec_step() == ref
+        return {"ok": True, "why": "", "checked": ["template", "exec update", "own exec"],
+                "verify_ms": 50.0, "parts_ms": {"template": 20.0}}
+
+    monkeypatch.setattr(verify, "canary", run)
+    monkeypatch.setattr(verify, "round_trip", lambda library, index: None)
+    a = cb_adapter.CBEngineAdapter()
+    a._canary = {"key": [0, 1], "fingerprint": [7], "kind": KIND}
+    a.cb = SimpleNamespace(hooks=SimpleNamespace(canary=canary))  # type: ignore[assignment]
+    got = a.verify(SimpleNamespace(order=[0], keys=[(0, 1)]))  # type: ignore[arg-type]
+    parts = got["verify_parts"]
+    assert parts["template"] == 20.0 and parts["template batch"] == 10.0
+    assert parts["exec update batch"] == 20.0 and parts["own exec batch"] == 30.0
+    assert {parts[f"{p} graph"] for p in ("template", "exec update", "own exec")} == {5.0}
+    assert parts["own exec fingerprint"] == 2.0 and parts["template rows"] == 1.0

@@ -276,14 +276,24 @@ class CBEngineAdapter:
             raise Refused(COMPAT, f"the archive's canary is of another kind ({kind}; this engine checks "
                           f"{CANARY_KIND}): SAVE it again")
 
+        split: dict[str, dict[str, float]] = {}  # per path, where its time went (hooks.canary)
+        template_paths = iter(("template", "exec update"))  # graph_step's calls, in verify's order
+
         def graph_step() -> list[int]:
-            return self.hooks.canary(key, lambda stream: library.launch_template(index, stream))
+            times: dict[str, float] = {}
+            split[next(template_paths, "exec update")] = times
+            return self.hooks.canary(key, lambda stream: library.launch_template(index, stream), times=times)
 
         def own_exec_step() -> list[int]:
-            return self.hooks.canary(key, lambda stream: launch_exec(library.own.get(index), stream))
+            times: dict[str, float] = {}
+            split["own exec"] = times
+            return self.hooks.canary(key, lambda stream: launch_exec(library.own.get(index), stream),
+                                     times=times)
 
         result = verify.canary(saved["fingerprint"], graph_step, lambda: None,
                                verify.round_trip(library, index), own_exec_step)
+        result["parts_ms"].update({f"{path} {part}": round(ms, 2) for path, times in split.items()
+                                   for part, ms in times.items()})
         return verify.settle(result, 1, 0)
 
     def report(self, stage: str, **fields: Any) -> None:

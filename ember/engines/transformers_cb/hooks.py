@@ -372,7 +372,8 @@ class ManagerHooks:
         """One synthetic batch padded to `akey`, through prepare → get_model_kwargs → compute_batch."""
         self._with_batch(akey, lambda batch: self.runner.compute_batch(self.manager.model, batch))
 
-    def canary(self, akey: ArchiveKey, launch: Callable[[Any], None], seed: int = 5) -> list[int]:
+    def canary(self, akey: ArchiveKey, launch: Callable[[Any], None], seed: int = 5,
+               times: dict[str, float] | None = None) -> list[int]:
         """LOAD's canary state for `akey` and what `launch(stream)` (the key's graph) computes from it:
         the synthetic batch SAVE captured the key with, its input ids seeded, the cache rows its
         one request reads and writes zeroed, the output poisoned; returns the fingerprint of the
@@ -382,7 +383,10 @@ class ManagerHooks:
         computed from the canary's tokens. Only the request's rows: the cost does not grow with
         the cache, and neither the trash row (padding tokens write it in no set order) nor the
         physical blocks the request got (SAVE's and LOAD's may differ) enter it. SAVE records it
-        with the native graph; LOAD compares the restored one (`ember.runtime.verify`)."""
+        with the native graph; LOAD compares the restored one (`ember.runtime.verify`). `times`
+        gets where the path's milliseconds went: `batch` (prepared and freed through transformers'
+        CB code), `rows` (found and zeroed, ids seeded), `graph` (the launch until the GPU is done,
+        a build inside `launch` included), `fingerprint`."""
         import torch
 
         from ember.engines.transformers_cb.canary import batch_rows, written_kv, zero_rows
@@ -395,7 +399,10 @@ class ManagerHooks:
         gen = torch.Generator(device="cpu").manual_seed(seed)
         rows: list[Any] = []
 
+        marks = [time.perf_counter()]  # entered, batch ready, launch, GPU done, batch freed
+
         def run(batch: Any) -> None:
+            marks.append(time.perf_counter())
             rows.extend(batch_rows(self._host_io(pair), cache))  # before the launch
             torch.cuda.synchronize()  # the batch's host-to-device copies are in
             zero_rows(cache, rows)
@@ -404,11 +411,20 @@ class ManagerHooks:
             ids.copy_(torch.randint(1, vocab, tuple(ids.shape), generator=gen, dtype=ids.dtype))
             stream = self.io.compute_stream or torch.cuda.current_stream()
             stream.wait_stream(torch.cuda.current_stream())
+            marks.append(time.perf_counter())
             with torch.cuda.stream(stream):
                 launch(stream)
+            torch.cuda.synchronize()  # the graph's time apart (the fingerprint would wait for it anyway)
+            marks.append(time.perf_counter())
 
         self._with_batch(akey, run)
-        return fingerprint([io.output_ids, *written_kv(cache, rows)])
+        marks.append(time.perf_counter())
+        out = fingerprint([io.output_ids, *written_kv(cache, rows)])
+        if times is not None:
+            entered, ready, launched, done, freed = marks
+            times.update(batch=(ready - entered + freed - done) * 1e3, rows=(launched - ready) * 1e3,
+                         graph=(done - launched) * 1e3, fingerprint=(time.perf_counter() - freed) * 1e3)
+        return out
 
     def _host_io(self, pair: int) -> Any:
         """The IO a batch is prepared into: the pair's host IO (async batching) or the IO itself."""
