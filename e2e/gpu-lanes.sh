@@ -15,7 +15,9 @@
 # also kills what it runs (a `pkill -f PATTERN` in a call's command matches that command's own
 # shell). Carried wheels in .whl/ go to /tmp/site (as e2e/gpu-env.sh does); an unpacked vLLM kit in
 # /tmp/vsite (and extras in /tmp/vsite3) joins the path of builds set up after it. One GPU: two
-# lanes at most, or memory runs out (benchmarks/results/h200-20261129/README.md); several GPUs:
+# lanes at most, or memory runs out (benchmarks/results/h200-20261129/README.md), and two vLLM
+# lanes there can still clash: a start fails if the other's engine frees memory while it profiles
+# (h200-20261201d; tests/gpu/test_vllm_canary.py starts such an engine once more); several GPUs:
 # CUDA_VISIBLE_DEVICES per line. vLLM on several GPUs runs alone: it refuses to start when another
 # process frees memory on its GPUs while it profiles (benchmarks/results/h200x2-20261129e).
 set -uo pipefail

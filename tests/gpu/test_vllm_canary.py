@@ -70,13 +70,22 @@ def _env(mode: str, args: list[str], cache: Path, extra: dict[str, str]) -> dict
     return env
 
 
+# vLLM refuses a start whose memory profiling sees another process free GPU memory, such as a test
+# lane beside it on the same GPU whose engine exits then (benchmarks/results/h200-20261201d)
+PROFILING_CLASH = "Error in memory profiling"
+
+
 def _engine(args: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
     from ember_bench.vllm import run_session
 
     # its own session, killed with its workers past the limit (one stuck in a collective held its GPU)
     limit = float(os.environ.get("EMBER_GPU_ENGINE_TIMEOUT_S", "900"))
-    rc = run_session([sys.executable, "-c", ENGINE, json.dumps(args)], env, log, limit)
-    text = log.read_text()
+    for tries_left in (1, 0):  # a start that met a profiling clash is started once more
+        rc = run_session([sys.executable, "-c", ENGINE, json.dumps(args)], env, log, limit)
+        text = log.read_text()
+        if rc == 0 or PROFILING_CLASH not in text or not tries_left:
+            break
+        log.rename(log.with_name(f"{log.stem}-profiling-clash.log"))
     lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
     assert rc == 0 and lines, text[-6000:]
     return dict(json.loads(lines[-1].removeprefix("RESULT ")))
