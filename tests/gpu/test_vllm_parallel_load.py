@@ -1,15 +1,15 @@
-"""vLLM 0.26 on 2 GPUs from ONE single-GPU SAVE: tensor parallel (a 2-layer random Llama-3-8B
-shape), data parallel 2 with EP (a 2-layer random Qwen3-MoE shape), and data parallel 2 of the
-dense Llama shape (two engines of their own, each restoring the one-GPU archive:
-ember.engines.vllm.args.archived); EP over TP=2 does not restore yet, and its test holds it to
-native's tokens whichever way its SAVE goes. Per identity: a native 2-rank vLLM, the SAVE Job as
-rank 0 on one GPU, then a 2-rank vLLM LOAD of that archive from an empty cache root, then native
-again. Every rank must restore (capture stage `restored`, so no graph captured at start; vLLM
-refuses captures afterwards), native must repeat its own tokens (else they cannot judge a
-restore), and the greedy tokens of the LOAD equal native's at several batch sizes, each batch's
-requests scheduled together (with DP, on each DP rank in turn). The prompts' token ids come from
-the whole vocabulary, so every tensor rank's shard of the embedding looks some up: a rank masking
-ids with another rank's bounds changes tokens from the first one."""
+"""vLLM 0.26 on 2 and 4 GPUs from ONE single-GPU SAVE: tensor parallel 2 and 4 (a 2-layer random
+Llama-3-8B shape), data parallel 2 and 4 with EP (a 2-layer random Qwen3-MoE shape), and data
+parallel 2 of the dense Llama shape (two engines of their own, each restoring the one-GPU archive:
+ember.engines.vllm.args.archived); a shape wider than the machine is skipped. EP over TP=2 does not
+restore yet, and its test holds it to native's tokens whichever way its SAVE goes. Per identity: a
+native N-rank vLLM, the SAVE Job as rank 0 on one GPU, then an N-rank vLLM LOAD of that archive from
+an empty cache root, then native again. Every rank must restore (capture stage `restored`, so no
+graph captured at start; vLLM refuses captures afterwards), native must repeat its own tokens (else
+they cannot judge a restore), and the greedy tokens of the LOAD equal native's at several batch
+sizes, each batch's requests scheduled together (with DP, on each DP rank in turn). The prompts'
+token ids come from the whole vocabulary, so every tensor rank's shard of the embedding looks some
+up: a rank masking ids with another rank's bounds changes tokens from the first one."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def _identity(shape: str, tmp: Path) -> tuple[Any, int, int]:
 
 def _load(ident: Any, args: list[str], store: Path, tmp: Path, vocab: int,
           dp: int) -> tuple[Any, dict[str, Any]]:
-    """A 2-rank LOAD of the identity's archive from an empty cache root: its tokens, the ranks' report."""
+    """An N-rank LOAD of the identity's archive from an empty cache root: its tokens, the ranks' report."""
     from ember.engines.vllm import report as reports
 
     report = tmp / "load" / "vllm-report.json"
@@ -140,11 +140,19 @@ SHAPES = {
     "ep2-tp2": ("qwen3-moe", {"tensor": 2, "expert": 2}),
     "dp2-ep2": ("qwen3-moe", {"data": 2, "expert": 2}),
     "dp2": ("llama-3-8b", {"data": 2}),
+    "tp4": ("llama-3-8b", {"tensor": 4}),
+    "dp4-ep4": ("qwen3-moe", {"data": 4, "expert": 4}),
 }
 
 
-@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("shape", [s for s in SHAPES if s != "ep2-tp2"])
+def _world(shape: str) -> int:
+    par = SHAPES[shape][1]
+    return int(par.get("tensor", 1)) * int(par.get("data", 1))
+
+
+@pytest.mark.parametrize("shape", [
+    pytest.param(s, marks=pytest.mark.skipif(_gpus() < _world(s), reason=f"needs {_world(s)} GPUs"))
+    for s in SHAPES if s != "ep2-tp2"])
 def test_one_single_gpu_save_restores_every_rank(shape: str, tmp_path: Path) -> None:
     from ember.archive import bundle
     from ember.engines.vllm import report as reports
@@ -161,13 +169,13 @@ def test_one_single_gpu_save_restores_every_rank(shape: str, tmp_path: Path) -> 
     facts = bundle.open_archive(store, ident.hash()).manifest.engine
     table = facts.get("collectives") or {}
     one_gpu = ident.parallelism == Parallelism()  # dense DP: each engine is one GPU's, no collective
-    assert (not table) if one_gpu else (table.get("world") == 2 and table.get("comms")), table
+    assert (not table) if one_gpu else (table.get("world") == _world(shape) and table.get("comms")), table
     # TP: SAVE's compiled code was traced with the embedding that reads each rank's vocabulary bounds
     assert facts.get("compiled_with") == (["vocab-bounds"] if par.get("tensor", 1) > 1 else []), facts.get(
         "compiled_with")
     loaded, got = _load(ident, args, store, tmp_path, vocab, dp)
     ranks = got.get("ranks") or {}
-    assert sorted(ranks) == ["0", "1"], got
+    assert sorted(ranks, key=int) == [str(r) for r in range(_world(shape))], got
     for r, one in ranks.items():
         capture = (one.get("stages") or {}).get("capture") or {}
         assert capture.get("how") == "restored", (r, one.get("stages"))
