@@ -67,6 +67,16 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "diagnosis: a folder for each vLLM worker's torch allocations with their stacks"),
 )}
 
+# Knobs only tests and benches set: they weaken or fake what LOAD checks. A pod's engine and SAVE
+# containers pin them to their defaults (`pinned_env`), so a Secret or ConfigMap the pod template
+# brings in through envFrom cannot set them (a container's own env wins over envFrom).
+TESTS_ONLY = ("EMBER_FAULT", "EMBER_SWAP_AT_LAUNCH", "EMBER_VLLM_CANARY")
+
+
+def pinned_env() -> list[dict[str, str]]:
+    """The tests-only knobs at their defaults, as container env entries."""
+    return [{"name": name, "value": SETTINGS[name].default} for name in TESTS_ONLY]
+
 
 def text(name: str) -> str:
     return os.environ.get(name, SETTINGS[name].default)

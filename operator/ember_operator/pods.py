@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ember import contract
+from ember import contract, settings
 from ember.contract import Claim
 from ember.identity import identity_short
 from ember_operator import naming, templates
@@ -172,10 +172,12 @@ def _downward_env() -> list[dict[str, Any]]:
 
 
 def libember_env() -> list[dict[str, Any]]:
-    """An engine process under libember: preloaded, and told where the library is."""
+    """An engine process under libember: preloaded, told where the library is, and its tests-only
+    knobs pinned to their defaults."""
     return [
         {"name": "LD_PRELOAD", "value": contract.LIB_PATH},
         {"name": contract.ENV_LIB, "value": contract.LIB_PATH},
+        *settings.pinned_env(),  # a test's fault or a bench's skipped canary never reaches a pod
     ]
 
 
