@@ -76,8 +76,9 @@ def test_a_cb_start_keeps_its_canarys_cost_and_parts_and_a_refused_one_falls_bac
 
     monkeypatch.setattr(cb, "run_child", child)
     case = correctness.Case("cb/llama", "cb", 1, {"arch": "llama"})
-    env = {"CUDA_VISIBLE_DEVICES": "0", "NCCL_NVLS_ENABLE": "0"}
-    got = correctness._cb_case(case, env, 2, 1, tmp_path, 10.0)["starts"]
+    out = correctness.run_case(case, Lanes(["0"]), 2, tmp_path, 10.0)
+    got = out["starts"]
+    assert out["counts"] == {"identical": 1, "wrong": 0, "fell back": 1, "error": 0}
     assert got[0] == {"verdict": "identical", "why": "", "verify_ms": 41.0, "verify_parts_ms": parts,
                       "canary_key": [0, 64, 256]}
     assert got[1]["verdict"] == "fell back" and "canary differs" in got[1]["why"]
