@@ -4,6 +4,7 @@ fault; one of the same kind goes on to the comparison."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,7 +29,14 @@ def _verify(saved: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(verify, "round_trip", lambda library, index: None)
     a = cb_adapter.CBEngineAdapter()
     a._canary = saved
-    a.verify(SimpleNamespace(order=[0], keys=[(0, 1)]))  # type: ignore[arg-type]
+    a.verify(_library())  # type: ignore[arg-type]
+
+
+def _library() -> SimpleNamespace:
+    """A one-key library whose own exec for the canary is ready (a fake handle)."""
+    built: Future[Any] = Future()
+    built.set_result("exec")
+    return SimpleNamespace(order=[0], keys=[(0, 1)], own=SimpleNamespace(get_ahead=lambda index: built))
 
 
 def test_an_archive_with_another_canary_kind_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,7 +70,7 @@ def test_each_path_of_the_canary_reports_where_its_time_went(monkeypatch: pytest
     a = cb_adapter.CBEngineAdapter()
     a._canary = {"key": [0, 1], "fingerprint": [7], "kind": KIND}
     a.cb = SimpleNamespace(hooks=SimpleNamespace(canary=canary))  # type: ignore[assignment]
-    got = a.verify(SimpleNamespace(order=[0], keys=[(0, 1)]))  # type: ignore[arg-type]
+    got = a.verify(_library())  # type: ignore[arg-type]
     parts = got["verify_parts"]
     assert parts["template"] == 20.0 and parts["template batch"] == 10.0
     assert parts["exec update batch"] == 20.0 and parts["own exec batch"] == 30.0

@@ -9,7 +9,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ember.engines.transformers_cb.canary import batch_rows, block_table_rows, request_rows  # noqa: E402
+from ember.engines.transformers_cb.canary import (  # noqa: E402
+    GroupRows,
+    batch_rows,
+    block_table_rows,
+    digest,
+    request_rows,
+    runs,
+    written_digests,
+    zero_rows,
+)
 
 BLOCK, BLOCKS = 4, 6
 PAGES = BLOCK * BLOCKS  # allocatable rows 0..23; then the read-trash block, then the write trash
@@ -79,3 +88,60 @@ def test_batch_rows_of_a_decode_batch_through_the_block_table() -> None:
     (group,) = batch_rows(host, _cache(1))
     assert group.written.tolist() == [2 * BLOCK]  # block 2, offset 0: the new token
     assert group.touched.tolist() == [20, 21, 22, 23, 8]
+
+
+def test_runs_split_rows_where_they_stop_being_consecutive() -> None:
+    assert runs(torch.tensor([4, 5, 6, 2, 3, 9])) == [(4, 3), (2, 2), (9, 1)]
+    assert runs(torch.tensor([7, 7])) == [(7, 1), (7, 1)]
+    assert runs(torch.tensor([], dtype=torch.int64)) == []
+
+
+def _kv(layers: int = 3) -> SimpleNamespace:
+    """A cache of `layers` K and V tensors [rows, heads, dim] in bf16, every byte distinct-ish."""
+    def layer(seed: int) -> object:
+        rows = torch.arange(PAGES * 2 * 4, dtype=torch.float32).reshape(PAGES, 2, 4)
+        return (rows + seed).to(torch.bfloat16)
+
+    return SimpleNamespace(key_cache=[layer(i) for i in range(layers)],
+                           value_cache=[layer(100 + i) for i in range(layers)])
+
+
+def test_zero_rows_zeroes_every_touched_row_of_every_layer_and_nothing_else() -> None:
+    cache, before = _kv(), _kv()
+    touched = torch.tensor([3, 4, 9, 10, 11, 0])
+    zero_rows(cache, [GroupRows(written=touched[:1], touched=touched)])
+    after, old = (*cache.key_cache, *cache.value_cache), (*before.key_cache, *before.value_cache)
+    layers = zip(after, old, strict=True)
+    for t, b in layers:
+        assert bool((t[touched] == 0).all())
+        rest = [r for r in range(PAGES) if r not in touched.tolist()]
+        assert torch.equal(t[rest], b[rest])
+
+
+def test_written_digests_hash_rows_in_batch_order_whatever_blocks_hold_them() -> None:
+    """SAVE and LOAD may place the request in other blocks: the digest is of the rows' bytes in
+    batch order, so it is the same however the rows split into runs."""
+    cache = _kv()
+    rows = torch.tensor([4, 5, 6, 2, 3])
+    k, v = written_digests(cache, [GroupRows(written=rows, touched=rows)])
+    assert k == digest([torch.stack([t[rows] for t in cache.key_cache])])
+    assert v == digest([torch.stack([t[rows] for t in cache.value_cache])])
+    # the same bytes moved to one run of other rows digest the same
+    moved = _kv()
+    layers = zip((*moved.key_cache, *moved.value_cache), (*cache.key_cache, *cache.value_cache), strict=True)
+    for t, src in layers:
+        t[15:20] = src[rows]
+    assert written_digests(moved, [GroupRows(written=torch.arange(15, 20), touched=rows)]) == [k, v]
+
+
+def test_written_digests_see_one_changed_byte_and_the_order_of_rows() -> None:
+    cache = _kv()
+    rows = torch.tensor([4, 5, 6, 2, 3])
+    group = [GroupRows(written=rows, touched=rows)]
+    k, v = written_digests(cache, group)
+    assert written_digests(cache, [GroupRows(written=rows.flip(0), touched=rows)])[0] != k
+    cache.value_cache[2][6].view(torch.uint8)[1, 3] ^= 1
+    assert written_digests(cache, group) == [k, written_digests(cache, group)[1]]
+    assert written_digests(cache, group)[1] != v
+    cache.key_cache[0][7] = 0  # a row the request did not write
+    assert written_digests(cache, group)[0] == k

@@ -261,8 +261,9 @@ class CBEngineAdapter:
 
     def verify(self, library: GraphLibrary) -> dict[str, Any]:
         """LOAD's canary (`ember.runtime.verify`): the first needed key's restored graph, through
-        its template as instantiated and after an exec update, against SAVE's native fingerprint
-        of the same state (Refused on any difference; archives without one are not checked)."""
+        its template as instantiated, after an exec update and on its own exec (built on a thread
+        meanwhile), against SAVE's native fingerprint of the same state (Refused on any
+        difference; archives without one are not checked)."""
         from ember.runtime import verify
         from ember.runtime.graphs.driver import launch_exec
 
@@ -284,11 +285,12 @@ class CBEngineAdapter:
             split[next(template_paths, "exec update")] = times
             return self.hooks.canary(key, lambda stream: library.launch_template(index, stream), times=times)
 
+        own = library.own.get_ahead(index)  # built while the template paths run on the GPU
+
         def own_exec_step() -> list[int]:
             times: dict[str, float] = {}
             split["own exec"] = times
-            return self.hooks.canary(key, lambda stream: launch_exec(library.own.get(index), stream),
-                                     times=times)
+            return self.hooks.canary(key, lambda stream: launch_exec(own.result(), stream), times=times)
 
         result = verify.canary(saved["fingerprint"], graph_step, lambda: None,
                                verify.round_trip(library, index), own_exec_step)

@@ -15,17 +15,23 @@ request's logical positions to blocks.
 
 The rows come from the host-side tensors the batch was prepared from, read before the launch,
 so a graph computing wrongly cannot change which rows are looked at.
+
+No kernel of its own: a restored process has loaded none of torch's kernels yet, and each one's
+first launch loads its module (10-20 ms on H200). The rows are zeroed through the byte fill that
+poisons the outputs, and fingerprinted on the host (xxh3 over device-to-host copies of each run of
+consecutive rows); on the GPU, gathering and summing them cost 90-150 ms in the first path
+(benchmarks/results/h200-20261201e).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 # What the canary fingerprints, recorded with SAVE's fingerprint: an archive whose canary is of
 # another kind (before: word sums of the whole cache) is refused, not compared and called a fault.
-KIND = "request-rows"
+KIND = "request-rows-xxh3"
 
 
 @dataclass(frozen=True)
@@ -90,21 +96,43 @@ def _union(a: Any, b: Any) -> Any:
     return torch.unique(torch.cat([a, b]))
 
 
+def runs(rows: Any) -> list[tuple[int, int]]:
+    """Consecutive rows as (first, count), in their order: [4, 5, 6, 2, 3] -> [(4, 3), (2, 2)]."""
+    out: list[tuple[int, int]] = []
+    for r in rows.tolist():
+        if out and out[-1][0] + out[-1][1] == r:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((r, 1))
+    return out
+
+
 def zero_rows(cache: Any, groups: list[GroupRows]) -> None:
     """Zero the touched rows of every layer's K and V (each cache tensor holds one layer per group)."""
-    for group in groups:
-        rows = group.touched.to(cache.key_cache[0].device)
-        for t in (*cache.key_cache, *cache.value_cache):
-            t.index_fill_(0, rows, 0)
-
-
-def written_kv(cache: Any, groups: list[GroupRows]) -> list[Any]:
-    """Per group, its layers' K rows then V rows as written, stacked ([layers, rows, heads, dim])."""
     import torch
 
-    out = []
     for group in groups:
-        rows = group.written.to(cache.key_cache[0].device)
-        for tensors in (cache.key_cache, cache.value_cache):
-            out.append(torch.stack([t.index_select(0, rows) for t in tensors]))
-    return out
+        for first, n in runs(group.touched):
+            for t in (*cache.key_cache, *cache.value_cache):
+                t[first : first + n].view(torch.uint8).fill_(0)
+
+
+def written_digests(cache: Any, groups: list[GroupRows]) -> list[int]:
+    """Per group, the digest of its layers' K rows as written (layer by layer, rows in batch
+    order), then of its V rows."""
+    spans = [runs(group.written) for group in groups]
+    return [digest(t[first : first + n] for t in tensors for first, n in s)
+            for s in spans for tensors in (cache.key_cache, cache.value_cache)]
+
+
+def digest(tensors: Iterable[Any]) -> int:
+    """xxh3-64 of the tensors' bytes, one after the other, hashed on the host: each contiguous
+    tensor comes over in one device-to-host copy (no kernel)."""
+    import torch
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    for t in tensors:
+        h.update(t.contiguous().view(torch.uint8).reshape(-1).cpu().numpy())
+    return int(h.intdigest())
+

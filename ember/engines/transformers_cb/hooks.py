@@ -389,8 +389,7 @@ class ManagerHooks:
         a build inside `launch` included), `fingerprint`."""
         import torch
 
-        from ember.engines.transformers_cb.canary import batch_rows, written_kv, zero_rows
-        from ember.runtime.proof.replay import fingerprint
+        from ember.engines.transformers_cb.canary import batch_rows, digest, written_digests, zero_rows
 
         pair, _ = split_archive_key(akey)
         io = self.device_ios()[pair]
@@ -419,7 +418,7 @@ class ManagerHooks:
 
         self._with_batch(akey, run)
         marks.append(time.perf_counter())
-        out = fingerprint([io.output_ids, *written_kv(cache, rows)])
+        out = [digest([io.output_ids]), *written_digests(cache, rows)]
         if times is not None:
             entered, ready, launched, done, freed = marks
             times.update(batch=(ready - entered + freed - done) * 1e3, rows=(launched - ready) * 1e3,
