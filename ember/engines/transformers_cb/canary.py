@@ -19,8 +19,8 @@ so a graph computing wrongly cannot change which rows are looked at.
 No kernel of its own: a restored process has loaded none of torch's kernels yet, and each one's
 first launch loads its module (10-20 ms on H200). The rows are zeroed through the byte fill that
 poisons the outputs, and fingerprinted on the host (xxh3 over device-to-host copies of each run of
-consecutive rows); on the GPU, gathering and summing them cost 90-150 ms in the first path
-(benchmarks/results/h200-20261201e).
+consecutive rows); on the GPU, gathering and summing them cost 81-121 ms in the first path
+(benchmarks/results/h200-20261202).
 """
 
 from __future__ import annotations

@@ -1,0 +1,4 @@
+export CUDA_VISIBLE_DEVICES=0; timeout 300 python3 -m pytest -p no:cacheprovider -q -rs tests/unit/test_cb_request_rows.py tests/unit/test_cb_canary_kind.py > /tmp/ember-run/unit.txt 2>&1; tail -4 /tmp/ember-run/unit.txt
+export CUDA_VISIBLE_DEVICES=0; timeout 600 ember bench correctness --cases 'cb/mistral-full-size' --starts 10 --out-dir /tmp/ember-run/out-new > /tmp/ember-run/cb-mistral-new.txt 2>&1; tail -20 /tmp/ember-run/cb-mistral-new.txt
+source /tmp/ember-env-old.sh; export CUDA_VISIBLE_DEVICES=0; timeout 600 ember bench correctness --cases 'cb/mistral-full-size' --starts 10 --out-dir /tmp/ember-run/out-old > /tmp/ember-run/cb-mistral-old.txt 2>&1; tail -20 /tmp/ember-run/cb-mistral-old.txt
+export CUDA_VISIBLE_DEVICES=0; timeout 500 python3 -m pytest -m gpu -p no:cacheprovider -rA --basetemp=/tmp/ember-run/pt/rows tests/gpu/test_cb_canary_rows.py > /tmp/ember-run/cb-rows.txt 2>&1; tail -8 /tmp/ember-run/cb-rows.txt
