@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, model_validator
 
+from ember.engines.transformers_cb.canary import IDENTITY_WORKLOAD as CB_IDENTITY_WORKLOAD
 from ember.engines.vllm.args import IDENTITY_WORKLOAD, SLEEP_MODE_ARG, archived
 from ember.identity import ArchiveIdentity, Parallelism
 from ember.identity_args import graph_args, image_digest
@@ -396,7 +397,7 @@ class ModelDeploymentSpec(ApiModel):
             gpu_product=self.gpu.product,
             engine_args=graph_args(self.engine_run_args()),
             image_digest=image_digest(self.engine.image),
-            workload=dict(IDENTITY_WORKLOAD) if vllm else {},
+            workload=dict(IDENTITY_WORKLOAD if vllm else CB_IDENTITY_WORKLOAD),
         )
 
 

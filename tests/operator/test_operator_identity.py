@@ -125,8 +125,23 @@ def test_a_vllm_identity_names_how_ember_compiles_it_through_the_grapharchive() 
     assert vllm.workload == IDENTITY_WORKLOAD
     assert IdentitySpec.of(vllm).to_identity().hash() == vllm.hash()
     assert vllm.hash() != vllm.model_copy(update={"workload": {}}).hash()
-    cb = md_spec().identity()  # transformers: nothing compiled by Inductor
-    assert cb.engine == "transformers" and "workload" not in cb.canonical()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "transformers"])
+def test_an_identity_names_its_engines_canary_kind(engine: str) -> None:
+    """LOAD refuses an archive whose canary is of another kind than its own: the kind is identity,
+    so an ember whose canary changed finds no archive under the old identity and SAVEs again
+    instead of every pod refusing the old one."""
+    from ember.engines.transformers_cb import canary as cb_canary
+    from ember.engines.vllm import canary as vllm_canary
+
+    ident = (md_spec(engine=_engine()) if engine == "vllm" else md_spec()).identity()
+    assert ident.engine == engine
+    kind = (vllm_canary if engine == "vllm" else cb_canary).KIND
+    assert ident.workload["canary"] == kind
+    assert IdentitySpec.of(ident).to_identity().hash() == ident.hash()
+    other = ident.model_copy(update={"workload": {**ident.workload, "canary": kind + "-before"}})
+    assert other.hash() != ident.hash()
 
 
 def test_names_and_labels_keep_the_first_16_hex_of_the_identity_hash() -> None:

@@ -76,3 +76,14 @@ def test_each_path_of_the_canary_reports_where_its_time_went(monkeypatch: pytest
     assert parts["exec update batch"] == 20.0 and parts["own exec batch"] == 30.0
     assert {parts[f"{p} graph"] for p in ("template", "exec update", "own exec")} == {5.0}
     assert parts["own exec fingerprint"] == 2.0 and parts["template rows"] == 1.0
+
+
+def test_the_cb_identity_names_the_canary_kind() -> None:
+    """So an archive SAVEd with another kind is not looked up under this engine's identity."""
+    from ember.engines.transformers_cb.keys import CBSizing
+
+    sizing = CBSizing(block_size=256, num_blocks=64, max_batch_tokens=256, max_requests_per_batch=8,
+                      q_padding_interval_size=256, kv_padding_interval_size=4096)
+    ident = cb_adapter.cb_identity("m", sizing)
+    assert ident.workload == {"canary": KIND}
+    assert ident.model_copy(update={"workload": {"canary": "request-rows"}}).hash() != ident.hash()

@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ember.engines.transformers_cb.canary import IDENTITY_WORKLOAD
 from ember.engines.transformers_cb.canary import KIND as CANARY_KIND
 from ember.engines.transformers_cb.engine import CBEngine, StartInfo
 from ember.engines.transformers_cb.hooks import (
@@ -112,6 +113,7 @@ def cb_identity(
         max_batch=sizing.max_requests_per_batch,
         gpu_product=gpu_product,
         config=config,
+        workload=dict(IDENTITY_WORKLOAD),
     )
 
 

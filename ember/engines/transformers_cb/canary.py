@@ -32,6 +32,10 @@ from typing import Any
 # What the canary fingerprints, recorded with SAVE's fingerprint: an archive whose canary is of
 # another kind (before: word sums of the whole cache) is refused, not compared and called a fault.
 KIND = "request-rows-xxh3"
+# ...and in the identity (its `workload`), so an archive SAVEd with another kind is never found
+# under a deployment's identity: after an upgrade the operator SAVEs again instead of every pod
+# refusing the old archive and capturing natively.
+IDENTITY_WORKLOAD = {"canary": KIND}
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from ember.engines.vllm.canary import KIND as CANARY_KIND
 from ember.identity import ArchiveIdentity, Parallelism
 
 # vLLM's sleep mode: weights and KV cache through its own cuMem allocator, so that /sleep can free
@@ -42,8 +43,9 @@ NUMERICS = {"deterministic": True, "combo_kernels": True, "benchmark_combo_kerne
 # fields), so that an archive compiled otherwise is never found under a deployment's new identity:
 # the operator SAVEs again instead of every pod refusing the stale archive. `code`: the compiled
 # code reads each rank's own vocabulary bounds (ember.engines.vllm.parallel; archives SAVEd before
-# SAVE checked it held rank 0's).
-IDENTITY_WORKLOAD = {"inductor": "deterministic", "code": "rank-invariant"}
+# SAVE checked it held rank 0's). `canary`: what LOAD's canary compares with SAVE's record (a
+# LOAD refuses an archive whose canary is of another kind).
+IDENTITY_WORKLOAD = {"inductor": "deterministic", "code": "rank-invariant", "canary": CANARY_KIND}
 
 
 def _value(text: str) -> Any:
