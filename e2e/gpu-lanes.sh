@@ -76,6 +76,9 @@ halt() {  # a lane (or all) stopped now, whatever it runs: every process of its 
 
 poll() {
   local end=$((SECONDS + ${1:-500})) left l
+  if ! compgen -G "$RUN/*.log" >/dev/null; then  # nothing to wait for: do not spend the call
+    echo "no lanes in $RUN: a fresh machine (the one that ran them was released when idle)"; return 3
+  fi
   while ((SECONDS < end)); do
     left=0; for l in "$RUN"/*.log; do [[ -e ${l%.log}.rc ]] || left=$((left + 1)); done
     ((left == 0)) && break; sleep 10
