@@ -39,6 +39,7 @@ class OwnExecs:
         self.asked: set[int] = set()  # keys whose own exec was asked for
         self._uses: Counter[int] = Counter()  # launches through an updated template, per key
         self._pending: list[Future[None]] = []
+        self._ahead: list[Future[Any]] = []  # the canary's builds (`get_ahead`): close waits for them
         self.gate = SwapGate()  # EMBER_SWAP_AT_LAUNCH: own execs swapped in at a chosen launch
         self.hot_after = 0 if self.gate.at is not None else hot_after
         self.dedicator: Dedicator | None = None
@@ -86,6 +87,7 @@ class OwnExecs:
             except BaseException as exc:  # the canary meets it where it launches the exec
                 done.set_exception(exc)
 
+        self._ahead.append(done)
         threading.Thread(target=run, name="ember-canary-own-exec", daemon=True).start()
         return done
 
@@ -157,9 +159,12 @@ class OwnExecs:
         return self.dedicator is None or self.dedicator.done.wait(timeout)
 
     def stop(self) -> None:
+        """No build left running: the Dedicator stopped, and a canary's `get_ahead` finished (a
+        canary that refused before launching it leaves it building while the library closes)."""
         if self.dedicator is not None:
             self.dedicator.stop.set()
             self.dedicator.join()
+        wait(self._ahead)
 
     def destroy(self) -> None:
         """Every exec, adopted or held back (under the library's driver lock, at its close)."""
