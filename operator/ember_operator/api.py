@@ -502,7 +502,8 @@ class IdentitySpec(ApiModel):
     engine_args: list[str] = Field(default_factory=list, description="Engine arguments that change graphs.")
     image_digest: str = Field("", description="Engine image digest (sha256:…) when the image is pinned.")
     workload: dict[str, str] = Field(default_factory=dict, description="How ember runs the engine beyond "
-                                     "the fields above, where it shapes the graphs (vLLM: Inductor's mode).")
+                                     "the fields above, where it shapes the graphs (vLLM: Inductor's mode) "
+                                     "or what LOAD checks (every engine: its canary's kind).")
 
     @classmethod
     def of(cls, ident: ArchiveIdentity) -> IdentitySpec:
