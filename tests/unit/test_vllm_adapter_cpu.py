@@ -308,3 +308,37 @@ def test_load_accepts_only_an_archive_of_the_world_this_engine_runs(
     else:
         with pytest.raises(Refused, match="archive is for the world"):
             a.accept(facts)
+
+
+@pytest.mark.parametrize(("engine", "archived"), [
+    ((1, 1, False), {"tensor": 1, "expert": 1, "data": 1}),
+    ((2, 1, False), {"tensor": 2, "expert": 1, "data": 1}),
+    ((1, 2, False), {"tensor": 1, "expert": 1, "data": 1}),  # DP without EP: data 1's archive
+    ((1, 2, True), {"tensor": 1, "expert": 2, "data": 2}),
+])
+def test_a_standalone_identity_names_its_archived_shape_and_embers_workload(
+    engine: tuple[int, int, bool], archived: dict[str, int], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without an operator (no EMBER_IDENTITY) the engine names its archive itself: the shape and
+    ember's compile and canary settings are in it as in the operator's, so an archive SAVEd before
+    the canary changed, or for another shape, is not found under it."""
+    import sys
+
+    from ember import contract
+    from ember.engines.vllm import adapter as vadapter
+    from ember.engines.vllm.args import IDENTITY_WORKLOAD
+
+    monkeypatch.setattr(vadapter, "engine_version", lambda: "0.26.0")
+    torch = SimpleNamespace(cuda=SimpleNamespace(get_device_name=lambda: "H200"))
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.delenv(contract.ENV_IDENTITY, raising=False)
+    cfg = _engine(*engine)
+    cfg.model_config = SimpleNamespace(model="/models/qwen3-moe/", revision=None, dtype="torch.bfloat16",
+                                       hf_config=SimpleNamespace(to_dict=lambda: {"num_hidden_layers": 2}))
+    cfg.scheduler_config.max_num_batched_tokens = 2048
+    cfg.compute_hash = lambda: "c0ffee"
+
+    ident = vadapter.VllmAdapter(vllm_config=cfg, runner_kind="v2").identity()
+    assert ident.model == "qwen3-moe" and ident.dtype == "bfloat16"
+    assert ident.parallelism.model_dump() == archived
+    assert ident.workload == IDENTITY_WORKLOAD and ident.workload["canary"]

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 from ember import contract, settings
 from ember.engines.vllm import compile_cache
 from ember.engines.vllm import graphs as sites
-from ember.engines.vllm.args import mismatches, parallelism
+from ember.engines.vllm.args import IDENTITY_WORKLOAD, archived, mismatches, parallelism
 from ember.engines.vllm.keys import GraphConfig, GraphKey, enumerate_descs, enumerate_keys
 from ember.engines.vllm.parallel import COMPILED_WITH, VOCAB_PATCH, archive_refusal
 from ember.engines.vllm.versions import check_engine, engine_version, unsupported_features
-from ember.identity import ArchiveIdentity, config_digest
+from ember.identity import ArchiveIdentity, Parallelism, config_digest
 from ember.runtime.adapter import COMPAT, ENGINE, LOAD, Refused
 
 if TYPE_CHECKING:
@@ -212,6 +212,9 @@ class VllmAdapter:
         }
 
     def own_identity(self) -> ArchiveIdentity:
+        """The identity this engine's config describes (no operator named one): the operator's
+        fields that the engine knows, its shape and ember's compile and canary settings included,
+        so a standalone SAVE is refused by no LOAD of the same engine for want of them."""
         import torch
 
         cfg, mc = self.graph_config(), self.vllm_config.model_config
@@ -226,8 +229,10 @@ class VllmAdapter:
             dtype=str(mc.dtype).removeprefix("torch."),
             max_num_tokens=int(self.vllm_config.scheduler_config.max_num_batched_tokens),
             max_batch=cfg.max_num_seqs,
+            parallelism=archived(Parallelism(**self._parallelism())),
             gpu_product=torch.cuda.get_device_name(),
             config=self.config_digest(),
+            workload=dict(IDENTITY_WORKLOAD),
         )
 
     def config_digest(self) -> str:
