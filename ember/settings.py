@@ -67,15 +67,19 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "diagnosis: a folder for each vLLM worker's torch allocations with their stacks"),
 )}
 
-# Knobs only tests and benches set: they weaken or fake what LOAD checks. A pod's engine and SAVE
-# containers pin them to their defaults (`pinned_env`), so a Secret or ConfigMap the pod template
-# brings in through envFrom cannot set them (a container's own env wins over envFrom).
-TESTS_ONLY = ("EMBER_FAULT", "EMBER_SWAP_AT_LAUNCH", "EMBER_VLLM_CANARY")
+# Knobs a pod never takes from outside, pinned to their defaults in its engine and SAVE
+# containers (`pinned_env`): a Secret or ConfigMap the pod template brings in through envFrom
+# cannot set them (a container's own env wins over envFrom; `env` itself refuses EMBER_*). The
+# tuning and diagnosis knobs stay open to envFrom: they change cost or logging, not what is served.
+TESTS_ONLY = ("EMBER_FAULT", "EMBER_SWAP_AT_LAUNCH", "EMBER_VLLM_CANARY", "EMBER_VLLM_CAPTURE_NATIVELY")
+UNPROVEN = ("EMBER_UNION_PROGRAMMATIC", "EMBER_UNION_MEMSETS")  # layouts no GPU run has proven yet
+WEAKENING = ("EMBER_VLLM_CANARY_FULL_EAGER",)  # 0 leaves a step LOAD's canary would check unchecked
+PINNED = TESTS_ONLY + UNPROVEN + WEAKENING
 
 
 def pinned_env() -> list[dict[str, str]]:
-    """The tests-only knobs at their defaults, as container env entries."""
-    return [{"name": name, "value": SETTINGS[name].default} for name in TESTS_ONLY]
+    """The pinned knobs at their defaults, as container env entries."""
+    return [{"name": name, "value": SETTINGS[name].default} for name in PINNED]
 
 
 def text(name: str) -> str:
