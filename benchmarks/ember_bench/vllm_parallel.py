@@ -5,7 +5,9 @@ runs them: the identity's engine arguments (`ember.engines.vllm.args.engine_args
 parallel pins) and a pod's environment (`ranks.pod_env`), on vLLM's async engine (what `vllm serve`
 runs; the offline `LLM` refuses DP > 1):
 
-1. `native` — plain vLLM on N GPUs, its own compile cache;
+1. `native` — plain vLLM on N GPUs, its own compile cache; where it serves no tokens (e.g. too
+   little `--gpu-memory-utilization` for the weights and a KV cache) the bench stops there with
+   the error its log names (`native_error`): nothing else could be compared;
 2. `save` — the SAVE Job (`ember.engines.vllm.job.save_job`: sizing probe, then SAVE) on GPU 0
    alone, playing rank 0 of the world under libember_nccl;
 3. `load` — vLLM on N GPUs under libember (EMBER_MODE=load), from an empty cache root: every
@@ -386,7 +388,7 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     the LOADs cycle through none and each setting (`ab_env`, `ab_loads`)."""
     from ember.engines.vllm.args import pod_args
     from ember_bench.vllm import write_config
-    from ember_bench.vllm_report import _device, _store_bytes
+    from ember_bench.vllm_report import _store_bytes
 
     name = shape_name(tensor, expert, data)
     work = work.absolute() / f"{model}-{layers or 'all'}l-{name}"
@@ -398,6 +400,11 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
     vocab = int(json.loads((cfg / "config.json").read_text())["vocab_size"])
     options = {"batch_sizes": batch_sizes, "max_tokens": max_tokens, "vocab": vocab, "data_parallel": data}
     results: dict[str, Any] = {"native": run_engine("native", args, work, {}, options, timeout, fresh=True)}
+    if why := failure(results["native"]):  # nothing to compare a restore with: the rest would be spent
+        path = _write(out_dir, model, name, {"shape": name, "model": model, "identity": ident.hash(),
+                                             "native_error": why}, results)
+        typer.echo(f"native vLLM failed ({why}); stopped before SAVE: {path}", err=True)
+        raise typer.Exit(1)
     results["save"] = run_save(ident, extra, work, timeout)
     if floor:  # vLLM's own warm start: native's compiled code and kernels, a pod's KV size
         results["floor"] = run_engine("native", [*args, *kv_bytes_args(results["save"])], work, {}, options,
@@ -425,11 +432,27 @@ def bench_parallel(model: str, layers: int, tensor: int, expert: bool, data: int
                "ab": list(ab) or None, "ab_loads": ab_loads(every),
                **summarize(results), "archive_bytes": _store_bytes(work / "store"),
                "compiled_with": archive_facts(work / "store", ident.hash()).get("compiled_with")}
+    path = _write(out_dir, model, name, summary, results)
+    typer.echo(json.dumps(summary, indent=1, default=str))
+    return path
+
+
+def _write(out_dir: Path, model: str, name: str, summary: dict[str, Any], results: dict[str, Any]) -> Path:
+    from ember_bench.vllm_report import _device
+
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"vllm-{_device()}-{model}-{name}.json"
     path.write_text(json.dumps({"summary": summary, "runs": results}, indent=1, default=str))
-    typer.echo(json.dumps(summary, indent=1, default=str))
     return path
+
+
+def failure(run: dict[str, Any]) -> str:
+    """'' for a run that served tokens, else why not: the last error its log names (e.g. vLLM's
+    "No available memory for the cache blocks"), else its exit status."""
+    if run.get("rc") in (0, None) and run.get("tokens"):
+        return ""
+    errors = re.findall(r"\b(\w+(?:Error|Exception): [^|\n]+)", run.get("log_tail") or "")
+    return errors[-1].strip()[:300] if errors else f"exit status {run.get('rc')}, no tokens"
 
 
 def diagnoses(args: list[str], work: Path, options: dict[str, Any], timeout: float,

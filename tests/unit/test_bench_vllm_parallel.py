@@ -282,7 +282,7 @@ def test_the_floor_is_vllms_warm_start_sized_as_a_pod_less_its_slowest_ranks_cap
         calls[name or mode] = (args, seed)
         ember = {"ranks": {"0": rank(0.5), "1": rank(2.0)}} if name == "floor" else {}
         return {"engine_init_s": {"native": 50.0, "floor": 14.0}.get(name or mode, 12.0), "ember": ember,
-                "import_s": 20.0 if mode == "native" else 21.0}
+                "import_s": 20.0 if mode == "native" else 21.0, "tokens": {"1": [[5]]}}
 
     summary = _published_bench(monkeypatch, tmp_path, engine, loads=1, floor=True)
     assert list(calls) == ["native", "floor", "load", "reference", "native-again"]  # before native again
@@ -629,3 +629,30 @@ def test_ab_cycles_the_loads_through_each_setting_and_gives_each_group_its_own_s
     assert a["after_capture_s"]["median"] == pytest.approx(0.85) and off["after_capture_s"]["min"] == 1.0
     assert a["engine_init_s_loads"]["max"] < 12.0 <= b["engine_init_s_loads"]["min"]
     assert summary["loads"] == 6 and summary["wrong_loads"] == 0
+
+
+def test_a_native_run_that_serves_nothing_stops_the_bench_with_its_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Too little memory for native's KV cache: SAVE and every LOAD would fail the same way (and
+    spend the GPU's time), and there would be no tokens to judge them by. The bench stops after
+    native and says why."""
+    names: list[str] = []
+    tail = ("[rank0]: ValueError: No available memory for the cache blocks. Try increasing "
+            "`gpu_memory_utilization` | [rank0]:[W1202] Warning: destroy_process_group() was not called")
+
+    def engine(mode: str, *a, name: str = "", **kw) -> dict:
+        names.append(name or mode)
+        return {"rc": 1, "log_tail": tail}
+
+    monkeypatch.setattr(vp, "run_engine", engine)
+    monkeypatch.setattr(vp, "run_save", lambda *a: pytest.fail("SAVE ran after native failed"))
+    monkeypatch.setattr("ember_bench.vllm_report._device", lambda: "gpu")
+    with pytest.raises(typer.Exit):
+        vp.bench_parallel("qwen3-moe", 0, 1, False, 1, work=tmp_path, out_dir=tmp_path / "out",
+                          batch_sizes=[1], max_tokens=2, gpu_memory_utilization=0.4, timeout=9, loads=6)
+    assert names == ["native"]
+    (out,) = (tmp_path / "out").iterdir()
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["native_error"].startswith("ValueError: No available memory for the cache blocks.")
+    assert vp.failure({"rc": 0, "tokens": {"1": [[5]]}}) == ""
+    assert vp.failure({"rc": 0, "tokens": {}}) == "exit status 0, no tokens"

@@ -1,4 +1,0 @@
-# One-GPU work still open (nvidia-h200), for `bash e2e/gpu-lanes.sh start x1 TAG`. Each runs alone:
-# its figures are the point. Most important first.
-export CUDA_VISIBLE_DEVICES=0 EMBER_STACKS_AFTER_S=90 EMBER_GPU_ENGINE_TIMEOUT_S=600; timeout 1500 ember bench vllm --gpu-memory-utilization 0.4 --timeout 600 --work /tmp/ember-run/wq --out-dir /tmp/ember-run/bench --loads 6 --ab EMBER_VLLM_CANARY=0 --model qwen3-moe > /tmp/ember-run/bench-qwen3-ab.txt 2>&1; tail -60 /tmp/ember-run/bench-qwen3-ab.txt
-export CUDA_VISIBLE_DEVICES=0 EMBER_STACKS_AFTER_S=90 EMBER_GPU_ENGINE_TIMEOUT_S=400; timeout 900 python3 -m pytest -m gpu -p no:cacheprovider -rA --basetemp=/tmp/ember-run/pt/cl tests/gpu/test_vllm_canary.py -k "llama and not tp2" > /tmp/ember-run/canary-llama.txt 2>&1; tail -12 /tmp/ember-run/canary-llama.txt
