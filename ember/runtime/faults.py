@@ -8,9 +8,10 @@ Nothing sets it outside tests; each name is read where its fault lives.
 - `splice-redop`: LOAD splices each rank's collectives with a max where the archive's table says
   sum (a wrong splice: the all-reduce and reduce-scatter compute something else);
 - `kernel-arg`: LOAD changes every kernel argument of each graph that reads as a float scalar
-  (an epsilon, an alpha) to 2x+1, and halves one element count per graph (the last 4-byte
-  argument of 16 or more of its last kernel that has one): corrupted kernel arguments in every
-  restored graph, also where Inductor baked every float into its kernels (vLLM);
+  (an epsilon, an alpha) to 2x+1, and halves element counts (the last 4-byte argument of 16 or
+  more: of every Inductor pointwise kernel, else of the graph's last kernel that has one):
+  corrupted kernel arguments in every restored graph, also where Inductor baked every float into
+  its kernels (vLLM);
 - `own-exec`: the same corruption in the own execs only, the execs the Dedicator swaps in for the
   templates while requests run (a swap that changes results);
 - `skip-kernel`: LOAD rebuilds the last kernel node of each graph (one with plain edges only) as
@@ -41,7 +42,7 @@ def corrupt_arguments(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int, ...]]]
                       names: list[str] | None = None) -> list[np.ndarray]:
     """`kernel-arg`/`own-exec`: every float scalar among the kernel arguments (a 4-byte argument,
     or a word of an 8-byte one that is not a pointer: a functor's epsilon or alpha) becomes 2x+1,
-    and one count is halved (`_halve_a_count`); each changed argument in a new buffer its pointer
+    and counts are halved (`_halve_counts`); each changed argument in a new buffer its pointer
     (`ptrs`, one per argument) now points to. Returns the buffers, to be kept alive with the graph
     (none: nothing qualified). Every float, not only the first: one scalar may leave what a step
     computes unchanged (a guard, a clamp's bound), and the fault must be a wrong result. `nodes`:
@@ -67,31 +68,42 @@ def corrupt_arguments(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int, ...]]]
             if changed:
                 bufs.append(_repoint(ptrs, first + j, raw))
                 said += [f"{names[n] if names else f'kernel node {n}'}: {c}" for c in changed]
-    if count := _halve_a_count(ptrs, nodes, bufs):
-        said.append(f"{names[count[0]] if names else f'kernel node {count[0]}'}: {count[1]}")
+    for n, what in _halve_counts(ptrs, nodes, bufs, names):
+        said.append(f"{names[n] if names else f'kernel node {n}'}: {what}")
     if said:  # which kernels a run corrupted (a fault that changes nothing shows here)
         log.warning("fault: %d kernel argument(s), %s", len(said), "; ".join(said[-4:]))
     return bufs
 
 
-def _halve_a_count(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int, ...]]],
-                   bufs: list[np.ndarray]) -> tuple[int, str] | None:
-    """The last kernel node's last 4-byte argument in [16, 2**24) halved: an element count where
-    kernels put theirs last (Inductor's `xnumel`/`r0_numel`, a norm's hidden size), which a mask
-    compares indices with. The kernel covers part of its range, whatever floats its code holds;
-    a count used in index arithmetic (`x // ks0`) could reach further, which is why not the first.
-    Returns (node, what changed), or None."""
-    for n in reversed(range(len(nodes))):
+# Inductor's pointwise kernels (vLLM's compiled graphs): every access is masked by `xnumel`, their
+# last scalar argument (constexprs are not passed), so halving it leaves elements unwritten.
+POINTWISE = "triton_poi_"
+
+
+def _halve_counts(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int, ...]]], bufs: list[np.ndarray],
+                  names: list[str] | None) -> list[tuple[int, str]]:
+    """Counts halved: each Inductor pointwise kernel's, else the last kernel node's (one with a
+    count). A count is a node's last 4-byte argument in [16, 2**24): where kernels put theirs
+    (Inductor's `xnumel`/`r0_numel`, a norm's hidden size), which a mask compares indices with, so
+    the kernel covers part of its range whatever floats its code holds; a count used in index
+    arithmetic (`x // ks0`) could reach further, which is why not the first. One count is not
+    enough in Inductor's graphs: the last kernel's may cover elements nothing reads (vLLM's V2
+    runner, benchmarks/results/h200-20261202b). Returns (node, what changed) per count."""
+    pointwise = [n for n, name in enumerate(names or []) if name.startswith(POINTWISE)]
+    out = []
+    for n in pointwise or reversed(range(len(nodes))):
         first, sizes = nodes[n]
         for j in reversed(range(len(sizes))):
-            size = sizes[j]
-            if size != 4:
+            if sizes[j] != 4:
                 continue
             value = int.from_bytes(ctypes.string_at(int(ptrs[first + j]), 4), "little")
             if 16 <= value < 1 << 24:
                 bufs.append(_repoint(ptrs, first + j, bytearray((value // 2).to_bytes(4, "little"))))
-                return n, f"argument {j}: count {value} -> {value // 2}"
-    return None
+                out.append((n, f"argument {j}: count {value} -> {value // 2}"))
+                break
+        if out and not pointwise:
+            break
+    return out
 
 
 def _repoint(ptrs: np.ndarray, slot: int, raw: bytearray) -> np.ndarray:

@@ -55,3 +55,21 @@ def test_a_functor_of_two_floats_changes_but_a_pointer_never() -> None:
     (buf,) = faults.corrupt_arguments(ptrs, [(0, (8, 8))])
     assert ptrs[0] == pointer.ctypes.data
     assert list(buf.view(np.float32)) == [3.0, np.float32(1e-5) * 2 + 1]
+
+
+def test_in_inductors_graphs_every_pointwise_kernels_count_is_halved(caplog) -> None:
+    """vLLM's graphs: the last kernel's count alone covered elements nothing read (the fault was
+    inert), so every Inductor pointwise kernel's `xnumel` is halved; other kernels keep theirs."""
+    counts = [np.array([v], np.int32) for v in (4096, 8192, 2048, 1 << 20)]
+    ptrs, _keep = _arguments(np.array([0x7F00_1234_5000], np.uint64), *counts)
+    names = ["triton_poi_fused_0", "triton_red_fused_1", "triton_poi_fused_mul_silu_2", "sm90_xmma_gemm"]
+    nodes = [(0, (8, 4)), (2, (4,)), (3, (4,)), (4, (4,))]
+    bufs = faults.corrupt_arguments(ptrs, nodes, names)
+    assert [int(b.view(np.int32)[0]) for b in bufs] == [2048, 1024]
+    assert [int(ptrs[i]) for i in (1, 3)] == [b.ctypes.data for b in bufs]  # the two pointwise counts
+    assert int(ptrs[2]) == counts[1].ctypes.data and int(ptrs[4]) == counts[3].ctypes.data  # not theirs
+    assert "triton_poi_fused_mul_silu_2: argument 0: count 2048 -> 1024" in caplog.text
+    plain = [np.array([v], np.int32) for v in (4096, 8192)]
+    ptrs, _keep = _arguments(*plain)
+    (buf,) = faults.corrupt_arguments(ptrs, [(0, (4,)), (1, (4,))], ["triton_red_fused_0", "gemm"])
+    assert int(buf.view(np.int32)[0]) == 4096 and int(ptrs[1]) == buf.ctypes.data  # no pointwise: the last
