@@ -500,7 +500,8 @@ def kv_bytes_args(save: dict[str, Any]) -> list[str]:
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
     """The goals' figures from the runs: the first LOAD's times and ranks; over every LOAD, how
     many restored on every rank and how many served other tokens than native (`wrong_loads`) and
-    than this pod's own native capture (`wrong_loads_vs_reference`, None without a reference)."""
+    than this pod's own native capture (`wrong_loads_vs_reference`, None without a reference); a
+    LOAD that served nothing counts as wrong, and `failed_loads` says how many of them did that."""
     native, load, reference = results["native"], results["load"], results.get("reference") or {}
     floor = results.get("floor") or {}
     every = [load, *results.get("loads_more", [])]
@@ -522,6 +523,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "loads": len(every),
         "loads_restored_every_rank": sum(reports.ranks_restored(r.get("ember") or {}) for r in every),
         "wrong_loads": wrong(tokens),
+        "failed_loads": sum(1 for r in every if failure(r)),
         "loads_agree": all(r.get("tokens") == load.get("tokens") for r in every),  # a race differs in some
         "wrong_loads_vs_reference": wrong(ref_tokens) if ref_tokens else None,
         # --diagnose: what a difference follows (SAVE's code, a pod's set-up, or its KV sizing)

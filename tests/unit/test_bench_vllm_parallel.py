@@ -196,6 +196,7 @@ def test_several_fresh_loads_are_each_counted_restored_or_not_and_right_or_wrong
 
     summary = _published_bench(monkeypatch, tmp_path, engine, loads=4)
     assert names == ["native", "load", "load-1", "load-2", "load-3", "reference", "native-again"]
+    assert summary["failed_loads"] == 0  # each served tokens, right or wrong
     assert summary["loads"] == 4 and summary["loads_restored_every_rank"] == 3
     assert summary["wrong_loads"] == 1 and summary["restored_every_rank"] and summary["native_reproducible"]
     assert summary["wrong_loads_vs_reference"] == 1 and summary["reference_identical_to_native"]
@@ -656,3 +657,14 @@ def test_a_native_run_that_serves_nothing_stops_the_bench_with_its_error(
     assert summary["native_error"].startswith("ValueError: No available memory for the cache blocks.")
     assert vp.failure({"rc": 0, "tokens": {"1": [[5]]}}) == ""
     assert vp.failure({"rc": 0, "tokens": {}}) == "exit status 0, no tokens"
+
+
+def test_a_load_that_serves_nothing_is_wrong_and_said_to_have_failed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def engine(mode: str, *a, name: str = "", **kw) -> dict:
+        if name == "load-1":
+            return {"rc": 1, "log_tail": "RuntimeError: CUDA error: an illegal memory access"}
+        return {"rc": 0, "engine_init_s": 5.0, "tokens": {"1": [[5]]}, "ember": {}}
+
+    summary = _published_bench(monkeypatch, tmp_path, engine, loads=3)
+    assert summary["wrong_loads"] == 1 and summary["failed_loads"] == 1 and not summary["loads_agree"]
