@@ -177,7 +177,8 @@ def libember_env() -> list[dict[str, Any]]:
     return [
         {"name": "LD_PRELOAD", "value": contract.LIB_PATH},
         {"name": contract.ENV_LIB, "value": contract.LIB_PATH},
-        *settings.pinned_env(),  # a test's fault or a bench's skipped canary never reaches a pod
+        *settings.pinned_env(),  # a test's fault, a bench's skipped canary or an unproven layout never
+        # reaches a pod (settings.PINNED)
     ]
 
 

@@ -212,9 +212,9 @@ class VllmAdapter:
         }
 
     def own_identity(self) -> ArchiveIdentity:
-        """The identity this engine's config describes (no operator named one): the operator's
-        fields that the engine knows, its shape and ember's compile and canary settings included,
-        so a standalone SAVE is refused by no LOAD of the same engine for want of them."""
+        """The identity this engine's config describes (no operator named one), with the
+        operator's fields that the engine knows: its archived shape and ember's compile and canary
+        settings too, so an archive of another shape or canary kind is never found under it."""
         import torch
 
         cfg, mc = self.graph_config(), self.vllm_config.model_config
