@@ -172,13 +172,13 @@ def _downward_env() -> list[dict[str, Any]]:
 
 
 def libember_env() -> list[dict[str, Any]]:
-    """An engine process under libember: preloaded, told where the library is, and its tests-only
-    knobs pinned to their defaults."""
+    """An engine process under libember: preloaded, told where the library is, and the knobs a pod
+    never takes from outside (a test's fault, a bench's skipped canary, an unproven layout:
+    `settings.PINNED`) pinned to their defaults."""
     return [
         {"name": "LD_PRELOAD", "value": contract.LIB_PATH},
         {"name": contract.ENV_LIB, "value": contract.LIB_PATH},
-        *settings.pinned_env(),  # a test's fault, a bench's skipped canary or an unproven layout never
-        # reaches a pod (settings.PINNED)
+        *settings.pinned_env(),
     ]
 
 
