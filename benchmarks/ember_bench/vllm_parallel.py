@@ -499,15 +499,13 @@ def kv_bytes_args(save: dict[str, Any]) -> list[str]:
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
     """The goals' figures from the runs: the first LOAD's times and ranks; over every LOAD, how
-    many restored on every rank and how many served other tokens than native (`wrong_loads`) and
-    than this pod's own native capture (`wrong_loads_vs_reference`, None without a reference); a
-    LOAD that served nothing counts as wrong, and `failed_loads` says how many of them did that."""
+    many restored on every rank, served other tokens than native (`wrong_loads`, nothing counts
+    too: `failed_loads`) or than this pod's own capture (`wrong_loads_vs_reference`)."""
     native, load, reference = results["native"], results["load"], results.get("reference") or {}
     floor = results.get("floor") or {}
     every = [load, *results.get("loads_more", [])]
     tokens, ref_tokens = native.get("tokens"), reference.get("tokens")
-
-    # the floor: vLLM's warm start less its graph capture (the slowest rank's, the ranks capture together)
+    # the floor: vLLM's warm start less its capture (the slowest rank's: the ranks capture together)
     captures = [r.get("capture_s") or 0.0 for r in per_rank(floor).values()]
     init = floor.get("engine_init_s")
     floor_s = round(init - max(captures, default=0.0), 3) if init else None
