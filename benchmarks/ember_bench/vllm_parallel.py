@@ -24,8 +24,9 @@ runs; the offline `LLM` refuses DP > 1):
    must repeat the first run's, or no token comparison at this shape can judge a restore
    (`native_reproducible`);
 6. with `--diagnose`, three runs that tell where a pod's tokens part from native's
-   (`identical_to_native`): `native_save_code`, plain vLLM on a copy of SAVE's cache root (rank
-   0 runs the archive's compiled code without libember; SAVE compiled no other rank's, so the
+   (`identical_to_native`): `native_save_code`, plain vLLM on a copy of SAVE's cache root, set to
+   load compiled code as ember's processes do (`args.COMPILE_ENV`) (rank 0 runs the archive's
+   compiled code without libember; SAVE compiled no other rank's, so the
    others compile their own); `load_unarchived`, a LOAD without an archive (libember, a GPU per
    worker, refused: vLLM compiles and captures itself), and where that differs from native,
    `load_unarchived_all_gpus`, the same with every worker seeing every GPU (libember alone);
@@ -69,6 +70,7 @@ from typing import Any
 import typer
 
 from ember.engines.vllm import report as reports
+from ember.engines.vllm.args import COMPILE_ENV
 
 CHILD = r"""
 import time
@@ -459,8 +461,9 @@ def diagnoses(args: list[str], work: Path, options: dict[str, Any], timeout: flo
               results: dict[str, Any]) -> dict[str, Any]:
     """`--diagnose`'s runs (module doc, 6.), after the LOADs: each is compared with native."""
     out = {
-        # plain vLLM on SAVE's compiled code
-        "native_save_code": run_engine("native", args, work, {}, options, timeout, name="native-save-code",
+        # plain vLLM on SAVE's compiled code (stored as ember's processes store it)
+        "native_save_code": run_engine("native", args, work, dict(COMPILE_ENV), options, timeout,
+                                       name="native-save-code",
                                        seed=work / "vllm-cache-save"),
         # a pod's set-up (libember, a GPU per worker) compiling and capturing itself
         "load_unarchived": run_engine("load", args, work, {}, options, timeout, name="load-unarchived"),

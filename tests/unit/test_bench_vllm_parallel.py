@@ -247,7 +247,9 @@ def test_diagnose_runs_saves_code_in_plain_vllm_and_a_pods_set_up_compiling_itse
                            "native-kv-bytes", "native-again"]
     assert engine_args["native-kv-bytes"] == [*engine_args["native"], "--kv-cache-memory-bytes", "77"]
     mode, extra, seed = calls["native-save-code"]
-    assert mode == "native" and seed == tmp_path / "llama-3-8b-2l-tp2" / "vllm-cache-save" and not extra
+    # loads SAVE's compiled model as ember's processes store it, or vLLM would compile its own
+    assert mode == "native" and seed == tmp_path / "llama-3-8b-2l-tp2" / "vllm-cache-save"
+    assert extra == {"VLLM_USE_MEGA_AOT_ARTIFACT": "1", "VLLM_USE_STANDALONE_COMPILE": "1"}
     mode, extra, seed = calls["load-unarchived"]
     assert mode == "load" and "EMBER_VLLM_ARCHIVE" not in extra and seed is None
     assert summary["identical_to_native"] == {"native_save_code": False, "load_unarchived": True,

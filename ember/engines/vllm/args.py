@@ -45,7 +45,18 @@ NUMERICS = {"deterministic": True, "combo_kernels": True, "benchmark_combo_kerne
 # code reads each rank's own vocabulary bounds (ember.engines.vllm.parallel; archives SAVEd before
 # SAVE checked it held rank 0's). `canary`: what LOAD's canary compares with SAVE's record (a
 # LOAD refuses an archive whose canary is of another kind).
-IDENTITY_WORKLOAD = {"inductor": "deterministic", "code": "rank-invariant", "canary": CANARY_KIND}
+# `compiled`: how vLLM stores the compiled model (COMPILE_ENV below).
+IDENTITY_WORKLOAD = {"inductor": "deterministic", "code": "rank-invariant", "canary": CANARY_KIND,
+                     "compiled": "mega-aot"}
+
+# ember's vLLM processes (the Job's probe and SAVE, LOAD) store and load the compiled model as one
+# AOT artifact (vllm/compilation/caching.py `reconstruct_serializable_fn_from_mega_artifact`): LOAD
+# then rebuilds the piecewise backends from the compiled pieces directly, instead of unpickling the
+# traced graph and running it through fake tensors to split and re-key it, which is most of what
+# loading compiled code costs at LOAD. vLLM turns it on by default from torch 2.12; it runs on
+# 2.10+. It is in vLLM's compile-cache hash, so SAVE and LOAD must agree: pinned, not defaulted.
+# A native start (no archive) is plain vLLM.
+COMPILE_ENV = {"VLLM_USE_MEGA_AOT_ARTIFACT": "1", "VLLM_USE_STANDALONE_COMPILE": "1"}
 
 
 def _value(text: str) -> Any:
@@ -185,9 +196,13 @@ PROCESS_VARS = ("LD_PRELOAD", "EMBER_MODE", "EMBER_ARM", "EMBER_VLLM_ARCHIVE", "
                 "EMBER_VLLM_PROBE", "EMBER_VLLM_CACHES_PLACED")
 
 
+EMBER_MODES = ("save", "load", "probe")  # the Job's sizing probe compiles what SAVE then loads
+
+
 def process_env(mode: str, env: Mapping[str, str], *, comm_stub: bool = False) -> dict[str, str]:
     """The environment of a vLLM process: under libember in `mode` ("save" or "load"; anything
-    else: vLLM as it is), with FlashInfer's sampler off (FlashInfer is not in the image).
+    else: vLLM as it is), with FlashInfer's sampler off (FlashInfer is not in the image). ember's
+    own processes (EMBER_MODES) compile as COMPILE_ENV says.
     `comm_stub`: libember_nccl answers NCCL (one process playing a rank of N), in any mode."""
     out = {k: v for k, v in env.items() if k not in PROCESS_VARS}
     if mode in ("save", "load"):
@@ -201,5 +216,7 @@ def process_env(mode: str, env: Mapping[str, str], *, comm_stub: bool = False) -
         if stub is None:
             raise FileNotFoundError("libember_nccl.so not found: build libember (pip install -e .)")
         out["LD_PRELOAD"] = str(stub)
+    if mode in EMBER_MODES:
+        out.update(COMPILE_ENV)
     out.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     return out
