@@ -192,8 +192,9 @@ def run_engine(mode: str, args: list[str], work: Path, extra: dict[str, str], op
     res: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
     root = Path(env["VLLM_CACHE_ROOT"])
     res.update(mode=mode, rc=rc, process_wall_s=round(time.perf_counter() - t, 3), ember=reports.read(report),
-               autotune=autotune_choices(root), triton_compiled=triton_compiled(root, since),
+               autotune=autotune_choices(root), triton_compiled_kernels=triton_compiled_kernels(root, since),
                compiled_code=compiled_code(root))
+    res["triton_compiled"] = len(res["triton_compiled_kernels"])
     if rc != 0 or not out.exists():
         res["log_tail"] = logf.read_text()[-6000:]
     typer.echo(f"{name}: rc={rc} first_token={res.get('first_token_s')}")
@@ -219,8 +220,15 @@ def seed_triton_home(root: Path) -> int:
 def triton_compiled(root: Path, since: float) -> int:
     """Triton kernels compiled under a run's cache root while it ran: each compile writes its
     group file (`__grp__<name>.json`); what an archive brought keeps SAVE's times."""
+    return len(triton_compiled_kernels(root, since))
+
+
+def triton_compiled_kernels(root: Path, since: float) -> list[str]:
+    """Those kernels, each as `<cache directory>/<kernel>` relative to the root: which kernels, and
+    whether they went to the Triton home a LOAD looks in or to a directory Inductor chose."""
     groups = root.rglob("__grp__*.json") if root.is_dir() else []
-    return sum(1 for g in groups if g.stat().st_mtime >= since - 1)
+    return sorted(f"{g.parent.parent.relative_to(root)}/{g.name[len('__grp__'):-len('.json')]}"
+                  for g in groups if g.stat().st_mtime >= since - 1)
 
 
 TIMING = ("time_taken_ms", "triton_cache_hash")  # in a best_config, not part of the choice
@@ -533,6 +541,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "triton_compiled": {  # Triton kernels each run compiled: at a LOAD's start the goal is none
             run: results[run].get("triton_compiled") for run in ("native", "load", "reference", "floor")
             if results.get(run)},
+        "triton_compiled_loads": [r.get("triton_compiled") for r in every],  # LOAD 0 is not every LOAD
         # 0: SAVE generated the code native's rank 0 did, so only its choices could differ
         "code_not_in_native": {run: code_not_in(results[run], native) for run in ("load", "native_again")
                                if results.get(run)},

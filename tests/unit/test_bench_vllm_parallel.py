@@ -192,9 +192,10 @@ def test_several_fresh_loads_are_each_counted_restored_or_not_and_right_or_wrong
         names.append(name or mode)
         restored = {"ranks": {"0": rank("restored"), "1": rank("native" if name == "load-1" else "restored")}}
         return {"engine_init_s": 5.0, "tokens": {"1": [[7 if name == "load-2" else 5]]},
-                "ember": restored if mode == "load" else {}}
+                "ember": restored if mode == "load" else {}, "triton_compiled": 26 if name == "load-3" else 0}
 
     summary = _published_bench(monkeypatch, tmp_path, engine, loads=4)
+    assert summary["triton_compiled"]["load"] == 0 and summary["triton_compiled_loads"] == [0, 0, 0, 26]
     assert names == ["native", "load", "load-1", "load-2", "load-3", "reference", "native-again"]
     assert summary["failed_loads"] == 0  # each served tokens, right or wrong
     assert summary["loads"] == 4 and summary["loads_restored_every_rank"] == 3
@@ -570,6 +571,9 @@ def test_the_triton_kernels_a_run_compiled_are_those_written_while_it_ran(tmp_pa
     kernel(tmp_path / "triton-home" / ".triton" / "cache" / "B2", "_prepare_inputs")  # compiled now
     kernel(tmp_path / "torch_compile_cache" / "x" / "inductor_cache" / "triton" / "0" / "C3", "triton_red_0")
     assert vp.triton_compiled(tmp_path, since) == 2
+    assert vp.triton_compiled_kernels(tmp_path, since) == [  # where each went: the home, or Inductor's own
+        "torch_compile_cache/x/inductor_cache/triton/0/triton_red_0",
+        "triton-home/.triton/cache/_prepare_inputs"]
     assert vp.triton_compiled(tmp_path / "missing", since) == 0
 
 
