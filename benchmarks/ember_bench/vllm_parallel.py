@@ -24,8 +24,8 @@ runs; the offline `LLM` refuses DP > 1):
    must repeat the first run's, or no token comparison at this shape can judge a restore
    (`native_reproducible`);
 6. with `--diagnose`, three runs that tell where a pod's tokens part from native's
-   (`identical_to_native`): `native_save_code`, plain vLLM on a copy of SAVE's cache root, set to
-   load compiled code as ember's processes do (`args.COMPILE_ENV`) (rank 0 runs the archive's
+   (`identical_to_native`): `native_save_code`, plain vLLM on a copy of SAVE's cache root (with
+   EMBER_VLLM_MEGA_AOT=1, set to load compiled code as SAVE stored it) (rank 0 runs the archive's
    compiled code without libember; SAVE compiled no other rank's, so the
    others compile their own); `load_unarchived`, a LOAD without an archive (libember, a GPU per
    worker, refused: vLLM compiles and captures itself), and where that differs from native,
@@ -70,7 +70,7 @@ from typing import Any
 import typer
 
 from ember.engines.vllm import report as reports
-from ember.engines.vllm.args import COMPILE_ENV
+from ember.engines.vllm.args import COMPILE_ENV, mega_aot
 
 CHILD = r"""
 import time
@@ -122,14 +122,14 @@ print("CHILD OK", json.dumps({k: v for k, v in res.items() if k != "tokens"}), f
 def shape_identity(cfg: Path, tensor: int, expert: bool, data: int) -> Any:
     """The identity a deployment of this shape gets (5 capture sizes, as the GPU tests): a dense
     model's data parallel replicas restore the data-1 archive (args.archived)."""
-    from ember.engines.vllm.args import IDENTITY_WORKLOAD, archived
+    from ember.engines.vllm.args import archived, identity_workload
     from ember.identity import ArchiveIdentity, Parallelism
 
     par = archived(Parallelism(tensor=tensor, data=data, expert=tensor * data if expert else 1))
     return ArchiveIdentity(model=str(cfg), engine="vllm", engine_version="0.26",
                            capture_sizes=(1, 2, 4, 8, 16), graph_mode="full-and-piecewise",
                            max_num_tokens=2048, max_batch=16, parallelism=par,
-                           workload=dict(IDENTITY_WORKLOAD))
+                           workload=identity_workload())
 
 
 def shape_name(tensor: int, expert: bool, data: int) -> str:
@@ -469,10 +469,9 @@ def diagnoses(args: list[str], work: Path, options: dict[str, Any], timeout: flo
               results: dict[str, Any]) -> dict[str, Any]:
     """`--diagnose`'s runs (module doc, 6.), after the LOADs: each is compared with native."""
     out = {
-        # plain vLLM on SAVE's compiled code (stored as ember's processes store it)
-        "native_save_code": run_engine("native", args, work, dict(COMPILE_ENV), options, timeout,
-                                       name="native-save-code",
-                                       seed=work / "vllm-cache-save"),
+        # plain vLLM on SAVE's compiled code (loaded as SAVE stored it)
+        "native_save_code": run_engine("native", args, work, dict(COMPILE_ENV) if mega_aot() else {}, options,
+                                       timeout, name="native-save-code", seed=work / "vllm-cache-save"),
         # a pod's set-up (libember, a GPU per worker) compiling and capturing itself
         "load_unarchived": run_engine("load", args, work, {}, options, timeout, name="load-unarchived"),
     }

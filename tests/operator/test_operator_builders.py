@@ -100,16 +100,15 @@ def test_vllm_pool_keys_names_and_revisions_are_those_of_before_transformers_com
     """Pinned (computed by the operator before transformers pods ran `ember serve`): an upgrade
     keeps every vLLM pool's template key and warm pod names. What follows the identity changes
     only where the archive must: a vLLM identity now names Inductor's deterministic mode and
-    rank-invariant compiled code, the kind of LOAD's canary and how the compiled model is stored
-    (args.IDENTITY_WORKLOAD), so an archive compiled otherwise or checked by another canary is
-    SAVEd again, and the claim's engine
+    rank-invariant compiled code and the kind of LOAD's canary (args.IDENTITY_WORKLOAD), so an
+    archive compiled otherwise or checked by another canary is SAVEd again, and the claim's engine
     arguments carry the mode (args.NUMERICS)."""
     spec = md_spec(engine={**VLLM, "args": ["--enforce-eager"]})
     t = template_of("default", spec, CTX)
     claim = claim_for("qwen", spec, None, "NoArchive")
     assert t.serve_args == () and t.pool_key == "c80506fb992dc4b4"
-    assert bound_key(t.pool_key, "qwen", claim) == "cb3605adcb7aefd2"
-    assert revision_of(spec.identity().hash(), t, spec) == "1ff9eb67cf"
+    assert bound_key(t.pool_key, "qwen", claim) == "4ee5ce9df38cf3ce"
+    assert revision_of(spec.identity().hash(), t, spec) == "7c1ad98058"
     assert warm_pod(t, name=naming.warm_pod_names(t.pool_key, set(), 1)[0])["metadata"]["name"] == (
         "ember-warm-c80506fb99-0")
 

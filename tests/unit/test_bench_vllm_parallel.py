@@ -248,15 +248,17 @@ def test_diagnose_runs_saves_code_in_plain_vllm_and_a_pods_set_up_compiling_itse
                            "native-kv-bytes", "native-again"]
     assert engine_args["native-kv-bytes"] == [*engine_args["native"], "--kv-cache-memory-bytes", "77"]
     mode, extra, seed = calls["native-save-code"]
-    # loads SAVE's compiled model as ember's processes store it, or vLLM would compile its own
-    assert mode == "native" and seed == tmp_path / "llama-3-8b-2l-tp2" / "vllm-cache-save"
-    assert extra == {"VLLM_USE_MEGA_AOT_ARTIFACT": "1", "VLLM_USE_STANDALONE_COMPILE": "1"}
+    assert mode == "native" and seed == tmp_path / "llama-3-8b-2l-tp2" / "vllm-cache-save" and not extra
     mode, extra, seed = calls["load-unarchived"]
     assert mode == "load" and "EMBER_VLLM_ARCHIVE" not in extra and seed is None
     assert summary["identical_to_native"] == {"native_save_code": False, "load_unarchived": True,
                                               "native_kv_bytes": True}
     assert vp.kv_bytes_args({"args": ["--seed", "0"]}) == [] and vp.kv_bytes_args({}) == []
     assert _published_bench(monkeypatch, tmp_path, engine, loads=1)["identical_to_native"] == {}
+    monkeypatch.setenv("EMBER_VLLM_MEGA_AOT", "1")  # SAVE stored one AOT artifact: this run loads it so
+    _published_bench(monkeypatch, tmp_path, engine, loads=1, diagnose=True)
+    assert calls["native-save-code"][1] == {"VLLM_USE_MEGA_AOT_ARTIFACT": "1",
+                                            "VLLM_USE_STANDALONE_COMPILE": "1"}
 
 
 def test_a_pods_set_up_that_changes_tokens_is_split_into_libember_and_one_gpu_per_worker(

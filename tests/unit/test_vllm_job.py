@@ -179,17 +179,23 @@ def test_ember_save_job_runs_the_vllm_job_and_reports_to_the_operator(
     assert os.environ.get("EMBER_MODE") is None  # the job did not re-exec itself under libember
 
 
-def test_embers_vllm_processes_pin_how_the_model_is_compiled_and_native_is_plain_vllm() -> None:
+def test_with_mega_aot_embers_vllm_processes_pin_how_the_model_is_stored_and_native_is_plain_vllm(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """SAVE, its sizing probe and LOAD must find one compiled model (the setting is in vLLM's
-    compile-cache hash), whatever the caller's environment says; a native start keeps vLLM's own."""
+    compile-cache hash), whatever the caller's environment says; a native start keeps vLLM's own.
+    Off (the default, pinned in pods), nothing is set and the identity is as before."""
     inherited = {"VLLM_USE_MEGA_AOT_ARTIFACT": "0", "VLLM_USE_STANDALONE_COMPILE": "0"}
+    monkeypatch.delenv("EMBER_VLLM_MEGA_AOT", raising=False)
+    assert vargs.process_env("probe", inherited)["VLLM_USE_MEGA_AOT_ARTIFACT"] == "0"
+    assert vargs.identity_workload() == vargs.IDENTITY_WORKLOAD and "compiled" not in vargs.IDENTITY_WORKLOAD
+    monkeypatch.setenv("EMBER_VLLM_MEGA_AOT", "1")
     probe = vargs.process_env("probe", inherited)
     assert {k: probe[k] for k in vargs.COMPILE_ENV} == vargs.COMPILE_ENV == {
         "VLLM_USE_MEGA_AOT_ARTIFACT": "1", "VLLM_USE_STANDALONE_COMPILE": "1"}
     assert "VLLM_USE_MEGA_AOT_ARTIFACT" not in vargs.process_env("native", {})
     assert vargs.process_env("native", inherited)["VLLM_USE_MEGA_AOT_ARTIFACT"] == "0"
-    # an archive compiled otherwise is another identity
-    assert vargs.IDENTITY_WORKLOAD["compiled"] == "mega-aot"
+    # an archive stored otherwise is another identity
+    assert vargs.identity_workload() == {**vargs.IDENTITY_WORKLOAD, "compiled": "mega-aot"}
 
 
 def test_a_vllm_process_inherits_none_of_embers_per_process_variables(monkeypatch) -> None:
@@ -206,5 +212,3 @@ def test_a_vllm_process_inherits_none_of_embers_per_process_variables(monkeypatc
     load = vargs.process_env("load", inherited)
     assert load["EMBER_MODE"] == "load" and load["EMBER_ARM"] == "manual" and "libember" in load["LD_PRELOAD"]
     assert not {"EMBER_VLLM_PROBE", "EMBER_VLLM_ARCHIVE", "EMBER_VLLM_STORE"} & set(load)
-    save = vargs.process_env("save", inherited)
-    assert load["VLLM_USE_MEGA_AOT_ARTIFACT"] == save["VLLM_USE_MEGA_AOT_ARTIFACT"] == "1"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ember import contract, settings
 from ember.engines.vllm import compile_cache
 from ember.engines.vllm import graphs as sites
-from ember.engines.vllm.args import IDENTITY_WORKLOAD, archived, mismatches, parallelism
+from ember.engines.vllm.args import archived, identity_workload, mismatches, parallelism
 from ember.engines.vllm.keys import GraphConfig, GraphKey, enumerate_descs, enumerate_keys
 from ember.engines.vllm.parallel import COMPILED_WITH, VOCAB_PATCH, archive_refusal
 from ember.engines.vllm.versions import check_engine, engine_version, unsupported_features
@@ -232,7 +232,7 @@ class VllmAdapter:
             parallelism=archived(Parallelism(**self._parallelism())),
             gpu_product=torch.cuda.get_device_name(),
             config=self.config_digest(),
-            workload=dict(IDENTITY_WORKLOAD),
+            workload=identity_workload(),
         )
 
     def config_digest(self) -> str:

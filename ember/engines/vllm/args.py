@@ -45,18 +45,30 @@ NUMERICS = {"deterministic": True, "combo_kernels": True, "benchmark_combo_kerne
 # code reads each rank's own vocabulary bounds (ember.engines.vllm.parallel; archives SAVEd before
 # SAVE checked it held rank 0's). `canary`: what LOAD's canary compares with SAVE's record (a
 # LOAD refuses an archive whose canary is of another kind).
-# `compiled`: how vLLM stores the compiled model (COMPILE_ENV below).
-IDENTITY_WORKLOAD = {"inductor": "deterministic", "code": "rank-invariant", "canary": CANARY_KIND,
-                     "compiled": "mega-aot"}
+IDENTITY_WORKLOAD = {"inductor": "deterministic", "code": "rank-invariant", "canary": CANARY_KIND}
 
+# With EMBER_VLLM_MEGA_AOT=1 (off by default, pinned off in pods: UNPROVEN in ember.settings),
 # ember's vLLM processes (the Job's probe and SAVE, LOAD) store and load the compiled model as one
 # AOT artifact (vllm/compilation/caching.py `reconstruct_serializable_fn_from_mega_artifact`): LOAD
 # then rebuilds the piecewise backends from the compiled pieces directly, instead of unpickling the
-# traced graph and running it through fake tensors to split and re-key it, which is most of what
-# loading compiled code costs at LOAD. vLLM turns it on by default from torch 2.12; it runs on
-# 2.10+. It is in vLLM's compile-cache hash, so SAVE and LOAD must agree: pinned, not defaulted.
-# A native start (no archive) is plain vLLM.
+# traced graph and running it through fake tensors to split and re-key it, most of what loading
+# compiled code costs at LOAD. vLLM turns it on by default from torch 2.12; it runs on 2.10+. It is
+# in vLLM's compile-cache hash, so SAVE and LOAD must agree: set, not defaulted, and named in the
+# identity (`compiled`). A native start (no archive) is plain vLLM.
 COMPILE_ENV = {"VLLM_USE_MEGA_AOT_ARTIFACT": "1", "VLLM_USE_STANDALONE_COMPILE": "1"}
+MEGA_AOT = "EMBER_VLLM_MEGA_AOT"
+
+
+def mega_aot() -> bool:
+    from ember import settings
+
+    return settings.on(MEGA_AOT)
+
+
+def identity_workload() -> dict[str, str]:
+    """What this process runs vLLM with beyond the identity's fields (IDENTITY_WORKLOAD, and how
+    the compiled model is stored where EMBER_VLLM_MEGA_AOT=1): a standalone SAVE's or LOAD's."""
+    return {**IDENTITY_WORKLOAD, **({"compiled": "mega-aot"} if mega_aot() else {})}
 
 
 def _value(text: str) -> Any:
@@ -202,7 +214,8 @@ EMBER_MODES = ("save", "load", "probe")  # the Job's sizing probe compiles what 
 def process_env(mode: str, env: Mapping[str, str], *, comm_stub: bool = False) -> dict[str, str]:
     """The environment of a vLLM process: under libember in `mode` ("save" or "load"; anything
     else: vLLM as it is), with FlashInfer's sampler off (FlashInfer is not in the image). ember's
-    own processes (EMBER_MODES) compile as COMPILE_ENV says.
+    own processes (EMBER_MODES) store the compiled model as COMPILE_ENV says where
+    EMBER_VLLM_MEGA_AOT=1.
     `comm_stub`: libember_nccl answers NCCL (one process playing a rank of N), in any mode."""
     out = {k: v for k, v in env.items() if k not in PROCESS_VARS}
     if mode in ("save", "load"):
@@ -216,7 +229,7 @@ def process_env(mode: str, env: Mapping[str, str], *, comm_stub: bool = False) -
         if stub is None:
             raise FileNotFoundError("libember_nccl.so not found: build libember (pip install -e .)")
         out["LD_PRELOAD"] = str(stub)
-    if mode in EMBER_MODES:
+    if mode in EMBER_MODES and mega_aot():
         out.update(COMPILE_ENV)
     out.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     return out
