@@ -359,10 +359,11 @@ def ab_loads(every: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def spreads(loads: list[dict[str, Any]]) -> dict[str, Any]:
     """Every LOAD's engine init and every rank's canary, not the first LOAD's alone: one start is
-    no measure of a start."""
+    no measure of a start; and each LOAD's Triton kernels compiled (at a start, the goal is none)."""
     canaries = [rank.get("verify_ms") for r in loads for rank in per_rank(r).values()]
     return {"engine_init_s_loads": spread([r.get("engine_init_s") for r in loads]),
-            "verify_ms_loads": spread(canaries)}
+            "verify_ms_loads": spread(canaries),
+            "triton_compiled_loads": [r.get("triton_compiled") for r in loads]}
 
 
 def spread(values: list[Any]) -> dict[str, float] | None:
@@ -540,7 +541,6 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "triton_compiled": {  # Triton kernels each run compiled: at a LOAD's start the goal is none
             run: results[run].get("triton_compiled") for run in ("native", "load", "reference", "floor")
             if results.get(run)},
-        "triton_compiled_loads": [r.get("triton_compiled") for r in every],  # LOAD 0 is not every LOAD
         # 0: SAVE generated the code native's rank 0 did, so only its choices could differ
         "code_not_in_native": {run: code_not_in(results[run], native) for run in ("load", "native_again")
                                if results.get(run)},

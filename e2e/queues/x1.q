@@ -1,7 +1,6 @@
-# One-GPU work owed to issues 34 and 36 (nvidia-h200, the vLLM kit parked), for `bash e2e/gpu-lanes.sh start x1 TAG`
-# (copy to /tmp/ember-run/x1.q). 1: ember's processes store the compiled model as one AOT artifact (args.COMPILE_ENV):
-# LOAD ÷ native at full depth, against vLLM's own warm start (the floor). 2: the kernel-argument fault that halves
-# every Inductor pointwise kernel's count, on both vLLM runners (and a clean restore of each), and on the decode workload.
-export CUDA_VISIBLE_DEVICES=0 EMBER_STACKS_AFTER_S=90; timeout 1000 ember bench vllm --model llama-3-8b --loads 4 --floor --gpu-memory-utilization 0.4 --timeout 400 --work /tmp/ember-run/wl --out-dir /tmp/ember-run/bench > /tmp/ember-run/bench-llama-mega.txt 2>&1; tail -40 /tmp/ember-run/bench-llama-mega.txt
-export CUDA_VISIBLE_DEVICES=0 EMBER_STACKS_AFTER_S=90 EMBER_GPU_ENGINE_TIMEOUT_S=400; timeout 1200 python3 -m pytest -m gpu -p no:cacheprovider -rA --basetemp=/tmp/ember-run/pt/ka tests/gpu/test_vllm_canary.py -k "not tp2 and (kernel-arg or own-exec or passes_its_canary)" > /tmp/ember-run/canary-kernel-arg.txt 2>&1; tail -14 /tmp/ember-run/canary-kernel-arg.txt
-export CUDA_VISIBLE_DEVICES=0 EMBER_STACKS_AFTER_S=90; timeout 600 python3 -m pytest -m gpu -p no:cacheprovider -rA --basetemp=/tmp/ember-run/pt/kd tests/gpu/test_load_canary.py -k "kernel-arg or own-exec" > /tmp/ember-run/decode-kernel-arg.txt 2>&1; tail -14 /tmp/ember-run/decode-kernel-arg.txt
+# One-GPU work owed to issue 36 (nvidia-h200, the vLLM kit parked), for `bash e2e/gpu-lanes.sh start x1 TAG`
+# (copy to /tmp/ember-run/x1.q). The full-depth Llama bench with vLLM's compiled model as one AOT artifact
+# (EMBER_VLLM_MEGA_AOT=1), which kernels half its LOADs compiled and where (`triton_compiled_kernels`), then the
+# same bench without it in the same session (benchmarks/results/h200-20261202c).
+export CUDA_VISIBLE_DEVICES=0 EMBER_STACKS_AFTER_S=90 EMBER_VLLM_MEGA_AOT=1; timeout 1000 ember bench vllm --model llama-3-8b --loads 4 --floor --gpu-memory-utilization 0.4 --timeout 400 --work /tmp/ember-run/wm --out-dir /tmp/ember-run/bench-mega > /tmp/ember-run/bench-llama-mega.txt 2>&1; tail -30 /tmp/ember-run/bench-llama-mega.txt
+export CUDA_VISIBLE_DEVICES=0 EMBER_STACKS_AFTER_S=90; timeout 1000 ember bench vllm --model llama-3-8b --loads 4 --floor --gpu-memory-utilization 0.4 --timeout 400 --work /tmp/ember-run/wp --out-dir /tmp/ember-run/bench-plain > /tmp/ember-run/bench-llama-plain.txt 2>&1; tail -30 /tmp/ember-run/bench-llama-plain.txt
