@@ -64,7 +64,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("EMBER_VLLM_MEGA_AOT", "flag", "0",
             "SAVE and LOAD store vLLM's compiled model as one AOT artifact "
             "(ember.engines.vllm.args.COMPILE_ENV): loading it is seconds shorter, but on its first "
-            "GPU run 2 of 4 LOADs then compiled vLLM's own Triton kernels at warm-up, not yet explained"),
+            "GPU run 2 of 4 LOADs then compiled vLLM's own Triton kernels at warm-up (likely the "
+            "ptxas Triton keys them by: compile_cache.pin_ptxas, not yet re-run)"),
     Setting("EMBER_VLLM_ONE_GPU", "flag", "1",
             "LOAD: each worker of a multi-GPU shape sees only its own GPU, as SAVE did"),
     Setting("EMBER_VLLM_MEMORY_TRACE", "text", "",

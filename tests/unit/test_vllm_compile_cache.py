@@ -131,6 +131,37 @@ def test_cache_root_follows_vllm(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     assert compile_cache.cache_root() == tmp_path / "home" / ".cache" / "vllm"
 
 
+def test_save_and_load_name_torchs_ptxas_before_any_triton_compile(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    """Triton keys every kernel by the ptxas version it reads at its first compile: SAVE and LOAD
+    name torch's ptxas (as Inductor does, but from the start), never override one already named,
+    and leave it unset where torch brings none."""
+    import sys
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "root"))
+    for name in ("TRITON_PTXAS_PATH", "TRITON_HOME", "TRITON_CACHE_DIR"):  # restored after the test
+        monkeypatch.delenv(name, raising=False)
+    if "torch" not in sys.modules:  # find torch's ptxas without importing torch: a stand-in wheel
+        (tmp_path / "site" / "torch" / "bin").mkdir(parents=True)
+        (tmp_path / "site" / "torch" / "__init__.py").write_text("raise ImportError('not to be imported')\n")
+        ptxas = tmp_path / "site" / "torch" / "bin" / "ptxas"
+        ptxas.write_text("#!/bin/sh\n")
+        monkeypatch.syspath_prepend(str(tmp_path / "site"))
+        assert compile_cache.torch_ptxas() == ""  # not executable: Inductor would not use it either
+        ptxas.chmod(0o755)
+        assert compile_cache.torch_ptxas() == str(ptxas)
+    monkeypatch.setattr(compile_cache, "torch_ptxas", lambda: "/opt/torch/bin/ptxas")
+    compile_cache.own_triton_home()
+    assert os.environ["TRITON_PTXAS_PATH"] == "/opt/torch/bin/ptxas"
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/usr/local/cuda/bin/ptxas")  # the operator's own choice
+    compile_cache.own_triton_home()
+    assert os.environ["TRITON_PTXAS_PATH"] == "/usr/local/cuda/bin/ptxas"
+    monkeypatch.delenv("TRITON_PTXAS_PATH")
+    monkeypatch.setattr(compile_cache, "torch_ptxas", lambda: "")
+    compile_cache.own_triton_home()
+    assert "TRITON_PTXAS_PATH" not in os.environ
+
+
 def test_load_finds_the_model_under_its_own_root_once_put_back(monkeypatch: pytest.MonkeyPatch,
                                                                  tmp_path: Path) -> None:
     """What the adapter's accept() looks for (`model_dir`) after its attached() unpacked the

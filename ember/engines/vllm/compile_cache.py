@@ -28,6 +28,7 @@ are dropped.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import shutil
@@ -62,7 +63,30 @@ def own_triton_home() -> Path:
     home = cache_root() / TRITON_HOME
     os.environ["TRITON_HOME"] = str(home)
     os.environ["TRITON_CACHE_DIR"] = str(home / ".triton" / "cache")
+    pin_ptxas()
     return home
+
+
+def torch_ptxas() -> str:
+    """torch's own ptxas (`torch/bin/ptxas`, in CUDA wheels), '' where there is none; torch is not
+    imported."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return ""
+    ptxas = Path(spec.origin).parent / "bin" / "ptxas"
+    return str(ptxas) if ptxas.is_file() and os.access(ptxas, os.X_OK) else ""
+
+
+def pin_ptxas() -> None:
+    """SAVE and LOAD: Triton's ptxas named from the start (TRITON_PTXAS_PATH, unless set), torch's as
+    Inductor names it. Every Triton kernel's cache key holds the ptxas version, which Triton reads
+    once a process, at its first compile (triton/backends/nvidia/compiler.py `get_ptxas_version`,
+    lru-cached), and Inductor sets the variable only when it compiles or loads a kernel on its own
+    path (torch/_inductor/async_compile.py `_set_triton_ptxas_path`). A process that reaches a
+    Triton compile before that (or never takes that path: compiled code loaded from vLLM's single
+    AOT artifact) keys every kernel by Triton's bundled ptxas, so none of SAVE's is found."""
+    if not os.environ.get("TRITON_PTXAS_PATH") and (ptxas := torch_ptxas()):
+        os.environ["TRITON_PTXAS_PATH"] = ptxas
 
 
 def placed_here() -> bool:
