@@ -39,7 +39,7 @@ def active(name: str) -> bool:
 
 
 def corrupt_arguments(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int, ...]]],
-                      names: list[str] | None = None) -> list[np.ndarray]:
+                      names: list[str] | None = None, graph: str = "") -> list[np.ndarray]:
     """`kernel-arg`/`own-exec`: every float scalar among the kernel arguments (a 4-byte argument,
     or a word of an 8-byte one that is not a pointer: a functor's epsilon or alpha) becomes 2x+1,
     and counts are halved (`_halve_counts`); each changed argument in a new buffer its pointer
@@ -47,8 +47,9 @@ def corrupt_arguments(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int, ...]]]
     (none: nothing qualified). Every float, not only the first: one scalar may leave what a step
     computes unchanged (a guard, a clamp's bound), and the fault must be a wrong result. `nodes`:
     per kernel node its first slot in `ptrs` and its argument sizes; `names`: the nodes' kernels,
-    for the log. A pointer is never moved and a count only shrinks: the kernel must never touch
-    memory it does not own, the fault stays a wrong result, never a crash."""
+    for the log, and `graph` the graph's key (which graphs a run corrupted: those its launches
+    run?). A pointer is never moved and a count only shrinks: the kernel must never touch memory
+    it does not own, the fault stays a wrong result, never a crash."""
     bufs, said = [], []
     for n, (first, sizes) in enumerate(nodes):
         for j, size in enumerate(sizes):
@@ -71,7 +72,8 @@ def corrupt_arguments(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int, ...]]]
     for n, what in _halve_counts(ptrs, nodes, bufs, names):
         said.append(f"{names[n] if names else f'kernel node {n}'}: {what}")
     if said:  # which kernels a run corrupted (a fault that changes nothing shows here)
-        log.warning("fault: %d kernel argument(s), %s", len(said), "; ".join(said[-4:]))
+        log.warning("fault: graph %s: %d kernel argument(s), %s", graph or "?", len(said),
+                    "; ".join(said[-4:]))
     return bufs
 
 

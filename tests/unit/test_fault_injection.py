@@ -18,14 +18,15 @@ def test_every_float_scalar_changes_in_a_new_buffer(caplog) -> None:
     size, eps, alpha = np.array([4096], np.int32), np.array([1e-6], np.float32), np.array([1.0], np.float64)
     ptrs, _keep = _arguments(size, np.array([0x7F00_1234_5000], np.uint64), eps, alpha)
     before = ptrs.copy()
-    bufs = faults.corrupt_arguments(ptrs, [(0, (4, 8)), (2, (4, 8))], ["k0", "k1"])
+    bufs = faults.corrupt_arguments(ptrs, [(0, (4, 8)), (2, (4, 8))], ["k0", "k1"], graph="(1, 0)")
     assert [b.ctypes.data for b in bufs] == [int(ptrs[2]), int(ptrs[3]), int(ptrs[0])]
     assert bufs[0].view(np.float32)[0] == np.float32(1e-6) * 2 + 1
     assert bufs[1].view(np.float64)[0] != 1.0  # a double's high word reads as a float (1.875)
     assert bufs[2].view(np.int32)[0] == 2048  # k1 has no count: k0's is halved
     assert ptrs[1] == before[1]  # the pointer never
     assert eps[0] == np.float32(1e-6) and size[0] == 4096  # the archive's bytes are not written
-    assert "fault: 3 kernel argument(s), " in caplog.text and "k1: argument 0 word 0" in caplog.text
+    assert "fault: graph (1, 0): 3 kernel argument(s), " in caplog.text  # which graph: is it launched?
+    assert "k1: argument 0 word 0" in caplog.text
     assert "k0: argument 0: count 4096 -> 2048" in caplog.text  # kernels named
 
 

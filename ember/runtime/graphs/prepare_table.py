@@ -106,7 +106,7 @@ def prepare_from_table(
     bpol = np.frombuffer(c.raw, dtype=np.uint8) if len(c.bpol) == 0 else c.bpol
     ptrs, slot_addr, has_params, is_extra = _argument_pointers(table, krows, np.uint64(bpol.ctypes.data))
     st = _kernel_structs(krows, functions, slot_addr, has_params, is_extra)
-    fault = _corrupt(table, krows, ptrs, slot_addr, has_params) if corrupt or _KERNEL_ARG else None
+    fault = _corrupt(table, krows, ptrs, slot_addr, has_params, key) if corrupt or _KERNEL_ARG else None
     codes, args, objects = _node_ops(key, types, refs, kmask, st, c)
     attr_start, attr_count, attr_ids, attr_values = _attribute_ranges(krows, kmask, attr_sets)
     edges = table.edges(row, row=True)
@@ -157,13 +157,13 @@ def in_union(template: PreparedGraph, member: PreparedGraph, slots: np.ndarray,
 
 
 def _corrupt(table: Any, krows: np.ndarray, ptrs: np.ndarray, slot_addr: np.ndarray,
-             has_params: np.ndarray) -> list[np.ndarray]:
+             has_params: np.ndarray, key: tuple[int, ...]) -> list[np.ndarray]:
     first = (slot_addr - np.uint64(ptrs.ctypes.data)) // np.uint64(8)
     which = np.nonzero(has_params)[0]
     nodes = [(int(first[n]), table._layout(int(krows["layout"][n]))[1]) for n in which]
     kernels = getattr(table, "kernels", None)
     names = [kernels[int(krows["kernel"][n])].name for n in which] if kernels is not None else None
-    return faults.corrupt_arguments(ptrs, nodes, names)
+    return faults.corrupt_arguments(ptrs, nodes, names, graph=str(key))
 
 
 def _skip_a_kernel(codes: np.ndarray, args: np.ndarray, attr_count: np.ndarray, kmask: np.ndarray,
