@@ -56,6 +56,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("EMBER_VLLM_CANARY_FULL_EAGER", "flag", "1",
             "LOAD's canary checks a FULL step against an eager one where SAVE left no fingerprint "
             "(N ranks; 0: that step is reported unchecked)"),
+    Setting("EMBER_VLLM_CANARY_TIMEOUT_S", "number", "120",
+            "N ranks: a LOAD canary not done (its vote included) by then ends the worker, stacks "
+            "first, so a rank that failed inside it never leaves its peers in a collective until "
+            "NCCL's timeout; the crash marker makes the next start native (0: no limit)"),
     Setting("EMBER_VLLM_CANARY_EVERY_FULL", "flag", "0",
             "diagnosis: LOAD's canary runs every FULL size, not one (which graph differs)"),
     Setting("EMBER_VLLM_CAPTURE_NATIVELY", "flag", "0",

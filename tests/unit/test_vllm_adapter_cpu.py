@@ -342,3 +342,42 @@ def test_a_standalone_identity_names_its_archived_shape_and_embers_workload(
     assert ident.model == "qwen3-moe" and ident.dtype == "bfloat16"
     assert ident.parallelism.model_dump() == archived
     assert ident.workload == IDENTITY_WORKLOAD and ident.workload["canary"]
+
+
+@pytest.mark.parametrize(("tensor", "limit"), [(1, 0.0), (2, 120.0)])
+def test_the_canary_of_several_ranks_is_bounded_so_no_peer_waits_for_nccls_timeout(
+        tensor: int, limit: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """N ranks: the canary and its vote run under `exit_if_stuck(EMBER_VLLM_CANARY_TIMEOUT_S)` (a
+    rank that failed between two collectives would leave its peers in the next one); one GPU has
+    no peer to wait for. The verdict is still every rank's."""
+    import contextlib
+    import sys
+    import types
+
+    from ember.engines.vllm import adapter as vadapter
+    from ember.runtime import stacks
+
+    bounds: list[float] = []
+    inside: list[bool] = []
+
+    @contextlib.contextmanager
+    def bounded(after: float):
+        bounds.append(after)
+        inside.append(True)
+        yield
+        inside.append(False)
+
+    def run(*_a):  # the canary, and where it ran
+        assert inside[-1]
+        return {"ok": True, "why": "", "checked": ["piecewise:template"], "parts_ms": {}, "verify_ms": 1.0}
+
+    monkeypatch.setattr(stacks, "exit_if_stuck", bounded)
+    monkeypatch.setitem(sys.modules, "ember.engines.vllm.canary_run", types.SimpleNamespace(run=run))
+    a = vadapter.VllmAdapter(vllm_config=_engine(tensor, 1, False), runner_kind="v2")
+    votes: list[bool] = []
+    monkeypatch.setattr(a, "_agree", lambda ok: votes.append(inside[-1]) or ok)
+    monkeypatch.setattr(a, "rank", lambda: 0)
+    a._facts = {}
+    assert a.verify(object())["verify_ms"] == 1.0  # type: ignore[arg-type]
+    assert bounds == [limit] and inside[-1] is False
+    assert votes == ([True] if tensor > 1 else [])  # the vote is inside the bound too

@@ -401,19 +401,24 @@ class VllmAdapter:
         rank still reaches the agreement."""
         from ember.engines.vllm import canary, canary_run
         from ember.runtime import verify
+        from ember.runtime.stacks import exit_if_stuck
 
         world = self.world()
         if not settings.on("EMBER_VLLM_CANARY"):
             log.warning("ember: EMBER_VLLM_CANARY=0: this restore serves without LOAD's canary")
             self.canary = canary.skipped()
             return verify.settle(self.canary, world, self.rank(), self._agree if world > 1 else None)
-        try:
-            result = canary_run.run(self.runner, self.runner_kind, library, self._facts, world)
-        except Exception as exc:
-            log.exception("ember: LOAD's canary raised")
-            result = canary.failed(f"the canary could not run: {type(exc).__name__}: {exc}")
-        self.canary = result
-        return verify.settle(result, world, self.rank(), self._agree if world > 1 else None)
+        # N ranks: a rank that failed between two of the canary's collectives would leave its peers
+        # in the next one until NCCL's timeout (minutes): past the limit the worker ends instead
+        limit = settings.number("EMBER_VLLM_CANARY_TIMEOUT_S") if world > 1 else 0.0
+        with exit_if_stuck(limit):
+            try:
+                result = canary_run.run(self.runner, self.runner_kind, library, self._facts, world)
+            except Exception as exc:
+                log.exception("ember: LOAD's canary raised")
+                result = canary.failed(f"the canary could not run: {type(exc).__name__}: {exc}")
+            self.canary = result
+            return verify.settle(result, world, self.rank(), self._agree if world > 1 else None)
 
     def _agree(self, ok: bool) -> bool:
         """The canary's verdict of every rank at once (the vote's MIN over vLLM's world group)."""
