@@ -14,6 +14,9 @@ Nothing sets it outside tests; each name is read where its fault lives.
   its kernels (vLLM);
 - `own-exec`: the same corruption in the own execs only, the execs the Dedicator swaps in for the
   templates while requests run (a swap that changes results);
+- `canary-raise`: the vLLM canary raises on rank 1 before its first step, so rank 1 goes to the
+  vote while rank 0 waits in the canary's first collective (a rank failing inside the canary:
+  the bound, `EMBER_VLLM_CANARY_TIMEOUT_S`, must end both instead of NCCL's timeout);
 - `skip-kernel`: LOAD rebuilds the last kernel node of each graph (one with plain edges only) as
   an empty node: a restored graph that leaves out work, whatever its kernels' arguments are (vLLM's
   compiled graphs have few float scalars for `kernel-arg` to find: Inductor bakes them in).
@@ -30,7 +33,8 @@ import numpy as np
 from ember import settings
 
 log = logging.getLogger(__name__)
-NAMES = ("view-offset", "stale-update", "splice-redop", "kernel-arg", "own-exec", "skip-kernel")
+NAMES = ("view-offset", "stale-update", "splice-redop", "kernel-arg", "own-exec", "skip-kernel",
+         "canary-raise")
 
 
 def active(name: str) -> bool:

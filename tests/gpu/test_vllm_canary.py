@@ -221,3 +221,28 @@ def test_without_the_full_eager_reference_the_full_step_is_reported_unchecked(
         assert verify["checked"] == ["piecewise:template+exec update+own exec", "full:unchecked"], verify
     assert "no reference for the full step" in log
     assert reports.ranks_restored(rep) and got["tokens"] == tp2["native"]["tokens"]
+
+
+def test_a_tp2_rank_failing_inside_the_canary_ends_the_start_within_its_bound(
+        tp2: dict[str, Any], tmp_path: Path) -> None:
+    """`canary-raise`: rank 1 fails before its canary's first step and goes to the vote, while rank
+    0 waits in the canary's first collective. Without the bound both would wait for NCCL's timeout
+    (minutes); with it (20 s here) each worker ends, stacks first, and the start fails soon after:
+    a pod's crash marker then makes its next start native (tests/sidecar)."""
+    import time
+
+    from ember_bench.vllm import run_session
+
+    bound = 20
+    extra = {"EMBER_VLLM_ARCHIVE": str(tp2["store"] / "archives" / tp2["ident"].hash()),
+             "EMBER_VLLM_REPORT": str(tmp_path / "report" / "vllm-report.json"),
+             "EMBER_FAULT": "canary-raise", "EMBER_VLLM_CANARY_TIMEOUT_S": str(bound)}
+    (tmp_path / "report").mkdir()
+    args, log = tp2["args"], tmp_path / "load.log"
+    t = time.perf_counter()
+    rc = run_session([sys.executable, "-c", ENGINE, json.dumps(args)],
+                     _env("load", args, tmp_path / "cache-load", extra), log, 300)
+    took, text = time.perf_counter() - t, log.read_text()
+    assert rc not in (0, "timeout") and "RESULT " not in text, text[-4000:]
+    assert "injected fault canary-raise" in text and text.count("Timeout (") >= 2, text[-6000:]  # both ranks
+    assert took < 240, took  # engine start (~60-120 s) and the bound, not NCCL's timeout

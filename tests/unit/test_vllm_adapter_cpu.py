@@ -381,3 +381,40 @@ def test_the_canary_of_several_ranks_is_bounded_so_no_peer_waits_for_nccls_timeo
     assert a.verify(object())["verify_ms"] == 1.0  # type: ignore[arg-type]
     assert bounds == [limit] and inside[-1] is False
     assert votes == ([True] if tensor > 1 else [])  # the vote is inside the bound too
+
+
+def test_a_rank_failing_inside_the_canary_still_votes_inside_the_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`EMBER_FAULT=canary-raise` (tests): rank 1 raises before its canary's first step. It is a
+    refusal on that rank, and its vote still comes, inside the bound (its peers wait in the
+    canary's collective it left: on the GPU, the bound ends them all, tests/gpu/test_vllm_canary.py)."""
+    import contextlib
+    import sys
+    import types
+
+    from ember.engines.vllm import adapter as vadapter
+    from ember.runtime import stacks
+    from ember.runtime.adapter import Refused
+
+    inside: list[bool] = [False]
+
+    @contextlib.contextmanager
+    def bounded(after: float):
+        inside.append(True)
+        yield
+        inside.append(False)
+
+    def run(*_a):
+        raise AssertionError("rank 1 never runs the canary under the fault")
+
+    monkeypatch.setenv("EMBER_FAULT", "canary-raise")
+    monkeypatch.setattr(stacks, "exit_if_stuck", bounded)
+    monkeypatch.setitem(sys.modules, "ember.engines.vllm.canary_run", types.SimpleNamespace(run=run))
+    a = vadapter.VllmAdapter(vllm_config=_engine(2, 1, False), runner_kind="v2")
+    votes: list[tuple[bool, bool]] = []
+    monkeypatch.setattr(a, "_agree", lambda ok: votes.append((ok, inside[-1])) or ok)
+    monkeypatch.setattr(a, "rank", lambda: 1)
+    a._facts = {}
+    with pytest.raises(Refused, match="injected fault canary-raise"):
+        a.verify(object())  # type: ignore[arg-type]
+    assert votes == [(False, True)]

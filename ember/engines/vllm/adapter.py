@@ -400,7 +400,7 @@ class VllmAdapter:
         verdict every rank's (`parallel.agree`). Whatever goes wrong inside is a refusal, and every
         rank still reaches the agreement."""
         from ember.engines.vllm import canary, canary_run
-        from ember.runtime import verify
+        from ember.runtime import faults, verify
         from ember.runtime.stacks import exit_if_stuck
 
         world = self.world()
@@ -413,6 +413,8 @@ class VllmAdapter:
         limit = settings.number("EMBER_VLLM_CANARY_TIMEOUT_S") if world > 1 else 0.0
         with exit_if_stuck(limit):
             try:
+                if faults.active("canary-raise") and self.rank() == 1:  # tests: a rank failing inside it
+                    raise RuntimeError("injected fault canary-raise")
                 result = canary_run.run(self.runner, self.runner_kind, library, self._facts, world)
             except Exception as exc:
                 log.exception("ember: LOAD's canary raised")
