@@ -19,6 +19,8 @@ from contextlib import contextmanager
 
 from ember import settings
 
+_DUMPING = 0  # enclosing `dumped_while_stuck` blocks that armed the dumps
+
 
 def _stderr_ok() -> bool:
     try:
@@ -44,9 +46,6 @@ def dumped_while_stuck() -> Iterator[None]:
         if armed:
             _DUMPING -= 1
             faulthandler.cancel_dump_traceback_later()
-
-
-_DUMPING = 0  # enclosing `dumped_while_stuck` blocks that armed the dumps
 
 
 @contextmanager

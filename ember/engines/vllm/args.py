@@ -14,6 +14,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from ember import settings
 from ember.engines.vllm.canary import KIND as CANARY_KIND
 from ember.identity import ArchiveIdentity, Parallelism
 
@@ -60,8 +61,6 @@ MEGA_AOT = "EMBER_VLLM_MEGA_AOT"
 
 
 def mega_aot() -> bool:
-    from ember import settings
-
     return settings.on(MEGA_AOT)
 
 
