@@ -217,15 +217,11 @@ def seed_triton_home(root: Path) -> int:
     return n
 
 
-def triton_compiled(root: Path, since: float) -> int:
-    """Triton kernels compiled under a run's cache root while it ran: each compile writes its
-    group file (`__grp__<name>.json`); what an archive brought keeps SAVE's times."""
-    return len(triton_compiled_kernels(root, since))
-
-
 def triton_compiled_kernels(root: Path, since: float) -> list[str]:
-    """Those kernels, each as `<cache directory>/<kernel>` relative to the root: which kernels, and
-    whether they went to the Triton home a LOAD looks in or to a directory Inductor chose."""
+    """Triton kernels compiled under a run's cache root while it ran (each compile writes its group
+    file, `__grp__<name>.json`; what an archive brought keeps SAVE's times), each as
+    `<cache directory>/<kernel>` relative to the root: which kernels, and whether they went to the
+    Triton home a LOAD looks in or to a directory Inductor chose."""
     groups = root.rglob("__grp__*.json") if root.is_dir() else []
     return sorted(f"{g.parent.parent.relative_to(root)}/{g.name[len('__grp__'):-len('.json')]}"
                   for g in groups if g.stat().st_mtime >= since - 1)

@@ -572,11 +572,10 @@ def test_the_triton_kernels_a_run_compiled_are_those_written_while_it_ran(tmp_pa
     kernel(tmp_path / "triton-home" / ".triton" / "cache" / "A1", "_sampler", since - 3600)  # the archive's
     kernel(tmp_path / "triton-home" / ".triton" / "cache" / "B2", "_prepare_inputs")  # compiled now
     kernel(tmp_path / "torch_compile_cache" / "x" / "inductor_cache" / "triton" / "0" / "C3", "triton_red_0")
-    assert vp.triton_compiled(tmp_path, since) == 2
     assert vp.triton_compiled_kernels(tmp_path, since) == [  # where each went: the home, or Inductor's own
         "torch_compile_cache/x/inductor_cache/triton/0/triton_red_0",
         "triton-home/.triton/cache/_prepare_inputs"]
-    assert vp.triton_compiled(tmp_path / "missing", since) == 0
+    assert vp.triton_compiled_kernels(tmp_path / "missing", since) == []
 
 
 def test_the_summary_names_what_saves_compiled_code_was_traced_with(tmp_path: Path) -> None:
