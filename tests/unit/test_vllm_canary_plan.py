@@ -328,3 +328,40 @@ def test_the_bench_reports_the_canarys_cost_per_run_and_per_rank(tmp_path: Path)
     ranks = per_rank({"ember": {"ranks": {"1": {"stages": {"verify": verify}}, "0": {"stages": {}}}}})
     assert ranks["1"]["verify_ms"] == 42.5 and ranks["1"]["verify_ok"] is True
     assert ranks["0"]["verify_ms"] is None  # refused before its canary, or captured natively
+
+
+def _segment(address: int, pool: tuple[int, int], blocks: list[tuple[int, int, str]]) -> dict[str, Any]:
+    return {"address": address, "total_size": sum(b[1] for b in blocks), "segment_pool_id": pool,
+            "blocks": [{"address": a, "size": n, "state": st} for a, n, st in blocks]}
+
+
+def test_scratch_is_free_memory_of_the_graphs_pool_only() -> None:
+    """Only blocks no tensor holds, of a private pool that holds a graph output: not the default
+    pool's (eager tensors at LOAD), not another private pool's (a weights pool, vLLM's sleep mode)."""
+    segments = [
+        _segment(0x10000, (0, 0), [(0x10000, 0x100, "inactive"), (0x10100, 0x100, "active_allocated")]),
+        _segment(0x20000, (0, 7), [(0x20000, 0x100, "active_allocated"), (0x20100, 0x300, "inactive")]),
+        _segment(0x30000, (0, 7), [(0x30000, 0x80, "inactive"), (0x30080, 0, "inactive")]),
+        _segment(0x40000, (3, 0), [(0x40000, 0x100, "inactive")]),
+    ]
+    assert canary.graph_pool_free_blocks(segments, [0x20010]) == [(0x20100, 0x300), (0x30000, 0x80)]
+    assert canary.graph_pool_free_blocks(segments, [0x10010]) == []  # an output in the default pool
+    assert canary.graph_pool_free_blocks(segments, []) == []
+
+
+def test_scratch_is_the_free_blocks_the_steps_graphs_point_into_less_their_tensor_arguments() -> None:
+    free = [(0x1000, 0x100), (0x2000, 0x100), (0x3000, 0x100)]
+    words = [0x1010, 0x2fff, 0x3000, 0x30ff, 7, 0x2100]  # 0x2100: one past a block; 7: no pointer
+    assert canary.scratch_ranges(words, free, []) == [(0x1000, 0x100), (0x3000, 0x100)]
+    # a tensor argument inside a block is carved out; one over a block's end cuts it short
+    keep = [(0x1040, 0x20), (0x30c0, 0x80), (0x1000, 0)]
+    assert canary.scratch_ranges(words, free, keep) == [(0x1000, 0x40), (0x1060, 0xa0), (0x3000, 0xc0)]
+    assert canary.scratch_ranges(words, free, [(0x0f00, 0x300)]) == [(0x3000, 0x100)]
+
+
+def test_load_poisons_scratch_only_inside_libembers_region() -> None:
+    """At LOAD the graphs' memory is where libember mapped it: a range outside its region (or
+    an archive without one) is never written."""
+    ranges = [[0x1000, 0x100], [0x1f00, 0x200], [0x5000, 0x10], [0x1100, 0]]
+    assert canary.within(ranges, [0x1000, 0x1000]) == [(0x1000, 0x100)]
+    assert canary.within(ranges, None) == [] and canary.within(ranges, [0, 0]) == []

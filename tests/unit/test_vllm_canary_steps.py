@@ -63,3 +63,32 @@ def test_outputs_of_every_size_and_dtype_are_poisoned_whole_and_a_strided_one_fi
         assert bool((memory[name].view(torch.uint8) == canary_run.POISON).all()), name
     assert bool((base == -3).all())
     assert bool((pool[3:] == 1).all())  # the memory past an output stays as it was
+
+
+def test_a_reset_poisons_the_cases_scratch_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scratch (what a step's graphs write inside, SAVE's ranges) is poisoned at every reset:
+    a kernel that leaves part of it unwritten then leaves poison, not what an identical step left
+    there. SAVE's plain runs (`scratch=False`) leave it alone. Its views are made once per case."""
+    memory = torch.ones(64, dtype=torch.uint8)
+    made: list[tuple[int, int]] = []
+
+    def bytes_at(address: int, nbytes: int) -> Any:
+        made.append((address, nbytes))
+        return memory[address : address + nbytes]
+
+    monkeypatch.setattr(canary_run, "_bytes_at", bytes_at)
+    monkeypatch.setattr(canary_run.sites, "rebuild", lambda spec: None)
+    keys = ((1, 0, 2),)
+    facts = {"outputs": {"1,0,2": None}}
+    steps = canary_run.Steps(runner=None, kind="v2", facts=facts, scratch={"piecewise": [[8, 8], [32, 4]]})
+    case = Case("piecewise", 2, False, keys)
+
+    steps.reset(case, scratch=False)
+    assert bool((memory == 1).all())
+    for _ in range(3):
+        memory.fill_(1)
+        steps.reset(case)
+        poisoned = (memory == canary_run.POISON).nonzero().flatten().tolist()
+        assert poisoned == [*range(8, 16), *range(32, 36)]
+    assert made == [(8, 8), (32, 4)]
+    assert steps.scratch(Case("full", 2, True, keys)) == []  # a case without scratch

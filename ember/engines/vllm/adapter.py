@@ -310,10 +310,17 @@ class VllmAdapter:
             COMPILED_WITH: [VOCAB_PATCH] if self._tensor() > 1 else [],
             "parallelism": self._parallelism(),  # the engine's world, which accept() compares
         }
-        if self.world() == 1:  # SAVE saw real data: LOAD's canary compares with what it computed
-            from ember.engines.vllm import canary_run
+        from ember.engines.vllm import canary, canary_run
 
-            out["canary"] = canary_run.record(self.runner, self.runner_kind, list(graphs), out)
+        # what LOAD's canary poisons beside the outputs (the canary module's doc), every world
+        try:
+            out["scratch"] = canary_run.scratch(self.captured, canary.cases(list(graphs)))
+        except Exception as exc:  # the canary still poisons the outputs: weaker, not wrong
+            log.warning("ember: the canary's scratch could not be found (%s: %s)", type(exc).__name__, exc)
+            out["scratch"] = {}
+        if self.world() == 1:  # SAVE saw real data: LOAD's canary compares with what it computed
+            out["canary"], out["scratch"] = canary_run.record(self.runner, self.runner_kind, list(graphs),
+                                                              out)
         return out
 
     def accept(self, facts: Mapping[str, Any]) -> dict[str, Any]:

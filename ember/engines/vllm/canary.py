@@ -28,6 +28,13 @@ The reference (`plan`):
   capture's metadata (`EMBER_VLLM_CANARY_FULL_EAGER`, on by default: bitwise equal on both ranks
   of TP=2 on H200, benchmarks/results/h200x2-20261201a; a difference refuses). With it off the
   FULL case is reported unchecked.
+What a reset poisons: the step's graph outputs, and the SCRATCH its graphs write inside
+(`scratch_ranges`): the graph pool's free memory their nodes point into. Outputs alone are not
+enough: a kernel that leaves part of an internal buffer unwritten (a corrupted count) leaves what an
+identical step computed there before, which is right, and the step's outputs come out right too
+(vLLM's kernel-argument fault on both runners, benchmarks/results/h200-20261202c). SAVE records
+each case's scratch and, on one GPU, fingerprints its steps with the scratch poisoned; a case whose
+step reads its scratch before writing it (poisoned and plain runs differ) records none.
 Each restored step runs three ways (`ember.runtime.verify.canary`): through the templates (every
 key of the step switched in: exec updates), again after each key's template went to another
 member and back, and on the keys' own execs.
@@ -35,6 +42,7 @@ member and back, and on the keys' own execs.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -141,6 +149,60 @@ def poison_targets(outputs: Sequence[tuple[int, int]], inputs: Iterable[int]) ->
         seen.add(ptr)
         out.append(i)
     return out
+
+
+Range = tuple[int, int]  # (address, bytes)
+
+
+def graph_pool_free_blocks(segments: Iterable[Mapping[str, Any]], outputs: Iterable[int]) -> list[Range]:
+    """The free blocks (no tensor holds them) of the private pools that hold a graph output: the
+    CUDA graphs' pool, from `torch.cuda.memory_snapshot()`'s segments of this device. Only graph
+    memory: at LOAD nothing but the restored graphs uses it, and no graph may rely on what a free
+    block held before its own replay wrote it."""
+    segments = list(segments)
+    pools = set()
+    for ptr in outputs:
+        for s in segments:
+            if int(s["address"]) <= ptr < int(s["address"]) + int(s["total_size"]):
+                pools.add(tuple(s.get("segment_pool_id") or (0, 0)))
+    pools.discard((0, 0))
+    return sorted((int(b["address"]), int(b["size"])) for s in segments
+                  if tuple(s.get("segment_pool_id") or (0, 0)) in pools
+                  for b in s.get("blocks", []) if b.get("state") == "inactive" and int(b["size"]) > 0)
+
+
+def scratch_ranges(pointers: Iterable[int], free: Sequence[Range], keep: Iterable[Range]) -> list[Range]:
+    """The free blocks (`graph_pool_free_blocks`) any of `pointers` (the step's graphs' argument
+    words and memory node addresses) falls in, less the `keep` ranges (the step's tensor
+    arguments: a piece may read one a previous piece or eager attention wrote), in address order."""
+    starts = [b[0] for b in free]
+    hit = set()
+    for v in pointers:
+        j = bisect.bisect_right(starts, v) - 1
+        if j >= 0 and v < free[j][0] + free[j][1]:
+            hit.add(free[j])
+    out = []
+    cuts = sorted((a, a + n) for a, n in keep if n > 0)
+    for lo, size in sorted(hit):
+        at, hi = lo, lo + size
+        for c_lo, c_hi in cuts:
+            if c_hi <= at or c_lo >= hi:
+                continue
+            if c_lo > at:
+                out.append((at, c_lo - at))
+            at = max(at, c_hi)
+        if at < hi:
+            out.append((at, hi - at))
+    return out
+
+
+def within(ranges: Iterable[Sequence[int]], region: Sequence[int] | None) -> list[Range]:
+    """The ranges inside libember's region (base, size): LOAD maps the graphs' memory there at
+    SAVE's addresses; anything else is not poisoned (none without a region)."""
+    if not region or len(region) < 2 or not region[1]:
+        return []
+    base, end = int(region[0]), int(region[0]) + int(region[1])
+    return [(int(a), int(n)) for a, n in ranges if base <= int(a) and int(a) + int(n) <= end and int(n) > 0]
 
 
 def combine(results: Mapping[str, dict[str, Any]], unchecked: Sequence[str] = ()) -> dict[str, Any]:

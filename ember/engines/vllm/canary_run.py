@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from ember.engines.vllm import graphs as sites
 from ember.engines.vllm.canary import Case
 from ember.runtime import verify
 from ember.runtime.graphs.driver import launch_exec
+from ember.runtime.proof.pool_check import DeviceBytes, pointers
 from ember.runtime.proof.replay import fingerprint
 
 log = logging.getLogger("ember.vllm")
@@ -47,17 +48,20 @@ def no_capture() -> Iterator[None]:
 class Steps:
     """One engine's canary steps: state, a run in a mode, the step's outputs poisoned."""
 
-    def __init__(self, runner: Any, kind: str, facts: Mapping[str, Any]) -> None:
+    def __init__(self, runner: Any, kind: str, facts: Mapping[str, Any],
+                 scratch: Mapping[str, Sequence[Sequence[int]]] | None = None) -> None:
         self.runner, self.kind, self.facts = runner, kind, facts
+        self.ranges = scratch or {}  # per case: (address, bytes) of its scratch
         self._outputs: dict[str, list[torch.Tensor]] = {}
+        self._scratch: dict[str, list[torch.Tensor]] = {}
         self._ids: dict[int, torch.Tensor] = {}
         self.rebuilt_ms: dict[str, float] = {}  # per case: its outputs rebuilt (in its first reset)
 
-    def reset(self, case: Case) -> None:
+    def reset(self, case: Case, scratch: bool = True) -> None:
         """Every run's start: V1's input ids seeded and positions zero (V2's dummy batch zeroes
-        both itself), the step's graph outputs poisoned, a fill each: 0.5 ms for 70 outputs, and
-        the fill kernel is loaded long before (one `torch._foreach_copy_` would cost its kernel's
-        first load, 17 ms, in the first reset; benchmarks/results/h200-20261201c)."""
+        both itself), the step's graph outputs and (`scratch`) its scratch poisoned, a fill each:
+        0.5 ms for 70 outputs, and the fill kernel is loaded long before (one `torch._foreach_copy_`
+        would cost its kernel's first load, 17 ms, in the first reset; h200-20261201c)."""
         n = case.num_tokens
         if self.kind == "v1":
             ids = _gpu(self.runner.input_ids)[:n]
@@ -73,6 +77,15 @@ class Steps:
                 t.view(torch.uint8).fill_(POISON)
             else:
                 t.fill_(-3)
+        for t in self.scratch(case) if scratch else ():
+            t.fill_(POISON)
+
+    def scratch(self, case: Case) -> list[torch.Tensor]:
+        """The case's scratch as byte tensors over the graphs' memory, made once per case."""
+        if (got := self._scratch.get(case.name)) is None:
+            ranges = self.ranges.get(case.name) or []
+            got = self._scratch[case.name] = [_bytes_at(int(a), int(n)) for a, n in ranges]
+        return got
 
     def outputs(self, case: Case) -> list[torch.Tensor]:
         """The step's graph outputs that may be poisoned (`canary.poison_targets`), rebuilt once per
@@ -236,7 +249,10 @@ def routed(runner: Any, library: Any, case: Case, route: list[str], launched: li
 
 def run(runner: Any, kind: str, library: Any, facts: Mapping[str, Any], world: int) -> dict[str, Any]:
     """LOAD's canary over every case (`canary.combine`); the caller takes the ranks' verdict."""
-    steps = Steps(runner, kind, facts)
+    # the scratch SAVE recorded, where LOAD mapped the restored graphs' memory (libember's region)
+    region = facts.get("region")
+    scratch = {name: canary.within(r, region) for name, r in (facts.get("scratch") or {}).items()}
+    steps = Steps(runner, kind, facts, scratch)
     saved = facts.get("canary")
     full_eager = settings.on("EMBER_VLLM_CANARY_FULL_EAGER")
     results: dict[str, dict[str, Any]] = {}
@@ -259,26 +275,74 @@ def run(runner: Any, kind: str, library: Any, facts: Mapping[str, Any], world: i
     return out
 
 
-def record(runner: Any, kind: str, keys: list[Any], facts: Mapping[str, Any]) -> dict[str, Any]:
-    """SAVE (one GPU): each case's step through the NATIVE graphs from the canary's state,
-    fingerprinted (`canary.record`); a case that cannot run, or whose two runs differ, records
-    why instead."""
-    steps = Steps(runner, kind, facts)
+def scratch(captured: Mapping[Any, Any], cases: list[Case]) -> dict[str, list[list[int]]]:
+    """SAVE, after the capture: per case, the graph pool's free memory its graphs' nodes point
+    into, less the step's tensor arguments (`canary.scratch_ranges`). `captured`: key → the
+    adapter's `Captured` (its graph, output and inputs)."""
+    from ember.runtime.graphs.kernels import LiveResolver
+    from ember.runtime.graphs.walk import GraphWalker
+
+    device = torch.cuda.current_device()
+    segments = [s for s in torch.cuda.memory_snapshot() if s.get("device") == device]
+    outputs = [t.data_ptr() for c in captured.values() for t in sites.flat_tensors(c.output)]
+    free = canary.graph_pool_free_blocks(segments, outputs)
+    walker = GraphWalker(LiveResolver())
+    out = {}
+    for case in cases:
+        graphs = [walker.walk(captured[k].graph.raw_cuda_graph(), k) for k in case.keys]
+        words = [v for g in graphs for _, v in pointers(g)]
+        keep = [_span(t) for k in case.keys for t in captured[k].inputs]
+        out[case.name] = [list(r) for r in canary.scratch_ranges(words, free, keep)]
+        log.info("ember: the canary's %s step: %d scratch ranges, %.1f MB (%d free graph-pool blocks)",
+                 case.name, len(out[case.name]), sum(n for _, n in out[case.name]) / 1e6, len(free))
+    return out
+
+
+def record(runner: Any, kind: str, keys: list[Any],
+           facts: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
+    """SAVE (one GPU): each case's step through the NATIVE graphs from the canary's state, its
+    scratch poisoned, fingerprinted (`canary.record`); a case that cannot run, or whose two runs
+    differ, records why instead. Returns the record and the scratch LOAD may poison: a case whose
+    plain step (scratch not poisoned) differs reads it before writing it, and keeps none."""
+    kept = {name: list(r) for name, r in (facts.get("scratch") or {}).items()}
+    steps = Steps(runner, kind, facts, kept)
     prints: dict[str, list[int] | str] = {}
     cases = canary.cases(keys)
     with torch.inference_mode(), no_capture():
         for case in cases:
-            try:  # twice: a fingerprint LOAD could not reproduce would refuse every restore
-                runs = []
-                for _ in range(2):
-                    steps.reset(case)
-                    runs.append(fingerprint([steps.run(case, graphs=True)]))
-                prints[case.name] = runs[0] if runs[0] == runs[1] else "the native step is not bit-stable"
+            try:
+                prints[case.name] = got = _stable(steps, case, True)
+                if steps.scratch(case) and (plain := _stable(steps, case, False)) != got:
+                    log.warning("ember: SAVE's canary step %s reads its scratch before writing it: "
+                                "LOAD poisons its outputs only", case.name)
+                    kept[case.name], prints[case.name] = [], plain
             except Exception as exc:
                 prints[case.name] = f"{type(exc).__name__}: {exc}"
             if isinstance(prints[case.name], str):  # LOAD checks it against an eager step, or not at all
                 log.warning("ember: SAVE's canary step %s: %s", case.name, prints[case.name])
-    return canary.record(cases, prints)
+    return canary.record(cases, prints), kept
+
+
+def _stable(steps: Steps, case: Case, scratch: bool) -> list[int] | str:
+    """The step's fingerprint, twice the same (a fingerprint LOAD could not reproduce would refuse
+    every restore), else why not."""
+    runs = []
+    for _ in range(2):
+        steps.reset(case, scratch)
+        runs.append(fingerprint([steps.run(case, graphs=True)]))
+    return runs[0] if runs[0] == runs[1] else "the native step is not bit-stable"
+
+
+def _bytes_at(address: int, nbytes: int) -> torch.Tensor:
+    return torch.as_tensor(DeviceBytes(address, nbytes), device="cuda")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) a tensor view covers."""
+    if t.numel() == 0:
+        return (t.data_ptr(), 0)
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return (t.data_ptr(), (last + 1) * t.element_size())
 
 
 def _trip_member(library: Any, index: int) -> int | None:
