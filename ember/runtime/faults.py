@@ -105,11 +105,19 @@ def _halve_counts(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int, ...]]], bu
             value = int.from_bytes(ctypes.string_at(int(ptrs[first + j]), 4), "little")
             if 16 <= value < 1 << 24:
                 bufs.append(_repoint(ptrs, first + j, bytearray((value // 2).to_bytes(4, "little"))))
-                out.append((n, f"argument {j}: count {value} -> {value // 2}"))
+                where = _pointers(ptrs, first, sizes)
+                out.append((n, f"argument {j}: count {value} -> {value // 2} (pointers {where})"))
                 break
         if out and not pointwise:
             break
     return out
+
+
+def _pointers(ptrs: np.ndarray, first: int, sizes: tuple[int, ...]) -> str:
+    """The node's pointer arguments, for the log (which memory a corrupted kernel writes)."""
+    words = [int.from_bytes(ctypes.string_at(int(ptrs[first + j]), 8), "little")
+             for j, size in enumerate(sizes) if size == 8]
+    return " ".join(f"{w:#x}" for w in words if 0 < w >> 32 <= 0xFFFF)
 
 
 def _repoint(ptrs: np.ndarray, slot: int, raw: bytearray) -> np.ndarray:

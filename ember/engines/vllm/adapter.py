@@ -314,10 +314,11 @@ class VllmAdapter:
 
         # what LOAD's canary poisons beside the outputs (the canary module's doc), every world
         try:
-            out["scratch"] = canary_run.scratch(self.captured, canary.cases(list(graphs)))
+            cases = canary.cases(list(graphs))
+            out["scratch"], out["scratch_found"] = canary_run.scratch(self.captured, cases)
         except Exception as exc:  # the canary still poisons the outputs: weaker, not wrong
             log.warning("ember: the canary's scratch could not be found (%s: %s)", type(exc).__name__, exc)
-            out["scratch"] = {}
+            out["scratch"], out["scratch_found"] = {}, {"error": f"{type(exc).__name__}: {exc}"[:300]}
         if self.world() == 1:  # SAVE saw real data: LOAD's canary compares with what it computed
             out["canary"], out["scratch"] = canary_run.record(self.runner, self.runner_kind, list(graphs),
                                                               out)

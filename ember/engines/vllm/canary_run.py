@@ -268,6 +268,11 @@ def run(runner: Any, kind: str, library: Any, facts: Mapping[str, Any], world: i
             results[case.name], problem = check_case(steps, case, library, fp, every_path=world > 1)
             problems += [problem] if problem else []
     out = canary.combine(results, unchecked)
+    # what was poisoned beside the outputs, per case (bytes), and what SAVE found and dropped
+    out["scratch"] = {"bytes": {name: sum(n for _, n in r) for name, r in scratch.items()},
+                      "ranges": {name: [f"{a:#x}+{n}" for a, n in r[:12]] for name, r in scratch.items()},
+                      "found": facts.get("scratch_found"),
+                      "dropped": (saved or {}).get("scratch_dropped")}
     if unchecked:  # in the report too (`checked`): not silent, not a refusal (docs/runtime.md)
         log.warning("ember: LOAD's canary has no reference for the %s step here", ", ".join(unchecked))
     if problems and out["ok"]:
@@ -275,10 +280,12 @@ def run(runner: Any, kind: str, library: Any, facts: Mapping[str, Any], world: i
     return out
 
 
-def scratch(captured: Mapping[Any, Any], cases: list[Case]) -> dict[str, list[list[int]]]:
+def scratch(captured: Mapping[Any, Any],
+            cases: list[Case]) -> tuple[dict[str, list[list[int]]], dict[str, Any]]:
     """SAVE, after the capture: per case, the graph pool's free memory its graphs' nodes point
-    into, less the step's tensor arguments (`canary.scratch_ranges`). `captured`: key → the
-    adapter's `Captured` (its graph, output and inputs)."""
+    into, less the step's tensor arguments (`canary.scratch_ranges`), and what was found (the
+    LOAD report's `verify.scratch`). `captured`: key → the adapter's `Captured` (its graph,
+    output and inputs)."""
     from ember.runtime.graphs.kernels import LiveResolver
     from ember.runtime.graphs.walk import GraphWalker
 
@@ -293,9 +300,9 @@ def scratch(captured: Mapping[Any, Any], cases: list[Case]) -> dict[str, list[li
         words = [v for g in graphs for _, v in pointers(g)]
         keep = [_span(t) for k in case.keys for t in captured[k].inputs]
         out[case.name] = [list(r) for r in canary.scratch_ranges(words, free, keep)]
-        log.info("ember: the canary's %s step: %d scratch ranges, %.1f MB (%d free graph-pool blocks)",
-                 case.name, len(out[case.name]), sum(n for _, n in out[case.name]) / 1e6, len(free))
-    return out
+    found = {"free_blocks": len(free), "free_bytes": sum(n for _, n in free),
+             "segments": len(segments), "outputs": len(outputs)}
+    return out, found
 
 
 def record(runner: Any, kind: str, keys: list[Any],
@@ -307,6 +314,7 @@ def record(runner: Any, kind: str, keys: list[Any],
     kept = {name: list(r) for name, r in (facts.get("scratch") or {}).items()}
     steps = Steps(runner, kind, facts, kept)
     prints: dict[str, list[int] | str] = {}
+    dropped: list[str] = []
     cases = canary.cases(keys)
     with torch.inference_mode(), no_capture():
         for case in cases:
@@ -316,11 +324,12 @@ def record(runner: Any, kind: str, keys: list[Any],
                     log.warning("ember: SAVE's canary step %s reads its scratch before writing it: "
                                 "LOAD poisons its outputs only", case.name)
                     kept[case.name], prints[case.name] = [], plain
+                    dropped.append(case.name)
             except Exception as exc:
                 prints[case.name] = f"{type(exc).__name__}: {exc}"
             if isinstance(prints[case.name], str):  # LOAD checks it against an eager step, or not at all
                 log.warning("ember: SAVE's canary step %s: %s", case.name, prints[case.name])
-    return canary.record(cases, prints), kept
+    return {**canary.record(cases, prints), "scratch_dropped": dropped}, kept
 
 
 def _stable(steps: Steps, case: Case, scratch: bool) -> list[int] | str:
