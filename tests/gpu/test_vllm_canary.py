@@ -162,7 +162,9 @@ def test_a_faulty_restore_is_refused_before_any_request_and_native_serves(
     if not reason:  # the canary passed it: only right if the fault changed nothing the engine serves
         assert got["tokens"] == one_gpu["native"]["tokens"], f"the canary passed {fault}, and tokens changed"
         said = [line for line in log.splitlines() if "fault:" in line][:1]
-        pytest.skip(f"{fault} changed no token and the canary passed it: inert here {said}")
+        scratch = stages["verify"].get("scratch")  # what was poisoned beside the outputs, what SAVE found
+        pytest.skip(f"{fault} changed no token and the canary passed it: inert here {said}; "
+                    f"scratch {scratch}")
     assert reason.startswith(CANARY) and reason_class(reason) == "canary-differs", (stages, log[-3000:])
     assert stages["verify"]["ok"] is False and stages["capture"]["how"] == "native-after-refusal"
     assert got["tokens"] == one_gpu["native"]["tokens"]  # vLLM captured its own graphs and served

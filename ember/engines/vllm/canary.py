@@ -154,11 +154,12 @@ def poison_targets(outputs: Sequence[tuple[int, int]], inputs: Iterable[int]) ->
 Range = tuple[int, int]  # (address, bytes)
 
 
-def graph_pool_free_blocks(segments: Iterable[Mapping[str, Any]], outputs: Iterable[int]) -> list[Range]:
+def graph_pool_free_blocks(segments: Iterable[Mapping[str, Any]], outputs: Iterable[int],
+                           state: str = "inactive") -> list[Range]:
     """The free blocks (no tensor holds them) of the private pools that hold a graph output: the
     CUDA graphs' pool, from `torch.cuda.memory_snapshot()`'s segments of this device. Only graph
     memory: at LOAD nothing but the restored graphs uses it, and no graph may rely on what a free
-    block held before its own replay wrote it."""
+    block held before its own replay wrote it. (`state`: another block state, for the report.)"""
     segments = list(segments)
     pools = set()
     for ptr in outputs:
@@ -168,7 +169,7 @@ def graph_pool_free_blocks(segments: Iterable[Mapping[str, Any]], outputs: Itera
     pools.discard((0, 0))
     return sorted((int(b["address"]), int(b["size"])) for s in segments
                   if tuple(s.get("segment_pool_id") or (0, 0)) in pools
-                  for b in s.get("blocks", []) if b.get("state") == "inactive" and int(b["size"]) > 0)
+                  for b in s.get("blocks", []) if b.get("state") == state and int(b["size"]) > 0)
 
 
 def scratch_ranges(pointers: Iterable[int], free: Sequence[Range], keep: Iterable[Range]) -> list[Range]:

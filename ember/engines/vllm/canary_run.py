@@ -293,15 +293,20 @@ def scratch(captured: Mapping[Any, Any],
     segments = [s for s in torch.cuda.memory_snapshot() if s.get("device") == device]
     outputs = [t.data_ptr() for c in captured.values() for t in sites.flat_tensors(c.output)]
     free = canary.graph_pool_free_blocks(segments, outputs)
+    live = canary.graph_pool_free_blocks(segments, outputs, "active_allocated")
     walker = GraphWalker(LiveResolver())
-    out = {}
+    out: dict[str, list[list[int]]] = {}
+    found: dict[str, Any] = {"free_blocks": len(free), "free_bytes": sum(n for _, n in free),
+                             "live_blocks": len(live), "segments": len(segments), "outputs": len(outputs)}
     for case in cases:
         graphs = [walker.walk(captured[k].graph.raw_cuda_graph(), k) for k in case.keys]
         words = [v for g in graphs for _, v in pointers(g)]
         keep = [_span(t) for k in case.keys for t in captured[k].inputs]
         out[case.name] = [list(r) for r in canary.scratch_ranges(words, free, keep)]
-    found = {"free_blocks": len(free), "free_bytes": sum(n for _, n in free),
-             "segments": len(segments), "outputs": len(outputs)}
+        hit = canary.scratch_ranges(words, free, [])
+        found[case.name] = {"words": len(words), "free_hit_bytes": sum(n for _, n in hit),
+                            "scratch_bytes": sum(n for _, n in out[case.name]),
+                            "live_hit_bytes": sum(n for _, n in canary.scratch_ranges(words, live, []))}
     return out, found
 
 
