@@ -347,6 +347,9 @@ def test_scratch_is_free_memory_of_the_graphs_pool_only() -> None:
     assert canary.graph_pool_free_blocks(segments, [0x20010]) == [(0x20100, 0x300), (0x30000, 0x80)]
     assert canary.graph_pool_free_blocks(segments, [0x10010]) == []  # an output in the default pool
     assert canary.graph_pool_free_blocks(segments, [0x20010], "active_allocated") == [(0x20000, 0x100)]
+    pools = canary.graph_pools(segments, [0x20010, 0x10010])
+    assert pools == {(0, 7)} and canary.block_states(segments, pools) == {"active_allocated": 0x100,
+                                                                         "inactive": 0x380}
     assert canary.graph_pool_free_blocks(segments, []) == []
 
 

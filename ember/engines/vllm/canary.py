@@ -161,15 +161,31 @@ def graph_pool_free_blocks(segments: Iterable[Mapping[str, Any]], outputs: Itera
     memory: at LOAD nothing but the restored graphs uses it, and no graph may rely on what a free
     block held before its own replay wrote it. (`state`: another block state, for the report.)"""
     segments = list(segments)
+    pools = graph_pools(segments, outputs)
+    return sorted((int(b["address"]), int(b["size"])) for s in segments
+                  if tuple(s.get("segment_pool_id") or (0, 0)) in pools
+                  for b in s.get("blocks", []) if b.get("state") == state and int(b["size"]) > 0)
+
+
+def graph_pools(segments: Sequence[Mapping[str, Any]], outputs: Iterable[int]) -> set[tuple[int, ...]]:
+    """The private pools (`segment_pool_id`) whose segments hold any of `outputs`."""
     pools = set()
     for ptr in outputs:
         for s in segments:
             if int(s["address"]) <= ptr < int(s["address"]) + int(s["total_size"]):
                 pools.add(tuple(s.get("segment_pool_id") or (0, 0)))
     pools.discard((0, 0))
-    return sorted((int(b["address"]), int(b["size"])) for s in segments
-                  if tuple(s.get("segment_pool_id") or (0, 0)) in pools
-                  for b in s.get("blocks", []) if b.get("state") == state and int(b["size"]) > 0)
+    return pools
+
+
+def block_states(segments: Sequence[Mapping[str, Any]], pools: set[tuple[int, ...]]) -> dict[str, int]:
+    """Bytes per block state in those pools (the report: what the scratch could choose from)."""
+    out: dict[str, int] = {}
+    for s in segments:
+        if tuple(s.get("segment_pool_id") or (0, 0)) in pools:
+            for b in s.get("blocks", []):
+                out[str(b.get("state"))] = out.get(str(b.get("state")), 0) + int(b["size"])
+    return out
 
 
 def scratch_ranges(pointers: Iterable[int], free: Sequence[Range], keep: Iterable[Range]) -> list[Range]:

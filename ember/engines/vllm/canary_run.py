@@ -296,8 +296,10 @@ def scratch(captured: Mapping[Any, Any],
     live = canary.graph_pool_free_blocks(segments, outputs, "active_allocated")
     walker = GraphWalker(LiveResolver())
     out: dict[str, list[list[int]]] = {}
-    found: dict[str, Any] = {"free_blocks": len(free), "free_bytes": sum(n for _, n in free),
-                             "live_blocks": len(live), "segments": len(segments), "outputs": len(outputs)}
+    pools = canary.graph_pools(segments, outputs)
+    found: dict[str, Any] = {"free_blocks": len(free), "live_blocks": len(live), "segments": len(segments),
+                             "outputs": len(outputs), "pools": [list(p) for p in sorted(pools)],
+                             "bytes_by_state": canary.block_states(segments, pools)}
     for case in cases:
         graphs = [walker.walk(captured[k].graph.raw_cuda_graph(), k) for k in case.keys]
         words = [v for g in graphs for _, v in pointers(g)]
