@@ -133,6 +133,8 @@ def test_own_execs_are_built_before_the_first_step_and_a_saved_reference_needs_n
     parts = result["parts_ms"]
     assert parts["own exec build"] >= BUILD_S * 1e3 and parts["outputs rebuilt"] == 2.5
     assert {"template graph calls", "exec update graph calls", "own exec graph calls"} <= set(parts)
+    # against SAVE's fingerprint each path's own fingerprint is timed apart from its step
+    assert {"template fingerprint", "exec update fingerprint", "own exec fingerprint"} <= set(parts)
     assert result["verify_ms"] >= BUILD_S * 1e3  # the build's time is the canary's
     assert steps.resets == 3  # one a path: none for SAVE's fingerprint, none after the last path
 

@@ -193,6 +193,7 @@ def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
     launched: list[int] = []
     spent = [0.0]
     graph_ms: list[float] = []  # each step's host time in the restored graphs' launches
+    print_ms: list[float] = []  # each step's fingerprint, from the step's end on the GPU
     problem: list[str] = []
 
     t = time.perf_counter()
@@ -212,7 +213,14 @@ def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
         if sorted(set(launched)) != sorted(indices) and not problem:
             problem.append(f"{case.name}: the {path} step launched {len(set(launched))} of its "
                            f"{len(indices)} restored graphs (vLLM did not dispatch it to them)")
-        return fingerprint([hidden]) if saved is not None else [hidden]
+        if saved is None:
+            return [hidden]
+        if torch.cuda.is_available():  # the step's end: what follows is the fingerprint's own time
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        got = fingerprint([hidden])
+        print_ms.append(round((time.perf_counter() - t0) * 1e3, 2))
+        return got
 
     def trip() -> bool:  # every key's template to another member and back; always a step after
         for i in indices:
@@ -231,6 +239,7 @@ def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
     parts["outputs rebuilt"] = round(steps.rebuilt_ms.get(case.name, 0.0), 2)  # in the first reset
     calls = zip(result["checked"], graph_ms, strict=False)  # the paths that ran a step, in order
     parts.update({f"{name} graph calls": ms for name, ms in calls})
+    parts.update({f"{name} fingerprint": ms for name, ms in zip(result["checked"], print_ms, strict=False)})
     result["verify_ms"] += build_ms
     return result, (problem[0] if problem else "")
 
