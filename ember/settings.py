@@ -67,9 +67,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "vLLM captures its graphs: what this pod computes natively, a restore's reference"),
     Setting("EMBER_VLLM_MEGA_AOT", "flag", "0",
             "SAVE and LOAD store vLLM's compiled model as one AOT artifact "
-            "(ember.engines.vllm.args.COMPILE_ENV): loading it is seconds shorter, but on its first "
-            "GPU run 2 of 4 LOADs then compiled vLLM's own Triton kernels at warm-up (likely the "
-            "ptxas Triton keys them by: compile_cache.pin_ptxas, not yet re-run)"),
+            "(ember.engines.vllm.args.COMPILE_ENV): loading it is seconds shorter (Llama-3-8B, one "
+            "H200: 4 of 4 LOADs 0.12-0.14 of native, benchmarks/results/h200-20261202d); not yet run "
+            "at more starts or at N ranks, and it changes the operator's identity"),
     Setting("EMBER_VLLM_ONE_GPU", "flag", "1",
             "LOAD: each worker of a multi-GPU shape sees only its own GPU, as SAVE did"),
     Setting("EMBER_VLLM_MEMORY_TRACE", "text", "",
