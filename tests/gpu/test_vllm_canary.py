@@ -143,7 +143,10 @@ def test_a_restore_passes_its_canary_against_saves_native_steps(
     assert stages["capture"]["how"] == "restored", (stages, log[-3000:])
     verify = stages["verify"]
     assert verify["ok"] is True and verify["verify_ms"] > 0, verify
-    print("scratch", verify.get("scratch"))  # what was poisoned beside the outputs (-rA shows it)
+    scratch = verify.get("scratch") or {}
+    print("scratch", scratch)  # what was poisoned beside the outputs (-rA shows it)
+    # the PIECEWISE step's graphs write buffers inside (the MLP's activation): some were poisoned
+    assert (scratch.get("bytes") or {}).get("piecewise", 0) > 0, scratch
     # one GPU: both steps against SAVE's fingerprints, each through templates, an update, own execs
     every_path = "template+exec update+own exec"
     assert verify["checked"] == [f"piecewise:{every_path}", f"full:{every_path}"], verify
