@@ -60,8 +60,8 @@ def corrupt_arguments(ptrs: np.ndarray, nodes: list[tuple[int, tuple[int, ...]]]
             if size not in (4, 8):
                 continue
             raw = bytearray(ctypes.string_at(int(ptrs[first + j]), size))
-            if size == 8 and 0 < int.from_bytes(raw[4:], "little") <= 0xFFFF:
-                continue  # a device pointer (its high word: a 48-bit address's top bits)
+            if size == 8 and _is_pointer(int.from_bytes(raw, "little")):
+                continue
             changed = []
             for w in range(0, size, 4):
                 word = bytes(raw[w : w + 4])
@@ -117,7 +117,12 @@ def _pointers(ptrs: np.ndarray, first: int, sizes: tuple[int, ...]) -> str:
     """The node's pointer arguments, for the log (which memory a corrupted kernel writes)."""
     words = [int.from_bytes(ctypes.string_at(int(ptrs[first + j]), 8), "little")
              for j, size in enumerate(sizes) if size == 8]
-    return " ".join(f"{w:#x}" for w in words if 0 < w >> 32 <= 0xFFFF)
+    return " ".join(f"{w:#x}" for w in words if _is_pointer(w))
+
+
+def _is_pointer(word: int) -> bool:
+    """An 8-byte argument that reads as a device pointer: its high word a 48-bit address's top bits."""
+    return 0 < word >> 32 <= 0xFFFF
 
 
 def _repoint(ptrs: np.ndarray, slot: int, raw: bytearray) -> np.ndarray:

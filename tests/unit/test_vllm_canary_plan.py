@@ -344,13 +344,13 @@ def test_scratch_is_free_memory_of_the_graphs_pool_only() -> None:
         _segment(0x30000, (0, 7), [(0x30000, 0x80, "inactive"), (0x30080, 0, "inactive")]),
         _segment(0x40000, (3, 0), [(0x40000, 0x100, "inactive")]),
     ]
-    assert canary.graph_pool_free_blocks(segments, [0x20010]) == [(0x20100, 0x300), (0x30000, 0x80)]
-    assert canary.graph_pool_free_blocks(segments, [0x10010]) == []  # an output in the default pool
-    assert canary.graph_pool_free_blocks(segments, [0x20010], "active_allocated") == [(0x20000, 0x100)]
-    pools = canary.graph_pools(segments, [0x20010, 0x10010])
-    assert pools == {(0, 7)} and canary.block_states(segments, pools) == {"active_allocated": 0x100,
-                                                                         "inactive": 0x380}
-    assert canary.graph_pool_free_blocks(segments, []) == []
+    pools = canary.graph_pools(segments, [0x20010, 0x10010])  # a graph output, an eager tensor
+    assert pools == {(0, 7)}
+    assert canary.pool_blocks(segments, pools) == [(0x20100, 0x300), (0x30000, 0x80)]
+    assert canary.pool_blocks(segments, pools, "active_allocated") == [(0x20000, 0x100)]
+    assert canary.block_states(segments, pools) == {"active_allocated": 0x100, "inactive": 0x380}
+    assert canary.graph_pools(segments, [0x10010]) == set()  # an output in the default pool only
+    assert canary.pool_blocks(segments, canary.graph_pools(segments, [])) == []
 
 
 def test_scratch_is_the_free_blocks_the_steps_graphs_point_into_less_their_tensor_arguments() -> None:

@@ -154,19 +154,6 @@ def poison_targets(outputs: Sequence[tuple[int, int]], inputs: Iterable[int]) ->
 Range = tuple[int, int]  # (address, bytes)
 
 
-def graph_pool_free_blocks(segments: Iterable[Mapping[str, Any]], outputs: Iterable[int],
-                           state: str = "inactive") -> list[Range]:
-    """The free blocks (no tensor holds them) of the private pools that hold a graph output: the
-    CUDA graphs' pool, from `torch.cuda.memory_snapshot()`'s segments of this device. Only graph
-    memory: at LOAD nothing but the restored graphs uses it, and no graph may rely on what a free
-    block held before its own replay wrote it. (`state`: another block state, for the report.)"""
-    segments = list(segments)
-    pools = graph_pools(segments, outputs)
-    return sorted((int(b["address"]), int(b["size"])) for s in segments
-                  if tuple(s.get("segment_pool_id") or (0, 0)) in pools
-                  for b in s.get("blocks", []) if b.get("state") == state and int(b["size"]) > 0)
-
-
 def graph_pools(segments: Sequence[Mapping[str, Any]], outputs: Iterable[int]) -> set[tuple[int, ...]]:
     """The private pools (`segment_pool_id`) whose segments hold any of `outputs`."""
     pools = set()
@@ -176,6 +163,17 @@ def graph_pools(segments: Sequence[Mapping[str, Any]], outputs: Iterable[int]) -
                 pools.add(tuple(s.get("segment_pool_id") or (0, 0)))
     pools.discard((0, 0))
     return pools
+
+
+def pool_blocks(segments: Iterable[Mapping[str, Any]], pools: set[tuple[int, ...]],
+                state: str = "inactive") -> list[Range]:
+    """The blocks of those pools (`graph_pools`: the CUDA graphs') in `state`, from
+    `torch.cuda.memory_snapshot()`'s segments of this device. The scratch's are the free ones
+    (no tensor holds them): at LOAD nothing but the restored graphs uses that memory, and no graph
+    may rely on what a free block held before its own replay wrote it."""
+    return sorted((int(b["address"]), int(b["size"])) for s in segments
+                  if tuple(s.get("segment_pool_id") or (0, 0)) in pools
+                  for b in s.get("blocks", []) if b.get("state") == state and int(b["size"]) > 0)
 
 
 def block_states(segments: Sequence[Mapping[str, Any]], pools: set[tuple[int, ...]]) -> dict[str, int]:
@@ -189,7 +187,7 @@ def block_states(segments: Sequence[Mapping[str, Any]], pools: set[tuple[int, ..
 
 
 def scratch_ranges(pointers: Iterable[int], free: Sequence[Range], keep: Iterable[Range]) -> list[Range]:
-    """The free blocks (`graph_pool_free_blocks`) any of `pointers` (the step's graphs' argument
+    """The free blocks (`pool_blocks`) any of `pointers` (the step's graphs' argument
     words and memory node addresses) falls in, less the `keep` ranges (the step's tensor
     arguments: a piece may read one a previous piece or eager attention wrote), in address order."""
     starts = [b[0] for b in free]

@@ -301,11 +301,11 @@ def scratch(captured: Mapping[Any, Any],
     device = torch.cuda.current_device()
     segments = [s for s in torch.cuda.memory_snapshot() if s.get("device") == device]
     outputs = [t.data_ptr() for c in captured.values() for t in sites.flat_tensors(c.output)]
-    free = canary.graph_pool_free_blocks(segments, outputs)
-    live = canary.graph_pool_free_blocks(segments, outputs, "active_allocated")
+    pools = canary.graph_pools(segments, outputs)
+    free = canary.pool_blocks(segments, pools)
+    live = canary.pool_blocks(segments, pools, "active_allocated")
     walker = GraphWalker(LiveResolver())
     out: dict[str, list[list[int]]] = {}
-    pools = canary.graph_pools(segments, outputs)
     found: dict[str, Any] = {"free_blocks": len(free), "live_blocks": len(live), "segments": len(segments),
                              "outputs": len(outputs), "pools": [list(p) for p in sorted(pools)],
                              "bytes_by_state": canary.block_states(segments, pools)}
