@@ -284,13 +284,17 @@ def test_processes_of_one_start_add_their_stages_to_one_report(plugin_state, tmp
     assert stages["compile_cache"]["placed"] == 3 and stages["capture"]["how"] == "restored"
 
 
-@pytest.mark.parametrize("mode", ["save", "load", "off"])
+@pytest.mark.parametrize("mode", ["save", "load", "probe", "off"])
 def test_save_and_load_keep_tritons_home_under_the_cache_root(
     plugin_state, mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
 ) -> None:
     """What Triton compiles into its default cache while SAVE runs ships with the archive, and a
-    fresh pod's LOAD finds it there, not in whatever `~/.triton` the machine has."""
-    monkeypatch.setenv("EMBER_MODE", mode)
+    fresh pod's LOAD finds it there, not in whatever `~/.triton` the machine has. The SAVE Job's
+    sizing probe (no mode, a report) compiles into the same home, for SAVE to find."""
+    if mode == "probe":
+        monkeypatch.setenv("EMBER_VLLM_PROBE", "1")
+        monkeypatch.setenv("EMBER_VLLM_REPORT", str(tmp_path / "probe.report.json"))
+    monkeypatch.setenv("EMBER_MODE", "off" if mode == "probe" else mode)
     monkeypatch.setenv("TRITON_HOME", str(tmp_path / "inherited"))
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     monkeypatch.setattr(plugin_state, "after_import", lambda *a: None)  # no vLLM worker module here

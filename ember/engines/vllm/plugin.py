@@ -98,10 +98,12 @@ def register() -> None:
         return
     STATE.installed = True
     STATE.mode = mode if mode in ("save", "load") else ""
-    if STATE.mode:
+    if STATE.mode or settings.on("EMBER_VLLM_PROBE"):
         from ember.engines.vllm.compile_cache import own_triton_home
 
-        own_triton_home()  # before any Triton compile: what SAVE compiles there ships
+        # before any Triton compile: what SAVE compiles there ships, and what the SAVE Job's sizing
+        # probe compiles (same cache root, same ptxas) SAVE finds instead of compiling it again
+        own_triton_home()
     if STATE.mode == "load":
         place_caches()
     if WORKER_MODULE in sys.modules:
