@@ -369,3 +369,18 @@ def test_load_poisons_scratch_only_inside_libembers_region() -> None:
     ranges = [[0x1000, 0x100], [0x1f00, 0x200], [0x5000, 0x10], [0x1100, 0]]
     assert canary.within(ranges, [0x1000, 0x1000]) == [(0x1000, 0x100)]
     assert canary.within(ranges, None) == [] and canary.within(ranges, [0, 0]) == []
+
+
+def test_the_poison_reads_as_a_large_value_in_every_float_width_and_as_no_index() -> None:
+    """A buffer a faulty kernel leaves poisoned is read downstream as the poison: it must be large
+    beside what a random-weight model computes (activations ~1e-3 and below), or the step's result
+    rounds to the right one in bf16 and the canary passes the fault."""
+    word = bytes([canary.POISON]) * 8
+    fp32 = float(np.frombuffer(word[:4], dtype=np.float32)[0])
+    bf16 = float(np.frombuffer(b"\0\0" + word[:2], dtype=np.float32)[0])  # bf16: fp32's high half
+    fp16 = float(np.frombuffer(word[:2], dtype=np.float16)[0])
+    for value in (fp32, bf16, fp16):
+        assert np.isfinite(value) and abs(value) >= 100, (value, canary.POISON)
+    # as an index (an int32 or int64 buffer read before written), far past any table
+    assert int(np.frombuffer(word[:4], dtype=np.int32)[0]) > 1 << 30
+    assert int(np.frombuffer(word, dtype=np.int64)[0]) > 1 << 62

@@ -49,6 +49,13 @@ from typing import Any
 
 from ember.engines.vllm.keys import PIECEWISE_ENTRY, GraphKey
 
+# The byte every reset writes over outputs and scratch: LARGE in every float width a step computes in
+# (bf16 and fp32 ~1.5e16, fp16 203), as a positive int an index no buffer has. A buffer a faulty kernel
+# leaves unwritten is read downstream as that value and must change the step's result; 0xA5 read as
+# -2.9e-16 (bf16, fp32), which a random-weight model's MLP output, ~1e-10 beside a residual of ~1e-3,
+# loses in bf16's rounding: the kernel-argument fault left it unwritten and the canary passed it
+# (benchmarks/results/h100-20261202e).
+POISON = 0x5A
 KIND = "vllm-steps"  # what SAVE's canary record fingerprints: whole dummy steps (see the module doc)
 SEED = 13  # the canary's input ids (V1)
 SAVED, EAGER, UNCHECKED = "saved", "eager", "unchecked"

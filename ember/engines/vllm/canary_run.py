@@ -29,7 +29,7 @@ from ember.runtime.proof.pool_check import DeviceBytes, pointers
 from ember.runtime.proof.replay import fingerprint
 
 log = logging.getLogger("ember.vllm")
-POISON = 0xA5
+POISON = canary.POISON
 
 
 @contextlib.contextmanager
