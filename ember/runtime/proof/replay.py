@@ -35,16 +35,25 @@ class DecodeReplay(Protocol):
 
 
 def fingerprint(tensors: list[torch.Tensor]) -> list[int]:
-    """An exact, order-sensitive integer fingerprint of tensors' bytes, computed on the GPU."""
+    """An exact, order-sensitive integer fingerprint of tensors' bytes, computed on the GPU (one
+    host sync for all of them)."""
+    return [int(x) for x in fingerprints_on_device(tensors).tolist()] if tensors else []
+
+
+def fingerprints_on_device(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`fingerprint`'s numbers as an int64 tensor on the tensors' device, without waiting for them:
+    a step can queue one per graph it launches and read them all at its end."""
     out = []
     for t in tensors:
         b = t.contiguous().view(torch.uint8).view(-1)
+        if b.data_ptr() % 8:  # a view at an odd offset (a slice of a fused buffer) is read as words
+            b = b.clone()
         n = b.numel() - b.numel() % 8
         w = b[:n].view(torch.int64)
         weights = torch.arange(1, w.numel() + 1, device=w.device, dtype=torch.int64) * 2654435761
-        tail = int(b[n:].to(torch.int64).sum()) if n < b.numel() else 0
-        out.append(int((w * weights).sum()) ^ int(w.sum()) ^ tail)
-    return out
+        tail = b[n:].to(torch.int64).sum()  # 0 where there is no tail
+        out.append((w * weights).sum() ^ w.sum() ^ tail)
+    return torch.stack(out)
 
 
 def _all_steps(workload: DecodeReplay) -> int:
