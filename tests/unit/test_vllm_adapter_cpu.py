@@ -372,7 +372,11 @@ def test_the_canary_of_several_ranks_is_bounded_so_no_peer_waits_for_nccls_timeo
         return {"ok": True, "why": "", "checked": ["piecewise:template"], "parts_ms": {}, "verify_ms": 1.0}
 
     monkeypatch.setattr(stacks, "exit_if_stuck", bounded)
-    monkeypatch.setitem(sys.modules, "ember.engines.vllm.canary_run", types.SimpleNamespace(run=run))
+    stand_in = types.SimpleNamespace(run=run)
+    monkeypatch.setitem(sys.modules, "ember.engines.vllm.canary_run", stand_in)
+    # `from ember.engines.vllm import canary_run` reads the package's attribute first (set where an
+    # earlier test imported the real module: torch installed)
+    monkeypatch.setattr(sys.modules["ember.engines.vllm"], "canary_run", stand_in, raising=False)
     a = vadapter.VllmAdapter(vllm_config=_engine(tensor, 1, False), runner_kind="v2")
     votes: list[bool] = []
     monkeypatch.setattr(a, "_agree", lambda ok: votes.append(inside[-1]) or ok)
@@ -409,7 +413,9 @@ def test_a_rank_failing_inside_the_canary_still_votes_inside_the_bound(
 
     monkeypatch.setenv("EMBER_FAULT", "canary-raise")
     monkeypatch.setattr(stacks, "exit_if_stuck", bounded)
-    monkeypatch.setitem(sys.modules, "ember.engines.vllm.canary_run", types.SimpleNamespace(run=run))
+    stand_in = types.SimpleNamespace(run=run)
+    monkeypatch.setitem(sys.modules, "ember.engines.vllm.canary_run", stand_in)
+    monkeypatch.setattr(sys.modules["ember.engines.vllm"], "canary_run", stand_in, raising=False)
     a = vadapter.VllmAdapter(vllm_config=_engine(2, 1, False), runner_kind="v2")
     votes: list[tuple[bool, bool]] = []
     monkeypatch.setattr(a, "_agree", lambda ok: votes.append((ok, inside[-1])) or ok)

@@ -194,6 +194,7 @@ def _fake_run(monkeypatch: pytest.MonkeyPatch, run: Any) -> None:
     mod = types.ModuleType("ember.engines.vllm.canary_run")
     mod.run = run  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "ember.engines.vllm.canary_run", mod)
+    monkeypatch.setattr(sys.modules["ember.engines.vllm"], "canary_run", mod, raising=False)
     import ember.engines.vllm as pkg
 
     monkeypatch.setattr(pkg, "canary_run", mod, raising=False)
