@@ -11,6 +11,7 @@ path spent in the graphs' launches."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -54,11 +55,15 @@ class Own:
 
 
 class Lib:
-    """Key i's graph writes i + 1 into row i of the step's output; templates hold one key each."""
+    """Key i's graph writes i + 1 into row i of the step's output; templates hold one key each.
+    Piece 0 also writes 7 into `q` (`wrong_q`: 8), which piece 1 then reuses (writes 0): what piece
+    0 hands to attention, which the step's end no longer shows."""
 
-    def __init__(self, wrong_own: bool = False, build_fails: bool = False) -> None:
+    def __init__(self, wrong_own: bool = False, build_fails: bool = False, wrong_q: bool = False) -> None:
         self.keys = list(KEYS)
         self.out = torch.zeros(2)
+        self.q = torch.zeros(1)
+        self.wrong_q = wrong_q
         self.own = Own(self, wrong_own, build_fails)
         self.template_launches: list[float] = []
 
@@ -74,32 +79,56 @@ class Lib:
     def upload(self, execs: list[Any]) -> None:
         pass
 
-    def write(self, i: int, value: int) -> None:
-        self.out[self.keys[i][1]] = value
+    def write(self, i: int, value: int, eager: bool = False) -> None:
+        piece = self.keys[i][1]
+        self.out[piece] = value
+        self.q.fill_(7 + int(self.wrong_q and not eager) if piece == 0 else 0)
+
+    def outputs(self, key: Any) -> list[Any]:
+        """A key's graph outputs (the per-graph fingerprints are over these)."""
+        row = self.out[key[1]:key[1] + 1]
+        return [row, self.q] if key[1] == 0 else [row]
 
     def launch_template(self, i: int, stream: Any = None) -> None:
         self.template_launches.append(time.perf_counter())
         self.write(i, i + 1)
 
 
+class Wrapper:
+    """vLLM's CUDAGraphWrapper as the canary meets it: each piece of a step is called through it,
+    which replays the piece's graph (graphs) or computes it (without), and returns its outputs."""
+
+    runtime_mode = SimpleNamespace(name="PIECEWISE")
+
+    def __init__(self, steps: Steps, key: Any, graphs: bool) -> None:
+        self.steps, self.key, self.graphs = steps, key, graphs
+
+    def __call__(self) -> list[Any]:
+        lib = self.steps.lib
+        if self.graphs:
+            self.steps.routed[self.key].replay()
+        else:
+            lib.write(lib.key_index(self.key), lib.key_index(self.key) + 1, eager=True)
+        return lib.outputs(self.key)
+
+
 class Steps:
-    """The dummy step: the routed graphs of the case launched in order (graphs) or computed."""
+    """The dummy step: the case's pieces called in order through `Wrapper`."""
 
     def __init__(self, lib: Lib) -> None:
         self.lib, self.runner, self.resets = lib, object(), 0
         self.routed: dict[Any, Any] = {}
+        self.skip: Any = None
         self.rebuilt_ms = {CASE.name: 2.5}
 
-    def reset(self, case: Case) -> None:
+    def reset(self, case: Case, scratch: bool = True) -> None:
         self.resets += 1
         self.lib.out.fill_(-1)
 
     def run(self, case: Case, graphs: bool) -> Any:
-        if graphs:
-            for key in case.keys:
-                self.routed[key].replay()
-        else:
-            self.lib.out.copy_(torch.tensor([1.0, 2.0]))
+        for key in case.keys:
+            if key != self.skip:  # a piece vLLM did not run
+                Wrapper(self, key, graphs)()
         return self.lib.out.clone()
 
 
@@ -114,13 +143,26 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> Any:
             return before
 
         monkeypatch.setattr(canary_run.sites, "replace", replace)
+        monkeypatch.setattr(canary_run.sites, "wrapper_class", lambda: Wrapper)
         monkeypatch.setattr(canary_run, "launch_exec", lambda ex, stream=None: ex())
         return lib, steps
 
     return make
 
 
-SAVED = fingerprint([torch.tensor([1.0, 2.0])])
+class Native:
+    """A native graph as vLLM installed it (SAVE)."""
+
+    def __init__(self, lib: Lib, index: int) -> None:
+        self.lib, self.index = lib, index
+
+    def replay(self) -> None:
+        self.lib.write(self.index, self.index + 1)
+
+
+# SAVE's: the step's end, then each graph's outputs as it launched (piece 0: its row and q = 7)
+SAVED = (fingerprint([torch.tensor([1.0, 2.0])]) + fingerprint([torch.tensor([1.0]), torch.tensor([7.0])])
+         + fingerprint([torch.tensor([2.0])]))
 
 
 def test_own_execs_are_built_before_the_first_step_and_a_saved_reference_needs_no_reset(
@@ -153,3 +195,33 @@ def test_a_failed_build_refuses_and_its_path_launches_as_every_other_ranks(stand
     assert result["checked"] == ["template", "exec update", "own exec"]
     assert len(lib.template_launches) - launches == 3 * len(CASE.keys)  # its own path went through them
     assert steps.resets == 4  # the eager reference is a step: it starts from a reset too
+
+
+def test_a_piece_output_a_later_piece_overwrites_is_checked_where_the_piece_returned_it(
+        stand_in: Any) -> None:
+    """Piece 0's q is wrong and piece 1 reuses its memory: the step's end is right, the fingerprint
+    taken as piece 0 returned is not, and the canary refuses. Against an eager step (N ranks)
+    pieces are not compared (an eager piece's attention buffer is whatever the allocator held):
+    that canary sees only the step's end, and passes it."""
+    original = Wrapper.__call__
+    lib, steps = stand_in(wrong_q=True)
+    result, _ = canary_run.check_case(steps, CASE, lib, SAVED, every_path=False)
+    assert not result["ok"] and result["why"].startswith("as instantiated: output 2"), result
+    assert float(lib.q) == 0  # what the step's end shows of q: nothing wrong
+    assert Wrapper.__call__ is original  # put back
+    lib, steps = stand_in(wrong_q=True)
+    result, _ = canary_run.check_case(steps, CASE, lib, None, every_path=False)
+    assert result["ok"], result
+
+
+def test_save_fingerprints_each_piece_and_records_no_step_that_skips_one(stand_in: Any) -> None:
+    """SAVE's record of a step (`_stable`): the end, then each piece's outputs as it returned them;
+    a step that did not run each of its pieces records why instead."""
+    lib, steps = stand_in()
+    steps.routed = {k: Native(lib, lib.key_index(k)) for k in CASE.keys}
+    assert canary_run._stable(steps, CASE, scratch=False) == SAVED
+    steps.skip = CASE.keys[1]
+    assert canary_run._stable(steps, CASE, scratch=False) == "the native step ran 1 pieces, not its 2"
+    full = Case("full", 2, True, CASE.keys[:1])  # a FULL step's pieces do not run apart: no prints
+    steps.skip = None
+    assert canary_run._stable(steps, full, scratch=False) == fingerprint([torch.tensor([1.0, -1.0])])

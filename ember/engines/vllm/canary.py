@@ -17,17 +17,20 @@ update then leaves rows of the step uncomputed, poisoned, and the canary differs
 
 The reference (`plan`):
 - one GPU (SAVE saw real data): SAVE recorded a fingerprint of each case's step through the
-  NATIVE graphs (`KIND`); LOAD's restored step from the same state must give the same
-  fingerprint. Graph against graph: the same kernels, bitwise;
+  NATIVE graphs (`KIND`): its hidden states at the end, and each PIECEWISE piece's outputs as the
+  piece returned them (`canary_run.piece_prints`: the q, k and v a piece hands to attention, which
+  the dummy step's attention never reads, before a later piece reuses their memory); LOAD's
+  restored step from the same state must give the same fingerprints. Graph against graph: the
+  same kernels, bitwise;
 - N ranks (SAVE played one rank under the NCCL stub and saw no data), or an archive without a
   fingerprint: the PIECEWISE step against the same step without graphs (`CUDAGraphMode.NONE`):
   vLLM runs the same compiled (Inductor) code eagerly, attention runs eagerly in both, and the
   collectives run on the same communicators the splice captured with. That covers every kernel
-  of the piecewise graphs and the spliced collectives. A FULL step's attention is inside the
-  graph with metadata built for capture, so its reference is an eager step built with the
-  capture's metadata (`EMBER_VLLM_CANARY_FULL_EAGER`, on by default: bitwise equal on both ranks
-  of TP=2 on H200, benchmarks/results/h200x2-20261201a; a difference refuses). With it off the
-  FULL case is reported unchecked.
+  of the piecewise graphs whose effect reaches the step's end, and the spliced collectives. A
+  FULL step's attention is inside the graph with metadata built for capture, so its reference is
+  an eager step built with the capture's metadata (`EMBER_VLLM_CANARY_FULL_EAGER`, on by default:
+  bitwise equal on both ranks of TP=2 on H200, benchmarks/results/h200x2-20261201a; a difference
+  refuses). With it off the FULL case is reported unchecked.
 What a reset poisons: the step's graph outputs, and the SCRATCH its graphs write inside
 (`scratch_ranges`): the graph pool's free memory their nodes point into. Outputs alone are not
 enough: a kernel that leaves part of an internal buffer unwritten (a corrupted count) leaves what an
@@ -35,6 +38,14 @@ identical step computed there before, which is right, and the step's outputs com
 (vLLM's kernel-argument fault on both runners, benchmarks/results/h200-20261202c). SAVE records
 each case's scratch and, on one GPU, fingerprints its steps with the scratch poisoned; a case whose
 step reads its scratch before writing it (poisoned and plain runs differ) records none.
+What it cannot see: a dummy step writes no KV cache (its slot mappings are PAD) and attends over a
+fresh, zeroed cache, so its attention output never depends on the step's q, k and v. Against
+SAVE's fingerprint the per-piece fingerprints cover them in a PIECEWISE step (they are piece
+outputs); against an eager step (N ranks) and inside a FULL graph nothing does: a kernel that
+computes q, k or v wrongly, and changes nothing else, passes there. And a wrong value that rounds
+away in bf16 against the residual stream changes no fingerprint (a random-weight model's MLP adds
+~1e-10 to a residual of ~1e-3); a kernel that leaves its output unwritten does, through the
+poison (`POISON`).
 Each restored step runs three ways (`ember.runtime.verify.canary`): through the templates (every
 key of the step switched in: exec updates), again after each key's template went to another
 member and back, and on the keys' own execs.
@@ -56,7 +67,10 @@ from ember.engines.vllm.keys import PIECEWISE_ENTRY, GraphKey
 # loses in bf16's rounding: the kernel-argument fault left it unwritten and the canary passed it
 # (benchmarks/results/h100-20261202e).
 POISON = 0x5A
-KIND = "vllm-steps"  # what SAVE's canary record fingerprints: whole dummy steps (see the module doc)
+# what SAVE's canary record fingerprints: whole dummy steps, their end and each PIECEWISE piece's
+# outputs as the piece returned them
+# (an archive of another kind is checked against eager steps, `plan`)
+KIND = "vllm-steps-per-piece"
 SEED = 13  # the canary's input ids (V1)
 SAVED, EAGER, UNCHECKED = "saved", "eager", "unchecked"
 

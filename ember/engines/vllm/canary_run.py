@@ -26,7 +26,7 @@ from ember.engines.vllm.canary import Case
 from ember.runtime import verify
 from ember.runtime.graphs.driver import launch_exec
 from ember.runtime.proof.pool_check import DeviceBytes, pointers
-from ember.runtime.proof.replay import fingerprint
+from ember.runtime.proof.replay import fingerprint, fingerprints_on_device
 
 log = logging.getLogger("ember.vllm")
 POISON = canary.POISON
@@ -172,6 +172,64 @@ class Routed:
         pass
 
 
+class Prints:
+    """The fingerprints of each PIECEWISE piece's outputs a step queued on the device, in order.
+    Only against SAVE's fingerprint (`on`): there both sides' pieces return the same memory, reset
+    the same way. Against an eager step they may not: a piece returns the buffer attention fills
+    (`torch.empty` inside the piece), poisoned in the graph's memory, whatever the allocator held
+    in the eager step's."""
+
+    def __init__(self, on: bool = True) -> None:
+        self.on = on
+        self.pending: list[torch.Tensor] = []
+
+    def clear(self) -> None:
+        self.pending = []
+
+    def add(self, outputs: list[torch.Tensor]) -> None:
+        if outputs:
+            self.pending.append(fingerprints_on_device(outputs))
+
+    def tensor(self) -> torch.Tensor:
+        return torch.cat(self.pending) if self.pending else torch.zeros(0, dtype=torch.int64)
+
+    def read(self) -> list[int]:
+        return [int(x) for x in self.tensor().tolist()]
+
+    def step(self, steps: Steps, case: Case, graphs: bool) -> torch.Tensor:
+        """One run of the case's step: its hidden states; each piece's prints queued here."""
+        self.clear()
+        with piece_prints(self, case):
+            return steps.run(case, graphs=graphs)
+
+
+@contextlib.contextmanager
+def piece_prints(prints: Prints, case: Case, wrapper: Any = None) -> Iterator[None]:
+    """A PIECEWISE case: while its step runs, each piece's outputs fingerprinted on the device as
+    the piece returns them (vLLM's `CUDAGraphWrapper.__call__`: a replay's static outputs, or
+    without graphs what the compiled piece computed). The step is then checked piece by piece, the
+    q, k and v each piece hands to attention included (the dummy step's attention never reads
+    them), not only by its hidden states; each fingerprint is queued before a later piece can
+    reuse that memory. A FULL case's pieces do not run apart: nothing is added."""
+    if case.full or not prints.on:
+        yield
+        return
+    cls = wrapper or sites.wrapper_class()
+    original = cls.__call__
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        if getattr(self.runtime_mode, "name", None) == "PIECEWISE":
+            prints.add(sites.flat_tensors(out))
+        return out
+
+    cls.__call__ = call
+    try:
+        yield
+    finally:
+        cls.__call__ = original
+
+
 def own_execs(library: Any, indices: list[int]) -> None:
     """The keys' own execs, built as the Dedicator builds them, in one builder call."""
     missing = [i for i in indices if not library.own.has(i)]
@@ -196,19 +254,13 @@ def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
     print_ms: list[float] = []  # each step's fingerprint, from the step's end on the GPU
     problem: list[str] = []
 
-    t = time.perf_counter()
-    try:  # built before any step: a build that fails on one rank must not break the ranks' lockstep
-        own_execs(library, indices)
-        own = "own"
-    except Exception as exc:
-        problem.append(f"{case.name}: its own execs could not be built: {type(exc).__name__}: {exc}")
-        own = "template"  # the same launches as every other rank's, through the templates
-    build_ms = (time.perf_counter() - t) * 1e3
+    own, build_ms = _build_own(library, indices, case, problem)
+    prints = Prints(on=saved is not None)
 
     def via(path: str) -> list[Any]:
         route[0], spent[0] = path, 0.0
         launched.clear()
-        hidden = steps.run(case, graphs=True)
+        hidden = prints.step(steps, case, True)
         graph_ms.append(round(spent[0], 2))
         if sorted(set(launched)) != sorted(indices) and not problem:
             problem.append(f"{case.name}: the {path} step launched {len(set(launched))} of its "
@@ -218,7 +270,7 @@ def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
         if torch.cuda.is_available():  # the step's end: what follows is the fingerprint's own time
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        got = fingerprint([hidden])
+        got = fingerprint([hidden]) + prints.read()  # the step's end, then each piece's outputs
         print_ms.append(round((time.perf_counter() - t0) * 1e3, 2))
         return got
 
@@ -242,6 +294,20 @@ def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
     parts.update({f"{name} fingerprint": ms for name, ms in zip(result["checked"], print_ms, strict=False)})
     result["verify_ms"] += build_ms
     return result, (problem[0] if problem else "")
+
+
+def _build_own(library: Any, indices: list[int], case: Case, problem: list[str]) -> tuple[str, float]:
+    """The keys' own execs, built before any step (a build that fails on one rank must not break
+    the ranks' lockstep): the own-exec path's route ("template" where the build failed: the same
+    launches as every other rank's) and the build's milliseconds."""
+    t = time.perf_counter()
+    try:
+        own_execs(library, indices)
+        own = "own"
+    except Exception as exc:
+        problem.append(f"{case.name}: its own execs could not be built: {type(exc).__name__}: {exc}")
+        own = "template"
+    return own, (time.perf_counter() - t) * 1e3
 
 
 @contextlib.contextmanager
@@ -349,12 +415,16 @@ def record(runner: Any, kind: str, keys: list[Any],
 
 
 def _stable(steps: Steps, case: Case, scratch: bool) -> list[int] | str:
-    """The step's fingerprint, twice the same (a fingerprint LOAD could not reproduce would refuse
-    every restore), else why not."""
+    """The step's fingerprint (its end, then each piece's outputs), twice the same (a fingerprint
+    LOAD could not reproduce would refuse every restore), else why not."""
     runs = []
+    prints = Prints()
     for _ in range(2):
         steps.reset(case, scratch)
-        runs.append(fingerprint([steps.run(case, graphs=True)]))
+        hidden = prints.step(steps, case, True)
+        if not case.full and len(prints.pending) != len(case.keys):
+            return f"the native step ran {len(prints.pending)} pieces, not its {len(case.keys)}"
+        runs.append(fingerprint([hidden]) + prints.read())
     return runs[0] if runs[0] == runs[1] else "the native step is not bit-stable"
 
 

@@ -88,6 +88,14 @@ def flat_tensors(value: Any) -> list[torch.Tensor]:
 # ---- the sites -------------------------------------------------------------------------------
 
 
+def wrapper_class() -> Any:
+    """vLLM's `CUDAGraphWrapper` (every PIECEWISE piece runs through its `__call__`, with graphs or
+    without)."""
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+
+    return CUDAGraphWrapper
+
+
 def wrappers() -> dict[tuple[int, int], Any]:
     """Every CUDAGraphWrapper of this process by (site, piece)."""
     from vllm.compilation.cuda_graph import CUDAGraphWrapper
