@@ -63,6 +63,7 @@ class Lib:
         self.keys = list(KEYS)
         self.out = torch.zeros(2)
         self.q = torch.zeros(1)
+        self.left = torch.zeros(1)  # returned by piece 1, not written by it, never reset
         self.wrong_q = wrong_q
         self.own = Own(self, wrong_own, build_fails)
         self.template_launches: list[float] = []
@@ -83,11 +84,12 @@ class Lib:
         piece = self.keys[i][1]
         self.out[piece] = value
         self.q.fill_(7 + int(self.wrong_q and not eager) if piece == 0 else 0)
+        self.left += 1  # what earlier steps left: another value every step
 
     def outputs(self, key: Any) -> list[Any]:
-        """A key's graph outputs (the per-graph fingerprints are over these)."""
+        """A key's graph outputs (the per-piece fingerprints are over those every reset sets)."""
         row = self.out[key[1]:key[1] + 1]
-        return [row, self.q] if key[1] == 0 else [row]
+        return [row, self.q] if key[1] == 0 else [row, self.left]
 
     def launch_template(self, i: int, stream: Any = None) -> None:
         self.template_launches.append(time.perf_counter())
@@ -124,6 +126,10 @@ class Steps:
     def reset(self, case: Case, scratch: bool = True) -> None:
         self.resets += 1
         self.lib.out.fill_(-1)
+        self.lib.q.fill_(-1)
+
+    def reset_spans(self, case: Case) -> list[tuple[int, int]]:
+        return [canary_run._span(t) for t in (self.lib.out, self.lib.q)]
 
     def run(self, case: Case, graphs: bool) -> Any:
         for key in case.keys:
@@ -200,9 +206,10 @@ def test_a_failed_build_refuses_and_its_path_launches_as_every_other_ranks(stand
 def test_a_piece_output_a_later_piece_overwrites_is_checked_where_the_piece_returned_it(
         stand_in: Any) -> None:
     """Piece 0's q is wrong and piece 1 reuses its memory: the step's end is right, the fingerprint
-    taken as piece 0 returned is not, and the canary refuses. Against an eager step (N ranks)
-    pieces are not compared (an eager piece's attention buffer is whatever the allocator held):
-    that canary sees only the step's end, and passes it."""
+    taken as piece 0 returned is not, and the canary refuses. What a piece returns but no reset
+    sets (`left`, another value every step) is not compared: the clean restores pass. Against an
+    eager step (N ranks) pieces are not compared (an eager piece's attention buffer is whatever the
+    allocator held): that canary sees only the step's end, and passes it."""
     original = Wrapper.__call__
     lib, steps = stand_in(wrong_q=True)
     result, _ = canary_run.check_case(steps, CASE, lib, SAVED, every_path=False)

@@ -385,3 +385,12 @@ def test_the_poison_reads_as_a_large_value_in_every_float_width_and_as_no_index(
     # as an index (an int32 or int64 buffer read before written), far past any table
     assert int(np.frombuffer(word[:4], dtype=np.int32)[0]) > 1 << 30
     assert int(np.frombuffer(word, dtype=np.int64)[0]) > 1 << 62
+
+
+def test_a_span_is_inside_only_where_one_span_holds_all_of_it() -> None:
+    spans = [(100, 50), (300, 8)]
+    assert canary.inside((100, 50), spans) and canary.inside((120, 10), spans)
+    assert canary.inside((300, 0), spans)
+    assert not canary.inside((140, 20), spans)  # runs past the first
+    assert not canary.inside((150, 4), spans) and not canary.inside((96, 8), spans)
+    assert not canary.inside((100, 8), [])

@@ -232,6 +232,12 @@ def scratch_ranges(pointers: Iterable[int], free: Sequence[Range], keep: Iterabl
     return out
 
 
+def inside(span: Range, spans: Iterable[Range]) -> bool:
+    """Whether `span` (address, bytes) lies within one of `spans`."""
+    a, n = span
+    return any(b <= a and a + n <= b + m for b, m in spans)
+
+
 def within(ranges: Iterable[Sequence[int]], region: Sequence[int] | None) -> list[Range]:
     """The ranges inside libember's region (base, size): LOAD maps the graphs' memory there at
     SAVE's addresses; anything else is not poisoned (none without a region)."""

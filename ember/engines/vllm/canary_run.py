@@ -80,6 +80,10 @@ class Steps:
         for t in self.scratch(case) if scratch else ():
             t.fill_(POISON)
 
+    def reset_spans(self, case: Case) -> list[tuple[int, int]]:
+        """(address, bytes) of what every reset sets whole: the contiguous poisoned outputs."""
+        return [_span(t) for t in self.outputs(case) if t.is_contiguous()]
+
     def scratch(self, case: Case) -> list[torch.Tensor]:
         """The case's scratch as byte tensors over the graphs' memory, made once per case."""
         if (got := self._scratch.get(case.name)) is None:
@@ -199,18 +203,21 @@ class Prints:
     def step(self, steps: Steps, case: Case, graphs: bool) -> torch.Tensor:
         """One run of the case's step: its hidden states; each piece's prints queued here."""
         self.clear()
-        with piece_prints(self, case):
+        with piece_prints(self, case, steps.reset_spans(case) if self.on else []):
             return steps.run(case, graphs=graphs)
 
 
 @contextlib.contextmanager
-def piece_prints(prints: Prints, case: Case, wrapper: Any = None) -> Iterator[None]:
+def piece_prints(prints: Prints, case: Case, spans: Sequence[tuple[int, int]],
+                 wrapper: Any = None) -> Iterator[None]:
     """A PIECEWISE case: while its step runs, each piece's outputs fingerprinted on the device as
-    the piece returns them (vLLM's `CUDAGraphWrapper.__call__`: a replay's static outputs, or
-    without graphs what the compiled piece computed). The step is then checked piece by piece, the
-    q, k and v each piece hands to attention included (the dummy step's attention never reads
-    them), not only by its hidden states; each fingerprint is queued before a later piece can
-    reuse that memory. A FULL case's pieces do not run apart: nothing is added."""
+    the piece returns them (vLLM's `CUDAGraphWrapper.__call__`: the replay's static outputs). The
+    step is then checked piece by piece, the q, k and v each piece hands to attention included
+    (the dummy step's attention never reads them), not only by its hidden states; each fingerprint
+    is queued before a later piece can reuse that memory. Only outputs inside `spans`, memory every
+    reset sets (`Steps.reset_spans`): a piece also returns buffers it does not write (the one
+    attention fills), which hold what an earlier step left. A FULL case's pieces do not run apart:
+    nothing is added."""
     if case.full or not prints.on:
         yield
         return
@@ -220,7 +227,7 @@ def piece_prints(prints: Prints, case: Case, wrapper: Any = None) -> Iterator[No
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         if getattr(self.runtime_mode, "name", None) == "PIECEWISE":
-            prints.add(sites.flat_tensors(out))
+            prints.add([t for t in sites.flat_tensors(out) if canary.inside(_span(t), spans)])
         return out
 
     cls.__call__ = call
