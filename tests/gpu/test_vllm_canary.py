@@ -147,6 +147,9 @@ def test_a_restore_passes_its_canary_against_saves_native_steps(
     print("scratch", scratch)  # what was poisoned beside the outputs (-rA shows it)
     # the PIECEWISE step's graphs write buffers inside (the MLP's activation): some were poisoned
     assert (scratch.get("bytes") or {}).get("piecewise", 0) > 0, scratch
+    # against SAVE's fingerprint the PIECEWISE step's pieces were compared, not only its end
+    print("pieces", verify.get("pieces"))
+    assert verify["pieces"].get("piecewise", 0) > 0, verify
     # one GPU: both steps against SAVE's fingerprints, each through templates, an update, own execs
     every_path = "template+exec update+own exec"
     assert verify["checked"] == [f"piecewise:{every_path}", f"full:{every_path}"], verify

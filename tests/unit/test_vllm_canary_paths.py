@@ -177,6 +177,7 @@ def test_own_execs_are_built_before_the_first_step_and_a_saved_reference_needs_n
     result, problem = canary_run.check_case(steps, CASE, lib, SAVED, every_path=False)
     assert result["ok"] and not problem, (result, problem)
     assert result["checked"] == ["template", "exec update", "own exec"]
+    assert result["pieces"] == 2  # each piece's outputs compared, not only the step's end
     assert lib.own.build_span[1] <= min(lib.template_launches)
     parts = result["parts_ms"]
     assert parts["own exec build"] >= BUILD_S * 1e3 and parts["outputs rebuilt"] == 2.5
@@ -218,7 +219,7 @@ def test_a_piece_output_a_later_piece_overwrites_is_checked_where_the_piece_retu
     assert Wrapper.__call__ is original  # put back
     lib, steps = stand_in(wrong_q=True)
     result, _ = canary_run.check_case(steps, CASE, lib, None, every_path=False)
-    assert result["ok"], result
+    assert result["ok"] and result["pieces"] == 0, result
 
 
 def test_save_fingerprints_each_piece_and_records_no_step_that_skips_one(stand_in: Any) -> None:

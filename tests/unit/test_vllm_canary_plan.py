@@ -159,9 +159,11 @@ def test_outputs_a_graph_of_the_step_reads_are_not_poisoned() -> None:
 
 def test_several_steps_make_one_verdict_with_their_costs() -> None:
     ok = {"ok": True, "why": "", "checked": ["template", "own exec"], "verify_ms": 4.0,
-          "parts_ms": {"reference": 1.0, "template": 3.0}}
-    bad = {**ok, "ok": False, "why": "as instantiated: output 0: element 3 of 8 differs", "verify_ms": 6.0}
+          "parts_ms": {"reference": 1.0, "template": 3.0}, "pieces": 3}
+    bad = {**ok, "ok": False, "why": "as instantiated: output 0: element 3 of 8 differs", "verify_ms": 6.0,
+           "pieces": 0}
     got = canary.combine({"piecewise": ok, "full": bad}, ["other"])
+    assert got["pieces"] == {"piecewise": 3}  # how many pieces each step compared (none: not said)
     assert not got["ok"] and got["why"].startswith("full: as instantiated")
     assert got["verify_ms"] == 10.0 and got["parts_ms"]["full.template"] == 3.0
     assert got["checked"] == ["piecewise:template+own exec", "full:template+own exec", "other:unchecked"]

@@ -256,7 +256,8 @@ def combine(results: Mapping[str, dict[str, Any]], unchecked: Sequence[str] = ()
     checked = [f"{name}:{'+'.join(r.get('checked', []))}" for name, r in results.items()]
     checked += [f"{name}:unchecked" for name in unchecked]
     return {"ok": not why, "why": why, "checked": checked, "parts_ms": parts,
-            "verify_ms": sum(float(r.get("verify_ms", 0.0)) for r in results.values())}
+            "verify_ms": sum(float(r.get("verify_ms", 0.0)) for r in results.values()),
+            "pieces": {name: r["pieces"] for name, r in results.items() if r.get("pieces")}}
 
 
 def failed(why: str) -> dict[str, Any]:

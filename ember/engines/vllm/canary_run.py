@@ -300,6 +300,7 @@ def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
     parts.update({f"{name} graph calls": ms for name, ms in calls})
     parts.update({f"{name} fingerprint": ms for name, ms in zip(result["checked"], print_ms, strict=False)})
     result["verify_ms"] += build_ms
+    result["pieces"] = len(prints.pending)  # pieces whose outputs the last step compared
     return result, (problem[0] if problem else "")
 
 

@@ -576,7 +576,8 @@ def verify_fields(result: dict[str, Any]) -> dict[str, Any]:
     """LOAD's canary in the report: its verdict, cost (ms) and where the time went, what it checked."""
     return {"ok": bool(result.get("ok")), "verify_ms": round(float(result.get("verify_ms") or 0.0), 2),
             "parts_ms": result.get("parts_ms") or {}, "checked": result.get("checked") or [],
-            "why": result.get("why") or "", "scratch": result.get("scratch") or {}}
+            "why": result.get("why") or "", "scratch": result.get("scratch") or {},
+            "pieces": result.get("pieces") or {}}
 
 
 def _after_install(kind: str) -> None:
