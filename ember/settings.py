@@ -60,6 +60,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "N ranks: a LOAD canary not done (its vote included) by then ends the worker, stacks "
             "first, so a rank that failed inside it never leaves its peers in a collective until "
             "NCCL's timeout; the crash marker makes the next start native (0: no limit)"),
+    Setting("EMBER_VLLM_CANARY_EAGER", "flag", "0",
+            "test: LOAD's canary on one GPU checks against eager steps, as N ranks do, not against "
+            "SAVE's fingerprints (that path's proof on a one-GPU machine)"),
     Setting("EMBER_VLLM_CANARY_EVERY_FULL", "flag", "0",
             "diagnosis: LOAD's canary runs every FULL size, not one (which graph differs)"),
     Setting("EMBER_VLLM_CAPTURE_NATIVELY", "flag", "0",
@@ -80,7 +83,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
 # containers (`pinned_env`): a Secret or ConfigMap the pod template brings in through envFrom
 # cannot set them (a container's own env wins over envFrom; `env` itself refuses EMBER_*). The
 # tuning and diagnosis knobs stay open to envFrom: they change cost or logging, not what is served.
-TESTS_ONLY = ("EMBER_FAULT", "EMBER_SWAP_AT_LAUNCH", "EMBER_VLLM_CANARY", "EMBER_VLLM_CAPTURE_NATIVELY")
+TESTS_ONLY = ("EMBER_FAULT", "EMBER_SWAP_AT_LAUNCH", "EMBER_VLLM_CANARY", "EMBER_VLLM_CANARY_EAGER",
+              "EMBER_VLLM_CAPTURE_NATIVELY")
 # layouts and a compile setting no GPU run has proven yet
 UNPROVEN = ("EMBER_UNION_PROGRAMMATIC", "EMBER_UNION_MEMSETS", "EMBER_VLLM_MEGA_AOT")
 WEAKENING = ("EMBER_VLLM_CANARY_FULL_EAGER",)  # 0 leaves a step LOAD's canary would check unchecked

@@ -177,6 +177,32 @@ def test_a_faulty_restore_is_refused_before_any_request_and_native_serves(
     assert got["tokens"] == one_gpu["native"]["tokens"]  # vLLM captured its own graphs and served
 
 
+@pytest.mark.parametrize("fault", ["", "kernel-arg"])
+def test_against_eager_steps_as_n_ranks_check_each_piece_is_compared(
+        one_gpu: dict[str, Any], tmp_path: Path, fault: str) -> None:
+    """How N ranks check (SAVE saw no data there), on one GPU (`EMBER_VLLM_CANARY_EAGER`): the
+    restored steps against the same steps without graphs, each PIECEWISE piece's outputs included
+    at the same positions. A clean restore passes it; corrupted kernel arguments are refused (the
+    q, k and v they change reach no step's end: only the pieces show them), and native serves."""
+    got, rep, log = _load(one_gpu, tmp_path, fault, {"EMBER_VLLM_CANARY_EAGER": "1"})
+    stages = rep["stages"]
+    verify = stages["verify"]
+    if not fault:
+        assert verify["ok"] is True and stages["capture"]["how"] == "restored", (verify, log[-3000:])
+        assert verify["checked"] == ["piecewise:template+exec update+own exec",
+                                     "full:template+exec update+own exec"], verify
+        print("pieces", verify.get("pieces"), "parts", verify.get("parts_ms"))
+        assert verify["pieces"].get("piecewise", 0) > 0, verify
+        assert got["captured_at_start"] == 0
+    else:
+        if "kernel argument(s)" not in log:
+            pytest.skip("kernel-arg: no kernel argument of these graphs qualifies (nothing corrupted)")
+        reason = (stages.get("load_refused") or {}).get("reason", "")
+        assert reason.startswith(CANARY) and stages["capture"]["how"] == "native-after-refusal", (
+            stages, log[-3000:])
+    assert got["tokens"] == one_gpu["native"]["tokens"]
+
+
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if _gpus() < 2:
@@ -196,6 +222,7 @@ def test_a_clean_tp2_restore_passes_the_canary_on_both_ranks(tp2: dict[str, Any]
         # N ranks: each step against the same step without graphs (FULL: built with the capture's metadata)
         assert verify["checked"] == ["piecewise:template+exec update+own exec",
                                      "full:template+exec update+own exec"], verify
+        assert verify["pieces"].get("piecewise", 0) > 0, verify  # its pieces' outputs too, not only its end
     assert got["tokens"] == tp2["native"]["tokens"]
 
 

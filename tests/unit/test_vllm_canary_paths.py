@@ -128,8 +128,9 @@ class Steps:
         self.lib.out.fill_(-1)
         self.lib.q.fill_(-1)
 
-    def reset_spans(self, case: Case) -> list[tuple[int, int]]:
-        return [canary_run._span(t) for t in (self.lib.out, self.lib.q)]
+    def compared(self, case: Case) -> list[list[int]]:
+        """Piece 0: its row and q; piece 1: its row (not `left`: no reset sets it)."""
+        return [[0, 1] if key[1] == 0 else [0] for key in case.keys]
 
     def run(self, case: Case, graphs: bool) -> Any:
         for key in case.keys:
@@ -207,10 +208,10 @@ def test_a_failed_build_refuses_and_its_path_launches_as_every_other_ranks(stand
 def test_a_piece_output_a_later_piece_overwrites_is_checked_where_the_piece_returned_it(
         stand_in: Any) -> None:
     """Piece 0's q is wrong and piece 1 reuses its memory: the step's end is right, the fingerprint
-    taken as piece 0 returned is not, and the canary refuses. What a piece returns but no reset
-    sets (`left`, another value every step) is not compared: the clean restores pass. Against an
-    eager step (N ranks) pieces are not compared (an eager piece's attention buffer is whatever the
-    allocator held): that canary sees only the step's end, and passes it."""
+    taken as piece 0 returned is not, and the canary refuses, against SAVE's fingerprint (one GPU)
+    and against an eager step (N ranks: the same positions of the eager pieces' outputs). What a
+    piece returns but no reset sets (`left`, another value every step) is not compared: the clean
+    restores pass both ways."""
     original = Wrapper.__call__
     lib, steps = stand_in(wrong_q=True)
     result, _ = canary_run.check_case(steps, CASE, lib, SAVED, every_path=False)
@@ -219,7 +220,11 @@ def test_a_piece_output_a_later_piece_overwrites_is_checked_where_the_piece_retu
     assert Wrapper.__call__ is original  # put back
     lib, steps = stand_in(wrong_q=True)
     result, _ = canary_run.check_case(steps, CASE, lib, None, every_path=False)
-    assert result["ok"] and result["pieces"] == 0, result
+    assert not result["ok"] and result["why"].startswith("as instantiated: output 1"), result
+    for saved in (SAVED, None):
+        lib, steps = stand_in()
+        result, _ = canary_run.check_case(steps, CASE, lib, saved, every_path=True)
+        assert result["ok"] and result["pieces"] == 2, result
 
 
 def test_save_fingerprints_each_piece_and_records_no_step_that_skips_one(stand_in: Any) -> None:

@@ -295,11 +295,12 @@ def test_the_canarys_cost_and_verdict_reach_each_ranks_report(tmp_path: Path) ->
     path = tmp_path / "vllm-report.json"
     assert report.verify_cost(report.read(path)) == {}
     verify = {"ok": True, "verify_ms": 31.2, "parts_ms": {"piecewise.template": 9.0},
-              "checked": ["piecewise:template"]}
+              "checked": ["piecewise:template"], "pieces": {"piecewise": 33}}
     report.write(path, {"stages": {"verify": verify}}, (1, 2))
     one = report.read(path)["ranks"]["1"]
     assert report.verify_cost(one) == {"ok": True, "verify_ms": 31.2, "parts_ms": {"piecewise.template": 9.0},
-                                       "checked": ["piecewise:template"], "why": ""}
+                                       "checked": ["piecewise:template"], "why": "",
+                                       "pieces": {"piecewise": 33}}
 
 
 def test_a_canary_refusal_on_n_ranks_keeps_its_reason_class_and_names_the_rank_that_saw_it(

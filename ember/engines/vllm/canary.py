@@ -25,8 +25,10 @@ The reference (`plan`):
 - N ranks (SAVE played one rank under the NCCL stub and saw no data), or an archive without a
   fingerprint: the PIECEWISE step against the same step without graphs (`CUDAGraphMode.NONE`):
   vLLM runs the same compiled (Inductor) code eagerly, attention runs eagerly in both, and the
-  collectives run on the same communicators the splice captured with. That covers every kernel
-  of the piecewise graphs whose effect reaches the step's end, and the spliced collectives. A
+  collectives run on the same communicators the splice captured with. Each piece's outputs are
+  fingerprinted in both steps too, at the same positions (`canary_run.Prints`). That covers every
+  kernel of the piecewise graphs whose effect reaches the step's end or a piece's outputs, and
+  the spliced collectives. A
   FULL step's attention is inside the graph with metadata built for capture, so its reference is
   an eager step built with the capture's metadata (`EMBER_VLLM_CANARY_FULL_EAGER`, on by default:
   bitwise equal on both ranks of TP=2 on H200, benchmarks/results/h200x2-20261201a; a difference
@@ -39,10 +41,10 @@ identical step computed there before, which is right, and the step's outputs com
 each case's scratch and, on one GPU, fingerprints its steps with the scratch poisoned; a case whose
 step reads its scratch before writing it (poisoned and plain runs differ) records none.
 What it cannot see: a dummy step writes no KV cache (its slot mappings are PAD) and attends over a
-fresh, zeroed cache, so its attention output never depends on the step's q, k and v. Against
-SAVE's fingerprint the per-piece fingerprints cover them in a PIECEWISE step (they are piece
-outputs); against an eager step (N ranks) and inside a FULL graph nothing does: a kernel that
-computes q, k or v wrongly, and changes nothing else, passes there. And a wrong value that rounds
+fresh, zeroed cache, so its attention output never depends on the step's q, k and v. In a
+PIECEWISE step the per-piece fingerprints cover them (they are piece outputs), against SAVE's
+fingerprint and against an eager step alike; inside a FULL graph nothing does: a kernel of a FULL
+graph alone that computes q, k or v wrongly, and changes nothing else, passes there. And a wrong value that rounds
 away in bf16 against the residual stream changes no fingerprint (a random-weight model's MLP adds
 ~1e-10 to a residual of ~1e-3); a kernel that leaves its output unwritten does, through the
 poison (`POISON`).

@@ -53,6 +53,7 @@ class Steps:
         self.runner, self.kind, self.facts = runner, kind, facts
         self.ranges = scratch or {}  # per case: (address, bytes) of its scratch
         self._outputs: dict[str, list[torch.Tensor]] = {}
+        self._compared: dict[str, list[list[int]]] = {}
         self._scratch: dict[str, list[torch.Tensor]] = {}
         self._ids: dict[int, torch.Tensor] = {}
         self.rebuilt_ms: dict[str, float] = {}  # per case: its outputs rebuilt (in its first reset)
@@ -80,10 +81,6 @@ class Steps:
         for t in self.scratch(case) if scratch else ():
             t.fill_(POISON)
 
-    def reset_spans(self, case: Case) -> list[tuple[int, int]]:
-        """(address, bytes) of what every reset sets whole: the contiguous poisoned outputs."""
-        return [_span(t) for t in self.outputs(case) if t.is_contiguous()]
-
     def scratch(self, case: Case) -> list[torch.Tensor]:
         """The case's scratch as byte tensors over the graphs' memory, made once per case."""
         if (got := self._scratch.get(case.name)) is None:
@@ -99,12 +96,25 @@ class Steps:
             return got
         t0 = time.perf_counter()
         specs = self.facts.get("outputs") or {}
-        tensors = [t for k in case.keys for t in sites.flat_tensors(sites.rebuild(specs.get(_name(k))))]
+        per_key = [sites.flat_tensors(sites.rebuild(specs.get(_name(k)))) for k in case.keys]
+        tensors = [t for ts in per_key for t in ts]
         reads = [a for k in case.keys for a in (self.facts.get("input_addresses") or {}).get(_name(k), [])]
         keep = canary.poison_targets([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors], reads)
         got = self._outputs[case.name] = [tensors[i] for i in keep]
+        spans = [_span(t) for t in got if t.is_contiguous()]
+        self._compared[case.name] = [[j for j, t in enumerate(ts) if canary.inside(_span(t), spans)]
+                                     for ts in per_key]
         self.rebuilt_ms[case.name] = (time.perf_counter() - t0) * 1e3
         return got
+
+    def compared(self, case: Case) -> list[list[int]]:
+        """Per piece of the case, in launch order: which of the outputs it returns the per-piece
+        prints compare, by position. Those inside what every reset sets whole (the contiguous
+        poisoned outputs): a piece also returns buffers it does not write (the one attention
+        fills), which hold what an earlier step left in the graphs' memory and whatever the
+        allocator held in an eager step's."""
+        self.outputs(case)
+        return self._compared[case.name]
 
     def run(self, case: Case, graphs: bool) -> torch.Tensor:
         """One dummy step of `case`, through graphs or without (NONE); its hidden states."""
@@ -177,22 +187,25 @@ class Routed:
 
 
 class Prints:
-    """The fingerprints of each PIECEWISE piece's outputs a step queued on the device, in order.
-    Only against SAVE's fingerprint (`on`): there both sides' pieces return the same memory, reset
-    the same way. Against an eager step they may not: a piece returns the buffer attention fills
-    (`torch.empty` inside the piece), poisoned in the graph's memory, whatever the allocator held
-    in the eager step's."""
+    """The fingerprints of each PIECEWISE piece's outputs a step queued on the device, in launch
+    order: of piece i's returned outputs those at the positions `compared[i]` names
+    (`Steps.compared`). Positions, not addresses: an eager step's pieces return the same outputs in
+    fresh memory, so the same prints compare a restored step with an eager one (N ranks)."""
 
-    def __init__(self, on: bool = True) -> None:
-        self.on = on
+    def __init__(self, compared: Sequence[Sequence[int]] = ()) -> None:
+        self.compared = [list(c) for c in compared]
         self.pending: list[torch.Tensor] = []
+        self.calls = 0  # the pieces the step ran
 
     def clear(self) -> None:
-        self.pending = []
+        self.pending, self.calls = [], 0
 
     def add(self, outputs: list[torch.Tensor]) -> None:
-        if outputs:
-            self.pending.append(fingerprints_on_device(outputs))
+        at = self.compared[self.calls] if self.calls < len(self.compared) else []
+        self.calls += 1
+        chosen = [outputs[j] for j in at if j < len(outputs)]  # fewer outputs: the prints differ
+        if chosen:
+            self.pending.append(fingerprints_on_device(chosen))
 
     def tensor(self) -> torch.Tensor:
         return torch.cat(self.pending) if self.pending else torch.zeros(0, dtype=torch.int64)
@@ -203,22 +216,19 @@ class Prints:
     def step(self, steps: Steps, case: Case, graphs: bool) -> torch.Tensor:
         """One run of the case's step: its hidden states; each piece's prints queued here."""
         self.clear()
-        with piece_prints(self, case, steps.reset_spans(case) if self.on else []):
+        with piece_prints(self, case):
             return steps.run(case, graphs=graphs)
 
 
 @contextlib.contextmanager
-def piece_prints(prints: Prints, case: Case, spans: Sequence[tuple[int, int]],
-                 wrapper: Any = None) -> Iterator[None]:
+def piece_prints(prints: Prints, case: Case, wrapper: Any = None) -> Iterator[None]:
     """A PIECEWISE case: while its step runs, each piece's outputs fingerprinted on the device as
-    the piece returns them (vLLM's `CUDAGraphWrapper.__call__`: the replay's static outputs). The
-    step is then checked piece by piece, the q, k and v each piece hands to attention included
-    (the dummy step's attention never reads them), not only by its hidden states; each fingerprint
-    is queued before a later piece can reuse that memory. Only outputs inside `spans`, memory every
-    reset sets (`Steps.reset_spans`): a piece also returns buffers it does not write (the one
-    attention fills), which hold what an earlier step left. A FULL case's pieces do not run apart:
-    nothing is added."""
-    if case.full or not prints.on:
+    the piece returns them (vLLM's `CUDAGraphWrapper.__call__`: the replay's static outputs, or
+    what the piece computed without graphs). The step is then checked piece by piece, the q, k and
+    v each piece hands to attention included (the dummy step's attention never reads them), not
+    only by its hidden states; each fingerprint is queued before a later piece can reuse that
+    memory. A FULL case's pieces do not run apart: nothing is added."""
+    if case.full or not prints.compared:
         yield
         return
     cls = wrapper or sites.wrapper_class()
@@ -227,7 +237,7 @@ def piece_prints(prints: Prints, case: Case, spans: Sequence[tuple[int, int]],
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         if getattr(self.runtime_mode, "name", None) == "PIECEWISE":
-            prints.add([t for t in sites.flat_tensors(out) if canary.inside(_span(t), spans)])
+            prints.add(sites.flat_tensors(out))
         return out
 
     cls.__call__ = call
@@ -262,7 +272,7 @@ def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
     problem: list[str] = []
 
     own, build_ms = _build_own(library, indices, case, problem)
-    prints = Prints(on=saved is not None)
+    prints = Prints(steps.compared(case))
 
     def via(path: str) -> list[Any]:
         route[0], spent[0] = path, 0.0
@@ -272,8 +282,8 @@ def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
         if sorted(set(launched)) != sorted(indices) and not problem:
             problem.append(f"{case.name}: the {path} step launched {len(set(launched))} of its "
                            f"{len(indices)} restored graphs (vLLM did not dispatch it to them)")
-        if saved is None:
-            return [hidden]
+        if saved is None:  # against the eager step: its end and its pieces' prints, on the device
+            return [hidden, prints.tensor()]
         if torch.cuda.is_available():  # the step's end: what follows is the fingerprint's own time
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -289,7 +299,11 @@ def check_case(steps: Steps, case: Case, library: Any, saved: list[int] | None,
                 problem.append(f"{case.name}: exec update of {library.keys[i]}: {type(exc).__name__}: {exc}")
         return True
 
-    reference: Any = list(saved) if saved is not None else (lambda: [steps.run(case, graphs=False)])
+    def eager() -> list[Any]:
+        hidden = prints.step(steps, case, False)
+        return [hidden, prints.tensor()]
+
+    reference: Any = list(saved) if saved is not None else eager
     with routed(steps.runner, library, case, route, launched, spent):
         result = verify.canary(reference, lambda: via("template"), lambda: steps.reset(case), trip,
                                lambda: via(own), every_path=every_path, reset_after=False)
@@ -336,7 +350,8 @@ def run(runner: Any, kind: str, library: Any, facts: Mapping[str, Any], world: i
     region = facts.get("region")
     scratch = {name: canary.within(r, region) for name, r in (facts.get("scratch") or {}).items()}
     steps = Steps(runner, kind, facts, scratch)
-    saved = facts.get("canary")
+    # EMBER_VLLM_CANARY_EAGER: one GPU checks against eager steps as N ranks do (a test of that path)
+    saved = None if settings.on("EMBER_VLLM_CANARY_EAGER") else facts.get("canary")
     full_eager = settings.on("EMBER_VLLM_CANARY_FULL_EAGER")
     results: dict[str, dict[str, Any]] = {}
     unchecked: list[str] = []
@@ -426,12 +441,12 @@ def _stable(steps: Steps, case: Case, scratch: bool) -> list[int] | str:
     """The step's fingerprint (its end, then each piece's outputs), twice the same (a fingerprint
     LOAD could not reproduce would refuse every restore), else why not."""
     runs = []
-    prints = Prints()
+    prints = Prints(steps.compared(case))
     for _ in range(2):
         steps.reset(case, scratch)
         hidden = prints.step(steps, case, True)
-        if not case.full and len(prints.pending) != len(case.keys):
-            return f"the native step ran {len(prints.pending)} pieces, not its {len(case.keys)}"
+        if not case.full and prints.calls != len(case.keys):
+            return f"the native step ran {prints.calls} pieces, not its {len(case.keys)}"
         runs.append(fingerprint([hidden]) + prints.read())
     return runs[0] if runs[0] == runs[1] else "the native step is not bit-stable"
 
