@@ -153,9 +153,10 @@ def test_the_template_is_part_of_the_pool_key_and_an_empty_one_is_not() -> None:
 def test_knobs_that_fake_weaken_or_are_unproven_are_pinned_where_envfrom_could_set_them() -> None:
     """The template's envFrom (a ConfigMap, a Secret) may hold any variable, and `env` refuses
     only names it spells out: the engine and SAVE containers pin the tests' faults, the bench's
-    skipped canary, its eager reference on one GPU and native capture, the unproven union layouts and compile setting (whose
-    archives the operator's identity does not name) and the canary's FULL check to
-    their defaults, and a container's own env wins over envFrom. Tuning knobs stay open."""
+    skipped canary, its eager reference on one GPU and native capture, the unproven union layouts
+    and compile setting (whose archives the operator's identity does not name) and the canary's
+    FULL check to their defaults, and a container's own env wins over envFrom. Tuning knobs stay
+    open."""
     from ember import settings
 
     for _, spec in _pods():
@@ -164,6 +165,7 @@ def test_knobs_that_fake_weaken_or_are_unproven_are_pinned_where_envfrom_could_s
         env = {e["name"]: e.get("value") for e in engine["env"]}
         assert {n: env.get(n) for n in settings.PINNED} == {
             "EMBER_FAULT": "", "EMBER_SWAP_AT_LAUNCH": "", "EMBER_VLLM_CANARY": "1",
-            "EMBER_VLLM_CANARY_EAGER": "0", "EMBER_VLLM_CAPTURE_NATIVELY": "0", "EMBER_UNION_PROGRAMMATIC": "0", "EMBER_UNION_MEMSETS": "0",
+            "EMBER_VLLM_CANARY_EAGER": "0", "EMBER_VLLM_CAPTURE_NATIVELY": "0",
+            "EMBER_UNION_PROGRAMMATIC": "0", "EMBER_UNION_MEMSETS": "0",
             "EMBER_VLLM_CANARY_FULL_EAGER": "1", "EMBER_VLLM_MEGA_AOT": "0"}
         assert "EMBER_EXEC_MEMORY_MB" not in env and "EMBER_DEDICATE" not in env

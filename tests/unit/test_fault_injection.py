@@ -74,3 +74,22 @@ def test_in_inductors_graphs_every_pointwise_kernels_count_is_halved(caplog) -> 
     ptrs, _keep = _arguments(*plain)
     (buf,) = faults.corrupt_arguments(ptrs, [(0, (4,)), (1, (4,))], ["triton_red_fused_0", "gemm"])
     assert int(buf.view(np.int32)[0]) == 4096 and int(ptrs[1]) == buf.ctypes.data  # no pointwise: the last
+
+
+def test_an_own_exec_fault_leaves_the_keys_graph_to_the_templates(monkeypatch) -> None:
+    """`own-exec` builds the own execs from corrupted arguments. The graph built beside one is the
+    key's graph otherwise (the templates' exec updates load it): under the fault it is not kept,
+    so the templates compute the right thing and only the own-exec path differs (a canary that
+    builds the own execs first refused on the templates' path instead, h200-20261203)."""
+    import threading
+    from types import SimpleNamespace
+
+    from ember.runtime.graphs import templates
+
+    destroyed: list[str] = []
+    monkeypatch.setattr(templates, "cu", SimpleNamespace(cuGraphDestroy=destroyed.append))
+    for fault, kept in ((False, {3: "built"}), (True, {})):
+        lib = SimpleNamespace(driver_lock=threading.Lock(), _graphs={}, own_fault=fault)
+        templates.GraphLibrary.keep_graph(lib, 3, "built")  # type: ignore[arg-type]
+        assert lib._graphs == kept
+    assert destroyed == ["built"]

@@ -44,10 +44,10 @@ What it cannot see: a dummy step writes no KV cache (its slot mappings are PAD) 
 fresh, zeroed cache, so its attention output never depends on the step's q, k and v. In a
 PIECEWISE step the per-piece fingerprints cover them (they are piece outputs), against SAVE's
 fingerprint and against an eager step alike; inside a FULL graph nothing does: a kernel of a FULL
-graph alone that computes q, k or v wrongly, and changes nothing else, passes there. And a wrong value that rounds
-away in bf16 against the residual stream changes no fingerprint (a random-weight model's MLP adds
-~1e-10 to a residual of ~1e-3); a kernel that leaves its output unwritten does, through the
-poison (`POISON`).
+graph alone that computes q, k or v wrongly, and changes nothing else, passes there. And a wrong
+value that rounds away in bf16 against the residual stream changes no fingerprint (a
+random-weight model's MLP adds ~1e-10 to a residual of ~1e-3); a kernel that leaves its output
+unwritten does, through the poison (`POISON`).
 Each restored step runs three ways (`ember.runtime.verify.canary`): through the templates (every
 key of the step switched in: exec updates), again after each key's template went to another
 member and back, and on the keys' own execs.

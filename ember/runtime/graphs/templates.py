@@ -101,7 +101,7 @@ class GraphLibrary:
         self.uploads = Uploader(self.ctx)
         self._ahead: list[Future[float]] = []  # the union template, prepared during the first build
         self.launches = 0
-        self._stale_update, self._own_fault = faults.active("stale-update"), faults.active("own-exec")
+        self._stale_update, self.own_fault = faults.active("stale-update"), faults.active("own-exec")
         self.own = OwnExecs(self, hot_after)  # each key's own exec (own_execs.py)
 
     def _unions(self, splicer: Any) -> list[UnionTemplate]:
@@ -120,7 +120,7 @@ class GraphLibrary:
         return self._index[tuple(key)]
 
     def prepared(self, index: int, own: bool = False) -> rebuild.PreparedGraph:
-        if own and self._own_fault and self._attr_sets is not None:  # own execs computing otherwise
+        if own and self.own_fault and self._attr_sets is not None:  # own execs computing otherwise
             return rebuild.prepare_from_table(self.source, index, self.functions, self.ctx, self._attr_sets,
                                               corrupt=True)
         prep = self._prepared.get(index)
@@ -401,9 +401,11 @@ class GraphLibrary:
         return tmpl is not None and tmpl.updated
 
     def keep_graph(self, index: int, g: Any) -> None:
-        """A graph built beside an own exec: kept as the key's graph unless one is (then destroyed)."""
+        """A graph built beside an own exec: kept as the key's graph unless one is, or the own
+        execs are built corrupt (the `own-exec` fault: the templates' exec updates would load it
+        too, and the fault would not be the own execs' alone); else destroyed."""
         with self.driver_lock:
-            if index in self._graphs:
+            if index in self._graphs or self.own_fault:
                 cu.cuGraphDestroy(g)
             else:
                 self._graphs[index] = g
