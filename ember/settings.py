@@ -71,8 +71,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("EMBER_VLLM_MEGA_AOT", "flag", "0",
             "SAVE and LOAD store vLLM's compiled model as one AOT artifact "
             "(ember.engines.vllm.args.COMPILE_ENV): loading it is seconds shorter (Llama-3-8B, one "
-            "H200: 4 of 4 LOADs 0.12-0.14 of native, benchmarks/results/h200-20261202d); not yet run "
-            "at more starts or at N ranks, and it changes the operator's identity"),
+            "H200: 8 of 8 LOADs 0.11-0.14 of native, benchmarks/results/h200-20261202d, h200-20261203); "
+            "not yet run at N ranks or on an H100, and it changes the operator's identity"),
     Setting("EMBER_VLLM_ONE_GPU", "flag", "1",
             "LOAD: each worker of a multi-GPU shape sees only its own GPU, as SAVE did"),
     Setting("EMBER_VLLM_MEMORY_TRACE", "text", "",
