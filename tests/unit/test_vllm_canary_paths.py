@@ -111,6 +111,8 @@ class Wrapper:
             self.steps.routed[self.key].replay()
         else:
             lib.write(lib.key_index(self.key), lib.key_index(self.key) + 1, eager=True)
+            if self.steps.eager_returns is not None:
+                return lib.outputs(self.key)[:self.steps.eager_returns]
         return lib.outputs(self.key)
 
 
@@ -121,6 +123,7 @@ class Steps:
         self.lib, self.runner, self.resets = lib, object(), 0
         self.routed: dict[Any, Any] = {}
         self.skip: Any = None
+        self.eager_returns: int | None = None  # an eager piece that returns fewer outputs
         self.rebuilt_ms = {CASE.name: 2.5}
 
     def reset(self, case: Case, scratch: bool = True) -> None:
@@ -225,6 +228,16 @@ def test_a_piece_output_a_later_piece_overwrites_is_checked_where_the_piece_retu
         lib, steps = stand_in()
         result, _ = canary_run.check_case(steps, CASE, lib, saved, every_path=True)
         assert result["ok"] and result["pieces"] == 2, result
+
+
+def test_an_eager_piece_that_returns_fewer_outputs_refuses_and_does_not_raise(stand_in: Any) -> None:
+    """The eager step's pieces are compared by position with the restored ones'; where an eager
+    piece returns fewer outputs (another structure) the prints differ in length: a refusal that
+    says so, never a canary that raises or passes on what it could not compare."""
+    lib, steps = stand_in()
+    steps.eager_returns = 1
+    result, _ = canary_run.check_case(steps, CASE, lib, None, every_path=True)
+    assert not result["ok"] and "output 1: (3,) torch.int64, expected (2,)" in result["why"], result
 
 
 def test_save_fingerprints_each_piece_and_records_no_step_that_skips_one(stand_in: Any) -> None:
