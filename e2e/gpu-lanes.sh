@@ -8,6 +8,8 @@
 #   echo "CMD" >> /tmp/ember-run/NAME.q  # one bash command a line (cwd /tmp/snap-TAG)
 #   bash e2e/gpu-lanes.sh start NAME TAG # run NAME.q's lines in order, detached: NAME.log, NAME.rc
 #   bash e2e/gpu-lanes.sh poll SECS      # wait until every lane ended (or SECS); tails; $OUT/run.tgz
+#   bash e2e/gpu-lanes.sh poll SECS next # ... or until any lane ends a line (spend no budget on a
+#                                        # line that cannot finish in it)
 #
 # pytest lines: `--basetemp=/tmp/ember-run/pt/NAME` keeps each test's engine logs and reports where
 # `poll` packs them (pytest's own temp root keeps only its last three runs), caches and stores left out.
@@ -74,14 +76,17 @@ halt() {  # a lane (or all) stopped now, whatever it runs: every process of its 
   done
 }
 
-poll() {
-  local end=$((SECONDS + ${1:-500})) left l
+poll() {  # `poll SECS next`: also back as soon as any lane ends a line (the budget's last calls)
+  local end=$((SECONDS + ${1:-500})) left l ended
   if ! compgen -G "$RUN/*.log" >/dev/null; then  # nothing to wait for: do not spend the call
     echo "no lanes in $RUN: a fresh machine (the one that ran them was released when idle)"; return 3
   fi
+  ended=$(cat "$RUN"/*.log | grep -c "^## .* rc=")
   while ((SECONDS < end)); do
     left=0; for l in "$RUN"/*.log; do [[ -e ${l%.log}.rc ]] || left=$((left + 1)); done
-    ((left == 0)) && break; sleep 10
+    ((left == 0)) && break
+    [[ ${2:-} == next ]] && (($(cat "$RUN"/*.log | grep -c "^## .* rc=") > ended)) && break
+    sleep 10
   done
   for l in "$RUN"/*.log; do
     echo "===== $(basename "$l" .log): $(cat "${l%.log}.rc" 2>/dev/null || echo running)"
