@@ -28,11 +28,11 @@ The reference (`plan`):
   collectives run on the same communicators the splice captured with. Each piece's outputs are
   fingerprinted in both steps too, at the same positions (`canary_run.Prints`). That covers every
   kernel of the piecewise graphs whose effect reaches the step's end or a piece's outputs, and
-  the spliced collectives. A
-  FULL step's attention is inside the graph with metadata built for capture, so its reference is
-  an eager step built with the capture's metadata (`EMBER_VLLM_CANARY_FULL_EAGER`, on by default:
-  bitwise equal on both ranks of TP=2 on H200, benchmarks/results/h200x2-20261201a; a difference
-  refuses). With it off the FULL case is reported unchecked.
+  the spliced collectives. A FULL step's attention is inside the graph with metadata built for
+  capture, so its reference is an eager step built with the capture's metadata
+  (`EMBER_VLLM_CANARY_FULL_EAGER`, on by default: bitwise equal on both ranks of TP=2 on H200,
+  benchmarks/results/h200x2-20261201a; a difference refuses). With it off the FULL case is
+  reported unchecked.
 What a reset poisons: the step's graph outputs, and the SCRATCH its graphs write inside
 (`scratch_ranges`): the graph pool's free memory their nodes point into. Outputs alone are not
 enough: a kernel that leaves part of an internal buffer unwritten (a corrupted count) leaves what an

@@ -221,7 +221,7 @@ class Prints:
 
 
 @contextlib.contextmanager
-def piece_prints(prints: Prints, case: Case, wrapper: Any = None) -> Iterator[None]:
+def piece_prints(prints: Prints, case: Case) -> Iterator[None]:
     """A PIECEWISE case: while its step runs, each piece's outputs fingerprinted on the device as
     the piece returns them (vLLM's `CUDAGraphWrapper.__call__`: the replay's static outputs, or
     what the piece computed without graphs). The step is then checked piece by piece, the q, k and
@@ -231,7 +231,7 @@ def piece_prints(prints: Prints, case: Case, wrapper: Any = None) -> Iterator[No
     if case.full or not prints.compared:
         yield
         return
-    cls = wrapper or sites.wrapper_class()
+    cls = sites.wrapper_class()
     original = cls.__call__
 
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
