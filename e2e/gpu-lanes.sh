@@ -86,7 +86,7 @@ poll() {  # `poll SECS next`: also back as soon as any lane ends a line (the bud
     left=0; for l in "$RUN"/*.log; do [[ -e ${l%.log}.rc ]] || left=$((left + 1)); done
     ((left == 0)) && break
     [[ ${2:-} == next ]] && (($(cat "$RUN"/*.log | grep -c "^## .* rc=") > ended)) && break
-    sleep 10
+    sleep "${POLL_EVERY:-10}"
   done
   for l in "$RUN"/*.log; do
     echo "===== $(basename "$l" .log): $(cat "${l%.log}.rc" 2>/dev/null || echo running)"
