@@ -312,6 +312,7 @@ def per_rank(res: dict[str, Any]) -> dict[str, Any]:
             "verify_ms": reports.verify_cost(one).get("verify_ms"),  # LOAD's canary, this rank
             "verify_parts_ms": reports.verify_cost(one).get("parts_ms"),
             "verify_ok": reports.verify_cost(one).get("ok"),
+            "verify_pieces": reports.verify_cost(one).get("pieces"),  # PIECEWISE pieces it compared
             "worker_stages_s": {k.removeprefix("worker."): v.get("seconds") for k, v in st.items()
                                 if k.startswith("worker.")},
         }

@@ -323,7 +323,8 @@ def test_the_bench_reports_the_canarys_cost_per_run_and_per_rank(tmp_path: Path)
     from ember_bench.vllm_parallel import per_rank
     from ember_bench.vllm_report import markdown, summarize
 
-    verify = {"ok": True, "verify_ms": 42.5, "parts_ms": {"piecewise.template": 9.0}, "checked": []}
+    verify = {"ok": True, "verify_ms": 42.5, "parts_ms": {"piecewise.template": 9.0}, "checked": [],
+              "pieces": {"piecewise": 32}}
     one = {"ember": {"stages": {"verify": verify, "capture": {"how": "restored"}}}}
     got = summarize({"native": {}, "load": one}, tmp_path)
     assert got["runs"]["load"]["verify_ms"] == 42.5 and got["runs"]["native"]["verify_ms"] is None
@@ -331,6 +332,7 @@ def test_the_bench_reports_the_canarys_cost_per_run_and_per_rank(tmp_path: Path)
     assert "| verify_ms | — | 42.50 |" in markdown("m", 2, "gpu", got)
     ranks = per_rank({"ember": {"ranks": {"1": {"stages": {"verify": verify}}, "0": {"stages": {}}}}})
     assert ranks["1"]["verify_ms"] == 42.5 and ranks["1"]["verify_ok"] is True
+    assert ranks["1"]["verify_pieces"] == {"piecewise": 32}  # how many pieces it compared
     assert ranks["0"]["verify_ms"] is None  # refused before its canary, or captured natively
 
 
