@@ -47,7 +47,8 @@ in turn; compared with native), Inductor's autotuning choices its cache root hol
 reduction's config decides its summation order, so the same compiled code computes other bits under
 another choice; the summary's `autotune_differs_from_native` counts reductions whose choice differs
 from native's), the code Inductor generated (`compiled_code`, digests of its files' source less the
-paths in comments; `code_not_in_native`: the files a LOAD ran, SAVE's, that native never generated);
+paths in comments and the Triton backend hash; `code_not_in_native`: the files a LOAD ran, SAVE's,
+that native never generated; `triton_backends`: the backend hashes, which name the ptxas);
 per rank (the plugin's report files): how its graphs came (`restored` / `native`), capture or LOAD
 seconds, the splice's part, vLLM's worker stages. Report:
 `benchmarks/results/vllm-<device>-<model>-<shape>.json`.
@@ -193,7 +194,7 @@ def run_engine(mode: str, args: list[str], work: Path, extra: dict[str, str], op
     root = Path(env["VLLM_CACHE_ROOT"])
     res.update(mode=mode, rc=rc, process_wall_s=round(time.perf_counter() - t, 3), ember=reports.read(report),
                autotune=autotune_choices(root), triton_compiled_kernels=triton_compiled_kernels(root, since),
-               compiled_code=compiled_code(root))
+               compiled_code=compiled_code(root), triton_backends=triton_backends(root))
     res["triton_compiled"] = len(res["triton_compiled_kernels"])
     if rc != 0 or not out.exists():
         res["log_tail"] = logf.read_text()[-6000:]
@@ -247,15 +248,27 @@ def autotune_choices(root: Path) -> dict[str, Any]:
 
 def compiled_code(root: Path) -> list[str]:
     """The code Inductor generated under a run's cache root (the graphs' wrappers and their
-    kernels), each by a digest of its source less its `# kernel path:` comments: those name the
-    run's own cache root, so the same wrapper compiled under two roots has two file names
-    (h200x2-20261130g counted 3 such "new" files). Two runs compiled the same code where they hold
-    the same digests (a rank's kernels name its device: rank 1's differ)."""
+    kernels), each by a digest of its source less its `# kernel path:` comments and its kernels'
+    `backend_hash`: the comments name the run's own cache root, so the same wrapper compiled under
+    two roots has two file names (h200x2-20261130g counted 3 such "new" files); the backend hash
+    names the ptxas Triton compiles with, which ember's processes pin (`triton_backends` reports
+    it apart). Two runs compiled the same code where they hold the same digests (a rank's kernels
+    name its device: rank 1's differ)."""
     files = root.rglob("inductor_cache/*/*.py") if root.is_dir() else []
-    return sorted({hashlib.sha256(KERNEL_PATH.sub(b"", p.read_bytes())).hexdigest()[:16] for p in files})
+    sources = (BACKEND_HASH.sub(b"", KERNEL_PATH.sub(b"", p.read_bytes())) for p in files)
+    return sorted({hashlib.sha256(src).hexdigest()[:16] for src in sources})
+
+
+def triton_backends(root: Path) -> list[str]:
+    """The Triton backend hashes (compiler and ptxas) a run's generated kernels name, 12 digits
+    each: ember's SAVE and LOAD name torch's ptxas (`compile_cache.pin_ptxas`), so theirs may
+    differ from a plain vLLM's (h200-20261203: every kernel's source otherwise the same)."""
+    files = root.rglob("inductor_cache/*/*.py") if root.is_dir() else []
+    return sorted({m.group(1).decode()[:12] for p in files for m in BACKEND_HASH.finditer(p.read_bytes())})
 
 
 KERNEL_PATH = re.compile(rb"^# kernel path: .*$", re.MULTILINE)
+BACKEND_HASH = re.compile(rb"'backend_hash': '([0-9A-Fa-f]+)'")
 
 
 def code_not_in(run: dict[str, Any], native: dict[str, Any]) -> int | None:
@@ -541,6 +554,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         # 0: SAVE generated the code native's rank 0 did, so only its choices could differ
         "code_not_in_native": {run: code_not_in(results[run], native) for run in ("load", "native_again")
                                if results.get(run)},
+        "triton_backends": {run: results[run].get("triton_backends")
+                            for run in ("native", "load", "reference") if results.get(run)},
         "autotune_differs_from_native": {
             run: autotune_differs(results[run], native) for run in ("load", "reference", "native_again")
             if results.get(run)},

@@ -477,7 +477,9 @@ def test_the_code_a_run_generated_is_compared_with_natives_whatever_cache_root_i
 
     for root in (native, load):  # the same wrapper; its comments name each run's own root
         code(root, f"ab/wrapper-{root.name}.py", f"# kernel path: {root}/inductor_cache/k0.py\ncall(k0)\n")
-        code(root, "cd/k0.py", "def k0(): ...\n")
+        # the same kernel, compiled with another ptxas (ember pins torch's)
+        backend = "91D1D1166449" if root == native else "B01020984EF4"
+        code(root, "cd/k0.py", f"def k0(): ...\nmeta = {{'backend_hash': '{backend}', 'x': 1}}\n")
     code(native, "cd/k1.py", "def k1(): ...\n")
     code(load, "ef/k9.py", "def k9(): ...\n")  # code native never generated
     (load / "torch_compile_cache" / "other.py").write_text("")  # not Inductor's
@@ -489,6 +491,7 @@ def test_the_code_a_run_generated_is_compared_with_natives_whatever_cache_root_i
     assert vp.code_not_in({"compiled_code": vp.compiled_code(load)}, runs["native"]) == 2
     assert vp.code_not_in(runs["native"], runs["native"]) == 0
     assert vp.code_not_in({"compiled_code": []}, runs["native"]) is None  # nothing to compare
+    assert vp.triton_backends(native) == ["91D1D1166449"] and vp.triton_backends(load) == ["B01020984EF4"]
 
 
 def test_autotune_choices_are_read_from_a_cache_root_and_compared_without_timings(tmp_path: Path) -> None:
