@@ -551,11 +551,9 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "triton_compiled": {  # Triton kernels each run compiled: at a LOAD's start the goal is none
             run: results[run].get("triton_compiled") for run in ("native", "load", "reference", "floor")
             if results.get(run)},
-        # 0: SAVE generated the code native's rank 0 did, so only its choices could differ
         "code_not_in_native": {run: code_not_in(results[run], native) for run in ("load", "native_again")
-                               if results.get(run)},
-        "triton_backends": {run: results[run].get("triton_backends")
-                            for run in ("native", "load", "reference") if results.get(run)},
+                               if results.get(run)},  # 0: SAVE generated native's code, choices aside
+        "triton_backends": {run: results.get(run, {}).get("triton_backends") for run in ("native", "load")},
         "autotune_differs_from_native": {
             run: autotune_differs(results[run], native) for run in ("load", "reference", "native_again")
             if results.get(run)},
