@@ -102,14 +102,14 @@ def test_vllm_pool_keys_names_and_revisions_are_those_of_before_transformers_com
     only where the archive must: a vLLM identity now names Inductor's deterministic mode and
     rank-invariant compiled code and the kind of LOAD's canary (args.IDENTITY_WORKLOAD), so an
     archive compiled otherwise or checked by another canary is SAVEd again, and the claim's engine
-    arguments carry the mode (args.NUMERICS). The canary's kind last changed when it began to
-    fingerprint each PIECEWISE piece (`vllm-steps-per-piece`)."""
+    arguments carry the mode (args.NUMERICS). The canary's kind last changed when its FULL
+    step began to write and read real KV slots (`vllm-steps-kv`)."""
     spec = md_spec(engine={**VLLM, "args": ["--enforce-eager"]})
     t = template_of("default", spec, CTX)
     claim = claim_for("qwen", spec, None, "NoArchive")
     assert t.serve_args == () and t.pool_key == "c80506fb992dc4b4"
-    assert bound_key(t.pool_key, "qwen", claim) == "5652f3a343e342c0"
-    assert revision_of(spec.identity().hash(), t, spec) == "17ab72c961"
+    assert bound_key(t.pool_key, "qwen", claim) == "55d1bf5616909892"
+    assert revision_of(spec.identity().hash(), t, spec) == "61b57a6543"
     assert warm_pod(t, name=naming.warm_pod_names(t.pool_key, set(), 1)[0])["metadata"]["name"] == (
         "ember-warm-c80506fb99-0")
 

@@ -7,6 +7,7 @@ change: every output, except one a graph of the step also reads."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -94,3 +95,100 @@ def test_a_reset_poisons_the_cases_scratch_unless_told_not_to(monkeypatch: pytes
         assert poisoned == [*range(8, 16), *range(32, 36)]
     assert made == [(8, 8), (32, 4)]
     assert steps.scratch(Case("full", 2, True, keys)) == []  # a case without scratch
+
+
+class _V2Runner:
+    """vLLM's V2 runner as the canary's FULL step meets it: a dummy batch of n one-token requests
+    (sequence length 1), dummy attention inputs (PAD slots, a fresh engine's rows), then attention,
+    which records what it was given."""
+
+    def __init__(self, specs: tuple[str, ...] = ("FullAttentionSpec",), query: int = 1) -> None:
+        groups = [SimpleNamespace(kv_cache_spec=type(s, (), {})()) for s in specs]
+        self.kv_cache_config = SimpleNamespace(num_blocks=64, kv_cache_groups=groups)
+        self.decode_query_len = query
+        self.block_tables = SimpleNamespace(cp_size=1, kernel_block_sizes=[16] * len(specs),
+                                            blocks_per_kv_block=[1] * len(specs),
+                                            input_block_tables=[torch.zeros(8, 4, dtype=torch.int32)
+                                                                for _ in specs],
+                                            slot_mappings=torch.zeros(len(specs), 32, dtype=torch.int64))
+        self.seq_lens = torch.zeros(8, dtype=torch.int32)
+        self.seen: list[dict[str, Any]] = []
+
+    def prepare_dummy_attn(self, batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        self.block_tables.slot_mappings.fill_(-1)
+        bts = self.block_tables.input_block_tables
+        return tuple(t[: batch.num_reqs] for t in bts), self.block_tables.slot_mappings[:, : batch.num_tokens]
+
+    def _dummy_run(self, n: int, **_: Any) -> tuple[torch.Tensor, None]:
+        self.seq_lens[:n] = 1
+        batch = SimpleNamespace(num_reqs=n, num_tokens=n, seq_lens=self.seq_lens[:n],
+                                seq_lens_cpu_upper_bound=torch.ones(n, dtype=torch.int32))
+        tables, slots = self.prepare_dummy_attn(batch)
+        self.seen.append({"rows": [t[:n, :1].flatten().tolist() for t in tables], "slots": slots.tolist(),
+                          "seq_lens": batch.seq_lens.tolist(),
+                          "bound": batch.seq_lens_cpu_upper_bound.tolist()})
+        return torch.zeros(n, 4), None
+
+
+def test_the_full_step_writes_and_reads_slots_of_the_last_block_and_the_piecewise_step_none() -> None:
+    """The FULL step's requests each write their token into the cache's last block and all attend
+    over those slots, set before attention's metadata is built (what the backend plans for); after
+    the step the runner's own method is back and the next dummy step is vLLM's again."""
+    runner = _V2Runner(("FullAttentionSpec", "SlidingWindowSpec"))
+    steps = canary_run.Steps(runner, "v2", {})
+    full = Case("full", 2, True, ((2, 2, 1, 2, 1),))
+    assert steps.writes_kv(full)
+    steps.run(full, graphs=True)
+    seen = runner.seen[-1]
+    assert seen["rows"] == [[63, 63], [63, 63]] and seen["slots"] == [[63 * 16, 63 * 16 + 1]] * 2
+    assert seen["seq_lens"] == [2, 2] and seen["bound"] == [2, 2]
+    assert "prepare_dummy_attn" not in vars(runner)
+    runner._dummy_run(2)  # vLLM's own dummy step after the canary: PAD slots, length 1
+    assert runner.seen[-1]["slots"] == [[-1, -1]] * 2 and runner.seen[-1]["seq_lens"] == [1, 1]
+
+
+@pytest.mark.parametrize("specs,query", [(("FullAttentionSpec", "MambaSpec"), 1),
+                                         (("FullAttentionSpec",), 2)])
+def test_an_engine_whose_cache_is_not_plain_attention_keeps_pad_slots(specs: tuple[str, ...],
+                                                                      query: int) -> None:
+    runner = _V2Runner(specs, query)
+    steps = canary_run.Steps(runner, "v2", {})
+    full = Case("full", 2, True, ((2, 2, 1, 2, 1),))
+    assert not steps.writes_kv(full)
+    steps.run(full, graphs=True)
+    assert runner.seen[-1]["slots"][0] == [-1, -1] and runner.seen[-1]["seq_lens"] == [1, 1]
+
+
+def test_v1_writes_the_slots_after_its_dummy_run_padded_them_and_before_the_metadata_is_built() -> None:
+    seen: list[Any] = []
+
+    class V1Runner:
+        def __init__(self) -> None:
+            bt = SimpleNamespace(block_table=SimpleNamespace(gpu=torch.zeros(8, 4, dtype=torch.int32)),
+                                 block_size=16, blocks_per_kv_block=2)  # a kernel block is half a block
+            self.input_batch = SimpleNamespace(block_table=[bt])
+            self.kv_cache_config = SimpleNamespace(num_blocks=10)
+            self.seq_lens = torch.zeros(8, dtype=torch.int32)
+            self.optimistic_seq_lens_cpu = torch.zeros(8, dtype=torch.int32)
+            self.slots = torch.zeros(32, dtype=torch.int64)
+
+        def _build_attention_metadata(self, num_tokens: int, slot_mappings: dict[int, Any]) -> None:
+            bt = self.input_batch.block_table[0].block_table.gpu
+            seen.append((bt[:num_tokens, 0].tolist(), slot_mappings[0][:num_tokens].tolist(),
+                         self.seq_lens[:num_tokens].tolist(),
+                         self.optimistic_seq_lens_cpu[:num_tokens].tolist()))
+
+        def step(self, n: int) -> None:  # V1's `_dummy_run`: PAD slots, length 1, then the metadata
+            self.slots.fill_(-1)
+            self.seq_lens[:n] = 1
+            self.optimistic_seq_lens_cpu[:n] = 1
+            self._build_attention_metadata(num_tokens=n, slot_mappings={0: self.slots[:n]})
+
+    runner = V1Runner()
+    with canary_run.real_kv(runner, "v1", 3, True):
+        runner.step(3)
+    runner.step(3)
+    with canary_run.real_kv(runner, "v1", 3, False):
+        runner.step(3)
+    assert seen[0] == ([19, 19, 19], [19 * 16, 19 * 16 + 1, 19 * 16 + 2], [3, 3, 3], [3, 3, 3])
+    assert seen[1][1:] == seen[2][1:] == ([-1, -1, -1], [1, 1, 1], [1, 1, 1])

@@ -4,10 +4,11 @@ vLLM's graphs are not one graph per step: a PIECEWISE step launches one graph pe
 submodule (attention runs eagerly between them), a FULL step one graph of the whole model. So the
 canary checks whole STEPS (`Case`): a small PIECEWISE size (every piece of it) and a small FULL
 size (a decode step, what the first request's second step needs). Each step runs
-through vLLM's own dummy run (`_dummy_run`): its slot mappings are PAD, so no step writes the KV
-cache (nothing a later request reads is touched), and its block table rows are the ones a fresh
-engine has. The state every run starts from: input ids seeded (V1; V2's dummy batch zeroes them
-itself), positions zero, the step's graph outputs poisoned (`poison_targets`).
+through vLLM's own dummy run (`_dummy_run`). The PIECEWISE step's slot mappings are PAD (it writes
+no KV cache) and its block table rows are the ones a fresh engine has; the FULL step writes and
+reads slots no request holds (below). The state every run starts from: input ids seeded (V1; V2's
+dummy batch zeroes them itself), positions zero (the FULL step's: each token's slot), the step's
+graph outputs poisoned (`poison_targets`).
 
 Why not the smallest step: a stale exec update (the template keeps the graph it held) that the
 canary's round trip makes run a LARGER member's graph computes a superset of the step's rows, and
@@ -40,14 +41,17 @@ identical step computed there before, which is right, and the step's outputs com
 (vLLM's kernel-argument fault on both runners, benchmarks/results/h200-20261202c). SAVE records
 each case's scratch and, on one GPU, fingerprints its steps with the scratch poisoned; a case whose
 step reads its scratch before writing it (poisoned and plain runs differ) records none.
-What it cannot see: a dummy step writes no KV cache (its slot mappings are PAD) and attends over a
-fresh, zeroed cache, so its attention output never depends on the step's q, k and v. In a
-PIECEWISE step the per-piece fingerprints cover them (they are piece outputs), against SAVE's
-fingerprint and against an eager step alike; inside a FULL graph nothing does: a kernel of a FULL
-graph alone that computes q, k or v wrongly, and changes nothing else, passes there. And a wrong
-value that rounds away in bf16 against the residual stream changes no fingerprint (a
-random-weight model's MLP adds ~1e-10 to a residual of ~1e-3); a kernel that leaves its output
-unwritten does, through the poison (`POISON`).
+A FULL step's attention reads real KV (`kv_layout`): a dummy step's slot mappings are PAD, so it
+writes no KV and attends over a fresh, zeroed cache, and its attention output would never depend
+on the step's q, k and v. So the FULL case's one-token requests all write their token into slots of
+the KV cache's last blocks (no request holds them in a fresh engine, and a request writes each
+slot before it reads it) and all attend over those slots: every token's q, k and v reach every
+request's output, inside one step, whatever the cache held before. Engines whose KV cache groups
+are not plain attention (Mamba state, MLA, encoder-only) or whose decode step is more than one
+token a request keep PAD slots (`writes_kv`), and that FULL step stays blind to q, k and v.
+What it cannot see: a wrong value that rounds away in bf16 against the residual stream changes
+no fingerprint (a random-weight model's MLP adds ~1e-10 to a residual of ~1e-3); a kernel that
+leaves its output unwritten does, through the poison (`POISON`).
 Each restored step runs three ways (`ember.runtime.verify.canary`): through the templates (every
 key of the step switched in: exec updates), again after each key's template went to another
 member and back, and on the keys' own execs.
@@ -70,9 +74,11 @@ from ember.engines.vllm.keys import PIECEWISE_ENTRY, GraphKey
 # (benchmarks/results/h100-20261202e).
 POISON = 0x5A
 # what SAVE's canary record fingerprints: whole dummy steps, their end and each PIECEWISE piece's
-# outputs as the piece returned them
+# outputs as the piece returned them, the FULL step over real KV slots (`kv_layout`)
 # (an archive of another kind is checked against eager steps, `plan`)
-KIND = "vllm-steps-per-piece"
+KIND = "vllm-steps-kv"
+# the KV cache groups whose slots a FULL canary step may write: plain paged attention
+KV_SPECS = frozenset({"FullAttentionSpec", "SlidingWindowSpec"})
 SEED = 13  # the canary's input ids (V1)
 SAVED, EAGER, UNCHECKED = "saved", "eager", "unchecked"
 
@@ -130,28 +136,65 @@ def trip_member(key: GraphKey, members: Sequence[GraphKey]) -> int | None:
     return others[0] if others else None
 
 
-def plan(case: Case, world: int, saved: Mapping[str, Any] | None, full_eager: bool) -> str:
-    """The reference of `case`: SAVE's fingerprint (one GPU, recorded for this very step), the
-    step without graphs (PIECEWISE; FULL only with `full_eager`), or unchecked."""
-    if world == 1 and saved_fingerprint(saved, case) is not None:
+@dataclass(frozen=True)
+class KvLayout:
+    """Where a FULL canary step of `n` one-token requests writes and reads the KV cache of one
+    group: every request's block table row is `blocks`, token i writes `slots[i]` at position i,
+    and every request attends over all n slots (`seq_len`)."""
+
+    blocks: tuple[int, ...]
+    slots: tuple[int, ...]
+    seq_len: int
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        return tuple(range(len(self.slots)))
+
+
+def kv_layout(n: int, block_size: int, num_blocks: int) -> KvLayout:
+    """The layout of `n` tokens in the last blocks of a cache of `num_blocks` blocks of
+    `block_size` slots (never block 0: vLLM's null block, which padded rows point at)."""
+    need = -(-n // block_size) if block_size > 0 else 0
+    if n < 1 or block_size < 1 or need >= num_blocks:
+        raise ValueError(f"{n} tokens do not fit the last blocks of {num_blocks} x {block_size}")
+    blocks = tuple(num_blocks - 1 - j for j in range(need))
+    slots = tuple(blocks[i // block_size] * block_size + i % block_size for i in range(n))
+    return KvLayout(blocks, slots, n)
+
+
+def writes_kv(case: Case, specs: Sequence[str], query_len: int) -> bool:
+    """Whether `case`'s step writes real KV (`kv_layout`): a FULL step of one-token requests over
+    KV cache groups that are all plain paged attention (`KV_SPECS`, by their spec class names)."""
+    return case.full and query_len == 1 and bool(specs) and all(s in KV_SPECS for s in specs)
+
+
+def plan(case: Case, world: int, saved: Mapping[str, Any] | None, full_eager: bool,
+         kv: bool = False) -> str:
+    """The reference of `case`: SAVE's fingerprint (one GPU, recorded for this very step, `kv`
+    alike), the step without graphs (PIECEWISE; FULL only with `full_eager`), or unchecked."""
+    if world == 1 and saved_fingerprint(saved, case, kv) is not None:
         return SAVED
     if not case.full or full_eager:
         return EAGER
     return UNCHECKED
 
 
-def record(cases_: Sequence[Case], prints: Mapping[str, list[int] | str]) -> dict[str, Any]:
-    """SAVE's canary record in the engine facts: per case its step and fingerprint (or why none)."""
-    return {"kind": KIND, "cases": {c.name: {**c.to_json(), "fingerprint": prints.get(c.name)}
-                                    for c in cases_}}
+def record(cases_: Sequence[Case], prints: Mapping[str, list[int] | str],
+           kv: Iterable[str] = ()) -> dict[str, Any]:
+    """SAVE's canary record in the engine facts: per case its step, whether it wrote real KV
+    (the cases named in `kv`) and its fingerprint (or why none)."""
+    kv = set(kv)
+    return {"kind": KIND, "cases": {c.name: {**c.to_json(), "kv": c.name in kv,
+                                             "fingerprint": prints.get(c.name)} for c in cases_}}
 
 
-def saved_fingerprint(saved: Mapping[str, Any] | None, case: Case) -> list[int] | None:
-    """SAVE's fingerprint of exactly this step (same kind, descriptor and keys), else None."""
+def saved_fingerprint(saved: Mapping[str, Any] | None, case: Case, kv: bool = False) -> list[int] | None:
+    """SAVE's fingerprint of exactly this step (same kind, descriptor, keys and KV writes: `kv`,
+    what LOAD's step does), else None."""
     if not saved or saved.get("kind") != KIND:
         return None
     one = (saved.get("cases") or {}).get(case.name) or {}
-    if [tuple(k) for k in one.get("keys") or []] != list(case.keys):
+    if [tuple(k) for k in one.get("keys") or []] != list(case.keys) or bool(one.get("kv")) != kv:
         return None
     if int(one.get("num_tokens", -1)) != case.num_tokens or bool(one.get("uniform")) != case.uniform:
         return None

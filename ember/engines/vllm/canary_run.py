@@ -56,7 +56,14 @@ class Steps:
         self._compared: dict[str, list[list[int]]] = {}
         self._scratch: dict[str, list[torch.Tensor]] = {}
         self._ids: dict[int, torch.Tensor] = {}
+        self._kv: tuple[list[str], int] | None = None  # the KV cache groups' specs, decode query length
         self.rebuilt_ms: dict[str, float] = {}  # per case: its outputs rebuilt (in its first reset)
+
+    def writes_kv(self, case: Case) -> bool:
+        """Whether `case`'s step writes and reads real KV slots (`canary.writes_kv`)."""
+        if self._kv is None:
+            self._kv = kv_specs(self.runner, self.kind)
+        return canary.writes_kv(case, *self._kv)
 
     def reset(self, case: Case, scratch: bool = True) -> None:
         """Every run's start: V1's input ids seeded and positions zero (V2's dummy batch zeroes
@@ -126,16 +133,90 @@ class Steps:
             if graphs:
                 mode = CUDAGraphMode.FULL if case.full else CUDAGraphMode.PIECEWISE
             # a FULL step's attention metadata as the capture built it (max_seq_len, splits)
-            hidden, _ = self.runner._dummy_run(
-                n, cudagraph_runtime_mode=mode, force_attention=case.full, uniform_decode=case.uniform,
-                allow_microbatching=False, skip_eplb=True, remove_lora=False, is_graph_capturing=case.full)
+            with real_kv(self.runner, self.kind, n, self.writes_kv(case)):
+                hidden, _ = self.runner._dummy_run(
+                    n, cudagraph_runtime_mode=mode, force_attention=case.full, uniform_decode=case.uniform,
+                    allow_microbatching=False, skip_eplb=True, remove_lora=False,
+                    is_graph_capturing=case.full)
         else:  # V2: the manager dispatches to the graphs; a profile run is eager (NONE)
-            with piecewise_dispatch(self.runner, case if graphs else None):
+            with piecewise_dispatch(self.runner, case if graphs else None), \
+                    real_kv(self.runner, self.kind, n, self.writes_kv(case)):
                 hidden, _ = self.runner._dummy_run(n, uniform_decode=case.uniform, skip_eplb=True,
                                                    is_profile=not graphs)
         if hidden is None:
             raise RuntimeError("the dummy step returned no hidden states (not the last pipeline rank?)")
         return hidden[:n]
+
+
+def kv_specs(runner: Any, kind: str) -> tuple[list[str], int]:
+    """The engine's KV cache groups (their spec class names) and its decode query length, for
+    `canary.writes_kv`; no groups where the cache is split across context-parallel ranks."""
+    try:
+        specs = [type(g.kv_cache_spec).__name__ for g in runner.kv_cache_config.kv_cache_groups]
+        if kind == "v1":
+            query, cp = int(runner.uniform_decode_query_len), int(getattr(runner, "dcp_world_size", 1))
+        else:
+            query, cp = int(runner.decode_query_len), int(runner.block_tables.cp_size)
+    except AttributeError as exc:  # another vLLM: the FULL step keeps PAD slots (blind to q, k, v)
+        log.warning("ember: the canary's FULL step writes no KV here (%s)", exc)
+        return [], 0
+    return (specs if cp == 1 else []), query
+
+
+def write_kv(groups: Sequence[tuple[torch.Tensor, torch.Tensor, int, int]], seq_lens: torch.Tensor,
+             n: int) -> None:
+    """A dummy step of `n` one-token requests made to write and read real KV (`canary.kv_layout`):
+    per KV cache group (its block table, slot mapping, kernel block size and kernel blocks) each
+    request's row and each token's slot, and every request's sequence length n."""
+    if not groups:
+        return
+    for table, slots, block_size, blocks in groups:
+        lay = canary.kv_layout(n, block_size, blocks)
+        row = torch.tensor(lay.blocks, dtype=table.dtype)
+        table[:n, : len(lay.blocks)].copy_(row.expand(n, -1), non_blocking=False)
+        slots[:n].copy_(torch.tensor(lay.slots, dtype=slots.dtype), non_blocking=False)
+    seq_lens[:n] = lay.seq_len
+
+
+@contextlib.contextmanager
+def real_kv(runner: Any, kind: str, n: int, on: bool) -> Iterator[None]:
+    """While a FULL canary step runs (`on`): its slots, block table rows and sequence lengths
+    written (`write_kv`) after vLLM's dummy run set them (PAD slots, a fresh engine's rows, length
+    1) and before its attention metadata is built from them, so the backend plans for them."""
+    if not on:
+        yield
+        return
+    blocks = int(runner.kv_cache_config.num_blocks)
+    if kind == "v1":
+        name, original = "_build_attention_metadata", runner._build_attention_metadata
+
+        def patched(*args: Any, **kwargs: Any) -> Any:
+            groups = []
+            for gid, slots in (kwargs.get("slot_mappings") or {}).items():
+                bt = runner.input_batch.block_table[gid]
+                per = int(getattr(bt, "blocks_per_kv_block", 1))
+                groups.append((bt.block_table.gpu, slots, int(bt.block_size), blocks * per))
+            runner.optimistic_seq_lens_cpu[:n] = n  # what the metadata's CPU side reads
+            write_kv(groups, runner.seq_lens, n)
+            return original(*args, **kwargs)
+    else:
+        name, original = "prepare_dummy_attn", runner.prepare_dummy_attn
+
+        def patched(*args: Any, **kwargs: Any) -> Any:
+            tables, slots = original(*args, **kwargs)
+            batch, bts = (args[0] if args else kwargs["input_batch"]), runner.block_tables
+            write_kv([(t, slots[g], int(bts.kernel_block_sizes[g]), blocks * int(bts.blocks_per_kv_block[g]))
+                      for g, t in enumerate(tables)], batch.seq_lens, n)
+            if getattr(batch, "seq_lens_cpu_upper_bound", None) is not None:
+                batch.seq_lens_cpu_upper_bound[:n] = n
+            return tables, slots
+
+    had = name in vars(runner)
+    setattr(runner, name, patched)
+    try:
+        yield
+    finally:  # the class's method again (or what the runner held itself)
+        setattr(runner, name, original) if had else delattr(runner, name)
 
 
 @contextlib.contextmanager
@@ -356,16 +437,20 @@ def run(runner: Any, kind: str, library: Any, facts: Mapping[str, Any], world: i
     results: dict[str, dict[str, Any]] = {}
     unchecked: list[str] = []
     problems: list[str] = []
+    wrote_kv: list[str] = []
     with torch.inference_mode(), no_capture():
         for case in canary.cases(library.keys, settings.on("EMBER_VLLM_CANARY_EVERY_FULL")):
-            how = canary.plan(case, world, saved, full_eager)
+            kv = steps.writes_kv(case)
+            how = canary.plan(case, world, saved, full_eager, kv)
             if how == canary.UNCHECKED:
                 unchecked.append(case.name)
                 continue
-            fp = canary.saved_fingerprint(saved, case) if how == canary.SAVED else None
+            fp = canary.saved_fingerprint(saved, case, kv) if how == canary.SAVED else None
+            wrote_kv += [case.name] if kv else []
             results[case.name], problem = check_case(steps, case, library, fp, every_path=world > 1)
             problems += [problem] if problem else []
     out = canary.combine(results, unchecked)
+    out["kv"] = wrote_kv  # the cases whose step wrote and read real KV slots
     # what was poisoned beside the outputs, per case (bytes), and what SAVE found and dropped
     out["scratch"] = {"bytes": {name: sum(n for _, n in r) for name, r in scratch.items()},
                       "ranges": {name: [f"{a:#x}+{n}" for a, n in r[:12]] for name, r in scratch.items()},
@@ -434,7 +519,8 @@ def record(runner: Any, kind: str, keys: list[Any],
                 prints[case.name] = f"{type(exc).__name__}: {exc}"
             if isinstance(prints[case.name], str):  # LOAD checks it against an eager step, or not at all
                 log.warning("ember: SAVE's canary step %s: %s", case.name, prints[case.name])
-    return {**canary.record(cases, prints), "scratch_dropped": dropped}, kept
+    kv = [c.name for c in cases if steps.writes_kv(c)]
+    return {**canary.record(cases, prints, kv), "scratch_dropped": dropped}, kept
 
 
 def _stable(steps: Steps, case: Case, scratch: bool) -> list[int] | str:

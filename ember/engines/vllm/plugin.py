@@ -577,7 +577,7 @@ def verify_fields(result: dict[str, Any]) -> dict[str, Any]:
     return {"ok": bool(result.get("ok")), "verify_ms": round(float(result.get("verify_ms") or 0.0), 2),
             "parts_ms": result.get("parts_ms") or {}, "checked": result.get("checked") or [],
             "why": result.get("why") or "", "scratch": result.get("scratch") or {},
-            "pieces": result.get("pieces") or {}}
+            "pieces": result.get("pieces") or {}, "kv": result.get("kv") or []}
 
 
 def _after_install(kind: str) -> None:
