@@ -19,7 +19,10 @@ Nothing sets it outside tests; each name is read where its fault lives.
   the bound, `EMBER_VLLM_CANARY_TIMEOUT_S`, must end both instead of NCCL's timeout);
 - `skip-kernel`: LOAD rebuilds the last kernel node of each graph (one with plain edges only) as
   an empty node: a restored graph that leaves out work, whatever its kernels' arguments are (vLLM's
-  compiled graphs have few float scalars for `kernel-arg` to find: Inductor bakes them in).
+  compiled graphs have few float scalars for `kernel-arg` to find: Inductor bakes them in);
+- `kv-write`: LOAD rebuilds every kernel node that writes tokens' k and v into the paged KV cache
+  (`KV_WRITERS`) as an empty node: a FULL graph whose attention then reads a cache its own step
+  never wrote (a fault only a step over real KV slots shows: a dummy step's slots are PAD).
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ from ember import settings
 
 log = logging.getLogger(__name__)
 NAMES = ("view-offset", "stale-update", "splice-redop", "kernel-arg", "own-exec", "skip-kernel",
-         "canary-raise")
+         "canary-raise", "kv-write")
+# vLLM's kernels that write k and v into the paged KV cache, by name (CUDA: `reshape_and_cache_flash`,
+# Triton: `reshape_and_cache_kernel_flash`, MLA: `concat_and_cache_mla`)
+KV_WRITERS = ("reshape_and_cache", "concat_and_cache")
 
 
 def active(name: str) -> bool:
@@ -141,3 +147,12 @@ def kernel_to_skip(kernel_nodes: np.ndarray, src: np.ndarray, dst: np.ndarray,
         if int(j) not in special:
             return int(j)
     return None
+
+
+def kv_writes_to_skip(kernel_nodes: np.ndarray, names: list[str], src: np.ndarray, dst: np.ndarray,
+                      nondefault: np.ndarray) -> list[int]:
+    """`kv-write`: the kernel nodes (indices into the graph's nodes; `names` are theirs, in the same
+    order) whose kernel writes the KV cache (`KV_WRITERS`) and that no non-default edge touches."""
+    special = set(src[nondefault].tolist()) | set(dst[nondefault].tolist())
+    return [int(j) for j, name in zip(np.asarray(kernel_nodes).tolist(), names, strict=True)
+            if any(w in name for w in KV_WRITERS) and int(j) not in special]

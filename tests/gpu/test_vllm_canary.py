@@ -153,17 +153,23 @@ def test_a_restore_passes_its_canary_against_saves_native_steps(
     # one GPU: both steps against SAVE's fingerprints, each through templates, an update, own execs
     every_path = "template+exec update+own exec"
     assert verify["checked"] == [f"piecewise:{every_path}", f"full:{every_path}"], verify
+    assert verify["kv"] == ["full"], verify  # the FULL step wrote and read real KV slots
     assert got["captured_at_start"] == 0 and got["tokens"] == one_gpu["native"]["tokens"]
 
 
-@pytest.mark.parametrize("fault", ["kernel-arg", "skip-kernel", "stale-update", "own-exec"])
+# what each fault logs where it changed something (a fault that found nothing to change is skipped)
+CHANGED = {"kernel-arg": "kernel argument(s)", "own-exec": "kernel argument(s)",
+           "kv-write": "KV cache write(s)"}
+
+
+@pytest.mark.parametrize("fault", ["kernel-arg", "skip-kernel", "stale-update", "own-exec", "kv-write"])
 def test_a_faulty_restore_is_refused_before_any_request_and_native_serves(
         one_gpu: dict[str, Any], tmp_path: Path, fault: str) -> None:
     from ember.contract import reason_class
 
     got, rep, log = _load(one_gpu, tmp_path, fault)
-    if fault in ("kernel-arg", "own-exec") and "kernel argument(s)" not in log:
-        pytest.skip(f"{fault}: no kernel argument of these graphs qualifies (nothing corrupted)")
+    if fault in CHANGED and CHANGED[fault] not in log:
+        pytest.skip(f"{fault}: nothing of these graphs qualifies (nothing changed)")
     stages = rep["stages"]
     reason = (stages.get("load_refused") or {}).get("reason", "")
     if not reason:  # the canary passed it: only right if the fault changed nothing the engine serves
@@ -175,17 +181,21 @@ def test_a_faulty_restore_is_refused_before_any_request_and_native_serves(
     assert reason.startswith(CANARY) and reason_class(reason) == "canary-differs", (stages, log[-3000:])
     # the path that saw it: an own-exec fault corrupts the own execs alone, not the templates' graphs
     assert fault != "own-exec" or "on its own exec" in reason, reason
+    # a FULL graph without its KV cache writes: only the FULL step over real KV slots shows it
+    assert fault != "kv-write" or "full:" in reason, reason
     assert stages["verify"]["ok"] is False and stages["capture"]["how"] == "native-after-refusal"
     assert got["tokens"] == one_gpu["native"]["tokens"]  # vLLM captured its own graphs and served
 
 
-@pytest.mark.parametrize("fault", ["", "kernel-arg"])
+@pytest.mark.parametrize("fault", ["", "kernel-arg", "kv-write"])
 def test_against_eager_steps_as_n_ranks_check_each_piece_is_compared(
         one_gpu: dict[str, Any], tmp_path: Path, fault: str) -> None:
     """How N ranks check (SAVE saw no data there), on one GPU (`EMBER_VLLM_CANARY_EAGER`): the
     restored steps against the same steps without graphs, each PIECEWISE piece's outputs included
     at the same positions. A clean restore passes it; corrupted kernel arguments are refused (the
-    q, k and v they change reach no step's end: only the pieces show them), and native serves."""
+    q, k and v they change reach no step's end: only the pieces show them), so are a FULL graph's
+    KV cache writes left out (against the eager FULL step over the same real KV slots), and native
+    serves."""
     got, rep, log = _load(one_gpu, tmp_path, fault, {"EMBER_VLLM_CANARY_EAGER": "1"})
     stages = rep["stages"]
     verify = stages["verify"]
@@ -197,8 +207,8 @@ def test_against_eager_steps_as_n_ranks_check_each_piece_is_compared(
         assert verify["pieces"].get("piecewise", 0) > 0, verify
         assert got["captured_at_start"] == 0
     else:
-        if "kernel argument(s)" not in log:
-            pytest.skip("kernel-arg: no kernel argument of these graphs qualifies (nothing corrupted)")
+        if CHANGED[fault] not in log:
+            pytest.skip(f"{fault}: nothing of these graphs qualifies (nothing changed)")
         reason = (stages.get("load_refused") or {}).get("reason", "")
         assert reason.startswith(CANARY) and stages["capture"]["how"] == "native-after-refusal", (
             stages, log[-3000:])

@@ -52,6 +52,7 @@ _KP_DT = np.dtype(
 assert _KP_DT.itemsize == KERNEL_PARAMS.size
 _KERNEL_ARG = faults.active("kernel-arg")  # an injected fault (tests only)
 _SKIP_KERNEL = faults.active("skip-kernel")  # an injected fault (tests only)
+_KV_WRITE = faults.active("kv-write")  # an injected fault (tests only)
 _OP_OF_TYPE = {
     int(NodeType.KERNEL): OP_KERNEL,
     int(NodeType.MEMSET): OP_MEMSET,
@@ -112,6 +113,8 @@ def prepare_from_table(
     edges = table.edges(row, row=True)
     if _SKIP_KERNEL:
         _skip_a_kernel(codes, args, attr_count, kmask, edges)
+    if _KV_WRITE:
+        _skip_kv_writes(table, krows, codes, args, attr_count, kmask, edges, key)
     arrays = NodeArrays(codes, args, attr_start, attr_count, attr_ids, attr_values, objects)
     src, dst, data = _edges_by_destination(edges)
     return PreparedGraph(
@@ -173,6 +176,21 @@ def _skip_a_kernel(codes: np.ndarray, args: np.ndarray, attr_count: np.ndarray, 
     j = faults.kernel_to_skip(np.nonzero(kmask)[0], e["src"], e["dst"], nondefault)
     if j is not None:
         codes[j], args[j], attr_count[j] = OP_EMPTY, 0, 0
+
+
+def _skip_kv_writes(table: Any, krows: np.ndarray, codes: np.ndarray, args: np.ndarray,
+                    attr_count: np.ndarray, kmask: np.ndarray, e: np.ndarray, key: Any) -> None:
+    """The injected `kv-write` fault: the graph's KV cache writes become empty nodes."""
+    kernels = getattr(table, "kernels", None)
+    if kernels is None:
+        return
+    names = [kernels[int(k)].name for k in krows["kernel"]]
+    nondefault = (e["type"] != 0) | (e["from_port"] != 0) | (e["to_port"] != 0)
+    skipped = faults.kv_writes_to_skip(np.nonzero(kmask)[0], names, e["src"], e["dst"], nondefault)
+    for j in skipped:
+        codes[j], args[j], attr_count[j] = OP_EMPTY, 0, 0
+    if skipped:
+        faults.log.warning("fault: graph %s: %d KV cache write(s) left out", key, len(skipped))
 
 
 def _memset_shape(mp: Any) -> tuple[int, int, int, int]:
