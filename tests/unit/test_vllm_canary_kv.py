@@ -32,8 +32,17 @@ def test_every_token_writes_its_own_slot_in_the_last_blocks_and_every_request_re
     assert len(set(lay.slots)) == 40 and lay.slots[-1] == 997 * 16 + 7
 
 
+def test_each_run_takes_blocks_no_earlier_run_wrote_until_they_run_out() -> None:
+    """A graph that leaves out its KV writes must not read what the previous run wrote: each run
+    its own blocks, from the last down, starting over before block 0."""
+    runs = [canary.kv_layout(20, 16, 9, run).blocks for run in range(6)]
+    assert runs[:4] == [(8, 7), (6, 5), (4, 3), (2, 1)] and runs[4:] == runs[:2]
+    assert canary.kv_layout(2, 16, 1000, 3).slots == (996 * 16, 996 * 16 + 1)
+
+
 def test_the_layout_never_reaches_the_null_block_and_refuses_what_does_not_fit() -> None:
     assert 0 not in canary.kv_layout(32, 16, 3).blocks  # blocks 2 and 1
+    assert all(0 not in canary.kv_layout(5, 4, 6, run).blocks for run in range(10))
     for n, size, blocks in ((33, 16, 3), (0, 16, 10), (4, 0, 10), (1, 16, 1)):
         with pytest.raises(ValueError):
             canary.kv_layout(n, size, blocks)

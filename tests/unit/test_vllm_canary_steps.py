@@ -143,6 +143,10 @@ def test_the_full_step_writes_and_reads_slots_of_the_last_block_and_the_piecewis
     assert seen["rows"] == [[63, 63], [63, 63]] and seen["slots"] == [[63 * 16, 63 * 16 + 1]] * 2
     assert seen["seq_lens"] == [2, 2] and seen["bound"] == [2, 2]
     assert "prepare_dummy_attn" not in vars(runner)
+    # the next run takes blocks no earlier run wrote: a step that leaves out its KV writes must
+    # not read what the previous one (the reference) left there
+    steps.run(full, graphs=False)
+    assert runner.seen[-1]["rows"] == [[62, 62], [62, 62]] and steps.kv_runs == 2
     runner._dummy_run(2)  # vLLM's own dummy step after the canary: PAD slots, length 1
     assert runner.seen[-1]["slots"] == [[-1, -1]] * 2 and runner.seen[-1]["seq_lens"] == [1, 1]
 
@@ -185,10 +189,13 @@ def test_v1_writes_the_slots_after_its_dummy_run_padded_them_and_before_the_meta
             self._build_attention_metadata(num_tokens=n, slot_mappings={0: self.slots[:n]})
 
     runner = V1Runner()
-    with canary_run.real_kv(runner, "v1", 3, True):
+    with canary_run.real_kv(runner, "v1", 3, 0):
         runner.step(3)
     runner.step(3)
-    with canary_run.real_kv(runner, "v1", 3, False):
+    with canary_run.real_kv(runner, "v1", 3, None):
+        runner.step(3)
+    with canary_run.real_kv(runner, "v1", 3, 1):  # the next run: the next block down
         runner.step(3)
     assert seen[0] == ([19, 19, 19], [19 * 16, 19 * 16 + 1, 19 * 16 + 2], [3, 3, 3], [3, 3, 3])
     assert seen[1][1:] == seen[2][1:] == ([-1, -1, -1], [1, 1, 1], [1, 1, 1])
+    assert seen[3][:2] == ([18, 18, 18], [18 * 16, 18 * 16 + 1, 18 * 16 + 2])

@@ -46,9 +46,11 @@ writes no KV and attends over a fresh, zeroed cache, and its attention output wo
 on the step's q, k and v. So the FULL case's one-token requests all write their token into slots of
 the KV cache's last blocks (no request holds them in a fresh engine, and a request writes each
 slot before it reads it) and all attend over those slots: every token's q, k and v reach every
-request's output, inside one step, whatever the cache held before. Engines whose KV cache groups
-are not plain attention (Mamba state, MLA, encoder-only) or whose decode step is more than one
-token a request keep PAD slots (`writes_kv`), and that FULL step stays blind to q, k and v.
+request's output, inside one step. Each run takes blocks no earlier run wrote, so a graph that
+leaves out its KV writes reads a cache nobody wrote, not what the reference step left there.
+Engines whose KV cache groups are not plain attention (Mamba state, MLA, encoder-only) or whose
+decode step is more than one token a request keep PAD slots (`writes_kv`), and that FULL step
+stays blind to q, k and v.
 What it cannot see: a wrong value that rounds away in bf16 against the residual stream changes
 no fingerprint (a random-weight model's MLP adds ~1e-10 to a residual of ~1e-3); a kernel that
 leaves its output unwritten does, through the poison (`POISON`).
@@ -139,25 +141,24 @@ def trip_member(key: GraphKey, members: Sequence[GraphKey]) -> int | None:
 @dataclass(frozen=True)
 class KvLayout:
     """Where a FULL canary step of `n` one-token requests writes and reads the KV cache of one
-    group: every request's block table row is `blocks`, token i writes `slots[i]` at position i,
-    and every request attends over all n slots (`seq_len`)."""
+    group: every request's block table row is `blocks`, token i writes `slots[i]`, and every
+    request attends over all n slots (`seq_len`)."""
 
     blocks: tuple[int, ...]
     slots: tuple[int, ...]
     seq_len: int
 
-    @property
-    def positions(self) -> tuple[int, ...]:
-        return tuple(range(len(self.slots)))
 
-
-def kv_layout(n: int, block_size: int, num_blocks: int) -> KvLayout:
-    """The layout of `n` tokens in the last blocks of a cache of `num_blocks` blocks of
-    `block_size` slots (never block 0: vLLM's null block, which padded rows point at)."""
+def kv_layout(n: int, block_size: int, num_blocks: int, run: int = 0) -> KvLayout:
+    """The layout of `n` tokens in a cache of `num_blocks` blocks of `block_size` slots, for the
+    process's `run`-th such step: each run its own blocks, from the last down (never block 0:
+    vLLM's null block, which padded rows point at). Its own, because a step that leaves out its
+    KV writes would otherwise read what the previous run (the reference) wrote there, and pass."""
     need = -(-n // block_size) if block_size > 0 else 0
     if n < 1 or block_size < 1 or need >= num_blocks:
         raise ValueError(f"{n} tokens do not fit the last blocks of {num_blocks} x {block_size}")
-    blocks = tuple(num_blocks - 1 - j for j in range(need))
+    top = num_blocks - 1 - (run % ((num_blocks - 1) // need)) * need
+    blocks = tuple(top - j for j in range(need))
     slots = tuple(blocks[i // block_size] * block_size + i % block_size for i in range(n))
     return KvLayout(blocks, slots, n)
 

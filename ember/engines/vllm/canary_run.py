@@ -57,7 +57,15 @@ class Steps:
         self._scratch: dict[str, list[torch.Tensor]] = {}
         self._ids: dict[int, torch.Tensor] = {}
         self._kv: tuple[list[str], int] | None = None  # the KV cache groups' specs, decode query length
+        self.kv_runs = 0  # FULL steps over real KV so far: each takes its own blocks (`canary.kv_layout`)
         self.rebuilt_ms: dict[str, float] = {}  # per case: its outputs rebuilt (in its first reset)
+
+    def _kv_run(self, case: Case) -> int | None:
+        """This run's number among the steps over real KV, None where `case`'s step writes none."""
+        if not self.writes_kv(case):
+            return None
+        self.kv_runs += 1
+        return self.kv_runs - 1
 
     def writes_kv(self, case: Case) -> bool:
         """Whether `case`'s step writes and reads real KV slots (`canary.writes_kv`)."""
@@ -133,14 +141,14 @@ class Steps:
             if graphs:
                 mode = CUDAGraphMode.FULL if case.full else CUDAGraphMode.PIECEWISE
             # a FULL step's attention metadata as the capture built it (max_seq_len, splits)
-            with real_kv(self.runner, self.kind, n, self.writes_kv(case)):
+            with real_kv(self.runner, self.kind, n, self._kv_run(case)):
                 hidden, _ = self.runner._dummy_run(
                     n, cudagraph_runtime_mode=mode, force_attention=case.full, uniform_decode=case.uniform,
                     allow_microbatching=False, skip_eplb=True, remove_lora=False,
                     is_graph_capturing=case.full)
         else:  # V2: the manager dispatches to the graphs; a profile run is eager (NONE)
             with piecewise_dispatch(self.runner, case if graphs else None), \
-                    real_kv(self.runner, self.kind, n, self.writes_kv(case)):
+                    real_kv(self.runner, self.kind, n, self._kv_run(case)):
                 hidden, _ = self.runner._dummy_run(n, uniform_decode=case.uniform, skip_eplb=True,
                                                    is_profile=not graphs)
         if hidden is None:
@@ -164,14 +172,14 @@ def kv_specs(runner: Any, kind: str) -> tuple[list[str], int]:
 
 
 def write_kv(groups: Sequence[tuple[torch.Tensor, torch.Tensor, int, int]], seq_lens: torch.Tensor,
-             n: int) -> None:
+             n: int, run: int) -> None:
     """A dummy step of `n` one-token requests made to write and read real KV (`canary.kv_layout`):
     per KV cache group (its block table, slot mapping, kernel block size and kernel blocks) each
     request's row and each token's slot, and every request's sequence length n."""
     if not groups:
         return
     for table, slots, block_size, blocks in groups:
-        lay = canary.kv_layout(n, block_size, blocks)
+        lay = canary.kv_layout(n, block_size, blocks, run)
         row = torch.tensor(lay.blocks, dtype=table.dtype)
         table[:n, : len(lay.blocks)].copy_(row.expand(n, -1), non_blocking=False)
         slots[:n].copy_(torch.tensor(lay.slots, dtype=slots.dtype), non_blocking=False)
@@ -179,11 +187,12 @@ def write_kv(groups: Sequence[tuple[torch.Tensor, torch.Tensor, int, int]], seq_
 
 
 @contextlib.contextmanager
-def real_kv(runner: Any, kind: str, n: int, on: bool) -> Iterator[None]:
-    """While a FULL canary step runs (`on`): its slots, block table rows and sequence lengths
-    written (`write_kv`) after vLLM's dummy run set them (PAD slots, a fresh engine's rows, length
-    1) and before its attention metadata is built from them, so the backend plans for them."""
-    if not on:
+def real_kv(runner: Any, kind: str, n: int, run: int | None) -> Iterator[None]:
+    """While a FULL canary step runs (`run`: its number among such steps; None: PAD slots kept):
+    its slots, block table rows and sequence lengths written (`write_kv`) after vLLM's dummy run
+    set them (PAD slots, a fresh engine's rows, length 1) and before its attention metadata is
+    built from them, so the backend plans for them."""
+    if run is None:
         yield
         return
     blocks = int(runner.kv_cache_config.num_blocks)
@@ -197,7 +206,7 @@ def real_kv(runner: Any, kind: str, n: int, on: bool) -> Iterator[None]:
                 per = int(getattr(bt, "blocks_per_kv_block", 1))
                 groups.append((bt.block_table.gpu, slots, int(bt.block_size), blocks * per))
             runner.optimistic_seq_lens_cpu[:n] = n  # what the metadata's CPU side reads
-            write_kv(groups, runner.seq_lens, n)
+            write_kv(groups, runner.seq_lens, n, run)
             return original(*args, **kwargs)
     else:
         name, original = "prepare_dummy_attn", runner.prepare_dummy_attn
@@ -206,7 +215,7 @@ def real_kv(runner: Any, kind: str, n: int, on: bool) -> Iterator[None]:
             tables, slots = original(*args, **kwargs)
             batch, bts = (args[0] if args else kwargs["input_batch"]), runner.block_tables
             write_kv([(t, slots[g], int(bts.kernel_block_sizes[g]), blocks * int(bts.blocks_per_kv_block[g]))
-                      for g, t in enumerate(tables)], batch.seq_lens, n)
+                      for g, t in enumerate(tables)], batch.seq_lens, n, run)
             if getattr(batch, "seq_lens_cpu_upper_bound", None) is not None:
                 batch.seq_lens_cpu_upper_bound[:n] = n
             return tables, slots
