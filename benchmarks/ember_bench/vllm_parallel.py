@@ -326,6 +326,7 @@ def per_rank(res: dict[str, Any]) -> dict[str, Any]:
             "verify_parts_ms": reports.verify_cost(one).get("parts_ms"),
             "verify_ok": reports.verify_cost(one).get("ok"),
             "verify_pieces": reports.verify_cost(one).get("pieces"),  # PIECEWISE pieces it compared
+            "verify_kv": reports.verify_cost(one).get("kv"),  # the steps that wrote and read real KV
             "worker_stages_s": {k.removeprefix("worker."): v.get("seconds") for k, v in st.items()
                                 if k.startswith("worker.")},
         }

@@ -235,6 +235,7 @@ def test_a_clean_tp2_restore_passes_the_canary_on_both_ranks(tp2: dict[str, Any]
         assert verify["checked"] == ["piecewise:template+exec update+own exec",
                                      "full:template+exec update+own exec"], verify
         assert verify["pieces"].get("piecewise", 0) > 0, verify  # its pieces' outputs too, not only its end
+        assert verify["kv"] == ["full"], (r, verify)  # the FULL step over real KV slots, every rank
     assert got["tokens"] == tp2["native"]["tokens"]
 
 

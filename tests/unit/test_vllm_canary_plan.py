@@ -295,12 +295,12 @@ def test_the_canarys_cost_and_verdict_reach_each_ranks_report(tmp_path: Path) ->
     path = tmp_path / "vllm-report.json"
     assert report.verify_cost(report.read(path)) == {}
     verify = {"ok": True, "verify_ms": 31.2, "parts_ms": {"piecewise.template": 9.0},
-              "checked": ["piecewise:template"], "pieces": {"piecewise": 33}}
+              "checked": ["piecewise:template"], "pieces": {"piecewise": 33}, "kv": ["full"]}
     report.write(path, {"stages": {"verify": verify}}, (1, 2))
     one = report.read(path)["ranks"]["1"]
     assert report.verify_cost(one) == {"ok": True, "verify_ms": 31.2, "parts_ms": {"piecewise.template": 9.0},
                                        "checked": ["piecewise:template"], "why": "",
-                                       "pieces": {"piecewise": 33}}
+                                       "pieces": {"piecewise": 33}, "kv": ["full"]}
 
 
 def test_a_canary_refusal_on_n_ranks_keeps_its_reason_class_and_names_the_rank_that_saw_it(
@@ -324,7 +324,7 @@ def test_the_bench_reports_the_canarys_cost_per_run_and_per_rank(tmp_path: Path)
     from ember_bench.vllm_report import markdown, summarize
 
     verify = {"ok": True, "verify_ms": 42.5, "parts_ms": {"piecewise.template": 9.0}, "checked": [],
-              "pieces": {"piecewise": 32}}
+              "pieces": {"piecewise": 32}, "kv": ["full"]}
     one = {"ember": {"stages": {"verify": verify, "capture": {"how": "restored"}}}}
     got = summarize({"native": {}, "load": one}, tmp_path)
     assert got["runs"]["load"]["verify_ms"] == 42.5 and got["runs"]["native"]["verify_ms"] is None
@@ -333,6 +333,7 @@ def test_the_bench_reports_the_canarys_cost_per_run_and_per_rank(tmp_path: Path)
     ranks = per_rank({"ember": {"ranks": {"1": {"stages": {"verify": verify}}, "0": {"stages": {}}}}})
     assert ranks["1"]["verify_ms"] == 42.5 and ranks["1"]["verify_ok"] is True
     assert ranks["1"]["verify_pieces"] == {"piecewise": 32}  # how many pieces it compared
+    assert ranks["1"]["verify_kv"] == ["full"]  # the steps over real KV slots
     assert ranks["0"]["verify_ms"] is None  # refused before its canary, or captured natively
 
 

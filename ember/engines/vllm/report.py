@@ -110,7 +110,8 @@ def verify_cost(one: dict[str, Any]) -> dict[str, Any]:
     if not v:
         return {}
     return {"ok": v.get("ok"), "verify_ms": v.get("verify_ms"), "parts_ms": v.get("parts_ms") or {},
-            "checked": v.get("checked") or [], "why": v.get("why") or "", "pieces": v.get("pieces") or {}}
+            "checked": v.get("checked") or [], "why": v.get("why") or "", "pieces": v.get("pieces") or {},
+            "kv": v.get("kv") or []}
 
 
 def _restored(one: dict[str, Any]) -> bool:
