@@ -143,6 +143,7 @@ def test_the_full_step_writes_and_reads_slots_of_the_last_block_and_the_piecewis
     assert seen["rows"] == [[63, 63], [63, 63]] and seen["slots"] == [[63 * 16, 63 * 16 + 1]] * 2
     assert seen["seq_lens"] == [2, 2] and seen["bound"] == [2, 2]
     assert "prepare_dummy_attn" not in vars(runner)
+    assert not any(t.any() for t in runner.block_tables.input_block_tables)  # a fresh engine's rows again
     # the next run takes blocks no earlier run wrote: a step that leaves out its KV writes must
     # not read what the previous one (the reference) left there
     steps.run(full, graphs=False)

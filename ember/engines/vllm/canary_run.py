@@ -172,18 +172,20 @@ def kv_specs(runner: Any, kind: str) -> tuple[list[str], int]:
 
 
 def write_kv(groups: Sequence[tuple[torch.Tensor, torch.Tensor, int, int]], seq_lens: torch.Tensor,
-             n: int, run: int) -> None:
+             n: int, run: int) -> list[torch.Tensor]:
     """A dummy step of `n` one-token requests made to write and read real KV (`canary.kv_layout`):
     per KV cache group (its block table, slot mapping, kernel block size and kernel blocks) each
-    request's row and each token's slot, and every request's sequence length n."""
-    if not groups:
-        return
+    request's row and each token's slot, and every request's sequence length n. Returns the block
+    table entries it wrote."""
+    rows = []
     for table, slots, block_size, blocks in groups:
         lay = canary.kv_layout(n, block_size, blocks, run)
         row = torch.tensor(lay.blocks, dtype=table.dtype)
-        table[:n, : len(lay.blocks)].copy_(row.expand(n, -1), non_blocking=False)
-        slots[:n].copy_(torch.tensor(lay.slots, dtype=slots.dtype), non_blocking=False)
-    seq_lens[:n] = lay.seq_len
+        rows.append(table[:n, : len(lay.blocks)])
+        rows[-1].copy_(row.expand(n, -1))
+        slots[:n].copy_(torch.tensor(lay.slots, dtype=slots.dtype))
+        seq_lens[:n] = lay.seq_len
+    return rows
 
 
 @contextlib.contextmanager
@@ -191,11 +193,13 @@ def real_kv(runner: Any, kind: str, n: int, run: int | None) -> Iterator[None]:
     """While a FULL canary step runs (`run`: its number among such steps; None: PAD slots kept):
     its slots, block table rows and sequence lengths written (`write_kv`) after vLLM's dummy run
     set them (PAD slots, a fresh engine's rows, length 1) and before its attention metadata is
-    built from them, so the backend plans for them."""
+    built from them, so the backend plans for them. Afterwards the rows are a fresh engine's again
+    (zero): V2's dummy steps reuse the forward's rows as they are."""
     if run is None:
         yield
         return
     blocks = int(runner.kv_cache_config.num_blocks)
+    rows: list[torch.Tensor] = []
     if kind == "v1":
         name, original = "_build_attention_metadata", runner._build_attention_metadata
 
@@ -206,7 +210,7 @@ def real_kv(runner: Any, kind: str, n: int, run: int | None) -> Iterator[None]:
                 per = int(getattr(bt, "blocks_per_kv_block", 1))
                 groups.append((bt.block_table.gpu, slots, int(bt.block_size), blocks * per))
             runner.optimistic_seq_lens_cpu[:n] = n  # what the metadata's CPU side reads
-            write_kv(groups, runner.seq_lens, n, run)
+            rows.extend(write_kv(groups, runner.seq_lens, n, run))
             return original(*args, **kwargs)
     else:
         name, original = "prepare_dummy_attn", runner.prepare_dummy_attn
@@ -214,8 +218,9 @@ def real_kv(runner: Any, kind: str, n: int, run: int | None) -> Iterator[None]:
         def patched(*args: Any, **kwargs: Any) -> Any:
             tables, slots = original(*args, **kwargs)
             batch, bts = (args[0] if args else kwargs["input_batch"]), runner.block_tables
-            write_kv([(t, slots[g], int(bts.kernel_block_sizes[g]), blocks * int(bts.blocks_per_kv_block[g]))
-                      for g, t in enumerate(tables)], batch.seq_lens, n, run)
+            groups = [(t, slots[g], int(bts.kernel_block_sizes[g]), blocks * int(bts.blocks_per_kv_block[g]))
+                      for g, t in enumerate(tables)]
+            rows.extend(write_kv(groups, batch.seq_lens, n, run))
             if getattr(batch, "seq_lens_cpu_upper_bound", None) is not None:
                 batch.seq_lens_cpu_upper_bound[:n] = n
             return tables, slots
@@ -226,6 +231,8 @@ def real_kv(runner: Any, kind: str, n: int, run: int | None) -> Iterator[None]:
         yield
     finally:  # the class's method again (or what the runner held itself)
         setattr(runner, name, original) if had else delattr(runner, name)
+        for r in rows:
+            r.zero_()
 
 
 @contextlib.contextmanager
