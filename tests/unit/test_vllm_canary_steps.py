@@ -200,3 +200,15 @@ def test_v1_writes_the_slots_after_its_dummy_run_padded_them_and_before_the_meta
     assert seen[0] == ([19, 19, 19], [19 * 16, 19 * 16 + 1, 19 * 16 + 2], [3, 3, 3], [3, 3, 3])
     assert seen[1][1:] == seen[2][1:] == ([-1, -1, -1], [1, 1, 1], [1, 1, 1])
     assert seen[3][:2] == ([18, 18, 18], [18 * 16, 18 * 16 + 1, 18 * 16 + 2])
+
+
+def test_a_runner_whose_kv_cache_is_not_where_vllm_026_keeps_it_keeps_pad_slots(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Another vLLM (no `kv_cache_config`, or a context-parallel cache): the FULL step keeps PAD
+    slots, said in the log, instead of failing the canary."""
+    full = Case("full", 2, True, ((2, 2, 1, 2, 1),))
+    assert not canary_run.Steps(SimpleNamespace(), "v1", {}).writes_kv(full)
+    assert "writes no KV here" in caplog.text
+    split = _V2Runner()
+    split.block_tables.cp_size = 2
+    assert not canary_run.Steps(split, "v2", {}).writes_kv(full)
