@@ -7,8 +7,8 @@ size (a decode step, what the first request's second step needs). Each step runs
 through vLLM's own dummy run (`_dummy_run`). The PIECEWISE step's slot mappings are PAD (it writes
 no KV cache) and its block table rows are the ones a fresh engine has; the FULL step writes and
 reads slots no request holds (below). The state every run starts from: input ids seeded (V1; V2's
-dummy batch zeroes them itself), positions zero (the FULL step's: each token's slot), the step's
-graph outputs poisoned (`poison_targets`).
+dummy batch zeroes them itself), positions zero, the step's graph outputs poisoned
+(`poison_targets`).
 
 Why not the smallest step: a stale exec update (the template keeps the graph it held) that the
 canary's round trip makes run a LARGER member's graph computes a superset of the step's rows, and
