@@ -177,14 +177,15 @@ def write_kv(groups: Sequence[tuple[torch.Tensor, torch.Tensor, int, int]], seq_
     per KV cache group (its block table, slot mapping, kernel block size and kernel blocks) each
     request's row and each token's slot, and every request's sequence length n. Returns the block
     table entries it wrote."""
-    rows = []
+    rows: list[torch.Tensor] = []
     for table, slots, block_size, blocks in groups:
         lay = canary.kv_layout(n, block_size, blocks, run)
         row = torch.tensor(lay.blocks, dtype=table.dtype)
         rows.append(table[:n, : len(lay.blocks)])
         rows[-1].copy_(row.expand(n, -1))
         slots[:n].copy_(torch.tensor(lay.slots, dtype=slots.dtype))
-        seq_lens[:n] = lay.seq_len
+    if rows:
+        seq_lens[:n] = n  # every request attends over all n slots
     return rows
 
 
