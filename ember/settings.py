@@ -65,6 +65,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "SAVE's fingerprints (that path's proof on a one-GPU machine)"),
     Setting("EMBER_VLLM_CANARY_EVERY_FULL", "flag", "0",
             "diagnosis: LOAD's canary runs every FULL size, not one (which graph differs)"),
+    Setting("EMBER_VLLM_CANARY_PROFILE", "text", "",
+            "diagnosis: a folder; LOAD's vLLM canary runs under cProfile and each worker writes its top "
+            "functions there (canary-<pid>.txt): where the canary's time goes"),
     Setting("EMBER_VLLM_CAPTURE_NATIVELY", "flag", "0",
             "bench: LOAD sets up as ever (the archive's caches, KV size, one GPU per worker), then "
             "vLLM captures its graphs: what this pod computes natively, a restore's reference"),

@@ -25,6 +25,7 @@ from ember.engines.vllm import graphs as sites
 from ember.engines.vllm.canary import Case
 from ember.runtime import verify
 from ember.runtime.graphs.driver import launch_exec
+from ember.runtime.profiled import profiled
 from ember.runtime.proof.pool_check import DeviceBytes, pointers
 from ember.runtime.proof.replay import fingerprint, fingerprints_on_device
 
@@ -455,7 +456,8 @@ def run(runner: Any, kind: str, library: Any, facts: Mapping[str, Any], world: i
     unchecked: list[str] = []
     problems: list[str] = []
     wrote_kv: list[str] = []
-    with torch.inference_mode(), no_capture():
+    with torch.inference_mode(), no_capture(), \
+            profiled(settings.text("EMBER_VLLM_CANARY_PROFILE"), "canary"):
         for case in canary.cases(library.keys, settings.on("EMBER_VLLM_CANARY_EVERY_FULL")):
             kv = steps.writes_kv(case)
             how = canary.plan(case, world, saved, full_eager, kv)
