@@ -19,13 +19,18 @@ log = logging.getLogger("ember")
 
 @contextmanager
 def profiled(folder: str, name: str, top: int = 60) -> Iterator[None]:
-    """The block profiled where `folder` is set (nothing otherwise). A file that cannot be written
-    is logged; the block's own outcome is never changed."""
+    """The block profiled where `folder` is set (nothing otherwise). A profiler that cannot start,
+    or a file that cannot be written, is logged; the block's own outcome is never changed."""
     if not folder:
         yield
         return
     prof = cProfile.Profile()
-    prof.enable()
+    try:
+        prof.enable()
+    except ValueError as exc:  # another profiler holds the interpreter's hook (3.12+): run as is
+        log.warning("ember: %s not profiled: %s", name, exc)
+        yield
+        return
     try:
         yield
     finally:

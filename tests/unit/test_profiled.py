@@ -3,8 +3,10 @@ the block's outcome."""
 
 from __future__ import annotations
 
+import cProfile
 import logging
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,3 +48,21 @@ def test_a_folder_that_cannot_be_written_is_logged_not_raised(tmp_path: Path,
         got = _first_pass_only_work()
     assert got == sum(i * i for i in range(20000))
     assert "profile not written" in caplog.text
+
+
+def test_a_profiler_already_active_leaves_the_block_unprofiled_not_failed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    outer = cProfile.Profile()
+    try:
+        outer.enable()
+    except ValueError:
+        pytest.skip("a profiler (coverage, a debugger) already holds this interpreter's hook")
+    try:
+        with caplog.at_level(logging.WARNING, logger="ember"), profiled(str(tmp_path), "canary"):
+            got = _first_pass_only_work()
+    finally:
+        outer.disable()
+    assert got == sum(i * i for i in range(20000))
+    if sys.version_info >= (3, 12):  # one profiler at a time since 3.12 (sys.monitoring)
+        assert "not profiled" in caplog.text
+        assert not list(tmp_path.iterdir())
