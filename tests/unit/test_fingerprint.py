@@ -1,6 +1,7 @@
 """CPU (torch): `ember.runtime.proof.replay.fingerprint`, the exact hash the canaries and proofs
 compare: order- and byte-sensitive, the same for a view at any offset as for its copy, and the
-same numbers queued on the device (`fingerprints_on_device`) as read at once."""
+same numbers queued on the device (`fingerprints_on_device`) as read at once; its warm-up goes
+through each of its paths."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from ember.runtime.proof import replay  # noqa: E402
 from ember.runtime.proof.replay import fingerprint, fingerprints_on_device  # noqa: E402
 
 
@@ -34,3 +36,22 @@ def test_queued_numbers_are_the_ones_read_at_once() -> None:
     xs = [torch.randn(3, 5), torch.arange(7, dtype=torch.int32), torch.ones(1, dtype=torch.float16)]
     assert fingerprints_on_device(xs).tolist() == fingerprint(xs)
     assert fingerprint([]) == []
+
+
+def test_the_warm_up_goes_through_every_path_of_the_fingerprint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each path launches kernels of its own (whole words; the clone of a view at an odd offset;
+    the sum of a tail of fewer than 8 bytes): the warm-up must take each, or the canary's first
+    step still loads the one it skipped."""
+    seen: list[torch.Tensor] = []
+    real = replay.fingerprints_on_device
+
+    def spy(tensors: list[torch.Tensor]) -> torch.Tensor:
+        seen.extend(tensors)
+        return real(tensors)
+
+    monkeypatch.setattr(replay, "fingerprints_on_device", spy)
+    assert replay.warm_fingerprints("cpu") >= 0.0
+    nbytes = [t.numel() * t.element_size() for t in seen]
+    assert any(t.data_ptr() % 8 == 0 and n % 8 == 0 for t, n in zip(seen, nbytes, strict=True))
+    assert any(t.data_ptr() % 8 for t in seen)
+    assert any(n % 8 for n in nbytes)

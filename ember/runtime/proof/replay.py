@@ -11,6 +11,7 @@ the proof, because they are what a restored graph is measured with in every proc
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -54,6 +55,19 @@ def fingerprints_on_device(tensors: list[torch.Tensor]) -> torch.Tensor:
         tail = b[n:].to(torch.int64).sum()  # 0 where there is no tail
         out.append((w * weights).sum() ^ w.sum() ^ tail)
     return torch.stack(out)
+
+
+def warm_fingerprints(device: torch.device | int | str) -> float:
+    """Launch each kernel `fingerprints_on_device` uses once, on a few bytes, and wait: a kernel's
+    first launch in a process loads it (CUDA's lazy module loading), tens of milliseconds that would
+    otherwise land in the first step a canary fingerprints. Returns the milliseconds it took."""
+    t0 = time.perf_counter()
+    raw = torch.zeros(4112, dtype=torch.uint8, device=device)
+    # whole words; an odd offset with a tail (the clone and the tail's sum); a long odd view
+    fingerprints_on_device([raw[:4096].view(torch.bfloat16), raw[1:14], raw[3:4099]])
+    if raw.is_cuda:
+        torch.cuda.synchronize(raw.device)
+    return (time.perf_counter() - t0) * 1e3
 
 
 def _all_steps(workload: DecodeReplay) -> int:
